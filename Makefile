@@ -1,0 +1,43 @@
+# sysdra — quick start: `make demo`, `make test`.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PROFILE ?= server-2s-gpu-nic
+
+.PHONY: all venv test test-fast demo bench protos fixtures clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# The whole suite, slow end-to-end tests included (they need root, podman, lspci: see .ci/run).
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+# Unit and integration tests only.
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(VPY) -m agent.demo --profile $(PROFILE)
+
+bench: $(STAMP)
+	$(VPY) -m bench.run
+
+# Regenerate the gRPC stubs from agent/protos/*.proto (a test fails when they are stale).
+protos: $(STAMP)
+	$(VPY) -m agent.protos.generate
+
+# Regenerate fixtures/sysfs/* from fixtures/specs/*.yaml.
+fixtures: $(STAMP)
+	$(VPY) fixtures/generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

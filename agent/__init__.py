@@ -1,0 +1,1 @@
+"""sysdra agent: command line, kubelet plugin, ResourceSlice publishing, service plumbing."""

@@ -1,0 +1,169 @@
+"""Settings of ``sysdra run``: flags > environment (SYSDRA_*) > config file > defaults.
+
+An invalid value stops the agent with a message that names the setting and exit
+code 78 (EX_CONFIG), which the systemd unit excludes from restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+EX_CONFIG = 78
+DEFAULT_CONFIG_FILE = "/etc/sysdra/config.yaml"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class ConfigError(Exception):
+    """A bad setting; ``str()`` names it. The CLI exits with EX_CONFIG."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str = "/"
+    node_name: str = Field(default_factory=lambda: os.environ.get("NODE_NAME") or socket.gethostname())
+    driver_name: str = "sysdra.io"
+    kubelet_dir: str = "/var/lib/kubelet"
+    cdi_dir: str = "/var/run/cdi"
+    cluster: str = "kube"  # "kube" or "dir:PATH"
+    list_attributes: bool = False
+    resync_interval: float = 300.0  # seconds between full rescans
+    debounce: float = 0.5  # seconds to wait for a burst of hardware events to settle
+    rolling_update_uid: str | None = None
+    device_metadata: bool = True
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_address: str = "127.0.0.1:9478"  # "" disables
+    status_socket: str | None = None  # default <plugin dir>/status.sock
+    health_interval: float = 5.0  # seconds between health re-checks / resends (<= 10)
+
+    @field_validator("root", "kubelet_dir", "cdi_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not os.path.isabs(v):
+            raise ValueError("must be an absolute path")
+        return os.path.normpath(v)
+
+    @field_validator("driver_name")
+    @classmethod
+    def _driver(cls, v: str) -> str:
+        if len(v) > 63 or not _DNS_SUBDOMAIN.match(v):
+            raise ValueError("must be a lower-case DNS subdomain of at most 63 characters")
+        return v
+
+    @field_validator("node_name")
+    @classmethod
+    def _node(cls, v: str) -> str:
+        if not v or len(v) > 253 or not _DNS_SUBDOMAIN.match(v):
+            raise ValueError("must be a lower-case DNS subdomain (the Kubernetes node name)")
+        return v
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster(cls, v: str) -> str:
+        if v == "kube":
+            return v
+        if v.startswith("dir:") and len(v) > 4:
+            return "dir:" + os.path.abspath(v[4:])
+        raise ValueError("must be 'kube' or 'dir:PATH'")
+
+    @field_validator("resync_interval", "debounce")
+    @classmethod
+    def _non_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError("must not be negative")
+        return v
+
+    @field_validator("health_interval")
+    @classmethod
+    def _health(cls, v: float) -> float:
+        if not 0 < v <= 10:
+            raise ValueError("must be in (0, 10] seconds: the kubelet marks devices Unknown after 30 s")
+        return v
+
+    @field_validator("rolling_update_uid")
+    @classmethod
+    def _uid(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,127}", v):
+            raise ValueError("must be a pod UID")
+        return v
+
+    # --- derived paths ----------------------------------------------------------
+    @property
+    def cluster_dir(self) -> str | None:
+        return self.cluster[4:] if self.cluster.startswith("dir:") else None
+
+    @property
+    def plugin_dir(self) -> str:
+        return os.path.join(self.kubelet_dir, "plugins", self.driver_name)
+
+    @property
+    def registry_dir(self) -> str:
+        return os.path.join(self.kubelet_dir, "plugins_registry")
+
+
+# Names accepted in the config file and as SYSDRA_<NAME> environment variables.
+FIELDS = tuple(Settings.model_fields)
+
+
+def _env_values(environ: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in FIELDS:
+        key = "SYSDRA_" + name.upper()
+        if key in environ:
+            out[name] = environ[key]
+    return out
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {path}: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    # accept both node_name and node-name / nodeName spellings
+    out = {}
+    for key, value in data.items():
+        norm = re.sub(r"(?<!^)(?=[A-Z])", "_", str(key)).replace("-", "_").lower()
+        out[norm] = value
+    unknown = sorted(set(out) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return out
+
+
+def build_settings(
+    flags: dict[str, Any],
+    config_file: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> Settings:
+    """Merge the sources in precedence order and validate once."""
+    environ = dict(os.environ if environ is None else environ)
+    path = config_file or environ.get("SYSDRA_CONFIG") or DEFAULT_CONFIG_FILE
+    explicit = bool(config_file or environ.get("SYSDRA_CONFIG"))
+    if explicit and not os.path.exists(path):
+        raise ConfigError(f"config file {path}: does not exist")
+    merged: dict[str, Any] = {}
+    merged.update(load_config_file(path))
+    merged.update(_env_values(environ))
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return Settings(**merged)
+    except ValidationError as err:
+        parts = []
+        for e in err.errors():
+            loc = ".".join(str(x) for x in e["loc"]) or "settings"
+            parts.append(f"{loc.replace('_', '-')}: {e['msg']}")
+        raise ConfigError("invalid setting " + "; ".join(parts)) from err

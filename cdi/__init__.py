@@ -1,0 +1,1 @@
+"""CDI spec building (minimum cdiVersion) and crash-safe spec files."""

@@ -1,0 +1,1 @@
+"""Read-only hardware discovery over a host root: sysfs/procfs/dev -> frozen inventory."""

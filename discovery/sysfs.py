@@ -1,0 +1,157 @@
+"""One reading primitive for sysfs/procfs/dev under a configurable host root.
+
+Every reader in ``discovery`` goes through :class:`HostFS`: it joins paths onto the
+root, reads a bounded number of bytes once (broken drivers can return endless or
+huge data), and turns the errors sysfs is known to produce into :class:`AttrError`
+with a short reason, so a caller loses only that one attribute.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+DEFAULT_ROOT = "/"
+MAX_ATTR_BYTES = 4096  # sysfs attributes are one page at most
+
+_REASONS = {
+    errno.ENOENT: "missing",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EIO: "I/O error",
+    errno.EINVAL: "invalid (EINVAL)",
+    errno.ENODEV: "no device (ENODEV)",
+    errno.ENXIO: "no device (ENXIO)",
+    errno.EOPNOTSUPP: "not supported (EOPNOTSUPP)",
+    errno.ENODATA: "no data (ENODATA)",
+    errno.EAGAIN: "busy (EAGAIN)",
+    errno.ELOOP: "symlink loop",
+    errno.ENOTDIR: "not a directory",
+    errno.EISDIR: "is a directory",
+}
+
+
+class AttrError(Exception):
+    """An attribute could not be read or parsed; ``reason`` is short and human."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def os_reason(err: OSError) -> str:
+    return _REASONS.get(err.errno or 0, err.strerror or type(err).__name__)
+
+
+@dataclass(frozen=True)
+class HostFS:
+    """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests)."""
+
+    root: str = DEFAULT_ROOT
+
+    def path(self, *parts: str) -> str:
+        rel = os.path.join(*parts).lstrip("/")
+        return os.path.join(self.root, rel)
+
+    def rel(self, host_path: str) -> str:
+        """Host path under the root -> path as seen on the node (``/sys/...``)."""
+        r = os.path.relpath(host_path, self.root)
+        return "/" + ("" if r == "." else r)
+
+    # --- reading -----------------------------------------------------------------
+    def read_bytes(self, path: str, limit: int = MAX_ATTR_BYTES) -> bytes:
+        """Read at most ``limit`` bytes of a regular file in one go.
+
+        FIFOs, sockets and devices are refused before opening (opening a FIFO blocks).
+        """
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+        if not stat.S_ISREG(st.st_mode):
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise AttrError(path, kind)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+        try:
+            data = os.read(fd, limit + 1)
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise AttrError(path, f"larger than {limit} bytes")
+        return data
+
+    def read_text(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
+        data = self.read_bytes(path, limit)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise AttrError(path, "not UTF-8") from err
+        if "\x00" in text:
+            raise AttrError(path, "contains NUL bytes")
+        return text
+
+    def read_attr(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
+        """A one-value sysfs attribute, stripped; empty counts as an error."""
+        text = self.read_text(path, limit).strip()
+        if not text:
+            raise AttrError(path, "empty")
+        return text
+
+    def read_int(self, path: str, base: int = 10) -> int:
+        text = self.read_attr(path)
+        try:
+            return int(text, base)
+        except ValueError as err:
+            raise AttrError(path, f"not an integer: {text[:40]!r}") from err
+
+    def read_hex(self, path: str) -> int:
+        text = self.read_attr(path)
+        body = text[2:] if text.lower().startswith("0x") else text
+        try:
+            return int(body, 16)
+        except ValueError as err:
+            raise AttrError(path, f"not hex: {text[:40]!r}") from err
+
+    # --- links and listings ------------------------------------------------------
+    def link_name(self, path: str) -> str:
+        """Basename of a symlink's target (``driver``, ``iommu_group``, ``physfn``)."""
+        try:
+            target = os.readlink(path)
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+        name = os.path.basename(target.rstrip("/"))
+        if not name or name in (".", ".."):
+            raise AttrError(path, f"odd link target {target!r}")
+        return name
+
+    def resolve_link(self, path: str) -> str:
+        """Resolve one symlink (relative to its directory), lexically, no recursion."""
+        try:
+            target = os.readlink(path)
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+        return os.path.normpath(os.path.join(os.path.dirname(path), target))
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def is_dir(self, path: str) -> bool:
+        """A real directory (symlinks to directories do not count)."""
+        try:
+            return stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            return False

@@ -1,0 +1,50 @@
+"""Shared test helpers.
+
+``require_tool`` / ``require_root``: under CI=true a missing tool or privilege is a
+failure, never a silent skip; on a developer machine the test is skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "fixtures", "sysfs")
+EXPECTED = os.path.join(REPO, "fixtures", "expected")
+SHARED = os.path.normpath(os.path.join(REPO, "..", "shared"))
+IN_CI = os.environ.get("CI") == "true"
+
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def _missing(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"required in CI: {reason}")
+    pytest.skip(reason)
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        _missing(f"{name} is not installed")
+    return path
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        _missing("needs root")
+
+
+def profiles() -> list[str]:
+    if not os.path.isdir(FIXTURES):
+        return []
+    return sorted(p for p in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, p, "sys")))
+
+
+def profile_root(name: str) -> str:
+    return os.path.join(FIXTURES, name)
