@@ -146,6 +146,12 @@ class HostFS:
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
 
+    def contains(self, host_path: str) -> bool:
+        """True if a (normalised) host path lies under the root."""
+        root = os.path.normpath(self.root)
+        p = os.path.normpath(host_path)
+        return root == "/" or p == root or p.startswith(root + os.sep)
+
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 

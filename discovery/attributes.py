@@ -1,0 +1,122 @@
+"""Attributes and capacity published for each device (ResourceSlice encoding).
+
+Standard attributes follow upstream's ``deviceattribute`` package exactly: pciBusID
+only for a valid 4-digit-domain BDF; pcieRoot only when the bus link resolves below
+/sys/devices/pci* and ends in the BDF; numaNode omitted when unknown (-1 would match
+every NUMA-less device). Driver-local names need no domain (the driver's is implied).
+Limits are respected here: <= 32 attributes+capacities, strings <= 64 bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from discovery.models import AttributeValue, Device, NumaNode, PciFunction, Problem
+from discovery.numa import close_nodes
+
+STD = "resource.kubernetes.io/"
+PCI_BUS_ID = STD + "pciBusID"
+PCIE_ROOT = STD + "pcieRoot"
+NUMA_NODE = STD + "numaNode"
+UPSTREAM_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
+MAX_STRING = 64
+MAX_ENTRIES = 32
+
+
+def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attributes: bool) -> dict[str, AttributeValue]:
+    out: dict[str, AttributeValue] = {}
+    if UPSTREAM_BDF.match(fn.bdf):
+        out[PCI_BUS_ID] = AttributeValue(string=fn.bdf)
+        # upstream: link target below /sys/devices/pci*, basename == BDF
+        if fn.pcie_root is not None and fn.sysfs_path.rsplit("/", 1)[-1] == fn.bdf:
+            out[PCIE_ROOT] = AttributeValue(string=fn.pcie_root)
+    if fn.numa_node is not None:
+        if list_attributes:
+            out[NUMA_NODE] = AttributeValue(ints=tuple(close_nodes(fn.numa_node, numa)))
+        else:
+            out[NUMA_NODE] = AttributeValue(int=fn.numa_node)
+    return out
+
+
+def _put(out: dict, problems: list[Problem], name: str, value) -> None:
+    """Add a driver-local attribute; skip None and over-long strings (with a reason)."""
+    if value is None:
+        return
+    if isinstance(value, bool):
+        out[name] = AttributeValue(bool=value)
+    elif isinstance(value, int):
+        out[name] = AttributeValue(int=value)
+    elif isinstance(value, (list, tuple)):
+        vals = [v for v in value if len(v.encode()) <= MAX_STRING]
+        if vals:
+            out[name] = AttributeValue(strings=tuple(vals))
+    else:
+        if len(value.encode()) > MAX_STRING or not value:
+            problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
+            return
+        out[name] = AttributeValue(string=value)
+
+
+def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
+    """All attributes of a device; documented one by one in docs/attributes.md."""
+    fn = dev.pci
+    problems: list[Problem] = []
+    out = standard_attributes(fn, numa, list_attributes)
+    put = lambda name, value: _put(out, problems, name, value)  # noqa: E731
+    put("type", dev.kind)
+    put("vendorID", fn.vendor_id)
+    put("deviceID", fn.device_id)
+    put("subsystemVendorID", fn.subsystem_vendor_id)
+    put("subsystemDeviceID", fn.subsystem_device_id)
+    put("pciClass", f"{fn.class_code:06x}")
+    put("pciAddress", fn.bdf)  # also for 5-digit domains, where pciBusID is not published
+    put("driver", fn.driver)
+    put("iommuGroup", fn.iommu_group)
+    put("pcieLinkSpeed", fn.link.max_speed)
+    put("pcieLinkWidth", fn.link.max_width)
+    if fn.physfn is not None:
+        put("sriovRole", "vf")
+        put("pfPciAddress", fn.physfn)
+    elif fn.sriov is not None:
+        put("sriovRole", "pf")
+        put("sriovTotalVFs", fn.sriov.total_vfs)
+        put("sriovNumVFs", fn.sriov.num_vfs)
+    if dev.gpu is not None:
+        put("gpuVendor", dev.gpu.vendor)
+        put("model", dev.gpu.model)
+        put("uuid", dev.gpu.nvidia_uuid)
+    if dev.nic is not None:
+        ifaces = dev.nic.interfaces
+        if ifaces:
+            put("interfaceName", ifaces[0].name)
+            put("macAddress", ifaces[0].mac)
+            put("mtu", ifaces[0].mtu)
+            put("switchdevPortName", ifaces[0].phys_port_name)
+            if list_attributes and len(ifaces) > 1:
+                put("interfaceNames", [i.name for i in ifaces])
+        if dev.nic.rdma:
+            put("rdma", True)
+            put("rdmaDevice", dev.nic.rdma[0].name)
+        else:
+            put("rdma", False)
+    if dev.fpga is not None:
+        put("fpgaFamily", dev.fpga.family)
+        put("afuID", dev.fpga.afu_id)
+        put("interfaceID", dev.fpga.interface_id)
+        put("userPciAddress", dev.fpga.user_bdf if dev.fpga.user_bdf != fn.bdf else None)
+    if dev.accel is not None:
+        put("moduleID", dev.accel.module_id)
+    if len(out) + len(dev.capacity) > MAX_ENTRIES:
+        # keep the standard ones and the first driver-local ones, in insertion order
+        keep = list(out)[: MAX_ENTRIES - len(dev.capacity)]
+        problems.append(Problem(what="attributes", reason=f"more than {MAX_ENTRIES} entries, dropped {len(out) - len(keep)}"))
+        out = {k: out[k] for k in keep}
+    return out, problems
+
+
+def quantity(n_bytes: int) -> str:
+    """Bytes as a Kubernetes quantity, in the largest exact binary unit."""
+    for suffix, factor in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n_bytes % factor == 0:
+            return f"{n_bytes // factor}{suffix}"
+    return str(n_bytes)

@@ -1,0 +1,139 @@
+"""FPGAs: Intel DFL (FME and port platform devices below ``fpga_region/regionN``) and
+Xilinx Alveo (management PF + user PF of one card, offered as one device)."""
+
+from __future__ import annotations
+
+import re
+
+from discovery.devnodes import NodeResolver
+from discovery.drm import drm_minors, drm_nodes
+from discovery.models import DeviceNode, FpgaInfo, PciFunction, Problem
+from discovery.sysfs import AttrError, HostFS
+
+_REGION = re.compile(r"^region(\d+)$")
+_FME = re.compile(r"^dfl-fme\.(\d+)$")
+_PORT = re.compile(r"^dfl-port\.(\d+)$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_XCLMGMT = re.compile(r"^xclmgmt(\d+)$")
+
+
+def _first(names: list[str], pattern: re.Pattern) -> str | None:
+    found = sorted((int(m.group(1)), n) for n in names if (m := pattern.match(n)))
+    return found[0][1] if found else None
+
+
+def _hex_id(fs: HostFS, path: str) -> str | None:
+    try:
+        v = fs.read_attr(path).lower().removeprefix("0x")
+    except AttrError:
+        return None
+    return v if _HEX32.match(v) else None
+
+
+def read_dfl(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]):
+    """-> (FpgaInfo, nodes): the port node (what a workload opens), then the FME (PF only)."""
+    try:
+        regions = [n for n in fs.listdir(f"{pci_dir}/fpga_region") if _REGION.match(n)]
+    except AttrError:
+        regions = []
+    region = fme = port = None
+    for r in sorted(regions, key=lambda n: int(n[6:])):
+        try:
+            names = fs.listdir(f"{pci_dir}/fpga_region/{r}")
+        except AttrError:
+            continue
+        fme, port = _first(names, _FME), _first(names, _PORT)
+        region = r
+        if fme or port:
+            break
+    base = f"{pci_dir}/fpga_region/{region}" if region else None
+    nodes: list[DeviceNode] = []
+    afu_id = interface_id = bitstream_id = None
+    if port:
+        node = resolver.resolve(f"/dev/{port}", problems, sysfs_dev=f"{base}/{port}/dev")
+        if node is not None:
+            nodes.append(node)
+        afu_id = _hex_id(fs, f"{base}/{port}/afu_id")
+    if fme:
+        node = resolver.resolve(f"/dev/{fme}", problems, sysfs_dev=f"{base}/{fme}/dev")
+        if node is not None:
+            nodes.append(node)
+        try:
+            bitstream_id = fs.read_attr(f"{base}/{fme}/bitstream_id").lower()
+        except AttrError:
+            pass
+        try:
+            sub = [n for n in fs.listdir(f"{base}/{fme}") if n.startswith("dfl-fme-region.")]
+        except AttrError:
+            sub = []
+        for s in sorted(sub):
+            try:
+                inner = [n for n in fs.listdir(f"{base}/{fme}/{s}/fpga_region") if _REGION.match(n)]
+            except AttrError:
+                continue
+            for r in sorted(inner):
+                interface_id = interface_id or _hex_id(fs, f"{base}/{fme}/{s}/fpga_region/{r}/compat_id")
+    if bitstream_id is not None and not re.fullmatch(r"0x[0-9a-f]{1,16}", bitstream_id):
+        bitstream_id = None
+    if not port and not fme and fn.driver == "dfl-pci":
+        problems.append(Problem(what="fpga_region", reason="no FME or port below the function"))
+    info = FpgaInfo(
+        family="dfl", region=region, fme=fme, port=port,
+        afu_id=afu_id, interface_id=interface_id, bitstream_id=bitstream_id,
+    )  # fmt: skip
+    return info, nodes
+
+
+def _ready(fs: HostFS, pci_dir: str) -> bool | None:
+    try:
+        return fs.read_int(f"{pci_dir}/ready") == 1
+    except AttrError:
+        return None
+
+
+def read_alveo(
+    fs: HostFS,
+    resolver: NodeResolver,
+    mgmt: tuple[PciFunction, str] | None,
+    user: tuple[PciFunction, str] | None,
+    problems: list[Problem],
+):
+    """One Alveo card: ``/dev/xclmgmt<instance>`` of the mgmt PF, then the user PF's DRM nodes."""
+    nodes: list[DeviceNode] = []
+    instance = None
+    ready = None
+    if mgmt is not None:
+        fn, d = mgmt
+        try:
+            mgmt_names = fs.listdir(f"{d}/xrt_mgmt")
+        except AttrError:
+            mgmt_names = []
+        name = _first(mgmt_names, _XCLMGMT)
+        try:
+            instance = fs.read_int(f"{d}/instance")
+        except AttrError:
+            instance = int(name[7:]) if name else None
+        if name is None and instance is not None:
+            name = f"xclmgmt{instance}"
+        if name is not None:
+            node = resolver.resolve(
+                f"/dev/{name}", problems, sysfs_dev=f"{d}/xrt_mgmt/{name}/dev" if name in mgmt_names else None,
+                proc_name="xclmgmt", minor=instance,
+            )  # fmt: skip
+            if node is not None:
+                nodes.append(node)
+        ready = _ready(fs, d)
+    if user is not None:
+        fn, d = user
+        card, render = drm_minors(fs, d)
+        nodes += drm_nodes(fs, resolver, d, card, render, problems)
+        user_ready = _ready(fs, d)
+        ready = user_ready if ready is None else (ready and user_ready is not False)
+    info = FpgaInfo(
+        family="alveo",
+        mgmt_bdf=mgmt[0].bdf if mgmt else None,
+        user_bdf=user[0].bdf if user else None,
+        mgmt_instance=instance,
+        ready=ready,
+    )
+    return info, nodes

@@ -1,0 +1,86 @@
+"""GPUs: DRM nodes, NVIDIA's /dev/nvidiaN from procfs, AMD's /dev/kfd and VRAM size."""
+
+from __future__ import annotations
+
+import re
+
+from discovery.devnodes import NodeResolver
+from discovery.drm import drm_minors, drm_nodes
+from discovery.models import DeviceNode, GpuInfo, PciFunction, Problem
+from discovery.sysfs import AttrError, HostFS
+
+NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
+NVIDIACTL_MINOR = 255
+_VENDORS = {"10de": "nvidia", "1002": "amd", "8086": "intel"}
+
+
+def parse_nvidia_information(text: str) -> dict[str, str]:
+    """``/proc/driver/nvidia/gpus/<bdf>/information``: ``Key: \\t value`` lines."""
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _nvidia(fs: HostFS, resolver: NodeResolver, fn: PciFunction, problems: list[Problem]):
+    info_path = fs.path("proc/driver/nvidia/gpus", fn.bdf, "information")
+    try:
+        info = parse_nvidia_information(fs.read_text(info_path, limit=16384))
+    except AttrError as err:
+        problems.append(Problem(what="/dev/nvidiaN", reason=f"{fs.rel(info_path)}: {err.reason}"))
+        return None, None, None, []
+    minor_text = info.get("Device Minor", "")
+    minor = int(minor_text) if minor_text.isdigit() and int(minor_text) < NVIDIACTL_MINOR else None
+    nodes: list[DeviceNode] = []
+    if minor is None:
+        problems.append(Problem(what="/dev/nvidiaN", reason=f"bad or missing Device Minor {minor_text[:20]!r}"))
+    else:
+        major = resolver.char_majors.get("nvidia-frontend") or resolver.char_majors.get("nvidia") or NVIDIA_MAJOR
+        for path, mi in ((f"/dev/nvidia{minor}", minor), ("/dev/nvidiactl", NVIDIACTL_MINOR)):
+            node = resolver.resolve(path, problems, major=major, minor=mi)
+            if node is not None:
+                nodes.append(node)
+        for path, mi in (("/dev/nvidia-uvm", 0), ("/dev/nvidia-uvm-tools", 1)):
+            node = resolver.resolve(path, problems, proc_name="nvidia-uvm", minor=mi)
+            if node is not None:
+                nodes.append(node)
+    uuid = info.get("GPU UUID") or None
+    model = info.get("Model") or None
+    return minor, uuid, model, nodes
+
+
+def _vram_bytes(fs: HostFS, pci_dir: str, problems: list[Problem]) -> int | None:
+    try:
+        n = fs.read_int(f"{pci_dir}/mem_info_vram_total")
+    except AttrError as err:
+        if err.reason != "missing":
+            problems.append(Problem(what="memory", reason=f"mem_info_vram_total: {err.reason}"))
+        return None
+    return n if n > 0 else None
+
+
+def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]):
+    """-> (GpuInfo, device nodes, capacity)."""
+    vendor = _VENDORS.get(fn.vendor_id, "other")
+    card, render = drm_minors(fs, pci_dir)
+    nodes: list[DeviceNode] = []
+    capacity: dict[str, int] = {}
+    minor = uuid = model = None
+    if vendor == "nvidia" and fn.driver == "nvidia":
+        minor, uuid, model, nodes = _nvidia(fs, resolver, fn, problems)
+    nodes += drm_nodes(fs, resolver, pci_dir, card, render, problems)
+    if fn.driver == "amdgpu":
+        kfd = resolver.resolve("/dev/kfd", problems, sysfs_dev=fs.path("sys/class/kfd/kfd/dev"))
+        if kfd is not None:
+            nodes.append(kfd)
+        vram = _vram_bytes(fs, pci_dir, problems)
+        if vram:
+            capacity["memory"] = vram
+    if fn.driver not in ("nvidia", "vfio-pci") and card is None and render is None:
+        problems.append(Problem(what="drm", reason=f"driver {fn.driver} exposes no DRM card or render node"))
+    if model is not None and not re.fullmatch(r"[\x20-\x7e]{1,64}", model):
+        model = None
+    info = GpuInfo(vendor=vendor, drm_card=card, drm_render=render, nvidia_minor=minor, nvidia_uuid=uuid, model=model)
+    return info, nodes, capacity

@@ -1,0 +1,181 @@
+"""PCI functions from ``/sys/bus/pci/devices`` (one record per function).
+
+Required files: ``vendor``, ``device``, ``class`` — without them a function cannot be
+identified and goes to ``skipped``. Everything else is optional and costs only itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+from discovery.models import PciFunction, PciLink, Problem, Sriov
+from discovery.sysfs import AttrError, HostFS
+
+PCI_DEVICES = "sys/bus/pci/devices"
+# Domain may be 5+ hex digits (Intel VMD 10000:, Hyper-V); never fixed width.
+BDF_RE = re.compile(r"^([0-9a-f]{4,}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
+ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
+_ID_RE = re.compile(r"^0x([0-9a-f]{4})$")
+_VIRTFN_RE = re.compile(r"^virtfn(\d+)$")
+
+
+class PciError(Exception):
+    """The function cannot be identified (reason is shown under ``skipped``)."""
+
+
+def parse_bdf(text: str) -> tuple[str, int, int, int]:
+    """``"0000:1b:00.0"`` -> (domain hex string, bus, device, function)."""
+    m = BDF_RE.match(text)
+    if not m:
+        raise ValueError(f"not a PCI address: {text!r}")
+    return m.group(1), int(m.group(2), 16), int(m.group(3), 16), int(m.group(4))
+
+
+def parse_id(text: str) -> str:
+    """``"0x10DE"`` -> ``"10de"`` (4 lower-case hex digits)."""
+    t = text.strip().lower()
+    m = _ID_RE.match(t)
+    if not m:
+        raise ValueError(f"not a 16-bit PCI id: {text[:20]!r}")
+    return m.group(1)
+
+
+def split_sysfs_path(real: str) -> tuple[str | None, tuple[str, ...]]:
+    """``/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0`` -> ("pci0000:00", bridges...).
+
+    Returns the root complex and the BDF components above the function. Non-BDF
+    components (``virtio1``, VMD's ``pci10000:00``) are not bridges; a nested
+    ``pciDDDD:BB`` (VMD) is not a new root complex for ``pcieRoot`` either.
+    """
+    parts = real.split("/")
+    if len(parts) < 4 or parts[1] != "sys" or parts[2] != "devices" or not ROOT_BUS_RE.match(parts[3]):
+        return None, ()
+    chain = [p for p in parts[4:] if BDF_RE.match(p)]
+    return parts[3], tuple(chain[:-1])
+
+
+def _opt(fs: HostFS, problems: list[Problem], what: str, fn, *args):
+    """Read one optional attribute; a missing file is silent, other failures recorded."""
+    try:
+        return fn(*args)
+    except AttrError as err:
+        if err.reason != "missing":
+            problems.append(Problem(what=what, reason=err.reason))
+        return None
+    except ValueError as err:
+        problems.append(Problem(what=what, reason=str(err)))
+        return None
+
+
+def _read_id(fs: HostFS, path: str) -> str:
+    try:
+        return parse_id(fs.read_attr(path))
+    except ValueError as err:
+        raise AttrError(path, str(err)) from err
+
+
+def _numa(fs: HostFS, path: str) -> int | None:
+    n = fs.read_int(path)
+    if n < 0:
+        return None  # NUMA_NO_NODE: unknown, never publish it
+    if n >= 1024:
+        raise ValueError(f"numa_node {n} out of range")
+    return n
+
+
+def _vfs(fs: HostFS, d: str, names: list[str]) -> tuple[str, ...]:
+    indexed = []
+    for name in names:
+        m = _VIRTFN_RE.match(name)
+        if m:
+            try:
+                target = fs.link_name(f"{d}/{name}")
+            except AttrError:
+                continue
+            if BDF_RE.match(target):
+                indexed.append((int(m.group(1)), target))
+    return tuple(t for _, t in sorted(indexed))
+
+
+def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem]]:
+    """Read one function. Raises :class:`PciError` when it cannot be identified."""
+    link = fs.path(PCI_DEVICES, bdf)
+    try:
+        real_host = fs.resolve_link(link) if fs.exists(link) and not fs.is_dir(link) else link
+    except AttrError as err:
+        raise PciError(f"cannot resolve {link}: {err.reason}") from err
+    if not fs.contains(real_host):
+        raise PciError(f"link escapes the root: {link}")
+    if not fs.is_dir(real_host):
+        raise PciError("device directory missing or not a directory")
+    real = fs.rel(real_host)
+    d = real_host
+    try:
+        vendor = _read_id(fs, f"{d}/vendor")
+        device = _read_id(fs, f"{d}/device")
+        class_code = fs.read_hex(f"{d}/class")
+    except AttrError as err:
+        raise PciError(f"{err.path.rsplit('/', 1)[-1]}: {err.reason}") from err
+    if not 0 <= class_code <= 0xFFFFFF:
+        raise PciError(f"class: out of range {class_code:#x}")
+
+    problems: list[Problem] = []
+    pcie_root, bridges = split_sysfs_path(real)
+    try:
+        names = fs.listdir(d)
+    except AttrError:
+        names = []
+
+    rev = _opt(fs, problems, "revision", fs.read_hex, f"{d}/revision")
+    sriov = None
+    if "sriov_totalvfs" in names:
+        sriov = Sriov(
+            total_vfs=_opt(fs, problems, "sriov_totalvfs", fs.read_int, f"{d}/sriov_totalvfs"),
+            num_vfs=_opt(fs, problems, "sriov_numvfs", fs.read_int, f"{d}/sriov_numvfs"),
+            vfs=_vfs(fs, d, names),
+        )
+    physfn = None
+    if "physfn" in names:
+        physfn = _opt(fs, problems, "physfn", fs.link_name, f"{d}/physfn")
+        if physfn is not None and not BDF_RE.match(physfn):
+            problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
+            physfn = None
+
+    iommu = _opt(fs, problems, "iommu_group", fs.link_name, f"{d}/iommu_group")
+    boot_vga = _opt(fs, [], "boot_vga", fs.read_attr, f"{d}/boot_vga") == "1"
+    fn = PciFunction(
+        bdf=bdf,
+        sysfs_path=real,
+        pcie_root=pcie_root,
+        bridges=bridges,
+        vendor_id=vendor,
+        device_id=device,
+        subsystem_vendor_id=_opt(fs, problems, "subsystem_vendor", _read_id, fs, f"{d}/subsystem_vendor"),
+        subsystem_device_id=_opt(fs, problems, "subsystem_device", _read_id, fs, f"{d}/subsystem_device"),
+        class_code=class_code,
+        revision=None if rev is None else f"{rev & 0xFF:02x}",
+        driver=_opt(fs, problems, "driver", fs.link_name, f"{d}/driver"),
+        numa_node=_opt(fs, problems, "numa_node", _numa, fs, f"{d}/numa_node"),
+        local_cpulist=_opt(fs, problems, "local_cpulist", fs.read_attr, f"{d}/local_cpulist"),
+        iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
+        link=PciLink(
+            current_speed=_opt(fs, problems, "current_link_speed", fs.read_attr, f"{d}/current_link_speed"),
+            current_width=_opt(fs, problems, "current_link_width", fs.read_int, f"{d}/current_link_width"),
+            max_speed=_opt(fs, problems, "max_link_speed", fs.read_attr, f"{d}/max_link_speed"),
+            max_width=_opt(fs, problems, "max_link_width", fs.read_int, f"{d}/max_link_width"),
+        ),
+        sriov=sriov,
+        physfn=physfn,
+        boot_vga=boot_vga,
+    )
+    return fn, problems
+
+
+def list_bdfs(fs: HostFS) -> list[str]:
+    """Entries of /sys/bus/pci/devices that look like PCI addresses (sorted)."""
+    return [n for n in fs.listdir(fs.path(PCI_DEVICES)) if BDF_RE.match(n)]
+
+
+def host_dir(fs: HostFS, fn: PciFunction) -> str:
+    """The function's real directory under the scan root."""
+    return fs.path(fn.sysfs_path)

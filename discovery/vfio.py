@@ -1,0 +1,43 @@
+"""Functions bound to vfio-pci: the IOMMU group node and the container node."""
+
+from __future__ import annotations
+
+import re
+
+from discovery.devnodes import NodeResolver
+from discovery.models import DeviceNode, PciFunction, Problem
+from discovery.sysfs import AttrError, HostFS
+
+VFIO_CONTAINER = ("/dev/vfio/vfio", 10, 196)  # misc device
+_CDEV = re.compile(r"^vfio(\d+)$")
+
+
+def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]) -> list[DeviceNode]:
+    nodes: list[DeviceNode] = []
+    if fn.iommu_group is None:
+        problems.append(Problem(what="/dev/vfio", reason="bound to vfio-pci but no iommu_group"))
+    else:
+        g = fn.iommu_group
+        node = resolver.resolve(f"/dev/vfio/{g}", problems, sysfs_dev=fs.path(f"sys/class/vfio/{g}/dev"))
+        if node is None and fs.exists(fs.path(f"sys/class/vfio/noiommu-{g}")):
+            node = resolver.resolve(
+                f"/dev/vfio/noiommu-{g}", problems, sysfs_dev=fs.path(f"sys/class/vfio/noiommu-{g}/dev")
+            )
+        if node is not None:
+            nodes.append(node)
+    path, major, minor = VFIO_CONTAINER
+    misc_dev = fs.path("sys/class/misc/vfio/dev")
+    node = resolver.resolve(path, [], sysfs_dev=misc_dev) if fs.exists(misc_dev) else None
+    node = node or resolver.resolve(path, problems, major=major, minor=minor)
+    if node is not None:
+        nodes.append(node)
+    # iommufd character device (kernel 6.2+), when present
+    try:
+        cdevs = sorted(n for n in fs.listdir(f"{pci_dir}/vfio-dev") if _CDEV.match(n))
+    except AttrError:
+        cdevs = []
+    for name in cdevs:
+        node = resolver.resolve(f"/dev/vfio/devices/{name}", problems, sysfs_dev=f"{pci_dir}/vfio-dev/{name}/dev")
+        if node is not None:
+            nodes.append(node)
+    return nodes
