@@ -75,8 +75,6 @@ def read_dfl(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, 
                 interface_id = interface_id or _hex_id(fs, f"{base}/{fme}/{s}/fpga_region/{r}/compat_id")
     if bitstream_id is not None and not re.fullmatch(r"0x[0-9a-f]{1,16}", bitstream_id):
         bitstream_id = None
-    if not port and not fme and fn.driver == "dfl-pci":
-        problems.append(Problem(what="fpga_region", reason="no FME or port below the function"))
     info = FpgaInfo(
         family="dfl", region=region, fme=fme, port=port,
         afu_id=afu_id, interface_id=interface_id, bitstream_id=bitstream_id,

@@ -87,7 +87,13 @@ class _Scanner:
 
         devices = []
         for fn, d, kind, problems in offered:
-            devices.append(self._device(fn, d, kind, problems))
+            dev = self._device(fn, d, kind, problems)
+            if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
+                # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
+                skipped.append(Skipped(bdf=fn.bdf, reason="DFL function without FME or port: nothing a container can open",
+                                       class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id))
+                continue
+            devices.append(dev)
         for card in alveo.values():
             devices.append(self._alveo_device(card))
         devices.sort(key=lambda dev: dev.name)

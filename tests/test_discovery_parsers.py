@@ -1,0 +1,110 @@
+"""Pure parsers and the reading primitive, on strings and small temp files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from discovery.devnodes import parse_dev, parse_proc_devices
+from discovery.gpu import parse_nvidia_information
+from discovery.models import NumaNode
+from discovery.numa import close_nodes, parse_cpulist
+from discovery.pci import parse_bdf, parse_id, split_sysfs_path
+from discovery.sysfs import AttrError, HostFS
+
+
+def test_parse_bdf_accepts_wide_domains():
+    assert parse_bdf("0000:1b:00.0") == ("0000", 0x1B, 0, 0)
+    assert parse_bdf("10000:02:00.7") == ("10000", 2, 0, 7)
+    for bad in ("0000:1b:00.8", "000:1b:00.0", "0000:1B:00.0", "0000:00:01.0:pcie001", ""):
+        with pytest.raises(ValueError):
+            parse_bdf(bad)
+
+
+def test_parse_id():
+    assert parse_id("0x10DE\n") == "10de"
+    for bad in ("10de", "0x10de0", "0xzzzz", ""):
+        with pytest.raises(ValueError):
+            parse_id(bad)
+
+
+def test_split_sysfs_path_chain_and_vmd():
+    assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0") == (
+        "pci0000:00",
+        ("0000:00:01.0", "0000:01:00.0"),
+    )
+    # VMD: the nested pci10000:00 host bridge is not a new root complex
+    root, bridges = split_sysfs_path("/sys/devices/pci0000:17/0000:17:05.5/pci10000:00/10000:00:02.0/10000:01:00.0")
+    assert root == "pci0000:17" and bridges == ("0000:17:05.5", "10000:00:02.0")
+    # virtio-net is one level deeper but the PCI chain is unchanged
+    assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:04.0") == ("pci0000:00", ())
+    assert split_sysfs_path("/sys/bus/pci/devices/0000:00:04.0") == (None, ())
+
+
+def test_parse_dev_and_proc_devices():
+    assert parse_dev("226:128\n") == (226, 128)
+    with pytest.raises(ValueError):
+        parse_dev("226")
+    text = "Character devices:\n  1 mem\n195 nvidia-frontend\n510 nvidia-uvm\n\nBlock devices:\n  8 sd\n510 blk\n"
+    assert parse_proc_devices(text) == {"mem": 1, "nvidia-frontend": 195, "nvidia-uvm": 510}
+
+
+def test_parse_nvidia_information():
+    text = (
+        "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 45\nGPU UUID: \t GPU-1b2c\n"
+        "Bus Location: \t 0000:1b:00.0\nDevice Minor: \t 3\nGPU Excluded:\t No\n"
+    )
+    info = parse_nvidia_information(text)
+    assert info["Device Minor"] == "3" and info["Model"] == "NVIDIA H100 80GB HBM3" and info["GPU UUID"] == "GPU-1b2c"
+
+
+def test_cpulist_and_numa_list_form():
+    assert parse_cpulist("0-2,5,8-9\n") == [0, 1, 2, 5, 8, 9]
+    with pytest.raises(ValueError):
+        parse_cpulist("3-1")
+    # 4 nodes, 2 per socket (SNC-like): node 0 is closest to node 1 on its own socket
+    nodes = (
+        NumaNode(id=0, distances=(10, 12, 21, 21), socket=0),
+        NumaNode(id=1, distances=(12, 10, 21, 21), socket=0),
+        NumaNode(id=2, distances=(21, 21, 10, 12), socket=1),
+        NumaNode(id=3, distances=(21, 21, 12, 10), socket=1),
+    )
+    assert close_nodes(0, nodes) == [0, 1]
+    assert close_nodes(3, nodes) == [3, 2]
+    # two sockets, one node each: the other node is at min distance but on another socket
+    two = (NumaNode(id=0, distances=(10, 21), socket=0), NumaNode(id=1, distances=(21, 10), socket=1))
+    assert close_nodes(0, two) == [0]
+    assert close_nodes(5, two) == [5]
+
+
+def test_read_primitive_errors(tmp_path):
+    fs = HostFS(str(tmp_path))
+    (tmp_path / "ok").write_text("0x10de\n")
+    (tmp_path / "huge").write_bytes(b"1" * 100_000)
+    (tmp_path / "latin1").write_bytes(b"\xff\xfe")
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "nul").write_bytes(b"\0" * 1024)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink("loop", tmp_path / "loop")
+    assert fs.read_attr(str(tmp_path / "ok")) == "0x10de"
+    reasons = {}
+    for name in ("huge", "latin1", "empty", "nul", "fifo", "loop", "missing"):
+        with pytest.raises(AttrError) as exc:
+            fs.read_attr(str(tmp_path / name))
+        reasons[name] = exc.value.reason
+    assert reasons == {
+        "huge": "larger than 4096 bytes",
+        "latin1": "not UTF-8",
+        "empty": "empty",
+        "nul": "contains NUL bytes",
+        "fifo": "not a regular file",
+        "loop": "symlink loop",
+        "missing": "missing",
+    }
+
+
+def test_contains_rejects_escapes(tmp_path):
+    fs = HostFS(str(tmp_path))
+    assert fs.contains(str(tmp_path / "sys/devices"))
+    assert not fs.contains(os.path.normpath(str(tmp_path / "../etc")))

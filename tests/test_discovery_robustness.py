@@ -1,0 +1,160 @@
+"""Bad sysfs content costs one attribute, never the scan; discovery never writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from discovery.inventory import scan
+from tests.conftest import REPO, profile_root, profiles
+
+PROFILE = "server-2s-gpu-nic" if "server-2s-gpu-nic" in profiles() else (profiles() or [None])[0]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    if PROFILE is None:
+        pytest.fail("no fixture profiles")
+    dest = tmp_path_factory.mktemp("pristine") / "root"
+    shutil.copytree(profile_root(PROFILE), dest, symlinks=True)
+    return str(dest)
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "sys", "devices")):
+        for f in filenames:
+            out.append(os.path.join(dirpath, f))
+    return sorted(out)
+
+
+MUTATIONS = ("garbage", "empty", "huge", "binary", "delete", "fifo", "dir", "loop", "escape")
+
+
+def _mutate(path: str, how: str, data: bytes) -> None:
+    if os.path.lexists(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    if how == "garbage":
+        open(path, "wb").write(data or b"zz")
+    elif how == "empty":
+        open(path, "wb").close()
+    elif how == "huge":
+        with open(path, "wb") as f:
+            f.truncate(64 * 1024 * 1024)  # sparse: a "1 GB file" without the disk
+    elif how == "binary":
+        open(path, "wb").write(b"\xff\x00" * 600)
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "dir":
+        os.mkdir(path)
+    elif how == "loop":
+        os.symlink(os.path.basename(path), path)
+    elif how == "escape":
+        os.symlink("../../../../../../../../../../../etc/passwd", path)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupted_trees_never_raise(pristine, tmp_path_factory, data):
+    root = str(tmp_path_factory.mktemp("mut") / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    files = _files(root)
+    links = [os.path.join(root, "sys/bus/pci/devices", n) for n in os.listdir(os.path.join(root, "sys/bus/pci/devices"))]
+    candidates = files + links + [os.path.join(root, "proc/devices")]
+    picks = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=12, unique=True))
+    for p in picks:
+        _mutate(p, data.draw(st.sampled_from(MUTATIONS)), data.draw(st.binary(max_size=64)))
+    inv = scan(root)
+    json.dumps(inv.to_json())  # and everything it reports serialises
+    for d in inv.devices:
+        for n in d.device_nodes:
+            assert 0 <= n.major and 0 <= n.minor
+
+
+def test_broken_function_goes_to_skipped(pristine, tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    inv0 = scan(root)
+    victim = inv0.devices[0]
+    d = os.path.join(root, victim.pci.sysfs_path.lstrip("/"))
+    open(os.path.join(d, "vendor"), "w").write("garbage\n")
+    inv = scan(root)
+    assert victim.name not in inv.by_name()
+    reasons = {s.bdf: s.reason for s in inv.skipped}
+    assert "vendor" in reasons[victim.pci.bdf]
+    assert len(inv.devices) == len(inv0.devices) - 1
+
+
+def test_bad_attribute_costs_only_that_attribute(pristine, tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    victim = scan(root).devices[0]
+    d = os.path.join(root, victim.pci.sysfs_path.lstrip("/"))
+    os.unlink(os.path.join(d, "numa_node"))
+    os.mkfifo(os.path.join(d, "numa_node"))
+    dev = scan(root).by_name()[victim.name]
+    assert "resource.kubernetes.io/numaNode" not in dev.attributes
+    assert "resource.kubernetes.io/pciBusID" in dev.attributes
+    assert any(p.what == "numa_node" and p.reason == "not a regular file" for p in dev.problems)
+
+
+def test_link_escaping_root_is_refused(pristine, tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    victim = scan(root).devices[0]
+    link = os.path.join(root, "sys/bus/pci/devices", victim.pci.bdf)
+    os.unlink(link)
+    os.symlink("../../../../../../../../../../sys/devices", link)
+    inv = scan(root)
+    assert victim.name not in inv.by_name()
+    assert "escapes the root" in {s.bdf: s.reason for s in inv.skipped}[victim.pci.bdf]
+
+
+def test_scan_never_writes(pristine, monkeypatch):
+    real_open = os.open
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def guarded(path, flags, *a, **kw):
+        assert not flags & write_flags, f"discovery opened {path} for writing"
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", guarded)
+    for forbidden in ("mkdir", "makedirs", "unlink", "remove", "rename", "replace", "symlink", "chmod", "mknod"):
+        monkeypatch.setattr(os, forbidden, lambda *a, _n=forbidden, **k: pytest.fail(f"discovery called os.{_n}"))
+    assert scan(pristine).devices
+
+
+def test_never_reads_forbidden_files(pristine, monkeypatch):
+    seen = []
+    real_open = os.open
+
+    def spy(path, flags, *a, **kw):
+        seen.append(os.path.basename(str(path)))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    scan(pristine)
+    forbidden = {n for n in seen if n in ("config", "rom", "vpd") or n.startswith("resource")}
+    assert not forbidden
+
+
+def test_real_sys_scan_works():
+    """This machine's real /sys: no crash, and the CLI prints all three formats."""
+    inv = scan("/")
+    if os.path.isdir("/sys/bus/pci/devices"):
+        assert len(inv.devices) + len(inv.skipped) == len(os.listdir("/sys/bus/pci/devices"))
+    for fmt in ("table", "tree", "json"):
+        out = subprocess.run([sys.executable, "-m", "agent", "scan", "-o", fmt], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data) >= {"devices", "skipped"}
