@@ -1,0 +1,130 @@
+"""Full scan of a generated large node vs (a) a minimal reader of exactly the same files
+and (b) ``lspci -vmm`` on the same tree; peak RSS of a scan in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.report import Figure, progress
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_large_node(dest: str) -> int:
+    sys.path.insert(0, os.path.join(REPO, "fixtures"))
+    from generate import build_tree, large_node_spec  # noqa: E402
+
+    build_tree(large_node_spec(), dest)
+    return len(os.listdir(os.path.join(dest, "sys/bus/pci/devices")))
+
+
+def record_operations(root: str) -> list[tuple[str, str]]:
+    """Run one scan with the syscalls it makes recorded: (op, path)."""
+    from discovery.inventory import scan
+
+    ops: list[tuple[str, str]] = []
+    real = {name: getattr(os, name) for name in ("open", "listdir", "readlink", "stat", "lstat")}
+
+    def wrap(name):
+        def f(path, *a, **kw):
+            ops.append((name, path))
+            return real[name](path, *a, **kw)
+
+        return f
+
+    for name in real:
+        setattr(os, name, wrap(name))
+    try:
+        scan(root)
+    finally:
+        for name, fn in real.items():
+            setattr(os, name, fn)
+    return ops
+
+
+def minimal_reader(ops: list[tuple[str, str]]) -> None:
+    """The floor: the same syscalls in a tight loop, no parsing, no models."""
+    for op, path in ops:
+        try:
+            if op == "open":
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                os.read(fd, 4097)
+                os.close(fd)
+            elif op == "listdir":
+                os.listdir(path)
+            elif op == "readlink":
+                os.readlink(path)
+            elif op == "stat":
+                os.stat(path)
+            else:
+                os.lstat(path)
+        except OSError:
+            pass
+
+
+def _best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+_HWM = (
+    "import sys\n"
+    "def hwm():\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        if line.startswith('VmHWM:'):\n"
+    "            return int(line.split()[1]) / 1024\n"
+)
+
+
+def _child_hwm_mb(body: str, *args: str) -> float:
+    """Peak RSS of a fresh interpreter running ``body`` (VmHWM resets at exec; ru_maxrss does not)."""
+    code = _HWM + body + "\nprint(hwm())"
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def peak_rss_mb(root: str) -> float:
+    return _child_hwm_mb("from discovery.inventory import scan\nscan(sys.argv[1])", root)
+
+
+def floor_rss_mb() -> float:
+    """An interpreter that imports discovery but scans nothing."""
+    return _child_hwm_mb("import discovery.inventory")
+
+
+def run(repeat: int = 5) -> list[Figure]:
+    from discovery.inventory import scan
+
+    tmp = tempfile.mkdtemp(prefix="sysdra-bench-")
+    try:
+        progress("generating the large node")
+        n = build_large_node(tmp)
+        progress(f"{n} PCI functions; recording the scan's file operations")
+        ops = record_operations(tmp)
+        progress(f"{len(ops)} operations; timing scan, minimal reader, lspci ({repeat} runs each)")
+        scan(tmp)  # warm the dentry cache for everybody
+        t_scan = _best_of(lambda: scan(tmp), repeat)
+        t_min = _best_of(lambda: minimal_reader(ops), repeat)
+        figures = [Figure("scan", t_scan * 1000, "ms", t_min * 1000, "ratio <= 2", t_scan <= 2 * t_min)]
+        lspci = shutil.which("lspci")
+        if lspci:
+            cmd = [lspci, "-vmm", "-D", "-nn", "-A", "linux-sysfs", "-O", f"sysfs.path={tmp}/sys/bus/pci"]
+            t_lspci = _best_of(lambda: subprocess.run(cmd, capture_output=True, check=True), repeat)
+            figures.append(Figure("scan_vs_lspci", t_scan * 1000, "ms", t_lspci * 1000, "informative", True))
+        progress("peak RSS of a scan in a fresh process")
+        rss = peak_rss_mb(tmp)
+        figures.append(Figure("scan_rss", rss, "MB", floor_rss_mb(), "value <= 100 MB", rss <= 100))
+        figures.append(Figure("scan_functions", n, "count", None, ">= 2000", n >= 2000))
+        return figures
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

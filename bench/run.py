@@ -1,0 +1,31 @@
+"""``make bench``: run every benchmark, print one table, write bench/results/latest.json."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from bench.report import print_table, progress, write_results
+
+# module -> what it measures; each has run() -> list[Figure]
+BENCHMARKS = ("bench.bench_scan",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench")
+    parser.add_argument("--only", action="append", help="run only these modules (e.g. bench_scan)")
+    args = parser.parse_args(argv)
+    figures = []
+    for module in BENCHMARKS:
+        if args.only and module.split(".")[-1] not in args.only:
+            continue
+        progress(f"running {module}")
+        figures += importlib.import_module(module).run()
+    print_table(figures)
+    write_results(figures)
+    return 0 if all(f.met for f in figures) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
