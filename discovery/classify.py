@@ -60,6 +60,8 @@ RULES: tuple[Rule, ...] = (
     Rule("Xilinx Alveo FPGA", "fpga", vendor="10ee", device_in=ALVEO_IDS),
     Rule("FPGA with a region", "fpga", view="fpga_region"),
     Rule("Xilinx management PF", "fpga", view="xrt_mgmt"),
+    # the virtio device type is in the id, whatever class the function claims (N6001 .3)
+    Rule("virtio-net", "nic", ids=frozenset({("1af4", "1000"), ("1af4", "1041")})),
     Rule("host bridge", None, cls=(0x060000, _SUB)),
     Rule("PCI bridge", None, cls=(0x060400, _SUB)),
     Rule("other bridge (ISA, NVSwitch, ...)", None, cls=(0x060000, _CLASS)),

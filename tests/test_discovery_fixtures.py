@@ -54,6 +54,10 @@ def test_golden(profile):
     for name, w in want_by_name.items():
         assert got_by_name[name] == w, name
     assert got["skipped"] == sorted(want["skipped"])
+    # Alveo user PFs are part of their card's device, named after the management PF
+    inv = scan(profile_root(profile))
+    merged = {d.fpga.user_bdf: d.name for d in inv.devices if d.fpga and d.fpga.user_bdf and d.fpga.user_bdf != d.pci.bdf}
+    assert merged == want.get("merged", {})
 
 
 @pytest.mark.parametrize("profile", PROFILES)
