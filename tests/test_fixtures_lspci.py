@@ -161,9 +161,10 @@ def test_committed_tree_matches_generator(profile: str, tmp_path) -> None:
 
 
 def test_large_node_spec_builds(tmp_path) -> None:
-    spec = generate.large_node_spec()
+    # a scaled-down node: the full 2,000+ function build is exercised by `make bench`
+    spec = generate.large_node_spec(n_pfs=4, vfs_per_pf=16, numa_nodes=4)
     generate.build_tree(spec, str(tmp_path / "large"))
     n = len(os.listdir(tmp_path / "large" / "sys" / "bus" / "pci" / "devices"))
-    assert n >= 2000
+    assert n >= 4 * 17
     nodes = [x for x in os.listdir(tmp_path / "large" / "sys" / "devices" / "system" / "node") if x.startswith("node")]
     assert len(nodes) == 4
