@@ -26,15 +26,15 @@ MAX_ENTRIES = 32
 def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attributes: bool) -> dict[str, AttributeValue]:
     out: dict[str, AttributeValue] = {}
     if UPSTREAM_BDF.match(fn.bdf):
-        out[PCI_BUS_ID] = AttributeValue(string=fn.bdf)
+        out[PCI_BUS_ID] = AttributeValue.trusted("string", fn.bdf)
         # upstream: link target below /sys/devices/pci*, basename == BDF
         if fn.pcie_root is not None and fn.sysfs_path.rsplit("/", 1)[-1] == fn.bdf:
-            out[PCIE_ROOT] = AttributeValue(string=fn.pcie_root)
+            out[PCIE_ROOT] = AttributeValue.trusted("string", fn.pcie_root)
     if fn.numa_node is not None:
         if list_attributes:
-            out[NUMA_NODE] = AttributeValue(ints=tuple(close_nodes(fn.numa_node, numa)))
+            out[NUMA_NODE] = AttributeValue.trusted("ints", tuple(close_nodes(fn.numa_node, numa)))
         else:
-            out[NUMA_NODE] = AttributeValue(int=fn.numa_node)
+            out[NUMA_NODE] = AttributeValue.trusted("int_", fn.numa_node)
     return out
 
 
@@ -43,18 +43,18 @@ def _put(out: dict, problems: list[Problem], name: str, value) -> None:
     if value is None:
         return
     if isinstance(value, bool):
-        out[name] = AttributeValue(bool=value)
+        out[name] = AttributeValue.trusted("bool_", value)
     elif isinstance(value, int):
-        out[name] = AttributeValue(int=value)
+        out[name] = AttributeValue.trusted("int_", value)
     elif isinstance(value, (list, tuple)):
-        vals = [v for v in value if len(v.encode()) <= MAX_STRING]
+        vals = tuple(v for v in value if 0 < len(v.encode()) <= MAX_STRING)
         if vals:
-            out[name] = AttributeValue(strings=tuple(vals))
+            out[name] = AttributeValue.trusted("strings", vals)
     else:
         if len(value.encode()) > MAX_STRING or not value:
             problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
             return
-        out[name] = AttributeValue(string=value)
+        out[name] = AttributeValue.trusted("string", value)
 
 
 def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:

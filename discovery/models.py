@@ -57,6 +57,11 @@ class AttributeValue(Frozen):
     def from_api(cls, data: dict) -> "AttributeValue":
         return cls.model_validate(data)
 
+    @classmethod
+    def trusted(cls, field: str, value) -> "AttributeValue":
+        """Fast path for values discovery built itself (type already right, one field)."""
+        return cls.model_construct(**{field: value})
+
     @property
     def value_count(self) -> int:
         """How many values this attribute counts for against the 48-value limit."""
