@@ -1,0 +1,114 @@
+"""Crash-safe record of prepared claims: ``<kubelet-dir>/plugins/<driver>/checkpoint.json``.
+
+The kubelet keeps claims prepared across its and our restarts and only ever asks us
+to unprepare them by UID, so this file is the truth about what we created.
+
+Format (version 1)::
+
+    {"version": 1, "checksum": "sha256:<hex of the canonical claims JSON>",
+     "claims": {"<uid>": {"state": "PrepareStarted" | "PrepareCompleted",
+                          "namespace": ..., "name": ..., "bootID": ...,
+                          "allocation": "<fingerprint of our allocation results>",
+                          "devices": [{"requests": [...], "pool": ..., "device": ...,
+                                       "cdiDeviceIDs": [...], "shareID": ...}],
+                          "cdiSpec": {"path": ..., "spec": {...}} | null}}}
+
+A file that does not parse, fails its checksum or has a bad shape is moved aside to
+``checkpoint.json.corrupt-<unix time>`` and reported (``Checkpoint.corrupt_path``);
+it is never silently replaced. A newer version is refused (downgrade needs care).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+from agent.fsutil import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+STARTED = "PrepareStarted"
+COMPLETED = "PrepareCompleted"
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
+
+
+def checksum(claims: dict) -> str:
+    canonical = json.dumps(claims, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def read_boot_id(root: str = "/") -> str:
+    """The kernel boot ID of the host (under ``root`` first, then this system's /proc)."""
+    for base in (root, "/"):
+        try:
+            with open(os.path.join(base, "proc/sys/kernel/random/boot_id"), encoding="ascii") as f:
+                return f.read().strip()
+        except OSError:
+            continue
+    return ""
+
+
+def _check_shape(data: object) -> dict:
+    if not isinstance(data, dict):
+        raise ValueError("top level is not an object")
+    if data.get("version") != VERSION:
+        raise ValueError(f"unknown version {data.get('version')!r}")
+    claims = data.get("claims")
+    if not isinstance(claims, dict):
+        raise ValueError("claims is not an object")
+    if data.get("checksum") != checksum(claims):
+        raise ValueError("checksum mismatch")
+    for uid, entry in claims.items():
+        if not isinstance(entry, dict) or entry.get("state") not in (STARTED, COMPLETED):
+            raise ValueError(f"claim {uid}: bad entry")
+        if not isinstance(entry.get("devices"), list):
+            raise ValueError(f"claim {uid}: devices is not a list")
+    return claims
+
+
+class Checkpoint:
+    """In-memory claims plus ``save()``; single writer (callers hold the serialize lock)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.claims: dict[str, dict] = {}
+        self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
+
+    @classmethod
+    def load(cls, path: str) -> "Checkpoint":
+        cp = cls(path)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return cp
+        try:
+            data = json.loads(raw)
+            if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] > VERSION:
+                raise CheckpointError(
+                    f"{path} has version {data['version']}, written by a newer sysdra; "
+                    f"this one understands version {VERSION}. Upgrade, or move the file away knowingly."
+                )
+            cp.claims = _check_shape(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            aside = f"{path}.corrupt-{int(time.time())}"
+            os.rename(path, aside)
+            cp.corrupt_path = aside
+            log.error(
+                "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. Prepared claims are recovered "
+                "from the CDI spec files; inspect the saved file.", path, err, aside,
+            )
+        return cp
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
+        atomic_write_json(
+            self.path, {"version": VERSION, "checksum": checksum(self.claims), "claims": self.claims}, mode=0o600
+        )

@@ -1,0 +1,92 @@
+"""Where ResourceClaims are read from at prepare time: the API server or a ``dir:`` store.
+
+``get_claim`` returns the ResourceClaim as a dict (resource.k8s.io/v1 JSON) or raises
+``ClaimError`` with a message fit for the kubelet's per-claim ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Protocol
+
+from agent.settings import Settings
+
+
+class ClaimError(Exception):
+    """The claim could not be read; the message names it."""
+
+
+class ClaimSource(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> dict: ...
+
+
+class DirClaimSource:
+    """``PATH/resourceclaims/<namespace>/<name>.json`` (the ``--cluster dir:PATH`` store).
+
+    Callers validate namespace and name (no separators, no ``..``) before calling.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def claim_path(self, namespace: str, name: str) -> str:
+        return os.path.join(self.path, "resourceclaims", namespace, name + ".json")
+
+    def _read(self, namespace: str, name: str) -> dict:
+        path = self.claim_path(namespace, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ClaimError(f"ResourceClaim {namespace}/{name} not found ({path})") from None
+        except (OSError, ValueError) as err:
+            raise ClaimError(f"ResourceClaim {namespace}/{name}: cannot read {path}: {err}") from err
+        if not isinstance(data, dict):
+            raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} is not a JSON object")
+        return data
+
+    async def get_claim(self, namespace: str, name: str) -> dict:
+        return await asyncio.to_thread(self._read, namespace, name)
+
+
+def _claim_resource():
+    try:
+        from lightkube.resources.resource_v1 import ResourceClaim
+    except ImportError:  # older lightkube-models: a generic resource of the same API
+        from lightkube.generic_resource import create_namespaced_resource
+
+        ResourceClaim = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
+    return ResourceClaim
+
+
+class KubeClaimSource:
+    """GET resource.k8s.io/v1 ResourceClaims with lightkube's AsyncClient (created lazily)."""
+
+    def __init__(self, client=None):
+        self._client = client
+        self._resource = _claim_resource()
+
+    async def get_claim(self, namespace: str, name: str) -> dict:
+        from lightkube import ApiError, AsyncClient
+
+        if self._client is None:
+            self._client = AsyncClient()
+        try:
+            obj = await self._client.get(self._resource, name=name, namespace=namespace)
+        except ApiError as err:
+            code = getattr(err.status, "code", None)
+            if code == 404:
+                raise ClaimError(f"ResourceClaim {namespace}/{name} not found") from err
+            raise ClaimError(f"ResourceClaim {namespace}/{name}: API error {code}: {err}") from err
+        except Exception as err:  # network, TLS, config: the kubelet retries the claim
+            raise ClaimError(f"ResourceClaim {namespace}/{name}: {type(err).__name__}: {err}") from err
+        return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+
+
+def claim_source(settings: Settings) -> ClaimSource:
+    """The source matching ``--cluster``: ``dir:PATH`` or the API server."""
+    if settings.cluster_dir is not None:
+        return DirClaimSource(settings.cluster_dir)
+    return KubeClaimSource()

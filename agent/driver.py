@@ -1,0 +1,256 @@
+"""Device logic behind the kubelet plugin: allocation -> inventory devices -> CDI spec.
+
+Prepare is two-phase in the checkpoint so a crash at any point is repaired at the
+next start (``recover``):
+
+1. entries ``PrepareStarted`` (devices, spec) saved     - crash: rolled back at start
+2. CDI specs written atomically                         - crash: rolled back at start
+3. entries ``PrepareCompleted`` saved                   - crash: claim stays prepared
+
+Unprepare saves the checkpoint without the claim first, then removes the spec; a
+crash in between leaves an orphan spec that ``recover`` (or the kubelet's retry)
+deletes. ``fault`` is a test hook called at each of these points.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from agent.checkpoint import COMPLETED, STARTED, Checkpoint, read_boot_id
+from agent.fsutil import clean_stale_temps
+from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from agent.settings import Settings
+from cdi import files as cdifiles
+from cdi.claim import build_claim_spec, cdi_device_name, cdi_id
+from cdi.spec import SpecError, claim_kind
+from discovery.models import Device, Inventory
+
+log = logging.getLogger(__name__)
+
+
+class ClaimFailed(Exception):
+    """One claim cannot be prepared; the message goes to the kubelet as that claim's error."""
+
+
+@dataclass
+class RecoveryReport:
+    rolled_back: list[str] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    orphans_removed: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    corrupt_checkpoint: str | None = None
+    boot_changed: bool = False
+
+
+def _fingerprint(results: list[dict]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(results, sort_keys=True).encode()).hexdigest()
+
+
+def _device_from_record(d: dict) -> PreparedDevice:
+    return PreparedDevice(d["requests"], d["pool"], d["device"], list(d["cdiDeviceIDs"]), d.get("shareID"))
+
+
+def _record(d: PreparedDevice) -> dict:
+    return {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
+
+
+class Driver:
+    def __init__(self, settings: Settings, inventory: Callable[[], Inventory]):
+        self.settings = settings
+        self.inventory = inventory
+        self.checkpoint_path = os.path.join(settings.plugin_dir, "checkpoint.json")
+        self.checkpoint: Checkpoint | None = None
+        self.boot_id = read_boot_id(settings.root)
+        self.fault: Callable[[str], None] = lambda point: None
+
+    # --- helpers -------------------------------------------------------------
+    def _cp(self) -> Checkpoint:
+        if self.checkpoint is None:
+            self.recover()
+        assert self.checkpoint is not None
+        return self.checkpoint
+
+    def _spec_path(self, uid: str) -> str:
+        return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
+
+    def _our_results(self, claim: dict) -> list[dict]:
+        alloc = (claim.get("status") or {}).get("allocation") or {}
+        results = (alloc.get("devices") or {}).get("results") or []
+        return [r for r in results if isinstance(r, dict) and r.get("driver") == self.settings.driver_name]
+
+    def _plan(self, uid: str, results: list[dict], by_name: dict[str, Device]) -> tuple[list[PreparedDevice], dict | None]:
+        """Map our allocation results to inventory devices -> (response devices, CDI spec)."""
+        picked: dict[str, Device] = {}
+        prepared = []
+        for r in results:
+            pool, name = r.get("pool"), r.get("device")
+            if pool != self.settings.node_name:
+                raise ClaimFailed(f"device {name!r} is allocated from pool {pool!r}, not this node's pool {self.settings.node_name!r}")
+            dev = by_name.get(name or "")
+            if dev is None:
+                raise ClaimFailed(f"device {name!r} (request {r.get('request')!r}) is not on this node any more")
+            picked.setdefault(dev.name, dev)
+            ids = [cdi_id(self.settings.driver_name, uid, dev.name)]
+            prepared.append(PreparedDevice([str(r.get("request", ""))], pool, dev.name, ids, r.get("shareID") or None))
+        if not picked:
+            return prepared, None
+        return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root)
+
+    # --- prepare / unprepare ---------------------------------------------------
+    def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
+        cp = self._cp()
+        out: dict[str, PrepareResult] = {}
+        todo: list[str] = []
+        by_name: dict[str, Device] | None = None
+        dirty = False
+        for claim in claims:
+            meta = claim.get("metadata") or {}
+            uid = meta.get("uid", "")
+            results = self._our_results(claim)
+            fp = _fingerprint(results)
+            entry = cp.claims.get(uid)
+            if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
+                self._ensure_spec(uid, entry)  # idempotent re-prepare: same answer, spec present
+                out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]])
+                continue
+            if entry:  # half-prepared or allocation changed: undo before redoing
+                self._remove_spec(entry, uid)
+                del cp.claims[uid]
+                dirty = True
+            try:
+                if by_name is None:
+                    by_name = self.inventory().by_name()
+                devices, spec = self._plan(uid, results, by_name)
+            except (ClaimFailed, SpecError) as err:
+                out[uid] = PrepareResult(error=str(err))
+                continue
+            cp.claims[uid] = {
+                "state": STARTED, "namespace": meta.get("namespace", ""), "name": meta.get("name", ""),
+                "bootID": self.boot_id, "allocation": fp, "devices": [_record(d) for d in devices],
+                "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
+            }
+            out[uid] = PrepareResult(devices)
+            todo.append(uid)
+        if not todo:
+            if dirty:
+                cp.save()
+            return out
+        cp.save()
+        self.fault("prepare:started")
+        for uid in todo:
+            entry = cp.claims[uid]
+            try:
+                if entry["cdiSpec"]:
+                    cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"])
+            except (OSError, SpecError) as err:
+                del cp.claims[uid]
+                out[uid] = PrepareResult(error=f"writing CDI spec: {err}")
+                continue
+            entry["state"] = COMPLETED
+        self.fault("prepare:specs-written")
+        cp.save()
+        self.fault("prepare:completed")
+        return out
+
+    def unprepare_claims(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        cp = self._cp()
+        removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}
+        if any(removed.values()):
+            cp.save()
+        self.fault("unprepare:saved")
+        out: dict[str, str | None] = {}
+        for uid, entry in removed.items():
+            try:
+                self._remove_spec(entry, uid)
+                out[uid] = None
+            except OSError as err:
+                out[uid] = f"removing CDI spec: {err}"
+        self.fault("unprepare:done")
+        return out
+
+    def _remove_spec(self, entry: dict | None, uid: str) -> None:
+        # The uid's own spec path, also for unknown claims (e.g. adopted after a corrupt checkpoint).
+        cdifiles.remove_spec(self._spec_path(uid))
+        spec = (entry or {}).get("cdiSpec")
+        if spec and spec["path"] != self._spec_path(uid):
+            cdifiles.remove_spec(spec["path"])
+
+    def _ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
+        """Write a completed claim's spec if missing, unreadable or ``rebuild``; True if written."""
+        spec = entry.get("cdiSpec")
+        if not spec:
+            return False
+        if not rebuild:
+            try:
+                cdifiles.read_spec(spec["path"])
+                return False
+            except SpecError:
+                pass
+        content = spec["spec"]
+        try:  # rebuild from the current inventory: device numbers can change across reboots
+            by_name = self.inventory().by_name()
+            devs = list({d["device"]: by_name[d["device"]] for d in entry["devices"]}.values())
+            content = build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
+        except (KeyError, SpecError, ValueError) as err:
+            log.warning("claim %s: rebuilding CDI spec from the recorded one (%s)", uid, err)
+        cdifiles.write_spec(spec["path"], content)
+        spec["spec"] = content
+        return True
+
+    # --- start-up reconciliation ----------------------------------------------
+    def recover(self) -> RecoveryReport:
+        """Load the checkpoint and make the CDI dir match it. Call before serving."""
+        s = self.settings
+        clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json.")
+        cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
+        cp = self.checkpoint = Checkpoint.load(self.checkpoint_path)
+        report = RecoveryReport(corrupt_checkpoint=cp.corrupt_path)
+        specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
+        if cp.corrupt_path:
+            report.adopted = self._adopt(cp, specs)
+        for uid, entry in list(cp.claims.items()):
+            if entry["state"] == STARTED:
+                self._remove_spec(entry, uid)
+                del cp.claims[uid]
+                report.rolled_back.append(uid)
+                continue
+            rebooted = entry.get("bootID") != self.boot_id
+            report.boot_changed |= rebooted
+            if self._ensure_spec(uid, entry, rebuild=rebooted):
+                report.rebuilt.append(uid)
+            entry["bootID"] = self.boot_id
+        for uid, path in specs.items():
+            if uid not in cp.claims:
+                cdifiles.remove_spec(path)
+                report.orphans_removed.append(uid)
+        if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
+            cp.save()
+        log.info("kubelet plugin state recovered: %s", asdict(report))
+        return report
+
+    def _adopt(self, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
+        """After a corrupt checkpoint, keep claims whose valid spec files exist as prepared:
+        running containers still reference them and the kubelet will unprepare them."""
+        kind = claim_kind(self.settings.driver_name)
+        adopted = []
+        for uid, path in specs.items():
+            try:
+                spec = cdifiles.read_spec(path)
+            except SpecError as err:
+                log.error("removing unreadable CDI spec %s", err)
+                continue  # left as orphan: removed below
+            prefix = cdi_device_name(uid, "")
+            devices = [
+                {"requests": [], "pool": self.settings.node_name, "device": d["name"][len(prefix):],
+                 "cdiDeviceIDs": [f"{kind}={d['name']}"], "shareID": None}
+                for d in spec["devices"] if d["name"].startswith(prefix)
+            ]
+            cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": self.boot_id,
+                              "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec}}
+            adopted.append(uid)
+        return adopted

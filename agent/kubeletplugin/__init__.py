@@ -1,0 +1,31 @@
+"""Kubelet plugin protocol plumbing (like Go's kubeletplugin helper); device logic is elsewhere.
+
+Public API::
+
+    from agent.kubeletplugin import KubeletPlugin
+    from agent.driver import Driver
+    from agent.claims import claim_source
+
+    driver = Driver(settings, inventory=lambda: current_inventory)   # agent/driver.py
+    plugin = KubeletPlugin(settings, driver, claim_source(settings))
+    plugin.add_service("v1.DRAResourceHealth", add_fn)   # optional, before start()
+    await plugin.start()   # driver.recover() (if defined), DRA socket, then registration socket
+    plugin.registration    # RegistrationStatus: registered, error, updated, failures;
+                           # .listeners.append(fn) -> fn(status) after each kubelet notification
+    plugin.supported_versions, plugin.dra_socket, plugin.registration_socket
+    await plugin.stop()    # on SIGTERM: removes the registration socket, then the DRA socket
+
+``DriverProtocol`` (types.py): ``prepare_claims(list[dict]) -> {uid: PrepareResult}``,
+``unprepare_claims(list[ClaimRef]) -> {uid: error | None}``; plain methods run in a
+worker thread, serialized by a flock on ``<plugin dir>/serialize.lock``.
+"""
+
+from agent.kubeletplugin.plugin import DRA_SERVICES, KubeletPlugin
+from agent.kubeletplugin.registration import RegistrationStatus
+from agent.kubeletplugin.sockets import SocketError
+from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PreparedDevice, PrepareResult
+
+__all__ = [
+    "DRA_SERVICES", "KubeletPlugin", "RegistrationStatus", "SocketError",
+    "ClaimRef", "DriverProtocol", "PreparedDevice", "PrepareResult",
+]

@@ -1,0 +1,246 @@
+"""DRAPlugin v1 and v1beta1: kubelet messages <-> one version-neutral core.
+
+The core (``Prepare``) checks every claim, fetches ResourceClaims *before* taking the
+serialization lock (an API round trip must not block other calls), and answers every
+requested UID; a bad claim gets its own ``error``, never a gRPC error for the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import inspect
+import logging
+import os
+import re
+from typing import Any, Callable
+
+import grpc
+
+from agent.claims import ClaimError, ClaimSource
+from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PrepareResult, base_request
+from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_CLAIMS = 1000  # per call; the kubelet sends the claims of one pod
+FETCH_TIMEOUT = 30.0  # seconds; the kubelet gives up after 45
+_UID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,62}[A-Za-z0-9])?$")
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def check_ref(ref: ClaimRef) -> str | None:
+    """Why the kubelet's claim reference is unusable, or None. Nothing unchecked reaches a path."""
+    for field, value in (("uid", ref.uid), ("namespace", ref.namespace), ("name", ref.name)):
+        if not value:
+            return f"claim {field} is empty"
+        if len(value) > 253:
+            return f"claim {field} is {len(value)} characters long (at most 253)"
+        if "/" in value or "\\" in value or ".." in value or "\x00" in value:
+            return f"claim {field} {value!r} contains a path separator or '..'"
+    if not _UID.match(ref.uid):
+        return f"claim uid {ref.uid!r} is malformed"
+    if not _LABEL.match(ref.namespace):
+        return f"claim namespace {ref.namespace!r} is not a DNS label"
+    if not _SUBDOMAIN.match(ref.name):
+        return f"claim name {ref.name!r} is not a DNS subdomain"
+    return None
+
+
+def check_claim(ref: ClaimRef, claim: dict) -> str | None:
+    uid = (claim.get("metadata") or {}).get("uid")
+    if uid != ref.uid:
+        return f"ResourceClaim {ref.namespace}/{ref.name} has UID {uid}, not {ref.uid}: it was replaced"
+    if not (claim.get("status") or {}).get("allocation"):
+        return f"ResourceClaim {ref.namespace}/{ref.name} is not allocated"
+    return None
+
+
+class SerializeLock:
+    """In-process mutex + ``flock`` on ``serialize.lock`` (instances of a rolling update
+    share the plugin dir and must not interleave prepare/unprepare)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mutex = asyncio.Lock()
+        self._fd: int | None = None
+
+    def open(self) -> None:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        async with self._mutex:
+            if self._fd is None:
+                self.open()
+            try:  # uncontended: no thread hop (it shows in prepare latency)
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another instance (rolling update) holds it
+                await asyncio.to_thread(fcntl.flock, self._fd, fcntl.LOCK_EX)
+            try:
+                result = fn(arg)
+                if inspect.isawaitable(result):
+                    return await result
+                return result
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+async def _in_thread_or_await(fn: Callable[[Any], Any], arg: Any) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        return await fn(arg)
+    return await asyncio.to_thread(fn, arg)
+
+
+class Prepare:
+    """The version-neutral prepare/unprepare flow."""
+
+    def __init__(self, driver: DriverProtocol, claims: ClaimSource, lock: SerializeLock):
+        self.driver = driver
+        self.claims = claims
+        self.lock = lock
+
+    async def _serialized(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        # Shielded: a kubelet timeout must not release the lock while the driver still runs.
+        task = asyncio.ensure_future(self.lock.run(lambda a: _in_thread_or_await(fn, a), arg))
+        return await asyncio.shield(task)
+
+    @staticmethod
+    def _screen(refs: list[ClaimRef]) -> tuple[dict[str, str], dict[str, ClaimRef]]:
+        """-> (errors by uid, usable refs by uid)."""
+        errors: dict[str, str] = {}
+        ok: dict[str, ClaimRef] = {}
+        if len(refs) > MAX_CLAIMS:
+            msg = f"request has {len(refs)} claims, at most {MAX_CLAIMS} per call"
+            return {r.uid: msg for r in refs}, {}
+        for ref in refs:
+            err = check_ref(ref)
+            if err is None and ref.uid in ok and ok[ref.uid] != ref:
+                err = f"claim uid {ref.uid} is requested twice with different names"
+                del ok[ref.uid]
+            if err is not None:
+                errors[ref.uid] = err
+                ok.pop(ref.uid, None)
+            elif ref.uid not in errors:
+                ok[ref.uid] = ref
+        return errors, ok
+
+    async def _fetch(self, ref: ClaimRef) -> dict | str:
+        try:
+            claim = await asyncio.wait_for(self.claims.get_claim(ref.namespace, ref.name), FETCH_TIMEOUT)
+        except ClaimError as err:
+            return str(err)
+        except asyncio.TimeoutError:
+            return f"reading ResourceClaim {ref.namespace}/{ref.name} timed out after {FETCH_TIMEOUT:.0f}s"
+        except Exception as err:  # a bug in a source must not fail the whole call
+            log.exception("reading ResourceClaim %s/%s", ref.namespace, ref.name)
+            return f"reading ResourceClaim {ref.namespace}/{ref.name}: {err}"
+        return check_claim(ref, claim) or claim
+
+    async def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        errors, ok = self._screen(refs)
+        out = {uid: PrepareResult(error=e) for uid, e in errors.items()}
+        fetched = await asyncio.gather(*(self._fetch(r) for r in ok.values()))
+        claims = []
+        for ref, got in zip(ok.values(), fetched):
+            if isinstance(got, str):
+                out[ref.uid] = PrepareResult(error=got)
+            else:
+                claims.append(got)
+        if claims:
+            try:
+                results = await self._serialized(self.driver.prepare_claims, claims)
+            except Exception as err:
+                log.exception("driver failed to prepare claims")
+                results = {c["metadata"]["uid"]: PrepareResult(error=f"internal error: {err}") for c in claims}
+            for c in claims:
+                uid = c["metadata"]["uid"]
+                out[uid] = results.get(uid) or PrepareResult(error="internal error: driver returned no result")
+        for uid, res in out.items():
+            if res.error:
+                log.warning("prepare claim %s: %s", uid, res.error)
+        return out
+
+    async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
+        errors, ok = self._screen(refs)
+        out: dict[str, str | None] = dict(errors)
+        if ok:
+            try:
+                results = await self._serialized(self.driver.unprepare_claims, list(ok.values()))
+            except Exception as err:
+                log.exception("driver failed to unprepare claims")
+                results = {uid: f"internal error: {err}" for uid in ok}
+            for uid in ok:
+                out[uid] = results[uid] if uid in results else "internal error: driver returned no result"
+        return out
+
+
+def _refs(request: Any) -> list[ClaimRef]:
+    return [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+
+
+def _request_names(requests: list[str]) -> list[str]:
+    return list(dict.fromkeys(base_request(r) for r in requests))
+
+
+class DRAPluginV1(dra_v1_pb2_grpc.DRAPluginServicer):
+    def __init__(self, core: Prepare):
+        self.core = core
+
+    async def NodePrepareResources(self, request, context: grpc.aio.ServicerContext):
+        results = await self.core.prepare(_refs(request))
+        resp = dra_v1_pb2.NodePrepareResourcesResponse()
+        for uid, res in results.items():
+            entry = resp.claims[uid]
+            if res.error:
+                entry.error = res.error
+                continue
+            for d in res.devices:
+                dev = entry.devices.add(
+                    request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
+                    cdi_device_ids=d.cdi_ids,
+                )
+                if d.share_id:
+                    dev.share_id = d.share_id
+        return resp
+
+    async def NodeUnprepareResources(self, request, context: grpc.aio.ServicerContext):
+        results = await self.core.unprepare(_refs(request))
+        resp = dra_v1_pb2.NodeUnprepareResourcesResponse()
+        for uid, err in results.items():
+            resp.claims[uid].error = err or ""
+        return resp
+
+
+class DRAPluginV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    """Same as v1 without ``share_id`` (the field does not exist in v1beta1)."""
+
+    def __init__(self, core: Prepare):
+        self.core = core
+
+    async def NodePrepareResources(self, request, context: grpc.aio.ServicerContext):
+        results = await self.core.prepare(_refs(request))
+        resp = dra_v1beta1_pb2.NodePrepareResourcesResponse()
+        for uid, res in results.items():
+            entry = resp.claims[uid]
+            if res.error:
+                entry.error = res.error
+                continue
+            for d in res.devices:
+                entry.devices.add(
+                    request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
+                    cdi_device_ids=d.cdi_ids,
+                )
+        return resp
+
+    async def NodeUnprepareResources(self, request, context: grpc.aio.ServicerContext):
+        results = await self.core.unprepare(_refs(request))
+        resp = dra_v1beta1_pb2.NodeUnprepareResourcesResponse()
+        for uid, err in results.items():
+            resp.claims[uid].error = err or ""
+        return resp

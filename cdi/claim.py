@@ -1,0 +1,66 @@
+"""The per-claim CDI spec: what a container gets for the devices of one claim.
+
+Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
+- kind ``k8s.<driver>/claim``, one CDI device ``<claimUID>-<device>`` per device with
+  its device nodes (``hostPath`` only when the agent's root is not ``/``) and
+  ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
+- spec-level edits (applied once when any device of the claim is injected) carry the
+  claim-wide lists: ``SYSDRA_CLAIM_UID``, ``SYSDRA_DEVICES``,
+  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cdi.spec import claim_kind, finish, qualified_name
+from discovery.models import Device
+
+
+def env_name(device_name: str) -> str:
+    return "SYSDRA_DEVICE_" + re.sub(r"[^A-Z0-9]", "_", device_name.upper())
+
+
+def cdi_device_name(claim_uid: str, device_name: str) -> str:
+    return f"{claim_uid}-{device_name}"
+
+
+def cdi_id(driver_name: str, claim_uid: str, device_name: str) -> str:
+    return qualified_name(claim_kind(driver_name), cdi_device_name(claim_uid, device_name))
+
+
+def _device_edits(dev: Device, with_host_path: bool) -> dict:
+    nodes = []
+    for n in dev.device_nodes:
+        node = {"path": n.path}
+        if with_host_path and n.host_path != n.path:
+            node["hostPath"] = n.host_path
+        node.update({"type": n.type, "major": n.major, "minor": n.minor})
+        nodes.append(node)
+    edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}"]}
+    if nodes:
+        edits["deviceNodes"] = nodes
+    return edits
+
+
+def build_claim_spec(driver_name: str, claim_uid: str, devices: list[Device], root: str = "/") -> dict:
+    """The finished, validated spec dict for ``devices`` (each once, in allocation order)."""
+    if not devices:
+        raise ValueError("a CDI spec needs at least one device")
+    with_host_path = root != "/"
+    env = [f"SYSDRA_CLAIM_UID={claim_uid}", "SYSDRA_DEVICES=" + ",".join(d.name for d in devices)]
+    for kind in sorted({d.kind for d in devices}):
+        bdfs = ",".join(d.pci.bdf for d in devices if d.kind == kind)
+        env.append(f"SYSDRA_{kind.upper()}_PCI_BUS_IDS={bdfs}")
+    ifaces = [i.name for d in devices if d.nic for i in d.nic.interfaces]
+    if ifaces:
+        env.append("SYSDRA_NIC_INTERFACES=" + ",".join(ifaces))
+    spec = {
+        "kind": claim_kind(driver_name),
+        "devices": [
+            {"name": cdi_device_name(claim_uid, d.name), "containerEdits": _device_edits(d, with_host_path)}
+            for d in devices
+        ],
+        "containerEdits": {"env": env},
+    }
+    return finish(spec)

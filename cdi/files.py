@@ -1,0 +1,62 @@
+"""Our per-claim CDI spec files: ``<cdi-dir>/k8s.<driver>-claim_<claimUID>.json``.
+
+Only files with our exact prefix are ever listed or removed: the CDI directory is
+shared with other drivers and the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from agent.fsutil import atomic_write_json, clean_stale_temps, remove_file
+from cdi.spec import SpecError, validate, vendor_of
+
+
+def claim_spec_prefix(driver_name: str) -> str:
+    return f"{vendor_of(driver_name)}-claim_"
+
+
+def claim_spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
+    return os.path.join(cdi_dir, f"{claim_spec_prefix(driver_name)}{claim_uid}.json")
+
+
+def write_spec(path: str, spec: dict) -> None:
+    """Validate, then write atomically with mode 0644 (runtimes and non-root readers read it)."""
+    validate(spec)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    atomic_write_json(path, spec, mode=0o644)
+
+
+def read_spec(path: str) -> dict:
+    """Parse and validate a spec file; SpecError names the file and the problem."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        validate(spec)
+    except (OSError, ValueError) as err:  # json.JSONDecodeError and SpecError are ValueErrors
+        raise SpecError(f"{path}: {err}") from err
+    return spec
+
+
+def remove_spec(path: str) -> bool:
+    return remove_file(path)
+
+
+def list_claim_specs(cdi_dir: str, driver_name: str) -> dict[str, str]:
+    """``{claimUID: path}`` of our claim spec files present in ``cdi_dir``."""
+    prefix = claim_spec_prefix(driver_name)
+    try:
+        names = os.listdir(cdi_dir)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".json"):
+            out[name[len(prefix):-len(".json")]] = os.path.join(cdi_dir, name)
+    return out
+
+
+def clean_our_temps(cdi_dir: str, driver_name: str) -> int:
+    """Temp files from a crash mid-write (``.<specname>.XXXX.tmp``); others' temps are left alone."""
+    return clean_stale_temps(cdi_dir, prefix="." + claim_spec_prefix(driver_name))

@@ -1,0 +1,134 @@
+"""CDI specs: minimum cdiVersion, strict validation, schema conformance of our claim specs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from cdi import files as cdifiles
+from cdi.claim import build_claim_spec
+from cdi.spec import SpecError, minimum_version, validate
+from tests.conftest import IN_CI, REPO
+from tests.kubelet_standin import gpu, nic
+
+SCHEMAS = os.path.join(REPO, "..", "shared", "schemas")
+
+
+def _dev(name="dev", **edits):
+    return {"name": name, "containerEdits": edits or {"env": ["A=1"]}}
+
+
+def _spec(devices=None, kind="example.com/claim", **top):
+    return {"kind": kind, "devices": devices or [_dev()], **top}
+
+
+@pytest.mark.parametrize("spec,expected", [
+    (_spec(), "0.3.0"),
+    (_spec([_dev(mounts=[{"hostPath": "/a", "containerPath": "/b", "type": "bind"}])]), "0.4.0"),
+    (_spec([_dev(mounts=[{"hostPath": "/a", "containerPath": "/b"}])]), "0.3.0"),
+    (_spec([_dev("0abc")]), "0.5.0"),
+    (_spec([_dev(deviceNodes=[{"path": "/dev/x", "hostPath": "/root/dev/x"}])]), "0.5.0"),
+    (_spec(containerEdits={"deviceNodes": [{"path": "/dev/x", "hostPath": "/r/dev/x"}]}), "0.5.0"),
+    (_spec(annotations={"a": "b"}), "0.6.0"),
+    (_spec([{"name": "d", "annotations": {"a": "b"}, "containerEdits": {"env": ["A=1"]}}]), "0.6.0"),
+    (_spec(kind="example.com/cl.aim"), "0.6.0"),
+    (_spec([_dev(additionalGids=[44])]), "0.7.0"),
+    (_spec([_dev(additionalGids=[])]), "0.3.0"),
+    (_spec(containerEdits={"intelRdt": {"closID": "x"}}), "0.7.0"),
+    (_spec(containerEdits={"intelRdt": {"schemata": []}}), "1.1.0"),
+    (_spec(containerEdits={"intelRdt": {"enableMonitoring": True}}), "1.1.0"),
+    (_spec([_dev(netDevices=[{"hostInterfaceName": "eth1", "name": "net1"}])]), "1.1.0"),
+])
+def test_minimum_version(spec, expected):
+    assert minimum_version(spec) == expected
+
+
+def test_claim_spec_versions_follow_content():
+    letter_uid = "a" + "0" * 7 + "-0000-4000-8000-000000000000"
+    digit_uid = "1" + "0" * 7 + "-0000-4000-8000-000000000000"
+    assert build_claim_spec("sysdra.io", letter_uid, [gpu(0)])["cdiVersion"] == "0.3.0"
+    assert build_claim_spec("sysdra.io", digit_uid, [gpu(0)])["cdiVersion"] == "0.5.0"
+    rooted = build_claim_spec("sysdra.io", letter_uid, [gpu(0, root="/host")], root="/host")
+    assert rooted["cdiVersion"] == "0.5.0"  # hostPath
+    assert rooted["devices"][0]["containerEdits"]["deviceNodes"][0] == {
+        "path": "/dev/dri/renderD128", "hostPath": "/host/dev/dri/renderD128", "type": "c", "major": 226, "minor": 128}
+
+
+def test_claim_spec_layout_and_env():
+    uid = "5d0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
+    spec = build_claim_spec("sysdra.io", uid, [gpu(0), gpu(1), nic(0, "ens1f0")])
+    assert spec["kind"] == "k8s.sysdra.io/claim"
+    assert [d["name"] for d in spec["devices"]] == [
+        f"{uid}-gpu-0000-1b-00-0", f"{uid}-gpu-0000-1c-00-0", f"{uid}-nic-0000-40-00-0"]
+    assert spec["containerEdits"]["env"] == [
+        f"SYSDRA_CLAIM_UID={uid}",
+        "SYSDRA_DEVICES=gpu-0000-1b-00-0,gpu-0000-1c-00-0,nic-0000-40-00-0",
+        "SYSDRA_GPU_PCI_BUS_IDS=0000:1b:00.0,0000:1c:00.0",
+        "SYSDRA_NIC_PCI_BUS_IDS=0000:40:00.0",
+        "SYSDRA_NIC_INTERFACES=ens1f0",
+    ]
+    keys = [e.split("=", 1)[0] for d in spec["devices"] for e in d["containerEdits"]["env"]]
+    keys += [e.split("=", 1)[0] for e in spec["containerEdits"]["env"]]
+    assert len(keys) == len(set(keys)), "duplicate env keys within one claim"
+    assert "deviceNodes" not in spec["devices"][2]["containerEdits"]  # NIC: env only, still non-empty
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": []}, "no devices"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [{"name": "d", "containerEdits": {}}]}, "empty device edits"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev("0d")]}, "below the 0.5.0"),
+    ({"cdiVersion": "9.9.9", "kind": "a.com/c", "devices": [_dev()]}, "unknown cdiVersion"),
+    ({"cdiVersion": "0.3.0", "kind": "1a.com/c", "devices": [_dev()]}, "invalid kind"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev("-x")]}, "invalid device name"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(), _dev()]}, "duplicate"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(env=["=x"])]}, "NAME=value"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(deviceNodes=[{"path": "/d", "bogus": 1}])]}, "unknown field"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev()], "extra": 1}, "unknown field"),
+])
+def test_validate_rejects_what_runtimes_reject(bad, msg):
+    with pytest.raises(SpecError, match=msg):
+        validate(bad)
+
+
+def _schema_validator():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema_path = os.path.join(SCHEMAS, "cdi-schema.json")
+    if not os.path.exists(schema_path):
+        if IN_CI:
+            pytest.fail(f"CDI schema missing: {schema_path}")
+        pytest.skip(f"CDI schema not found at {schema_path}")
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT7
+
+    schema = json.load(open(schema_path))
+    defs = json.load(open(os.path.join(SCHEMAS, "cdi-schema-defs.json")))
+    # schema.json refers to "defs.json" (its upstream name), see shared/schemas/README.md
+    registry = Registry().with_resource("defs.json", Resource.from_contents(defs, default_specification=DRAFT7))
+    return jsonschema.Draft7Validator(schema, registry=registry)
+
+
+def test_claim_specs_match_cdi_schema(tmp_path):
+    validator = _schema_validator()
+    uid = "5d0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
+    for spec in (build_claim_spec("sysdra.io", uid, [gpu(0), nic(0)]),
+                 build_claim_spec("sysdra.io", uid, [gpu(0, root="/host")], root="/host")):
+        path = cdifiles.claim_spec_path(str(tmp_path), "sysdra.io", uid)
+        cdifiles.write_spec(path, spec)
+        assert os.stat(path).st_mode & 0o777 == 0o644
+        on_disk = cdifiles.read_spec(path)
+        errors = sorted(validator.iter_errors(on_disk), key=str)
+        assert not errors, errors
+    # the validator does catch a broken spec (guards against a vacuous schema setup)
+    assert list(validator.iter_errors({"cdiVersion": "0.3.0", "kind": "a/b", "devices": "nope"}))
+
+
+def test_files_list_only_ours(tmp_path):
+    d = str(tmp_path)
+    for name in ("k8s.sysdra.io-claim_u1.json", "k8s.sysdra.io-claim_u2.json", "other.com-claim_u3.json",
+                 "k8s.sysdra.io-claim_u4.yaml", ".k8s.sysdra.io-claim_u5.json.abc.tmp", ".other.tmp"):
+        open(os.path.join(d, name), "w").close()
+    assert sorted(cdifiles.list_claim_specs(d, "sysdra.io")) == ["u1", "u2"]
+    assert cdifiles.clean_our_temps(d, "sysdra.io") == 1
+    assert os.path.exists(os.path.join(d, ".other.tmp"))

@@ -1,0 +1,326 @@
+"""Kubelet plugin over real unix sockets: registration, prepare/unprepare on v1 and v1beta1,
+socket handling, input checks. A kubelet stand-in drives the plugin like the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+
+import grpc
+import pytest
+
+from agent.claims import DirClaimSource
+from agent.driver import Driver
+from agent.kubeletplugin import KubeletPlugin, SocketError
+from agent.kubeletplugin import sockets
+from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
+from tests.kubelet_standin import (
+    DRIVER, KubeletStandIn, claim, find_registration_sockets, gpu, inventory, nic, settings_for, store_claim,
+)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Env:
+    def __init__(self, tmp, **kw):
+        self.settings = settings_for(str(tmp), **kw)
+        self.inv = inventory(gpu(0), gpu(1), nic(0))
+        self.driver = Driver(self.settings, lambda: self.inv)
+        self.plugin = KubeletPlugin(self.settings, self.driver, DirClaimSource(self.settings.cluster_dir))
+
+    async def __aenter__(self):
+        await self.plugin.start()
+        self.kubelet = KubeletStandIn(self.settings.registry_dir)
+        await self.kubelet.register()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.plugin.stop()
+
+
+@pytest.fixture
+def env(tmp_path):
+    return Env(tmp_path)
+
+
+def test_registration_info_and_status(env):
+    async def main():
+        async with env as e:
+            info = e.kubelet.info
+            assert info.type == "DRAPlugin" and info.name == DRIVER
+            assert info.endpoint == os.path.join(e.settings.kubelet_dir, "plugins", DRIVER, "dra.sock")
+            assert os.path.isabs(info.endpoint)
+            assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+            assert e.kubelet.service == "v1.DRAPlugin"
+            assert e.plugin.registration.registered and e.plugin.registration.failures == 0
+            reg = e.plugin.registration_socket
+            assert reg == os.path.join(e.settings.kubelet_dir, "plugins_registry", f"{DRIVER}-reg.sock")
+            for path in (reg, e.plugin.dra_socket):
+                mode = os.stat(path).st_mode
+                assert stat.S_ISSOCK(mode) and not mode & stat.S_IWOTH
+                assert not os.stat(os.path.dirname(path)).st_mode & stat.S_IWOTH
+            seen = []
+            e.plugin.registration.listeners.append(lambda st: seen.append((st.registered, st.error)))
+            # a rejected registration is kept for status output
+            async with grpc.aio.insecure_channel("unix:" + reg) as ch:
+                stub = pluginregistration_pb2_grpc.RegistrationStub(ch)
+                await stub.NotifyRegistrationStatus(
+                    pluginregistration_pb2.RegistrationStatus(plugin_registered=False, error="boom"))
+            assert not e.plugin.registration.registered and e.plugin.registration.error == "boom"
+            assert e.plugin.registration.failures == 1 and e.plugin.registration.updated
+            assert seen == [(False, "boom")] and "listeners" not in e.plugin.registration.as_dict()
+        assert not os.path.exists(e.plugin.registration_socket)
+        assert not os.path.exists(e.plugin.dra_socket)
+    run(main())
+
+
+def test_dra_served_before_registration_socket_appears(tmp_path, monkeypatch):
+    e = Env(tmp_path)
+    seen = []
+    orig = e.plugin._reg.start
+
+    async def spy(add):
+        # the DRA endpoint must answer before the kubelet can see the registration socket
+        seen.append(os.path.exists(e.plugin.registration_socket))
+        async with grpc.aio.insecure_channel("unix:" + e.plugin.dra_socket) as ch:
+            resp = await dra_v1_pb2_grpc.DRAPluginStub(ch).NodeUnprepareResources(
+                dra_v1_pb2.NodeUnprepareResourcesRequest(), timeout=5)
+        seen.append(len(resp.claims))
+        await orig(add)
+
+    monkeypatch.setattr(e.plugin._reg, "start", spy)
+
+    async def main():
+        async with e:
+            pass
+    run(main())
+    assert seen == [False, 0]
+
+
+@pytest.mark.parametrize("version", ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+def test_prepare_unprepare_both_versions(env, version):
+    async def main():
+        async with env as e:
+            e.kubelet.service = version
+            c = store_claim(e.settings, claim("c1", [("gpus/big", "gpu-0000-1b-00-0"), ("nets", "nic-0000-40-00-0")],
+                                               share_ids={"nic-0000-40-00-0": "5ab3c1c8-0000-4000-8000-000000000001"}))
+            uid = c["metadata"]["uid"]
+            resp = await e.kubelet.prepare(c)
+            assert list(resp.claims) == [uid]
+            r = resp.claims[uid]
+            assert r.error == ""
+            devs = [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in r.devices]
+            assert devs == [
+                (["gpus"], "node-1", "gpu-0000-1b-00-0", [f"k8s.{DRIVER}/claim={uid}-gpu-0000-1b-00-0"]),
+                (["nets"], "node-1", "nic-0000-40-00-0", [f"k8s.{DRIVER}/claim={uid}-nic-0000-40-00-0"]),
+            ]
+            if version == "v1.DRAPlugin":
+                assert not r.devices[0].HasField("share_id")
+                assert r.devices[1].share_id == "5ab3c1c8-0000-4000-8000-000000000001"
+            else:
+                assert "share_id" not in r.devices[1].DESCRIPTOR.fields_by_name
+            spec_path = os.path.join(e.settings.cdi_dir, f"k8s.{DRIVER}-claim_{uid}.json")
+            spec = json.load(open(spec_path))
+            assert stat.S_IMODE(os.stat(spec_path).st_mode) == 0o644
+            assert spec["kind"] == f"k8s.{DRIVER}/claim"
+            # idempotent: same answer again, spec unchanged
+            again = await e.kubelet.prepare(c)
+            assert again == resp
+            un = await e.kubelet.unprepare(c)
+            assert list(un.claims) == [uid] and un.claims[uid].error == ""
+            assert not os.path.exists(spec_path)
+            un = await e.kubelet.unprepare(c)  # idempotent, unknown claims succeed
+            assert un.claims[uid].error == ""
+            assert os.listdir(e.settings.cdi_dir) == []
+    run(main())
+
+
+def test_every_claim_answered_with_its_own_error(env):
+    async def main():
+        async with env as e:
+            good = store_claim(e.settings, claim("good", [("r", "gpu-0000-1b-00-0")]))
+            gone = store_claim(e.settings, claim("gone", [("r", "gpu-0000-99-00-0")]))
+            replaced = store_claim(e.settings, claim("replaced", [("r", "gpu-0000-1c-00-0")]))
+            other_pool = store_claim(e.settings, claim("otherpool", [("r", "gpu-0000-1c-00-0")], pool="node-2"))
+            unalloc = claim("unalloc", [])
+            del unalloc["status"]
+            store_claim(e.settings, unalloc)
+            os.makedirs(os.path.join(e.settings.cluster_dir, "resourceclaims", "default"), exist_ok=True)
+            with open(os.path.join(e.settings.cluster_dir, "resourceclaims", "default", "corrupt.json"), "w") as f:
+                f.write("{not json")
+            other_driver = store_claim(e.settings, claim("otherdrv", [("r", "x")], driver="other.example.com"))
+            refs = [good, gone, ("default", "replaced", "0badc0de-0000-4000-8000-000000000000"), other_pool,
+                    unalloc, ("default", "missing", "11111111-2222-4333-8444-555555555555"),
+                    ("default", "corrupt", "22222222-2222-4333-8444-555555555555"), other_driver]
+            resp = await e.kubelet.prepare(*refs)
+            errors = {uid: r.error for uid, r in resp.claims.items()}
+            assert set(errors) == {r[2] if isinstance(r, tuple) else r["metadata"]["uid"] for r in refs}
+            assert errors[good["metadata"]["uid"]] == ""
+            assert "not on this node" in errors[gone["metadata"]["uid"]]
+            assert "replaced" in errors["0badc0de-0000-4000-8000-000000000000"]
+            assert "pool 'node-2'" in errors[other_pool["metadata"]["uid"]]
+            assert "not allocated" in errors[unalloc["metadata"]["uid"]]
+            assert "not found" in errors["11111111-2222-4333-8444-555555555555"]
+            assert "corrupt.json" in errors["22222222-2222-4333-8444-555555555555"]
+            # devices of other drivers are not ours: prepared with no devices, no spec
+            assert errors[other_driver["metadata"]["uid"]] == "" and not resp.claims[other_driver["metadata"]["uid"]].devices
+            assert sorted(os.listdir(e.settings.cdi_dir)) == [f"k8s.{DRIVER}-claim_{good['metadata']['uid']}.json"]
+            assert replaced  # stored under another UID
+    run(main())
+
+
+@pytest.mark.parametrize("ns,name,uid,msg", [
+    ("default", "c", "", "uid is empty"),
+    ("", "c", "7f1c7a52-0000-4000-8000-000000000000", "namespace is empty"),
+    ("default", "", "7f1c7a52-0000-4000-8000-000000000001", "name is empty"),
+    ("default", "../../etc/passwd", "7f1c7a52-0000-4000-8000-000000000002", "path separator"),
+    ("..", "c", "7f1c7a52-0000-4000-8000-000000000003", "path separator"),
+    ("default", "c", "../../x", "path separator"),
+    ("default", "a..b", "7f1c7a52-0000-4000-8000-000000000004", "'..'"),
+    ("kube/system", "c", "7f1c7a52-0000-4000-8000-000000000005", "path separator"),
+    ("default", "c", "uid with spaces", "malformed"),
+    ("Default", "c", "7f1c7a52-0000-4000-8000-000000000006", "DNS label"),
+    ("default", "x" * 100000, "7f1c7a52-0000-4000-8000-000000000007", "characters long"),
+])
+def test_malformed_input_is_a_per_claim_error(env, ns, name, uid, msg):
+    async def main():
+        async with env as e:
+            good = store_claim(e.settings, claim("good", [("r", "gpu-0000-1b-00-0")]))
+            for call in (e.kubelet.prepare, e.kubelet.unprepare):
+                resp = await call((ns, name, uid), good)
+                assert msg in resp.claims[uid].error
+                assert resp.claims[good["metadata"]["uid"]].error == ""
+            # nothing written outside our directories
+            assert not os.path.exists(os.path.join(e.settings.kubelet_dir, "..", "etc"))
+    run(main())
+
+
+def test_oversize_request(env):
+    async def main():
+        async with env as e:
+            refs = [("default", f"c{i}", f"00000000-0000-4000-8000-{i:012d}") for i in range(1001)]
+            resp = await e.kubelet.prepare(*refs)
+            assert len(resp.claims) == 1001
+            assert all("at most 1000" in r.error for r in resp.claims.values())
+    run(main())
+
+
+def test_stale_socket_replaced_other_files_refused(tmp_path):
+    e = Env(tmp_path)
+    os.makedirs(e.settings.plugin_dir)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(e.plugin.dra_socket)  # left over from a killed instance
+    s.close()
+
+    async def main():
+        async with e:
+            assert stat.S_ISSOCK(os.stat(e.plugin.dra_socket).st_mode)
+    run(main())
+
+    os.makedirs(e.settings.registry_dir, exist_ok=True)
+    with open(e.plugin.registration_socket, "w") as f:
+        f.write("precious")
+    e2 = Env(tmp_path)
+    with pytest.raises(SocketError, match="is a file, not a socket"):
+        run(e2.plugin.start())
+    assert open(e.plugin.registration_socket).read() == "precious"
+    assert not os.path.exists(e2.plugin.dra_socket)  # cleaned up after the failed start
+
+
+def test_world_writable_registry_dir_refused(tmp_path):
+    e = Env(tmp_path)
+    os.makedirs(e.settings.registry_dir)
+    os.chmod(e.settings.registry_dir, 0o777)
+    with pytest.raises(SocketError, match="world-writable"):
+        run(e.plugin.start())
+
+
+def test_rolling_update_names(tmp_path):
+    uid = "4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
+    s = settings_for(str(tmp_path), kubelet_dir="/var/lib/kubelet", rolling_update_uid=uid)
+    assert sockets.dra_socket_path(s).endswith(f"/plugins/{DRIVER}/dra-{uid}.sock")
+    assert sockets.registration_socket_path(s) == os.path.join(s.registry_dir, f"{DRIVER}-{uid}-reg.sock")
+    h8 = sockets.short_hash(uid, 8)
+    h16 = sockets.short_hash(DRIVER + "\0" + uid, 16)
+    assert len(h8) == 11 and len(h16) == 22 and "=" not in h8 + h16
+    name1 = f"{DRIVER}-{uid}-reg.sock"
+    for size, expected in [(108, name1), (109, f"{DRIVER}-{h8}-reg.sock")]:
+        d = "/" + "d" * (size - len(name1) - 2)
+        assert len(d + "/" + name1) == size
+        assert sockets.rolling_update_registrar_name(d, DRIVER, uid) == expected
+    name2 = f"{DRIVER}-{h8}-reg.sock"
+    d = "/" + "d" * (109 - len(name2) - 2)
+    assert sockets.rolling_update_registrar_name(d, DRIVER, uid) == f"dra-{h16}-reg.sock"
+    assert sockets.rolling_update_registrar_name("/" + "d" * 200, DRIVER, uid) == f"dra-{h16}-reg.sock"
+
+
+def test_rolling_update_two_instances_and_108_byte_path(tmp_path, request):
+    """Two instances share the plugin dir; a registration path of exactly 108 bytes binds."""
+    uid1 = "4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
+    name1 = f"{DRIVER}-{uid1}-reg.sock"
+    short = tempfile.mkdtemp(prefix="kp", dir="/tmp")  # pytest's tmp_path is too long for this
+    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
+    kubelet = os.path.join(short, "k")
+    kubelet += "x" * (108 - len(kubelet + "/plugins_registry/" + name1))
+    s1 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid=uid1)
+    s2 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid="9a9a9a9a-0000-4000-8000-000000000000")
+    inv = inventory(gpu(0))
+
+    async def main():
+        p1 = KubeletPlugin(s1, Driver(s1, lambda: inv), DirClaimSource(s1.cluster_dir))
+        p2 = KubeletPlugin(s2, Driver(s2, lambda: inv), DirClaimSource(s2.cluster_dir))
+        await p1.start()
+        await p2.start()
+        try:
+            assert len(p1.registration_socket) == 108
+            socks = find_registration_sockets(s1.registry_dir)
+            assert socks == sorted([p1.registration_socket, p2.registration_socket])
+            c = store_claim(s1, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            for sock in socks:  # prepare in one instance, unprepare in the other
+                k = KubeletStandIn(os.path.dirname(sock))
+                k.registry_dir = sock  # os.walk on a file yields nothing: talk to this one directly
+                dfd = os.open(os.path.dirname(sock), os.O_PATH)  # grpc clients stop at 107 bytes
+                request.addfinalizer(lambda fd=dfd: os.close(fd))
+                async with grpc.aio.insecure_channel(f"unix:/proc/self/fd/{dfd}/{os.path.basename(sock)}") as ch:
+                    k.info = await pluginregistration_pb2_grpc.RegistrationStub(ch).GetInfo(
+                        pluginregistration_pb2.InfoRequest())
+                k.service = "v1.DRAPlugin"
+                resp = await (k.prepare(c) if sock == socks[0] else k.unprepare(c))
+                assert resp.claims[c["metadata"]["uid"]].error == ""
+            assert os.listdir(s1.cdi_dir) == []
+        finally:
+            await p2.stop()
+            await p1.stop()
+        assert find_registration_sockets(s1.registry_dir) == []
+    run(main())
+
+
+def test_restart_over_same_directories(tmp_path):
+    async def main():
+        e = Env(tmp_path)
+        async with e:
+            c = store_claim(e.settings, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            first = await e.kubelet.prepare(c)
+        e2 = Env(tmp_path)
+        async with e2:
+            again = await e2.kubelet.prepare(c)
+            assert again == first
+            assert (await e2.kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
+    run(main())
+
+
+def test_concurrent_prepares_are_serialized(env):
+    async def main():
+        async with env as e:
+            claims = [store_claim(e.settings, claim(f"c{i}", [("r", "gpu-0000-1b-00-0")])) for i in range(16)]
+            resps = await asyncio.gather(*(e.kubelet.prepare(c) for c in claims))
+            assert all(r.claims[c["metadata"]["uid"]].error == "" for r, c in zip(resps, claims))
+            assert len(e.driver.checkpoint.claims) == 16
+    run(main())

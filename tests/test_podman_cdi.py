@@ -1,0 +1,131 @@
+"""End to end with a real container runtime: prepare over the gRPC socket, then podman
+(runc) injects the claim's CDI devices; after unprepare the IDs no longer resolve.
+
+podman 4.3 reads CDI specs only from /etc/cdi and /var/run/cdi, so podman runs in a
+private mount namespace with the test's CDI dir bound over /var/run/cdi. The image is a
+busybox rootfs imported locally (no registry access). Needs root, podman, runc,
+unshare and busybox (busybox-static): under CI=true a missing one fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from agent.claims import DirClaimSource
+from agent.driver import Driver
+from agent.kubeletplugin import KubeletPlugin
+from tests.conftest import require_root, require_tool
+from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+IMAGE = "localhost/sysdra-busybox:test"
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = []
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "none"
+"""
+
+
+class Podman:
+    def __init__(self, tmp: str, cdi_dir: str):
+        # podman refuses a runroot longer than 50 characters: keep its state in a short dir
+        self.state = tempfile.mkdtemp(prefix="sysdra-pm", dir="/tmp")
+        self.tmp, self.cdi_dir = tmp, cdi_dir
+        conf = os.path.join(tmp, "containers.conf")
+        with open(conf, "w") as f:
+            f.write(CONTAINERS_CONF)
+        self.env = dict(os.environ, CONTAINERS_CONF=conf)
+        self.base = ["podman", "--root", os.path.join(self.state, "storage"), "--runroot", os.path.join(self.state, "run"),
+                     "--storage-driver", "vfs"]
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.state, ignore_errors=True)
+
+    def import_busybox(self, busybox: str) -> None:
+        rootfs = os.path.join(self.tmp, "rootfs")
+        for d in ("bin", "dev", "proc", "sys", "etc", "tmp"):
+            os.makedirs(os.path.join(rootfs, d))
+        shutil.copy(busybox, os.path.join(rootfs, "bin", "busybox"))
+        os.symlink("busybox", os.path.join(rootfs, "bin", "sh"))
+        tar = os.path.join(self.tmp, "rootfs.tar")
+        subprocess.run(["tar", "-C", rootfs, "-cf", tar, "."], check=True)
+        out = subprocess.run(self.base + ["import", tar, IMAGE], env=self.env, capture_output=True, text=True)
+        assert out.returncode == 0, f"podman import: {out.stderr}"
+
+    def run(self, cdi_ids: list[str], script: str) -> subprocess.CompletedProcess:
+        devices = " ".join(f"--device {shlex.quote(i)}" for i in cdi_ids)
+        podman = " ".join(map(shlex.quote, self.base))
+        inner = (f"mount --bind {shlex.quote(self.cdi_dir)} /var/run/cdi && "
+                 f"{podman} run --rm --network none {devices} {IMAGE} /bin/busybox sh -c {shlex.quote(script)}")
+        os.makedirs("/var/run/cdi", exist_ok=True)
+        return subprocess.run(["unshare", "-m", "sh", "-c", inner], env=self.env, capture_output=True, text=True,
+                              timeout=120)
+
+
+def test_podman_gets_prepared_devices(tmp_path):
+    require_root()
+    for tool in ("podman", "runc", "unshare", "tar"):
+        require_tool(tool)
+    busybox = require_tool("busybox")
+
+    host = str(tmp_path / "host")
+    os.makedirs(os.path.join(host, "dev", "dri"))
+    # a harmless "GPU": a real char device node with the numbers of /dev/null
+    os.mknod(os.path.join(host, "dev", "dri", "renderD128"), 0o666 | 0o020000, os.makedev(1, 3))
+    s = settings_for(str(tmp_path), root=host)
+    inv = inventory(gpu(0, root=host, major=1, minor=3), nic(0, "ens9f0"), root=host)
+    podman = Podman(str(tmp_path), s.cdi_dir)
+    try:
+        podman.import_busybox(busybox)
+        asyncio.run(_prepare_and_run(s, inv, podman))
+    finally:
+        podman.cleanup()
+
+
+async def _prepare_and_run(s, inv, podman: Podman) -> None:
+    """Register like the kubelet, prepare, run containers with the returned IDs, unprepare."""
+    plugin = KubeletPlugin(s, Driver(s, lambda: inv), DirClaimSource(s.cluster_dir))
+    await plugin.start()
+    try:
+        kubelet = KubeletStandIn(s.registry_dir)
+        await kubelet.register()
+        c = store_claim(s, claim("c", [("gpu", "gpu-0000-1b-00-0"), ("net", "nic-0000-40-00-0")]))
+        uid = c["metadata"]["uid"]
+        resp = await kubelet.prepare(c)
+        assert resp.claims[uid].error == ""
+        ids = [i for d in resp.claims[uid].devices for i in d.cdi_device_ids]
+        script = ("/bin/busybox stat -c '%F %t:%T' /dev/dri/renderD128; "
+                  "/bin/busybox env | /bin/busybox grep ^SYSDRA_ | /bin/busybox sort")
+        out = await asyncio.to_thread(podman.run, ids, script)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0] == "character special file 1:3"
+        assert sorted(lines[1:]) == sorted([
+            f"SYSDRA_CLAIM_UID={uid}",
+            "SYSDRA_DEVICES=gpu-0000-1b-00-0,nic-0000-40-00-0",
+            "SYSDRA_GPU_PCI_BUS_IDS=0000:1b:00.0",
+            "SYSDRA_NIC_PCI_BUS_IDS=0000:40:00.0",
+            "SYSDRA_NIC_INTERFACES=ens9f0",
+            "SYSDRA_DEVICE_GPU_0000_1B_00_0=0000:1b:00.0",
+            "SYSDRA_DEVICE_NIC_0000_40_00_0=0000:40:00.0",
+        ])
+        # a container that only asked for the NIC request gets no render node
+        nic_ids = [i for d in resp.claims[uid].devices if list(d.request_names) == ["net"] for i in d.cdi_device_ids]
+        out = await asyncio.to_thread(podman.run, nic_ids, "test -e /dev/dri/renderD128 && echo yes || echo no")
+        assert out.returncode == 0 and out.stdout.strip() == "no", out.stderr
+
+        assert (await kubelet.unprepare(c)).claims[uid].error == ""
+        out = await asyncio.to_thread(podman.run, ids, "true")
+        assert out.returncode != 0 and "unresolvable CDI devices" in out.stderr, out.stderr
+    finally:
+        await plugin.stop()
