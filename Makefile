@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv test test-fast demo bench protos fixtures clean
+.PHONY: all venv test test-fast demo bench protos fixtures install clean
 
 all: test
 
@@ -38,6 +38,10 @@ protos: $(STAMP)
 # Regenerate fixtures/sysfs/* from fixtures/specs/*.yaml.
 fixtures: $(STAMP)
 	$(VPY) fixtures/generate.py
+
+# Install the systemd unit, tmpfiles entry and default config (DESTDIR/PREFIX honoured).
+install:
+	DESTDIR=$(DESTDIR) PREFIX=$(or $(PREFIX),/usr/local) SYSDRA_BIN=$(SYSDRA_BIN) sh systemd/install.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

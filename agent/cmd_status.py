@@ -1,0 +1,71 @@
+"""``sysdra status``: ask the running agent over its status socket and print the answer."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from agent.status import AgentNotRunning, query_status, resolve_status_socket
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("status", help="show what the running agent is doing")
+    p.add_argument("--socket", help="status socket (default: status_socket setting, else <kubelet-dir>/plugins/<driver>/status.sock)")
+    p.add_argument("--kubelet-dir", help="kubelet root directory (default /var/lib/kubelet)")
+    p.add_argument("--driver-name", help="driver name (default sysdra.io)")
+    p.add_argument("--config", metavar="FILE", help="config file to take the socket from (default /etc/sysdra/config.yaml)")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=run)
+
+
+def _ago(now: float, then: float | None) -> str:
+    if then is None:
+        return "never"
+    secs = max(0, int(now - then))
+    return f"{secs}s ago" if secs < 120 else f"{secs // 60}m ago" if secs < 7200 else f"{secs // 3600}h ago"
+
+
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+def render_text(s: dict) -> str:
+    now = s.get("now") or time.time()
+    reg = s.get("registration") or {}
+    dev = s.get("devices") or {}
+    claims = s.get("preparedClaims") or {}
+    pub = s.get("lastPublish") or {}
+    err = s.get("lastError")
+    lines = [
+        f"agent:        sysdra {s.get('version')} (pid {s.get('pid')}), up {_ago(now, s.get('startedAt')).removesuffix(' ago')}",
+        f"node/driver:  {s.get('nodeName')} / {s.get('driverName')}",
+        f"registration: {reg.get('state')} since {_ago(now, reg.get('since'))}" + (f" ({reg['error']})" if reg.get("error") else ""),
+        f"devices:      {dev.get('total', 0)} ({_counts(dev.get('byKind') or {})})",
+        f"health:       {_counts(dev.get('byHealth') or {})}",
+        f"claims:       {claims.get('count', 0)} prepared",
+    ]
+    for c in claims.get("claims") or []:
+        lines.append(f"  {c.get('namespace')}/{c.get('name')} ({c.get('uid')}) {c.get('state')}: {', '.join(map(str, c.get('devices') or [])) or '-'}")
+    if pub.get("time") is None:
+        lines.append("last publish: never")
+    else:
+        detail = f" ({pub['devices']} devices in {pub['slices']} slices)" if pub.get("devices") is not None else ""
+        lines.append(f"last publish: {pub.get('result')} {_ago(now, pub['time'])}{detail}" + (f": {pub['error']}" if pub.get("error") else ""))
+    lines.append(f"last error:   {err['where']}: {err['message']} ({_ago(now, err['time'])})" if err else "last error:   none")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    path = resolve_status_socket(args.socket, args.kubelet_dir, args.driver_name, args.config)
+    try:
+        status = query_status(path)
+    except AgentNotRunning as err:
+        print(f"sysdra status: {err}", file=sys.stderr)
+        return 1
+    if args.output == "json":
+        json.dump(status, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(status))
+    return 0

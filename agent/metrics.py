@@ -1,0 +1,173 @@
+"""Prometheus metrics of the agent on their own registry, and the /metrics endpoint.
+
+A private :class:`CollectorRegistry` (not prometheus_client's global one) keeps tests
+independent and the endpoint limited to what we define. The publisher's metrics that
+already live in the global registry (``agent/publish/metrics.py``, ``sysdra_*``) are
+re-exported by a bridge collector, so one endpoint shows everything once.
+
+The daemon calls the ``observe_*``/``set_*`` methods; see docs/operations.md "Metrics".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+log = logging.getLogger("sysdra.metrics")
+
+KINDS = ("gpu", "nic", "fpga", "accelerator")
+HEALTH_STATES = ("healthy", "unhealthy", "unknown")
+REGISTRATION_STATES = ("not_started", "waiting", "registered", "failed")
+_FAST = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class _GlobalSysdraBridge:
+    """Re-exports ``sysdra_*`` families of the global registry that we do not define."""
+
+    def __init__(self, own_names: set[str]):
+        self.own_names = own_names
+
+    def collect(self):
+        for family in REGISTRY.collect():
+            if family.name.startswith("sysdra_") and family.name not in self.own_names:
+                yield family
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None, process: bool = True, bridge_global: bool = True):
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.prepare_total = Counter("sysdra_prepare_total", "NodePrepareResources claims by result", ["result"], registry=r)
+        self.prepare_seconds = Histogram("sysdra_prepare_seconds", "Time to prepare one claim", ["result"], buckets=_FAST, registry=r)
+        self.unprepare_total = Counter("sysdra_unprepare_total", "NodeUnprepareResources claims by result", ["result"], registry=r)
+        self.unprepare_seconds = Histogram("sysdra_unprepare_seconds", "Time to unprepare one claim", ["result"], buckets=_FAST, registry=r)
+        self.published_devices = Gauge("sysdra_published_devices", "Devices in the published ResourceSlices", ["kind"], registry=r)
+        self.publish_attempts = Counter("sysdra_slice_publish_attempts_total", "Pool syncs attempted", registry=r)
+        self.publish_failures = Counter("sysdra_slice_publish_failures_total", "Pool syncs that failed", ["reason"], registry=r)
+        self.publish_seconds = Histogram("sysdra_slice_publish_seconds", "Duration of one pool sync", buckets=_FAST, registry=r)
+        self.change_to_slice_seconds = Histogram(
+            "sysdra_hardware_change_to_slice_seconds", "First hardware event to the slices that reflect it", buckets=_SLOW, registry=r
+        )
+        self.watcher_events = Counter("sysdra_watcher_events_total", "Events that triggered work, by source", ["source"], registry=r)
+        self.device_health = Gauge("sysdra_device_health", "Devices by health state", ["state"], registry=r)
+        self.registration = Enum("sysdra_registration", "Kubelet plugin registration state", states=list(REGISTRATION_STATES), registry=r)
+        self.last_publish = Gauge("sysdra_last_successful_publish_timestamp_seconds", "Unix time of the last successful sync", registry=r)
+        for kind in KINDS:
+            self.published_devices.labels(kind).set(0)
+        for state in HEALTH_STATES:
+            self.device_health.labels(state).set(0)
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+        if bridge_global:
+            r.register(_GlobalSysdraBridge({m.name for m in r.collect()}))
+
+    # --- kubelet plugin -----------------------------------------------------------------
+    def observe_prepare(self, ok: bool, seconds: float) -> None:
+        result = "ok" if ok else "error"
+        self.prepare_total.labels(result).inc()
+        self.prepare_seconds.labels(result).observe(seconds)
+
+    def observe_unprepare(self, ok: bool, seconds: float) -> None:
+        result = "ok" if ok else "error"
+        self.unprepare_total.labels(result).inc()
+        self.unprepare_seconds.labels(result).observe(seconds)
+
+    @contextlib.contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        """``with metrics.timed("prepare"):`` one claim; an exception counts as an error."""
+        observe = {"prepare": self.observe_prepare, "unprepare": self.observe_unprepare}[what]
+        t0 = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            observe(False, time.perf_counter() - t0)
+            raise
+        observe(True, time.perf_counter() - t0)
+
+    def set_registration(self, state: str) -> None:
+        self.registration.state(state if state in REGISTRATION_STATES else "failed")
+
+    # --- publishing -----------------------------------------------------------------------
+    def set_published_devices(self, counts: dict[str, int]) -> None:
+        for kind in set(KINDS) | set(counts):
+            self.published_devices.labels(kind).set(counts.get(kind, 0))
+
+    def observe_publish(self, ok: bool, seconds: float, reason: str = "error") -> None:
+        self.publish_attempts.inc()
+        self.publish_seconds.observe(seconds)
+        if ok:
+            self.last_publish.set(time.time())
+        else:
+            self.publish_failures.labels(reason).inc()
+
+    def observe_change_to_slice(self, seconds: float) -> None:
+        self.change_to_slice_seconds.observe(seconds)
+
+    def count_watcher_event(self, source: str) -> None:
+        """``source``: udev, resync, api (slice watch), dir (offline cluster dir), ..."""
+        self.watcher_events.labels(source).inc()
+
+    def set_health(self, counts: dict[str, int]) -> None:
+        for state in set(HEALTH_STATES) | set(counts):
+            self.device_health.labels(state).set(counts.get(state, 0))
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9478"``, ``"[::1]:9478"`` -> (host, port). An empty host is refused:
+    binding every interface must be written out (``0.0.0.0:9478``)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"metrics address {address!r}: expected HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"metrics address {address!r}: port is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"metrics address {address!r}: port out of range")
+    return host, number
+
+
+class MetricsServer:
+    """The HTTP endpoint; ``port`` is the bound port (useful with port 0)."""
+
+    def __init__(self, httpd, thread):
+        self._httpd, self._thread = httpd, thread
+        self.host, self.port = httpd.server_address[:2]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+
+def start_server(address: str, metrics: Metrics) -> MetricsServer | None:
+    """Serve ``/metrics`` on ``address`` in a daemon thread; None when ``address`` is "".
+
+    Binds exactly the given host (never a wildcard unless written). Raises OSError /
+    ValueError on a bad or busy address; the daemon logs it and runs on without metrics.
+    Quick enough to call from the event loop (it only binds)."""
+    if not address:
+        return None
+    host, port = parse_address(address)
+    httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    server = MetricsServer(httpd, thread)
+    log.info("metrics on http://%s:%d/metrics", server.host, server.port)
+    return server

@@ -1,0 +1,53 @@
+#!/bin/sh
+# Install the sysdra systemd unit, tmpfiles.d entry and default config.
+#
+#   systemd/install.sh                      # onto this host (as root)
+#   DESTDIR=/tmp/stage systemd/install.sh   # into a staging root (packaging, tests)
+#
+# Variables: DESTDIR (staging root, default none), PREFIX (default /usr/local),
+# SYSDRA_BIN (the installed `sysdra` executable, default $PREFIX/bin/sysdra; for a
+# virtualenv install e.g. /opt/sysdra/bin/sysdra), UNITDIR (default /etc/systemd/system),
+# TMPFILESDIR (default /etc/tmpfiles.d), CONFDIR (default /etc/sysdra).
+# An existing config.yaml is never overwritten; the new example goes to config.yaml.example.
+set -eu
+
+here=$(cd "$(dirname "$0")" && pwd)
+DESTDIR=${DESTDIR:-}
+PREFIX=${PREFIX:-/usr/local}
+SYSDRA_BIN=${SYSDRA_BIN:-$PREFIX/bin/sysdra}
+UNITDIR=${UNITDIR:-/etc/systemd/system}
+TMPFILESDIR=${TMPFILESDIR:-/etc/tmpfiles.d}
+CONFDIR=${CONFDIR:-/etc/sysdra}
+DOCDIR=${DOCDIR:-$PREFIX/share/doc/sysdra}
+
+case "$SYSDRA_BIN" in
+  /*) ;;
+  *) echo "install.sh: SYSDRA_BIN must be an absolute path, got '$SYSDRA_BIN'" >&2; exit 2 ;;
+esac
+if [ -z "$DESTDIR" ] && [ ! -x "$SYSDRA_BIN" ]; then
+  echo "install.sh: $SYSDRA_BIN is not executable; install sysdra first (pip install .) or set SYSDRA_BIN" >&2
+  exit 1
+fi
+
+install -d -m 0755 "$DESTDIR$UNITDIR" "$DESTDIR$TMPFILESDIR" "$DESTDIR$CONFDIR" "$DESTDIR$DOCDIR"
+# The unit names /usr/local/bin/sysdra; point it at the real executable.
+sed "s|^ExecStart=/usr/local/bin/sysdra |ExecStart=$SYSDRA_BIN |" "$here/sysdra.service" > "$DESTDIR$UNITDIR/sysdra.service.tmp"
+chmod 0644 "$DESTDIR$UNITDIR/sysdra.service.tmp"
+mv "$DESTDIR$UNITDIR/sysdra.service.tmp" "$DESTDIR$UNITDIR/sysdra.service"
+install -m 0644 "$here/sysdra.tmpfiles.conf" "$DESTDIR$TMPFILESDIR/sysdra.conf"
+if [ -e "$DESTDIR$CONFDIR/config.yaml" ]; then
+  install -m 0644 "$here/config.yaml" "$DESTDIR$CONFDIR/config.yaml.example"
+  echo "kept existing $DESTDIR$CONFDIR/config.yaml; new example in config.yaml.example"
+else
+  install -m 0644 "$here/config.yaml" "$DESTDIR$CONFDIR/config.yaml"
+fi
+if [ -f "$here/../docs/operations.md" ]; then
+  install -m 0644 "$here/../docs/operations.md" "$DESTDIR$DOCDIR/operations.md"
+fi
+
+echo "installed $DESTDIR$UNITDIR/sysdra.service (ExecStart=$SYSDRA_BIN), $DESTDIR$TMPFILESDIR/sysdra.conf, $DESTDIR$CONFDIR/config.yaml"
+if [ -z "$DESTDIR" ] && [ "$(id -u)" = 0 ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+  systemd-tmpfiles --create "$TMPFILESDIR/sysdra.conf"
+  systemctl daemon-reload
+  echo "next: put a kubeconfig in $CONFDIR/kubeconfig (mode 0600), then: systemctl enable --now sysdra"
+fi

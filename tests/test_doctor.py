@@ -1,0 +1,170 @@
+"""sysdra doctor on temp kubelet/CDI/metadata trees: good and broken inputs."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import socket
+
+import pytest
+
+from agent import doctor
+from agent.cli import main as cli_main
+from agent.settings import Settings
+from agent.status import StatusBoard
+from cdi.spec import finish
+from tests.test_status import _Serving
+
+GOOD = {"kind": "k8s.sysdra.io/claim", "devices": [{"name": "0b7e-gpu", "containerEdits": {"deviceNodes": [{"path": "/dev/null"}]}}]}
+
+
+def levels(findings, prefix=""):
+    return [(f.check.split(":", 1)[0], f.level) for f in findings if f.check.startswith(prefix)]
+
+
+@pytest.fixture
+def node(tmp_path):
+    kubelet = tmp_path / "kubelet"
+    plugin = kubelet / "plugins" / "sysdra.io"
+    (kubelet / "plugins_registry").mkdir(parents=True)
+    plugin.mkdir(parents=True)
+    settings = Settings(node_name="node-a", kubelet_dir=str(kubelet), cdi_dir=str(tmp_path / "cdi"), cluster="dir:" + str(tmp_path / "c"))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(plugin / "dra.sock"))
+    listener.listen(1)
+    yield settings, tmp_path
+    listener.close()
+
+
+def test_sockets_good_missing_and_not_a_socket(node):
+    settings, _ = node
+    reg = os.path.join(settings.registry_dir, "sysdra.io-reg.sock")
+    found = doctor.check_kubelet(settings)
+    assert ("dra-socket", "ok") in levels(found) and ("registration-socket", "fail") in levels(found)
+    with open(reg, "w") as f:
+        f.write("oops")
+    bad = [f for f in doctor.check_kubelet(settings) if f.check == "registration-socket"][0]
+    assert bad.level == "fail" and "not a socket (regular file)" in bad.message and "remove" in bad.fix
+    os.unlink(reg)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(reg)
+    stale.close()
+    bad = [f for f in doctor.check_kubelet(settings) if f.check == "registration-socket"][0]
+    assert bad.level == "fail" and "stale" in bad.message
+
+
+def _write(d, name, obj):
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, name)
+    with open(path, "w") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+def test_cdi_specs(tmp_path):
+    d = str(tmp_path / "cdi")
+    _write(d, "good.json", finish(GOOD))
+    too_new = dict(finish(GOOD), cdiVersion="0.6.0", kind="k8s.sysdra.io/other")
+    _write(d, "new.json", too_new)
+    annotated = dict(GOOD, kind="k8s.sysdra.io/ann", annotations={"a": "b"}, cdiVersion="0.5.0")
+    _write(d, "old.json", annotated)
+    _write(d, "broken.json", '{"cdiVersion": "0.5.0", "kind": ')
+    _write(d, "schema.json", {"cdiVersion": "0.5.0", "kind": "k8s.sysdra.io/x", "devices": [{"name": "a"}]})
+    _write(d, "zdup.json", dict(finish(GOOD)))
+    _write(d, "yaml.yaml", "cdiVersion: 0.3.0\nkind: vendor.com/y\ndevices:\n- name: y\n  containerEdits:\n    env: [A=1]\n")
+    _write(d, "gone.json", {"cdiVersion": "0.5.0", "kind": "k8s.sysdra.io/gone",
+                            "devices": [{"name": "g", "containerEdits": {"deviceNodes": [{"path": "/dev/nope", "hostPath": "/dev/nope"}]}}]})
+    by_file = {}
+    for f in doctor.check_cdi_dirs([d]):
+        by_file.setdefault(os.path.basename(f.check.split(":", 1)[1]) if ":" in f.check else f.check, []).append(f)
+    lv = {k: sorted({f.level for f in v}) for k, v in by_file.items()}
+    assert lv["good.json"] == ["ok"]
+    assert lv["yaml.yaml"] == ["ok"]
+    assert lv["new.json"] == ["warn"] and "needs only 0.5.0" in by_file["new.json"][0].message
+    assert lv["old.json"] == ["fail"] and "below" in by_file["old.json"][0].message
+    assert lv["broken.json"] == ["fail"] and "does not parse" in by_file["broken.json"][0].message
+    assert lv["schema.json"] == ["fail"] and "schema" in by_file["schema.json"][0].message
+    assert "fail" in lv["zdup.json"] and "also defined in" in " ".join(f.message for f in by_file["zdup.json"])
+    assert "warn" in lv["gone.json"]
+
+
+def test_cdi_without_jsonschema(tmp_path, monkeypatch):
+    monkeypatch.setattr(doctor, "_schema_validator", lambda: None)
+    d = str(tmp_path / "cdi")
+    _write(d, "schema.json", {"cdiVersion": "0.5.0", "kind": "k8s.sysdra.io/x", "devices": [{"name": "a"}]})
+    found = doctor.check_cdi_dirs([d])
+    assert ("cdi", "warn") in levels(found)  # says jsonschema is missing
+    assert any(f.level == "fail" and "containerEdits" in f.message for f in found)
+
+
+def test_metadata_streams(tmp_path):
+    plugin = str(tmp_path)
+    obj = {"kind": "DeviceMetadata", "apiVersion": "metadata.resource.k8s.io/v1beta1", "metadata": {"name": "c"}, "requests": []}
+    good = _write(os.path.join(plugin, "dra-device-metadata", "ns_c", "req"), "metadata.json",
+                  json.dumps(obj) + "\n" + json.dumps(dict(obj, apiVersion="metadata.resource.k8s.io/v1alpha1")) + "\n")
+    os.chmod(good, 0o644)
+    assert levels(doctor.check_metadata(plugin)) == [("metadata", "ok")]
+    _write(os.path.join(plugin, "dra-device-metadata", "ns_d", "req"), "metadata.json", json.dumps(obj) + "\n" + json.dumps(obj)[:40])
+    found = doctor.check_metadata(plugin)
+    assert [f.level for f in found] == ["fail"] and "complete JSON stream" in found[0].message
+
+
+def test_registration_from_status_socket(tmp_path):
+    b = StatusBoard("node-a", "sysdra.io")
+    path = str(tmp_path / "status.sock")
+    b.set_registration("waiting")
+    with _Serving(b, path):
+        assert levels(doctor.check_registration(path)) == [("registration", "warn")]
+        b.set_registration("registered")
+        assert levels(doctor.check_registration(path)) == [("registration", "ok")]
+        b.record_error("publish", "API error 403")
+        assert levels(doctor.check_registration(path)) == [("registration", "ok"), ("agent", "warn")]
+    assert levels(doctor.check_registration(path)) == [("registration", "fail")]
+
+
+def test_api_permissions_and_clock():
+    now = 1_800_000_000.0
+    date = email.utils.formatdate(now, usegmt=True)
+    calls = []
+
+    def review(verb, group, resource, name):
+        calls.append((verb, resource, name))
+        return (verb != "delete"), date
+
+    found = doctor.check_api("kube", "node-a", review, now=lambda: now + 1)
+    assert levels(found) == [("api", "ok"), ("rbac", "fail"), ("clock", "ok")]
+    assert "delete resourceslices" in found[1].message
+    assert ("get", "nodes", "node-a") in calls
+    skewed = doctor.check_api("kube", "node-a", lambda *a: (True, date), now=lambda: now + 60)
+    assert levels(skewed) == [("api", "ok"), ("rbac", "ok"), ("clock", "fail")]
+    assert doctor.check_api("dir:/x", "node-a")[0].level == "skip"
+
+    def unreachable(*a):
+        raise ConnectionRefusedError("refused")
+
+    assert levels(doctor.check_api("kube", "n", unreachable)) == [("api", "fail")]
+
+
+def test_cli_exit_codes(node, capsys):
+    settings, tmp = node
+    args = ["doctor", "--kubelet-dir", settings.kubelet_dir, "--cdi-dir", str(tmp / "cdi"), "--cluster", settings.cluster]
+    os.makedirs(tmp / "cdi")
+    _write(str(tmp / "cdi"), "good.json", finish(GOOD))
+    reg = os.path.join(settings.registry_dir, "sysdra.io-reg.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(reg)
+    listener.listen(1)
+    b = StatusBoard("node-a", "sysdra.io")
+    b.set_registration("registered")
+    try:
+        with _Serving(b, os.path.join(settings.plugin_dir, "status.sock")):
+            assert cli_main(args) == 0, capsys.readouterr().out
+            out = capsys.readouterr().out
+            assert "0 problem(s)" in out
+            _write(str(tmp / "cdi"), "broken.json", "{")
+            assert cli_main(args) == 1
+            out = capsys.readouterr().out
+            assert "[FAIL] cdi:" in out and "fix:" in out
+    finally:
+        listener.close()

@@ -1,0 +1,94 @@
+"""agent.metrics: a private registry served over real HTTP on an ephemeral loopback port."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.metrics import Metrics, parse_address, start_server
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture
+def served():
+    m = Metrics()
+    server = start_server("127.0.0.1:0", m)
+    try:
+        yield m, server
+    finally:
+        server.close()
+
+
+def test_scrape_over_http(served):
+    m, server = served
+    with m.timed("prepare"):
+        pass
+    with pytest.raises(RuntimeError), m.timed("prepare"):
+        raise RuntimeError("boom")
+    m.observe_unprepare(True, 0.003)
+    m.set_published_devices({"gpu": 2, "nic": 4})
+    m.observe_publish(True, 0.05)
+    m.observe_publish(False, 0.5, reason="conflict")
+    m.observe_change_to_slice(0.7)
+    m.count_watcher_event("udev")
+    m.set_health({"healthy": 5, "unhealthy": 1})
+    m.set_registration("registered")
+    got = _scrape(server.port)
+    assert got[("sysdra_prepare_total", (("result", "ok"),))] == 1
+    assert got[("sysdra_prepare_total", (("result", "error"),))] == 1
+    assert got[("sysdra_prepare_seconds_count", (("result", "error"),))] == 1
+    assert got[("sysdra_unprepare_seconds_count", (("result", "ok"),))] == 1
+    assert got[("sysdra_published_devices", (("kind", "gpu"),))] == 2
+    assert got[("sysdra_published_devices", (("kind", "fpga"),))] == 0
+    assert got[("sysdra_slice_publish_attempts_total", ())] == 2
+    assert got[("sysdra_slice_publish_failures_total", (("reason", "conflict"),))] == 1
+    assert got[("sysdra_slice_publish_seconds_count", ())] == 2
+    assert got[("sysdra_hardware_change_to_slice_seconds_count", ())] == 1
+    assert got[("sysdra_watcher_events_total", (("source", "udev"),))] == 1
+    assert got[("sysdra_device_health", (("state", "unhealthy"),))] == 1
+    assert got[("sysdra_registration", (("sysdra_registration", "registered"),))] == 1
+    assert got[("sysdra_registration", (("sysdra_registration", "failed"),))] == 0
+    assert ("process_resident_memory_bytes", ()) in got
+
+
+def test_registries_are_independent():
+    a, b = Metrics(process=False), Metrics(process=False)
+    a.count_watcher_event("udev")
+    assert b.registry.get_sample_value("sysdra_watcher_events_total", {"source": "udev"}) is None
+
+
+def test_publisher_metrics_bridged_once(served):
+    from agent.publish import metrics as publish_metrics
+
+    publish_metrics.SLICE_WRITES.labels("create").inc()
+    m, server = served
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+    assert "sysdra_resourceslice_writes_total" in text
+    names = [f.name for f in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))
+
+
+def test_binds_only_the_given_address(served):
+    import psutil
+
+    _, server = served
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port]
+    assert [a.ip for a in listening] == ["127.0.0.1"]  # not 0.0.0.0 / ::
+
+
+def test_disabled_and_bad_addresses():
+    assert start_server("", Metrics(process=False)) is None
+    assert parse_address("[::1]:9478") == ("::1", 9478)
+    for bad in ("9478", ":9478", "host:port", "127.0.0.1:70000"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
