@@ -42,6 +42,9 @@ class Settings(BaseModel):
     metrics_address: str = "127.0.0.1:9478"  # "" disables
     status_socket: str | None = None  # default <plugin dir>/status.sock
     health_interval: float = 5.0  # seconds between health re-checks / resends (<= 10)
+    # Publish per-PF shared counters so a PF and its VFs are never allocated together;
+    # needs the DRAPartitionableDevices feature gate on the cluster (docs/attributes.md "SR-IOV").
+    pf_vf_exclusive: bool = False
 
     @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod

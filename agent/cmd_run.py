@@ -1,0 +1,67 @@
+"""``sysdra run``: the node agent daemon (see agent/daemon.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+
+from agent.settings import Settings, build_settings
+
+# flag -> setting; values stay strings so a bad one is reported by Settings, naming the setting (exit 78)
+VALUE_FLAGS = ("root", "node-name", "driver-name", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
+               "log-level", "log-format", "metrics-address", "rolling-update-uid")
+SWITCH_FLAGS = ("list-attributes", "pf-vf-exclusive")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run the node agent: publish ResourceSlices and serve the kubelet")
+    p.add_argument("--config", metavar="FILE", help="YAML config file (default $SYSDRA_CONFIG or /etc/sysdra/config.yaml)")
+    for flag in VALUE_FLAGS:
+        p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), metavar=flag.split("-")[-1].upper())
+    for flag in SWITCH_FLAGS:
+        p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), action="store_const", const=True, default=None)
+    p.set_defaults(func=run)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps({"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()})
+
+
+def setup_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+
+
+def start_metrics(address: str) -> None:
+    if not address:
+        return
+    from prometheus_client import start_http_server
+
+    host, _, port = address.rpartition(":")
+    try:
+        start_http_server(int(port), addr=host or "0.0.0.0")
+    except (OSError, ValueError) as err:
+        logging.getLogger("sysdra").warning("metrics endpoint %s not started: %s", address, err)
+
+
+def settings_from_args(args) -> Settings:
+    flags = {name.replace("-", "_"): getattr(args, name.replace("-", "_"), None) for name in VALUE_FLAGS + SWITCH_FLAGS}
+    return build_settings(flags, config_file=args.config)
+
+
+def run(args) -> int:
+    settings = settings_from_args(args)
+    setup_logging(settings)
+    start_metrics(settings.metrics_address)
+    from agent.daemon import serve
+
+    return asyncio.run(serve(settings))

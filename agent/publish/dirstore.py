@@ -1,0 +1,112 @@
+"""Offline cluster: ResourceSlices as ``PATH/resourceslices/<name>.json``, one object per
+file, written atomically. uid and resourceVersion are kept in the files so the
+reconciler's preconditions mean the same as against the API server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+
+from agent.fsutil import atomic_write_json, clean_stale_temps
+from agent.publish.store import Conflict, NotFound, StoreError
+
+log = logging.getLogger("sysdra.publish")
+
+
+class DirStore:
+    full_names = True
+
+    def __init__(self, cluster_dir: str, *, node_name: str, driver_name: str):
+        self.directory = os.path.join(cluster_dir, "resourceslices")
+        self.node_name = node_name
+        self.driver_name = driver_name
+        os.makedirs(self.directory, exist_ok=True)
+        clean_stale_temps(self.directory)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name + ".json")
+
+    def _read(self, name: str) -> dict | None:
+        try:
+            with open(self.path(name), encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            # a half-edited or foreign file: not ours to interpret, but do not crash
+            log.warning("ignoring unreadable slice file %s: %s", self.path(name), err)
+            return None
+
+    def _list(self) -> list[dict]:
+        out = []
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as err:
+            raise StoreError(f"cannot list {self.directory}: {err}") from err
+        for fname in names:
+            if fname.startswith(".") or not fname.endswith(".json"):
+                continue
+            obj = self._read(fname[: -len(".json")])
+            spec = (obj or {}).get("spec") or {}
+            if spec.get("nodeName") == self.node_name and spec.get("driver") == self.driver_name:
+                out.append(obj)
+        return out
+
+    def _write(self, obj: dict) -> dict:
+        try:
+            atomic_write_json(self.path(obj["metadata"]["name"]), obj)
+        except OSError as err:
+            raise StoreError(str(err)) from err
+        return obj
+
+    def _create(self, obj: dict) -> dict:
+        name = obj["metadata"]["name"]
+        if os.path.exists(self.path(name)):
+            raise Conflict(f"resourceslice {name} already exists")
+        obj = json.loads(json.dumps(obj))
+        obj["metadata"].update(uid=str(uuid.uuid4()), resourceVersion="1")
+        return self._write(obj)
+
+    def _check(self, name: str, uid: str | None, resource_version: str | None) -> dict:
+        old = self._read(name)
+        if old is None:
+            raise NotFound(f"resourceslice {name} not found")
+        meta = old.get("metadata", {})
+        if uid and meta.get("uid") != uid:
+            raise Conflict(f"resourceslice {name}: uid precondition failed")
+        if resource_version and meta.get("resourceVersion") != resource_version:
+            raise Conflict(f"resourceslice {name}: resourceVersion precondition failed")
+        return old
+
+    def _update(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        old = self._check(meta["name"], meta.get("uid"), meta.get("resourceVersion"))
+        obj = json.loads(json.dumps(obj))
+        obj["metadata"]["uid"] = old["metadata"].get("uid")
+        obj["metadata"]["resourceVersion"] = str(int(old["metadata"].get("resourceVersion") or 0) + 1)
+        return self._write(obj)
+
+    def _delete(self, name: str, uid: str, resource_version: str) -> None:
+        self._check(name, uid, resource_version)
+        try:
+            os.unlink(self.path(name))
+        except FileNotFoundError as err:
+            raise NotFound(name) from err
+        except OSError as err:
+            raise StoreError(str(err)) from err
+
+    # async facade: file I/O is short; fsync can take a while on a busy disk
+    async def list_slices(self) -> list[dict]:
+        return await asyncio.to_thread(self._list)
+
+    async def create(self, obj: dict) -> dict:
+        return await asyncio.to_thread(self._create, obj)
+
+    async def update(self, obj: dict) -> dict:
+        return await asyncio.to_thread(self._update, obj)
+
+    async def delete(self, name: str, uid: str, resource_version: str) -> None:
+        await asyncio.to_thread(self._delete, name, uid, resource_version)

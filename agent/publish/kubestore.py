@@ -1,0 +1,99 @@
+"""ResourceSlices in the Kubernetes API through lightkube's AsyncClient.
+
+lightkube's ``delete`` takes no preconditions, so deletes go through its generic client
+with a DeleteOptions body; everything else uses the public API."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import httpx2
+from lightkube import ApiError, AsyncClient
+from lightkube.resources.core_v1 import Node
+from lightkube.resources.resource_v1 import ResourceSlice
+
+from agent.publish.store import Conflict, Gone, NotFound, StoreError
+
+log = logging.getLogger("sysdra.publish")
+
+
+def _mapped(err: Exception) -> StoreError:
+    if isinstance(err, ApiError):
+        code = err.status.code
+        message = f"API error {code}: {err.status.message}"
+        if code == 409:
+            return Conflict(message)
+        if code == 404:
+            return NotFound(message)
+        if code == 410:
+            return Gone(message)
+        return StoreError(message)
+    return StoreError(f"API request failed: {type(err).__name__}: {err}")
+
+
+class KubeStore:
+    full_names = False
+
+    def __init__(self, client: AsyncClient, *, node_name: str, driver_name: str):
+        self.client = client
+        self.node_name = node_name
+        self.driver_name = driver_name
+        self.fields = {"spec.nodeName": node_name, "spec.driver": driver_name}
+        self.list_resource_version: str | None = None  # where a watch continues after a list
+
+    async def list_slices(self) -> list[dict]:
+        try:
+            it = self.client.list(ResourceSlice, fields=self.fields)
+            items = [obj.to_dict() async for obj in it]
+            self.list_resource_version = getattr(it, "_resourceVersion", None)
+            return items
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+
+    async def create(self, obj: dict) -> dict:
+        try:
+            return (await self.client.create(ResourceSlice.from_dict(obj))).to_dict()
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+
+    async def update(self, obj: dict) -> dict:
+        try:
+            return (await self.client.replace(ResourceSlice.from_dict(obj))).to_dict()
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+
+    async def delete(self, name: str, uid: str, resource_version: str) -> None:
+        generic = self.client._client  # lightkube's GenericAsyncClient: no public delete preconditions
+        request = generic.prepare_request("delete", res=ResourceSlice, name=name)
+        request.data = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": uid or None, "resourceVersion": resource_version or None},
+        }
+        try:
+            response = await generic.send(generic.build_adapter_request(request))
+            generic.handle_response("delete", response, request)
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+
+    async def node_uid(self) -> str | None:
+        try:
+            node = await self.client.get(Node, self.node_name)
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+        return node.metadata.uid
+
+    async def watch(self, resource_version: str | None) -> AsyncIterator[tuple[str, dict]]:
+        """Events on our slices; lightkube reconnects on a clean end of stream.
+        Errors (410 Gone, dropped connection) surface as StoreError for the caller to re-list."""
+        try:
+            async for kind, obj in self.client.watch(ResourceSlice, fields=self.fields, resource_version=resource_version):
+                yield kind, obj.to_dict()
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+
+
+def kube_client(field_manager: str) -> AsyncClient:
+    """Kubeconfig from $KUBECONFIG / ~/.kube/config, or the in-cluster service account."""
+    return AsyncClient(field_manager=field_manager, timeout=httpx2.Timeout(10.0))

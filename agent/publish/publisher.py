@@ -1,0 +1,117 @@
+"""Keeps the store equal to the desired pool: syncs on request (new inventory, a watch
+event from someone else's write or the kubelet's wipe), on a timer, and retries failures
+with backoff. Never raises out of ``run``: API errors are logged and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from agent.publish import metrics
+from agent.publish.backoff import Backoff
+from agent.publish.reconcile import Reconciler, SyncStats
+from agent.publish.store import Conflict, SliceStore, StoreError
+from agent.slices import PoolContent
+
+log = logging.getLogger("sysdra.publish")
+
+
+class Publisher:
+    def __init__(self, store: SliceStore, *, node_name: str, driver_name: str, resync_interval: float = 300.0,
+                 debounce: float = 0.25, backoff: Backoff | None = None):
+        self.store = store
+        self.reconciler = Reconciler(store, node_name=node_name, driver_name=driver_name)
+        self.resync_interval = resync_interval
+        self.debounce = debounce  # coalesce bursts of watch events into one sync
+        self.backoff = backoff or Backoff()
+        self.pool: PoolContent | None = None
+        self.last_stats: SyncStats | None = None
+        self.total = SyncStats()
+        self.syncs = 0
+        self.errors = 0
+        self._wake = asyncio.Event()
+        self._synced = asyncio.Condition()
+        self._owner_logged = False
+        self._pending_since: float | None = None  # monotonic time of the change waiting to be published
+        self._urgent = False  # a new pool skips the debounce: its rescan was already debounced
+
+    # --- inputs ------------------------------------------------------------------------
+    def set_pool(self, pool: PoolContent, changed_at: float | None = None) -> None:
+        self.pool = pool
+        if changed_at is not None and self._pending_since is None:
+            self._pending_since = changed_at
+        self._urgent = True
+        self._wake.set()
+
+    def request_sync(self) -> None:
+        self._wake.set()
+
+    # --- loop --------------------------------------------------------------------------
+    async def _resolve_owner(self) -> None:
+        lookup = getattr(self.store, "node_uid", None)
+        if lookup is None or self.reconciler.node_uid:
+            return
+        try:
+            self.reconciler.node_uid = await lookup()
+        except StoreError as err:
+            if not self._owner_logged:
+                log.warning("cannot read Node %s (%s): publishing slices without an owner reference", self.reconciler.node_name, err)
+                self._owner_logged = True
+
+    async def sync_once(self) -> SyncStats:
+        await self._resolve_owner()
+        stats = await self.reconciler.sync(self.pool)
+        self.last_stats = stats
+        self.total.created += stats.created
+        self.total.updated += stats.updated
+        self.total.deleted += stats.deleted
+        self.syncs += 1
+        if self._pending_since is not None:
+            metrics.PUBLISH_LATENCY.observe(time.monotonic() - self._pending_since)
+            self._pending_since = None
+        async with self._synced:
+            self._synced.notify_all()
+        return stats
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.resync_interval or None)
+            except asyncio.TimeoutError:
+                pass  # periodic resync: repairs drift nobody told us about
+            self._wake.clear()
+            if self.debounce and not self._urgent:
+                await asyncio.sleep(self.debounce)
+                self._wake.clear()
+            self._urgent = False
+            if self.pool is None:
+                continue
+            while True:
+                try:
+                    await self.sync_once()
+                    self.backoff.reset()
+                    break
+                except Conflict as err:
+                    # someone else wrote in between: re-list and try again, briefly backed off
+                    self._count_error("conflict", err)
+                    await asyncio.sleep(min(self.backoff.next(), 1.0))
+                except StoreError as err:
+                    self._count_error("api", err)
+                    await asyncio.sleep(self.backoff.next())
+                except Exception as err:  # noqa: BLE001 - a bug must not stop publishing forever
+                    log.exception("unexpected error while publishing slices")
+                    self._count_error("internal", err)
+                    await asyncio.sleep(self.backoff.next())
+
+    def _count_error(self, reason: str, err: Exception) -> None:
+        self.errors += 1
+        metrics.SYNC_ERRORS.labels(reason).inc()
+        log.warning("publishing slices failed (%s): %s; retrying", reason, err)
+
+    async def wait_synced(self, predicate=lambda p: True, timeout: float = 10.0) -> None:
+        """For tests and start-up: wait until a sync has completed and ``predicate(self)`` holds."""
+        async def _wait():
+            async with self._synced:
+                await self._synced.wait_for(lambda: self.syncs > 0 and predicate(self))
+        await asyncio.wait_for(_wait(), timeout)

@@ -1,0 +1,138 @@
+"""Desired pool vs. slices in the store, reconciled like the upstream ResourceSlice
+controller (protocol reference §4.2): delete obsolete slices first (with UID and
+resourceVersion preconditions), then update changed ones, then create missing ones.
+
+Generation: current = highest generation in the store; slices below it are obsolete.
+It stays when nothing is created and at most one slice changes; otherwise it becomes
+max(current, last we published) + 1 and every kept slice is rewritten. So it never goes
+backwards, neither across restarts (the store still holds newer slices) nor after a wipe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from agent.publish import metrics
+from agent.publish.store import NotFound, SliceStore
+from agent.slices import PoolContent, parse_index, render_slice
+from agent.validation import parse_quantity
+
+log = logging.getLogger("sysdra.publish")
+
+
+@dataclass
+class SyncStats:
+    created: int = 0
+    updated: int = 0
+    deleted: int = 0
+    generation: int = 0
+
+    @property
+    def writes(self) -> int:
+        return self.created + self.updated + self.deleted
+
+
+def _canonical(value):
+    """Compare as the API server stores: quantities by value, absent lists/maps as empty."""
+    if isinstance(value, dict):
+        if set(value) == {"value"} and isinstance(value["value"], str):
+            try:
+                return ("quantity", parse_quantity(value["value"]))
+            except ValueError:
+                pass
+        return {k: _canonical(v) for k, v in value.items() if v not in (None, [], {})}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+_SPEC_FIELDS = ("driver", "pool", "nodeName", "nodeSelector", "allNodes", "devices", "sharedCounters", "perDeviceNodeSelection")
+
+
+def _owner_key(obj: dict) -> list[tuple]:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return [(r.get("kind"), r.get("name"), r.get("uid"), bool(r.get("controller"))) for r in refs]
+
+
+def same_slice(existing: dict, desired: dict) -> bool:
+    a, b = existing.get("spec", {}), desired.get("spec", {})
+    if any(_canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS):
+        return False
+    return not _owner_key(desired) or _owner_key(existing) == _owner_key(desired)
+
+
+def _generation(obj: dict) -> int:
+    return int(obj.get("spec", {}).get("pool", {}).get("generation") or 0)
+
+
+class Reconciler:
+    """One pool of one driver on one node. ``sync`` is idempotent; a no-op sync writes nothing."""
+
+    def __init__(self, store: SliceStore, *, node_name: str, driver_name: str):
+        self.store = store
+        self.node_name = node_name
+        self.driver_name = driver_name
+        self.generation_floor = 0  # highest generation we published in this process
+        self.node_uid: str | None = None
+
+    def _ours(self, obj: dict, pool: PoolContent) -> bool:
+        spec = obj.get("spec", {})
+        return spec.get("driver") == self.driver_name and spec.get("nodeName") == self.node_name and spec.get("pool", {}).get("name") == pool.name
+
+    def _desired(self, pool: PoolContent, index: int, generation: int) -> dict:
+        return render_slice(
+            pool, index, driver_name=self.driver_name, node_name=self.node_name,
+            generation=generation, node_uid=self.node_uid, full_name=self.store.full_names,
+        )
+
+    async def sync(self, pool: PoolContent) -> SyncStats:
+        """Raises StoreError (Conflict included) on failure; the caller retries with backoff."""
+        existing = sorted((s for s in await self.store.list_slices() if self._ours(s, pool)), key=lambda s: s["metadata"]["name"])
+        count = len(pool.slices)
+        current = max((_generation(s) for s in existing), default=0)
+        matched: dict[int, dict] = {}
+        obsolete: list[dict] = []
+        for s in existing:
+            index = parse_index(s["metadata"]["name"], count)
+            if _generation(s) < current or index is None or index in matched:
+                obsolete.append(s)
+            else:
+                matched[index] = s
+        missing = [i for i in range(count) if i not in matched]
+        changed = [i for i, s in matched.items() if not same_slice(s, self._desired(pool, i, current))]
+        base = max(current, self.generation_floor)
+        if not missing and len(changed) <= 1 and base == current:
+            generation, to_update = current, changed
+        else:
+            generation, to_update = base + 1, sorted(matched)
+        stats = SyncStats(generation=generation)
+        for s in obsolete:
+            meta = s["metadata"]
+            try:
+                await self.store.delete(meta["name"], meta.get("uid", ""), meta.get("resourceVersion", ""))
+            except NotFound:
+                pass  # someone (the kubelet) was faster
+            stats.deleted += 1
+            metrics.SLICE_WRITES.labels("delete").inc()
+        for i in to_update:
+            obj = self._desired(pool, i, generation)
+            old = matched[i]["metadata"]
+            obj["metadata"].pop("generateName", None)
+            obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
+            await self.store.update(obj)
+            stats.updated += 1
+            metrics.SLICE_WRITES.labels("update").inc()
+        for i in missing:
+            await self.store.create(self._desired(pool, i, generation))
+            stats.created += 1
+            metrics.SLICE_WRITES.labels("create").inc()
+        self.generation_floor = generation
+        metrics.POOL_GENERATION.set(generation)
+        if stats.writes:
+            log.info(
+                "published pool %s generation %d: %d created, %d updated, %d deleted",
+                pool.name, generation, stats.created, stats.updated, stats.deleted,
+            )
+        return stats
+

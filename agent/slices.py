@@ -1,0 +1,196 @@
+"""Inventory -> ResourceSlice objects (resource.k8s.io/v1). Pure: no I/O, no clock.
+
+One pool per node, named after the node. The pool's content (which device goes into
+which slice) is built here; names, generation and resourceSliceCount are applied by
+``render`` so the publisher can pick the generation (§4.2 of the protocol reference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from agent.validation import device_problems
+
+API_VERSION = "resource.k8s.io/v1"
+KIND = "ResourceSlice"
+MAX_DEVICES = 128
+MAX_DEVICES_ADVANCED = 64  # any taint, consumesCounters or list attribute in the slice
+MAX_COUNTER_SETS = 8
+# generateName: the apiserver keeps 58 characters of the prefix and appends 5 random ones
+MAX_GENERATE_PREFIX = 58
+_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+# Driver-local attribute added to a VF when discovery gives no attribute holding its PF's BDF
+PF_ATTRIBUTE = "pfPciAddress"  # same name discovery uses (docs/attributes.md)
+PF_COUNTER = "functions"
+
+
+@dataclass(frozen=True)
+class PoolContent:
+    """The desired pool before naming: each entry is one slice's ``devices`` or ``sharedCounters``."""
+
+    name: str
+    slices: tuple[dict, ...]
+    rejected: tuple[tuple[str, str], ...] = field(default=())  # (device name, reason)
+
+
+def is_advanced(device: dict) -> bool:
+    if device.get("taints") or device.get("consumesCounters"):
+        return True
+    return any(next(iter(v)) in ("ints", "bools", "strings", "versions") for v in (device.get("attributes") or {}).values())
+
+
+def chunk_devices(devices: list[dict]) -> list[list[dict]]:
+    """Greedy split keeping order: 128 per slice, 64 once the slice holds an advanced device."""
+    chunks: list[list[dict]] = []
+    current: list[dict] = []
+    advanced = False
+    for device in devices:
+        adv = advanced or is_advanced(device)
+        if current and len(current) + 1 > (MAX_DEVICES_ADVANCED if adv else MAX_DEVICES):
+            chunks.append(current)
+            current, adv = [], is_advanced(device)
+        current.append(device)
+        advanced = adv
+    if current or not chunks:
+        chunks.append(current)  # an empty pool still gets one (empty) slice
+    return chunks
+
+
+def _with_pf_attribute(entry: dict, pf_bdf: str) -> dict:
+    attributes = entry.get("attributes") or {}
+    if any(v.get("string") == pf_bdf for v in attributes.values()):
+        return entry
+    attributes = dict(attributes, **{PF_ATTRIBUTE: {"string": pf_bdf}})
+    return dict(entry, attributes=dict(sorted(attributes.items())))
+
+
+def counter_set_name(pf_bdf: str) -> str:
+    return "pf-" + pf_bdf.replace(":", "-").replace(".", "-")
+
+
+def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: dict[str, str]) -> tuple[list[dict], list[dict]]:
+    """Shared counter per PF: the PF consumes all of it, each VF one unit, so a PF and any
+    of its VFs never fit together while VFs still combine freely."""
+    present = {bdf_of[e["name"]]: e["name"] for e in entries}
+    vfs_by_pf: dict[str, int] = {}
+    for e in entries:
+        pf = pf_of.get(e["name"])
+        if pf in present:
+            vfs_by_pf[pf] = vfs_by_pf.get(pf, 0) + 1
+    counter_sets = [
+        {"name": counter_set_name(pf), "counters": {PF_COUNTER: {"value": str(n)}}} for pf, n in sorted(vfs_by_pf.items())
+    ]
+    out = []
+    for e in entries:
+        bdf, pf = bdf_of[e["name"]], pf_of.get(e["name"])
+        if bdf in vfs_by_pf:
+            e = dict(e, consumesCounters=[{"counterSet": counter_set_name(bdf), "counters": {PF_COUNTER: {"value": str(vfs_by_pf[bdf])}}}])
+        elif pf in vfs_by_pf:
+            e = dict(e, consumesCounters=[{"counterSet": counter_set_name(pf), "counters": {PF_COUNTER: {"value": "1"}}}])
+        out.append(e)
+    return out, counter_sets
+
+
+def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False) -> PoolContent:
+    """Validated, chunked pool content for this node's devices (inventory order = allocation order)."""
+    rejected: list[tuple[str, str]] = []
+    entries: list[dict] = []
+    seen: set[str] = set()
+    pf_of: dict[str, str | None] = {}
+    bdf_of: dict[str, str] = {}
+    for device in inventory.devices:
+        entry = device.to_api()
+        if device.pci.physfn:
+            entry = _with_pf_attribute(entry, device.pci.physfn)
+        problems = device_problems(entry, driver_name, list_attributes)
+        if device.name in seen:
+            problems.append("device name used twice in the pool")
+        if problems:
+            rejected.append((device.name, "; ".join(problems)))
+            continue
+        seen.add(device.name)
+        pf_of[device.name], bdf_of[device.name] = device.pci.physfn, device.pci.bdf
+        entries.append(entry)
+    slices: list[dict] = []
+    if pf_vf_exclusive:
+        entries, counter_sets = _pf_vf_counters(entries, pf_of, bdf_of)
+        # counter slices first: PFs come and go less often than devices, so indexes stay put
+        for i in range(0, len(counter_sets), MAX_COUNTER_SETS):
+            slices.append({"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]})
+    slices.extend({"devices": chunk} for chunk in chunk_devices(entries))
+    return PoolContent(name=node_name, slices=tuple(slices), rejected=tuple(rejected))
+
+
+def index_width(count: int) -> int:
+    return max(5, len(f"{max(count - 1, 0):x}"))
+
+
+def generate_name(index: int, count: int, driver_name: str, node_name: str) -> str:
+    """``<hex index>-<driver>-<node>-``: names sort in pool order (the allocator's first-fit order)."""
+    return f"{index:0{index_width(count)}x}-{driver_name}-{node_name}-"
+
+
+def parse_index(name: str, count: int) -> int | None:
+    """The slice index encoded in ``name``, or None when the name is not one of ours for this count."""
+    prefix, dash, _ = name.partition("-")
+    if not dash or len(prefix) != index_width(count) or any(c not in "0123456789abcdef" for c in prefix):
+        return None
+    index = int(prefix, 16)
+    return index if index < count else None
+
+
+def offline_name(prefix: str) -> str:
+    """A deterministic stand-in for the apiserver's generateName: same length rules, hashed suffix."""
+    base = prefix[:MAX_GENERATE_PREFIX]
+    digest = hashlib.sha256(prefix.encode()).digest()
+    return base + "".join(_NAME_ALPHABET[b % len(_NAME_ALPHABET)] for b in digest[:5])
+
+
+def node_owner(node_name: str, node_uid: str | None) -> list[dict] | None:
+    if not node_uid:
+        return None
+    return [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}]
+
+
+def render_slice(
+    pool: PoolContent,
+    index: int,
+    *,
+    driver_name: str,
+    node_name: str,
+    generation: int,
+    node_uid: str | None = None,
+    full_name: bool = False,
+) -> dict:
+    count = len(pool.slices)
+    prefix = generate_name(index, count, driver_name, node_name)
+    metadata: dict = {"name": offline_name(prefix)} if full_name else {"generateName": prefix}
+    owner = node_owner(node_name, node_uid)
+    if owner:
+        metadata["ownerReferences"] = owner
+    spec: dict = {
+        "driver": driver_name,
+        "pool": {"name": pool.name, "generation": generation, "resourceSliceCount": count},
+        "nodeName": node_name,
+    }
+    spec.update(pool.slices[index])
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
+
+
+def render(pool: PoolContent, **kwargs) -> list[dict]:
+    return [render_slice(pool, i, **kwargs) for i in range(len(pool.slices))]
+
+
+def slices_list(inventory, settings, generation: int = 1, node_uid: str | None = None) -> dict:
+    """``sysdra scan -o slices``: what would be published for a fresh pool, as a Kubernetes List."""
+    pool = build_pool(
+        inventory,
+        node_name=settings.node_name,
+        driver_name=settings.driver_name,
+        list_attributes=settings.list_attributes,
+        pf_vf_exclusive=getattr(settings, "pf_vf_exclusive", False),
+    )
+    items = render(pool, driver_name=settings.driver_name, node_name=settings.node_name, generation=generation, node_uid=node_uid, full_name=True)
+    return {"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items}
+

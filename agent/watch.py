@@ -1,0 +1,151 @@
+"""Hardware change triggers. Events never carry data we use: they only schedule a rescan.
+
+- real root (``/``): pyudev netlink monitor on the subsystems we publish (udev source
+  when udevd runs, else raw kernel uevents); inotify cannot see sysfs changes;
+- fixture root: watchdog file events below ROOT/sys (tests, demos);
+- both: a periodic full rescan as a safety net (netlink drops events under bursts).
+
+``Debouncer`` turns a burst into one rescan: the first event arms a timer of ``debounce``
+seconds, later events within the window ride along, so latency stays <= debounce + scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Callable
+
+log = logging.getLogger("sysdra.watch")
+
+SUBSYSTEMS = ("pci", "net", "infiniband", "infiniband_verbs", "drm", "accel", "vfio",
+              "fpga_region", "fpga_manager", "fpga_bridge", "dfl")
+
+
+class Debouncer:
+    """Calls ``action(first_event_time)`` once per burst; never runs two actions at once."""
+
+    def __init__(self, delay: float, action: Callable[[float], "asyncio.Future | None"]):
+        self.delay = delay
+        self.action = action
+        self.events = 0
+        self.runs = 0
+        self._first: float | None = None
+        self._task: asyncio.Task | None = None
+
+    def trigger(self) -> None:
+        self.events += 1
+        if self._first is None:
+            self._first = time.monotonic()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self._first is not None:
+            await asyncio.sleep(max(0.0, self._first + self.delay - time.monotonic()))
+            first, self._first = self._first, None
+            self.runs += 1
+            try:
+                result = self.action(first)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # noqa: BLE001 - a failed rescan must not stop later ones
+                log.exception("rescan after hardware change failed")
+
+    def cancel(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+
+def udev_source() -> str:
+    # udevd re-broadcasts processed events (device nodes exist by then); without it only the kernel's arrive
+    return "udev" if os.path.exists("/run/udev/control") else "kernel"
+
+
+class UdevSource:
+    """pyudev netlink monitor wired into the event loop with ``add_reader``."""
+
+    def __init__(self, callback: Callable[[object], None], subsystems=SUBSYSTEMS, source: str | None = None):
+        import pyudev
+
+        self.source = source or udev_source()
+        self.monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=self.source)
+        for subsystem in subsystems:
+            self.monitor.filter_by(subsystem)
+        self.callback = callback
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.monitor.start()
+        self._loop = loop
+        loop.add_reader(self.monitor.fileno(), self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                device = self.monitor.poll(timeout=0)
+            except OSError as err:  # ENOBUFS: the kernel dropped events; a rescan covers them
+                log.warning("uevent monitor: %s; rescanning", err)
+                self.callback(None)
+                return
+            if device is None:
+                return
+            log.debug("uevent %s %s (%s)", device.action, device.device_path, device.subsystem)
+            self.callback(device)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.monitor.fileno())
+            self._loop = None
+
+
+def start_file_observer(paths: list[str], callback: Callable[[str], None], recursive: bool = True):
+    """watchdog observer calling ``callback(path)`` (from its thread) for every change."""
+    from watchdog import events as ev
+    from watchdog.observers import Observer
+
+    class Handler(ev.FileSystemEventHandler):
+        def on_any_event(self, event):
+            callback(event.src_path)
+
+    # Only changes: subscribing to opens/reads would make every rescan flood the inotify queue.
+    changes = [ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileModifiedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
+               ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent]
+    observer = Observer()
+    for path in paths:
+        if os.path.isdir(path):
+            observer.schedule(Handler(), path, recursive=recursive, event_filter=changes)
+    observer.daemon = True
+    observer.start()
+    return observer
+
+
+class HardwareWatcher:
+    """Starts the right event source for ``root`` and feeds the debouncer."""
+
+    def __init__(self, root: str, debouncer: Debouncer):
+        self.root = root
+        self.debouncer = debouncer
+        self._udev: UdevSource | None = None
+        self._observer = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if os.path.abspath(self.root) == "/":
+            try:
+                self._udev = UdevSource(lambda _device: self.debouncer.trigger())
+                self._udev.start(loop)
+                log.info("watching %s uevents for %s", self._udev.source, ", ".join(SUBSYSTEMS))
+            except Exception as err:  # noqa: BLE001 - no libudev / AF_NETLINK: periodic rescans still work
+                log.warning("no uevent monitor (%s): relying on periodic rescans", err)
+        else:
+            sys_dir = os.path.join(self.root, "sys")
+            self._observer = start_file_observer([sys_dir], lambda _p: loop.call_soon_threadsafe(self.debouncer.trigger))
+            log.info("watching file events below %s", sys_dir)
+
+    def stop(self) -> None:
+        if self._udev:
+            self._udev.stop()
+        if self._observer:
+            self._observer.stop()
+            self._observer.join(timeout=2)

@@ -1,0 +1,193 @@
+"""Hardware change -> rescan -> republish: debouncing, fixture-tree file events, and
+real kernel uevents on this machine's /sys."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from agent.daemon import Agent
+from agent.settings import Settings
+from agent.watch import Debouncer, HardwareWatcher, UdevSource
+from tests.conftest import profile_root, profiles, require_root
+
+DEBOUNCE = 0.1
+MARGIN = 0.9  # scan of a fixture tree + inotify delivery on a loaded 2-core CI machine
+
+
+def test_debouncer_turns_a_storm_into_a_handful_of_rescans():
+    async def scenario():
+        runs = []
+        deb = Debouncer(0.25, lambda first: runs.append(time.monotonic() - first))
+        for _ in range(100):  # 1,000 events in about a second
+            for _ in range(10):
+                deb.trigger()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.4)
+        return deb, runs
+
+    deb, runs = asyncio.run(scenario())
+    assert deb.events == 1000
+    assert 2 <= deb.runs <= 7
+    assert all(0.24 <= r < 0.25 + 0.1 for r in runs)  # latency is bounded by the window
+
+
+def test_debouncer_survives_a_failing_action():
+    async def scenario():
+        calls = []
+
+        def action(first):
+            calls.append(first)
+            raise RuntimeError("scan failed")
+
+        deb = Debouncer(0.01, action)
+        deb.trigger()
+        await asyncio.sleep(0.05)
+        deb.trigger()
+        await asyncio.sleep(0.05)
+        return calls
+
+    assert len(asyncio.run(scenario())) == 2
+
+
+# --- fixture tree: file events -------------------------------------------------------------
+def _device_names(cluster_dir: str) -> list[str]:
+    names = []
+    for path in sorted(glob.glob(os.path.join(cluster_dir, "resourceslices", "*.json"))):
+        try:
+            with open(path) as f:
+                names += [d["name"] for d in json.load(f)["spec"].get("devices", [])]
+        except (OSError, ValueError):
+            pass
+    return names
+
+
+def _slice_devices(cluster_dir: str) -> dict[str, dict]:
+    out = {}
+    for path in glob.glob(os.path.join(cluster_dir, "resourceslices", "*.json")):
+        with open(path) as f:
+            out.update({d["name"]: d for d in json.load(f)["spec"].get("devices", [])})
+    return out
+
+
+@pytest.fixture
+def fixture_root(tmp_path):
+    if "server-2s-gpu-nic" not in profiles():
+        pytest.skip("fixture profile server-2s-gpu-nic not generated yet")
+    root = tmp_path / "root"
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    return str(root)
+
+
+async def _wait_for(predicate, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("slices did not change in time")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_fixture_tree_changes_republish_within_debounce(fixture_root, tmp_path):
+    cluster = str(tmp_path / "cluster")
+    settings = Settings(root=fixture_root, node_name="node-a", cluster=f"dir:{cluster}", debounce=DEBOUNCE,
+                        resync_interval=0, kubelet_dir=str(tmp_path / "kubelet"), cdi_dir=str(tmp_path / "cdi"))
+    bus = os.path.join(fixture_root, "sys/bus/pci/devices")
+    bdf = "0000:18:00.0"
+    gone_name = "gpu-0000-18-00-0"
+    latencies = {}
+
+    async def scenario():
+        agent = Agent(settings)
+        agent.start_kubelet_plugin = _no_plugin  # this test is about publishing
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(agent.run(stop))
+        try:
+            await _wait_for(lambda: gone_name in _device_names(cluster), 10)
+            await asyncio.sleep(0.2)  # observer running
+            # the GPU is hot-removed
+            target = os.readlink(os.path.join(bus, bdf))
+            os.unlink(os.path.join(bus, bdf))
+            latencies["remove"] = await _wait_for(lambda: gone_name not in _device_names(cluster), 5)
+            # ... and comes back
+            os.symlink(target, os.path.join(bus, bdf))
+            latencies["add"] = await _wait_for(lambda: gone_name in _device_names(cluster), 5)
+            # its driver is unbound (discovery offers no GPU without a driver), then bound again
+            driver_link = os.path.join(bus, bdf, "driver")
+            driver_target = os.readlink(driver_link)
+            os.unlink(driver_link)
+            latencies["unbind"] = await _wait_for(lambda: gone_name not in _device_names(cluster), 5)
+            os.symlink(driver_target, driver_link)
+            latencies["bind"] = await _wait_for(lambda: _slice_devices(cluster).get(gone_name, {}).get("attributes", {}).get("driver"), 5)
+            rescans = agent.rescans
+            # a file event that changes nothing we publish rewrites nothing
+            before = {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(cluster, "resourceslices", "*.json"))}
+            with open(os.path.join(bus, bdf, "power_state"), "w") as f:
+                f.write("D0\n")
+            await _wait_for(lambda: agent.rescans > rescans, 5)
+            await asyncio.sleep(0.1)
+            after = {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(cluster, "resourceslices", "*.json"))}
+            return before == after
+        finally:
+            stop.set()
+            await task
+
+    unchanged = asyncio.run(scenario())
+    assert unchanged
+    for what, latency in latencies.items():
+        assert latency <= DEBOUNCE + MARGIN, (what, latency)
+    print("hardware change -> slice published latencies (s):", {k: round(v, 3) for k, v in latencies.items()})
+
+
+async def _no_plugin():
+    return None
+
+
+# --- real kernel uevents -----------------------------------------------------------------
+def _first_pci_device() -> str:
+    devices = sorted(os.listdir("/sys/bus/pci/devices")) if os.path.isdir("/sys/bus/pci/devices") else []
+    if not devices:
+        pytest.fail("no PCI devices in /sys/bus/pci/devices: cannot test real uevents")
+    return devices[0]
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.parametrize("action", ["change", "add"])
+def test_real_kernel_uevent_reaches_monitor_and_triggers_rescan(action):
+    require_root()
+    bdf = _first_pci_device()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        seen = []
+        rescans = []
+        debouncer = Debouncer(0.05, lambda first: rescans.append(first))
+        source = UdevSource(lambda dev: (seen.append(dev), debouncer.trigger()), source="kernel")
+        source.start(loop)
+        watcher = HardwareWatcher("/", debouncer)  # the daemon's own wiring, on the real root
+        watcher.start(loop)
+        try:
+            await asyncio.sleep(0.05)
+            with open(f"/sys/bus/pci/devices/{bdf}/uevent", "w") as f:
+                f.write(action)
+            deadline = time.monotonic() + 5
+            while not (seen and rescans) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            source.stop()
+            watcher.stop()
+        return seen, rescans
+
+    seen, rescans = asyncio.run(scenario())
+    assert seen, ("no uevent delivered over NETLINK_KOBJECT_UEVENT: uevents reach only sockets in network "
+                  "namespaces owned by the initial user namespace; check `ls -l /proc/self/ns/net` and user namespaces")
+    ours = [d for d in seen if d is not None and d.sys_name == bdf]
+    assert ours and ours[0].action == action and ours[0].subsystem == "pci"
+    assert rescans
