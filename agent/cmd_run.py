@@ -11,7 +11,8 @@ from agent.settings import Settings, build_settings
 
 # flag -> setting; values stay strings so a bad one is reported by Settings, naming the setting (exit 78)
 VALUE_FLAGS = ("root", "node-name", "driver-name", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
-               "log-level", "log-format", "metrics-address", "rolling-update-uid")
+               "log-level", "log-format", "metrics-address", "rolling-update-uid", "device-metadata",
+               "health-interval", "status-socket")
 SWITCH_FLAGS = ("list-attributes", "pf-vf-exclusive")
 
 
@@ -41,18 +42,6 @@ def setup_logging(settings: Settings) -> None:
     root.setLevel(settings.log_level.upper())
 
 
-def start_metrics(address: str) -> None:
-    if not address:
-        return
-    from prometheus_client import start_http_server
-
-    host, _, port = address.rpartition(":")
-    try:
-        start_http_server(int(port), addr=host or "0.0.0.0")
-    except (OSError, ValueError) as err:
-        logging.getLogger("sysdra").warning("metrics endpoint %s not started: %s", address, err)
-
-
 def settings_from_args(args) -> Settings:
     flags = {name.replace("-", "_"): getattr(args, name.replace("-", "_"), None) for name in VALUE_FLAGS + SWITCH_FLAGS}
     return build_settings(flags, config_file=args.config)
@@ -61,7 +50,6 @@ def settings_from_args(args) -> Settings:
 def run(args) -> int:
     settings = settings_from_args(args)
     setup_logging(settings)
-    start_metrics(settings.metrics_address)
     from agent.daemon import serve
 
-    return asyncio.run(serve(settings))
+    return asyncio.run(serve(settings, reload_settings=lambda: settings_from_args(args)))

@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from typing import Callable
 
-from agent.publish import metrics
+from agent import sdnotify
+from agent.metrics import Metrics, start_server
+from agent.publish import metrics as publish_metrics
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
-from agent.settings import Settings
+from agent.settings import ConfigError, Settings
+from agent.status import StatusBoard, StatusServer, status_socket_path
 from agent.slices import PoolContent, build_pool
 from agent.watch import Debouncer, HardwareWatcher
 
@@ -39,13 +43,71 @@ def make_store(settings: Settings):
     return KubeStore(client, node_name=settings.node_name, driver_name=settings.driver_name), client
 
 
+# Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
+LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
+                           "list_attributes", "pf_vf_exclusive"})
+
+
+class ObservedDriver:
+    """The driver, timed per claim for metrics, refreshing the status board's claim list."""
+
+    def __init__(self, driver, metrics: Metrics, board: StatusBoard):
+        self.driver, self.metrics, self.board = driver, metrics, board
+
+    def __getattr__(self, name):  # recover(), checkpoint, ... pass through
+        return getattr(self.driver, name)
+
+    def _observe(self, observe, results: dict, seconds: float) -> None:
+        per_claim = seconds / max(1, len(results))
+        for result in results.values():
+            failed = getattr(result, "error", result)  # PrepareResult or unprepare's error string
+            observe(not failed, per_claim)
+        cp = getattr(self.driver, "checkpoint", None)
+        if cp is not None:
+            self.board.set_prepared_claims(cp.claims)
+
+    def prepare_claims(self, claims):
+        t0 = time.perf_counter()
+        results = self.driver.prepare_claims(claims)
+        self._observe(self.metrics.observe_prepare, results, time.perf_counter() - t0)
+        return results
+
+    def unprepare_claims(self, claims):
+        t0 = time.perf_counter()
+        results = self.driver.unprepare_claims(claims)
+        self._observe(self.metrics.observe_unprepare, results, time.perf_counter() - t0)
+        return results
+
+
+class PublishObserver:
+    """Publisher -> metrics and status board (one place reports each fact)."""
+
+    def __init__(self, agent: "Agent"):
+        self.agent = agent
+
+    def observe_publish(self, ok: bool, seconds: float, reason: str = "error") -> None:
+        a = self.agent
+        a.metrics.observe_publish(ok, seconds, reason)
+        pool = a.pool
+        a.board.record_publish(ok, error=a.publisher.last_error if not ok else None,
+                               devices=len(pool.devices) if pool is not None and hasattr(pool, "devices") else None)
+
+    def observe_change_to_slice(self, seconds: float) -> None:
+        self.agent.metrics.observe_change_to_slice(seconds)
+
+
 class Agent:
-    def __init__(self, settings: Settings, scan: Callable[[Settings], object] = default_scan, store=None):
+    def __init__(self, settings: Settings, scan: Callable[[Settings], object] = default_scan, store=None,
+                 metrics: Metrics | None = None):
         self.settings = settings
         self.scan = scan
+        self.metrics = metrics or Metrics(process=False)
+        self.board = StatusBoard(settings.node_name, settings.driver_name, metrics=self.metrics)
         self.store, self._client = (store, None) if store is not None else make_store(settings)
         self.publisher = Publisher(self.store, node_name=settings.node_name, driver_name=settings.driver_name,
-                                   resync_interval=settings.resync_interval, debounce=settings.debounce)
+                                   resync_interval=settings.resync_interval, debounce=settings.debounce,
+                                   observer=PublishObserver(self))
+        self.debouncer: Debouncer | None = None
         self.inventory = None
         self.pool: PoolContent | None = None
         self.rescans = 0
@@ -60,7 +122,7 @@ class Agent:
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)
-                metrics.INVALID_DEVICES.inc()
+                publish_metrics.INVALID_DEVICES.inc()
         self._rejected_seen = set(pool.rejected)
         return pool
 
@@ -69,6 +131,7 @@ class Agent:
         self.rescans += 1
         inventory = await asyncio.to_thread(self.scan, self.settings)
         self.inventory = inventory
+        self.board.set_inventory(inventory, health=self.health_states())
         pool = self._pool_for(inventory)
         if pool == self.pool:
             return False
@@ -92,17 +155,69 @@ class Agent:
         except ImportError as err:
             log.info("kubelet plugin not available (%s): publishing only", err)
             return
-        try:
-            driver = Driver(self.settings, lambda: self.inventory)
-            self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings))
-            await self.kubelet_plugin.start()
-        except Exception:  # noqa: BLE001 - publishing still helps the scheduler; the lead decides
-            log.exception("kubelet plugin failed to start")
-            self.kubelet_plugin = None
+        driver = ObservedDriver(Driver(self.settings, lambda: self.inventory), self.metrics, self.board)
+        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings))
+        self.kubelet_plugin.registration.listeners.append(self._on_registration)
+        await self.kubelet_plugin.start()  # raises: the agent exits non-zero and systemd restarts it
+        self.board.set_registration("waiting")
+        if driver.checkpoint is not None:
+            self.board.set_prepared_claims(driver.checkpoint.claims)
+
+    def _on_registration(self, status) -> None:
+        if status.registered:
+            self.board.set_registration("registered")
+        else:
+            log.error("kubelet REJECTED the plugin registration: %s", status.error or "no reason given")
+            self.board.set_registration("failed", status.error or "registration rejected")
+
+    def health_states(self) -> dict[str, str] | None:
+        """Device name -> health state, when a health monitor runs (issue 5)."""
+        monitor = getattr(self, "health", None)
+        return monitor.states() if monitor is not None and hasattr(monitor, "states") else None
+
+    # --- SIGHUP ----------------------------------------------------------------------------
+    def reload(self, new: Settings) -> None:
+        """Apply the settings that can change live; say which ones need a restart."""
+        old = self.settings
+        changed = {k for k in Settings.model_fields if getattr(old, k) != getattr(new, k)}
+        if not changed:
+            log.info("SIGHUP: configuration unchanged")
+            return
+        restart = sorted(changed - LIVE_SETTINGS)
+        if restart:
+            log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
+        live = {k: getattr(new, k) for k in changed & LIVE_SETTINGS}
+        if not live:
+            return
+        self.settings = old.model_copy(update=live)
+        self.publisher.resync_interval = self.settings.resync_interval
+        self.publisher.debounce = self.settings.debounce
+        if self.debouncer is not None:
+            self.debouncer.delay = self.settings.debounce
+        if "log_level" in live or "log_format" in live:
+            from agent.cmd_run import setup_logging
+
+            setup_logging(self.settings)
+        log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))
+        if {"list_attributes", "pf_vf_exclusive"} & set(live):
+            asyncio.get_running_loop().create_task(self.rescan())
 
     # --- main loop -----------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
         loop = asyncio.get_running_loop()
+        status_path = status_socket_path(self.settings)
+        status_server = StatusServer(self.board, status_path)
+        try:
+            os.makedirs(os.path.dirname(status_path), mode=0o750, exist_ok=True)
+            await status_server.start()
+        except OSError as err:
+            log.warning("status socket not served (%s): `sysdra status` will not reach this agent", err)
+            status_server = None
+        metrics_server = None
+        try:
+            metrics_server = start_server(self.settings.metrics_address, self.metrics)
+        except (OSError, ValueError) as err:
+            log.warning("metrics endpoint %s not served: %s", self.settings.metrics_address, err)
         await self.rescan()
         tasks = [loop.create_task(self.publisher.run(), name="publisher"),
                  loop.create_task(self._periodic_rescan(), name="resync")]
@@ -111,15 +226,28 @@ class Agent:
             observer = watch_dir(self.store.directory, self.publisher, loop)
         elif hasattr(self.store, "watch"):
             tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
-        debouncer = Debouncer(self.settings.debounce, lambda first: self.rescan(first))
-        watcher = HardwareWatcher(self.settings.root, debouncer)
+        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first: self.rescan(first))
+        watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         watcher.start(loop)
-        await self.start_kubelet_plugin()
+        try:
+            await self.start_kubelet_plugin()
+        except BaseException:
+            watcher.stop()
+            for task in tasks:
+                task.cancel()
+            raise
+        # sockets served and state reconciled: ready (publishing may still wait for the API server)
+        sdnotify.ready(self.board.summary())
+        tasks.append(loop.create_task(self._report_status(), name="sd-status"))
+        watchdog = sdnotify.start_watchdog(loop)
         log.info("sysdra running: node %s, driver %s, cluster %s", self.settings.node_name, self.settings.driver_name, self.settings.cluster)
         try:
             await stop.wait()
         finally:
             log.info("stopping")
+            sdnotify.stopping("stopping")
+            if watchdog is not None:
+                watchdog.cancel()
             watcher.stop()
             debouncer.cancel()
             if observer is not None:
@@ -132,12 +260,34 @@ class Agent:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self._client is not None:
                 await self._client.close()
+            if status_server is not None:
+                await status_server.close()
+            if metrics_server is not None:
+                metrics_server.close()
         return 0
 
+    async def _report_status(self) -> None:
+        """STATUS= for `systemctl status`: one line, refreshed while running."""
+        while True:
+            await asyncio.sleep(5)
+            sdnotify.status(self.board.summary())
 
-async def serve(settings: Settings) -> int:
+
+async def serve(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; on SIGHUP re-read flags, environment and config file."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await Agent(settings).run(stop)
+    agent = Agent(settings, metrics=Metrics())
+
+    def on_hup() -> None:
+        if reload_settings is None:
+            return
+        try:
+            agent.reload(reload_settings())
+        except ConfigError as err:
+            log.error("SIGHUP: new configuration rejected, keeping the running one: %s", err)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    return await agent.run(stop)

@@ -34,7 +34,7 @@ class Settings(BaseModel):
     cluster: str = "kube"  # "kube" or "dir:PATH"
     list_attributes: bool = False
     resync_interval: float = 300.0  # seconds between full rescans
-    debounce: float = 0.5  # seconds to wait for a burst of hardware events to settle
+    debounce: float = 0.25  # seconds to wait for a burst of hardware events to settle
     rolling_update_uid: str | None = None
     device_metadata: bool = True
     log_format: Literal["text", "json"] = "text"

@@ -63,10 +63,10 @@ class StatusBoard:
 
     def set_inventory(self, inventory, health: dict[str, str] | None = None) -> None:
         """Device counts from a discovery Inventory; ``health``: device name -> state
-        (devices missing from it count as healthy)."""
+        (devices missing from it count as unknown: never claim health we did not check)."""
         self.devices_by_kind = dict(Counter(d.kind for d in inventory.devices))
         health = health or {}
-        self.devices_by_health = dict(Counter(health.get(d.name, "healthy") for d in inventory.devices))
+        self.devices_by_health = dict(Counter(health.get(d.name, "unknown") for d in inventory.devices))
         if self.metrics is not None:
             self.metrics.set_published_devices(self.devices_by_kind)
             self.metrics.set_health(self.devices_by_health)

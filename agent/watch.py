@@ -124,24 +124,30 @@ def start_file_observer(paths: list[str], callback: Callable[[str], None], recur
 class HardwareWatcher:
     """Starts the right event source for ``root`` and feeds the debouncer."""
 
-    def __init__(self, root: str, debouncer: Debouncer):
+    def __init__(self, root: str, debouncer: Debouncer, on_event: Callable[[str], None] | None = None):
         self.root = root
         self.debouncer = debouncer
+        self.on_event = on_event  # metrics: called with the source ("udev", "kernel", "file") per event
         self._udev: UdevSource | None = None
         self._observer = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if os.path.abspath(self.root) == "/":
             try:
-                self._udev = UdevSource(lambda _device: self.debouncer.trigger())
+                self._udev = UdevSource(lambda _device: self._event(self._udev.source if self._udev else "udev"))
                 self._udev.start(loop)
                 log.info("watching %s uevents for %s", self._udev.source, ", ".join(SUBSYSTEMS))
             except Exception as err:  # noqa: BLE001 - no libudev / AF_NETLINK: periodic rescans still work
                 log.warning("no uevent monitor (%s): relying on periodic rescans", err)
         else:
             sys_dir = os.path.join(self.root, "sys")
-            self._observer = start_file_observer([sys_dir], lambda _p: loop.call_soon_threadsafe(self.debouncer.trigger))
+            self._observer = start_file_observer([sys_dir], lambda _p: loop.call_soon_threadsafe(self._event, "file"))
             log.info("watching file events below %s", sys_dir)
+
+    def _event(self, source: str) -> None:
+        if self.on_event is not None:
+            self.on_event(source)
+        self.debouncer.trigger()
 
     def stop(self) -> None:
         if self._udev:

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 
-from agent.publish import metrics
 from agent.publish.backoff import Backoff
 from agent.publish.reconcile import Reconciler, SyncStats
 from agent.publish.store import Conflict, SliceStore, StoreError
@@ -19,8 +18,10 @@ log = logging.getLogger("sysdra.publish")
 
 class Publisher:
     def __init__(self, store: SliceStore, *, node_name: str, driver_name: str, resync_interval: float = 300.0,
-                 debounce: float = 0.25, backoff: Backoff | None = None):
+                 debounce: float = 0.25, backoff: Backoff | None = None, observer=None):
         self.store = store
+        # agent.metrics.Metrics (or None): observe_publish(ok, secs, reason), observe_change_to_slice(secs)
+        self.observer = observer
         self.reconciler = Reconciler(store, node_name=node_name, driver_name=driver_name)
         self.resync_interval = resync_interval
         self.debounce = debounce  # coalesce bursts of watch events into one sync
@@ -33,6 +34,8 @@ class Publisher:
         self._wake = asyncio.Event()
         self._synced = asyncio.Condition()
         self._owner_logged = False
+        self.last_change_latency: float | None = None
+        self.last_error: str | None = None
         self._pending_since: float | None = None  # monotonic time of the change waiting to be published
         self._urgent = False  # a new pool skips the debounce: its rescan was already debounced
 
@@ -61,14 +64,19 @@ class Publisher:
 
     async def sync_once(self) -> SyncStats:
         await self._resolve_owner()
+        t0 = time.monotonic()
         stats = await self.reconciler.sync(self.pool)
+        if self.observer is not None:
+            self.observer.observe_publish(True, time.monotonic() - t0)
         self.last_stats = stats
         self.total.created += stats.created
         self.total.updated += stats.updated
         self.total.deleted += stats.deleted
         self.syncs += 1
         if self._pending_since is not None:
-            metrics.PUBLISH_LATENCY.observe(time.monotonic() - self._pending_since)
+            self.last_change_latency = time.monotonic() - self._pending_since
+            if self.observer is not None:
+                self.observer.observe_change_to_slice(self.last_change_latency)
             self._pending_since = None
         async with self._synced:
             self._synced.notify_all()
@@ -106,7 +114,9 @@ class Publisher:
 
     def _count_error(self, reason: str, err: Exception) -> None:
         self.errors += 1
-        metrics.SYNC_ERRORS.labels(reason).inc()
+        self.last_error = f"{reason}: {err}"
+        if self.observer is not None:
+            self.observer.observe_publish(False, 0.0, reason)
         log.warning("publishing slices failed (%s): %s; retrying", reason, err)
 
     async def wait_synced(self, predicate=lambda p: True, timeout: float = 10.0) -> None:
