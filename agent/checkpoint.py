@@ -11,7 +11,10 @@ Format (version 1)::
                           "allocation": "<fingerprint of our allocation results>",
                           "devices": [{"requests": [...], "pool": ..., "device": ...,
                                        "cdiDeviceIDs": [...], "shareID": ...}],
-                          "cdiSpec": {"path": ..., "spec": {...}} | null}}}
+                          "cdiSpec": {"path": ..., "spec": {...}} | null,
+                          "metadata": {"podClaimName": ..., "requests": {...}} | null}}}
+
+``metadata`` (KEP-5304, see agent/metadata/store.py) is optional: older files lack it.
 
 A file that does not parse, fails its checksum or has a bad shape is moved aside to
 ``checkpoint.json.corrupt-<unix time>`` and reported (``Checkpoint.corrupt_path``);
@@ -80,12 +83,38 @@ class Checkpoint:
         self.path = path
         self.claims: dict[str, dict] = {}
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
+        self.stamp: tuple[int, int, int] | None = None  # identity of the file last loaded/saved
+
+    def _disk_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def reload_if_changed(self) -> bool:
+        """Pick up a save by another process holding the serialize lock (``sysdra metadata
+        update``, the other instance of a rolling update). Atomic saves make a new inode,
+        so the stamp always changes. A vanished or unreadable file keeps what we have."""
+        stamp = self._disk_stamp()
+        if stamp is None or stamp == self.stamp:
+            return False
+        try:
+            fresh = Checkpoint.load(self.path, move_corrupt=False)
+        except (CheckpointError, ValueError) as err:
+            log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
+            return False
+        self.claims, self.stamp = fresh.claims, fresh.stamp
+        return True
 
     @classmethod
-    def load(cls, path: str) -> "Checkpoint":
+    def load(cls, path: str, move_corrupt: bool = True) -> "Checkpoint":
+        """``move_corrupt=False`` (other processes than the agent): raise ValueError instead."""
         cp = cls(path)
         try:
             with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                cp.stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
                 raw = f.read()
         except FileNotFoundError:
             return cp
@@ -98,6 +127,8 @@ class Checkpoint:
                 )
             cp.claims = _check_shape(data)
         except (ValueError, UnicodeDecodeError) as err:
+            if not move_corrupt:
+                raise ValueError(f"{path}: {err}") from err
             aside = f"{path}.corrupt-{int(time.time())}"
             os.rename(path, aside)
             cp.corrupt_path = aside
@@ -112,3 +143,4 @@ class Checkpoint:
         atomic_write_json(
             self.path, {"version": VERSION, "checksum": checksum(self.claims), "claims": self.claims}, mode=0o600
         )
+        self.stamp = self._disk_stamp()

@@ -3,13 +3,16 @@
 Prepare is two-phase in the checkpoint so a crash at any point is repaired at the
 next start (``recover``):
 
-1. entries ``PrepareStarted`` (devices, spec) saved     - crash: rolled back at start
-2. CDI specs written atomically                         - crash: rolled back at start
-3. entries ``PrepareCompleted`` saved                   - crash: claim stays prepared
+1. entries ``PrepareStarted`` (devices, spec, metadata) saved - crash: rolled back at start
+2. CDI specs and metadata files written atomically            - crash: rolled back at start
+3. entries ``PrepareCompleted`` saved                         - crash: claim stays prepared
 
-Unprepare saves the checkpoint without the claim first, then removes the spec; a
-crash in between leaves an orphan spec that ``recover`` (or the kubelet's retry)
+Unprepare saves the checkpoint without the claim first, then removes the specs and
+metadata; a crash in between leaves orphans that ``recover`` (or the kubelet's retry)
 deletes. ``fault`` is a test hook called at each of these points.
+
+KEP-5304 metadata (``settings.device_metadata``) lives in ``agent/metadata``; the claim's
+checkpoint entry keeps what is needed to rewrite it, including the last generation.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable
 from agent.checkpoint import COMPLETED, STARTED, Checkpoint, read_boot_id
 from agent.fsutil import clean_stale_temps
 from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from agent.metadata import store as metadata
 from agent.settings import Settings
 from cdi import files as cdifiles
 from cdi.claim import build_claim_spec, cdi_device_name, cdi_id
@@ -42,6 +46,8 @@ class RecoveryReport:
     rolled_back: list[str] = field(default_factory=list)
     rebuilt: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
+    metadata_rebuilt: list[str] = field(default_factory=list)
+    metadata_orphans_removed: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
     corrupt_checkpoint: str | None = None
     boot_changed: bool = False
@@ -72,6 +78,8 @@ class Driver:
     def _cp(self) -> Checkpoint:
         if self.checkpoint is None:
             self.recover()
+        else:  # called under the serialize lock: another process may have saved meanwhile
+            self.checkpoint.reload_if_changed()
         assert self.checkpoint is not None
         return self.checkpoint
 
@@ -115,24 +123,30 @@ class Driver:
             fp = _fingerprint(results)
             entry = cp.claims.get(uid)
             if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
-                self._ensure_spec(uid, entry)  # idempotent re-prepare: same answer, spec present
+                self._ensure_spec(uid, entry)  # idempotent re-prepare: same answer, files present
+                metadata.ensure_claim(self.settings, uid, entry)
                 out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]])
                 continue
             if entry:  # half-prepared or allocation changed: undo before redoing
-                self._remove_spec(entry, uid)
+                self._remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
                 del cp.claims[uid]
                 dirty = True
             try:
                 if by_name is None:
                     by_name = self.inventory().by_name()
                 devices, spec = self._plan(uid, results, by_name)
+                meta_rec = metadata.plan(self.settings, claim, devices, by_name) if self.settings.device_metadata else None
             except (ClaimFailed, SpecError) as err:
                 out[uid] = PrepareResult(error=str(err))
                 continue
+            if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
+                for base, rec in meta_rec["requests"].items():
+                    rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
             cp.claims[uid] = {
                 "state": STARTED, "namespace": meta.get("namespace", ""), "name": meta.get("name", ""),
                 "bootID": self.boot_id, "allocation": fp, "devices": [_record(d) for d in devices],
                 "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
+                "metadata": meta_rec,
             }
             out[uid] = PrepareResult(devices)
             todo.append(uid)
@@ -144,12 +158,16 @@ class Driver:
         self.fault("prepare:started")
         for uid in todo:
             entry = cp.claims[uid]
+            what = "CDI spec"
             try:
                 if entry["cdiSpec"]:
                     cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"])
+                what = "device metadata"
+                metadata.write_claim(self.settings, uid, entry)
             except (OSError, SpecError) as err:
+                self._remove_files(entry, uid, entry["namespace"], entry["name"])
                 del cp.claims[uid]
-                out[uid] = PrepareResult(error=f"writing CDI spec: {err}")
+                out[uid] = PrepareResult(error=f"writing {what}: {err}")
                 continue
             entry["state"] = COMPLETED
         self.fault("prepare:specs-written")
@@ -164,14 +182,23 @@ class Driver:
             cp.save()
         self.fault("unprepare:saved")
         out: dict[str, str | None] = {}
-        for uid, entry in removed.items():
+        for ref in claims:
             try:
-                self._remove_spec(entry, uid)
-                out[uid] = None
+                self._remove_files(removed[ref.uid], ref.uid, ref.namespace, ref.name)
+                out[ref.uid] = None
             except OSError as err:
-                out[uid] = f"removing CDI spec: {err}"
+                out[ref.uid] = f"removing CDI spec or device metadata: {err}"
         self.fault("unprepare:done")
         return out
+
+    def _remove_files(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
+        """The claim spec, the metadata specs and the metadata directory (which is keyed by
+        namespace/name: kept if another prepared claim, a recreated one, uses it)."""
+        self._remove_spec(entry, uid)
+        cp = self.checkpoint
+        shared = cp is not None and any(
+            u != uid and (e.get("namespace"), e.get("name")) == (namespace, name) for u, e in cp.claims.items())
+        metadata.remove_claim(self.settings, uid, namespace, name, keep_dir=shared)
 
     def _remove_spec(self, entry: dict | None, uid: str) -> None:
         # The uid's own spec path, also for unknown claims (e.g. adopted after a corrupt checkpoint).
@@ -202,6 +229,22 @@ class Driver:
         spec["spec"] = content
         return True
 
+    def _ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
+        """Missing metadata files/specs are rewritten with a higher generation; after a
+        reboot all of them, with device data from the current inventory."""
+        if not entry.get("metadata"):
+            return False
+        if rebuild:
+            try:
+                metadata.refresh_devices(self.settings, entry, self.inventory().by_name())
+            except Exception as err:  # keep the recorded device data
+                log.warning("claim %s: metadata keeps the recorded device data (%s)", uid, err)
+        try:
+            return metadata.ensure_claim(self.settings, uid, entry, rebuild=rebuild)
+        except (OSError, SpecError) as err:
+            log.error("claim %s: cannot rewrite device metadata: %s", uid, err)
+            return False
+
     # --- start-up reconciliation ----------------------------------------------
     def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir match it. Call before serving."""
@@ -215,19 +258,22 @@ class Driver:
             report.adopted = self._adopt(cp, specs)
         for uid, entry in list(cp.claims.items()):
             if entry["state"] == STARTED:
-                self._remove_spec(entry, uid)
                 del cp.claims[uid]
+                self._remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
                 report.rolled_back.append(uid)
                 continue
             rebooted = entry.get("bootID") != self.boot_id
             report.boot_changed |= rebooted
             if self._ensure_spec(uid, entry, rebuild=rebooted):
                 report.rebuilt.append(uid)
+            if self._ensure_metadata(uid, entry, rebuild=rebooted):
+                report.metadata_rebuilt.append(uid)
             entry["bootID"] = self.boot_id
         for uid, path in specs.items():
             if uid not in cp.claims:
                 cdifiles.remove_spec(path)
                 report.orphans_removed.append(uid)
+        report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
         if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
             cp.save()
         log.info("kubelet plugin state recovered: %s", asdict(report))

@@ -15,6 +15,8 @@ import pytest
 from agent.checkpoint import COMPLETED, Checkpoint, CheckpointError
 from agent.driver import Driver
 from agent.kubeletplugin.types import ClaimRef
+from agent.metadata import layout as mdlayout
+from agent.metadata import read_file as read_metadata
 from cdi import files as cdifiles
 from tests.conftest import REPO
 from tests.kubelet_standin import claim, gpu, inventory, nic, settings_for
@@ -60,6 +62,11 @@ def assert_consistent(s, d):
         assert entry["state"] == COMPLETED
         if entry["devices"]:
             assert uid in specs
+    for uid, paths in mdlayout.list_specs(s.cdi_dir, s.driver_name).items():  # KEP-5304 metadata specs
+        assert cp.claims.get(uid, {}).get("state") == COMPLETED, f"orphan metadata spec {paths}"
+        for path in paths:
+            mount = cdifiles.read_spec(path)["devices"][0]["containerEdits"]["mounts"][0]
+            assert read_metadata(mount["hostPath"])["metadata"]["uid"] == uid
     assert not [n for n in os.listdir(s.cdi_dir) if n.endswith(".tmp")] if os.path.isdir(s.cdi_dir) else True
 
 
@@ -163,7 +170,8 @@ def test_orphan_specs_and_temps_removed_others_kept(tmp_path):
     report = Driver(s, lambda: state["inv"]).recover()
     assert report.orphans_removed == ["0rphan00-0000-4000-8000-000000000000"]
     assert sorted(os.listdir(s.cdi_dir)) == sorted(
-        ["other-vendor_x.json", os.path.basename(cdifiles.claim_spec_path(s.cdi_dir, s.driver_name, c["metadata"]["uid"]))])
+        ["other-vendor_x.json", os.path.basename(cdifiles.claim_spec_path(s.cdi_dir, s.driver_name, c["metadata"]["uid"])),
+         f"{s.driver_name}_metadata_{c['metadata']['uid']}_a.json"])
 
 
 @pytest.mark.parametrize("garbage", [b"{not json", b"", json.dumps({"version": 1, "checksum": "sha256:00", "claims": {}}).encode(),

@@ -117,9 +117,11 @@ def test_prepare_unprepare_both_versions(env, version):
             r = resp.claims[uid]
             assert r.error == ""
             devs = [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in r.devices]
-            assert devs == [
-                (["gpus"], "node-1", "gpu-0000-1b-00-0", [f"k8s.{DRIVER}/claim={uid}-gpu-0000-1b-00-0"]),
-                (["nets"], "node-1", "nic-0000-40-00-0", [f"k8s.{DRIVER}/claim={uid}-nic-0000-40-00-0"]),
+            assert devs == [  # each request's KEP-5304 metadata ID rides on its first device
+                (["gpus"], "node-1", "gpu-0000-1b-00-0",
+                 [f"k8s.{DRIVER}/claim={uid}-gpu-0000-1b-00-0", f"{DRIVER}/metadata={uid}_gpus"]),
+                (["nets"], "node-1", "nic-0000-40-00-0",
+                 [f"k8s.{DRIVER}/claim={uid}-nic-0000-40-00-0", f"{DRIVER}/metadata={uid}_nets"]),
             ]
             if version == "v1.DRAPlugin":
                 assert not r.devices[0].HasField("share_id")
@@ -171,7 +173,8 @@ def test_every_claim_answered_with_its_own_error(env):
             assert "corrupt.json" in errors["22222222-2222-4333-8444-555555555555"]
             # devices of other drivers are not ours: prepared with no devices, no spec
             assert errors[other_driver["metadata"]["uid"]] == "" and not resp.claims[other_driver["metadata"]["uid"]].devices
-            assert sorted(os.listdir(e.settings.cdi_dir)) == [f"k8s.{DRIVER}-claim_{good['metadata']['uid']}.json"]
+            assert sorted(os.listdir(e.settings.cdi_dir)) == [
+                f"k8s.{DRIVER}-claim_{good['metadata']['uid']}.json", f"{DRIVER}_metadata_{good['metadata']['uid']}_r.json"]
             assert replaced  # stored under another UID
     run(main())
 

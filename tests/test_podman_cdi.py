@@ -129,3 +129,55 @@ async def _prepare_and_run(s, inv, podman: Podman) -> None:
         assert out.returncode != 0 and "unresolvable CDI devices" in out.stderr, out.stderr
     finally:
         await plugin.stop()
+
+
+def test_podman_container_reads_device_metadata(tmp_path):
+    """KEP-5304: the metadata file is at the exact in-container path, read-only, and says
+    what the claim says."""
+    require_root()
+    for tool in ("podman", "runc", "unshare", "tar"):
+        require_tool(tool)
+    busybox = require_tool("busybox")
+    s = settings_for(str(tmp_path))
+    inv = inventory(nic(0, "ens9f0"), nic(1, "ens9f1"))
+    podman = Podman(str(tmp_path), s.cdi_dir)
+    try:
+        podman.import_busybox(busybox)
+        asyncio.run(_prepare_and_read_metadata(s, inv, podman))
+    finally:
+        podman.cleanup()
+
+
+async def _prepare_and_read_metadata(s, inv, podman: Podman) -> None:
+    from agent.metadata import decode
+
+    plugin = KubeletPlugin(s, Driver(s, lambda: inv), DirClaimSource(s.cluster_dir))
+    await plugin.start()
+    try:
+        kubelet = KubeletStandIn(s.registry_dir)
+        await kubelet.register()
+        c = claim("net-claim", [("nets/fast", "nic-0000-40-00-0"), ("nets/fast", "nic-0000-41-00-0")])
+        c["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "pod-nets"}
+        store_claim(s, c)
+        uid = c["metadata"]["uid"]
+        resp = await kubelet.prepare(c)
+        assert resp.claims[uid].error == ""
+        ids = [i for d in resp.claims[uid].devices for i in d.cdi_device_ids]
+        path = f"/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/pod-nets/nets/{s.driver_name}-metadata.json"
+        script = f"/bin/busybox cat {path} && (echo x > {path} 2>/dev/null && echo WRITABLE || echo READONLY)"
+        out = await asyncio.to_thread(podman.run, ids, script)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.rstrip().endswith("READONLY")
+        obj = decode(out.stdout.rsplit("READONLY", 1)[0])
+        assert obj["apiVersion"] == "metadata.resource.k8s.io/v1beta1"
+        assert obj["metadata"] == {"name": "net-claim", "namespace": "default", "uid": uid, "generation": 1}
+        assert obj["podClaimName"] == "pod-nets"
+        assert obj["requests"] == [{"name": "nets/fast", "devices": [
+            {"driver": s.driver_name, "pool": s.node_name, "name": "nic-0000-40-00-0", "networkData": {"interfaceName": "ens9f0"}},
+            {"driver": s.driver_name, "pool": s.node_name, "name": "nic-0000-41-00-0", "networkData": {"interfaceName": "ens9f1"}},
+        ]}]
+        assert (await kubelet.unprepare(c)).claims[uid].error == ""
+        out = await asyncio.to_thread(podman.run, ids, "true")
+        assert out.returncode != 0 and "unresolvable CDI devices" in out.stderr, out.stderr
+    finally:
+        await plugin.stop()

@@ -49,3 +49,20 @@ def test_wire_names_and_field_numbers():
     assert (claim["namespace"].number, claim["uid"].number, claim["name"].number) == (1, 2, 3)
     info = pluginregistration_pb2.PluginInfo.DESCRIPTOR.fields_by_name
     assert [info[n].number for n in ("type", "name", "endpoint", "supported_versions")] == [1, 2, 3, 4]
+
+
+def test_health_wire_names_and_field_numbers():
+    from agent.protos import dra_health_v1_pb2, dra_health_v1alpha1_pb2
+
+    for pb, pkg in ((dra_health_v1_pb2, "v1"), (dra_health_v1alpha1_pb2, "v1alpha1")):
+        svc = pb.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+        assert svc.full_name == f"{pkg}.DRAResourceHealth"
+        method = svc.methods_by_name["NodeWatchResources"]
+        assert method.server_streaming and not method.client_streaming
+        dh = pb.DeviceHealth.DESCRIPTOR.fields_by_name
+        assert {n: f.number for n, f in dh.items()} == {
+            "device": 1, "health": 2, "last_updated_time": 3, "health_check_timeout_seconds": 4, "message": 5}
+        ident = pb.DeviceIdentifier.DESCRIPTOR.fields_by_name
+        assert (ident["pool_name"].number, ident["device_name"].number) == (1, 2)
+        assert [pb.HealthStatus.Value(n) for n in ("UNKNOWN", "HEALTHY", "UNHEALTHY")] == [0, 1, 2]
+        assert pb.NodeWatchResourcesResponse.DESCRIPTOR.fields_by_name["devices"].number == 1

@@ -1,0 +1,179 @@
+"""Health rules per device, from what sysfs and /dev show (docs/health.md lists them).
+
+``check`` never raises and never guesses: UNHEALTHY needs evidence of a fault, HEALTHY
+needs at least one positive check (link up, ``operational``, ``ready 1``, device nodes
+present with the driver bound). Everything else is UNKNOWN with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from discovery.models import Device
+from discovery.sysfs import AttrError, HostFS
+
+HEALTHY, UNHEALTHY, UNKNOWN = "HEALTHY", "UNHEALTHY", "UNKNOWN"
+MAX_MESSAGE = 1024  # kubelet limit; longer messages are cut to 1021 + "..."
+AER_HOLD = 300.0  # seconds a device stays UNHEALTHY after its fatal AER counter grew
+_LINK_DOWN = {"down", "lowerlayerdown", "notpresent"}
+_AER_TOTAL = re.compile(r"^TOTAL_ERR_FATAL\s+(\d+)\s*$", re.M)
+
+
+def truncate(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
+
+
+def _slug(text: str) -> str:
+    """A label value (taint value): [A-Za-z0-9._-], alphanumeric at both ends, <= 63."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63].rstrip("-._") or "unhealthy"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    health: str
+    message: str
+    reason: str = ""  # short code of the first fault (taint value); "" unless UNHEALTHY
+
+
+@dataclass
+class Memory:
+    """What a device's checks remember between rounds."""
+
+    driver: str | None = None  # last driver seen bound: unbinding is a fault, never bound is not
+    aer_fatal: int | None = None  # last TOTAL_ERR_FATAL
+    aer_until: float = 0.0
+    aer_message: str = ""
+
+
+@dataclass
+class _Findings:
+    faults: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
+    good: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+    def verdict(self) -> Verdict:
+        if self.faults:
+            return Verdict(UNHEALTHY, truncate("; ".join(m for _, m in self.faults)), _slug(self.faults[0][0]))
+        if self.good:
+            return Verdict(HEALTHY, truncate("; ".join(self.good)))
+        return Verdict(UNKNOWN, truncate("; ".join(self.unknown) or "nothing to check"))
+
+
+def _net_interfaces(fs: HostFS, pci_dir: str) -> list[str]:
+    """Interface dirs below the function (virtio one level deeper), as discovery finds them."""
+    dirs = [f"{pci_dir}/net"]
+    try:
+        dirs += [f"{pci_dir}/{n}/net" for n in fs.listdir(pci_dir) if n.startswith("virtio")]
+    except AttrError:
+        pass
+    out = []
+    for d in dirs:
+        try:
+            out += [f"{d}/{n}" for n in fs.listdir(d)]
+        except AttrError:
+            continue
+    return out
+
+
+def _check_nic(fs: HostFS, pci_dir: str, f: _Findings) -> None:
+    paths = _net_interfaces(fs, pci_dir)
+    if not paths:
+        f.unknown.append("no network interface visible (moved into a pod's network namespace, or none)")
+    for path in paths:
+        name = os.path.basename(path)
+        try:
+            state = fs.read_attr(f"{path}/operstate")
+        except AttrError as err:
+            f.unknown.append(f"interface {name} operstate {err.reason}")
+            continue
+        try:
+            carrier: int | None = fs.read_int(f"{path}/carrier")
+        except AttrError:
+            carrier = None  # EINVAL while administratively down
+        if state in _LINK_DOWN:
+            f.faults.append(("link-down", f"interface {name} operstate {state}"))
+        elif carrier == 0:
+            f.faults.append(("no-carrier", f"interface {name} carrier 0"))
+        elif state == "up" or (state == "unknown" and carrier == 1):
+            f.good.append(f"interface {name} link up")
+        else:
+            f.unknown.append(f"interface {name} operstate {state}")
+
+
+def _check_habanalabs(fs: HostFS, pci_dir: str, f: _Findings) -> None:
+    try:
+        status = fs.read_attr(f"{pci_dir}/status")
+    except AttrError as err:
+        f.unknown.append(f"habanalabs status {err.reason}")
+        return
+    if status == "operational":
+        f.good.append("habanalabs status operational")
+    else:
+        f.faults.append((f"status-{status}", f"habanalabs status is {status!r}, not 'operational'"))
+
+
+def _check_alveo(fs: HostFS, dev: Device, f: _Findings) -> None:
+    for bdf in dict.fromkeys(b for b in (dev.fpga.mgmt_bdf, dev.fpga.user_bdf) if b):
+        try:
+            ready = fs.read_int(fs.path("sys/bus/pci/devices", bdf, "ready"))
+        except AttrError as err:
+            f.unknown.append(f"Alveo {bdf} ready {err.reason}")
+            continue
+        if ready == 0:
+            f.faults.append(("not-ready", f"Alveo {bdf} ready 0"))
+        else:
+            f.good.append(f"Alveo {bdf} ready")
+
+
+def _check_aer(fs: HostFS, pci_dir: str, mem: Memory, now: float, f: _Findings) -> None:
+    try:
+        m = _AER_TOTAL.search(fs.read_text(f"{pci_dir}/aer_dev_fatal"))
+    except AttrError:
+        return  # no AER capability: nothing to learn
+    if not m:
+        return
+    count = int(m.group(1))
+    if mem.aer_fatal is not None and count > mem.aer_fatal:
+        mem.aer_until = now + AER_HOLD
+        mem.aer_message = f"PCIe AER fatal errors increased from {mem.aer_fatal} to {count}"
+    mem.aer_fatal = count
+    if now < mem.aer_until:
+        f.faults.append(("aer-fatal", mem.aer_message))
+
+
+def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Verdict:
+    now = time.time() if now is None else now
+    f = _Findings()
+    pci_dir = fs.path(dev.pci.sysfs_path)
+    if not fs.is_dir(pci_dir):
+        return Verdict(UNHEALTHY, truncate(f"PCI function {dev.pci.bdf} is gone from sysfs"), "gone")
+    try:
+        driver: str | None = fs.link_name(f"{pci_dir}/driver")
+    except AttrError:
+        driver = None
+    if driver is None:
+        if mem.driver:
+            f.faults.append(("driver-unbound", f"driver {mem.driver} is no longer bound to {dev.pci.bdf}"))
+        else:
+            f.unknown.append(f"no driver bound to {dev.pci.bdf}")
+    else:
+        if mem.driver and driver != mem.driver:
+            f.faults.append(("driver-changed", f"{dev.pci.bdf} is bound to {driver}, not {mem.driver}"))
+        missing = [n.path for n in dev.device_nodes if not os.path.lexists(fs.path(n.path))]
+        if missing:
+            f.faults.append(("devnode-missing", f"{', '.join(missing)} missing while driver {driver} is bound"))
+        elif dev.device_nodes:
+            f.good.append("device nodes present")
+    _check_aer(fs, pci_dir, mem, now, f)
+    if dev.kind == "nic":
+        _check_nic(fs, pci_dir, f)
+    elif dev.kind == "accelerator" and (driver or mem.driver) == "habanalabs":
+        _check_habanalabs(fs, pci_dir, f)
+    elif dev.kind == "fpga" and dev.fpga and dev.fpga.family == "alveo":
+        _check_alveo(fs, dev, f)
+    if driver and not f.good and not f.faults:
+        f.unknown.append(f"driver {driver} bound; no health signal for this device")
+    return f.verdict()

@@ -1,0 +1,149 @@
+"""HealthMonitor: runs the checks on a timer and on inventory changes, keeps the current
+verdict per device and wakes the open health streams.
+
+Every round (at most ``health_interval`` apart, <= 10 s) wakes the streams, so each
+sends the full list again; a round that changes a verdict runs right after the change
+is seen (timer or ``on_inventory``) and its result goes out at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from agent.health.checks import UNHEALTHY, Memory, Verdict, check, truncate
+from agent.settings import Settings
+from discovery.models import Device, Inventory
+from discovery.sysfs import HostFS
+
+log = logging.getLogger(__name__)
+
+TAINT_KEY = "sysdra.io/unhealthy"
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    verdict: Verdict
+    checked_at: float  # Unix seconds of the check that produced it
+
+
+class Subscriber:
+    """One open stream: woken after every round; ``closed`` when the monitor stops."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.closed = False
+
+
+class HealthMonitor:
+    def __init__(self, settings: Settings, inventory_fn: Callable[[], Inventory | None]):
+        self.fs = HostFS(settings.root)
+        self.pool = settings.node_name
+        self.interval = settings.health_interval
+        self._inventory_fn = inventory_fn
+        self._latest: Inventory | None = None  # from on_inventory, preferred over inventory_fn
+        self._known: dict[str, Device] = {}  # last record of every device ever discovered
+        self._memory: dict[str, Memory] = {}
+        self.states: dict[str, DeviceState] = {}
+        self._subscribers: set[Subscriber] = set()
+        self._round = asyncio.Lock()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self.rounds = 0
+
+    # --- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """First round now (so the first stream has data), then the timer."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        await self.check_now()
+        self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for sub in list(self._subscribers):
+            sub.closed = True
+            sub.event.set()
+
+    def on_inventory(self, inv: Inventory) -> None:
+        """Call after every rescan (from any thread): checks run again right away."""
+        self._latest = inv
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.check_now()
+            except Exception:  # a bug in a rule must not stop the resends
+                log.exception("health check round failed")
+
+    # --- checks -------------------------------------------------------------------
+    async def check_now(self) -> dict[str, DeviceState]:
+        async with self._round:
+            states = await asyncio.to_thread(self._check_all)
+            changed = [n for n, st in states.items() if n not in self.states or self.states[n].verdict != st.verdict]
+            self.states = states
+            self.rounds += 1
+            for name in changed:
+                v = states[name].verdict
+                log.log(logging.WARNING if v.health == UNHEALTHY else logging.INFO,
+                        "device %s health %s: %s", name, v.health, v.message)
+            for sub in self._subscribers:
+                sub.event.set()
+            return states
+
+    def _check_all(self) -> dict[str, DeviceState]:
+        inv = self._latest if self._latest is not None else self._inventory_fn()
+        present = set()
+        for dev in (inv.devices if inv is not None else ()):
+            present.add(dev.name)
+            self._known[dev.name] = dev
+            mem = self._memory.setdefault(dev.name, Memory())
+            if dev.pci.driver:
+                mem.driver = dev.pci.driver
+        now = time.time()
+        out = {}
+        for name, dev in self._known.items():
+            verdict = check(self.fs, dev, self._memory[name], now)
+            if name not in present and verdict.health != UNHEALTHY:
+                verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
+                                  "not-discovered")
+            out[name] = DeviceState(verdict, now)
+        return out
+
+    # --- queries ------------------------------------------------------------------
+    def snapshot(self) -> dict[str, tuple[str, str]]:
+        """``{device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}`` for metrics, status, taints."""
+        return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(self.states.items())}
+
+    def taints(self) -> dict[str, list[dict]]:
+        """``{device: [DeviceTaint]}`` for unhealthy devices (ResourceSlice encoding);
+        a device that recovers simply disappears from the map."""
+        return {
+            n: [{"key": TAINT_KEY, "value": s.verdict.reason, "effect": "NoSchedule"}]
+            for n, s in sorted(self.states.items()) if s.verdict.health == UNHEALTHY
+        }
+
+    def subscribe(self) -> Subscriber:
+        sub = Subscriber()
+        self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self._subscribers.discard(sub)

@@ -1,0 +1,187 @@
+"""Metadata files and their CDI specs for prepared claims, driven by the checkpoint.
+
+A claim's checkpoint entry carries what is needed to rewrite its metadata at any time::
+
+    "metadata": {"podClaimName": "gpu" | null,
+                 "requests": {"<base request>": {"generation": 3, "requests": [<request entries>]}}}
+
+``generation`` is the last one written. Every write uses ``max(recorded, file) + 1``, so
+it only grows: across rewrites, deferred updates, reboots and lost files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+from agent.fsutil import atomic_write, clean_stale_temps, remove_file
+from agent.kubeletplugin.types import PreparedDevice, base_request
+from agent.metadata import layout
+from agent.metadata.stream import POD_CLAIM_NAME_ANNOTATION, MetadataError, build_object, encode, read_file
+from agent.settings import Settings
+from cdi import files as cdifiles
+from cdi.spec import SpecError
+from discovery.models import Device
+
+log = logging.getLogger(__name__)
+
+
+def device_entry(driver: str, pool: str, dev: Device) -> dict:
+    """One ``requests[].devices[]`` entry: slice attributes (no capacities), NIC network data."""
+    out: dict = {"driver": driver, "pool": pool, "name": dev.name}
+    attrs = dev.to_api().get("attributes")
+    if attrs:
+        out["attributes"] = attrs
+    if dev.nic and dev.nic.interfaces:
+        iface = dev.nic.interfaces[0]
+        net = {"interfaceName": iface.name}
+        if iface.mac:
+            net["hardwareAddress"] = iface.mac
+        out["networkData"] = net  # ips are not known before the pod sandbox exists
+    return out
+
+
+def plan(settings: Settings, claim: dict, prepared: list[PreparedDevice], by_name: dict[str, Device]) -> dict | None:
+    """The checkpoint ``metadata`` record for a claim; appends each request's metadata CDI ID
+    to the first device returned for that request (so it is injected once per request)."""
+    if not prepared:
+        return None
+    uid = claim["metadata"]["uid"]
+    driver = settings.driver_name
+    annotations = claim["metadata"].get("annotations") or {}
+    requests: dict[str, dict] = {}
+    for d in prepared:
+        full = d.requests[0]
+        base = base_request(full)
+        rec = requests.get(base)
+        if rec is None:
+            rec = requests[base] = {"generation": 0, "requests": []}
+            d.cdi_ids.append(layout.cdi_id(driver, uid, base))
+        entries = rec["requests"]
+        if not entries or entries[-1]["name"] != full:
+            entries.append({"name": full, "devices": []})
+        entries[-1]["devices"].append(device_entry(driver, d.pool, by_name[d.device]))
+    return {"podClaimName": annotations.get(POD_CLAIM_NAME_ANNOTATION) or None, "requests": requests}
+
+
+def _paths(settings: Settings, uid: str, entry: dict, base: str) -> tuple[str, str, str]:
+    host = layout.host_file(settings.plugin_dir, entry["namespace"], entry["name"], base)
+    ctr = layout.container_path(settings.driver_name, entry["name"], base, entry["metadata"]["podClaimName"])
+    return host, ctr, layout.spec_path(settings.cdi_dir, settings.driver_name, uid, base)
+
+
+def _file_generation(path: str, uid: str) -> int:
+    try:
+        obj = read_file(path)
+    except MetadataError:
+        return 0
+    meta = obj["metadata"]
+    return int(meta.get("generation") or 0) if meta.get("uid") == uid else 0
+
+
+def write_file(settings: Settings, uid: str, entry: dict, base: str) -> int:
+    """Write one request's stream atomically with the next generation; returns it."""
+    host, _, _ = _paths(settings, uid, entry, base)
+    rec = entry["metadata"]["requests"][base]
+    generation = max(int(rec.get("generation") or 0), _file_generation(host, uid)) + 1
+    obj = build_object(entry["name"], entry["namespace"], uid, generation, rec["requests"],
+                       entry["metadata"]["podClaimName"])
+    os.makedirs(os.path.dirname(host), mode=0o755, exist_ok=True)
+    atomic_write(host, encode(obj), mode=0o644)
+    rec["generation"] = generation
+    return generation
+
+
+def write_spec(settings: Settings, uid: str, entry: dict, base: str) -> None:
+    host, ctr, spec = _paths(settings, uid, entry, base)
+    cdifiles.write_spec(spec, layout.build_spec(settings.driver_name, uid, base, host, ctr))
+
+
+def write_claim(settings: Settings, uid: str, entry: dict) -> None:
+    """All files of a newly prepared claim: each metadata file before the spec that mounts it."""
+    for base in (entry.get("metadata") or {}).get("requests", {}):
+        write_file(settings, uid, entry, base)
+        write_spec(settings, uid, entry, base)
+
+
+def refresh_devices(settings: Settings, entry: dict, by_name: dict[str, Device]) -> None:
+    """Re-read device entries from the current inventory (after a reboot: names, MACs and
+    attributes may differ; runtime-provided IPs belong to sandboxes that are gone)."""
+    for rec in entry["metadata"]["requests"].values():
+        for req in rec["requests"]:
+            req["devices"] = [device_entry(settings.driver_name, d["pool"], by_name[d["name"]]) if d["name"] in by_name
+                              else d for d in req["devices"]]
+
+
+def ensure_claim(settings: Settings, uid: str, entry: dict, rebuild: bool = False) -> bool:
+    """Rewrite missing or unreadable files (all of them with ``rebuild``); True if any was written."""
+    meta = entry.get("metadata")
+    if not meta:
+        return False
+    wrote = False
+    for base in meta["requests"]:
+        host, _, spec = _paths(settings, uid, entry, base)
+        if rebuild or _file_generation(host, uid) == 0:
+            write_file(settings, uid, entry, base)
+            wrote = True
+        try:
+            if rebuild:
+                raise SpecError("rebuild")
+            cdifiles.read_spec(spec)
+        except SpecError:
+            write_spec(settings, uid, entry, base)
+            wrote = True
+    return wrote
+
+
+def remove_claim(settings: Settings, uid: str, namespace: str, name: str, keep_dir: bool = False) -> None:
+    """Delete the claim's metadata specs and, unless another prepared claim owns the same
+    namespace/name (a recreated claim), its host directory."""
+    for path in layout.list_specs(settings.cdi_dir, settings.driver_name).get(uid, []):
+        remove_file(path)
+    if namespace and name and not keep_dir:
+        try:
+            shutil.rmtree(layout.claim_dir(settings.plugin_dir, namespace, name))
+        except FileNotFoundError:
+            pass
+
+
+def _dir_uids(path: str) -> set[str]:
+    uids = set()
+    for req in os.listdir(path) if os.path.isdir(path) else ():
+        try:
+            uids.add(read_file(os.path.join(path, req, layout.FILE_NAME))["metadata"].get("uid", ""))
+        except MetadataError:
+            pass
+    return uids
+
+
+def remove_orphans(settings: Settings, claims: dict[str, dict]) -> list[str]:
+    """Specs of claims not in ``claims``, specs of requests a claim does not have, and host
+    directories whose files name no known claim. Returns what was removed."""
+    removed = []
+    clean_stale_temps(settings.cdi_dir, prefix="." + layout.spec_prefix(settings.driver_name))  # SIGKILL mid-write
+    for uid, paths in layout.list_specs(settings.cdi_dir, settings.driver_name).items():
+        entry = claims.get(uid)
+        wanted = set()
+        if entry and entry.get("metadata"):
+            wanted = {_paths(settings, uid, entry, b)[2] for b in entry["metadata"]["requests"]}
+        elif entry:  # adopted after a corrupt checkpoint: keep what is there
+            continue
+        for path in paths:
+            if path not in wanted:
+                remove_file(path)
+                removed.append(path)
+    root = layout.host_root(settings.plugin_dir)
+    owned = {(e.get("namespace"), e.get("name")) for e in claims.values() if e.get("metadata")}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        path = os.path.join(root, name)
+        ns, _, claim = name.partition("_")
+        if (ns, claim) in owned or _dir_uids(path) & set(claims):
+            for req in os.listdir(path) if os.path.isdir(path) else ():
+                clean_stale_temps(os.path.join(path, req), prefix="." + layout.FILE_NAME + ".")
+            continue
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else remove_file(path)
+        removed.append(path)
+    return removed

@@ -1,0 +1,121 @@
+"""Deferred metadata updates (``sysdra metadata update``), e.g. from an NRI plugin or OCI
+hook once the pod sandbox's network exists: set a device's ``networkData`` and rewrite
+the request's stream with ``generation + 1``.
+
+Runs in its own process, so it takes the plugin's ``flock`` on ``serialize.lock`` (the
+same one prepare/unprepare hold) and records the new generation in the checkpoint; the
+agent reloads a checkpoint that changed on disk before its next prepare or unprepare.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import time
+from dataclasses import dataclass, field
+
+from agent.checkpoint import COMPLETED, Checkpoint, CheckpointError
+from agent.kubeletplugin.service import check_ref
+from agent.kubeletplugin.types import ClaimRef, base_request
+from agent.metadata import layout, store
+from agent.settings import Settings
+
+LOCK_TIMEOUT = 60.0  # seconds; prepare must finish within the kubelet's 45 s
+MAX_IPS = 16  # resource.k8s.io NetworkDeviceData limits
+MAX_INTERFACE_NAME = 256
+MAX_HARDWARE_ADDRESS = 128
+
+
+class UpdateError(Exception):
+    """The update was refused; nothing was written."""
+
+
+@dataclass
+class NetworkData:
+    interface_name: str | None = None
+    ips: list[str] = field(default_factory=list)
+    hardware_address: str | None = None
+
+    def check(self) -> None:
+        if self.interface_name is not None and len(self.interface_name.encode()) > MAX_INTERFACE_NAME:
+            raise UpdateError(f"interface name is longer than {MAX_INTERFACE_NAME} bytes")
+        if self.hardware_address is not None and len(self.hardware_address.encode()) > MAX_HARDWARE_ADDRESS:
+            raise UpdateError(f"hardware address is longer than {MAX_HARDWARE_ADDRESS} bytes")
+        if len(self.ips) > MAX_IPS or len(set(self.ips)) != len(self.ips):
+            raise UpdateError(f"at most {MAX_IPS} unique IPs")
+        for ip in self.ips:
+            if "/" not in ip:
+                raise UpdateError(f"IP {ip!r} must be in CIDR form, e.g. 192.0.2.5/24")
+            try:
+                ipaddress.ip_interface(ip)
+            except ValueError as err:
+                raise UpdateError(f"IP {ip!r}: {err}") from err
+
+    def apply(self, device: dict) -> None:
+        net = dict(device.get("networkData") or {})
+        if self.interface_name is not None:
+            net["interfaceName"] = self.interface_name
+        if self.ips:
+            net["ips"] = list(self.ips)
+        if self.hardware_address is not None:
+            net["hardwareAddress"] = self.hardware_address
+        if net:
+            device["networkData"] = net
+
+
+class _Flock:
+    def __init__(self, path: str, timeout: float):
+        self.path, self.timeout = path, timeout
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise UpdateError(f"timed out after {self.timeout:.0f}s waiting for {self.path}") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def update_request(settings: Settings, ref: ClaimRef, request: str, net: NetworkData,
+                   device: str | None = None, lock_timeout: float = LOCK_TIMEOUT) -> tuple[int, str]:
+    """Rewrite one request's metadata with ``net`` on ``device`` (default: the request's
+    first device). Returns (new generation, host file)."""
+    problem = check_ref(ref)
+    if problem:
+        raise UpdateError(problem)
+    net.check()
+    base = base_request(request)
+    if not os.path.isdir(settings.plugin_dir):
+        raise UpdateError(f"request not found in prepared claim: {settings.plugin_dir} does not exist")
+    with _Flock(os.path.join(settings.plugin_dir, "serialize.lock"), lock_timeout):
+        try:
+            cp = Checkpoint.load(os.path.join(settings.plugin_dir, "checkpoint.json"), move_corrupt=False)
+        except (CheckpointError, ValueError) as err:
+            raise UpdateError(f"cannot read the checkpoint: {err}") from err
+        entry = cp.claims.get(ref.uid)
+        rec = ((entry or {}).get("metadata") or {}).get("requests", {}).get(base)
+        if (entry is None or entry["state"] != COMPLETED or rec is None
+                or (entry["namespace"], entry["name"]) != (ref.namespace, ref.name)):
+            raise UpdateError(f"request not found in prepared claim: {ref.namespace}/{ref.name} "
+                              f"(uid {ref.uid}) request {request!r}")
+        devices = [d for r in rec["requests"] for d in r["devices"]]
+        target = next((d for d in devices if device is None or d["name"] == device), None)
+        if target is None:
+            raise UpdateError(f"device {device!r} is not in request {request!r} of {ref.namespace}/{ref.name}")
+        net.apply(target)
+        try:
+            generation = store.write_file(settings, ref.uid, entry, base)
+            cp.save()
+        except OSError as err:
+            raise UpdateError(str(err)) from err
+    return generation, layout.host_file(settings.plugin_dir, ref.namespace, ref.name, base)

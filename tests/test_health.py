@@ -1,0 +1,226 @@
+"""KEP-4680 health over the real DRA socket with a grpcio client, on copies of fixture
+trees changed under the agent (link down, status, driver unbound, device removed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+
+import grpc
+import pytest
+
+from agent.claims import DirClaimSource
+from agent.driver import Driver
+from agent.health import HEALTH_SERVICES, attach
+from agent.health.checks import AER_HOLD, MAX_MESSAGE, Memory, check, truncate
+from agent.kubeletplugin import KubeletPlugin
+from agent.protos import dra_health_v1_pb2, dra_health_v1_pb2_grpc, dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc
+from discovery.inventory import scan
+from discovery.models import DeviceNode
+from discovery.sysfs import HostFS
+from tests.conftest import profile_root
+from tests.kubelet_standin import KubeletStandIn, settings_for
+
+VM_NIC = "nic-0000-05-00-0"
+VM_GPU = "gpu-0000-06-00-0"
+VM_NIC_NET = "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0/virtio12/net/eth0"
+VM_GPU_DIR = "sys/devices/pci0000:00/0000:00:01.5/0000:06:00.0"
+STUBS = {"v1": (dra_health_v1_pb2, dra_health_v1_pb2_grpc), "v1alpha1": (dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc)}
+
+
+def copy_profile(tmp_path, name: str) -> str:
+    root = str(tmp_path / name)
+    shutil.copytree(profile_root(name), root, symlinks=True)
+    return root
+
+
+def write(root: str, rel: str, text: str) -> None:
+    with open(os.path.join(root, rel), "w") as f:
+        f.write(text)
+
+
+class Agent:
+    """Plugin + health monitor on a fixture root, as the daemon wires them."""
+
+    def __init__(self, tmp_path, root: str, interval: float = 0.2, inventory=None):
+        self.settings = settings_for(str(tmp_path), root=root, health_interval=interval)
+        self.inv = inventory or scan(root)
+        self.plugin = KubeletPlugin(self.settings, Driver(self.settings, lambda: self.inv),
+                                    DirClaimSource(self.settings.cluster_dir))
+        self.monitor = attach(self.plugin, lambda: self.inv, self.settings)
+
+    async def __aenter__(self):
+        await self.monitor.start()
+        await self.plugin.start()
+        self.kubelet = KubeletStandIn(self.settings.registry_dir)
+        await self.kubelet.register()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.monitor.stop()
+        await self.plugin.stop()
+
+
+class Stream:
+    """A kubelet-like health watcher on one service version."""
+
+    def __init__(self, endpoint: str, version: str = "v1"):
+        self.pb, pb_grpc = STUBS[version]
+        self.channel = grpc.aio.insecure_channel("unix:" + endpoint)
+        self.call = pb_grpc.DRAResourceHealthStub(self.channel).NodeWatchResources(self.pb.NodeWatchResourcesRequest())
+
+    async def next(self, timeout: float = 5.0) -> dict:
+        resp = await asyncio.wait_for(self.call.read(), timeout)
+        assert resp is not grpc.aio.EOF
+        return {d.device.device_name: (self.pb.HealthStatus.Name(d.health), d.message, d) for d in resp.devices}
+
+    async def until(self, pred, timeout: float = 5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await self.next(max(0.05, deadline - time.monotonic()))
+            if pred(got):
+                return got
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await self.channel.close()
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_registration_lists_four_services_in_order(tmp_path):
+    async def main():
+        async with Agent(tmp_path, copy_profile(tmp_path, "vm-numa-none")) as a:
+            assert list(a.kubelet.info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", *HEALTH_SERVICES]
+            assert HEALTH_SERVICES == ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+    run(main())
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha1"])
+def test_snapshot_then_link_down_update_then_resend(tmp_path, version):
+    root = copy_profile(tmp_path, "vm-numa-none")
+
+    async def main():
+        async with Agent(tmp_path, root) as a:
+            s = Stream(a.plugin.dra_socket, version)
+            first = await s.next()
+            assert set(first) == {VM_NIC, VM_GPU}
+            assert first[VM_NIC][:2] == ("HEALTHY", "interface eth0 link up")
+            dev = first[VM_NIC][2]
+            assert dev.device.pool_name == a.settings.node_name and abs(dev.last_updated_time - time.time()) < 5
+            write(root, VM_NIC_NET + "/carrier", "0\n")
+            t0 = time.monotonic()
+            got = await s.until(lambda g: g[VM_NIC][0] == "UNHEALTHY")
+            assert got[VM_NIC][1] == "interface eth0 carrier 0" and time.monotonic() - t0 < 2
+            write(root, VM_NIC_NET + "/operstate", "down\n")
+            got = await s.until(lambda g: "operstate down" in g[VM_NIC][1])
+            assert got[VM_NIC][0] == "UNHEALTHY" and got[VM_GPU][0] == "HEALTHY"  # always the full list
+            assert a.monitor.taints() == {VM_NIC: [{"key": "sysdra.io/unhealthy", "value": "link-down", "effect": "NoSchedule"}]}
+            # nothing changes: the full list keeps coming (interval 0.2 s, well under the 30 s lease)
+            t0 = time.monotonic()
+            for _ in range(3):
+                assert set(await s.next(timeout=2)) == {VM_NIC, VM_GPU}
+            assert time.monotonic() - t0 < 2
+            write(root, VM_NIC_NET + "/operstate", "up\n")
+            write(root, VM_NIC_NET + "/carrier", "1\n")
+            await s.until(lambda g: g[VM_NIC][0] == "HEALTHY")
+            assert a.monitor.taints() == {}
+            await s.close()
+    run(main())
+
+
+def test_driver_unbound_and_device_removed_reported_on_inventory_change(tmp_path):
+    """Timer far away (10 s): the update comes from on_inventory, i.e. at once."""
+    root = copy_profile(tmp_path, "vm-numa-none")
+
+    async def main():
+        async with Agent(tmp_path, root, interval=10) as a:
+            s = Stream(a.plugin.dra_socket)
+            assert (await s.next())[VM_GPU][0] == "HEALTHY"
+            os.unlink(os.path.join(root, VM_GPU_DIR, "driver"))
+            a.inv = scan(root)  # the rescan sees no driver any more
+            a.monitor.on_inventory(a.inv)
+            got = await s.until(lambda g: g[VM_GPU][0] == "UNHEALTHY", timeout=2)
+            assert got[VM_GPU][1] == "driver nvidia is no longer bound to 0000:06:00.0"
+            shutil.rmtree(os.path.join(root, VM_GPU_DIR))
+            a.inv = scan(root)
+            a.monitor.on_inventory(a.inv)
+            got = await s.until(lambda g: "gone" in g[VM_GPU][1], timeout=2)
+            assert got[VM_GPU][:2] == ("UNHEALTHY", "PCI function 0000:06:00.0 is gone from sysfs")
+            assert a.monitor.snapshot()[VM_GPU][0] == "UNHEALTHY"
+            await s.close()
+    run(main())
+
+
+def test_habanalabs_status_and_client_reconnect(tmp_path):
+    root = copy_profile(tmp_path, "accel-gaudi")
+    status = "sys/devices/pci0000:16/0000:16:01.0/0000:17:00.0/status"
+
+    async def main():
+        async with Agent(tmp_path, root) as a:
+            s = Stream(a.plugin.dra_socket, "v1alpha1")
+            first = await s.next()
+            assert first["accelerator-0000-17-00-0"][0] == "HEALTHY"
+            assert first["accelerator-0000-99-00-0"][:2] == ("UNHEALTHY", "habanalabs status is 'in reset', not 'operational'")
+            assert first["accelerator-0000-19-00-0"][0] == "UNKNOWN"  # nothing to check is not HEALTHY
+            await s.close()  # the kubelet goes away ...
+            write(root, status, "in reset\n")
+            await asyncio.sleep(0.3)
+            assert not a.monitor._subscribers
+            s = Stream(a.plugin.dra_socket, "v1")  # ... and comes back: snapshot at once
+            got = await s.next(timeout=2)
+            assert got["accelerator-0000-17-00-0"][0] == "UNHEALTHY"
+            await s.close()
+    run(main())
+
+
+def test_long_messages_are_truncated_on_the_wire(tmp_path):
+    root = copy_profile(tmp_path, "vm-numa-none")
+    inv = scan(root)
+    gpu = inv.by_name()[VM_GPU]
+    missing = tuple(DeviceNode(path=f"/dev/missing-{'x' * 40}-{i}", host_path="/nonexistent", major=1, minor=i,
+                               source="test") for i in range(40))
+    inv = inv.model_copy(update={"devices": (gpu.model_copy(update={"device_nodes": missing}),)})
+
+    async def main():
+        async with Agent(tmp_path, root, inventory=inv) as a:
+            s = Stream(a.plugin.dra_socket)
+            health, message, _ = (await s.next())[VM_GPU]
+            assert health == "UNHEALTHY" and len(message) == MAX_MESSAGE and message.endswith("...")
+            await s.close()
+    run(main())
+
+
+def test_truncate():
+    assert truncate("x" * 1024) == "x" * 1024
+    assert truncate("x" * 1025) == "x" * 1021 + "..."
+
+
+def test_aer_fatal_increase_is_unhealthy_for_a_while(tmp_path):
+    root = copy_profile(tmp_path, "vm-numa-none")
+    gpu = scan(root).by_name()[VM_GPU]
+    fs, mem = HostFS(root), Memory(driver="nvidia")
+    aer = os.path.join(root, VM_GPU_DIR, "aer_dev_fatal")
+    write(root, aer, "Undefined 0\nDLP 0\nTOTAL_ERR_FATAL 2\n")
+    assert check(fs, gpu, mem, now=1000).health == "HEALTHY"  # a baseline, not an increase
+    write(root, aer, "Undefined 0\nDLP 1\nTOTAL_ERR_FATAL 3\n")
+    v = check(fs, gpu, mem, now=1001)
+    assert (v.health, v.reason) == ("UNHEALTHY", "aer-fatal") and "from 2 to 3" in v.message
+    assert check(fs, gpu, mem, now=1001 + AER_HOLD / 2).health == "UNHEALTHY"
+    assert check(fs, gpu, mem, now=1002 + AER_HOLD).health == "HEALTHY"
+
+
+def test_devnode_missing_while_bound_and_unknown_without_signal(tmp_path):
+    root = copy_profile(tmp_path, "vm-numa-none")
+    gpu = scan(root).by_name()[VM_GPU]
+    os.unlink(os.path.join(root, "dev/nvidia0"))
+    v = check(HostFS(root), gpu, Memory(driver="nvidia"))
+    assert (v.health, v.reason) == ("UNHEALTHY", "devnode-missing") and v.message.startswith("/dev/nvidia0 missing")
+    # a device that was never bound and has nothing to look at is UNKNOWN, never HEALTHY
+    os.unlink(os.path.join(root, VM_GPU_DIR, "driver"))
+    v = check(HostFS(root), gpu, Memory())
+    assert v.health == "UNKNOWN" and "no driver bound" in v.message
