@@ -13,7 +13,7 @@ from agent.settings import Settings, build_settings
 VALUE_FLAGS = ("root", "node-name", "driver-name", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
                "log-level", "log-format", "metrics-address", "rolling-update-uid", "device-metadata",
                "health-interval", "status-socket")
-SWITCH_FLAGS = ("list-attributes", "pf-vf-exclusive")
+SWITCH_FLAGS = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy")
 
 
 def add_parser(subparsers) -> None:

@@ -45,7 +45,7 @@ def make_store(settings: Settings):
 
 # Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive"})
+                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy"})
 
 
 class ObservedDriver:
@@ -108,6 +108,7 @@ class Agent:
                                    resync_interval=settings.resync_interval, debounce=settings.debounce,
                                    observer=PublishObserver(self))
         self.debouncer: Debouncer | None = None
+        self.health = None  # agent.health.HealthMonitor once the kubelet plugin runs
         self.inventory = None
         self.pool: PoolContent | None = None
         self.rescans = 0
@@ -117,8 +118,9 @@ class Agent:
     # --- inventory -> pool ---------------------------------------------------------------
     def _pool_for(self, inventory) -> PoolContent:
         s = self.settings
+        taints = self.health.taints() if s.taint_unhealthy and self.health is not None else None
         pool = build_pool(inventory, node_name=s.node_name, driver_name=s.driver_name,
-                          list_attributes=s.list_attributes, pf_vf_exclusive=s.pf_vf_exclusive)
+                          list_attributes=s.list_attributes, pf_vf_exclusive=s.pf_vf_exclusive, taints=taints)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)
@@ -131,13 +133,35 @@ class Agent:
         self.rescans += 1
         inventory = await asyncio.to_thread(self.scan, self.settings)
         self.inventory = inventory
+        if self.health is not None:
+            self.health.on_inventory(inventory)
         self.board.set_inventory(inventory, health=self.health_states())
-        pool = self._pool_for(inventory)
+        return self._republish(changed_at)
+
+    def _republish(self, changed_at: float | None = None) -> bool:
+        """Hand the publisher a new pool only if what we publish changed."""
+        if self.inventory is None:
+            return False
+        pool = self._pool_for(self.inventory)
         if pool == self.pool:
             return False
         self.pool = pool
         self.publisher.set_pool(pool, changed_at=changed_at if changed_at is not None else time.monotonic())
         return True
+
+    async def _follow_health(self) -> None:
+        """After every health round: status board, metrics, and (with --taint-unhealthy) taints."""
+        sub = self.health.subscribe()
+        try:
+            while not sub.closed:
+                await sub.event.wait()
+                sub.event.clear()
+                if self.inventory is not None:
+                    self.board.set_inventory(self.inventory, health=self.health_states())
+                if self.settings.taint_unhealthy:
+                    self._republish()
+        finally:
+            self.health.unsubscribe(sub)
 
     async def _periodic_rescan(self) -> None:
         while self.settings.resync_interval:
@@ -155,9 +179,13 @@ class Agent:
         except ImportError as err:
             log.info("kubelet plugin not available (%s): publishing only", err)
             return
+        from agent import health
+
         driver = ObservedDriver(Driver(self.settings, lambda: self.inventory), self.metrics, self.board)
         self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings))
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
+        self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
+        await self.health.start()
         await self.kubelet_plugin.start()  # raises: the agent exits non-zero and systemd restarts it
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
@@ -171,9 +199,10 @@ class Agent:
             self.board.set_registration("failed", status.error or "registration rejected")
 
     def health_states(self) -> dict[str, str] | None:
-        """Device name -> health state, when a health monitor runs (issue 5)."""
-        monitor = getattr(self, "health", None)
-        return monitor.states() if monitor is not None and hasattr(monitor, "states") else None
+        """Device name -> healthy/unhealthy/unknown, once the health monitor runs."""
+        if self.health is None:
+            return None
+        return {name: state.lower() for name, (state, _msg) in self.health.snapshot().items()}
 
     # --- SIGHUP ----------------------------------------------------------------------------
     def reload(self, new: Settings) -> None:
@@ -194,13 +223,15 @@ class Agent:
         self.publisher.debounce = self.settings.debounce
         if self.debouncer is not None:
             self.debouncer.delay = self.settings.debounce
+        if self.health is not None:
+            self.health.interval = self.settings.health_interval
         if "log_level" in live or "log_format" in live:
             from agent.cmd_run import setup_logging
 
             setup_logging(self.settings)
         log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))
-        if {"list_attributes", "pf_vf_exclusive"} & set(live):
-            asyncio.get_running_loop().create_task(self.rescan())
+        if {"list_attributes", "pf_vf_exclusive", "taint_unhealthy"} & set(live):
+            self._republish()
 
     # --- main loop -----------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
@@ -239,6 +270,7 @@ class Agent:
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         tasks.append(loop.create_task(self._report_status(), name="sd-status"))
+        tasks.append(loop.create_task(self._follow_health(), name="health-follow"))
         watchdog = sdnotify.start_watchdog(loop)
         log.info("sysdra running: node %s, driver %s, cluster %s", self.settings.node_name, self.settings.driver_name, self.settings.cluster)
         try:
@@ -252,6 +284,9 @@ class Agent:
             debouncer.cancel()
             if observer is not None:
                 observer.stop()
+            if self.health is not None:
+                with contextlib.suppress(Exception):
+                    await self.health.stop()
             if self.kubelet_plugin is not None:
                 with contextlib.suppress(Exception):
                     await self.kubelet_plugin.stop()

@@ -45,6 +45,8 @@ class Settings(BaseModel):
     # Publish per-PF shared counters so a PF and its VFs are never allocated together;
     # needs the DRAPartitionableDevices feature gate on the cluster (docs/attributes.md "SR-IOV").
     pf_vf_exclusive: bool = False
+    # Publish unhealthy devices with a NoSchedule DeviceTaint sysdra.io/unhealthy (docs/health.md).
+    taint_unhealthy: bool = False
 
     @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod

@@ -92,8 +92,12 @@ def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: d
     return out, counter_sets
 
 
-def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False) -> PoolContent:
-    """Validated, chunked pool content for this node's devices (inventory order = allocation order)."""
+def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
+               taints: dict[str, list[dict]] | None = None) -> PoolContent:
+    """Validated, chunked pool content for this node's devices (inventory order = allocation order).
+
+    ``taints``: device name -> DeviceTaints (``--taint-unhealthy``); a tainted device makes
+    its slice an advanced one (at most 64 devices)."""
     rejected: list[tuple[str, str]] = []
     entries: list[dict] = []
     seen: set[str] = set()
@@ -103,6 +107,8 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
         entry = device.to_api()
         if device.pci.physfn:
             entry = _with_pf_attribute(entry, device.pci.physfn)
+        if taints and taints.get(device.name):
+            entry = {**entry, "taints": [dict(t) for t in taints[device.name]]}
         problems = device_problems(entry, driver_name, list_attributes)
         if device.name in seen:
             problems.append("device name used twice in the pool")

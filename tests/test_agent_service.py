@@ -112,3 +112,60 @@ def test_scan_slices_output_is_a_valid_list():
         assert item["spec"]["nodeName"] == "node-a"
         names += [d["name"] for d in item["spec"]["devices"]]
     assert len(names) == len(set(names))
+
+
+def test_taint_unhealthy_follows_link_state(tmp_path):
+    """--taint-unhealthy: a NIC losing carrier gets a NoSchedule taint in its slice; it goes on recovery."""
+    import glob
+    import shutil
+
+    import kubernetes_validate
+
+    root = tmp_path / "root"
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    nic_net = glob.glob(str(root / "sys/bus/pci/devices/0000:1a:00.0/net/*"))[0]
+    cluster = tmp_path / "cluster"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
+    cmd = [sys.executable, "-m", "agent", "run", "--config", os.devnull, "--root", str(root), "--node-name", "node-a",
+           "--cluster", f"dir:{cluster}", "--kubelet-dir", str(tmp_path / "kubelet"), "--cdi-dir", str(tmp_path / "cdi"),
+           "--metrics-address", "", "--health-interval", "0.5", "--taint-unhealthy"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def taints() -> dict | None:
+        out = {}
+        try:
+            for path in glob.glob(str(cluster / "resourceslices" / "*.json")):
+                obj = json.load(open(path))
+                for d in obj["spec"].get("devices", []):
+                    out[d["name"]] = d.get("taints")
+        except (OSError, ValueError):
+            return None
+        return out or None
+
+    def wait(pred, what):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            t = taints()
+            if t is not None and pred(t):
+                return t
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        pytest.fail(f"timed out waiting for {what}: {taints()}")
+
+    try:
+        wait(lambda t: "nic-0000-1a-00-0" in t and not t["nic-0000-1a-00-0"], "first publish")
+        with open(os.path.join(nic_net, "carrier"), "w") as f:
+            f.write("0\n")
+        t = wait(lambda t: t.get("nic-0000-1a-00-0"), "the taint")
+        (taint,) = t["nic-0000-1a-00-0"]
+        assert taint["key"] == "sysdra.io/unhealthy" and taint["effect"] == "NoSchedule" and taint["value"]
+        for path in glob.glob(str(cluster / "resourceslices" / "*.json")):
+            obj = json.load(open(path))
+            kubernetes_validate.validate(obj, "1.37", strict=True)
+            assert len(obj["spec"]["devices"]) <= 64 or not any(d.get("taints") for d in obj["spec"]["devices"])
+        with open(os.path.join(nic_net, "carrier"), "w") as f:
+            f.write("1\n")
+        wait(lambda t: not t.get("nic-0000-1a-00-0"), "the taint to go")
+    finally:
+        err = _stop(proc)
+    assert proc.returncode == 0, err
