@@ -1,19 +1,15 @@
 """Test helpers for the kubelet plugin: inventories with device nodes, ResourceClaims in a
-``dir:`` store, and an in-process kubelet stand-in speaking gRPC over the real sockets."""
+``dir:`` store; the kubelet stand-in itself is agent.kubeletplugin.kubelet_client (re-exported)."""
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 import uuid
 
-import grpc
-
-from agent.protos import (
-    dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc,
-    pluginregistration_pb2, pluginregistration_pb2_grpc,
-)
+from agent.kubeletplugin.kubelet_client import KNOWN, find_registration_sockets  # noqa: F401 - re-exported for tests
+from agent.kubeletplugin.kubelet_client import KubeletClient as KubeletStandIn  # noqa: F401
+from agent.kubeletplugin.kubelet_client import claim_ref as _ref  # noqa: F401
 from agent.settings import Settings
 from discovery.models import Device, DeviceNode, Inventory, NetInterface, NicInfo, PciFunction
 
@@ -74,64 +70,3 @@ def store_claim(settings: Settings, obj: dict) -> dict:
     with open(os.path.join(d, obj["metadata"]["name"] + ".json"), "w") as f:
         json.dump(obj, f)
     return obj
-
-
-KNOWN = {
-    "v1.DRAPlugin": (dra_v1_pb2, dra_v1_pb2_grpc),
-    "v1beta1.DRAPlugin": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc),
-}
-
-
-def find_registration_sockets(registry_dir: str) -> list[str]:
-    """Like the kubelet's plugin watcher: any non-dot unix socket, recursively."""
-    found = []
-    for dirpath, _dirs, files in os.walk(registry_dir):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            if not name.startswith(".") and stat.S_ISSOCK(os.lstat(path).st_mode):
-                found.append(path)
-    return sorted(found)
-
-
-class KubeletStandIn:
-    """Registers like the kubelet (GetInfo, pick the first known service in the plugin's
-    order, NotifyRegistrationStatus), then calls prepare/unprepare on the endpoint."""
-
-    def __init__(self, registry_dir: str, prefer: str | None = None):
-        self.registry_dir = registry_dir
-        self.prefer = prefer  # force a service version (test both)
-        self.info = None
-        self.service: str | None = None
-
-    async def register(self) -> None:
-        (sock,) = find_registration_sockets(self.registry_dir)
-        async with grpc.aio.insecure_channel("unix:" + sock) as ch:
-            stub = pluginregistration_pb2_grpc.RegistrationStub(ch)
-            self.info = await stub.GetInfo(pluginregistration_pb2.InfoRequest(), timeout=5)
-            known = [v for v in self.info.supported_versions if v in KNOWN]
-            self.service = self.prefer or (known[0] if known else None)
-            ok = self.info.type == "DRAPlugin" and self.service in self.info.supported_versions
-            await stub.NotifyRegistrationStatus(
-                pluginregistration_pb2.RegistrationStatus(plugin_registered=ok, error="" if ok else "no known service"),
-                timeout=5,
-            )
-
-    async def _call(self, method: str, claims: list[tuple[str, str, str]]):
-        pb, pb_grpc = KNOWN[self.service]
-        req_cls = pb.NodePrepareResourcesRequest if method == "NodePrepareResources" else pb.NodeUnprepareResourcesRequest
-        req = req_cls(claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims])
-        async with grpc.aio.insecure_channel("unix:" + self.info.endpoint) as ch:
-            return await getattr(pb_grpc.DRAPluginStub(ch), method)(req, timeout=45)
-
-    async def prepare(self, *claims: dict | tuple[str, str, str]):
-        return await self._call("NodePrepareResources", [_ref(c) for c in claims])
-
-    async def unprepare(self, *claims: dict | tuple[str, str, str]):
-        return await self._call("NodeUnprepareResources", [_ref(c) for c in claims])
-
-
-def _ref(c: dict | tuple[str, str, str]) -> tuple[str, str, str]:
-    if isinstance(c, tuple):
-        return c
-    m = c["metadata"]
-    return m["namespace"], m["name"], m["uid"]
