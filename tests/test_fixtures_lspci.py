@@ -135,6 +135,7 @@ def test_device_names_and_nodes_are_consistent(profile: str) -> None:
 
 
 def _snapshot(root: str) -> dict[str, tuple[str, object]]:
+    """Files and symlinks (directories are implied: git cannot store an empty one)."""
     out: dict[str, tuple[str, object]] = {}
     for dirpath, dirnames, files in os.walk(root):
         for name in dirnames + files:
@@ -143,7 +144,7 @@ def _snapshot(root: str) -> dict[str, tuple[str, object]]:
             if os.path.islink(full):
                 out[rel] = ("link", os.readlink(full))
             elif os.path.isdir(full):
-                out[rel] = ("dir", None)
+                continue
             else:
                 with open(full, "rb") as fh:
                     out[rel] = ("file", fh.read())
