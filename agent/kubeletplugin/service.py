@@ -188,13 +188,20 @@ def _request_names(requests: list[str]) -> list[str]:
     return list(dict.fromkeys(base_request(r) for r in requests))
 
 
-class DRAPluginV1(dra_v1_pb2_grpc.DRAPluginServicer):
+class _DRAPluginServicer:
+    """NodePrepare/NodeUnprepare for one API version; ``pb`` is that version's messages.
+
+    The versions differ only in ``Device.share_id`` (v1 has it, v1beta1 does not)."""
+
+    pb: Any = None
+    has_share_id = False
+
     def __init__(self, core: Prepare):
         self.core = core
 
     async def NodePrepareResources(self, request, context: grpc.aio.ServicerContext):
         results = await self.core.prepare(_refs(request))
-        resp = dra_v1_pb2.NodePrepareResourcesResponse()
+        resp = self.pb.NodePrepareResourcesResponse()
         for uid, res in results.items():
             entry = resp.claims[uid]
             if res.error:
@@ -205,42 +212,22 @@ class DRAPluginV1(dra_v1_pb2_grpc.DRAPluginServicer):
                     request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
                     cdi_device_ids=d.cdi_ids,
                 )
-                if d.share_id:
+                if d.share_id and self.has_share_id:
                     dev.share_id = d.share_id
         return resp
 
     async def NodeUnprepareResources(self, request, context: grpc.aio.ServicerContext):
         results = await self.core.unprepare(_refs(request))
-        resp = dra_v1_pb2.NodeUnprepareResourcesResponse()
+        resp = self.pb.NodeUnprepareResourcesResponse()
         for uid, err in results.items():
             resp.claims[uid].error = err or ""
         return resp
 
 
-class DRAPluginV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
-    """Same as v1 without ``share_id`` (the field does not exist in v1beta1)."""
+class DRAPluginV1(_DRAPluginServicer, dra_v1_pb2_grpc.DRAPluginServicer):
+    pb = dra_v1_pb2
+    has_share_id = True
 
-    def __init__(self, core: Prepare):
-        self.core = core
 
-    async def NodePrepareResources(self, request, context: grpc.aio.ServicerContext):
-        results = await self.core.prepare(_refs(request))
-        resp = dra_v1beta1_pb2.NodePrepareResourcesResponse()
-        for uid, res in results.items():
-            entry = resp.claims[uid]
-            if res.error:
-                entry.error = res.error
-                continue
-            for d in res.devices:
-                entry.devices.add(
-                    request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
-                    cdi_device_ids=d.cdi_ids,
-                )
-        return resp
-
-    async def NodeUnprepareResources(self, request, context: grpc.aio.ServicerContext):
-        results = await self.core.unprepare(_refs(request))
-        resp = dra_v1beta1_pb2.NodeUnprepareResourcesResponse()
-        for uid, err in results.items():
-            resp.claims[uid].error = err or ""
-        return resp
+class DRAPluginV1beta1(_DRAPluginServicer, dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    pb = dra_v1beta1_pb2
