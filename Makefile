@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv test test-fast demo bench protos fixtures install clean
+.PHONY: all venv test test-fast demo run bench protos fixtures install clean
 
 all: test
 
@@ -27,6 +27,12 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(VPY) -m agent.demo --profile $(PROFILE)
+
+# The daemon on a bundled fixture node, offline cluster and kubelet dirs under .state/run, until Ctrl-C.
+run: $(STAMP)
+	mkdir -p .state/run
+	SYSDRA_CONFIG=/dev/null $(VPY) -m agent run --root fixtures/sysfs/$(PROFILE) --node-name demo-node \
+		--cluster dir:.state/run/cluster --kubelet-dir .state/run/kubelet --cdi-dir .state/run/cdi
 
 bench: $(STAMP)
 	$(VPY) -m bench.run

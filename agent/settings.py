@@ -51,9 +51,9 @@ class Settings(BaseModel):
     @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod
     def _absolute(cls, v: str) -> str:
-        if not os.path.isabs(v):
-            raise ValueError("must be an absolute path")
-        return os.path.normpath(v)
+        if not v:
+            raise ValueError("must not be empty")
+        return os.path.abspath(v)  # relative to the working directory, like --cluster dir:PATH
 
     @field_validator("driver_name")
     @classmethod
