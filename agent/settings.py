@@ -55,6 +55,13 @@ class Settings(BaseModel):
             raise ValueError("must not be empty")
         return os.path.abspath(v)  # relative to the working directory, like --cluster dir:PATH
 
+    @field_validator("root")
+    @classmethod
+    def _root_exists(cls, v: str) -> str:
+        if not os.path.isdir(v):
+            raise ValueError(f"{v} is not a directory")
+        return v
+
     @field_validator("driver_name")
     @classmethod
     def _driver(cls, v: str) -> str:
