@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv test test-fast demo run bench protos fixtures install clean
+.PHONY: all venv test test-fast demo run bench reliability protos fixtures install clean
 
 all: test
 
@@ -36,6 +36,10 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m bench.run
+
+# Run the fault-injection suite (tests/faults) and regenerate docs/reliability.md from its results.
+reliability: $(STAMP)
+	$(VPY) -m tests.faults.report
 
 # Regenerate the gRPC stubs from agent/protos/*.proto (a test fails when they are stale).
 protos: $(STAMP)

@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 from typing import Protocol
 
 from agent.settings import Settings
+
+
+MAX_CLAIM_BYTES = 3 * 1024 * 1024  # etcd's request limit bounds every real ResourceClaim
 
 
 class ClaimError(Exception):
@@ -37,11 +41,22 @@ class DirClaimSource:
     def _read(self, namespace: str, name: str) -> dict:
         path = self.claim_path(namespace, name)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            # O_NONBLOCK: a FIFO put where the file should be must not block a thread forever
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ClaimError(f"ResourceClaim {namespace}/{name} not found ({path})") from None
-        except (OSError, ValueError) as err:
+        except OSError as err:
+            raise ClaimError(f"ResourceClaim {namespace}/{name}: cannot read {path}: {err.strerror or err}") from err
+        try:
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} is not a regular file")
+                if st.st_size > MAX_CLAIM_BYTES:
+                    raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} is {st.st_size} bytes, "
+                                     f"more than {MAX_CLAIM_BYTES} (the API server's object size limit)")
+                data = json.loads(f.read(MAX_CLAIM_BYTES + 1))
+        except (OSError, ValueError, RecursionError) as err:
             raise ClaimError(f"ResourceClaim {namespace}/{name}: cannot read {path}: {err}") from err
         if not isinstance(data, dict):
             raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} is not a JSON object")

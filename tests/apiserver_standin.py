@@ -105,6 +105,7 @@ class StandinAPIServer:
         self.writes = {"create": 0, "update": 0, "delete": 0, "deletecollection": 0}
         self._faults: list[tuple[int, str | None]] = []  # (status, only this verb)
         self._delay = 0.0
+        self._delay_only: str | None = None
         self._watch_epoch = 0
         self.gone_served = 0  # watches answered with 410 Gone
         self._stopped = False
@@ -151,9 +152,10 @@ class StandinAPIServer:
         with self.lock:
             self._faults.extend([(code, verb)] * count)
 
-    def delay(self, seconds: float) -> None:
-        """Every request waits this long first (a slow server)."""
-        self._delay = seconds
+    def delay(self, seconds: float, only: str | None = None) -> None:
+        """Every request (whose path starts with ``only``, e.g. ``SLICES``) waits this long first:
+        a slow or stalled server. Requests already waiting finish their wait."""
+        self._delay, self._delay_only = seconds, only
 
     def drop_watches(self) -> None:
         """Cut every open watch stream without a clean end (like a load balancer timeout)."""
@@ -302,7 +304,7 @@ class StandinAPIServer:
                 verb = {"GET": "watch" if watch else ("list" if path == SLICES else "get"), "POST": "create", "PUT": "update",
                         "DELETE": "deletecollection" if path == SLICES else "delete"}[method]
                 server.requests.append((verb, path))
-                if server._delay:
+                if server._delay and (server._delay_only is None or path.startswith(server._delay_only)):
                     time.sleep(server._delay)
                 with server.lock:
                     for i, (code, only) in enumerate(server._faults):
