@@ -29,7 +29,7 @@ import logging
 import os
 import time
 
-from agent.fsutil import atomic_write_json
+from agent.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,12 @@ class CheckpointError(Exception):
     """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
 
 
+def _canonical(claims: dict) -> str:
+    return json.dumps(claims, sort_keys=True, separators=(",", ":"))
+
+
 def checksum(claims: dict) -> str:
-    canonical = json.dumps(claims, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(_canonical(claims).encode()).hexdigest()
 
 
 def read_boot_id(root: str = "/") -> str:
@@ -139,8 +142,12 @@ class Checkpoint:
         return cp
 
     def save(self) -> None:
+        """Durable (fdatasync + directory fsync): the checkpoint is the one file recovery
+        cannot rebuild. The claims are encoded once, canonically; the checksum covers
+        exactly the bytes written (same value as ``checksum(self.claims)``)."""
         os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
-        atomic_write_json(
-            self.path, {"version": VERSION, "checksum": checksum(self.claims), "claims": self.claims}, mode=0o600
-        )
+        canonical = _canonical(self.claims)
+        digest = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+        text = f'{{"version": {VERSION}, "checksum": "{digest}", "claims": {canonical}}}\n'
+        atomic_write(self.path, text, mode=0o600, durable=True)
         self.stamp = self._disk_stamp()

@@ -112,6 +112,8 @@ class Agent:
         self.inventory = None
         self.pool: PoolContent | None = None
         self.rescans = 0
+        self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
+        self._slice_cache: dict = {}  # agent.slices.build_pool's per-device cache
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
 
@@ -120,7 +122,8 @@ class Agent:
         s = self.settings
         taints = self.health.taints() if s.taint_unhealthy and self.health is not None else None
         pool = build_pool(inventory, node_name=s.node_name, driver_name=s.driver_name,
-                          list_attributes=s.list_attributes, pf_vf_exclusive=s.pf_vf_exclusive, taints=taints)
+                          list_attributes=s.list_attributes, pf_vf_exclusive=s.pf_vf_exclusive, taints=taints,
+                          previous=self.pool, cache=self._slice_cache)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)
@@ -128,10 +131,25 @@ class Agent:
         self._rejected_seen = set(pool.rejected)
         return pool
 
-    async def rescan(self, changed_at: float | None = None) -> bool:
-        """Scan again; hand the publisher a new pool only if what we publish changed."""
+    def _scan(self, changed: set[str] | None) -> object:
+        """Default scanner: incremental (re-read only ``changed`` PCI functions, None = all);
+        an injected ``scan`` function (tests) always scans everything."""
+        if self.scan is not default_scan:
+            return self.scan(self.settings)
+        from discovery.inventory import IncrementalScanner
+
+        s = self.settings
+        sc = self._scanner
+        if sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes:
+            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes)
+            changed = None
+        return sc.update(changed)
+
+    async def rescan(self, changed_at: float | None = None, changed: set[str] | None = None) -> bool:
+        """Scan again (only the ``changed`` PCI functions, None = a full scan); hand the
+        publisher a new pool only if what we publish changed."""
         self.rescans += 1
-        inventory = await asyncio.to_thread(self.scan, self.settings)
+        inventory = await asyncio.to_thread(self._scan, changed)
         self.inventory = inventory
         if self.health is not None:
             self.health.on_inventory(inventory)
@@ -257,7 +275,8 @@ class Agent:
             observer = watch_dir(self.store.directory, self.publisher, loop)
         elif hasattr(self.store, "watch"):
             tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
-        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first: self.rescan(first))
+        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
+                                               with_changes=True)
         watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         watcher.start(loop)
         try:

@@ -40,14 +40,65 @@ def is_advanced(device: dict) -> bool:
     return any(next(iter(v)) in ("ints", "bools", "strings", "versions") for v in (device.get("attributes") or {}).values())
 
 
-def chunk_devices(devices: list[dict]) -> list[list[dict]]:
-    """Greedy split keeping order: 128 per slice, 64 once the slice holds an advanced device."""
+def _limit(advanced: bool) -> int:
+    return MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
+
+
+def chunk_devices(devices: list[dict], previous: list[list[dict]] | None = None) -> list[list[dict]]:
+    """Greedy split keeping order: 128 per slice, 64 once the slice holds an advanced device.
+
+    ``previous`` (the device lists of the slices published before): sticky placement. A
+    device stays in the slice it was in while that slice stays within its limit; new
+    devices go to the first slice with room, else to a new slice at the end. So adding,
+    removing or changing one device changes one slice, not every later one (a change in
+    more than one slice makes the publisher bump the pool generation and rewrite all).
+    When holes make the pool much larger than a fresh split, it is split afresh."""
+    greedy = _greedy(devices)
+    if not previous:
+        return greedy
+    order = {d["name"]: i for i, d in enumerate(devices)}
+    where = {d["name"]: i for i, chunk in enumerate(previous) for d in chunk}
+    buckets: list[list[dict]] = [[] for _ in previous]
+    advanced = [False] * len(previous)
+    new: list[dict] = []
+    for device in devices:
+        i = where.get(device["name"])
+        if i is None:
+            new.append(device)
+            continue
+        adv = advanced[i] or is_advanced(device)
+        if len(buckets[i]) + 1 > _limit(adv):
+            new.append(device)  # its slice became an advanced one and is full: it moves
+            continue
+        buckets[i].append(device)
+        advanced[i] = adv
+    for device in sorted(new, key=lambda d: order[d["name"]]):
+        adv_dev = is_advanced(device)
+        for i, bucket in enumerate(buckets):
+            adv = advanced[i] or adv_dev
+            if len(bucket) + 1 <= _limit(adv):
+                bucket.append(device)
+                advanced[i] = adv
+                break
+        else:
+            buckets.append([device])
+            advanced.append(adv_dev)
+    while len(buckets) > 1 and not buckets[-1]:
+        buckets.pop()
+    if len(buckets) > max(2 * len(greedy), len(greedy) + 2):
+        return greedy  # too fragmented: compact (one generation bump)
+    for bucket in buckets:
+        bucket.sort(key=lambda d: order[d["name"]])
+    return buckets
+
+
+def _greedy(devices: list[dict]) -> list[list[dict]]:
     chunks: list[list[dict]] = []
     current: list[dict] = []
     advanced = False
     for device in devices:
         adv = advanced or is_advanced(device)
-        if current and len(current) + 1 > (MAX_DEVICES_ADVANCED if adv else MAX_DEVICES):
+        if current and len(current) + 1 > _limit(adv):
             chunks.append(current)
             current, adv = [], is_advanced(device)
         current.append(device)
@@ -92,24 +143,60 @@ def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: d
     return out, counter_sets
 
 
+def _attribute_api(value) -> dict:
+    # AttributeValue.to_api without its generator: exactly one field is set
+    for key, v in value.__dict__.items():
+        if v is not None:
+            return {key.rstrip("_"): list(v) if isinstance(v, tuple) else v}
+    return value.to_api()  # not reached for valid values; let the model say what is wrong
+
+
+def device_api(device) -> dict:
+    """``Device.to_api()``, about twice as fast (it runs for every device of the pool)."""
+    out: dict = {"name": device.name}
+    if device.attributes:
+        out["attributes"] = {k: _attribute_api(v) for k, v in sorted(device.attributes.items())}
+    if device.capacity:
+        out["capacity"] = {k: {"value": v} for k, v in sorted(device.capacity.items())}
+    return out
+
+
+def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict | None) -> tuple[dict, list[str]]:
+    """The device's API entry and validation problems; ``cache`` reuses them while the
+    device object (discovery reuses unchanged ones), its taints and the settings are the same."""
+    t = taints.get(device.name) if taints else None
+    key = (driver_name, list_attributes)
+    if cache is not None:
+        hit = cache.get(device.name)
+        if hit is not None and hit[0] is device and hit[1] == t and hit[2] == key:
+            return hit[3], list(hit[4])
+    entry = device_api(device)
+    if device.pci.physfn:
+        entry = _with_pf_attribute(entry, device.pci.physfn)
+    if t:
+        entry = {**entry, "taints": [dict(x) for x in t]}
+    problems = device_problems(entry, driver_name, list_attributes)
+    if cache is not None:
+        cache[device.name] = (device, t, key, entry, tuple(problems))
+    return entry, problems
+
+
 def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
-               taints: dict[str, list[dict]] | None = None) -> PoolContent:
+               taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
+               cache: dict | None = None) -> PoolContent:
     """Validated, chunked pool content for this node's devices (inventory order = allocation order).
 
     ``taints``: device name -> DeviceTaints (``--taint-unhealthy``); a tainted device makes
-    its slice an advanced one (at most 64 devices)."""
+    its slice an advanced one (at most 64 devices). ``previous``: the pool published
+    before, for sticky slice placement (``chunk_devices``). ``cache``: a dict kept by the
+    caller across calls; entries (treated as read-only) are reused for unchanged devices."""
     rejected: list[tuple[str, str]] = []
     entries: list[dict] = []
     seen: set[str] = set()
     pf_of: dict[str, str | None] = {}
     bdf_of: dict[str, str] = {}
     for device in inventory.devices:
-        entry = device.to_api()
-        if device.pci.physfn:
-            entry = _with_pf_attribute(entry, device.pci.physfn)
-        if taints and taints.get(device.name):
-            entry = {**entry, "taints": [dict(t) for t in taints[device.name]]}
-        problems = device_problems(entry, driver_name, list_attributes)
+        entry, problems = _entry(device, driver_name, list_attributes, taints, cache)
         if device.name in seen:
             problems.append("device name used twice in the pool")
         if problems:
@@ -124,7 +211,12 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
         # counter slices first: PFs come and go less often than devices, so indexes stay put
         for i in range(0, len(counter_sets), MAX_COUNTER_SETS):
             slices.append({"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]})
-    slices.extend({"devices": chunk} for chunk in chunk_devices(entries))
+    if cache is not None and len(cache) > len(inventory.devices):
+        names = {d.name for d in inventory.devices}
+        for name in [n for n in cache if n not in names]:
+            del cache[name]
+    prev_chunks = [sl["devices"] for sl in previous.slices if "devices" in sl] if previous is not None else None
+    slices.extend({"devices": chunk} for chunk in chunk_devices(entries, prev_chunks))
     return PoolContent(name=node_name, slices=tuple(slices), rejected=tuple(rejected))
 
 

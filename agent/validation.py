@@ -7,6 +7,7 @@ Limits: ../shared/reference/kubelet-plugin-protocol.md §5.
 
 from __future__ import annotations
 
+import functools
 import re
 from fractions import Fraction
 
@@ -58,6 +59,7 @@ def parse_quantity(text: str) -> Fraction:
     return -value if sign == "-" else value
 
 
+@functools.lru_cache(maxsize=4096)  # a pool repeats the same few dozen names on every device
 def qualified_name_problem(key: str) -> str | None:
     """Why ``key`` is not a valid attribute/capacity name, or None."""
     if key.count("/") > 1:
@@ -71,6 +73,14 @@ def qualified_name_problem(key: str) -> str | None:
 
 
 def _value_problem(key: str, value: object) -> str | None:
+    if type(value) is dict and len(value) == 1:  # fast path for the common valid scalars
+        (kind, v), = value.items()
+        if kind == "string" and type(v) is str and (len(v) * 4 <= MAX_VALUE_LENGTH or len(v.encode()) <= MAX_VALUE_LENGTH):
+            return None
+        if kind == "int" and type(v) is int and -2**63 <= v < 2**63:
+            return None
+        if kind == "bool" and type(v) is bool:
+            return None
     if not isinstance(value, dict) or len(value) != 1:
         return f"attribute {key!r} must have exactly one value field"
     (kind, v), = value.items()

@@ -5,6 +5,10 @@
 - fixture root: watchdog file events below ROOT/sys (tests, demos);
 - both: a periodic full rescan as a safety net (netlink drops events under bursts).
 
+Events name the PCI function they are about (uevent DEVPATH, file path -> deepest PCI
+address), so the rescan re-reads only those (``discovery.inventory.IncrementalScanner``);
+an event naming none (NUMA, /sys/class, dropped uevents) asks for a full rescan.
+
 ``Debouncer`` turns a burst into one rescan: the first event arms a timer of ``debounce``
 seconds, later events within the window ride along, so latency stays <= debounce + scan.
 """
@@ -17,6 +21,8 @@ import os
 import time
 from typing import Callable
 
+from discovery.inventory import bdf_of_path
+
 log = logging.getLogger("sysdra.watch")
 
 SUBSYSTEMS = ("pci", "net", "infiniband", "infiniband_verbs", "drm", "accel", "vfio",
@@ -24,20 +30,30 @@ SUBSYSTEMS = ("pci", "net", "infiniband", "infiniband_verbs", "drm", "accel", "v
 
 
 class Debouncer:
-    """Calls ``action(first_event_time)`` once per burst; never runs two actions at once."""
+    """Calls ``action(first_event_time)`` once per burst; never runs two actions at once.
 
-    def __init__(self, delay: float, action: Callable[[float], "asyncio.Future | None"]):
+    With ``with_changes=True`` it calls ``action(first_event_time, changed)``: the PCI
+    functions the burst's events named (``trigger(bdf)``), or None when any event named
+    none (``trigger()``): then the action must look at everything."""
+
+    def __init__(self, delay: float, action: Callable[..., "asyncio.Future | None"], with_changes: bool = False):
         self.delay = delay
         self.action = action
+        self.with_changes = with_changes
         self.events = 0
         self.runs = 0
         self._first: float | None = None
+        self._changed: set[str] | None = set()
         self._task: asyncio.Task | None = None
 
-    def trigger(self) -> None:
+    def trigger(self, bdf: str | None = None) -> None:
         self.events += 1
         if self._first is None:
             self._first = time.monotonic()
+        if bdf is None:
+            self._changed = None
+        elif self._changed is not None:
+            self._changed.add(bdf)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -45,9 +61,10 @@ class Debouncer:
         while self._first is not None:
             await asyncio.sleep(max(0.0, self._first + self.delay - time.monotonic()))
             first, self._first = self._first, None
+            changed, self._changed = self._changed, set()
             self.runs += 1
             try:
-                result = self.action(first)
+                result = self.action(first, changed) if self.with_changes else self.action(first)
                 if asyncio.iscoroutine(result):
                     await result
             except Exception:  # noqa: BLE001 - a failed rescan must not stop later ones
@@ -121,6 +138,16 @@ def start_file_observer(paths: list[str], callback: Callable[[str], None], recur
     return observer
 
 
+def _device_bdf(device) -> str | None:
+    """PCI function of a uevent (DEVPATH); None for ENOBUFS (``device is None``) and others."""
+    if device is None:
+        return None
+    try:
+        return bdf_of_path(device.device_path)
+    except Exception:  # noqa: BLE001 - a strange event only costs a full rescan
+        return None
+
+
 class HardwareWatcher:
     """Starts the right event source for ``root`` and feeds the debouncer."""
 
@@ -134,20 +161,25 @@ class HardwareWatcher:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if os.path.abspath(self.root) == "/":
             try:
-                self._udev = UdevSource(lambda _device: self._event(self._udev.source if self._udev else "udev"))
+                self._udev = UdevSource(lambda device: self._event(self._udev.source if self._udev else "udev",
+                                                                   _device_bdf(device)))
                 self._udev.start(loop)
                 log.info("watching %s uevents for %s", self._udev.source, ", ".join(SUBSYSTEMS))
             except Exception as err:  # noqa: BLE001 - no libudev / AF_NETLINK: periodic rescans still work
                 log.warning("no uevent monitor (%s): relying on periodic rescans", err)
         else:
             sys_dir = os.path.join(self.root, "sys")
-            self._observer = start_file_observer([sys_dir], lambda _p: loop.call_soon_threadsafe(self._event, "file"))
+            root = os.path.abspath(self.root)
+            self._observer = start_file_observer(
+                [sys_dir], lambda p: loop.call_soon_threadsafe(self._event, "file", bdf_of_path(os.path.relpath(p, root))))
             log.info("watching file events below %s", sys_dir)
 
-    def _event(self, source: str) -> None:
+    def _event(self, source: str, bdf: str | None = None) -> None:
+        """``bdf``: the PCI function the event is about (an incremental rescan re-reads it
+        alone); None when the event names none: a full rescan."""
         if self.on_event is not None:
             self.on_event(source)
-        self.debouncer.trigger()
+        self.debouncer.trigger(bdf)
 
     def stop(self) -> None:
         if self._udev:

@@ -8,7 +8,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from bench.report import Figure, progress
@@ -105,10 +104,12 @@ def floor_rss_mb() -> float:
 def run(repeat: int = 5) -> list[Figure]:
     from discovery.inventory import scan
 
-    tmp = tempfile.mkdtemp(prefix="sysdra-bench-")
-    try:
-        progress("generating the large node")
-        n = build_large_node(tmp)
+    from bench.agentproc import large_node
+
+    progress("generating the large node (shared by all benchmarks of this run)")
+    tmp = large_node()
+    if True:  # the node is removed at exit (bench.agentproc)
+        n = len(os.listdir(os.path.join(tmp, "sys/bus/pci/devices")))
         progress(f"{n} PCI functions; recording the scan's file operations")
         ops = record_operations(tmp)
         progress(f"{len(ops)} operations; timing scan, minimal reader, lspci ({repeat} runs each)")
@@ -126,5 +127,3 @@ def run(repeat: int = 5) -> list[Figure]:
         figures.append(Figure("scan_rss", rss, "MB", floor_rss_mb(), "value <= 100 MB", rss <= 100))
         figures.append(Figure("scan_functions", n, "count", None, ">= 2000", n >= 2000))
         return figures
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -22,10 +22,14 @@ def claim_spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
 
 
 def write_spec(path: str, spec: dict) -> None:
-    """Validate, then write atomically with mode 0644 (runtimes and non-root readers read it)."""
+    """Validate, then write atomically with mode 0644 (runtimes and non-root readers read it).
+
+    Not fsynced: the CDI dir is tmpfs (/run/cdi) in production, and wherever it lives,
+    ``Driver.recover()`` rewrites every prepared claim's specs from the checkpoint after a
+    reboot (boot ID change), which is the only way to lose the page cache."""
     validate(spec)
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    atomic_write_json(path, spec, mode=0o644)
+    atomic_write_json(path, spec, mode=0o644, durable=False)
 
 
 def read_spec(path: str) -> dict:

@@ -47,62 +47,125 @@ def _alveo_role(fn: PciFunction, views: frozenset[str]) -> str:
     return "user"
 
 
+def _slot(bdf: str) -> tuple | None:
+    m = BDF_RE.match(bdf)
+    return m.groups()[:3] if m else None
+
+
 class _Scanner:
+    """One scan, or (``IncrementalScanner``) a series of them reusing unchanged functions.
+
+    Per PCI function the scan produces one *result*: a :class:`Skipped`, a :class:`Device`,
+    or the function's half of an Alveo card (both halves become one device). ``_results``
+    keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
+
     def __init__(self, root: str, list_attributes: bool):
         self.fs = HostFS(root)
-        self.resolver = NodeResolver(self.fs)
         self.list_attributes = list_attributes
+        self.numa_problems: list[Problem] = []
+        self.numa = read_numa_nodes(self.fs, self.numa_problems)
+        self.resolver = NodeResolver(self.fs)
         self.problems: list[Problem] = []
-        self.numa = read_numa_nodes(self.fs, self.problems)
+        self._results: dict[str, object] = {}
+        self._cards: dict[tuple, Device] = {}
+        self._node_problems: list[Problem] = []  # from the resolver, kept across incremental scans
 
-    def run(self) -> Inventory:
+    def _read(self, bdf: str, alveo: dict) -> object:
+        """Stage one of a function: Skipped, ("alveo", card) (half recorded in ``alveo``) or ("offered", ...)."""
         fs = self.fs
-        skipped: list[Skipped] = []
+        try:
+            fn, problems = read_function(fs, bdf)
+        except PciError as err:
+            return Skipped(bdf=bdf, reason=f"cannot identify: {err}")
+        d = host_dir(fs, fn)
+        views = _views(fs, d)
+        kind, why = classify(fn, views)
+        ids = dict(class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
+        if kind is None:
+            return Skipped(bdf=bdf, reason=f"not offered: {why}", **ids)
+        if fn.driver is None:
+            return Skipped(bdf=bdf, reason=f"no driver bound ({why})", **ids)
+        if kind == "fpga" and _is_alveo(fn, views):
+            card = BDF_RE.match(bdf).groups()[:3]
+            alveo.setdefault(card, {})[_alveo_role(fn, views)] = (fn, d, problems)
+            return ("alveo", card)
+        return ("offered", fn, d, kind, problems)
+
+    def _offered(self, fn: PciFunction, d: str, kind: str, problems: list[Problem]) -> object:
+        dev = self._device(fn, d, kind, problems)
+        if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
+            # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
+            return Skipped(bdf=fn.bdf, reason="DFL function without FME or port: nothing a container can open",
+                           class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
+        return dev
+
+    def run(self, changed: set[str] | None = None) -> Inventory:
+        """``changed=None``: read every function. Else re-read only the functions in
+        ``changed`` (plus their slot siblings, their PFs, and functions that appeared)
+        and reuse the previous results for the others."""
+        fs = self.fs
+        self.problems = []
         try:
             bdfs = list_bdfs(fs)
         except AttrError as err:
             self.problems.append(Problem(what="/sys/bus/pci/devices", reason=err.reason))
             bdfs = []
-        offered: list[tuple[PciFunction, str, str, list[Problem]]] = []
-        alveo: dict[tuple, dict[str, tuple[PciFunction, str, list[Problem]]]] = {}
-        for bdf in bdfs:
-            try:
-                fn, problems = read_function(fs, bdf)
-            except PciError as err:
-                skipped.append(Skipped(bdf=bdf, reason=f"cannot identify: {err}"))
-                continue
-            d = host_dir(fs, fn)
-            views = _views(fs, d)
-            kind, why = classify(fn, views)
-            ids = dict(class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
-            if kind is None:
-                skipped.append(Skipped(bdf=bdf, reason=f"not offered: {why}", **ids))
-            elif fn.driver is None:
-                skipped.append(Skipped(bdf=bdf, reason=f"no driver bound ({why})", **ids))
-            elif kind == "fpga" and _is_alveo(fn, views):
-                card = BDF_RE.match(bdf).groups()[:3]
-                alveo.setdefault(card, {})[_alveo_role(fn, views)] = (fn, d, problems)
-            else:
-                offered.append((fn, d, kind, problems))
+        present = set(bdfs)
+        if changed is None:
+            todo = present
+            self._results, self._cards, self._node_problems = {}, {}, []
+        else:
+            todo = self._expand(set(changed) | (present ^ set(self._results)), present)
+        results, cards = self._results, self._cards
+        for bdf in set(results) - present:
+            del results[bdf]
+        alveo: dict[tuple, dict] = {}
+        for bdf in sorted(todo):
+            results[bdf] = self._read(bdf, alveo)
+        # a function that appeared or changed may name a PF we have not re-read (VF created)
+        for bdf in sorted(todo):
+            r = results[bdf]
+            pf = r[1].physfn if isinstance(r, tuple) and r[0] == "offered" else getattr(getattr(r, "pci", None), "physfn", None)
+            if pf and pf in present and pf not in todo:
+                for sibling in sorted(b for b in present - todo if _slot(b) == _slot(pf)):
+                    todo.add(sibling)
+                    results[sibling] = self._read(sibling, alveo)
+        for bdf in todo:
+            r = results[bdf]
+            if isinstance(r, tuple) and r[0] == "offered":
+                results[bdf] = self._offered(*r[1:])
+        # Alveo cards: re-read together; a card with a re-read half is rebuilt from both halves
+        touched = {r[1] for bdf, r in results.items() if bdf in todo and isinstance(r, tuple)}
+        touched |= {_slot(b) for b in todo}
+        for card in list(cards):
+            if card in touched:
+                del cards[card]
+        for card, halves in alveo.items():
+            cards[card] = self._alveo_device(halves)
 
-        devices = []
-        for fn, d, kind, problems in offered:
-            dev = self._device(fn, d, kind, problems)
-            if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
-                # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
-                skipped.append(Skipped(bdf=fn.bdf, reason="DFL function without FME or port: nothing a container can open",
-                                       class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id))
-                continue
-            devices.append(dev)
-        for card in alveo.values():
-            devices.append(self._alveo_device(card))
+        devices = [r for r in results.values() if isinstance(r, Device)] + list(cards.values())
         devices.sort(key=lambda dev: dev.name)
-        self.problems.extend(self.resolver.problems)
-        skipped.sort(key=lambda s: s.bdf)
+        skipped = sorted((r for r in results.values() if isinstance(r, Skipped)), key=lambda s: s.bdf)
+        for p in self.resolver.problems:
+            if p not in self._node_problems:
+                self._node_problems.append(p)
+        self.resolver.problems = []
         return Inventory(
-            root=fs.root, devices=tuple(devices), skipped=tuple(skipped),
-            numa_nodes=self.numa, problems=tuple(self.problems),
+            root=fs.root, devices=tuple(devices), skipped=tuple(skipped), numa_nodes=self.numa,
+            problems=tuple(self.numa_problems + self.problems + self._node_problems),
         )  # fmt: skip
+
+    def _expand(self, changed: set[str], present: set[str]) -> set[str]:
+        """Changed functions plus the other functions of their slot (Alveo mgmt/user pairs,
+        DFL multi-PF cards) and the PFs of changed or removed VFs; only present ones."""
+        slots = {_slot(b) for b in changed}
+        out = {b for b in present if b in changed or _slot(b) in slots}
+        for bdf in changed:
+            prev = self._results.get(bdf)
+            pf = getattr(getattr(prev, "pci", None), "physfn", None)
+            if pf:
+                out.add(pf)
+        return out & present
 
     def _finish(self, name: str, kind: str, fn: PciFunction, nodes, capacity: dict, problems, **info) -> Device:
         draft = Device(
@@ -156,3 +219,46 @@ def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False) -> Inventory:
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
     return _Scanner(os.path.abspath(root), list_attributes).run()
+
+
+class IncrementalScanner:
+    """Repeated scans of one root that re-read only what changed (the daemon's rescans).
+
+    ``full()`` reads everything, NUMA nodes included, like :func:`scan`. ``update(changed)``
+    lists /sys/bus/pci/devices again (adds and removes are always seen), re-reads the
+    functions in ``changed`` (PCI addresses, e.g. from a uevent's DEVPATH) with their slot
+    siblings and PFs, and reuses the previous records of all others. NUMA nodes and
+    /proc/devices are re-read only by ``full()``. Read-only, like :func:`scan`; the result
+    equals a full scan whenever ``changed`` names every function whose sysfs files changed.
+    """
+
+    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False):
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"scan root {root!r} is not a directory")
+        self.root = os.path.abspath(root)
+        self.list_attributes = list_attributes
+        self._scanner: _Scanner | None = None
+        self.inventory: Inventory | None = None
+
+    def full(self) -> Inventory:
+        self._scanner = _Scanner(self.root, self.list_attributes)
+        self.inventory = self._scanner.run()
+        return self.inventory
+
+    def update(self, changed: set[str] | None) -> Inventory:
+        """``changed=None`` (an event that names no function, a dropped event): full scan."""
+        if changed is None or self._scanner is None:
+            return self.full()
+        self.inventory = self._scanner.run(set(changed))
+        return self.inventory
+
+
+def bdf_of_path(path: str) -> str | None:
+    """The PCI function a sysfs path (or uevent DEVPATH) belongs to: its deepest PCI
+    address component (``/devices/pci0000:00/0000:00:01.0/0000:01:00.0/net/eth0`` ->
+    ``0000:01:00.0``); None when it names none (NUMA nodes, /sys/class, ...)."""
+    found = None
+    for part in path.split("/"):
+        if BDF_RE.match(part):
+            found = part
+    return found

@@ -217,3 +217,71 @@ def test_slices_list_is_a_kubernetes_list():
     out = slices.slices_list(inventory(3), settings)
     assert out["apiVersion"] == "v1" and out["kind"] == "List" and len(out["items"]) == 1
     kubernetes_validate.validate(out["items"][0], "1.37", strict=True)
+
+
+# --- sticky placement (agent.slices.chunk_devices with previous) and the fast encoder ---------
+
+def _plain(n: int, start: int = 0) -> list[dict]:
+    return [{"name": f"dev-{i:05d}"} for i in range(start, start + n)]
+
+
+def test_sticky_removal_changes_one_slice():
+    from agent.slices import chunk_devices
+
+    devices = _plain(300)
+    before = chunk_devices(devices)
+    assert [len(c) for c in before] == [128, 128, 44]
+    after = chunk_devices(devices[:10] + devices[11:], before)  # dev-00010 removed
+    assert sum(a != b for a, b in zip(before, after)) == 1 and len(after) == 3
+    assert chunk_devices(devices[:10] + devices[11:]) != after  # a fresh split shifts every later slice
+
+
+def test_sticky_addition_fills_first_hole_then_appends():
+    from agent.slices import chunk_devices
+
+    devices = _plain(300)
+    before = chunk_devices(devices)
+    without = [d for d in devices if d["name"] != "dev-00005"]
+    holed = chunk_devices(without, before)
+    new = {"name": "dev-99999"}
+    after = chunk_devices(without + [new], holed)
+    assert new in after[0] and after[1:] == holed[1:]
+    full = chunk_devices(devices + _plain(100, 1000), before)
+    assert full[:2] == before[:2] and len(full[2]) == 128 and len(full) == 4
+
+
+def test_sticky_respects_advanced_limit_and_compacts():
+    from agent.slices import MAX_DEVICES_ADVANCED, chunk_devices
+
+    devices = _plain(128)
+    before = chunk_devices(devices)
+    tainted = [dict(d, taints=[{"key": "k", "effect": "NoSchedule"}]) if i == 0 else d for i, d in enumerate(devices)]
+    after = chunk_devices(tainted, before)
+    assert len(after[0]) == MAX_DEVICES_ADVANCED and sum(map(len, after)) == 128
+    # holes everywhere: many slices, few devices -> split afresh
+    spread = chunk_devices(_plain(1280), None)
+    few = [spread[i][0] for i in range(len(spread))]
+    assert chunk_devices(few, spread) == chunk_devices(few)
+
+
+def test_sticky_pool_through_build_pool(tmp_path):
+    from agent.slices import build_pool
+    from discovery.inventory import scan
+    from tests.conftest import profile_root
+
+    inv = scan(profile_root("sriov-nic"))
+    cache: dict = {}
+    pool = build_pool(inv, node_name="n", driver_name="sysdra.io", cache=cache)
+    again = build_pool(inv, node_name="n", driver_name="sysdra.io", cache=cache, previous=pool)
+    assert again == pool == build_pool(inv, node_name="n", driver_name="sysdra.io")
+
+
+@pytest.mark.parametrize("profile", __import__("tests.conftest", fromlist=["profiles"]).profiles())
+def test_device_api_equals_to_api(profile):
+    from agent.slices import device_api
+    from discovery.inventory import scan
+    from tests.conftest import profile_root
+
+    for list_attributes in (False, True):
+        for dev in scan(profile_root(profile), list_attributes=list_attributes).devices:
+            assert device_api(dev) == dev.to_api()

@@ -88,7 +88,8 @@ def write_file(settings: Settings, uid: str, entry: dict, base: str) -> int:
     obj = build_object(entry["name"], entry["namespace"], uid, generation, rec["requests"],
                        entry["metadata"]["podClaimName"])
     os.makedirs(os.path.dirname(host), mode=0o755, exist_ok=True)
-    atomic_write(host, encode(obj), mode=0o644)
+    # not fsynced: after a reboot recover() rewrites every metadata file from the checkpoint
+    atomic_write(host, encode(obj), mode=0o644, durable=False)
     rec["generation"] = generation
     return generation
 

@@ -36,10 +36,11 @@ def build_object(name: str, namespace: str, uid: str, generation: int, requests:
 
 
 def encode(obj: dict, versions: Iterable[str] = VERSIONS) -> bytes:
-    """The stream: one pretty-printed object per version, each followed by a newline."""
+    """The stream: one compact object per version, each on its own line (``jq`` shows it
+    pretty; json's C encoder only runs without ``indent``, ~10x faster at prepare time)."""
     parts = []
     for version in versions:
-        parts.append(json.dumps({**obj, "kind": KIND, "apiVersion": version}, indent=2) + "\n")
+        parts.append(json.dumps({**obj, "kind": KIND, "apiVersion": version}, separators=(",", ":")) + "\n")
     return "".join(parts).encode()
 
 

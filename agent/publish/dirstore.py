@@ -25,20 +25,32 @@ class DirStore:
         self.driver_name = driver_name
         os.makedirs(self.directory, exist_ok=True)
         clean_stale_temps(self.directory)
+        self._cache: dict[str, tuple[tuple[int, int, int], dict]] = {}
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name + ".json")
 
     def _read(self, name: str) -> dict | None:
+        """Parsed file; re-parsed only when its (inode, mtime, size) changed (atomic writes
+        make a new inode, so any write by anyone is seen). Callers treat it as read-only."""
+        path = self.path(name)
         try:
-            with open(self.path(name), encoding="utf-8") as f:
-                return json.load(f)
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+                hit = self._cache.get(name)
+                if hit is not None and hit[0] == stamp:
+                    return hit[1]
+                obj = json.loads(f.read())
         except FileNotFoundError:
+            self._cache.pop(name, None)
             return None
         except (OSError, ValueError) as err:
             # a half-edited or foreign file: not ours to interpret, but do not crash
             log.warning("ignoring unreadable slice file %s: %s", self.path(name), err)
             return None
+        self._cache[name] = (stamp, obj)
+        return obj
 
     def _list(self) -> list[dict]:
         out = []
@@ -46,6 +58,8 @@ class DirStore:
             names = sorted(os.listdir(self.directory))
         except OSError as err:
             raise StoreError(f"cannot list {self.directory}: {err}") from err
+        for gone in set(self._cache) - {n[: -len(".json")] for n in names}:
+            del self._cache[gone]
         for fname in names:
             if fname.startswith(".") or not fname.endswith(".json"):
                 continue
@@ -56,17 +70,28 @@ class DirStore:
         return out
 
     def _write(self, obj: dict) -> dict:
+        name = obj["metadata"]["name"]
         try:
-            atomic_write_json(self.path(obj["metadata"]["name"]), obj)
+            atomic_write_json(self.path(name), obj)
+            st = os.stat(self.path(name))
         except OSError as err:
+            self._cache.pop(name, None)
             raise StoreError(str(err)) from err
+        # what we wrote is what a read would return: no re-parse, no second copy in memory
+        self._cache[name] = ((st.st_ino, st.st_mtime_ns, st.st_size), obj)
         return obj
+
+    @staticmethod
+    def _own(obj: dict) -> dict:
+        """Our copy: new top level and metadata (we set uid/resourceVersion); the spec is
+        shared with the caller and treated as read-only by both sides."""
+        return {**obj, "metadata": dict(obj["metadata"])}
 
     def _create(self, obj: dict) -> dict:
         name = obj["metadata"]["name"]
         if os.path.exists(self.path(name)):
             raise Conflict(f"resourceslice {name} already exists")
-        obj = json.loads(json.dumps(obj))
+        obj = self._own(obj)
         obj["metadata"].update(uid=str(uuid.uuid4()), resourceVersion="1")
         return self._write(obj)
 
@@ -84,7 +109,7 @@ class DirStore:
     def _update(self, obj: dict) -> dict:
         meta = obj["metadata"]
         old = self._check(meta["name"], meta.get("uid"), meta.get("resourceVersion"))
-        obj = json.loads(json.dumps(obj))
+        obj = self._own(obj)
         obj["metadata"]["uid"] = old["metadata"].get("uid")
         obj["metadata"]["resourceVersion"] = str(int(old["metadata"].get("resourceVersion") or 0) + 1)
         return self._write(obj)

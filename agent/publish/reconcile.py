@@ -57,7 +57,8 @@ def _owner_key(obj: dict) -> list[tuple]:
 
 def same_slice(existing: dict, desired: dict) -> bool:
     a, b = existing.get("spec", {}), desired.get("spec", {})
-    if any(_canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS):
+    # plain equality first (what we wrote reads back equal); canonical form only if it differs
+    if any(a.get(f) != b.get(f) and _canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS):
         return False
     return not _owner_key(desired) or _owner_key(existing) == _owner_key(desired)
 

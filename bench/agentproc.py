@@ -1,0 +1,92 @@
+"""Shared by the benchmarks: the generated large node (built once per run) and a real
+``sysdra run`` process on it in offline mode, as the kubelet and an operator see it."""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODE = "bench-node"
+DRIVER = "sysdra.io"
+_LARGE: str | None = None
+
+
+def large_node() -> str:
+    """Path of a generated large node (2,000+ PCI functions), built once, removed at exit.
+    Callers must not modify it (bench_publish copies it)."""
+    global _LARGE
+    if _LARGE is None:
+        from bench.bench_scan import build_large_node
+
+        tmp = tempfile.mkdtemp(prefix="sysdra-bench-node-")
+        atexit.register(shutil.rmtree, tmp, True)
+        build_large_node(tmp)
+        _LARGE = tmp
+    return _LARGE
+
+
+def tmpfs_dir(prefix: str) -> str:
+    """A directory on tmpfs when the machine has one (/dev/shm), like /run/cdi in production."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+class AgentProcess:
+    """``sysdra run --root <large node> --cluster dir:...`` with its own kubelet, CDI and cluster dirs."""
+
+    def __init__(self, root: str, work: str, cdi_dir: str, *extra: str):
+        self.root, self.work, self.cdi_dir = root, work, cdi_dir
+        self.cluster = os.path.join(work, "cluster")
+        self.kubelet_dir = os.path.join(work, "kubelet")
+        self.log_path = os.path.join(work, "agent.log")
+        self.cmd = [sys.executable, "-m", "agent", "run", "--root", root, "--node-name", NODE,
+                    "--cluster", f"dir:{self.cluster}", "--kubelet-dir", self.kubelet_dir, "--cdi-dir", cdi_dir,
+                    "--metrics-address", "", "--log-level", "warning", *extra]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def registry_dir(self) -> str:
+        return os.path.join(self.kubelet_dir, "plugins_registry")
+
+    def start(self, timeout: float = 60.0) -> "AgentProcess":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
+        env["SYSDRA_CONFIG"] = os.devnull
+        env.pop("NOTIFY_SOCKET", None)
+        env.pop("WATCHDOG_USEC", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited ({self.proc.returncode}): {open(self.log_path).read()[-2000:]}")
+            if glob.glob(os.path.join(self.cluster, "resourceslices", "*.json")) and glob.glob(
+                    os.path.join(self.registry_dir, "*.sock")):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("agent did not publish and register in time")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

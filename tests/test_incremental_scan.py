@@ -1,0 +1,79 @@
+"""IncrementalScanner: after random changes to copies of every fixture node, an incremental
+rescan naming the changed functions (as the watcher derives them from event paths) equals
+a full scan of the same tree. Seeded, so every run does the same changes."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+
+from discovery.inventory import IncrementalScanner, bdf_of_path, scan
+from discovery.pci import BDF_RE
+from tests.conftest import profile_root, profiles
+
+BUS = "sys/bus/pci/devices"
+
+
+def _function_files(root: str, bdf: str) -> list[str]:
+    """Regular files of one function's own directory tree (not its child functions')."""
+    top = os.path.realpath(os.path.join(root, BUS, bdf))
+    out = []
+    for dirpath, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if not BDF_RE.match(d)]
+        out += [os.path.join(dirpath, f) for f in files if os.path.isfile(os.path.join(dirpath, f))
+                and not os.path.islink(os.path.join(dirpath, f))]
+    return sorted(out)
+
+
+def _mutate(rng: random.Random, root: str, removed: dict[str, str]) -> str:
+    """One random change; returns the changed path (what a file event would name)."""
+    bus = os.path.join(root, BUS)
+    bdfs = sorted(os.listdir(bus))
+    what = rng.choice(["unlink", "unbind", "write", "write", "restore"])
+    if what == "restore" and removed:
+        bdf = rng.choice(sorted(removed))
+        os.symlink(removed.pop(bdf), os.path.join(bus, bdf))
+        return os.path.join(bus, bdf)
+    bdf = rng.choice(bdfs)
+    if what == "unlink":
+        link = os.path.join(bus, bdf)
+        removed[bdf] = os.readlink(link)
+        os.unlink(link)
+        return link
+    real = os.path.realpath(os.path.join(bus, bdf))
+    if what == "unbind" and os.path.islink(os.path.join(real, "driver")):
+        os.unlink(os.path.join(real, "driver"))
+        return os.path.join(real, "driver")
+    files = _function_files(root, bdf)
+    if not files:
+        return real
+    path = rng.choice(files)
+    with open(path, "w") as f:
+        f.write(rng.choice(["0\n", "1\n", "down\n", "up\n", "0x1234\n", "", "garbage \x01\n", "8.0 GT/s PCIe\n"]))
+    return path
+
+
+@pytest.mark.parametrize("profile", profiles())
+def test_incremental_equals_full_after_random_changes(tmp_path, profile):
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root(profile), root, symlinks=True)
+    rng = random.Random(f"incremental-{profile}")
+    scanner = IncrementalScanner(root)
+    assert scanner.full() == scan(root)
+    removed: dict[str, str] = {}
+    for _round in range(8):
+        paths = [_mutate(rng, root, removed) for _ in range(rng.randint(1, 3))]
+        changed = {bdf_of_path(os.path.relpath(p, root)) for p in paths}
+        assert None not in changed
+        assert scanner.update(changed) == scan(root), (profile, _round, paths)
+    assert scanner.update(None) == scan(root)
+
+
+def test_bdf_of_path():
+    assert bdf_of_path("/devices/pci0000:00/0000:00:01.0/0000:01:00.0/net/eth0") == "0000:01:00.0"
+    assert bdf_of_path("/sys/bus/pci/devices/0000:3b:00.1") == "0000:3b:00.1"
+    assert bdf_of_path("/sys/devices/system/node/node0/cpulist") is None
+    assert bdf_of_path("/sys/class/net/eth0") is None
