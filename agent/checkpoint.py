@@ -104,7 +104,7 @@ class Checkpoint:
             return False
         try:
             fresh = Checkpoint.load(self.path, move_corrupt=False)
-        except (CheckpointError, ValueError) as err:
+        except (CheckpointError, ValueError, RecursionError) as err:
             log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
             return False
         self.claims, self.stamp = fresh.claims, fresh.stamp
@@ -129,7 +129,7 @@ class Checkpoint:
                     f"this one understands version {VERSION}. Upgrade, or move the file away knowingly."
                 )
             cp.claims = _check_shape(data)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
             if not move_corrupt:
                 raise ValueError(f"{path}: {err}") from err
             aside = f"{path}.corrupt-{int(time.time())}"

@@ -112,6 +112,7 @@ class Driver:
     # --- prepare / unprepare ---------------------------------------------------
     def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
         cp = self._cp()
+        before = dict(cp.claims)  # what the checkpoint file holds; entries are replaced, not mutated
         out: dict[str, PrepareResult] = {}
         todo: list[str] = []
         by_name: dict[str, Device] | None = None
@@ -151,10 +152,15 @@ class Driver:
             out[uid] = PrepareResult(devices)
             todo.append(uid)
         if not todo:
-            if dirty:
-                cp.save()
+            if dirty and (err := self._save(cp, before)):
+                for uid in out:
+                    out[uid] = PrepareResult(error=err)
             return out
-        cp.save()
+        if err := self._save(cp, before):
+            # nothing written yet; memory is back to what the file says
+            for uid in todo:
+                out[uid] = PrepareResult(error=err)
+            return out
         self.fault("prepare:started")
         for uid in todo:
             entry = cp.claims[uid]
@@ -171,15 +177,33 @@ class Driver:
                 continue
             entry["state"] = COMPLETED
         self.fault("prepare:specs-written")
-        cp.save()
+        started = {uid: dict(cp.claims[uid], state=STARTED) for uid in todo if uid in cp.claims}
+        if err := self._save(cp, {**cp.claims, **started}):
+            # the file still says PrepareStarted: undo the files so a retry starts clean
+            for uid, entry in started.items():
+                self._remove_files(entry, uid, entry["namespace"], entry["name"])
+                out[uid] = PrepareResult(error=err)
+            return out
         self.fault("prepare:completed")
         return out
 
+    def _save(self, cp: Checkpoint, fallback: dict[str, dict]) -> str | None:
+        """Save; on failure put ``fallback`` (what the file still holds) back in memory so
+        memory never claims more than disk, and return the per-claim error text."""
+        try:
+            cp.save()
+        except OSError as err:
+            cp.claims = fallback
+            log.error("checkpoint %s not saved: %s", cp.path, err)
+            return f"saving checkpoint: {err}"
+        return None
+
     def unprepare_claims(self, claims: list[ClaimRef]) -> dict[str, str | None]:
         cp = self._cp()
+        before = dict(cp.claims)
         removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}
-        if any(removed.values()):
-            cp.save()
+        if any(removed.values()) and (err := self._save(cp, before)):
+            return {c.uid: err for c in claims}  # files kept: the kubelet retries unprepare
         self.fault("unprepare:saved")
         out: dict[str, str | None] = {}
         for ref in claims:

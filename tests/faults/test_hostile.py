@@ -158,18 +158,15 @@ def test_corrupt_claim_files(node, faults):
     assert node.proc.poll() is None
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (agent/checkpoint.py): Checkpoint.load catches ValueError and UnicodeDecodeError "
-                   "only; a deeply nested file raises RecursionError, so the agent exits at every start (crash loop) "
-                   "instead of moving the file aside")
 def test_deeply_nested_checkpoint(node, faults):
     path = os.path.join(node.plugin_dir, "checkpoint.json")
     node.kill()
     with open(path, "wb") as f:
         f.write(b"[" * 100_000)
-    faults.add("Hostile input", "corrupt checkpoint: 100,000 nested brackets", 1,
-               "BUG: RecursionError, the agent exits at every start (xfail)")
     node.start()
     assert "CHECKPOINT CORRUPT" in node.log_tail(200)
+    faults.add("Hostile input", "corrupt checkpoint: 100,000 nested brackets", 1,
+               "moved aside, loud log, the agent starts")
 
 
 def _adversarial(node: Node, what: str) -> str:
