@@ -48,6 +48,18 @@ LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "deboun
                            "list_attributes", "pf_vf_exclusive", "taint_unhealthy"})
 
 
+def trim_heap() -> None:
+    """Hand freed heap back to the OS (glibc keeps it in its arenas otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class ObservedDriver:
     """The driver, timed per claim for metrics, refreshing the status board's claim list."""
 
@@ -150,7 +162,10 @@ class Agent:
         publisher a new pool only if what we publish changed."""
         self.rescans += 1
         inventory = await asyncio.to_thread(self._scan, changed)
-        self.inventory = inventory
+        previous, self.inventory = self.inventory, inventory
+        if changed is None:
+            del previous
+            trim_heap()  # a full scan's garbage would otherwise stay in the RSS for good
         if self.health is not None:
             self.health.on_inventory(inventory)
         self.board.set_inventory(inventory, health=self.health_states())

@@ -10,6 +10,7 @@ Limits are respected here: <= 32 attributes+capacities, strings <= 64 bytes.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from discovery.models import AttributeValue, Device, NumaNode, PciFunction, Problem
 from discovery.numa import close_nodes
@@ -26,16 +27,23 @@ MAX_ENTRIES = 32
 def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attributes: bool) -> dict[str, AttributeValue]:
     out: dict[str, AttributeValue] = {}
     if UPSTREAM_BDF.match(fn.bdf):
-        out[PCI_BUS_ID] = AttributeValue.trusted("string", fn.bdf)
+        out[PCI_BUS_ID] = _value("string", fn.bdf)
         # upstream: link target below /sys/devices/pci*, basename == BDF
         if fn.pcie_root is not None and fn.sysfs_path.rsplit("/", 1)[-1] == fn.bdf:
-            out[PCIE_ROOT] = AttributeValue.trusted("string", fn.pcie_root)
+            out[PCIE_ROOT] = _value("string", fn.pcie_root)
     if fn.numa_node is not None:
         if list_attributes:
-            out[NUMA_NODE] = AttributeValue.trusted("ints", tuple(close_nodes(fn.numa_node, numa)))
+            out[NUMA_NODE] = _value("ints", tuple(close_nodes(fn.numa_node, numa)))
         else:
-            out[NUMA_NODE] = AttributeValue.trusted("int_", fn.numa_node)
+            out[NUMA_NODE] = _value("int_", fn.numa_node)
     return out
+
+
+@lru_cache(maxsize=8192)
+def _value(field: str, value) -> AttributeValue:
+    """Frozen values are shared: most attributes (type, vendorID, driver, ...) repeat across
+    devices, and one object per device and attribute made a large node's inventory 2x bigger."""
+    return AttributeValue.trusted(field, value)
 
 
 def _put(out: dict, problems: list[Problem], name: str, value) -> None:
@@ -43,18 +51,18 @@ def _put(out: dict, problems: list[Problem], name: str, value) -> None:
     if value is None:
         return
     if isinstance(value, bool):
-        out[name] = AttributeValue.trusted("bool_", value)
+        out[name] = _value("bool_", value)
     elif isinstance(value, int):
-        out[name] = AttributeValue.trusted("int_", value)
+        out[name] = _value("int_", value)
     elif isinstance(value, (list, tuple)):
         vals = tuple(v for v in value if 0 < len(v.encode()) <= MAX_STRING)
         if vals:
-            out[name] = AttributeValue.trusted("strings", vals)
+            out[name] = _value("strings", vals)
     else:
         if len(value.encode()) > MAX_STRING or not value:
             problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
             return
-        out[name] = AttributeValue.trusted("string", value)
+        out[name] = _value("string", value)
 
 
 def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:

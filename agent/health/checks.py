@@ -62,13 +62,16 @@ class _Findings:
         return Verdict(UNKNOWN, truncate("; ".join(self.unknown) or "nothing to check"))
 
 
-def _net_interfaces(fs: HostFS, pci_dir: str) -> list[str]:
-    """Interface dirs below the function (virtio one level deeper), as discovery finds them."""
+def _net_interfaces(fs: HostFS, pci_dir: str, virtio: bool) -> list[str]:
+    """Interface dirs below the function (virtio one level deeper), as discovery finds them.
+    Only virtio functions are listed whole: a PCI function directory is large and this
+    runs for every NIC every round."""
     dirs = [f"{pci_dir}/net"]
-    try:
-        dirs += [f"{pci_dir}/{n}/net" for n in fs.listdir(pci_dir) if n.startswith("virtio")]
-    except AttrError:
-        pass
+    if virtio:
+        try:
+            dirs += [f"{pci_dir}/{n}/net" for n in fs.listdir(pci_dir) if n.startswith("virtio")]
+        except AttrError:
+            pass
     out = []
     for d in dirs:
         try:
@@ -78,8 +81,8 @@ def _net_interfaces(fs: HostFS, pci_dir: str) -> list[str]:
     return out
 
 
-def _check_nic(fs: HostFS, pci_dir: str, f: _Findings) -> None:
-    paths = _net_interfaces(fs, pci_dir)
+def _check_nic(fs: HostFS, pci_dir: str, f: _Findings, virtio: bool = False) -> None:
+    paths = _net_interfaces(fs, pci_dir, virtio)
     if not paths:
         f.unknown.append("no network interface visible (moved into a pod's network namespace, or none)")
     for path in paths:
@@ -169,7 +172,7 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
             f.good.append("device nodes present")
     _check_aer(fs, pci_dir, mem, now, f)
     if dev.kind == "nic":
-        _check_nic(fs, pci_dir, f)
+        _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == "1af4")
     elif dev.kind == "accelerator" and (driver or mem.driver) == "habanalabs":
         _check_habanalabs(fs, pci_dir, f)
     elif dev.kind == "fpga" and dev.fpga and dev.fpga.family == "alveo":
