@@ -41,7 +41,7 @@ class Settings(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_address: str = "127.0.0.1:9478"  # "" disables
     status_socket: str | None = None  # default <plugin dir>/status.sock
-    health_interval: float = 5.0  # seconds between health re-checks / resends (<= 10)
+    health_interval: float = 10.0  # seconds between health re-checks / resends (<= 10)
     # Publish per-PF shared counters so a PF and its VFs are never allocated together;
     # needs the DRAPartitionableDevices feature gate on the cluster (docs/attributes.md "SR-IOV").
     pf_vf_exclusive: bool = False
