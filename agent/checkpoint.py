@@ -141,13 +141,15 @@ class Checkpoint:
             )
         return cp
 
-    def save(self) -> None:
-        """Durable (fdatasync + directory fsync): the checkpoint is the one file recovery
-        cannot rebuild. The claims are encoded once, canonically; the checksum covers
+    def save(self, durable: bool = True) -> None:
+        """Durable (fdatasync + directory fsync) by default: the checkpoint is the one file
+        recovery cannot rebuild. ``durable=False`` is for the PrepareStarted phase: it only
+        guards files that a power loss wipes anyway (tmpfs CDI dir) or that recovery deletes
+        as orphans, so atomicity against a crash is all it needs. The claims are encoded once, canonically; the checksum covers
         exactly the bytes written (same value as ``checksum(self.claims)``)."""
         os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
         canonical = _canonical(self.claims)
         digest = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
         text = f'{{"version": {VERSION}, "checksum": "{digest}", "claims": {canonical}}}\n'
-        atomic_write(self.path, text, mode=0o600, durable=True)
+        atomic_write(self.path, text, mode=0o600, durable=durable)
         self.stamp = self._disk_stamp()

@@ -156,7 +156,7 @@ class Driver:
                 for uid in out:
                     out[uid] = PrepareResult(error=err)
             return out
-        if err := self._save(cp, before):
+        if err := self._save(cp, before, durable=False):  # PrepareStarted: see Checkpoint.save
             # nothing written yet; memory is back to what the file says
             for uid in todo:
                 out[uid] = PrepareResult(error=err)
@@ -187,11 +187,11 @@ class Driver:
         self.fault("prepare:completed")
         return out
 
-    def _save(self, cp: Checkpoint, fallback: dict[str, dict]) -> str | None:
+    def _save(self, cp: Checkpoint, fallback: dict[str, dict], durable: bool = True) -> str | None:
         """Save; on failure put ``fallback`` (what the file still holds) back in memory so
         memory never claims more than disk, and return the per-claim error text."""
         try:
-            cp.save()
+            cp.save(durable=durable)
         except OSError as err:
             cp.claims = fallback
             log.error("checkpoint %s not saved: %s", cp.path, err)

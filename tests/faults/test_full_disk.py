@@ -43,11 +43,11 @@ def _failing_save(driver, fail_on: int):
 
     real, calls = driver.checkpoint.save, {"n": 0}
 
-    def save():
+    def save(**kw):
         calls["n"] += 1
         if calls["n"] == fail_on:
             raise WriteError(errno.ENOSPC, f"cannot write {driver.checkpoint_path}: disk full")
-        real()
+        real(**kw)
     driver.checkpoint.save = save
 
 
