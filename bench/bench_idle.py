@@ -1,7 +1,7 @@
 """CPU and memory of an idle, running ``sysdra run`` on the large node.
 
 The agent serves the generated large node in offline mode with its defaults (full resync
-every 300 s, health checks every 5 s, file watches on the whole tree, kubelet plugin,
+every 300 s, health checks every 10 s, file watches on the whole tree, kubelet plugin,
 status socket) and nothing happens for ``DURATION`` seconds. At the same time a floor
 process runs: a bare interpreter that imports the same modules and then idles in an
 asyncio loop. Both are sampled with psutil over the same window.
