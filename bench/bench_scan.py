@@ -24,27 +24,10 @@ def build_large_node(dest: str) -> int:
 
 
 def record_operations(root: str) -> list[tuple[str, str]]:
-    """Run one scan with the syscalls it makes recorded: (op, path)."""
-    from discovery.inventory import scan
+    """Run one scan with the syscalls it makes recorded: (op, path) (``sysdra record``'s tracer)."""
+    from agent.record import traced_scan
 
-    ops: list[tuple[str, str]] = []
-    real = {name: getattr(os, name) for name in ("open", "listdir", "readlink", "stat", "lstat")}
-
-    def wrap(name):
-        def f(path, *a, **kw):
-            ops.append((name, path))
-            return real[name](path, *a, **kw)
-
-        return f
-
-    for name in real:
-        setattr(os, name, wrap(name))
-    try:
-        scan(root)
-    finally:
-        for name, fn in real.items():
-            setattr(os, name, fn)
-    return ops
+    return traced_scan(root)[1]
 
 
 def minimal_reader(ops: list[tuple[str, str]]) -> None:
