@@ -21,13 +21,15 @@ def claim_spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
     return os.path.join(cdi_dir, f"{claim_spec_prefix(driver_name)}{claim_uid}.json")
 
 
-def write_spec(path: str, spec: dict) -> None:
+def write_spec(path: str, spec: dict, check: bool = True) -> None:
     """Validate, then write atomically with mode 0644 (runtimes and non-root readers read it).
+    ``check=False`` only for a spec fresh from :func:`cdi.spec.finish`, which validated it.
 
     Not fsynced: the CDI dir is tmpfs (/run/cdi) in production, and wherever it lives,
     ``Driver.recover()`` rewrites every prepared claim's specs from the checkpoint after a
     reboot (boot ID change), which is the only way to lose the page cache."""
-    validate(spec)
+    if check:
+        validate(spec)
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     atomic_write_json(path, spec, mode=0o644, durable=False)
 

@@ -6,6 +6,7 @@ Absent values are ``None`` (never -1 or ""); why a value is absent is kept in
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -237,6 +238,12 @@ class Inventory(Frozen):
     problems: tuple[Problem, ...] = ()  # node-wide (no /sys/bus/pci, unreadable /proc/devices ...)
 
     def by_name(self) -> dict[str, Device]:
+        """Name -> device; built once per inventory (prepare looks devices up on every call).
+        Callers must not modify the returned dict."""
+        return self._by_name
+
+    @cached_property
+    def _by_name(self) -> dict[str, Device]:
         return {d.name: d for d in self.devices}
 
     def to_json(self) -> dict:
