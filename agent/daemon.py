@@ -101,8 +101,9 @@ class PublishObserver:
         a = self.agent
         a.metrics.observe_publish(ok, seconds, reason)
         pool = a.pool
-        a.board.record_publish(ok, error=a.publisher.last_error if not ok else None,
-                               devices=len(pool.devices) if pool is not None and hasattr(pool, "devices") else None)
+        devices = sum(len(sl.get("devices", ())) for sl in pool.slices) if pool is not None else None
+        a.board.record_publish(ok, error=a.publisher.last_error if not ok else None, devices=devices,
+                               slices=len(pool.slices) if pool is not None else None)
 
     def observe_change_to_slice(self, seconds: float) -> None:
         self.agent.metrics.observe_change_to_slice(seconds)

@@ -62,6 +62,7 @@ def test_notify_order_status_and_metrics(tmp_path):
             assert data["registration"]["state"] == "waiting"  # no kubelet here
             assert data["devices"]["total"] == 12 and data["devices"]["byKind"] == {"gpu": 8, "nic": 4}
             assert data["lastPublish"]["result"] == "ok"
+            assert data["lastPublish"]["devices"] == 12 and data["lastPublish"]["slices"] == 1
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             assert 'sysdra_published_devices{kind="gpu"} 8.0' in body
             assert "sysdra_slice_publish_attempts_total" in body
