@@ -163,9 +163,8 @@ class Agent:
         publisher a new pool only if what we publish changed."""
         self.rescans += 1
         inventory = await asyncio.to_thread(self._scan, changed)
-        previous, self.inventory = self.inventory, inventory
+        self.inventory = inventory  # the old one goes here
         if changed is None:
-            del previous
             trim_heap()  # a full scan's garbage would otherwise stay in the RSS for good
         if self.health is not None:
             self.health.on_inventory(inventory)
