@@ -1,11 +1,14 @@
-"""Crash-safe record of prepared claims: ``<kubelet-dir>/plugins/<driver>/checkpoint.json``.
+"""Crash-safe record of prepared claims in ``<kubelet-dir>/plugins/<driver>/``.
 
 The kubelet keeps claims prepared across its and our restarts and only ever asks us
-to unprepare them by UID, so this file is the truth about what we created.
+to unprepare them by UID, so these files are the truth about what we created.
 
-Format (version 1)::
+Two files, a snapshot and a journal (why: a prepare's durable save is then one append
+and one ``fdatasync`` on an existing file, not a temp file, a rename and two fsyncs):
 
-    {"version": 1, "checksum": "sha256:<hex of the canonical claims JSON>",
+``checkpoint.json`` (version 2), replaced atomically and durably at each compaction::
+
+    {"version": 2, "generation": G, "checksum": "sha256:<hex of 'G:' + canonical claims JSON>",
      "claims": {"<uid>": {"state": "PrepareStarted" | "PrepareCompleted",
                           "namespace": ..., "name": ..., "bootID": ...,
                           "allocation": "<fingerprint of our allocation results>",
@@ -14,11 +17,25 @@ Format (version 1)::
                           "cdiSpec": {"path": ..., "spec": {...}} | null,
                           "metadata": {"podClaimName": ..., "requests": {...}} | null}}}
 
-``metadata`` (KEP-5304, see agent/metadata/store.py) is optional: older files lack it.
+``checkpoint.journal``, appended to by every save between compactions, one line per record::
 
-A file that does not parse, fails its checksum or has a bad shape is moved aside to
-``checkpoint.json.corrupt-<unix time>`` and reported (``Checkpoint.corrupt_path``);
-it is never silently replaced. A newer version is refused (downgrade needs care).
+    <crc32 of the JSON, 8 hex digits> {"journal": 2, "generation": G}      (first line)
+    <crc32> {"uid": "<uid>", "entry": {...}}                                (claim set)
+    <crc32> {"uid": "<uid>", "entry": null}                                 (claim removed)
+
+The state is the snapshot with the journal's records applied in order, if the journal's
+generation equals the snapshot's. A journal of an older generation is already contained
+in the snapshot (a crash between writing the snapshot and starting the new journal) and
+is ignored. A bad last record is a torn append (crash or power loss mid-write): it is
+dropped and overwritten by the next append. A bad record *followed by a good one* is
+corruption. Version 1 files (a snapshot only) are read and become version 2 at the next save.
+
+``metadata`` (KEP-5304, see agent/metadata/store.py) is optional: older entries lack it.
+
+A snapshot or journal that does not parse, fails its checksum or has a bad shape is
+moved aside to ``<name>.corrupt-<unix time>`` (both files: the journal means nothing
+without its snapshot) and reported (``Checkpoint.corrupt_path``); it is never silently
+replaced. A newer version is refused (downgrade needs care).
 """
 
 from __future__ import annotations
@@ -28,26 +45,31 @@ import json
 import logging
 import os
 import time
+import zlib
+from typing import Iterable
 
-from agent.fsutil import atomic_write
+from agent.fsutil import WriteError, atomic_write, describe_error
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 STARTED = "PrepareStarted"
 COMPLETED = "PrepareCompleted"
+JOURNAL_SUFFIX = ".journal"
 
 
 class CheckpointError(Exception):
     """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
 
 
-def _canonical(claims: dict) -> str:
-    return json.dumps(claims, sort_keys=True, separators=(",", ":"))
+def _canonical(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-def checksum(claims: dict) -> str:
-    return "sha256:" + hashlib.sha256(_canonical(claims).encode()).hexdigest()
+def checksum(claims: dict, generation: int = 0, version: int = VERSION) -> str:
+    """The snapshot's checksum; version 1 covered the claims only."""
+    text = _canonical(claims) if version == 1 else f"{generation}:{_canonical(claims)}"
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def read_boot_id(root: str = "/") -> str:
@@ -61,95 +83,298 @@ def read_boot_id(root: str = "/") -> str:
     return ""
 
 
-def _check_shape(data: object) -> dict:
+def _check_entry(uid: object, entry: object) -> None:
+    if not isinstance(uid, str) or not uid:
+        raise ValueError(f"claim key {uid!r} is not a UID")
+    if not isinstance(entry, dict) or entry.get("state") not in (STARTED, COMPLETED):
+        raise ValueError(f"claim {uid}: bad entry")
+    if not isinstance(entry.get("devices"), list):
+        raise ValueError(f"claim {uid}: devices is not a list")
+
+
+def _check_snapshot(data: object) -> tuple[int, dict]:
+    """-> (generation, claims) of a parsed snapshot, or ValueError."""
     if not isinstance(data, dict):
         raise ValueError("top level is not an object")
-    if data.get("version") != VERSION:
-        raise ValueError(f"unknown version {data.get('version')!r}")
+    version = data.get("version")
+    if version not in (1, VERSION):
+        raise ValueError(f"unknown version {version!r}")
+    generation = data.get("generation", 0) if version == VERSION else 0
+    if type(generation) is not int or generation < 0:
+        raise ValueError(f"bad generation {generation!r}")
     claims = data.get("claims")
     if not isinstance(claims, dict):
         raise ValueError("claims is not an object")
-    if data.get("checksum") != checksum(claims):
+    if data.get("checksum") != checksum(claims, generation, version):
         raise ValueError("checksum mismatch")
     for uid, entry in claims.items():
-        if not isinstance(entry, dict) or entry.get("state") not in (STARTED, COMPLETED):
-            raise ValueError(f"claim {uid}: bad entry")
-        if not isinstance(entry.get("devices"), list):
-            raise ValueError(f"claim {uid}: devices is not a list")
-    return claims
+        _check_entry(uid, entry)
+    return generation, claims
+
+
+def _line(payload: str) -> bytes:
+    body = payload.encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _parse_line(line: bytes) -> object:
+    """One journal line (without its newline) -> its JSON value, or ValueError."""
+    crc, sep, body = line.partition(b" ")
+    try:
+        ok = sep and len(crc) == 8 and int(crc, 16) == zlib.crc32(body)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError("record checksum mismatch")
+    return json.loads(body)
 
 
 class Checkpoint:
-    """In-memory claims plus ``save()``; single writer (callers hold the serialize lock)."""
+    """In-memory claims plus ``save()``; single writer at a time (callers hold the serialize
+    lock, which also covers other processes such as ``sysdra metadata update``)."""
+
+    # Compact (new snapshot, empty journal) once the journal would grow past this many
+    # bytes and past the snapshot's size: replay at start stays short, saves stay appends.
+    compact_bytes = 1 << 20
+    # Tests set this: save(changed=...) then also diffs every entry and fails on one the
+    # caller changed in place but did not name (it would be lost at the next restart).
+    verify_changed = False
 
     def __init__(self, path: str):
         self.path = path
+        self.journal_path = path + JOURNAL_SUFFIX
         self.claims: dict[str, dict] = {}
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
-        self.stamp: tuple[int, int, int] | None = None  # identity of the file last loaded/saved
+        self.stamp: tuple | None = None  # identity of the files last loaded/saved
+        self.generation = 0
+        self._snapshot_size = 0
+        self._journal_size: int | None = None  # good bytes in our generation's journal; None: start a new one
+        self._journal_records = 0
+        self._unsynced = False  # records appended without fdatasync
+        self._encoded: dict[str, str] = {}  # uid -> canonical JSON of the entry as the files hold it
 
-    def _disk_stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+    # --- reading ----------------------------------------------------------------------
+    def _disk_stamp(self) -> tuple:
+        out = []
+        for p in (self.path, self.journal_path):
+            try:
+                st = os.stat(p)
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
 
     def reload_if_changed(self) -> bool:
         """Pick up a save by another process holding the serialize lock (``sysdra metadata
-        update``, the other instance of a rolling update). Atomic saves make a new inode,
-        so the stamp always changes. A vanished or unreadable file keeps what we have."""
+        update``, the other instance of a rolling update): any save changes the snapshot's
+        inode or the journal's size. Vanished or unreadable files keep what we have."""
         stamp = self._disk_stamp()
-        if stamp is None or stamp == self.stamp:
+        if stamp == self.stamp or stamp[0] is None:
             return False
         try:
             fresh = Checkpoint.load(self.path, move_corrupt=False)
         except (CheckpointError, ValueError, RecursionError) as err:
             log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
             return False
-        self.claims, self.stamp = fresh.claims, fresh.stamp
+        corrupt_path = self.corrupt_path
+        self.__dict__.update(fresh.__dict__)
+        self.corrupt_path = corrupt_path
         return True
 
     @classmethod
     def load(cls, path: str, move_corrupt: bool = True) -> "Checkpoint":
         """``move_corrupt=False`` (other processes than the agent): raise ValueError instead."""
         cp = cls(path)
+        cp.stamp = cp._disk_stamp()
         try:
             with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                cp.stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
                 raw = f.read()
         except FileNotFoundError:
-            return cp
+            raw = None
         try:
+            if raw is None:
+                if cp.stamp[1] is not None:
+                    raise ValueError(f"{cp.journal_path} exists but its snapshot {path} does not")
+                return cp
             data = json.loads(raw)
             if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] > VERSION:
                 raise CheckpointError(
                     f"{path} has version {data['version']}, written by a newer sysdra; "
                     f"this one understands version {VERSION}. Upgrade, or move the file away knowingly."
                 )
-            cp.claims = _check_shape(data)
+            cp.generation, cp.claims = _check_snapshot(data)
+            cp._snapshot_size = len(raw)
+            cp._replay_journal()
         except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
             if not move_corrupt:
                 raise ValueError(f"{path}: {err}") from err
-            aside = f"{path}.corrupt-{int(time.time())}"
-            os.rename(path, aside)
-            cp.corrupt_path = aside
-            log.error(
-                "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. Prepared claims are recovered "
-                "from the CDI spec files; inspect the saved file.", path, err, aside,
-            )
+            cp._move_aside(err)
+            return cp
+        cp._encoded = {uid: _canonical(e) for uid, e in cp.claims.items()}
         return cp
 
-    def save(self, durable: bool = True) -> None:
-        """Durable (fdatasync + directory fsync) by default: the checkpoint is the one file
-        recovery cannot rebuild. ``durable=False`` is for the PrepareStarted phase: it only
-        guards files that a power loss wipes anyway (tmpfs CDI dir) or that recovery deletes
-        as orphans, so atomicity against a crash is all it needs. The claims are encoded once, canonically; the checksum covers
-        exactly the bytes written (same value as ``checksum(self.claims)``)."""
-        os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
-        canonical = _canonical(self.claims)
-        digest = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-        text = f'{{"version": {VERSION}, "checksum": "{digest}", "claims": {canonical}}}\n'
-        atomic_write(self.path, text, mode=0o600, durable=durable)
+    def _replay_journal(self) -> None:
+        try:
+            with open(self.journal_path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return  # version 1, or a crash before the first journal: the next save starts one
+        lines = raw.split(b"\n")
+        tail = lines.pop()  # b"" when the file ends with a newline; else a torn append
+        if not lines:
+            raise ValueError(f"{self.journal_path}: no header line")
+        header = _parse_line(lines[0])
+        if not isinstance(header, dict) or header.get("journal") != VERSION or type(header.get("generation")) is not int:
+            raise ValueError(f"{self.journal_path}: bad header {header!r}")
+        if header["generation"] < self.generation:
+            log.info("checkpoint journal %s is older than its snapshot (contained in it); ignored", self.journal_path)
+            return
+        if header["generation"] > self.generation:
+            raise ValueError(f"{self.journal_path} is generation {header['generation']}, "
+                             f"newer than its snapshot ({self.generation}): the snapshot was replaced")
+        good, offset, records, bad_at = len(lines[0]) + 1, len(lines[0]) + 1, 0, None
+        for n, line in enumerate(lines[1:], start=2):
+            offset += len(line) + 1
+            try:
+                rec = _parse_line(line)
+            except ValueError as err:  # torn, if only torn lines follow
+                bad_at = bad_at or (n, err)
+                continue
+            if bad_at:  # a good record after a bad one: not a torn tail
+                raise ValueError(f"{self.journal_path} line {bad_at[0]}: {bad_at[1]}")
+            # a record with a good CRC was written whole: a bad shape is corruption, never a tear
+            if not isinstance(rec, dict) or set(rec) != {"uid", "entry"}:
+                raise ValueError(f"{self.journal_path} line {n}: bad record shape")
+            if rec["entry"] is None:
+                if not isinstance(rec["uid"], str):
+                    raise ValueError(f"{self.journal_path} line {n}: bad uid")
+            else:
+                _check_entry(rec["uid"], rec["entry"])
+            if rec["entry"] is None:
+                self.claims.pop(rec["uid"], None)
+            else:
+                self.claims[rec["uid"]] = rec["entry"]
+            good, records = offset, records + 1
+        if bad_at or tail:
+            log.warning("checkpoint journal %s: dropped a torn last record at byte %d (a crash mid-append); "
+                        "it will be overwritten", self.journal_path, good)
+        self._journal_size, self._journal_records = good, records
+
+    def _move_aside(self, err: Exception) -> None:
+        stamp = int(time.time())
+        moved = []
+        for p in (self.path, self.journal_path):
+            if os.path.exists(p):
+                os.rename(p, f"{p}.corrupt-{stamp}")
+                moved.append(f"{p}.corrupt-{stamp}")
+        self.corrupt_path = moved[0] if moved else None
+        self.claims, self.generation, self._journal_size = {}, 0, None
+        self.stamp = self._disk_stamp()
+        log.error(
+            "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. Prepared claims are recovered "
+            "from the CDI spec files; inspect the saved files.", self.path, err, " and ".join(moved),
+        )
+
+    # --- writing ----------------------------------------------------------------------
+    @property
+    def journal_records(self) -> int:
+        return self._journal_records
+
+    def save(self, durable: bool = True, changed: Iterable[str] | None = None) -> None:
+        """Persist the claims: journal records for the entries that differ from the files
+        (only ``changed`` UIDs are compared when given: the caller knows what it touched),
+        or a compaction when the journal is due for one.
+
+        Durable (``fdatasync``) by default: the checkpoint is the one file recovery cannot
+        rebuild. ``durable=False`` is for the PrepareStarted phase: it only guards files
+        that a power loss wipes anyway (tmpfs CDI dir) or that recovery deletes as orphans,
+        so surviving a crash of the process is all it needs (the page cache does that).
+        On error (WriteError) the files are unchanged and so is what this object believes
+        they hold; the caller restores ``claims``."""
+        updates = self._updates(changed)
+        if changed is not None and self.verify_changed:
+            missed = set(self._updates(None)) - set(updates)
+            assert not missed, f"checkpoint entries changed but not passed to save(): {sorted(missed)}"
+        if self._journal_size is None or self._due_for_compaction(updates):
+            self.compact()
+            return
+        if updates:
+            data = b"".join(_line(f'{{"uid":{json.dumps(uid)},"entry":{"null" if enc is None else enc}}}')
+                            for uid, enc in updates.items())
+            self._append(data, durable)
+            self._journal_records += len(updates)
+            for uid, enc in updates.items():
+                if enc is None:
+                    self._encoded.pop(uid, None)
+                else:
+                    self._encoded[uid] = enc
+        elif durable and self._unsynced:
+            self._append(b"", durable=True)
+        self.stamp = self._disk_stamp()
+
+    def _updates(self, changed: Iterable[str] | None) -> dict[str, str | None]:
+        """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
+        uids = self.claims.keys() | self._encoded.keys() if changed is None else set(changed)
+        updates: dict[str, str | None] = {}
+        for uid in uids:
+            entry = self.claims.get(uid)
+            enc = None if entry is None else _canonical(entry)
+            if enc != self._encoded.get(uid):
+                updates[uid] = enc
+        return updates
+
+    def _due_for_compaction(self, updates: dict[str, str | None]) -> bool:
+        assert self._journal_size is not None
+        grown = self._journal_size + sum(len(e or "") + 64 for e in updates.values())
+        return grown > self.compact_bytes and grown > self._snapshot_size
+
+    def _append(self, data: bytes, durable: bool) -> None:
+        """Write ``data`` at the journal's good end (cutting off a torn tail first); on
+        any error cut it back so the next append does not land after garbage."""
+        assert self._journal_size is not None
+        end = self._journal_size
+        try:
+            fd = os.open(self.journal_path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise WriteError(err.errno, f"cannot write {self.journal_path}: {describe_error(err)}") from err
+        try:
+            if os.fstat(fd).st_size != end:
+                os.ftruncate(fd, end)
+            view, at = memoryview(data), end
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+            if durable:
+                os.fdatasync(fd)
+        except OSError as err:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass  # the torn tail is cut off by the next append or ignored by the next load
+            raise WriteError(err.errno, f"cannot write {self.journal_path}: {describe_error(err)}") from err
+        finally:
+            os.close(fd)
+        self._journal_size = end + len(data)
+        self._unsynced = not durable and (self._unsynced or bool(data))
+
+    def compact(self) -> None:
+        """New snapshot of all claims (next generation), then a new empty journal; both
+        atomic and durable. A crash in between leaves an older journal, which loading
+        ignores; the next save then compacts again."""
+        os.makedirs(os.path.dirname(self.path) or ".", mode=0o750, exist_ok=True)
+        generation = self.generation + 1
+        encoded = {uid: _canonical(e) for uid, e in self.claims.items()}
+        claims_json = "{" + ",".join(f"{json.dumps(uid)}:{encoded[uid]}" for uid in sorted(encoded)) + "}"
+        digest = "sha256:" + hashlib.sha256(f"{generation}:{claims_json}".encode()).hexdigest()
+        text = (f'{{"version": {VERSION}, "generation": {generation}, "checksum": "{digest}", '
+                f'"claims": {claims_json}}}\n').encode()
+        atomic_write(self.path, text, mode=0o600, durable=True)
+        header = _line(f'{{"journal":{VERSION},"generation":{generation}}}')
+        self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
+        self._journal_size, self._journal_records, self._unsynced = None, 0, False
+        try:
+            atomic_write(self.journal_path, header, mode=0o600, durable=True)
+            self._journal_size = len(header)
+        except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
+            log.warning("checkpoint saved as a snapshot only; %s", err)
         self.stamp = self._disk_stamp()

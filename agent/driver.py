@@ -3,9 +3,9 @@
 Prepare is two-phase in the checkpoint so a crash at any point is repaired at the
 next start (``recover``):
 
-1. entries ``PrepareStarted`` (devices, spec, metadata) saved - crash: rolled back at start
+1. small ``PrepareStarted`` entries saved (not durably)       - crash: rolled back at start
 2. CDI specs and metadata files written atomically            - crash: rolled back at start
-3. entries ``PrepareCompleted`` saved                         - crash: claim stays prepared
+3. full ``PrepareCompleted`` entries saved durably            - crash: claim stays prepared
 
 Unprepare saves the checkpoint without the claim first, then removes the specs and
 metadata; a crash in between leaves orphans that ``recover`` (or the kubelet's retry)
@@ -59,6 +59,13 @@ def _fingerprint(results: list[dict]) -> str:
 
 def _device_from_record(d: dict) -> PreparedDevice:
     return PreparedDevice(d["requests"], d["pool"], d["device"], list(d["cdiDeviceIDs"]), d.get("shareID"))
+
+
+def _started(entry: dict) -> dict:
+    """The PrepareStarted entry: just what rolling back needs (the spec paths derive from
+    the UID, the metadata directory from namespace/name), so the first save stays small."""
+    return {"state": STARTED, "namespace": entry["namespace"], "name": entry["name"], "bootID": entry["bootID"],
+            "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
 
 
 def _record(d: PreparedDevice) -> dict:
@@ -116,7 +123,8 @@ class Driver:
         out: dict[str, PrepareResult] = {}
         todo: list[str] = []
         by_name: dict[str, Device] | None = None
-        dirty = False
+        changed: set[str] = set()  # entries to journal (Checkpoint.save appends only these)
+        plans: dict[str, dict] = {}  # uid -> the PrepareCompleted entry, in the checkpoint once its files exist
         for claim in claims:
             meta = claim.get("metadata") or {}
             uid = meta.get("uid", "")
@@ -124,14 +132,15 @@ class Driver:
             fp = _fingerprint(results)
             entry = cp.claims.get(uid)
             if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
-                self._ensure_spec(uid, entry)  # idempotent re-prepare: same answer, files present
-                metadata.ensure_claim(self.settings, uid, entry)
+                # idempotent re-prepare: same answer, files present (a rewrite changes the entry)
+                if self._ensure_spec(uid, entry) | metadata.ensure_claim(self.settings, uid, entry):
+                    changed.add(uid)
                 out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]])
                 continue
             if entry:  # half-prepared or allocation changed: undo before redoing
                 self._remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
                 del cp.claims[uid]
-                dirty = True
+                changed.add(uid)
             try:
                 if by_name is None:
                     by_name = self.inventory().by_name()
@@ -143,27 +152,29 @@ class Driver:
             if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
                 for base, rec in meta_rec["requests"].items():
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
-            cp.claims[uid] = {
-                "state": STARTED, "namespace": meta.get("namespace", ""), "name": meta.get("name", ""),
+            plans[uid] = {
+                "state": COMPLETED, "namespace": meta.get("namespace", ""), "name": meta.get("name", ""),
                 "bootID": self.boot_id, "allocation": fp, "devices": [_record(d) for d in devices],
                 "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
                 "metadata": meta_rec,
             }
+            cp.claims[uid] = _started(plans[uid])
             out[uid] = PrepareResult(devices)
             todo.append(uid)
+            changed.add(uid)
         if not todo:
-            if dirty and (err := self._save(cp, before)):
+            if changed and (err := self._save(cp, before, changed)):
                 for uid in out:
                     out[uid] = PrepareResult(error=err)
             return out
-        if err := self._save(cp, before, durable=False):  # PrepareStarted: see Checkpoint.save
+        if err := self._save(cp, before, changed, durable=False):  # PrepareStarted: see Checkpoint.save
             # nothing written yet; memory is back to what the file says
             for uid in todo:
                 out[uid] = PrepareResult(error=err)
             return out
         self.fault("prepare:started")
         for uid in todo:
-            entry = cp.claims[uid]
+            entry = plans[uid]
             what = "CDI spec"
             try:
                 if entry["cdiSpec"]:  # built by cdi.spec.finish in _plan just now: already valid
@@ -175,10 +186,10 @@ class Driver:
                 del cp.claims[uid]
                 out[uid] = PrepareResult(error=f"writing {what}: {err}")
                 continue
-            entry["state"] = COMPLETED
+            cp.claims[uid] = entry
         self.fault("prepare:specs-written")
-        started = {uid: dict(cp.claims[uid], state=STARTED) for uid in todo if uid in cp.claims}
-        if err := self._save(cp, {**cp.claims, **started}):
+        started = {uid: _started(plans[uid]) for uid in todo if uid in cp.claims}
+        if err := self._save(cp, {**cp.claims, **started}, todo):
             # the file still says PrepareStarted: undo the files so a retry starts clean
             for uid, entry in started.items():
                 self._remove_files(entry, uid, entry["namespace"], entry["name"])
@@ -187,11 +198,12 @@ class Driver:
         self.fault("prepare:completed")
         return out
 
-    def _save(self, cp: Checkpoint, fallback: dict[str, dict], durable: bool = True) -> str | None:
-        """Save; on failure put ``fallback`` (what the file still holds) back in memory so
-        memory never claims more than disk, and return the per-claim error text."""
+    def _save(self, cp: Checkpoint, fallback: dict[str, dict], changed, durable: bool = True) -> str | None:
+        """Save the ``changed`` entries; on failure put ``fallback`` (what the files still
+        hold) back in memory so memory never claims more than disk, and return the
+        per-claim error text."""
         try:
-            cp.save(durable=durable)
+            cp.save(durable=durable, changed=changed)
         except OSError as err:
             cp.claims = fallback
             log.error("checkpoint %s not saved: %s", cp.path, err)
@@ -202,7 +214,7 @@ class Driver:
         cp = self._cp()
         before = dict(cp.claims)
         removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}
-        if any(removed.values()) and (err := self._save(cp, before)):
+        if any(removed.values()) and (err := self._save(cp, before, removed)):
             return {c.uid: err for c in claims}  # files kept: the kubelet retries unprepare
         self.fault("unprepare:saved")
         out: dict[str, str | None] = {}
@@ -273,7 +285,7 @@ class Driver:
     def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir match it. Call before serving."""
         s = self.settings
-        clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json.")
+        clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json")
         cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
         cp = self.checkpoint = Checkpoint.load(self.checkpoint_path)
         report = RecoveryReport(corrupt_checkpoint=cp.corrupt_path)
@@ -298,8 +310,9 @@ class Driver:
                 cdifiles.remove_spec(path)
                 report.orphans_removed.append(uid)
         report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
-        if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
-            cp.save()
+        if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims \
+                or cp.journal_records:
+            cp.compact()  # start with everything in the snapshot and an empty journal
         log.info("kubelet plugin state recovered: %s", asdict(report))
         return report
 

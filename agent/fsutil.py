@@ -12,16 +12,16 @@ recovery rebuilds after a reboot anyway (docs/kubelet-plugin.md, "Durability").
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
-import tempfile
 
 
 class WriteError(OSError):
     """Raised with a message naming the file and the cause (ENOSPC reads "disk full")."""
 
 
-def _describe(err: OSError) -> str:
+def describe_error(err: OSError) -> str:
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return "disk full"
     if err.errno == errno.EROFS:
@@ -37,17 +37,40 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes | str, mode: int = 0o644, durable: bool = True) -> None:
+_temp_counter = itertools.count()
+
+
+def _create_temp(directory: str, base: str, dir_mode: int | None) -> tuple[int, str]:
+    """A new temp file next to the target: pid + counter make the name unique to this
+    process and call (cheaper than mkstemp's random names and retries). A leftover of
+    the same name can only be from a dead process that had our pid: it is replaced."""
+    for _ in range(3):
+        tmp = os.path.join(directory, f".{base}.{os.getpid()}.{next(_temp_counter)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), tmp
+        except FileExistsError:
+            remove_file(tmp)
+        except FileNotFoundError:
+            if dir_mode is None:
+                raise
+            os.makedirs(directory, mode=dir_mode, exist_ok=True)
+    raise FileExistsError(errno.EEXIST, "cannot create a temp file", directory)
+
+
+def atomic_write(path: str, data: bytes | str, mode: int = 0o644, durable: bool = True,
+                 dir_mode: int | None = None) -> None:
     """Replace ``path`` with ``data`` atomically; on any error the old file is kept.
 
     The temp name starts with ``.`` and ends with ``.tmp`` so CDI watchers and the
-    kubelet's plugin watcher ignore it.
+    kubelet's plugin watcher ignore it. ``dir_mode``: create missing parent directories
+    with this mode (only when the first attempt finds them missing).
     """
     if isinstance(data, str):
         data = data.encode()
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    tmp = None
     try:
+        fd, tmp = _create_temp(directory, os.path.basename(path), dir_mode)
         try:
             view = memoryview(data)
             while view:
@@ -62,16 +85,15 @@ def atomic_write(path: str, data: bytes | str, mode: int = 0o644, durable: bool 
         if durable:
             fsync_dir(directory)
     except OSError as err:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise WriteError(err.errno, f"cannot write {path}: {_describe(err)}") from err
+        if tmp is not None:
+            remove_file(tmp)
+        raise WriteError(err.errno, f"cannot write {path}: {describe_error(err)}") from err
 
 
-def atomic_write_json(path: str, obj: object, mode: int = 0o644, indent: int | None = None, durable: bool = True) -> None:
+def atomic_write_json(path: str, obj: object, mode: int = 0o644, indent: int | None = None, durable: bool = True,
+                      dir_mode: int | None = None) -> None:
     """Compact by default: only ``indent=None`` uses json's C encoder (pretty output is ~10x slower)."""
-    atomic_write(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n", mode, durable=durable)
+    atomic_write(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n", mode, durable=durable, dir_mode=dir_mode)
 
 
 def remove_file(path: str) -> bool:
@@ -84,7 +106,7 @@ def remove_file(path: str) -> bool:
 
 
 def clean_stale_temps(directory: str, prefix: str = ".") -> int:
-    """Delete temp files left by a crash between mkstemp and rename."""
+    """Delete temp files left by a crash between creating them and the rename."""
     n = 0
     try:
         names = os.listdir(directory)

@@ -30,8 +30,7 @@ def write_spec(path: str, spec: dict, check: bool = True) -> None:
     reboot (boot ID change), which is the only way to lose the page cache."""
     if check:
         validate(spec)
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    atomic_write_json(path, spec, mode=0o644, durable=False)
+    atomic_write_json(path, spec, mode=0o644, durable=False, dir_mode=0o755)
 
 
 def read_spec(path: str) -> dict:

@@ -74,6 +74,23 @@ class SerializeLock:
             os.close(self._fd)
             self._fd = None
 
+    def try_run_now(self, fn: Callable[[Any], Any], arg: Any) -> tuple[bool, Any]:
+        """Run a plain function at once if both locks are free -> (ran, result). Nothing in
+        it awaits, so nothing else on the loop can interleave (the mutex need not be taken)
+        and a cancelled RPC cannot stop it halfway."""
+        if self._mutex.locked():
+            return False, None
+        if self._fd is None:
+            self.open()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False, None
+        try:
+            return True, fn(arg)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     async def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         async with self._mutex:
             if self._fd is None:
@@ -115,6 +132,12 @@ class Prepare:
         self.lock = lock
 
     async def _serialized(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        # The usual call (a plain driver method, one or two claims, no contention) runs right
+        # here: a task and a shield cost two trips through the event loop, ~0.2 ms.
+        if not inspect.iscoroutinefunction(fn) and isinstance(arg, list) and len(arg) <= INLINE_CLAIMS:
+            ran, result = self.lock.try_run_now(fn, arg)
+            if ran:
+                return result
         # Shielded: a kubelet timeout must not release the lock while the driver still runs.
         task = asyncio.ensure_future(self.lock.run(lambda a: _in_thread_or_await(fn, a), arg))
         return await asyncio.shield(task)
@@ -140,8 +163,9 @@ class Prepare:
         return errors, ok
 
     async def _fetch(self, ref: ClaimRef) -> dict | str:
-        try:
-            claim = await asyncio.wait_for(self.claims.get_claim(ref.namespace, ref.name), FETCH_TIMEOUT)
+        try:  # asyncio.timeout, not wait_for: no extra task, so a local read never yields
+            async with asyncio.timeout(FETCH_TIMEOUT):
+                claim = await self.claims.get_claim(ref.namespace, ref.name)
         except ClaimError as err:
             return str(err)
         except asyncio.TimeoutError:
@@ -154,7 +178,10 @@ class Prepare:
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
         errors, ok = self._screen(refs)
         out = {uid: PrepareResult(error=e) for uid, e in errors.items()}
-        fetched = await asyncio.gather(*(self._fetch(r) for r in ok.values()))
+        if len(ok) == 1:  # gather would wrap the one fetch in a task
+            fetched = [await self._fetch(next(iter(ok.values())))]
+        else:
+            fetched = await asyncio.gather(*(self._fetch(r) for r in ok.values()))
         claims = []
         for ref, got in zip(ok.values(), fetched):
             if isinstance(got, str):

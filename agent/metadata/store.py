@@ -20,6 +20,7 @@ from agent.kubeletplugin.types import PreparedDevice, base_request
 from agent.metadata import layout
 from agent.metadata.stream import POD_CLAIM_NAME_ANNOTATION, MetadataError, build_object, encode, read_file
 from agent.settings import Settings
+from agent.slices import device_api
 from cdi import files as cdifiles
 from cdi.spec import SpecError
 from discovery.models import Device
@@ -27,10 +28,22 @@ from discovery.models import Device
 log = logging.getLogger(__name__)
 
 
+_attributes: dict[str, tuple[Device, dict]] = {}  # device name -> (device object, its attributes)
+
+
+def _device_attributes(dev: Device) -> dict:
+    """The device's attributes in API form, built once per device object (discovery keeps
+    unchanged devices' objects). Shared: entries are encoded and replaced, never modified."""
+    hit = _attributes.get(dev.name)
+    if hit is None or hit[0] is not dev:
+        hit = _attributes[dev.name] = (dev, device_api(dev).get("attributes") or {})
+    return hit[1]
+
+
 def device_entry(driver: str, pool: str, dev: Device) -> dict:
     """One ``requests[].devices[]`` entry: slice attributes (no capacities), NIC network data."""
     out: dict = {"driver": driver, "pool": pool, "name": dev.name}
-    attrs = dev.to_api().get("attributes")
+    attrs = _device_attributes(dev)
     if attrs:
         out["attributes"] = attrs
     if dev.nic and dev.nic.interfaces:
@@ -87,9 +100,8 @@ def write_file(settings: Settings, uid: str, entry: dict, base: str) -> int:
     generation = max(int(rec.get("generation") or 0), _file_generation(host, uid)) + 1
     obj = build_object(entry["name"], entry["namespace"], uid, generation, rec["requests"],
                        entry["metadata"]["podClaimName"])
-    os.makedirs(os.path.dirname(host), mode=0o755, exist_ok=True)
     # not fsynced: after a reboot recover() rewrites every metadata file from the checkpoint
-    atomic_write(host, encode(obj), mode=0o644, durable=False)
+    atomic_write(host, encode(obj), mode=0o644, durable=False, dir_mode=0o755)
     rec["generation"] = generation
     return generation
 

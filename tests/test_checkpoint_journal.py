@@ -1,0 +1,320 @@
+"""The checkpoint's files: snapshot + append-only journal, torn appends, compaction, corruption."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+
+import pytest
+
+from agent import checkpoint as cpmod
+from agent.checkpoint import COMPLETED, STARTED, Checkpoint, CheckpointError, checksum
+from agent.fsutil import WriteError
+
+
+def entry(n: int, state: str = COMPLETED) -> dict:
+    return {"state": state, "namespace": "ns", "name": f"c{n}", "bootID": "b", "allocation": f"a{n}",
+            "devices": [{"requests": ["r"], "pool": "node", "device": f"gpu-{n}", "cdiDeviceIDs": [f"k=d{n}"], "shareID": None}],
+            "cdiSpec": None, "metadata": None}
+
+
+def uid(n: int) -> str:
+    return f"{n:08d}-0000-4000-8000-000000000000"
+
+
+def journal_lines(cp: Checkpoint) -> list[bytes]:
+    with open(cp.journal_path, "rb") as f:
+        return f.read().split(b"\n")[:-1]
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "plugin" / "checkpoint.json")
+
+
+def test_saves_append_only_the_changed_entries_and_load_replays_them(path):
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1, STARTED)
+    cp.save(durable=False, changed=[uid(1)])  # first save: snapshot + empty journal
+    assert cp.generation == 1 and journal_lines(cp) == [journal_lines(cp)[0]]
+    cp.claims[uid(1)] = entry(1)
+    cp.claims[uid(2)] = entry(2)
+    cp.save(changed=[uid(1), uid(2)])
+    del cp.claims[uid(1)]
+    cp.save(changed=[uid(1)])
+    cp.save(changed=[uid(2)])  # unchanged: nothing appended
+    lines = journal_lines(cp)
+    assert len(lines) == 4 and cp.journal_records == 3
+    records = [json.loads(line.split(b" ", 1)[1]) for line in lines[1:]]
+    assert [r["uid"] for r in records] == [uid(1), uid(2), uid(1)] or [r["uid"] for r in records] == [uid(2), uid(1), uid(1)]
+    assert records[-1] == {"uid": uid(1), "entry": None}
+    with open(path) as f:  # the snapshot still holds the first state: the journal carries the rest
+        assert json.load(f)["claims"] == {uid(1): entry(1, STARTED)}
+    again = Checkpoint.load(path)
+    assert again.claims == {uid(2): entry(2)} and again.corrupt_path is None and again.generation == 1
+
+
+def test_a_full_save_diffs_every_entry(path):
+    cp = Checkpoint.load(path)
+    cp.claims = {uid(n): entry(n) for n in range(3)}
+    cp.save()
+    cp.claims[uid(1)]["bootID"] = "b2"  # changed in place, found by the full diff
+    del cp.claims[uid(2)]
+    cp.save()
+    assert cp.journal_records == 2
+    assert Checkpoint.load(path).claims == cp.claims
+
+
+def test_verify_changed_catches_an_entry_changed_but_not_named(path, monkeypatch):
+    monkeypatch.setattr(Checkpoint, "verify_changed", True)
+    cp = Checkpoint.load(path)
+    cp.claims = {uid(1): entry(1), uid(2): entry(2)}
+    cp.save()
+    cp.claims[uid(2)]["bootID"] = "changed"
+    cp.claims[uid(1)] = entry(1, STARTED)
+    with pytest.raises(AssertionError, match=uid(2)):
+        cp.save(changed=[uid(1)])
+
+
+def test_durable_saves_fdatasync_the_journal_and_nothing_else(path, monkeypatch):
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    calls = []
+    real_fdatasync, real_rename = os.fdatasync, os.rename
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("fdatasync") or real_fdatasync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b: calls.append("rename") or real_rename(a, b))
+    cp.claims[uid(2)] = entry(2, STARTED)
+    cp.save(durable=False, changed=[uid(2)])
+    assert calls == []
+    cp.claims[uid(2)] = entry(2)
+    cp.save(changed=[uid(2)])
+    assert calls == ["fdatasync"]
+    cp.save(changed=[uid(2)])  # nothing new and nothing unsynced: no disk work
+    assert calls == ["fdatasync"]
+    cp.claims[uid(3)] = entry(3, STARTED)
+    cp.save(durable=False, changed=[uid(3)])
+    cp.save(changed=[uid(3)])  # nothing new, but the last append is not on the disk yet
+    assert calls == ["fdatasync", "fdatasync"]
+
+
+def test_every_cut_of_the_journal_loads_a_prefix_of_the_history(path, caplog):
+    """A power cut can leave the journal at any length: each one loads, to the state
+    after some prefix of the saves, and the next save continues from there."""
+    cp = Checkpoint.load(path)
+    cp.save()
+    history = [{}]
+    ops = [(1, entry(1, STARTED)), (1, entry(1)), (2, entry(2, STARTED)), (1, None), (2, entry(2))]
+    for n, e in ops:
+        if e is None:
+            cp.claims.pop(uid(n))
+        else:
+            cp.claims[uid(n)] = e
+        cp.save(changed=[uid(n)])
+        history.append(json.loads(json.dumps(cp.claims)))
+    with open(cp.journal_path, "rb") as f:
+        full = f.read()
+    header = len(journal_lines(cp)[0]) + 1
+    caplog.set_level(logging.WARNING)
+    for cut in range(header, len(full) + 1):
+        with open(cp.journal_path, "wb") as f:
+            f.write(full[:cut])
+        got = Checkpoint.load(path)
+        assert got.corrupt_path is None, cut
+        assert got.claims in history, cut
+        got.claims[uid(9)] = entry(9)  # the next append overwrites the torn tail
+        got.save(changed=[uid(9)])
+        assert Checkpoint.load(path).claims == got.claims, cut
+    assert "torn last record" in caplog.text
+
+
+def test_garbage_tail_after_a_power_cut_is_dropped(path):
+    """ext4 may show zeros or stale bytes past the last synced append; all of it goes."""
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    cp.claims[uid(2)] = entry(2)
+    cp.save(changed=[uid(2)])
+    with open(cp.journal_path, "ab") as f:
+        f.write(b"\0" * 300 + b"\nzz\n" + b"\0" * 10)
+    assert Checkpoint.load(path).claims == cp.claims
+
+
+def test_a_bad_record_before_a_good_one_is_corruption(path):
+    cp = Checkpoint.load(path)
+    cp.save()
+    for n in (1, 2):
+        cp.claims[uid(n)] = entry(n)
+        cp.save(changed=[uid(n)])
+    lines = journal_lines(cp)
+    lines[1] = lines[1].replace(b"gpu-1", b"gpu-X")  # a flipped byte: the CRC no longer matches
+    with open(cp.journal_path, "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    with pytest.raises(ValueError, match="line 2: record checksum mismatch"):
+        Checkpoint.load(path, move_corrupt=False)
+    moved = Checkpoint.load(path)
+    assert moved.claims == {} and moved.corrupt_path == path + ".corrupt-" + moved.corrupt_path.rsplit("-", 1)[1]
+    assert not os.path.exists(path) and not os.path.exists(cp.journal_path)
+    assert os.path.exists(cp.journal_path + ".corrupt-" + moved.corrupt_path.rsplit("-", 1)[1])
+
+
+@pytest.mark.parametrize("record", [b'{"uid":"u","entry":{"state":"Nope","devices":[]}}', b'{"uid":"u"}', b"[1]",
+                                    b'{"uid":"","entry":{"state":"PrepareCompleted","devices":[]}}'])
+def test_well_checksummed_records_of_a_bad_shape_are_refused(path, record):
+    cp = Checkpoint.load(path)
+    cp.save()
+    import zlib
+
+    with open(cp.journal_path, "ab") as f:
+        for _ in range(2):  # not the last line: corruption, not a torn tail
+            f.write(b"%08x %s\n" % (zlib.crc32(record), record))
+    with pytest.raises(ValueError):
+        Checkpoint.load(path, move_corrupt=False)
+
+
+def test_compaction_starts_a_new_generation_and_loads_the_same(path):
+    cp = Checkpoint.load(path)
+    cp.compact_bytes = 2000
+    for n in range(40):
+        cp.claims[uid(n % 7)] = entry(n)
+        if n % 5 == 4:
+            cp.claims.pop(uid((n + 3) % 7), None)
+        cp.save(changed=[uid(n % 7), uid((n + 3) % 7)])
+        assert os.path.getsize(cp.journal_path) <= max(2000, os.path.getsize(path)) + 1000
+        assert Checkpoint.load(path).claims == cp.claims
+    assert cp.generation > 3
+    with open(path) as f:
+        snap = json.load(f)
+    assert snap["version"] == 2 and snap["generation"] == cp.generation
+    assert snap["checksum"] == checksum(snap["claims"], cp.generation)
+
+
+def test_crash_between_snapshot_and_new_journal(path, monkeypatch, caplog):
+    """The old journal is contained in the new snapshot: ignored, then replaced."""
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    cp.claims[uid(2)] = entry(2)
+    cp.save(changed=[uid(2)])
+    real = cpmod.atomic_write
+
+    def fail_journal(p, data, **kw):
+        if p.endswith(".journal"):
+            raise WriteError(errno.ENOSPC, "cannot write journal: disk full")
+        real(p, data, **kw)
+
+    monkeypatch.setattr(cpmod, "atomic_write", fail_journal)
+    caplog.set_level(logging.INFO)
+    cp.compact()  # snapshot written, journal not: still saved
+    assert "snapshot only" in caplog.text
+    loaded = Checkpoint.load(path)
+    assert loaded.claims == {uid(1): entry(1), uid(2): entry(2)} and "older than its snapshot" in caplog.text
+    cp.claims[uid(1)] = entry(11)
+    cp.save(changed=[uid(1)])  # no journal to append to: a snapshot again
+    assert caplog.text.count("snapshot only") == 2
+    loaded = Checkpoint.load(path)
+    assert loaded.claims == {uid(1): entry(11), uid(2): entry(2)}
+    monkeypatch.setattr(cpmod, "atomic_write", real)
+    loaded.claims[uid(3)] = entry(3)
+    loaded.save(changed=[uid(3)])
+    assert Checkpoint.load(path).claims == loaded.claims
+
+
+def test_a_full_disk_mid_append_loses_nothing(path, monkeypatch):
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    size = os.path.getsize(cp.journal_path)
+    real = os.pwrite
+
+    def half_then_enospc(fd, data, offset):
+        if len(data) > 20:
+            return real(fd, bytes(data[: len(data) // 2]), offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", half_then_enospc)
+    cp.claims[uid(2)] = entry(2)
+    with pytest.raises(WriteError, match="disk full"):
+        cp.save(changed=[uid(2)])
+    assert os.path.getsize(cp.journal_path) == size  # the half record was cut off
+    monkeypatch.setattr(os, "pwrite", real)
+    cp.claims.pop(uid(2))  # what the driver does: memory back to what the files say
+    assert Checkpoint.load(path).claims == {uid(1): entry(1)}
+    cp.claims[uid(3)] = entry(3)
+    cp.save(changed=[uid(3)])
+    assert Checkpoint.load(path).claims == {uid(1): entry(1), uid(3): entry(3)}
+
+
+def test_version_1_files_are_read_and_rewritten_as_version_2(path):
+    os.makedirs(os.path.dirname(path))
+    claims = {uid(1): entry(1)}
+    with open(path, "w") as f:
+        json.dump({"version": 1, "checksum": checksum(claims, version=1), "claims": claims}, f)
+    cp = Checkpoint.load(path)
+    assert cp.claims == claims and cp.corrupt_path is None
+    cp.claims[uid(2)] = entry(2)
+    cp.save(changed=[uid(2)])
+    with open(path) as f:
+        assert json.load(f)["version"] == 2
+    assert Checkpoint.load(path).claims == cp.claims
+
+
+@pytest.mark.parametrize("case", ["journal-without-snapshot", "journal-newer-than-snapshot", "journal-no-header",
+                                  "snapshot-generation-tampered"])
+def test_inconsistent_files_are_corrupt(path, case):
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    if case == "journal-without-snapshot":
+        os.unlink(path)
+    elif case == "journal-newer-than-snapshot":
+        cp.compact()
+        with open(cp.journal_path, "rb") as f:
+            newer = f.read()
+        cp.generation -= 2
+        cp.compact()  # snapshot of an older generation next to the newer journal
+        with open(cp.journal_path, "wb") as f:
+            f.write(newer)
+    elif case == "journal-no-header":
+        with open(cp.journal_path, "wb") as f:
+            f.write(b"")
+    else:
+        with open(path) as f:
+            snap = json.load(f)
+        snap["generation"] += 1
+        with open(path, "w") as f:
+            json.dump(snap, f)
+    with pytest.raises(ValueError):
+        Checkpoint.load(path, move_corrupt=False)
+    assert Checkpoint.load(path).corrupt_path
+
+
+def test_newer_versions_are_refused_not_moved(path):
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump({"version": 3, "claims": {}}, f)
+    with pytest.raises(CheckpointError, match="newer sysdra"):
+        Checkpoint.load(path)
+    assert os.path.exists(path)
+
+
+def test_reload_picks_up_appends_and_compactions_of_another_process(path):
+    ours = Checkpoint.load(path)
+    ours.claims[uid(1)] = entry(1)
+    ours.save()
+    assert not ours.reload_if_changed()
+    other = Checkpoint.load(path)  # e.g. `sysdra metadata update`, under the same lock
+    other.claims[uid(1)]["bootID"] = "other"
+    other.save()
+    assert ours.reload_if_changed() and ours.claims[uid(1)]["bootID"] == "other"
+    ours.claims[uid(2)] = entry(2)
+    ours.save(changed=[uid(2)])  # continues the journal the other process appended to
+    other = Checkpoint.load(path)
+    assert other.claims == ours.claims
+    other.compact()
+    assert ours.reload_if_changed() and ours.generation == other.generation
+    ours.claims.pop(uid(1))
+    ours.save(changed=[uid(1)])
+    assert Checkpoint.load(path).claims == {uid(2): entry(2)}
