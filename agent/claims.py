@@ -55,7 +55,11 @@ class DirClaimSource:
                 if st.st_size > MAX_CLAIM_BYTES:
                     raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} is {st.st_size} bytes, "
                                      f"more than {MAX_CLAIM_BYTES} (the API server's object size limit)")
-                data = json.loads(f.read(MAX_CLAIM_BYTES + 1))
+                # sized by fstat (room for a concurrent append): read(MAX + 1) allocates MAX bytes
+                raw = f.read(min(st.st_size + 4096, MAX_CLAIM_BYTES + 1))
+                if len(raw) > MAX_CLAIM_BYTES:
+                    raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} grew past {MAX_CLAIM_BYTES} bytes")
+                data = json.loads(raw)
         except (OSError, ValueError, RecursionError) as err:
             raise ClaimError(f"ResourceClaim {namespace}/{name}: cannot read {path}: {err}") from err
         if not isinstance(data, dict):

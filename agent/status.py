@@ -45,7 +45,8 @@ class StatusBoard:
         self.registration = {"state": "not_started", "error": None, "since": self.started_at}
         self.devices_by_kind: dict[str, int] = {}
         self.devices_by_health: dict[str, int] = {}
-        self.prepared: list[dict] = []
+        self._claims: dict[str, dict] = {}
+        self._prepared: list[dict] | None = []
         self.publish = {"time": None, "result": None, "error": None, "devices": None, "slices": None}
         self.last_error: dict | None = None
         if metrics is not None:
@@ -72,20 +73,28 @@ class StatusBoard:
             self.metrics.set_health(self.devices_by_health)
 
     def set_prepared_claims(self, claims: dict[str, dict]) -> None:
-        """Checkpoint-shaped ``{uid: {"namespace", "name", "state", "devices": [{"device": ...}]}}``."""
-        self.prepared = sorted(
-            (
-                {
-                    "uid": uid,
-                    "namespace": c.get("namespace"),
-                    "name": c.get("name"),
-                    "state": c.get("state"),
-                    "devices": [d.get("device") for d in c.get("devices") or []],
-                }
-                for uid, c in claims.items()
-            ),
-            key=lambda c: (c["namespace"] or "", c["name"] or "", c["uid"]),
-        )
+        """Checkpoint-shaped ``{uid: {"namespace", "name", "state", "devices": [{"device": ...}]}}``.
+        Called after every prepare: keeps a shallow copy, the list is built when asked for."""
+        self._claims = dict(claims)
+        self._prepared = None
+
+    @property
+    def prepared(self) -> list[dict]:
+        if self._prepared is None:
+            self._prepared = sorted(
+                (
+                    {
+                        "uid": uid,
+                        "namespace": c.get("namespace"),
+                        "name": c.get("name"),
+                        "state": c.get("state"),
+                        "devices": [d.get("device") for d in c.get("devices") or []],
+                    }
+                    for uid, c in self._claims.items()
+                ),
+                key=lambda c: (c["namespace"] or "", c["name"] or "", c["uid"]),
+            )
+        return self._prepared
 
     def record_publish(self, ok: bool, error: str | None = None, devices: int | None = None, slices: int | None = None) -> None:
         self.publish = {"time": self._clock(), "result": "ok" if ok else "error", "error": None if ok else error,

@@ -114,13 +114,14 @@ def _check_edits(edits: object, where: str) -> None:
             _check_env(hook["env"], w)
 
 
-def validate(spec: dict) -> None:
-    """Raise SpecError for anything a CDI runtime would reject."""
+def validate(spec: dict, needed: str | None = None) -> None:
+    """Raise SpecError for anything a CDI runtime would reject. ``needed``: the spec's
+    minimum version when the caller just computed it."""
     _check_keys(spec, _SPEC_KEYS, "spec")
     version = str(spec.get("cdiVersion", "")).removeprefix("v")
     if version not in KNOWN_VERSIONS:
         raise SpecError(f"spec: unknown cdiVersion {spec.get('cdiVersion')!r}")
-    needed = minimum_version(spec)
+    needed = needed or minimum_version(spec)
     if _version_key(version) < _version_key(needed):
         raise SpecError(f"spec: cdiVersion {version} is below the {needed} its content needs")
     vendor, _, klass = str(spec.get("kind", "")).partition("/")
@@ -148,6 +149,7 @@ def validate(spec: dict) -> None:
 def finish(spec: dict) -> dict:
     """Set ``cdiVersion`` to the computed minimum (first key, for readability) and validate."""
     body = {k: v for k, v in spec.items() if k != "cdiVersion"}
-    out = {"cdiVersion": minimum_version(body), **body}
-    validate(out)
+    needed = minimum_version(body)
+    out = {"cdiVersion": needed, **body}
+    validate(out, needed)
     return out

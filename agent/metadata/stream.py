@@ -38,10 +38,10 @@ def build_object(name: str, namespace: str, uid: str, generation: int, requests:
 def encode(obj: dict, versions: Iterable[str] = VERSIONS) -> bytes:
     """The stream: one compact object per version, each on its own line (``jq`` shows it
     pretty; json's C encoder only runs without ``indent``, ~10x faster at prepare time)."""
-    parts = []
-    for version in versions:
-        parts.append(json.dumps({**obj, "kind": KIND, "apiVersion": version}, separators=(",", ":")) + "\n")
-    return "".join(parts).encode()
+    # The body is encoded once; each line is the same text behind its own kind/apiVersion.
+    body = json.dumps({k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}, separators=(",", ":"))
+    rest = "," + body[1:] if len(body) > 2 else "}"
+    return "".join(f'{{"kind":"{KIND}","apiVersion":{json.dumps(v)}{rest}\n' for v in versions).encode()
 
 
 def _objects(text: str):
