@@ -22,6 +22,11 @@ and one ``fdatasync`` on an existing file, not a temp file, a rename and two fsy
     <crc32 of the JSON, 8 hex digits> {"journal": 2, "generation": G}      (first line)
     <crc32> {"uid": "<uid>", "entry": {...}}                                (claim set)
     <crc32> {"uid": "<uid>", "entry": null}                                 (claim removed)
+    NUL bytes up to the preallocated size
+
+The journal is created full of zeros (``compact_bytes``), so an append overwrites blocks
+the file already has: its ``fdatasync`` flushes data only, with no file-system journal
+commit for a new size or new blocks (about half the time on ext4).
 
 The state is the snapshot with the journal's records applied in order, if the journal's
 generation equals the snapshot's. A journal of an older generation is already contained
@@ -151,6 +156,7 @@ class Checkpoint:
         self._journal_size: int | None = None  # good bytes in our generation's journal; None: start a new one
         self._journal_records = 0
         self._unsynced = False  # records appended without fdatasync
+        self._garbage_end = 0  # a torn append may have left non-zero bytes up to here
         self._encoded: dict[str, str] = {}  # uid -> canonical JSON of the entry as the files hold it
 
     # --- reading ----------------------------------------------------------------------
@@ -169,7 +175,7 @@ class Checkpoint:
         update``, the other instance of a rolling update): any save changes the snapshot's
         inode or the journal's size. Vanished or unreadable files keep what we have."""
         stamp = self._disk_stamp()
-        if stamp == self.stamp or stamp[0] is None:
+        if stamp[0] is None or (stamp == self.stamp and not self._foreign_append()):
             return False
         try:
             fresh = Checkpoint.load(self.path, move_corrupt=False)
@@ -219,8 +225,9 @@ class Checkpoint:
                 raw = f.read()
         except FileNotFoundError:
             return  # version 1, or a crash before the first journal: the next save starts one
-        lines = raw.split(b"\n")
-        tail = lines.pop()  # b"" when the file ends with a newline; else a torn append
+        used = raw.rstrip(b"\0")  # the preallocated zeros are not records
+        lines = used.split(b"\n")
+        tail = lines.pop()  # b"" when the records end with a newline; else a torn append
         if not lines:
             raise ValueError(f"{self.journal_path}: no header line")
         header = _parse_line(lines[0])
@@ -258,7 +265,7 @@ class Checkpoint:
         if bad_at or tail:
             log.warning("checkpoint journal %s: dropped a torn last record at byte %d (a crash mid-append); "
                         "it will be overwritten", self.journal_path, good)
-        self._journal_size, self._journal_records = good, records
+        self._journal_size, self._journal_records, self._garbage_end = good, records, len(used)
 
     def _move_aside(self, err: Exception) -> None:
         stamp = int(time.time())
@@ -328,18 +335,34 @@ class Checkpoint:
         grown = self._journal_size + sum(len(e or "") + 64 for e in updates.values())
         return grown > self.compact_bytes and grown > self._snapshot_size
 
+    def _foreign_append(self) -> bool:
+        """True if the byte after our last record is not a zero: another process holding
+        the lock appended (in the preallocated space, which changes neither size nor inode)
+        or a torn append is still there (reloading then is harmless)."""
+        if self._journal_size is None:
+            return False
+        try:
+            fd = os.open(self.journal_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            return os.pread(fd, 1, self._journal_size) not in (b"", b"\0")
+        finally:
+            os.close(fd)
+
     def _append(self, data: bytes, durable: bool) -> None:
-        """Write ``data`` at the journal's good end (cutting off a torn tail first); on
-        any error cut it back so the next append does not land after garbage."""
+        """Write ``data`` at the journal's good end, zeroing what a torn append left after
+        it; on error mark the range as possibly dirty, so the next append zeroes it."""
         assert self._journal_size is not None
-        end = self._journal_size
+        end, records = self._journal_size, len(data)
+        if self._garbage_end > end + records:
+            data += bytes(self._garbage_end - end - records)
         try:
             fd = os.open(self.journal_path, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as err:
             raise WriteError(err.errno, f"cannot write {self.journal_path}: {describe_error(err)}") from err
         try:
-            if os.fstat(fd).st_size != end:
-                os.ftruncate(fd, end)
+            size = os.fstat(fd).st_size
             view, at = memoryview(data), end
             while view:
                 n = os.pwrite(fd, view, at)
@@ -347,15 +370,17 @@ class Checkpoint:
             if durable:
                 os.fdatasync(fd)
         except OSError as err:
+            self._garbage_end = max(self._garbage_end, min(end + len(data), size))
             try:
-                os.ftruncate(fd, end)
+                if os.fstat(fd).st_size > size:  # give back what the failed write allocated
+                    os.ftruncate(fd, size)
             except OSError:
-                pass  # the torn tail is cut off by the next append or ignored by the next load
+                pass
             raise WriteError(err.errno, f"cannot write {self.journal_path}: {describe_error(err)}") from err
         finally:
             os.close(fd)
-        self._journal_size = end + len(data)
-        self._unsynced = not durable and (self._unsynced or bool(data))
+        self._journal_size, self._garbage_end = end + records, 0
+        self._unsynced = not durable and (self._unsynced or bool(records))
 
     def compact(self) -> None:
         """New snapshot of all claims (next generation), then a new empty journal; both
@@ -370,11 +395,12 @@ class Checkpoint:
                 f'"claims": {claims_json}}}\n').encode()
         atomic_write(self.path, text, mode=0o600, durable=True)
         header = _line(f'{{"journal":{VERSION},"generation":{generation}}}')
+        zeros = max(0, self.compact_bytes - len(header))
         self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
         self._journal_size, self._journal_records, self._unsynced = None, 0, False
         try:
-            atomic_write(self.journal_path, header, mode=0o600, durable=True)
-            self._journal_size = len(header)
+            atomic_write(self.journal_path, header + bytes(zeros), mode=0o600, durable=True)
+            self._journal_size, self._garbage_end = len(header), 0
         except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
             log.warning("checkpoint saved as a snapshot only; %s", err)
         self.stamp = self._disk_stamp()

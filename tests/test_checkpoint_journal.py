@@ -115,7 +115,7 @@ def test_every_cut_of_the_journal_loads_a_prefix_of_the_history(path, caplog):
         cp.save(changed=[uid(n)])
         history.append(json.loads(json.dumps(cp.claims)))
     with open(cp.journal_path, "rb") as f:
-        full = f.read()
+        full = f.read().rstrip(b"\0")  # the records, without the preallocated zeros
     header = len(journal_lines(cp)[0]) + 1
     caplog.set_level(logging.WARNING)
     for cut in range(header, len(full) + 1):
@@ -137,8 +137,9 @@ def test_garbage_tail_after_a_power_cut_is_dropped(path):
     cp.save()
     cp.claims[uid(2)] = entry(2)
     cp.save(changed=[uid(2)])
-    with open(cp.journal_path, "ab") as f:
-        f.write(b"\0" * 300 + b"\nzz\n" + b"\0" * 10)
+    with open(cp.journal_path, "r+b") as f:
+        f.seek(cp._journal_size)
+        f.write(b"\0" * 300 + b"\nzz\n" + b"\0" * 10 + b"{garbage")
     assert Checkpoint.load(path).claims == cp.claims
 
 
@@ -150,7 +151,7 @@ def test_a_bad_record_before_a_good_one_is_corruption(path):
         cp.save(changed=[uid(n)])
     lines = journal_lines(cp)
     lines[1] = lines[1].replace(b"gpu-1", b"gpu-X")  # a flipped byte: the CRC no longer matches
-    with open(cp.journal_path, "wb") as f:
+    with open(cp.journal_path, "r+b") as f:
         f.write(b"\n".join(lines) + b"\n")
     with pytest.raises(ValueError, match="line 2: record checksum mismatch"):
         Checkpoint.load(path, move_corrupt=False)
@@ -167,7 +168,8 @@ def test_well_checksummed_records_of_a_bad_shape_are_refused(path, record):
     cp.save()
     import zlib
 
-    with open(cp.journal_path, "ab") as f:
+    with open(cp.journal_path, "r+b") as f:
+        f.seek(cp._journal_size)
         for _ in range(2):  # not the last line: corruption, not a torn tail
             f.write(b"%08x %s\n" % (zlib.crc32(record), record))
     with pytest.raises(ValueError):
@@ -318,3 +320,52 @@ def test_reload_picks_up_appends_and_compactions_of_another_process(path):
     ours.claims.pop(uid(1))
     ours.save(changed=[uid(1)])
     assert Checkpoint.load(path).claims == {uid(2): entry(2)}
+
+
+def test_appends_land_in_the_preallocated_zeros(path):
+    cp = Checkpoint.load(path)
+    cp.save()
+    size = os.path.getsize(cp.journal_path)
+    assert size == Checkpoint.compact_bytes
+    for n in range(20):
+        cp.claims[uid(n)] = entry(n)
+        cp.save(changed=[uid(n)])
+    assert os.path.getsize(cp.journal_path) == size  # same blocks: fdatasync flushes data only
+    with open(cp.journal_path, "rb") as f:
+        raw = f.read()
+    assert raw[cp._journal_size:] == bytes(size - cp._journal_size)
+
+
+def test_an_append_by_another_process_is_seen_even_with_the_same_size_and_mtime(path):
+    ours = Checkpoint.load(path)
+    ours.claims[uid(1)] = entry(1)
+    ours.save()
+    st = os.stat(ours.journal_path)
+    other = Checkpoint.load(path)
+    other.claims[uid(2)] = entry(2)
+    other.save(changed=[uid(2)])
+    os.utime(ours.journal_path, ns=(st.st_atime_ns, st.st_mtime_ns))  # a coarse clock: same tick
+    assert ours._disk_stamp() == ours.stamp
+    assert ours.reload_if_changed() and ours.claims == other.claims
+    ours.claims[uid(3)] = entry(3)
+    ours.save(changed=[uid(3)])  # after the other record, not over it
+    assert Checkpoint.load(path).claims == {uid(1): entry(1), uid(2): entry(2), uid(3): entry(3)}
+
+
+def test_the_next_append_zeroes_a_torn_tail(path):
+    cp = Checkpoint.load(path)
+    cp.save()
+    end = cp._journal_size
+    with open(cp.journal_path, "r+b") as f:
+        f.seek(end)
+        f.write(b"0badc0de " + b"x" * 5000)  # long torn record: longer than the next one
+    again = Checkpoint.load(path)
+    assert again._garbage_end == end + 5009
+    assert again.reload_if_changed()  # the non-zero byte after our end reads as a foreign write
+    again.claims[uid(1)] = entry(1)
+    again.save(changed=[uid(1)])
+    with open(cp.journal_path, "rb") as f:
+        raw = f.read()
+    assert raw[again._journal_size:end + 5009] == bytes(end + 5009 - again._journal_size)
+    assert not again.reload_if_changed()
+    assert Checkpoint.load(path).claims == {uid(1): entry(1)}
