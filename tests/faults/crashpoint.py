@@ -4,8 +4,13 @@ armed at one chosen point. Test-only; production code is not changed.
 - ``SYSDRA_FAULT_KILL_POINT``: ``driver:<Driver.fault point>`` (e.g. ``driver:prepare:started``),
   ``rename-before:<what>`` (the temp file is written, the rename not done) or
   ``rename-after:<what>`` (renamed, directory not fsynced), ``<what>`` one of
-  ``checkpoint``, ``cdi-claim``, ``cdi-metadata``, ``metadata``, ``slice``;
+  ``checkpoint``, ``journal``, ``cdi-claim``, ``cdi-metadata``, ``metadata``, ``slice``;
+  ``journal-torn`` (half of a checkpoint journal append written) or ``journal-written``
+  (appended, not yet fdatasynced);
 - ``SYSDRA_FAULT_KILL_NTH``: kill at the n-th hit (default 1).
+
+The checkpoint compacts every 3 journal records here (every 1 MiB in production), so
+crashes also land in compactions; ``Checkpoint.verify_changed`` is on, as in the other tests.
 
 Hits are only counted once the test sends SIGUSR1 (after start-up and the checks), so
 start-up writes do not use up the point. The process kills itself with SIGKILL: no
@@ -40,6 +45,8 @@ def _what(dst: str) -> str:
     base = os.path.basename(dst)
     if base == "checkpoint.json":
         return "checkpoint"
+    if base == "checkpoint.json.journal":
+        return "journal"
     if base.startswith("k8s.") and "-claim_" in base:
         return "cdi-claim"
     if "_metadata_" in base:
@@ -51,8 +58,20 @@ def _what(dst: str) -> str:
     return "other"
 
 
+def _is_journal(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").endswith("/checkpoint.json.journal")
+    except OSError:
+        return False
+
+
 def install() -> None:
     signal.signal(signal.SIGUSR1, _arm)
+    from agent.checkpoint import Checkpoint
+
+    Checkpoint.compact_bytes = 4096
+    Checkpoint._due_for_compaction = lambda self, updates: self.journal_records + len(updates) > 3
+    Checkpoint.verify_changed = True
     if not POINT:
         return
     if POINT.startswith("driver:"):
@@ -77,6 +96,21 @@ def install() -> None:
                 _hit(POINT)
 
         os.rename = rename
+    elif POINT.startswith("journal-"):
+        real_pwrite = os.pwrite
+
+        def pwrite(fd, data, offset):
+            if not _is_journal(fd):
+                return real_pwrite(fd, data, offset)
+            if POINT == "journal-torn" and len(data) > 1:
+                real_pwrite(fd, bytes(data[: len(data) // 2]), offset)
+                _hit(POINT)
+            n = real_pwrite(fd, data, offset)
+            if POINT == "journal-written":
+                _hit(POINT)
+            return n
+
+        os.pwrite = pwrite
 
 
 def main() -> int:

@@ -7,7 +7,8 @@ process) and hardware changes (unplug/replug in the copied tree) and kills the a
 
 - ``delay`` trials: SIGKILL from this process at a random moment in the operation window;
 - ``point`` trials: the agent SIGKILLs itself at a chosen point (a Driver.fault point, or
-  just before/after the rename of a checkpoint, CDI spec, metadata file or slice).
+  just before/after the rename of a checkpoint snapshot or journal, CDI spec, metadata file
+  or slice, half-way through a checkpoint journal append, or before its fdatasync).
 
 Seeded by ``SYSDRA_FAULT_SEED`` (default fixed); every failure names the seed and the
 trial. The operation mix, the points and the delays replay exactly; where a delay kill
@@ -35,8 +36,9 @@ TRIALS = int(os.environ.get("SYSDRA_FAULT_TRIALS", "200"))
 FULL_CLEANUP_EVERY = 25
 DRIVER_POINTS = ["prepare:started", "prepare:specs-written", "prepare:completed", "unprepare:saved", "unprepare:done"]
 RENAME_POINTS = [f"rename-{when}:{what}" for when in ("before", "after")
-                 for what in ("checkpoint", "cdi-claim", "cdi-metadata", "metadata", "slice")]
-POINTS = ["driver:" + p for p in DRIVER_POINTS] + RENAME_POINTS
+                 for what in ("checkpoint", "journal", "cdi-claim", "cdi-metadata", "metadata", "slice")]
+JOURNAL_POINTS = ["journal-torn", "journal-written"]
+POINTS = ["driver:" + p for p in DRIVER_POINTS] + RENAME_POINTS + JOURNAL_POINTS
 
 
 def make_claims(node: Node) -> tuple[list[dict], list[str]]:
@@ -71,7 +73,7 @@ def targeted_ops(rnd: random.Random, point: str, nth: int, claims: list[dict], h
     subset = rnd.sample(claims, rnd.randint(1, 3))
     if point.endswith(":slice"):
         return [("hotplug", rnd.choice(hotplug)) for _ in range(nth)]
-    if "unprepare" in point or (point.endswith(":checkpoint") and rnd.random() < 0.5):
+    if "unprepare" in point or ("checkpoint" in point or "journal" in point) and rnd.random() < 0.5:
         return [("prepare", subset), ("unprepare", subset)] * nth
     return [("unprepare", subset), ("prepare", subset)] * nth
 
@@ -204,7 +206,8 @@ def test_sigkill_anywhere(tmp_path, faults):
     faults.add("Crash anywhere", "SIGKILL at a random moment while preparing/unpreparing/publishing",
                stats["delay kills"], "restart consistent; re-prepare same devices; slices converge")
     faults.add("Crash anywhere", f"SIGKILL at a chosen point ({len(POINTS)} points: Driver.fault points, "
-               "before/after each atomic rename)", stats["point kills"],
+               "before/after each atomic rename, mid-append and before fdatasync of the checkpoint journal)",
+               stats["point kills"],
                f"restart consistent ({hit} kills landed exactly on the point)")
     faults.add("Crash anywhere", "unprepare everything after a series of crashes", stats["full cleanups"] + 1,
                "no CDI spec, metadata dir or temp file left")
