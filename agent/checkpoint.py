@@ -45,6 +45,7 @@ replaced. A newer version is refused (downgrade needs care).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -399,7 +400,13 @@ class Checkpoint:
         self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
         self._journal_size, self._journal_records, self._unsynced = None, 0, False
         try:
-            atomic_write(self.journal_path, header + bytes(zeros), mode=0o600, durable=True)
+            try:
+                atomic_write(self.journal_path, header + bytes(zeros), mode=0o600, durable=True)
+            except WriteError as err:
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not zeros:
+                    raise
+                log.warning("no room to preallocate the checkpoint journal (%s); it grows as it is appended to", err)
+                atomic_write(self.journal_path, header, mode=0o600, durable=True)
             self._journal_size, self._garbage_end = len(header), 0
         except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
             log.warning("checkpoint saved as a snapshot only; %s", err)

@@ -310,9 +310,8 @@ class Driver:
                 cdifiles.remove_spec(path)
                 report.orphans_removed.append(uid)
         report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
-        if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims \
-                or cp.journal_records:
-            cp.compact()  # start with everything in the snapshot and an empty journal
+        if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
+            cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
         log.info("kubelet plugin state recovered: %s", asdict(report))
         return report
 

@@ -369,3 +369,22 @@ def test_the_next_append_zeroes_a_torn_tail(path):
     assert raw[again._journal_size:end + 5009] == bytes(end + 5009 - again._journal_size)
     assert not again.reload_if_changed()
     assert Checkpoint.load(path).claims == {uid(1): entry(1)}
+
+
+def test_no_room_to_preallocate_still_saves(path, monkeypatch, caplog):
+    cp = Checkpoint.load(path)
+    real = cpmod.atomic_write
+
+    def small_disk(p, data, **kw):
+        if len(data) > 4096:
+            raise WriteError(errno.ENOSPC, f"cannot write {p}: disk full")
+        real(p, data, **kw)
+
+    monkeypatch.setattr(cpmod, "atomic_write", small_disk)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    assert "no room to preallocate" in caplog.text
+    assert os.path.getsize(cp.journal_path) == cp._journal_size  # header only: appends grow it
+    cp.claims[uid(2)] = entry(2)
+    cp.save(changed=[uid(2)])
+    assert Checkpoint.load(path).claims == cp.claims
