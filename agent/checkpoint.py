@@ -54,7 +54,7 @@ import time
 import zlib
 from typing import Iterable
 
-from agent.fsutil import WriteError, atomic_write, describe_error
+from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,19 @@ class CheckpointError(Exception):
     """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
 
 
-def _canonical(obj: object) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+def _canonical(obj: object) -> bytes:
+    """Sorted keys, no spaces, UTF-8 (orjson; json.dumps(sort_keys=True, separators=(",", ":"))
+    gives the same bytes for ASCII text, ~10x slower)."""
+    return json_bytes(obj, sort_keys=True)
 
 
 def checksum(claims: dict, generation: int = 0, version: int = VERSION) -> str:
-    """The snapshot's checksum; version 1 covered the claims only."""
-    text = _canonical(claims) if version == 1 else f"{generation}:{_canonical(claims)}"
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    """The snapshot's checksum; version 1 covered the claims only (encoded by json)."""
+    if version == 1:
+        text = json.dumps(claims, sort_keys=True, separators=(",", ":")).encode()
+    else:
+        text = b"%d:%s" % (generation, _canonical(claims))
+    return "sha256:" + hashlib.sha256(text).hexdigest()
 
 
 def read_boot_id(root: str = "/") -> str:
@@ -118,8 +123,7 @@ def _check_snapshot(data: object) -> tuple[int, dict]:
     return generation, claims
 
 
-def _line(payload: str) -> bytes:
-    body = payload.encode()
+def _line(body: bytes) -> bytes:
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
@@ -158,7 +162,7 @@ class Checkpoint:
         self._journal_records = 0
         self._unsynced = False  # records appended without fdatasync
         self._garbage_end = 0  # a torn append may have left non-zero bytes up to here
-        self._encoded: dict[str, str] = {}  # uid -> canonical JSON of the entry as the files hold it
+        self._encoded: dict[str, bytes] = {}  # uid -> canonical JSON of the entry as the files hold it
 
     # --- reading ----------------------------------------------------------------------
     def _disk_stamp(self) -> tuple:
@@ -307,7 +311,7 @@ class Checkpoint:
             self.compact()
             return
         if updates:
-            data = b"".join(_line(f'{{"uid":{json.dumps(uid)},"entry":{"null" if enc is None else enc}}}')
+            data = b"".join(_line(b'{"uid":%s,"entry":%s}' % (json_bytes(uid), b"null" if enc is None else enc))
                             for uid, enc in updates.items())
             self._append(data, durable)
             self._journal_records += len(updates)
@@ -320,10 +324,10 @@ class Checkpoint:
             self._append(b"", durable=True)
         self.stamp = self._disk_stamp()
 
-    def _updates(self, changed: Iterable[str] | None) -> dict[str, str | None]:
+    def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
         uids = self.claims.keys() | self._encoded.keys() if changed is None else set(changed)
-        updates: dict[str, str | None] = {}
+        updates: dict[str, bytes | None] = {}
         for uid in uids:
             entry = self.claims.get(uid)
             enc = None if entry is None else _canonical(entry)
@@ -331,9 +335,9 @@ class Checkpoint:
                 updates[uid] = enc
         return updates
 
-    def _due_for_compaction(self, updates: dict[str, str | None]) -> bool:
+    def _due_for_compaction(self, updates: dict[str, bytes | None]) -> bool:
         assert self._journal_size is not None
-        grown = self._journal_size + sum(len(e or "") + 64 for e in updates.values())
+        grown = self._journal_size + sum(len(e or b"") + 64 for e in updates.values())
         return grown > self.compact_bytes and grown > self._snapshot_size
 
     def _foreign_append(self) -> bool:
@@ -390,12 +394,12 @@ class Checkpoint:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o750, exist_ok=True)
         generation = self.generation + 1
         encoded = {uid: _canonical(e) for uid, e in self.claims.items()}
-        claims_json = "{" + ",".join(f"{json.dumps(uid)}:{encoded[uid]}" for uid in sorted(encoded)) + "}"
-        digest = "sha256:" + hashlib.sha256(f"{generation}:{claims_json}".encode()).hexdigest()
-        text = (f'{{"version": {VERSION}, "generation": {generation}, "checksum": "{digest}", '
-                f'"claims": {claims_json}}}\n').encode()
+        claims_json = _canonical(self.claims)
+        digest = "sha256:" + hashlib.sha256(b"%d:%s" % (generation, claims_json)).hexdigest()
+        text = b'{"version": %d, "generation": %d, "checksum": "%s", "claims": %s}\n' % (
+            VERSION, generation, digest.encode(), claims_json)
         atomic_write(self.path, text, mode=0o600, durable=True)
-        header = _line(f'{{"journal":{VERSION},"generation":{generation}}}')
+        header = _line(b'{"journal":%d,"generation":%d}' % (VERSION, generation))
         zeros = max(0, self.compact_bytes - len(header))
         self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
         self._journal_size, self._journal_records, self._unsynced = None, 0, False

@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import stat
 from typing import Protocol
+
+import orjson
 
 from agent.settings import Settings
 
@@ -59,7 +60,7 @@ class DirClaimSource:
                 raw = f.read(min(st.st_size + 4096, MAX_CLAIM_BYTES + 1))
                 if len(raw) > MAX_CLAIM_BYTES:
                     raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} grew past {MAX_CLAIM_BYTES} bytes")
-                data = json.loads(raw)
+                data = orjson.loads(raw)  # ValueError on bad or too deeply nested JSON
         except (OSError, ValueError, RecursionError) as err:
             raise ClaimError(f"ResourceClaim {namespace}/{name}: cannot read {path}: {err}") from err
         if not isinstance(data, dict):

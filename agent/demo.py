@@ -130,8 +130,8 @@ async def kubelet_session(state: str, cluster: str, root: str, proc: subprocess.
         show(f"{dev.device_name}: requests={list(dev.request_names)} cdi={list(dev.cdi_device_ids)}")
     spec_path = os.path.join(state, "cdi", f"k8s.{DRIVER}-claim_{uid}.json")
     say(f"CDI spec the container runtime will read: {os.path.relpath(spec_path, REPO)}")
-    with open(spec_path) as f:
-        show(f.read(), limit=45)
+    with open(spec_path) as f:  # the file is compact JSON; shown indented
+        show(json.dumps(json.load(f), indent=2), limit=45)
     meta = glob.glob(os.path.join(state, "kubelet", "plugins", DRIVER, "dra-device-metadata", "demo_train-job", "*", "metadata.json"))
     if meta:
         say("KEP-5304 device metadata (bind-mounted read-only into the container)")

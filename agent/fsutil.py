@@ -16,6 +16,8 @@ import itertools
 import json
 import os
 
+import orjson
+
 
 class WriteError(OSError):
     """Raised with a message naming the file and the cause (ENOSPC reads "disk full")."""
@@ -90,10 +92,21 @@ def atomic_write(path: str, data: bytes | str, mode: int = 0o644, durable: bool 
         raise WriteError(err.errno, f"cannot write {path}: {describe_error(err)}") from err
 
 
+def json_bytes(obj: object, sort_keys: bool = False) -> bytes:
+    """Compact JSON (no spaces) as UTF-8, by orjson: ~10x faster than json's C encoder on
+    the specs, metadata streams and checkpoint entries that prepare writes. Anything orjson
+    does not take (non-string keys, integers past 64 bits) goes through json, same output."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
+    except TypeError:
+        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def atomic_write_json(path: str, obj: object, mode: int = 0o644, indent: int | None = None, durable: bool = True,
                       dir_mode: int | None = None) -> None:
-    """Compact by default: only ``indent=None`` uses json's C encoder (pretty output is ~10x slower)."""
-    atomic_write(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n", mode, durable=durable, dir_mode=dir_mode)
+    """Compact by default (``json_bytes``); ``indent`` for files meant for people."""
+    data = json_bytes(obj) if indent is None else json.dumps(obj, indent=indent).encode()
+    atomic_write(path, data + b"\n", mode, durable=durable, dir_mode=dir_mode)
 
 
 def remove_file(path: str) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
+from agent.fsutil import json_bytes
+
 GROUP = "metadata.resource.k8s.io"
 KIND = "DeviceMetadata"
 VERSIONS = (f"{GROUP}/v1beta1", f"{GROUP}/v1alpha1")  # written in this order
@@ -39,9 +41,9 @@ def encode(obj: dict, versions: Iterable[str] = VERSIONS) -> bytes:
     """The stream: one compact object per version, each on its own line (``jq`` shows it
     pretty; json's C encoder only runs without ``indent``, ~10x faster at prepare time)."""
     # The body is encoded once; each line is the same text behind its own kind/apiVersion.
-    body = json.dumps({k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}, separators=(",", ":"))
-    rest = "," + body[1:] if len(body) > 2 else "}"
-    return "".join(f'{{"kind":"{KIND}","apiVersion":{json.dumps(v)}{rest}\n' for v in versions).encode()
+    body = json_bytes({k: v for k, v in obj.items() if k not in ("kind", "apiVersion")})
+    rest = b"," + body[1:] if len(body) > 2 else b"}"
+    return b"".join(b'{"kind":"%s","apiVersion":%s%s\n' % (KIND.encode(), json_bytes(v), rest) for v in versions)
 
 
 def _objects(text: str):
