@@ -177,8 +177,10 @@ class Checkpoint:
 
     def reload_if_changed(self) -> bool:
         """Pick up a save by another process holding the serialize lock (``sysdra metadata
-        update``, the other instance of a rolling update): any save changes the snapshot's
-        inode or the journal's size. Vanished or unreadable files keep what we have."""
+        update``, the other instance of a rolling update): a compaction changes the
+        snapshot's inode, an append makes the byte after our last record non-zero (in the
+        preallocated journal neither size nor mtime need change). Vanished or unreadable
+        files keep what we have."""
         stamp = self._disk_stamp()
         if stamp[0] is None or (stamp == self.stamp and not self._foreign_append()):
             return False
