@@ -219,6 +219,8 @@ class Agent:
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         await self.health.start()
+        if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
+            self.health.watch_links()
         await self.kubelet_plugin.start()  # raises: the agent exits non-zero and systemd restarts it
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:

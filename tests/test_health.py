@@ -224,3 +224,59 @@ def test_devnode_missing_while_bound_and_unknown_without_signal(tmp_path):
     os.unlink(os.path.join(root, VM_GPU_DIR, "driver"))
     v = check(HostFS(root), gpu, Memory())
     assert v.health == "UNKNOWN" and "no driver bound" in v.message
+
+
+# --- kernel link events --------------------------------------------------------------------
+
+def _rtnl(mtype: int, name: bytes, extra_attrs: bytes = b"") -> bytes:
+    import struct
+
+    from agent.health import linkwatch as lw
+
+    attr = struct.pack("=HH", 4 + len(name) + 1, lw.IFLA_IFNAME) + name + b"\0"
+    attr += b"\0" * (-len(attr) % 4)
+    body = struct.pack("=BxHiII", 0, 1, 7, 0, 0) + extra_attrs + attr
+    return struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
+
+
+def test_link_messages_are_parsed_and_garbage_is_ignored():
+    from agent.health.linkwatch import RTM_DELLINK, RTM_NEWLINK, interface_names
+
+    other_attr = b"\x08\x00\x04\x00\x00\x05\x00\x00"  # IFLA_MTU before the name
+    two = _rtnl(RTM_NEWLINK, b"ens1f0", other_attr) + _rtnl(RTM_DELLINK, b"eth1")
+    assert interface_names(two) == {"ens1f0", "eth1"}
+    assert interface_names(_rtnl(20, b"addr0")) == set()  # RTM_NEWADDR: not a link message
+    for cut in range(len(two)):  # truncated datagrams: what parses is kept, nothing raises
+        assert interface_names(two[:cut]) <= {"ens1f0", "eth1"}
+    bad_len = bytearray(two)
+    bad_len[0:4] = (10).to_bytes(4, "little")  # shorter than a header
+    assert interface_names(bytes(bad_len)) == set()
+    bad_attr = bytearray(_rtnl(RTM_NEWLINK, b"x"))
+    bad_attr[32:34] = (999).to_bytes(2, "little")  # attribute longer than its message
+    assert interface_names(bytes(bad_attr)) == set()
+    assert interface_names(os.urandom(4096)) is not None
+
+
+def test_a_kernel_link_event_rechecks_the_nic_at_once(tmp_path):
+    """Real rtnetlink events (a veth interface in a private network namespace, named like
+    the fixture NIC's interface) re-check that NIC without waiting for the 10 s round."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, require_root, require_tool
+
+    require_root()
+    unshare = require_tool("unshare")
+    require_tool("ip")
+    proc = subprocess.run([unshare, "-n", sys.executable, "-m", "tests.health_link_scenario", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(lines[-1])
+    assert proc.returncode == 0, out.get("failure")
+    assert out["start"] == "HEALTHY" and out["up"] == "HEALTHY"
+    assert out["checks_after_unrelated_event"] == 0, "an event of an interface no device has checked a device"
+    assert "link-down" in out["down_message"] or "operstate down" in out["down_message"], out["down_message"]
+    assert out["rounds"] == 1, "a timer round ran: the change was not seen through the event"
+    assert out["link_checks"] >= 3

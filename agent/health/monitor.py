@@ -3,7 +3,9 @@ verdict per device and wakes the open health streams.
 
 Every round (at most ``health_interval`` apart, <= 10 s) wakes the streams, so each
 sends the full list again; a round that changes a verdict runs right after the change
-is seen (timer or ``on_inventory``) and its result goes out at once.
+is seen (timer or ``on_inventory``) and its result goes out at once. With ``watch_links``
+(the daemon turns it on when it manages the real host, root ``/``) a kernel link event
+re-checks the NICs of that interface at once (``agent/health/linkwatch.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from agent.health.checks import UNHEALTHY, Memory, Verdict, check, truncate
+from agent.health.linkwatch import LinkWatch
 from agent.settings import Settings
 from discovery.models import Device, Inventory
 from discovery.sysfs import HostFS
@@ -53,7 +56,11 @@ class HealthMonitor:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._links: LinkWatch | None = None
+        self._link_checks: set[asyncio.Task] = set()
         self.rounds = 0
+        self.link_checks = 0
+        self._present_names: set[str] = set()
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -63,7 +70,35 @@ class HealthMonitor:
         await self.check_now()
         self._task = asyncio.create_task(self._run(), name="health-monitor")
 
+    def watch_links(self) -> bool:
+        """Re-check a NIC as soon as the kernel reports a link change on its interface.
+        Call after ``start``. False (and a warning) when no netlink socket can be had."""
+        links = LinkWatch(self._on_links)
+        try:
+            links.start()
+        except OSError as err:
+            log.warning("no kernel link events (%s): NIC links are checked every %.0f s", err, self.interval)
+            return False
+        self._links = links
+        return True
+
+    def _on_links(self, interfaces: set[str] | None) -> None:
+        if interfaces is None:  # events were lost: a full round
+            if self._wake is not None:
+                self._wake.set()
+            return
+        names = [n for n, d in self._known.items() if d.nic and any(i.name in interfaces for i in d.nic.interfaces)]
+        if names:
+            task = asyncio.get_running_loop().create_task(self.check_devices(names))
+            self._link_checks.add(task)
+            task.add_done_callback(self._link_checks.discard)
+
     async def stop(self) -> None:
+        if self._links is not None:
+            self._links.stop()
+            self._links = None
+        for task in list(self._link_checks):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -100,15 +135,37 @@ class HealthMonitor:
             changed = [n for n, st in states.items() if n not in self.states or self.states[n].verdict != st.verdict]
             self.states = states
             self.rounds += 1
-            for name in changed:
-                v = states[name].verdict
-                log.log(logging.WARNING if v.health == UNHEALTHY else logging.INFO,
-                        "device %s health %s: %s", name, v.health, v.message)
-            for sub in self._subscribers:
-                sub.event.set()
+            self._report(changed, wake_all=True)
             return states
 
-    def _check_all(self) -> dict[str, DeviceState]:
+    async def check_devices(self, names: list[str]) -> None:
+        """Check a few devices now (a link event): a few sysfs reads each, on the loop.
+        Streams are woken only if a verdict changed; the next round resends all anyway."""
+        async with self._round:
+            present = self._present_names  # as of the last round: a new inventory starts a round anyway
+            now = time.time()
+            states = dict(self.states)
+            changed = []
+            for name in names:
+                if name in self._known:
+                    states[name] = DeviceState(self._verdict(name, present, now), now)
+                    if name not in self.states or self.states[name].verdict != states[name].verdict:
+                        changed.append(name)
+            self.states = states
+            self.link_checks += 1
+            self._report(changed)
+
+    def _report(self, changed: list[str], wake_all: bool = False) -> None:
+        """Log changed verdicts; wake the streams (every round resends the full list)."""
+        for name in changed:
+            v = self.states[name].verdict
+            log.log(logging.WARNING if v.health == UNHEALTHY else logging.INFO,
+                    "device %s health %s: %s", name, v.health, v.message)
+        if changed or wake_all:
+            for sub in self._subscribers:
+                sub.event.set()
+
+    def _present(self) -> set[str]:
         inv = self._latest if self._latest is not None else self._inventory_fn()
         present = set()
         for dev in (inv.devices if inv is not None else ()):
@@ -117,15 +174,20 @@ class HealthMonitor:
             mem = self._memory.setdefault(dev.name, Memory())
             if dev.pci.driver:
                 mem.driver = dev.pci.driver
+        self._present_names = present
+        return present
+
+    def _verdict(self, name: str, present: set[str], now: float) -> Verdict:
+        verdict = check(self.fs, self._known[name], self._memory[name], now)
+        if name not in present and verdict.health != UNHEALTHY:
+            verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
+                              "not-discovered")
+        return verdict
+
+    def _check_all(self) -> dict[str, DeviceState]:
+        present = self._present()
         now = time.time()
-        out = {}
-        for name, dev in self._known.items():
-            verdict = check(self.fs, dev, self._memory[name], now)
-            if name not in present and verdict.health != UNHEALTHY:
-                verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
-                                  "not-discovered")
-            out[name] = DeviceState(verdict, now)
-        return out
+        return {name: DeviceState(self._verdict(name, present, now), now) for name in list(self._known)}
 
     # --- queries ------------------------------------------------------------------
     def snapshot(self) -> dict[str, tuple[str, str]]:
