@@ -287,6 +287,39 @@ def check_metadata(plugin_dir: str) -> list[Finding]:
     return found
 
 
+def check_checkpoint(plugin_dir: str) -> list[Finding]:
+    """The record of prepared claims loads (read-only: nothing is moved or repaired here),
+    and no corrupt one was moved aside and forgotten."""
+    from agent.checkpoint import STARTED, Checkpoint, CheckpointError
+
+    path = os.path.join(plugin_dir, "checkpoint.json")
+    found: list[Finding] = []
+    try:
+        aside = sorted(n for n in os.listdir(plugin_dir) if n.startswith("checkpoint.json") and ".corrupt-" in n)
+    except OSError:
+        aside = []
+    if aside:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(aside[-1].rsplit("-", 1)[1]))) \
+            if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
+        found.append(Finding("checkpoint:aside", "warn",
+                             f"a corrupt checkpoint was moved aside (last at {when}): {', '.join(aside)}",
+                             f"inspect them (the agent adopted the claims it found CDI specs for), then remove them from {plugin_dir}"))
+    if not os.path.exists(path) and not os.path.exists(path + ".journal"):
+        return found + [Finding("checkpoint", "skip", f"{path} does not exist (no claim prepared yet)")]
+    try:
+        cp = Checkpoint.load(path, move_corrupt=False)
+    except CheckpointError as err:
+        return found + [Finding("checkpoint", "fail", str(err), "run the sysdra version that wrote it")]
+    except (OSError, ValueError, RecursionError) as err:
+        return found + [Finding("checkpoint", "fail", f"does not load: {err}",
+                                "restart the agent: it moves the files aside, logs CHECKPOINT CORRUPT and "
+                                "adopts the claims whose CDI specs exist")]
+    started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
+    found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
+                                  f"generation {cp.generation}, {cp.journal_records} journal records"))
+    return found
+
+
 # --- API server ------------------------------------------------------------------------------
 # (verb, group, resource, namespaced) the agent uses: publish/kubestore.py and claims.py
 API_PERMISSIONS = (
@@ -366,6 +399,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True)
     found += check_registration(status_socket)
     found += check_cdi_dirs(cdi_dirs)
     found += check_metadata(settings.plugin_dir)
+    found += check_checkpoint(settings.plugin_dir)
     if api:
         found += check_api(settings.cluster, settings.node_name)
     return found

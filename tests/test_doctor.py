@@ -110,6 +110,39 @@ def test_metadata_streams(tmp_path):
     assert [f.level for f in found] == ["fail"] and "complete JSON stream" in found[0].message
 
 
+def test_checkpoint(tmp_path):
+    from agent.checkpoint import COMPLETED, STARTED, Checkpoint
+
+    plugin = str(tmp_path)
+    assert levels(doctor.check_checkpoint(plugin)) == [("checkpoint", "skip")]
+    cp = Checkpoint(os.path.join(plugin, "checkpoint.json"))
+    dev = {"requests": ["r"], "pool": "p", "device": "d", "cdiDeviceIDs": [], "shareID": None}
+    cp.claims = {"u1": {"state": COMPLETED, "devices": [dev]}, "u2": {"state": STARTED, "devices": []}}
+    cp.save()
+    cp.claims["u3"] = {"state": COMPLETED, "devices": []}
+    cp.save(changed=["u3"])
+    before = sorted(os.listdir(plugin))
+    found = doctor.check_checkpoint(plugin)
+    assert levels(found) == [("checkpoint", "ok")]
+    assert "3 claims recorded (1 being prepared), generation 1, 1 journal records" in found[0].message
+    with open(cp.journal_path, "r+b") as f:  # a flipped byte in a record that is not the last
+        f.seek(cp._journal_size - 20)
+        f.write(b"X")
+    cp.claims["u4"] = {"state": COMPLETED, "devices": []}
+    cp.save(changed=["u4"])
+    found = doctor.check_checkpoint(plugin)
+    assert levels(found) == [("checkpoint", "fail")] and "checksum mismatch" in found[0].message
+    assert "CHECKPOINT CORRUPT" in found[0].fix
+    assert sorted(os.listdir(plugin)) == before  # doctor never moves or repairs anything
+    Checkpoint.load(cp.path)  # what the agent does at start: moves both files aside
+    found = doctor.check_checkpoint(plugin)
+    assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "skip")] and found[0].check == "checkpoint:aside"
+    assert "checkpoint.json.corrupt-" in found[0].message and "checkpoint.json.journal.corrupt-" in found[0].message
+    with open(cp.path, "w") as f:
+        json.dump({"version": 9, "claims": {}}, f)
+    assert ("checkpoint", "fail") in levels(doctor.check_checkpoint(plugin))
+
+
 def test_registration_from_status_socket(tmp_path):
     b = StatusBoard("node-a", "sysdra.io")
     path = str(tmp_path / "status.sock")
