@@ -22,7 +22,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from agent.checkpoint import COMPLETED, STARTED, Checkpoint, read_boot_id
 from agent.fsutil import clean_stale_temps
@@ -198,7 +198,7 @@ class Driver:
         self.fault("prepare:completed")
         return out
 
-    def _save(self, cp: Checkpoint, fallback: dict[str, dict], changed, durable: bool = True) -> str | None:
+    def _save(self, cp: Checkpoint, fallback: dict[str, dict], changed: Iterable[str], durable: bool = True) -> str | None:
         """Save the ``changed`` entries; on failure put ``fallback`` (what the files still
         hold) back in memory so memory never claims more than disk, and return the
         per-claim error text."""
