@@ -262,11 +262,9 @@ class Checkpoint:
             if rec["entry"] is None:
                 if not isinstance(rec["uid"], str):
                     raise ValueError(f"{self.journal_path} line {n}: bad uid")
-            else:
-                _check_entry(rec["uid"], rec["entry"])
-            if rec["entry"] is None:
                 self.claims.pop(rec["uid"], None)
             else:
+                _check_entry(rec["uid"], rec["entry"])
                 self.claims[rec["uid"]] = rec["entry"]
             good, records = offset, records + 1
         if bad_at or tail:

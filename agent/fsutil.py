@@ -102,11 +102,10 @@ def json_bytes(obj: object, sort_keys: bool = False) -> bytes:
         return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def atomic_write_json(path: str, obj: object, mode: int = 0o644, indent: int | None = None, durable: bool = True,
+def atomic_write_json(path: str, obj: object, mode: int = 0o644, durable: bool = True,
                       dir_mode: int | None = None) -> None:
-    """Compact by default (``json_bytes``); ``indent`` for files meant for people."""
-    data = json_bytes(obj) if indent is None else json.dumps(obj, indent=indent).encode()
-    atomic_write(path, data + b"\n", mode, durable=durable, dir_mode=dir_mode)
+    """Compact JSON (``json_bytes``), one line: ``jq .`` shows it indented."""
+    atomic_write(path, json_bytes(obj) + b"\n", mode, durable=durable, dir_mode=dir_mode)
 
 
 def remove_file(path: str) -> bool:
