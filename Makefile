@@ -26,7 +26,7 @@ test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(VPY) -m agent.demo --profile $(PROFILE)
+	$(VPY) -m agent.tools.demo --profile $(PROFILE)
 
 # The daemon on a bundled fixture node, offline cluster and kubelet dirs under .state/run, until Ctrl-C.
 run: $(STAMP)

@@ -49,7 +49,7 @@ def _names(cluster: str) -> set[str]:
 
 
 async def _measure(root: str, cluster: str, repeat: int) -> tuple[list[float], list[float]]:
-    from agent.daemon import Agent
+    from agent.service.daemon import Agent
     from agent.settings import Settings
 
     settings = Settings(root=root, node_name="bench-node", cluster=f"dir:{cluster}", debounce=DEBOUNCE, resync_interval=0,
@@ -87,7 +87,7 @@ async def _measure(root: str, cluster: str, repeat: int) -> tuple[list[float], l
 
 
 def _slice_build(repeat: int) -> tuple[float, float, int]:
-    from agent.slices import build_pool, render
+    from agent.publish.slices import build_pool, render
     from discovery.inventory import scan
 
     inv = scan(large_node())

@@ -25,7 +25,7 @@ def build_large_node(dest: str) -> int:
 
 def record_operations(root: str) -> list[tuple[str, str]]:
     """Run one scan with the syscalls it makes recorded: (op, path) (``sysdra record``'s tracer)."""
-    from agent.record import traced_scan
+    from agent.tools.record import traced_scan
 
     return traced_scan(root)[1]
 

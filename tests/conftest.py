@@ -21,7 +21,7 @@ IN_CI = os.environ.get("CI") == "true"
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from agent.checkpoint import Checkpoint  # noqa: E402
+from agent.prepare.checkpoint import Checkpoint  # noqa: E402
 
 # every save(changed=...) in the tests also checks that the caller named every entry it changed
 Checkpoint.verify_changed = True

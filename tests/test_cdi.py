@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cdi import files as cdifiles
+from agent.prepare import cdifiles
 from cdi.claim import build_claim_spec
 from cdi.spec import SpecError, minimum_version, validate
 from tests.conftest import IN_CI, REPO

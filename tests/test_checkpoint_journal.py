@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from agent import checkpoint as cpmod
-from agent.checkpoint import COMPLETED, STARTED, Checkpoint, CheckpointError, checksum
+from agent.prepare import checkpoint as cpmod
+from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint, CheckpointError, checksum
 from agent.fsutil import WriteError
 
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from lightkube.resources.resource_v1 import ResourceClaim
 
-from agent.claims import ClaimError, DirClaimSource, KubeClaimSource, claim_source
+from agent.kubeletplugin.claims import ClaimError, DirClaimSource, KubeClaimSource, claim_source
 from tests.kubelet_standin import claim, settings_for, store_claim
 
 

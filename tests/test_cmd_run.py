@@ -14,8 +14,8 @@ import time
 import kubernetes_validate
 import pytest
 
-from agent import cli
-from agent.cmd_run import settings_from_args
+from agent.cli import main as cli
+from agent.cli.run import settings_from_args
 from agent.settings import EX_CONFIG
 from tests.conftest import REPO, profile_root, profiles
 

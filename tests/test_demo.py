@@ -9,7 +9,7 @@ from tests.conftest import REPO
 
 
 def test_demo_runs_end_to_end():
-    out = subprocess.run([sys.executable, "-m", "agent.demo"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    out = subprocess.run([sys.executable, "-m", "agent.tools.demo"], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     for expected in ("kubelet picks v1.DRAPlugin", "NodePrepareResources", '"cdiVersion": "0.5.0"',

@@ -42,7 +42,7 @@ def test_deviceclasses_cover_every_kind():
 
 
 def test_rbac_matches_what_the_agent_calls():
-    from agent.doctor import API_PERMISSIONS
+    from agent.tools.doctor import API_PERMISSIONS
 
     (role,) = _by_kind("ClusterRole")
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}

@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
-from agent import doctor
-from agent.cli import main as cli_main
+from agent.tools import doctor
+from agent.cli.main import main as cli_main
 from agent.settings import Settings
-from agent.status import StatusBoard
+from agent.service.status import StatusBoard
 from cdi.spec import finish
 from tests.test_status import _Serving
 
@@ -111,7 +111,7 @@ def test_metadata_streams(tmp_path):
 
 
 def test_checkpoint(tmp_path):
-    from agent.checkpoint import COMPLETED, STARTED, Checkpoint
+    from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 
     plugin = str(tmp_path)
     assert levels(doctor.check_checkpoint(plugin)) == [("checkpoint", "skip")]

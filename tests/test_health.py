@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from agent.claims import DirClaimSource
-from agent.driver import Driver
+from agent.kubeletplugin.claims import DirClaimSource
+from agent.prepare.driver import Driver
 from agent.health import HEALTH_SERVICES, attach
 from agent.health.checks import AER_HOLD, MAX_MESSAGE, Memory, check, truncate
 from agent.kubeletplugin import KubeletPlugin

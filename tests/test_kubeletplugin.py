@@ -14,8 +14,8 @@ import tempfile
 import grpc
 import pytest
 
-from agent.claims import DirClaimSource
-from agent.driver import Driver
+from agent.kubeletplugin.claims import DirClaimSource
+from agent.prepare.driver import Driver
 from agent.kubeletplugin import KubeletPlugin, SocketError
 from agent.kubeletplugin import sockets
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc

@@ -1,4 +1,4 @@
-"""agent.metrics: a private registry served over real HTTP on an ephemeral loopback port."""
+"""agent.service.metrics: a private registry served over real HTTP on an ephemeral loopback port."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.metrics import Metrics, parse_address, start_server
+from agent.service.metrics import Metrics, parse_address, start_server
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:

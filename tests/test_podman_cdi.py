@@ -18,8 +18,8 @@ import tempfile
 
 import pytest
 
-from agent.claims import DirClaimSource
-from agent.driver import Driver
+from agent.kubeletplugin.claims import DirClaimSource
+from agent.prepare.driver import Driver
 from agent.kubeletplugin import KubeletPlugin
 from tests.conftest import require_root, require_tool
 from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
@@ -149,7 +149,7 @@ def test_podman_container_reads_device_metadata(tmp_path):
 
 
 async def _prepare_and_read_metadata(s, inv, podman: Podman) -> None:
-    from agent.metadata import decode
+    from agent.prepare.metadata import decode
 
     plugin = KubeletPlugin(s, Driver(s, lambda: inv), DirClaimSource(s.cluster_dir))
     await plugin.start()

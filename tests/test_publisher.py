@@ -17,7 +17,7 @@ from agent.publish.dirstore import DirStore
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.kubestore import KubeStore
 from agent.publish.publisher import Publisher
-from agent.slices import build_pool
+from agent.publish.slices import build_pool
 from discovery.models import Inventory
 from tests.apiserver_standin import StandinAPIServer
 from tests.inventory_factory import device, inventory
@@ -326,7 +326,7 @@ def test_api_dropped_watch_and_410_gone_still_repair(api):
 
 
 def test_agent_in_api_mode_publishes_scanned_inventory(api, monkeypatch, tmp_path):
-    from agent.daemon import Agent
+    from agent.service.daemon import Agent
     from agent.settings import Settings
 
     monkeypatch.setenv("KUBECONFIG", api.kubeconfig_path)

@@ -10,8 +10,8 @@ import stat
 
 import pytest
 
-from agent.cli import main as cli_main
-from agent.record import Redactor, record
+from agent.cli.main import main as cli_main
+from agent.tools.record import Redactor, record
 from discovery.inventory import scan
 from tests.conftest import profile_root, profiles, require_root
 

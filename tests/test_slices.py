@@ -7,9 +7,9 @@ import re
 import kubernetes_validate
 import pytest
 
-from agent import slices
+from agent.publish import slices
 from agent.settings import Settings
-from agent.validation import device_problems, parse_quantity, qualified_name_problem
+from agent.publish.validation import device_problems, parse_quantity, qualified_name_problem
 from discovery.models import AttributeValue, Inventory
 from tests.conftest import profile_root, profiles
 from tests.inventory_factory import device, inventory, sriov_inventory
@@ -219,14 +219,14 @@ def test_slices_list_is_a_kubernetes_list():
     kubernetes_validate.validate(out["items"][0], "1.37", strict=True)
 
 
-# --- sticky placement (agent.slices.chunk_devices with previous) and the fast encoder ---------
+# --- sticky placement (agent.publish.slices.chunk_devices with previous) and the fast encoder ---------
 
 def _plain(n: int, start: int = 0) -> list[dict]:
     return [{"name": f"dev-{i:05d}"} for i in range(start, start + n)]
 
 
 def test_sticky_removal_changes_one_slice():
-    from agent.slices import chunk_devices
+    from agent.publish.slices import chunk_devices
 
     devices = _plain(300)
     before = chunk_devices(devices)
@@ -237,7 +237,7 @@ def test_sticky_removal_changes_one_slice():
 
 
 def test_sticky_addition_fills_first_hole_then_appends():
-    from agent.slices import chunk_devices
+    from agent.publish.slices import chunk_devices
 
     devices = _plain(300)
     before = chunk_devices(devices)
@@ -251,7 +251,7 @@ def test_sticky_addition_fills_first_hole_then_appends():
 
 
 def test_sticky_respects_advanced_limit_and_compacts():
-    from agent.slices import MAX_DEVICES_ADVANCED, chunk_devices
+    from agent.publish.slices import MAX_DEVICES_ADVANCED, chunk_devices
 
     devices = _plain(128)
     before = chunk_devices(devices)
@@ -265,7 +265,7 @@ def test_sticky_respects_advanced_limit_and_compacts():
 
 
 def test_sticky_pool_through_build_pool(tmp_path):
-    from agent.slices import build_pool
+    from agent.publish.slices import build_pool
     from discovery.inventory import scan
     from tests.conftest import profile_root
 
@@ -278,7 +278,7 @@ def test_sticky_pool_through_build_pool(tmp_path):
 
 @pytest.mark.parametrize("profile", __import__("tests.conftest", fromlist=["profiles"]).profiles())
 def test_device_api_equals_to_api(profile):
-    from agent.slices import device_api
+    from agent.publish.slices import device_api
     from discovery.inventory import scan
     from tests.conftest import profile_root
 

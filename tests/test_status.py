@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from agent.cli import main as cli_main
-from agent.status import AgentNotRunning, StatusBoard, StatusServer, query_status, resolve_status_socket
+from agent.cli.main import main as cli_main
+from agent.service.status import AgentNotRunning, StatusBoard, StatusServer, query_status, resolve_status_socket
 from discovery.inventory import scan
 from tests.conftest import profile_root
 
@@ -118,7 +118,7 @@ def test_socket_path_resolution(tmp_path):
 
 
 def test_board_feeds_metrics():
-    from agent.metrics import Metrics
+    from agent.service.metrics import Metrics
 
     m = Metrics(process=False, bridge_global=False)
     b = StatusBoard(metrics=m)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from agent import sdnotify
+from agent.service import sdnotify
 from agent.settings import FIELDS, build_settings
 from tests.conftest import REPO, require_root, require_tool
 from tests.notify_socket import NotifySocket
@@ -141,7 +141,7 @@ def test_notify_path_and_abstract_socket(monkeypatch, abstract):
 # loop, STOPPING on SIGTERM. Blocking the loop for a while must stop the pings.
 PROGRAM = r"""
 import asyncio, signal, sys, time
-from agent import sdnotify
+from agent.service import sdnotify
 
 async def main():
     stop = asyncio.Event()

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from agent.daemon import Agent
+from agent.service.daemon import Agent
 from agent.settings import Settings
-from agent.watch import Debouncer, HardwareWatcher, UdevSource
+from agent.service.watch import Debouncer, HardwareWatcher, UdevSource
 from tests.conftest import profile_root, profiles, require_root
 
 DEBOUNCE = 0.1

@@ -3,10 +3,10 @@
 Public API::
 
     from agent.kubeletplugin import KubeletPlugin
-    from agent.driver import Driver
-    from agent.claims import claim_source
+    from agent.prepare.driver import Driver
+    from agent.kubeletplugin.claims import claim_source
 
-    driver = Driver(settings, inventory=lambda: current_inventory)   # agent/driver.py
+    driver = Driver(settings, inventory=lambda: current_inventory)   # agent/prepare/driver.py
     plugin = KubeletPlugin(settings, driver, claim_source(settings))
     plugin.add_service("v1.DRAResourceHealth", add_fn)   # optional, before start()
     await plugin.start()   # driver.recover() (if defined), DRA socket, then registration socket

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import grpc
 
-from agent.claims import ClaimError, ClaimSource
+from agent.kubeletplugin.claims import ClaimError, ClaimSource
 from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PrepareResult, base_request
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 

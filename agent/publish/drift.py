@@ -37,6 +37,6 @@ async def watch_api(store, publisher, backoff: Backoff | None = None) -> None:
 def watch_dir(directory: str, publisher, loop: asyncio.AbstractEventLoop):
     """File events in the offline ``resourceslices`` dir: a file deleted or edited by
     someone else is repaired like the kubelet's wipe. Returns the started observer."""
-    from agent.watch import start_file_observer
+    from agent.service.watch import start_file_observer
 
     return start_file_observer([directory], lambda path: loop.call_soon_threadsafe(publisher.request_sync), recursive=False)

@@ -1,6 +1,6 @@
-"""Process-wide counters of slice writes (bridged onto the agent's registry by agent.metrics).
+"""Process-wide counters of slice writes (bridged onto the agent's registry by agent.service.metrics).
 
-Publish attempts, failures and change-to-slice latency live in agent.metrics.Metrics."""
+Publish attempts, failures and change-to-slice latency live in agent.service.metrics.Metrics."""
 
 from prometheus_client import Counter, Gauge
 

@@ -11,7 +11,7 @@ import time
 from agent.publish.backoff import Backoff
 from agent.publish.reconcile import Reconciler, SyncStats
 from agent.publish.store import Conflict, SliceStore, StoreError
-from agent.slices import PoolContent
+from agent.publish.slices import PoolContent
 
 log = logging.getLogger("sysdra.publish")
 
@@ -20,7 +20,7 @@ class Publisher:
     def __init__(self, store: SliceStore, *, node_name: str, driver_name: str, resync_interval: float = 300.0,
                  debounce: float = 0.25, backoff: Backoff | None = None, observer=None):
         self.store = store
-        # agent.metrics.Metrics (or None): observe_publish(ok, secs, reason), observe_change_to_slice(secs)
+        # agent.service.metrics.Metrics (or None): observe_publish(ok, secs, reason), observe_change_to_slice(secs)
         self.observer = observer
         self.reconciler = Reconciler(store, node_name=node_name, driver_name=driver_name)
         self.resync_interval = resync_interval

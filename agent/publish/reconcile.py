@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from agent.publish import metrics
 from agent.publish.store import NotFound, SliceStore
-from agent.slices import PoolContent, parse_index, render_slice
-from agent.validation import parse_quantity
+from agent.publish.slices import PoolContent, parse_index, render_slice
+from agent.publish.validation import parse_quantity
 
 log = logging.getLogger("sysdra.publish")
 

@@ -1,4 +1,4 @@
-"""``python -m tests.faults.crashpoint run ...``: the real agent (``agent.cli``) with a SIGKILL
+"""``python -m tests.faults.crashpoint run ...``: the real agent (``agent.cli.main``) with a SIGKILL
 armed at one chosen point. Test-only; production code is not changed.
 
 - ``SYSDRA_FAULT_KILL_POINT``: ``driver:<Driver.fault point>`` (e.g. ``driver:prepare:started``),
@@ -67,7 +67,7 @@ def _is_journal(fd: int) -> bool:
 
 def install() -> None:
     signal.signal(signal.SIGUSR1, _arm)
-    from agent.checkpoint import Checkpoint
+    from agent.prepare.checkpoint import Checkpoint
 
     Checkpoint.compact_bytes = 4096
     Checkpoint._due_for_compaction = lambda self, updates: self.journal_records + len(updates) > 3
@@ -75,7 +75,7 @@ def install() -> None:
     if not POINT:
         return
     if POINT.startswith("driver:"):
-        from agent import driver
+        from agent.prepare import driver
 
         init = driver.Driver.__init__
 
@@ -115,7 +115,7 @@ def install() -> None:
 
 def main() -> int:
     install()
-    from agent.cli import main as cli_main
+    from agent.cli.main import main as cli_main
 
     return cli_main(sys.argv[1:])
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from agent.checkpoint import COMPLETED, Checkpoint
+from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from tests.faults.harness import Node, run
 
 SIZE = "64k"

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import time
 
-from agent.checkpoint import COMPLETED, Checkpoint
+from agent.prepare.checkpoint import COMPLETED, Checkpoint
 import grpc
 
 from agent.kubeletplugin.kubelet_client import CALL_TIMEOUT, KNOWN, KubeletClient
 from agent.protos import pluginregistration_pb2, pluginregistration_pb2_grpc
-from agent.metadata import layout as mdlayout
-from agent.metadata.stream import KIND, VERSIONS, _objects
-from cdi import files as cdifiles
+from agent.prepare.metadata import layout as mdlayout
+from agent.prepare.metadata.stream import KIND, VERSIONS, _objects
+from agent.prepare import cdifiles
 from cdi.spec import minimum_version, validate
 from tests.conftest import REPO, profile_root
 
@@ -301,7 +301,7 @@ class Node:
         return out
 
     def expected_devices(self) -> list[str]:
-        from agent.slices import build_pool
+        from agent.publish.slices import build_pool
         from discovery.inventory import scan
 
         pool = build_pool(scan(self.root), node_name=NODE, driver_name=DRIVER)

@@ -52,7 +52,7 @@ def _failing_save(driver, fail_on: int):
 
 
 def test_checkpoint_save_failure_then_retry(tmp_path, faults):
-    from cdi import files as cdifiles
+    from agent.prepare import cdifiles
     from tests.test_checkpoint import assert_consistent, claim, make_env, new_driver
 
     s, state = make_env(tmp_path)
@@ -73,7 +73,7 @@ def test_checkpoint_save_failure_then_retry(tmp_path, faults):
 
 def test_unprepare_checkpoint_save_failure_then_retry(tmp_path, faults):
     from agent.kubeletplugin.types import ClaimRef
-    from cdi import files as cdifiles
+    from agent.prepare import cdifiles
     from tests.test_checkpoint import claim, make_env, new_driver
 
     s, state = make_env(tmp_path)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from agent.metadata.stream import generation_of
+from agent.prepare.metadata.stream import generation_of
 from tests.faults.harness import Node, run
 
 pytestmark = pytest.mark.slow

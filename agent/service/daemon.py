@@ -1,6 +1,6 @@
 """``sysdra run``: scan, publish, watch hardware and the cluster, republish; stop on
 SIGTERM/SIGINT. Side effects stay at the edges: scanning is ``discovery``, slice
-content is ``agent.slices``, writes go through a store in ``agent.publish``."""
+content is ``agent.publish.slices``, writes go through a store in ``agent.publish``."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import signal
 import time
 from typing import Callable
 
-from agent import sdnotify
-from agent.metrics import Metrics, start_server
+from agent.service import sdnotify
+from agent.service.metrics import Metrics, start_server
 from agent.publish import metrics as publish_metrics
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
 from agent.settings import ConfigError, Settings
-from agent.status import StatusBoard, StatusServer, status_socket_path
-from agent.slices import PoolContent, build_pool
-from agent.watch import Debouncer, HardwareWatcher
+from agent.service.status import StatusBoard, StatusServer, status_socket_path
+from agent.publish.slices import PoolContent, build_pool
+from agent.service.watch import Debouncer, HardwareWatcher
 
 log = logging.getLogger("sysdra.daemon")
 
@@ -126,7 +126,7 @@ class Agent:
         self.pool: PoolContent | None = None
         self.rescans = 0
         self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
-        self._slice_cache: dict = {}  # agent.slices.build_pool's per-device cache
+        self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
 
@@ -206,8 +206,8 @@ class Agent:
     async def start_kubelet_plugin(self) -> None:
         """Serve the kubelet (issue 4) next to publishing, when that component is present."""
         try:
-            from agent.claims import claim_source
-            from agent.driver import Driver
+            from agent.kubeletplugin.claims import claim_source
+            from agent.prepare.driver import Driver
             from agent.kubeletplugin.plugin import KubeletPlugin
         except ImportError as err:
             log.info("kubelet plugin not available (%s): publishing only", err)
@@ -261,7 +261,7 @@ class Agent:
         if self.health is not None:
             self.health.interval = self.settings.health_interval
         if "log_level" in live or "log_format" in live:
-            from agent.cmd_run import setup_logging
+            from agent.cli.run import setup_logging
 
             setup_logging(self.settings)
         log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))

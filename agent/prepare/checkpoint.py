@@ -35,7 +35,7 @@ is ignored. A bad last record is a torn append (crash or power loss mid-write): 
 dropped and overwritten by the next append. A bad record *followed by a good one* is
 corruption. Version 1 files (a snapshot only) are read and become version 2 at the next save.
 
-``metadata`` (KEP-5304, see agent/metadata/store.py) is optional: older entries lack it.
+``metadata`` (KEP-5304, see agent/prepare/metadata/store.py) is optional: older entries lack it.
 
 A snapshot or journal that does not parse, fails its checksum or has a bad shape is
 moved aside to ``<name>.corrupt-<unix time>`` (both files: the journal means nothing

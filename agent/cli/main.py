@@ -1,4 +1,4 @@
-"""``sysdra`` command line. Each subcommand lives in its own ``agent/cmd_*.py`` module
+"""``sysdra`` command line. Each subcommand lives in its own ``agent/cli/<name>.py`` module
 with ``add_parser(subparsers)`` and ``run(args) -> int``; this file only dispatches."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import sys
 
 from agent.settings import EX_CONFIG, ConfigError
 
-# Subcommands in help order; each is the module agent/cmd_<name>.py.
+# Subcommands in help order; each is the module agent/cli/<name>.py.
 COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
 
 
 def _commands() -> dict[str, str]:
     found = {}
     for name in COMMANDS:
-        mod = f"agent.cmd_{name}"
+        mod = f"agent.cli.{name}"
         if importlib.util.find_spec(mod) is not None:
             found[name] = mod
     return found

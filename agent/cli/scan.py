@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
 
 def _slices(inv: Inventory, args) -> dict:
     from agent.settings import build_settings
-    from agent.slices import slices_list
+    from agent.publish.slices import slices_list
 
     flags = {"root": args.root, "list_attributes": args.list_attributes, "node_name": args.node_name, "driver_name": args.driver_name}
     return slices_list(inv, build_settings(flags))

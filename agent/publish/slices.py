@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from agent.validation import device_problems
+from agent.publish.validation import device_problems
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"

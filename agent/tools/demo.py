@@ -23,7 +23,7 @@ import uuid
 
 from agent.kubeletplugin.kubelet_client import KubeletClient
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NODE = "demo-node"
 DRIVER = "sysdra.io"
 

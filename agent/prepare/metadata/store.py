@@ -17,11 +17,11 @@ import shutil
 
 from agent.fsutil import atomic_write, clean_stale_temps, remove_file
 from agent.kubeletplugin.types import PreparedDevice, base_request
-from agent.metadata import layout
-from agent.metadata.stream import POD_CLAIM_NAME_ANNOTATION, MetadataError, build_object, encode, read_file
+from agent.prepare.metadata import layout
+from agent.prepare.metadata.stream import POD_CLAIM_NAME_ANNOTATION, MetadataError, build_object, encode, read_file
 from agent.settings import Settings
-from agent.slices import device_api
-from cdi import files as cdifiles
+from agent.publish.slices import device_api
+from agent.prepare import cdifiles
 from cdi.spec import SpecError
 from discovery.models import Device
 

@@ -15,10 +15,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from agent.checkpoint import COMPLETED, Checkpoint, CheckpointError
+from agent.prepare.checkpoint import COMPLETED, Checkpoint, CheckpointError
 from agent.kubeletplugin.service import check_ref
 from agent.kubeletplugin.types import ClaimRef, base_request
-from agent.metadata import layout, store
+from agent.prepare.metadata import layout, store
 from agent.settings import Settings
 
 LOCK_TIMEOUT = 60.0  # seconds; prepare must finish within the kubelet's 45 s

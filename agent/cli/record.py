@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from agent.record import record
+from agent.tools.record import record
 
 
 def add_parser(sub) -> None:

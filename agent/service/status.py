@@ -33,7 +33,7 @@ def agent_version() -> str:
 class StatusBoard:
     """Mutable state snapshot. All setters are cheap and loop-thread only.
 
-    With ``metrics`` (an ``agent.metrics.Metrics``) the setters also update the
+    With ``metrics`` (an ``agent.service.metrics.Metrics``) the setters also update the
     matching gauges, so the daemon reports each fact once."""
 
     def __init__(self, node_name: str = "", driver_name: str = "", metrics=None, clock=time.time):

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from agent.status import AgentNotRunning, query_status, resolve_status_socket
+from agent.service.status import AgentNotRunning, query_status, resolve_status_socket
 
 
 def add_parser(sub) -> None:

@@ -17,7 +17,9 @@ from typing import Callable
 
 import yaml
 
-SCHEMA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cdi", "schema")
+import cdi
+
+SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(cdi.__file__)), "schema")
 MAX_CLOCK_SKEW = 5.0  # seconds; certificates and leases tolerate little more
 
 
@@ -100,7 +102,7 @@ def _socket_paths(settings) -> tuple[str, str]:
 
 # --- registration (from the running agent) -------------------------------------------------
 def check_registration(status_socket: str, query: Callable[[str], dict] | None = None) -> list[Finding]:
-    from agent.status import AgentNotRunning, query_status
+    from agent.service.status import AgentNotRunning, query_status
 
     try:
         status = (query or query_status)(status_socket)
@@ -290,7 +292,7 @@ def check_metadata(plugin_dir: str) -> list[Finding]:
 def check_checkpoint(plugin_dir: str) -> list[Finding]:
     """The record of prepared claims loads (read-only: nothing is moved or repaired here),
     and no corrupt one was moved aside and forgotten."""
-    from agent.checkpoint import STARTED, Checkpoint, CheckpointError
+    from agent.prepare.checkpoint import STARTED, Checkpoint, CheckpointError
 
     path = os.path.join(plugin_dir, "checkpoint.json")
     found: list[Finding] = []

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 
 def run_update(args) -> int:
-    from agent.metadata.update import NetworkData, UpdateError, update_request
+    from agent.prepare.metadata.update import NetworkData, UpdateError, update_request
     from agent.settings import build_settings
 
     settings = build_settings({"kubelet_dir": args.kubelet_dir, "driver_name": args.driver_name}, args.config)
@@ -52,7 +52,7 @@ def run_update(args) -> int:
 
 
 def run_show(args) -> int:
-    from agent.metadata.stream import MetadataError, read_file
+    from agent.prepare.metadata.stream import MetadataError, read_file
 
     try:
         obj = read_file(args.path)

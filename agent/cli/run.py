@@ -1,4 +1,4 @@
-"""``sysdra run``: the node agent daemon (see agent/daemon.py)."""
+"""``sysdra run``: the node agent daemon (see agent/service/daemon.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,6 @@ def settings_from_args(args) -> Settings:
 def run(args) -> int:
     settings = settings_from_args(args)
     setup_logging(settings)
-    from agent.daemon import serve
+    from agent.service.daemon import serve
 
     return asyncio.run(serve(settings, reload_settings=lambda: settings_from_args(args)))

@@ -1,0 +1,1 @@
+"""The ``sysdra`` command line: ``main.py`` dispatches, one module per subcommand."""

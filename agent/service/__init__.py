@@ -1,0 +1,1 @@
+"""The running daemon: wiring (``daemon``), event sources, status socket, metrics, sd_notify."""

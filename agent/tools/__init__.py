@@ -1,0 +1,1 @@
+"""Operator tools around the agent: ``doctor``, ``record``, ``demo``."""
