@@ -18,7 +18,8 @@
 //	exit 2: {"unschedulable": true, "reason": "..."}   the claims do not fit on this node
 //	exit 1: {"error": "..."}                            bad input or a fatal allocator error
 //
-// Every allocator feature is on unless "features" turns it off: the point is to allocate
+// Claims and slices get the API server's defaulting first (the scheduler never sees
+// undefaulted objects). Every allocator feature is on unless "features" turns it off: the point is to allocate
 // against whatever the agent can publish.
 package main
 
@@ -43,6 +44,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
+	resourcedefaults "k8s.io/kubernetes/pkg/apis/resource/v1"
 )
 
 type input struct {
@@ -184,7 +186,16 @@ func run(stdin io.Reader) (output, int) {
 	for _, class := range in.DeviceClasses {
 		lister[class.Name] = class
 	}
+	// The scheduler only ever sees objects the API server has defaulted (allocationMode,
+	// count, taint timeAdded, ...): apply the same defaulting code to the input.
+	for _, slice := range in.ResourceSlices {
+		resourcedefaults.SetObjectDefaults_ResourceSlice(slice)
+	}
+	for _, claim := range in.AllocatedClaims {
+		resourcedefaults.SetObjectDefaults_ResourceClaim(claim)
+	}
 	for i, claim := range in.Claims {
+		resourcedefaults.SetObjectDefaults_ResourceClaim(claim)
 		if claim.UID == "" {
 			claim.UID = types.UID(fmt.Sprintf("00000000-0000-0000-0000-%012d", i+1))
 		}

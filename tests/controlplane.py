@@ -1,0 +1,516 @@
+"""A real Kubernetes control plane for the tests: kube-apiserver v1.37.2 + etcd, and the
+scheduler's own DRA allocator, all built from upstream Go modules by tests/peers/build.sh
+into .peers/bin (docs/control-plane.md).
+
+``ControlPlane`` starts etcd and kube-apiserver on 127.0.0.1 (random free ports, data and
+certificates in a temporary directory made at test time), with ``--authorization-mode=Node,RBAC``
+and the DRA feature gates the agent relies on. The session fixture ``apiserver``
+(tests/conftest.py) yields one; tests isolate themselves by node name / namespace
+(``unique``). ``allocate`` runs the upstream allocator on slices + classes + claims.
+
+A missing peer binary is a failure, never a skip: run ``tests/peers/build.sh`` (``make peers``).
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import datetime
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx2
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS_BIN = os.environ.get("SYSDRA_PEERS_BIN") or os.path.join(REPO, ".peers", "bin")
+BUILD_HINT = "run tests/peers/build.sh (or `make peers`; needs Go >= 1.26 and the Go module proxy)"
+
+# The DRA gates the agent can publish for (docs/control-plane.md). GA-and-locked gates
+# (DRAResourceClaimDeviceStatus, DRAExtendedResource, NodeDeclaredFeatures) may not be set.
+FEATURE_GATES = {
+    "DRAPartitionableDevices": True,
+    "DRAPartitionableDevicesType": True,
+    "DRADeviceCompatibilityGroups": True,
+    "DRAConsumableCapacity": True,
+    "DRAFractionalCapacityRange": True,
+    "DRADeviceTaints": True,
+    "DRADeviceTaintRules": True,
+    "DRAListTypeAttributes": True,
+    "DRAOptionalNodeOperations": True,
+    "DRAPrioritizedList": True,
+    "DRAAdminAccess": True,
+    "DRADeviceBindingConditions": True,
+    "DRANodeAllocatableResources": True,
+}
+# resource.k8s.io/v1 is on by default; the older versions are what other clients may still read.
+RUNTIME_CONFIG = "resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
+ISSUER = "https://kubernetes.default.svc.cluster.local"
+ADMIN = "sysdra-test-admin"
+
+
+class PeerMissing(RuntimeError):
+    pass
+
+
+def peer(name: str) -> str:
+    path = os.path.join(PEERS_BIN, name)
+    if not os.access(path, os.X_OK):
+        raise PeerMissing(f"test peer {name!r} is not built ({path} missing): {BUILD_HINT}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_counter = itertools.count(1)
+
+
+def unique(prefix: str) -> str:
+    """A DNS-label name unique within the test session (tests share one server)."""
+    return f"{prefix}-{os.getpid() % 10000}-{next(_counter)}"
+
+
+def _die_with_parent() -> None:
+    # the peers must not outlive a killed pytest
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+# --- certificates (generated at test time, never stored) ------------------------------------
+@dataclass
+class Pki:
+    dir: str
+    ca_cert: str = ""
+    ca_key: object = None
+    ca_obj: object = None
+
+    def __post_init__(self):
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.ca_key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sysdra-test-ca")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.ca_obj = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(self.ca_key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .sign(self.ca_key, _sha256())
+        )  # fmt: skip
+        self.ca_cert = self._write("ca.crt", _pem_cert(self.ca_obj))
+
+    def _write(self, name: str, data: bytes) -> str:
+        path = os.path.join(self.dir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return path
+
+    def issue(self, name: str, common_name: str, *, orgs: tuple[str, ...] = (), server: bool = False) -> tuple[str, str]:
+        """A leaf certificate signed by the CA: (cert path, key path)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
+        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        builder = (
+            x509.CertificateBuilder().subject_name(x509.Name(attrs)).issuer_name(self.ca_obj.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+        )  # fmt: skip
+        if server:
+            import ipaddress
+
+            builder = builder.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.DNSName("kubernetes"), x509.DNSName("kubernetes.default.svc"),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]), critical=False)  # fmt: skip
+        cert = builder.sign(self.ca_key, _sha256())
+        return self._write(f"{name}.crt", _pem_cert(cert)), self._write(f"{name}.key", _pem_key(key))
+
+    def service_account_keys(self) -> tuple[str, str]:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return self._write("sa.pub", pub), self._write("sa.key", _pem_key(key))
+
+
+def _sha256():
+    from cryptography.hazmat.primitives import hashes
+
+    return hashes.SHA256()
+
+
+def _pem_cert(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+# --- REST paths for the kinds the tests write ----------------------------------------------
+_KINDS = {
+    # kind: (api prefix, plural, namespaced)
+    "Namespace": ("/api/v1", "namespaces", False),
+    "Node": ("/api/v1", "nodes", False),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "Secret": ("/api/v1", "secrets", True),
+    "ConfigMap": ("/api/v1", "configmaps", True),
+    "Pod": ("/api/v1", "pods", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "DaemonSet": ("/apis/apps/v1", "daemonsets", True),
+    "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
+    "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
+    "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
+    "ResourceClaimTemplate": ("/apis/resource.k8s.io/v1", "resourceclaimtemplates", True),
+    "DeviceTaintRule": ("/apis/resource.k8s.io/v1", "devicetaintrules", False),
+}
+
+
+def resource_path(kind: str, namespace: str | None = None, name: str | None = None) -> str:
+    prefix, plural, namespaced = _KINDS[kind]
+    path = f"{prefix}/namespaces/{namespace or 'default'}/{plural}" if namespaced else f"{prefix}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def load_yaml(path: str) -> list[dict]:
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+class APIError(RuntimeError):
+    def __init__(self, response: httpx2.Response):
+        self.status = response.status_code
+        try:
+            self.body = response.json()
+        except ValueError:
+            self.body = {"message": response.text}
+        super().__init__(f"{response.request.method} {response.request.url.path}: {self.status} {self.body.get('message', '')}")
+
+
+# --- the control plane ------------------------------------------------------------------------
+@dataclass
+class ControlPlane:
+    """etcd + kube-apiserver on 127.0.0.1. Attributes after ``start()``:
+
+    ``url`` (https://127.0.0.1:PORT), ``ca_path``, ``kubeconfig`` (admin, system:masters),
+    ``admin_cert`` (cert, key), ``dir`` (data, certs, logs), ``accepted_gates``."""
+
+    dir: str = ""
+    gates: dict[str, bool] = field(default_factory=lambda: dict(FEATURE_GATES))
+    url: str = ""
+    ca_path: str = ""
+    kubeconfig: str = ""
+    admin_cert: tuple[str, str] = ("", "")
+    accepted_gates: dict[str, bool] = field(default_factory=dict)
+    _procs: list = field(default_factory=list)
+    _client: httpx2.Client | None = None
+
+    def start(self, timeout: float = 90.0) -> "ControlPlane":
+        etcd_bin, apiserver_bin = peer("etcd"), peer("kube-apiserver")
+        if not self.dir:
+            self.dir = tempfile.mkdtemp(prefix="sysdra-controlplane-")
+        pki = self._pki = Pki(os.path.join(self.dir, "pki"))
+        self.ca_path = pki.ca_cert
+        serving = pki.issue("apiserver", "kube-apiserver", server=True)
+        self.admin_cert = pki.issue("admin", ADMIN, orgs=("system:masters",))
+        sa_pub, sa_key = pki.service_account_keys()
+        try:
+            etcd_url = self._start_etcd(etcd_bin, timeout)
+            self._start_apiserver(apiserver_bin, etcd_url, serving, sa_pub, sa_key, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.kubeconfig = self.write_kubeconfig(os.path.join(self.dir, "admin.kubeconfig"), cert=self.admin_cert)
+        return self
+
+    # -- processes
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.dir, f"{name}.log"), "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent, cwd=self.dir)  # fmt: skip
+        log.close()
+        proc.name = name  # type: ignore[attr-defined]
+        self._procs.append(proc)
+        return proc
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        try:
+            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _wait(self, proc, name: str, probe, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            try:
+                if probe():
+                    return
+            except (httpx2.HTTPError, OSError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{self.log_tail(name)}")
+
+    def _start_etcd(self, etcd_bin: str, timeout: float) -> str:
+        client, peer_port = free_port(), free_port()
+        url = f"http://127.0.0.1:{client}"
+        proc = self._spawn("etcd", [
+            etcd_bin, "--name=sysdra-test", f"--data-dir={os.path.join(self.dir, 'etcd')}",
+            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer_port}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=sysdra-test=http://127.0.0.1:{peer_port}", "--initial-cluster-state=new",
+            "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=2147483648",
+        ])  # fmt: skip
+        self._wait(proc, "etcd", lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, timeout)
+        return url
+
+    def _start_apiserver(self, apiserver_bin, etcd_url, serving, sa_pub, sa_key, timeout) -> None:
+        port = free_port()
+        self.url = f"https://127.0.0.1:{port}"
+        gates = ",".join(f"{k}={'true' if v else 'false'}" for k, v in sorted(self.gates.items()))
+        proc = self._spawn("kube-apiserver", [
+            apiserver_bin, "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
+            f"--etcd-servers={etcd_url}", f"--cert-dir={os.path.join(self.dir, 'pki')}",
+            f"--tls-cert-file={serving[0]}", f"--tls-private-key-file={serving[1]}", f"--client-ca-file={self.ca_path}",
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            f"--service-account-issuer={ISSUER}", f"--service-account-key-file={sa_pub}",
+            f"--service-account-signing-key-file={sa_key}", "--service-cluster-ip-range=10.96.0.0/24",
+            f"--runtime-config={RUNTIME_CONFIG}", f"--feature-gates={gates}",
+            "--endpoint-reconciler-type=none", "--profiling=false", "--v=1",
+        ])  # fmt: skip
+        self.accepted_gates = dict(self.gates)
+        self._wait(proc, "kube-apiserver", lambda: self.http().get("/readyz", timeout=5).status_code == 200, timeout)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        for proc in reversed(self._procs):  # apiserver first, then etcd
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        self._procs.clear()
+
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    # -- clients
+    def http(self, *, token: str | None = None, cert: tuple[str, str] | None = None) -> httpx2.Client:
+        """An HTTP client to the server: admin by default, or as a bearer token / client cert."""
+        if token is None and cert is None:
+            if self._client is None:
+                self._client = httpx2.Client(base_url=self.url, verify=self.ca_path, cert=self.admin_cert, timeout=30)
+            return self._client
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx2.Client(base_url=self.url, verify=self.ca_path, cert=cert, headers=headers, timeout=30)
+
+    def write_kubeconfig(self, path: str, *, token: str | None = None, cert: tuple[str, str] | None = None,
+                         namespace: str = "default") -> str:  # fmt: skip
+        """A kubeconfig for lightkube / the agent ($KUBECONFIG) as a token or a client cert."""
+        user: dict = {}
+        if token:
+            user["token"] = token
+        if cert:
+            user["client-certificate"], user["client-key"] = cert
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": self.ca_path}}],
+            "users": [{"name": "test", "user": user}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}],
+        }  # fmt: skip
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        return path
+
+    def request(self, method: str, path: str, *, body=None, params=None, client: httpx2.Client | None = None,
+                content_type: str | None = None, ok: bool = True) -> httpx2.Response:  # fmt: skip
+        client = client or self.http()
+        headers = {"Content-Type": content_type} if content_type else None
+        data = None if body is None else json.dumps(body)
+        response = client.request(method, path, content=data, params=params, headers=headers)
+        if ok and response.status_code >= 400:
+            raise APIError(response)
+        return response
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict:
+        return self.request("GET", resource_path(kind, namespace, name)).json()
+
+    def create(self, obj: dict, *, client: httpx2.Client | None = None) -> dict:
+        kind, ns = obj["kind"], obj["metadata"].get("namespace")
+        return self.request("POST", resource_path(kind, ns), body=obj, client=client).json()
+
+    def apply(self, obj: dict | list | str, *, manager: str = "sysdra-tests") -> list[dict]:
+        """Server-side apply of one object, a list, or every document of a YAML file."""
+        objs = load_yaml(obj) if isinstance(obj, str) else obj if isinstance(obj, list) else [obj]
+        out = []
+        for o in objs:
+            path = resource_path(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+            r = self.request("PATCH", path, body=o, params={"fieldManager": manager, "force": "true"},
+                             content_type="application/apply-patch+yaml")  # fmt: skip
+            out.append(r.json())
+        return out
+
+    def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
+        r = self.request("DELETE", resource_path(kind, namespace, name), ok=False)
+        if r.status_code not in (200, 202, 404):
+            raise APIError(r)
+
+    def list(self, kind: str, namespace: str | None = None, *, fields: dict | None = None) -> list[dict]:
+        params = {"fieldSelector": ",".join(f"{k}={v}" for k, v in fields.items())} if fields else None
+        prefix, plural, namespaced = _KINDS[kind]
+        path = resource_path(kind, namespace) if (namespaced and namespace) else f"{prefix}/{plural}"
+        return self.request("GET", path, params=params).json()["items"]
+
+    # -- cluster objects
+    def create_node(self, name: str, labels: dict | None = None, ready: bool = True) -> dict:
+        """A Node object (no kubelet behind it); its uid is what ownerReferences name."""
+        node = self.create({"apiVersion": "v1", "kind": "Node",
+                            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}})  # fmt: skip
+        if ready:
+            status = {"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                                 "message": "fake node", "lastHeartbeatTime": _now(), "lastTransitionTime": _now()}]}}  # fmt: skip
+            node = self.request("PATCH", resource_path("Node", None, name) + "/status", body=status,
+                                content_type="application/merge-patch+json").json()  # fmt: skip
+        return node
+
+    def create_namespace(self, name: str) -> dict:
+        return self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})[0]
+
+    def token(self, namespace: str, service_account: str, *, node: str | None = None, seconds: int = 3600,
+              audiences: list[str] | None = None) -> str:  # fmt: skip
+        """A TokenRequest token for a ServiceAccount; ``node`` binds it to that Node object
+        (the server then adds the node name and uid to the token's claims)."""
+        spec: dict = {"expirationSeconds": seconds}
+        if audiences:
+            spec["audiences"] = audiences
+        if node:
+            uid = self.get("Node", node)["metadata"]["uid"]
+            spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid}
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+        path = resource_path("ServiceAccount", namespace, service_account) + "/token"
+        return self.request("POST", path, body=body).json()["status"]["token"]
+
+    def node_identity(self, node: str) -> tuple[str, str]:
+        """A kubelet client certificate (system:node:<node>, group system:nodes): what the Node
+        authorizer and NodeRestriction admission know as that node's kubelet."""
+        return self._pki.issue(f"kubelet-{node}", f"system:node:{node}", orgs=("system:nodes",))
+
+    def can_i(self, client: httpx2.Client, verb: str, resource: str, *, group: str = "", namespace: str | None = None,
+              name: str | None = None) -> bool:  # fmt: skip
+        """SelfSubjectAccessReview as ``client``."""
+        attrs = {"verb": verb, "resource": resource, "group": group}
+        if namespace:
+            attrs["namespace"] = namespace
+        if name:
+            attrs["name"] = name
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview", "spec": {"resourceAttributes": attrs}}
+        r = self.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body=body, client=client)
+        return bool(r.json()["status"].get("allowed"))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def token_claims(token: str) -> dict:
+    """The (unverified) JWT payload of a token: the tests read the node binding from it."""
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+# --- the upstream allocator -------------------------------------------------------------------
+class Unschedulable(AssertionError):
+    pass
+
+
+def claim_from(obj: dict, name: str | None = None) -> dict:
+    """A ResourceClaim from a ResourceClaim or a ResourceClaimTemplate (what the
+    resourceclaim controller would create from it for a pod)."""
+    if obj["kind"] == "ResourceClaimTemplate":
+        meta = obj["metadata"]
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name or meta["name"], "namespace": meta.get("namespace", "default"), "uid": str(uuid.uuid4())},
+                "spec": obj["spec"]["spec"]}  # fmt: skip
+    claim = json.loads(json.dumps(obj))
+    claim.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
+    claim.pop("status", None)
+    return claim
+
+
+def allocate(slices: list[dict], classes: list[dict], claims: list[dict] | dict, *, node: str | dict,
+             allocated: list[dict] = (), features: dict[str, bool] | None = None, timeout: float = 60) -> list[dict]:  # fmt: skip
+    """The allocation results (``status.allocation`` per claim, in order) the scheduler's
+    allocator computes for ``claims`` on ``node``. Raises ``Unschedulable`` when they do not fit."""
+    doc: dict = {
+        "resourceSlices": list(slices), "deviceClasses": list(classes),
+        "claims": [claims] if isinstance(claims, dict) else list(claims), "allocatedClaims": list(allocated),
+    }  # fmt: skip
+    doc["node" if isinstance(node, dict) else "nodeName"] = node
+    if features:
+        doc["features"] = features
+    out = run_allocator(doc, timeout=timeout)
+    if out.get("unschedulable"):
+        raise Unschedulable(out["reason"])
+    return [r["allocation"] for r in out["results"]]
+
+
+def run_allocator(doc: dict, timeout: float = 60) -> dict:
+    proc = subprocess.run([peer("allocator")], input=json.dumps(doc), capture_output=True, text=True, timeout=timeout)
+    try:
+        out = json.loads(proc.stdout)
+    except ValueError:
+        raise RuntimeError(f"allocator exited {proc.returncode} without JSON: {proc.stderr[-2000:]}") from None
+    if proc.returncode not in (0, 2) or "error" in out:
+        raise RuntimeError(f"allocator: {out.get('error')} (exit {proc.returncode}) {proc.stderr[-2000:]}")
+    return out
+
+
+def with_allocation(claim: dict, allocation: dict) -> dict:
+    """The claim as the scheduler leaves it: status.allocation set."""
+    claim = json.loads(json.dumps(claim))
+    claim["status"] = {"allocation": allocation}
+    return claim
