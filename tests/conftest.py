@@ -53,3 +53,14 @@ def profiles() -> list[str]:
 
 def profile_root(name: str) -> str:
     return os.path.join(FIXTURES, name)
+
+
+@pytest.fixture(scope="session")
+def apiserver(tmp_path_factory):
+    """A real kube-apiserver v1.37.2 + etcd on 127.0.0.1 for the session (tests/controlplane.py).
+    Fails (never skips) when the peers are not built: run tests/peers/build.sh."""
+    from tests.controlplane import ControlPlane
+
+    plane = ControlPlane(dir=str(tmp_path_factory.mktemp("controlplane"))).start()
+    yield plane
+    plane.stop()

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -34,22 +35,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS_BIN = os.environ.get("SYSDRA_PEERS_BIN") or os.path.join(REPO, ".peers", "bin")
 BUILD_HINT = "run tests/peers/build.sh (or `make peers`; needs Go >= 1.26 and the Go module proxy)"
 
-# The DRA gates the agent can publish for (docs/control-plane.md). GA-and-locked gates
-# (DRAResourceClaimDeviceStatus, DRAExtendedResource, NodeDeclaredFeatures) may not be set.
+# The DRA gates of k8s.io/kubernetes v1.37.2 (pkg/features/kube_features.go) behind what the
+# agent can publish, switched on. Gates that are GA and locked in 1.37 (DRAAdminAccess,
+# DRAPrioritizedList, DRAResourceClaimDeviceStatus, DRAExtendedResource, NodeDeclaredFeatures)
+# are on already and cannot be set; DRAPartitionableDevicesType needs DRAResourcePoolStatus.
 FEATURE_GATES = {
-    "DRAPartitionableDevices": True,
-    "DRAPartitionableDevicesType": True,
-    "DRADeviceCompatibilityGroups": True,
-    "DRAConsumableCapacity": True,
-    "DRAFractionalCapacityRange": True,
-    "DRADeviceTaints": True,
-    "DRADeviceTaintRules": True,
-    "DRAListTypeAttributes": True,
-    "DRAOptionalNodeOperations": True,
-    "DRAPrioritizedList": True,
-    "DRAAdminAccess": True,
-    "DRADeviceBindingConditions": True,
-    "DRANodeAllocatableResources": True,
+    "DRAPartitionableDevices": True,  # beta, on by default
+    "DRAPartitionableDevicesType": True,  # alpha
+    "DRAResourcePoolStatus": True,  # alpha
+    "DRADeviceCompatibilityGroups": True,  # alpha
+    "DRAConsumableCapacity": True,  # beta, on by default
+    "DRAFractionalCapacityRange": True,  # beta, on by default
+    "DRADeviceTaints": True,  # GA, not locked
+    "DRADeviceTaintRules": True,  # GA, not locked
+    "DRAListTypeAttributes": True,  # alpha
+    "DRAOptionalNodeOperations": True,  # alpha
+    "DRADeviceBindingConditions": True,  # beta, on by default
+    "DRANodeAllocatableResources": True,  # alpha
+    "DRADerivedAttributes": True,  # alpha (claim side)
 }
 # resource.k8s.io/v1 is on by default; the older versions are what other clients may still read.
 RUNTIME_CONFIG = "resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
@@ -342,10 +345,17 @@ class ControlPlane:
         """An HTTP client to the server: admin by default, or as a bearer token / client cert."""
         if token is None and cert is None:
             if self._client is None:
-                self._client = httpx2.Client(base_url=self.url, verify=self.ca_path, cert=self.admin_cert, timeout=30)
+                self._client = httpx2.Client(base_url=self.url, verify=self.tls(self.admin_cert), timeout=30)
             return self._client
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx2.Client(base_url=self.url, verify=self.ca_path, cert=cert, headers=headers, timeout=30)
+        return httpx2.Client(base_url=self.url, verify=self.tls(cert), headers=headers, timeout=30)
+
+    def tls(self, cert: tuple[str, str] | None = None) -> ssl.SSLContext:
+        """Trusts only our CA; presents ``cert`` (cert, key) when given."""
+        ctx = ssl.create_default_context(cafile=self.ca_path)
+        if cert:
+            ctx.load_cert_chain(*cert)
+        return ctx
 
     def write_kubeconfig(self, path: str, *, token: str | None = None, cert: tuple[str, str] | None = None,
                          namespace: str = "default") -> str:  # fmt: skip

@@ -42,14 +42,19 @@ targets=("$@")
 for t in "${targets[@]}"; do
   [ -d "$here/$t" ] || { echo "tests/peers/build.sh: unknown peer '$t'" >&2; exit 2; }
   bin="$peers/bin/$t"
-  # up to date: the binary is newer than every input (the Go build cache makes a rebuild cheap anyway)
-  if [ -x "$bin" ] && [ -z "$(find "$here/go.mod" "$here/go.sum" "$here/$t" -newer "$bin" -print -quit)" ]; then
+  # up to date: the binary is newer than every input (go.mod, go.sum, this script, its sources) (the Go build cache makes a rebuild cheap anyway)
+  if [ -x "$bin" ] && [ -z "$(find "$here/go.mod" "$here/go.sum" "$here/build.sh" "$here/$t" -newer "$bin" -print -quit)" ]; then
     echo "peers: $t up to date ($bin)"
     continue
   fi
   echo "peers: building $t ..."
   start=$(date +%s)
-  (cd "$here" && go build -p "$jobs" -trimpath -ldflags="-s -w" -o "$bin.tmp" "./$t")
+  # the version the server reports (/version) is the module's, as a release build stamps it
+  kver="$(cd "$here" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+  minor="${kver#v1.}"; minor="${minor%%.*}"
+  stamp="-X k8s.io/component-base/version.gitVersion=$kver -X k8s.io/component-base/version.gitMajor=1"
+  stamp="$stamp -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+  (cd "$here" && go build -p "$jobs" -trimpath -ldflags="-s -w $stamp" -o "$bin.tmp" "./$t")
   mv -f "$bin.tmp" "$bin"
   echo "peers: built $t in $(( $(date +%s) - start ))s"
 done
