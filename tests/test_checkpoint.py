@@ -12,12 +12,12 @@ import time
 
 import pytest
 
+from agent.kubeletplugin.types import ClaimRef
+from agent.prepare import cdifiles
 from agent.prepare.checkpoint import COMPLETED, Checkpoint, CheckpointError
 from agent.prepare.driver import Driver
-from agent.kubeletplugin.types import ClaimRef
 from agent.prepare.metadata import layout as mdlayout
 from agent.prepare.metadata import read_file as read_metadata
-from agent.prepare import cdifiles
 from tests.conftest import REPO
 from tests.kubelet_standin import claim, gpu, inventory, nic, settings_for
 
@@ -209,8 +209,8 @@ def test_newer_checkpoint_version_is_refused(tmp_path):
 
 WORKER = r"""
 import random, sys
-from agent.prepare.driver import Driver
 from agent.kubeletplugin.types import ClaimRef
+from agent.prepare.driver import Driver
 from tests.test_checkpoint import make_env, CLAIMS
 s, state = make_env(sys.argv[1])
 d = Driver(s, lambda: state["inv"])

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
+from agent.fsutil import WriteError
 from agent.prepare import checkpoint as cpmod
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint, CheckpointError, checksum
-from agent.fsutil import WriteError
 
 
 def entry(n: int, state: str = COMPLETED) -> dict:

@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
-from agent.tools import doctor
 from agent.cli.main import main as cli_main
-from agent.settings import Settings
 from agent.service.status import StatusBoard
+from agent.settings import Settings
+from agent.tools import doctor, doctor_files
 from cdi.spec import finish
 from tests.test_status import _Serving
 
@@ -76,7 +76,7 @@ def test_cdi_specs(tmp_path):
     _write(d, "gone.json", {"cdiVersion": "0.5.0", "kind": "k8s.sysdra.io/gone",
                             "devices": [{"name": "g", "containerEdits": {"deviceNodes": [{"path": "/dev/nope", "hostPath": "/dev/nope"}]}}]})
     by_file = {}
-    for f in doctor.check_cdi_dirs([d]):
+    for f in doctor_files.check_cdi_dirs([d]):
         by_file.setdefault(os.path.basename(f.check.split(":", 1)[1]) if ":" in f.check else f.check, []).append(f)
     lv = {k: sorted({f.level for f in v}) for k, v in by_file.items()}
     assert lv["good.json"] == ["ok"]
@@ -90,10 +90,10 @@ def test_cdi_specs(tmp_path):
 
 
 def test_cdi_without_jsonschema(tmp_path, monkeypatch):
-    monkeypatch.setattr(doctor, "_schema_validator", lambda: None)
+    monkeypatch.setattr(doctor_files, "_schema_validator", lambda: None)
     d = str(tmp_path / "cdi")
     _write(d, "schema.json", {"cdiVersion": "0.5.0", "kind": "k8s.sysdra.io/x", "devices": [{"name": "a"}]})
-    found = doctor.check_cdi_dirs([d])
+    found = doctor_files.check_cdi_dirs([d])
     assert ("cdi", "warn") in levels(found)  # says jsonschema is missing
     assert any(f.level == "fail" and "containerEdits" in f.message for f in found)
 
@@ -104,9 +104,9 @@ def test_metadata_streams(tmp_path):
     good = _write(os.path.join(plugin, "dra-device-metadata", "ns_c", "req"), "metadata.json",
                   json.dumps(obj) + "\n" + json.dumps(dict(obj, apiVersion="metadata.resource.k8s.io/v1alpha1")) + "\n")
     os.chmod(good, 0o644)
-    assert levels(doctor.check_metadata(plugin)) == [("metadata", "ok")]
+    assert levels(doctor_files.check_metadata(plugin)) == [("metadata", "ok")]
     _write(os.path.join(plugin, "dra-device-metadata", "ns_d", "req"), "metadata.json", json.dumps(obj) + "\n" + json.dumps(obj)[:40])
-    found = doctor.check_metadata(plugin)
+    found = doctor_files.check_metadata(plugin)
     assert [f.level for f in found] == ["fail"] and "complete JSON stream" in found[0].message
 
 
@@ -114,7 +114,7 @@ def test_checkpoint(tmp_path):
     from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 
     plugin = str(tmp_path)
-    assert levels(doctor.check_checkpoint(plugin)) == [("checkpoint", "skip")]
+    assert levels(doctor_files.check_checkpoint(plugin)) == [("checkpoint", "skip")]
     cp = Checkpoint(os.path.join(plugin, "checkpoint.json"))
     dev = {"requests": ["r"], "pool": "p", "device": "d", "cdiDeviceIDs": [], "shareID": None}
     cp.claims = {"u1": {"state": COMPLETED, "devices": [dev]}, "u2": {"state": STARTED, "devices": []}}
@@ -122,7 +122,7 @@ def test_checkpoint(tmp_path):
     cp.claims["u3"] = {"state": COMPLETED, "devices": []}
     cp.save(changed=["u3"])
     before = sorted(os.listdir(plugin))
-    found = doctor.check_checkpoint(plugin)
+    found = doctor_files.check_checkpoint(plugin)
     assert levels(found) == [("checkpoint", "ok")]
     assert "3 claims recorded (1 being prepared), generation 1, 1 journal records" in found[0].message
     with open(cp.journal_path, "r+b") as f:  # a flipped byte in a record that is not the last
@@ -130,17 +130,17 @@ def test_checkpoint(tmp_path):
         f.write(b"X")
     cp.claims["u4"] = {"state": COMPLETED, "devices": []}
     cp.save(changed=["u4"])
-    found = doctor.check_checkpoint(plugin)
+    found = doctor_files.check_checkpoint(plugin)
     assert levels(found) == [("checkpoint", "fail")] and "checksum mismatch" in found[0].message
     assert "CHECKPOINT CORRUPT" in found[0].fix
     assert sorted(os.listdir(plugin)) == before  # doctor never moves or repairs anything
     Checkpoint.load(cp.path)  # what the agent does at start: moves both files aside
-    found = doctor.check_checkpoint(plugin)
+    found = doctor_files.check_checkpoint(plugin)
     assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "skip")] and found[0].check == "checkpoint:aside"
     assert "checkpoint.json.corrupt-" in found[0].message and "checkpoint.json.journal.corrupt-" in found[0].message
     with open(cp.path, "w") as f:
         json.dump({"version": 9, "claims": {}}, f)
-    assert ("checkpoint", "fail") in levels(doctor.check_checkpoint(plugin))
+    assert ("checkpoint", "fail") in levels(doctor_files.check_checkpoint(plugin))
 
 
 def test_registration_from_status_socket(tmp_path):

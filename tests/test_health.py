@@ -11,11 +11,11 @@ import time
 import grpc
 import pytest
 
-from agent.kubeletplugin.claims import DirClaimSource
-from agent.prepare.driver import Driver
 from agent.health import HEALTH_SERVICES, attach
 from agent.health.checks import AER_HOLD, MAX_MESSAGE, Memory, check, truncate
 from agent.kubeletplugin import KubeletPlugin
+from agent.kubeletplugin.claims import DirClaimSource
+from agent.prepare.driver import Driver
 from agent.protos import dra_health_v1_pb2, dra_health_v1_pb2_grpc, dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc
 from discovery.inventory import scan
 from discovery.models import DeviceNode

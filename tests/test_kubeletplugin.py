@@ -14,10 +14,10 @@ import tempfile
 import grpc
 import pytest
 
-from agent.kubeletplugin.claims import DirClaimSource
-from agent.prepare.driver import Driver
 from agent.kubeletplugin import KubeletPlugin, SocketError
 from agent.kubeletplugin import sockets
+from agent.kubeletplugin.claims import DirClaimSource
+from agent.prepare.driver import Driver
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 from tests.kubelet_standin import (
     DRIVER, KubeletStandIn, claim, find_registration_sockets, gpu, inventory, nic, settings_for, store_claim,

@@ -9,13 +9,13 @@ import os
 import pytest
 
 from agent.cli.main import main as cli
-from agent.prepare.driver import Driver
 from agent.kubeletplugin.types import ClaimRef
+from agent.prepare import cdifiles
+from agent.prepare.driver import Driver
 from agent.prepare.metadata import decode, read_file
 from agent.prepare.metadata import layout
 from agent.prepare.metadata.stream import MetadataError
 from agent.prepare.metadata.update import NetworkData, UpdateError, update_request
-from agent.prepare import cdifiles
 from discovery.models import AttributeValue, NetInterface, NicInfo
 from tests.conftest import SHARED
 from tests.kubelet_standin import DRIVER, claim, gpu, inventory, nic

@@ -18,9 +18,9 @@ import tempfile
 
 import pytest
 
+from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource
 from agent.prepare.driver import Driver
-from agent.kubeletplugin import KubeletPlugin
 from tests.conftest import require_root, require_tool
 from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
 

@@ -18,6 +18,7 @@ from agent.publish.drift import watch_api, watch_dir
 from agent.publish.kubestore import KubeStore
 from agent.publish.publisher import Publisher
 from agent.publish.slices import build_pool
+from agent.service.watch import start_file_observer
 from discovery.models import Inventory
 from tests.apiserver_standin import StandinAPIServer
 from tests.inventory_factory import device, inventory
@@ -153,7 +154,7 @@ def test_published_file_removed_by_someone_else_is_republished(tmp_path):
         pub = Publisher(store, node_name=NODE, driver_name=DRIVER, resync_interval=0, debounce=0.05)
         loop = asyncio.get_running_loop()
         task = loop.create_task(pub.run())
-        observer = watch_dir(store.directory, pub, loop)
+        observer = watch_dir(store.directory, pub, loop, start_file_observer)
         try:
             pub.set_pool(pool_of(5))
             await pub.wait_synced(lambda p: p.total.created == 1)

@@ -8,8 +8,8 @@ import kubernetes_validate
 import pytest
 
 from agent.publish import slices
-from agent.settings import Settings
 from agent.publish.validation import device_problems, parse_quantity, qualified_name_problem
+from agent.settings import Settings
 from discovery.models import AttributeValue, Inventory
 from tests.conftest import profile_root, profiles
 from tests.inventory_factory import device, inventory, sriov_inventory
@@ -278,7 +278,7 @@ def test_sticky_pool_through_build_pool(tmp_path):
 
 @pytest.mark.parametrize("profile", __import__("tests.conftest", fromlist=["profiles"]).profiles())
 def test_device_api_equals_to_api(profile):
-    from agent.publish.slices import device_api
+    from agent.deviceapi import device_api
     from discovery.inventory import scan
     from tests.conftest import profile_root
 

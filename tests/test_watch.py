@@ -13,8 +13,8 @@ import time
 import pytest
 
 from agent.service.daemon import Agent
-from agent.settings import Settings
 from agent.service.watch import Debouncer, HardwareWatcher, UdevSource
+from agent.settings import Settings
 from tests.conftest import profile_root, profiles, require_root
 
 DEBOUNCE = 0.1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from agent.tools.doctor import Finding, run_all
-from agent.settings import ConfigError, Settings, build_settings
 from agent.service.status import resolve_status_socket
+from agent.settings import ConfigError, Settings, build_settings
+from agent.tools.doctor import Finding, run_all
 
 _MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import sys
 
+from agent.service.logs import setup_logging
 from agent.settings import Settings, build_settings
 
 # flag -> setting; values stay strings so a bad one is reported by Settings, naming the setting (exit 78)
@@ -24,22 +22,6 @@ def add_parser(subparsers) -> None:
     for flag in SWITCH_FLAGS:
         p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), action="store_const", const=True, default=None)
     p.set_defaults(func=run)
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return json.dumps({"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()})
-
-
-def setup_logging(settings: Settings) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if settings.log_format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
 
 
 def settings_from_args(args) -> Settings:

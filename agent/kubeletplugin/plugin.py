@@ -9,8 +9,8 @@ from typing import Callable
 
 import grpc
 
-from agent.kubeletplugin.claims import ClaimSource
 from agent.kubeletplugin import sockets
+from agent.kubeletplugin.claims import ClaimSource
 from agent.kubeletplugin.registration import RegistrationServicer, RegistrationStatus
 from agent.kubeletplugin.service import DRAPluginV1, DRAPluginV1beta1, Prepare, SerializeLock
 from agent.kubeletplugin.types import DriverProtocol

@@ -51,36 +51,15 @@ import json
 import logging
 import os
 import time
-import zlib
 from typing import Iterable
 
 from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes
+from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
+                                             check_entry, check_snapshot, checksum, journal_line, parse_journal_line)
 
 log = logging.getLogger(__name__)
 
-VERSION = 2
-STARTED = "PrepareStarted"
-COMPLETED = "PrepareCompleted"
-JOURNAL_SUFFIX = ".journal"
-
-
-class CheckpointError(Exception):
-    """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
-
-
-def _canonical(obj: object) -> bytes:
-    """Sorted keys, no spaces, UTF-8 (orjson; json.dumps(sort_keys=True, separators=(",", ":"))
-    gives the same bytes for ASCII text, ~10x slower)."""
-    return json_bytes(obj, sort_keys=True)
-
-
-def checksum(claims: dict, generation: int = 0, version: int = VERSION) -> str:
-    """The snapshot's checksum; version 1 covered the claims only (encoded by json)."""
-    if version == 1:
-        text = json.dumps(claims, sort_keys=True, separators=(",", ":")).encode()
-    else:
-        text = b"%d:%s" % (generation, _canonical(claims))
-    return "sha256:" + hashlib.sha256(text).hexdigest()
+__all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum", "read_boot_id"]
 
 
 def read_boot_id(root: str = "/") -> str:
@@ -92,51 +71,6 @@ def read_boot_id(root: str = "/") -> str:
         except OSError:
             continue
     return ""
-
-
-def _check_entry(uid: object, entry: object) -> None:
-    if not isinstance(uid, str) or not uid:
-        raise ValueError(f"claim key {uid!r} is not a UID")
-    if not isinstance(entry, dict) or entry.get("state") not in (STARTED, COMPLETED):
-        raise ValueError(f"claim {uid}: bad entry")
-    if not isinstance(entry.get("devices"), list):
-        raise ValueError(f"claim {uid}: devices is not a list")
-
-
-def _check_snapshot(data: object) -> tuple[int, dict]:
-    """-> (generation, claims) of a parsed snapshot, or ValueError."""
-    if not isinstance(data, dict):
-        raise ValueError("top level is not an object")
-    version = data.get("version")
-    if version not in (1, VERSION):
-        raise ValueError(f"unknown version {version!r}")
-    generation = data.get("generation", 0) if version == VERSION else 0
-    if type(generation) is not int or generation < 0:
-        raise ValueError(f"bad generation {generation!r}")
-    claims = data.get("claims")
-    if not isinstance(claims, dict):
-        raise ValueError("claims is not an object")
-    if data.get("checksum") != checksum(claims, generation, version):
-        raise ValueError("checksum mismatch")
-    for uid, entry in claims.items():
-        _check_entry(uid, entry)
-    return generation, claims
-
-
-def _line(body: bytes) -> bytes:
-    return b"%08x %s\n" % (zlib.crc32(body), body)
-
-
-def _parse_line(line: bytes) -> object:
-    """One journal line (without its newline) -> its JSON value, or ValueError."""
-    crc, sep, body = line.partition(b" ")
-    try:
-        ok = sep and len(crc) == 8 and int(crc, 16) == zlib.crc32(body)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError("record checksum mismatch")
-    return json.loads(body)
 
 
 class Checkpoint:
@@ -215,7 +149,7 @@ class Checkpoint:
                     f"{path} has version {data['version']}, written by a newer sysdra; "
                     f"this one understands version {VERSION}. Upgrade, or move the file away knowingly."
                 )
-            cp.generation, cp.claims = _check_snapshot(data)
+            cp.generation, cp.claims = check_snapshot(data)
             cp._snapshot_size = len(raw)
             cp._replay_journal()
         except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
@@ -223,7 +157,7 @@ class Checkpoint:
                 raise ValueError(f"{path}: {err}") from err
             cp._move_aside(err)
             return cp
-        cp._encoded = {uid: _canonical(e) for uid, e in cp.claims.items()}
+        cp._encoded = {uid: canonical(e) for uid, e in cp.claims.items()}
         return cp
 
     def _replay_journal(self) -> None:
@@ -237,7 +171,7 @@ class Checkpoint:
         tail = lines.pop()  # b"" when the records end with a newline; else a torn append
         if not lines:
             raise ValueError(f"{self.journal_path}: no header line")
-        header = _parse_line(lines[0])
+        header = parse_journal_line(lines[0])
         if not isinstance(header, dict) or header.get("journal") != VERSION or type(header.get("generation")) is not int:
             raise ValueError(f"{self.journal_path}: bad header {header!r}")
         if header["generation"] < self.generation:
@@ -250,7 +184,7 @@ class Checkpoint:
         for n, line in enumerate(lines[1:], start=2):
             offset += len(line) + 1
             try:
-                rec = _parse_line(line)
+                rec = parse_journal_line(line)
             except ValueError as err:  # torn, if only torn lines follow
                 bad_at = bad_at or (n, err)
                 continue
@@ -264,7 +198,7 @@ class Checkpoint:
                     raise ValueError(f"{self.journal_path} line {n}: bad uid")
                 self.claims.pop(rec["uid"], None)
             else:
-                _check_entry(rec["uid"], rec["entry"])
+                check_entry(rec["uid"], rec["entry"])
                 self.claims[rec["uid"]] = rec["entry"]
             good, records = offset, records + 1
         if bad_at or tail:
@@ -311,7 +245,7 @@ class Checkpoint:
             self.compact()
             return
         if updates:
-            data = b"".join(_line(b'{"uid":%s,"entry":%s}' % (json_bytes(uid), b"null" if enc is None else enc))
+            data = b"".join(journal_line(b'{"uid":%s,"entry":%s}' % (json_bytes(uid), b"null" if enc is None else enc))
                             for uid, enc in updates.items())
             self._append(data, durable)
             self._journal_records += len(updates)
@@ -330,7 +264,7 @@ class Checkpoint:
         updates: dict[str, bytes | None] = {}
         for uid in uids:
             entry = self.claims.get(uid)
-            enc = None if entry is None else _canonical(entry)
+            enc = None if entry is None else canonical(entry)
             if enc != self._encoded.get(uid):
                 updates[uid] = enc
         return updates
@@ -393,13 +327,13 @@ class Checkpoint:
         ignores; the next save then compacts again."""
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o750, exist_ok=True)
         generation = self.generation + 1
-        encoded = {uid: _canonical(e) for uid, e in self.claims.items()}
-        claims_json = _canonical(self.claims)
+        encoded = {uid: canonical(e) for uid, e in self.claims.items()}
+        claims_json = canonical(self.claims)
         digest = "sha256:" + hashlib.sha256(b"%d:%s" % (generation, claims_json)).hexdigest()
         text = b'{"version": %d, "generation": %d, "checksum": "%s", "claims": %s}\n' % (
             VERSION, generation, digest.encode(), claims_json)
         atomic_write(self.path, text, mode=0o600, durable=True)
-        header = _line(b'{"journal":%d,"generation":%d}' % (VERSION, generation))
+        header = journal_line(b'{"journal":%d,"generation":%d}' % (VERSION, generation))
         zeros = max(0, self.compact_bytes - len(header))
         self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
         self._journal_size, self._journal_records, self._unsynced = None, 0, False

@@ -24,12 +24,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
-from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint, read_boot_id
 from agent.fsutil import clean_stale_temps
 from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from agent.prepare import cdifiles
+from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint, read_boot_id
 from agent.prepare.metadata import store as metadata
 from agent.settings import Settings
-from agent.prepare import cdifiles
 from cdi.claim import build_claim_spec, cdi_device_name, cdi_id
 from cdi.spec import SpecError, claim_kind
 from discovery.models import Device, Inventory

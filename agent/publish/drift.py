@@ -34,9 +34,8 @@ async def watch_api(store, publisher, backoff: Backoff | None = None) -> None:
         version = version or store.list_resource_version
 
 
-def watch_dir(directory: str, publisher, loop: asyncio.AbstractEventLoop):
+def watch_dir(directory: str, publisher, loop: asyncio.AbstractEventLoop, observe):
     """File events in the offline ``resourceslices`` dir: a file deleted or edited by
-    someone else is repaired like the kubelet's wipe. Returns the started observer."""
-    from agent.service.watch import start_file_observer
-
-    return start_file_observer([directory], lambda path: loop.call_soon_threadsafe(publisher.request_sync), recursive=False)
+    someone else is repaired like the kubelet's wipe. ``observe(paths, callback,
+    recursive=)`` starts the file watcher (the daemon's); returns the started observer."""
+    return observe([directory], lambda path: loop.call_soon_threadsafe(publisher.request_sync), recursive=False)

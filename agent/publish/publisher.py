@@ -10,8 +10,8 @@ import time
 
 from agent.publish.backoff import Backoff
 from agent.publish.reconcile import Reconciler, SyncStats
-from agent.publish.store import Conflict, SliceStore, StoreError
 from agent.publish.slices import PoolContent
+from agent.publish.store import Conflict, SliceStore, StoreError
 
 log = logging.getLogger("sysdra.publish")
 

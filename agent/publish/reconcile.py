@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 
 from agent.publish import metrics
-from agent.publish.store import NotFound, SliceStore
 from agent.publish.slices import PoolContent, parse_index, render_slice
+from agent.publish.store import NotFound, SliceStore
 from agent.publish.validation import parse_quantity
 
 log = logging.getLogger("sysdra.publish")

@@ -12,15 +12,16 @@ import signal
 import time
 from typing import Callable
 
-from agent.service import sdnotify
-from agent.service.metrics import Metrics, start_server
 from agent.publish import metrics as publish_metrics
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
-from agent.settings import ConfigError, Settings
-from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.publish.slices import PoolContent, build_pool
-from agent.service.watch import Debouncer, HardwareWatcher
+from agent.service import sdnotify
+from agent.service.logs import setup_logging
+from agent.service.metrics import Metrics, start_server
+from agent.service.status import StatusBoard, StatusServer, status_socket_path
+from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
+from agent.settings import ConfigError, Settings
 
 log = logging.getLogger("sysdra.daemon")
 
@@ -261,8 +262,6 @@ class Agent:
         if self.health is not None:
             self.health.interval = self.settings.health_interval
         if "log_level" in live or "log_format" in live:
-            from agent.cli.run import setup_logging
-
             setup_logging(self.settings)
         log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))
         if {"list_attributes", "pf_vf_exclusive", "taint_unhealthy"} & set(live):
@@ -289,7 +288,7 @@ class Agent:
                  loop.create_task(self._periodic_rescan(), name="resync")]
         observer = None
         if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
-            observer = watch_dir(self.store.directory, self.publisher, loop)
+            observer = watch_dir(self.store.directory, self.publisher, loop, start_file_observer)
         elif hasattr(self.store, "watch"):
             tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
         debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),

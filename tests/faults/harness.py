@@ -18,10 +18,10 @@ from agent.prepare.checkpoint import COMPLETED, Checkpoint
 import grpc
 
 from agent.kubeletplugin.kubelet_client import CALL_TIMEOUT, KNOWN, KubeletClient
-from agent.protos import pluginregistration_pb2, pluginregistration_pb2_grpc
+from agent.prepare import cdifiles
 from agent.prepare.metadata import layout as mdlayout
 from agent.prepare.metadata.stream import KIND, VERSIONS, _objects
-from agent.prepare import cdifiles
+from agent.protos import pluginregistration_pb2, pluginregistration_pb2_grpc
 from cdi.spec import minimum_version, validate
 from tests.conftest import REPO, profile_root
 

@@ -15,13 +15,13 @@ import logging
 import os
 import shutil
 
+from agent.deviceapi import device_api
 from agent.fsutil import atomic_write, clean_stale_temps, remove_file
 from agent.kubeletplugin.types import PreparedDevice, base_request
+from agent.prepare import cdifiles
 from agent.prepare.metadata import layout
 from agent.prepare.metadata.stream import POD_CLAIM_NAME_ANNOTATION, MetadataError, build_object, encode, read_file
 from agent.settings import Settings
-from agent.publish.slices import device_api
-from agent.prepare import cdifiles
 from cdi.spec import SpecError
 from discovery.models import Device
 

@@ -15,9 +15,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from agent.prepare.checkpoint import COMPLETED, Checkpoint, CheckpointError
 from agent.kubeletplugin.service import check_ref
 from agent.kubeletplugin.types import ClaimRef, base_request
+from agent.prepare.checkpoint import COMPLETED, Checkpoint, CheckpointError
 from agent.prepare.metadata import layout, store
 from agent.settings import Settings
 

@@ -1,0 +1,213 @@
+"""``sysdra doctor`` checks of the files the agent wrote: CDI specs (schema, structure, the
+runtime's minimum version), KEP-5304 metadata files and the checkpoint. Read-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import yaml
+
+import cdi
+from agent.tools.findings import Finding, ok
+
+SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(cdi.__file__)), "schema")
+
+
+# --- CDI specs --------------------------------------------------------------------------------
+def _schema_validator():
+    """A jsonschema validator for the vendored CDI schema, or None without jsonschema."""
+    try:
+        import jsonschema
+        from referencing import Registry, Resource
+    except ImportError:
+        return None
+    try:
+        with open(os.path.join(SCHEMA_DIR, "schema.json"), encoding="utf-8") as f:
+            schema = json.load(f)
+        with open(os.path.join(SCHEMA_DIR, "defs.json"), encoding="utf-8") as f:
+            defs = json.load(f)
+    except OSError:  # an install without the package data: structural checks only
+        return None
+    registry = Registry().with_resource("defs.json", Resource.from_contents(defs, default_specification=_draft7()))
+    return jsonschema.Draft7Validator(schema, registry=registry)
+
+
+def _draft7():
+    from referencing.jsonschema import DRAFT7
+
+    return DRAFT7
+
+
+def _structural_errors(spec: object) -> list[str]:
+    """The schema's required shape, for machines without jsonschema."""
+    if not isinstance(spec, dict):
+        return ["top level is not an object"]
+    errors = [f"missing required field {k!r}" for k in ("cdiVersion", "kind", "devices") if k not in spec]
+    devices = spec.get("devices")
+    if "devices" in spec and not isinstance(devices, list):
+        errors.append("devices is not a list")
+    for i, d in enumerate(devices if isinstance(devices, list) else []):
+        if not isinstance(d, dict) or "name" not in d or "containerEdits" not in d:
+            errors.append(f"devices[{i}] needs name and containerEdits")
+    return errors
+
+
+def _load_spec(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in v.removeprefix("v").split("."))
+    except ValueError:
+        return ()
+
+
+def check_cdi_spec(path: str, validator=None) -> tuple[list[Finding], dict | None]:
+    """Parse, schema, runtime strictness, minimum version; returns findings and the spec."""
+    check = f"cdi:{path}"
+    try:
+        spec = _load_spec(path)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        return [Finding(check, "fail", f"does not parse: {str(err).splitlines()[0]}",
+                        "the runtime ignores the file (or fails every container using it): fix or remove it")], None
+    if validator is not None:
+        errors = [f"{'/'.join(map(str, e.absolute_path)) or 'spec'}: {e.message}" for e in validator.iter_errors(spec)]
+    else:
+        errors = _structural_errors(spec)
+    if errors:
+        return [Finding(check, "fail", "violates the CDI schema: " + "; ".join(errors[:3]), "regenerate the spec with its tool")], None
+    found: list[Finding] = []
+    try:
+        from cdi.spec import SpecError, minimum_version, validate
+    except ImportError:
+        return [Finding(check, "warn", "parses and matches the schema; minimum-version rule not available in this build")], spec
+    try:
+        validate(spec)
+    except SpecError as err:
+        msg = str(err)
+        fix = ("lower cdiVersion to what the content needs (older runtimes reject newer versions) or remove the newer fields"
+               if "below" not in msg else "raise cdiVersion: the content uses newer fields")
+        return [Finding(check, "fail", f"a container runtime rejects it: {msg}", fix)], spec
+    need, have = minimum_version(spec), str(spec.get("cdiVersion")).removeprefix("v")
+    if _version_key(have) > _version_key(need):
+        found.append(Finding(check, "warn", f"cdiVersion {have} but the content needs only {need}",
+                             f"write cdiVersion {need}: runtimes older than {have} refuse the file"))
+    else:
+        found.append(ok(check, f"valid, cdiVersion {have}, {len(spec.get('devices') or [])} devices"))
+    return found, spec
+
+
+def check_cdi_dirs(dirs: list[str]) -> list[Finding]:
+    validator = _schema_validator()
+    found: list[Finding] = []
+    if validator is None:
+        found.append(Finding("cdi", "warn", "jsonschema or the vendored schema (cdi/schema) missing: structural checks only", "pip install jsonschema"))
+    seen: dict[str, str] = {}  # qualified device -> file that defines it
+    for d in dirs:
+        if not os.path.isdir(d):
+            found.append(Finding("cdi", "skip" if d == "/etc/cdi" else "warn", f"{d} does not exist",
+                                 "" if d == "/etc/cdi" else "systemd-tmpfiles --create /etc/tmpfiles.d/sysdra.conf"))
+            continue
+        names = sorted(n for n in os.listdir(d) if n.endswith((".json", ".yaml")) and not n.startswith("."))
+        for name in names:
+            path = os.path.join(d, name)
+            spec_findings, spec = check_cdi_spec(path, validator)
+            found.extend(spec_findings)
+            for dev in (spec or {}).get("devices") or []:
+                qualified = f"{spec.get('kind')}={dev.get('name')}"
+                if qualified in seen:
+                    found.append(Finding(f"cdi:{path}", "fail", f"device {qualified} is also defined in {seen[qualified]}",
+                                         "the runtime refuses conflicting devices: remove the stale file"))
+                seen.setdefault(qualified, path)
+                for node in (dev.get("containerEdits") or {}).get("deviceNodes") or []:
+                    host = node.get("hostPath") or node.get("path")
+                    if host and not os.path.exists(host):
+                        found.append(Finding(f"cdi:{path}", "warn", f"device {qualified}: {host} does not exist on this host",
+                                             "a container using it fails to start; the device is gone or the spec is stale"))
+        if not names:
+            found.append(ok("cdi", f"{d}: no specs"))
+    return found
+
+
+# --- KEP-5304 metadata files ------------------------------------------------------------------
+def parse_json_stream(text: str) -> list:
+    decoder, pos, out = json.JSONDecoder(), 0, []
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos == len(text):
+            return out
+        obj, pos = decoder.raw_decode(text, pos)
+        out.append(obj)
+
+
+def check_metadata(plugin_dir: str) -> list[Finding]:
+    top = os.path.join(plugin_dir, "dra-device-metadata")
+    if not os.path.isdir(top):
+        return [Finding("metadata", "skip", f"{top} does not exist (no claims prepared with device metadata)")]
+    found: list[Finding] = []
+    count = 0
+    for dirpath, _, files in os.walk(top):
+        for name in files:
+            if name != "metadata.json":
+                continue
+            path = os.path.join(dirpath, name)
+            count += 1
+            try:
+                objs = parse_json_stream(open(path, encoding="utf-8").read())
+            except (OSError, ValueError) as err:
+                found.append(Finding(f"metadata:{path}", "fail", f"not a complete JSON stream: {err}",
+                                     "the agent rewrites it on the next prepare; unprepare/prepare the claim or delete the pod"))
+                continue
+            bad = [o for o in objs if not (isinstance(o, dict) and o.get("kind") == "DeviceMetadata"
+                                           and str(o.get("apiVersion", "")).startswith("metadata.resource.k8s.io/")
+                                           and isinstance(o.get("requests"), list))]
+            if not objs or bad:
+                found.append(Finding(f"metadata:{path}", "fail", "empty or not DeviceMetadata objects",
+                                     "remove the file; the agent writes it on prepare"))
+            elif stat.S_IMODE(os.stat(path).st_mode) & 0o004 == 0:
+                found.append(Finding(f"metadata:{path}", "warn", "not world-readable", f"chmod 0644 {path}"))
+    if count and not found:
+        found.append(ok("metadata", f"{count} metadata files are complete"))
+    elif not count:
+        found.append(ok("metadata", "no metadata files"))
+    return found
+
+
+def check_checkpoint(plugin_dir: str) -> list[Finding]:
+    """The record of prepared claims loads (read-only: nothing is moved or repaired here),
+    and no corrupt one was moved aside and forgotten."""
+    from agent.prepare.checkpoint import STARTED, Checkpoint, CheckpointError
+
+    path = os.path.join(plugin_dir, "checkpoint.json")
+    found: list[Finding] = []
+    try:
+        aside = sorted(n for n in os.listdir(plugin_dir) if n.startswith("checkpoint.json") and ".corrupt-" in n)
+    except OSError:
+        aside = []
+    if aside:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(aside[-1].rsplit("-", 1)[1]))) \
+            if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
+        found.append(Finding("checkpoint:aside", "warn",
+                             f"a corrupt checkpoint was moved aside (last at {when}): {', '.join(aside)}",
+                             f"inspect them (the agent adopted the claims it found CDI specs for), then remove them from {plugin_dir}"))
+    if not os.path.exists(path) and not os.path.exists(path + ".journal"):
+        return found + [Finding("checkpoint", "skip", f"{path} does not exist (no claim prepared yet)")]
+    try:
+        cp = Checkpoint.load(path, move_corrupt=False)
+    except CheckpointError as err:
+        return found + [Finding("checkpoint", "fail", str(err), "run the sysdra version that wrote it")]
+    except (OSError, ValueError, RecursionError) as err:
+        return found + [Finding("checkpoint", "fail", f"does not load: {err}",
+                                "restart the agent: it moves the files aside, logs CHECKPOINT CORRUPT and "
+                                "adopts the claims whose CDI specs exist")]
+    started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
+    found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
+                                  f"generation {cp.generation}, {cp.journal_records} journal records"))
+    return found
