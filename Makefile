@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv test test-fast demo run bench reliability protos fixtures install clean
+.PHONY: all venv peers test test-fast demo run allocate bench reliability protos fixtures install clean
 
 all: test
 
@@ -17,16 +17,27 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The Go test peers (kube-apiserver, etcd, the scheduler's allocator) into .peers/bin; cached,
+# a no-op when nothing changed (docs/control-plane.md). Needs Go >= 1.26 and the module proxy.
+peers:
+	tests/peers/build.sh
+
 # The whole suite, slow end-to-end tests included (they need root, podman, lspci: see .ci/run).
-test: $(STAMP)
+test: $(STAMP) peers
 	$(VPY) -m pytest -q
 
 # Unit and integration tests only.
-test-fast: $(STAMP)
+test-fast: $(STAMP) peers
 	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(VPY) -m agent.tools.demo --profile $(PROFILE)
+
+# What the scheduler's allocator allocates for CLAIM on PROFILE's published slices (or SLICES=dir).
+CLAIM ?= deploy/example-claim.yaml
+allocate: $(STAMP)
+	tests/peers/build.sh allocator
+	$(VPY) -m tests.allocate --claim $(CLAIM) $(if $(SLICES),--slices $(SLICES),--profile $(PROFILE))
 
 # The daemon on a bundled fixture node, offline cluster and kubelet dirs under .state/run, until Ctrl-C.
 run: $(STAMP)
