@@ -16,6 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE = "bench-node"
 DRIVER = "sysdra.io"
 _LARGE: str | None = None
+_PYCACHE: str | None = None
 
 
 def large_node() -> str:
@@ -30,6 +31,21 @@ def large_node() -> str:
         build_large_node(tmp)
         _LARGE = tmp
     return _LARGE
+
+
+def installed_env() -> dict:
+    """The environment of an installed ``sysdra``: bytecode cached (in a temp
+    ``PYTHONPYCACHEPREFIX`` shared by the run, so the tree gets no ``__pycache__``; pip
+    compiles an installed package the same way), stdout buffered, no ``SYSDRA_*`` settings."""
+    global _PYCACHE
+    if _PYCACHE is None:
+        _PYCACHE = tempfile.mkdtemp(prefix="sysdra-bench-pyc-")
+        atexit.register(shutil.rmtree, _PYCACHE, True)
+    drop = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "NOTIFY_SOCKET", "WATCHDOG_USEC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_") and k not in drop}
+    env["PYTHONPYCACHEPREFIX"] = _PYCACHE
+    env["SYSDRA_CONFIG"] = os.devnull
+    return env
 
 
 def tmpfs_dir(prefix: str) -> str:
@@ -55,13 +71,15 @@ class AgentProcess:
     def registry_dir(self) -> str:
         return os.path.join(self.kubelet_dir, "plugins_registry")
 
-    def start(self, timeout: float = 60.0) -> "AgentProcess":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
-        env["SYSDRA_CONFIG"] = os.devnull
-        env.pop("NOTIFY_SOCKET", None)
-        env.pop("WATCHDOG_USEC", None)
+    def launch(self) -> "AgentProcess":
+        """Start the process and return at once."""
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=installed_env(), stdout=self._log, stderr=self._log)
+        return self
+
+    def start(self, timeout: float = 60.0) -> "AgentProcess":
+        """Start and wait until the agent has published and registered."""
+        self.launch()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

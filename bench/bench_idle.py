@@ -6,8 +6,8 @@ status socket) and nothing happens for ``DURATION`` seconds. At the same time a 
 process runs: a bare interpreter that imports the same modules and then idles in an
 asyncio loop. Both are sampled with psutil over the same window.
 
-``idle_cpu``: CPU time (user + system) / wall time, in % of one core. Goal < 1 %.
-``idle_rss``: the highest RSS seen during the window (MB). Goal <= 100 MB."""
+``idle_cpu``: CPU time (user + system) / wall time, in % of one core. Goal < 0.5 %.
+``idle_rss``: the highest RSS seen during the window (MB). Goal <= 80 MB."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from bench.agentproc import REPO, AgentProcess, large_node, tmpfs_dir
+from bench.agentproc import REPO, AgentProcess, installed_env, large_node, tmpfs_dir
 from bench.report import Figure, progress
 
 DURATION = 60.0
@@ -67,7 +67,7 @@ def run(duration: float = DURATION) -> list[Figure]:
         progress("idle: starting sysdra run on the large node and the floor process")
         with AgentProcess(root, work, cdi) as agent:
             floor = subprocess.Popen([sys.executable, "-c", FLOOR_CODE.format(mods=FLOOR_IMPORTS, secs=duration + 30)],
-                                     cwd=REPO)
+                                     cwd=REPO, env=installed_env())
             time.sleep(5.0)  # start-up work (first health round, first syncs) is not idle time
             if agent.proc.poll() is not None or floor.poll() is not None:
                 raise RuntimeError("agent or floor process exited early")
@@ -80,6 +80,6 @@ def run(duration: float = DURATION) -> list[Figure]:
         shutil.rmtree(cdi, ignore_errors=True)
     (cpu, rss), (fcpu, frss) = got["agent"], got["floor"]
     return [
-        Figure("idle_cpu", cpu, "% of a core", fcpu, "value < 1 %", cpu < 1.0),
-        Figure("idle_rss", rss, "MB", frss, "value <= 100 MB", rss <= 100.0),
+        Figure("idle_cpu", cpu, "% of a core", fcpu, "value < 0.5 %", cpu < 0.5),
+        Figure("idle_rss", rss, "MB", frss, "value <= 80 MB", rss <= 80.0),
     ]
