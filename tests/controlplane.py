@@ -244,6 +244,8 @@ class ControlPlane:
     kubeconfig: str = ""
     admin_cert: tuple[str, str] = ("", "")
     accepted_gates: dict[str, bool] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)  # more kube-apiserver flags
+    etcd_url: str = ""
     _procs: list = field(default_factory=list)
     _client: httpx2.Client | None = None
 
@@ -306,6 +308,7 @@ class ControlPlane:
             "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=2147483648",
         ])  # fmt: skip
         self._wait(proc, "etcd", lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, timeout)
+        self.etcd_url = url
         return url
 
     def _start_apiserver(self, apiserver_bin, etcd_url, serving, sa_pub, sa_key, timeout) -> None:
@@ -320,7 +323,7 @@ class ControlPlane:
             f"--service-account-issuer={ISSUER}", f"--service-account-key-file={sa_pub}",
             f"--service-account-signing-key-file={sa_key}", "--service-cluster-ip-range=10.96.0.0/24",
             f"--runtime-config={RUNTIME_CONFIG}", f"--feature-gates={gates}",
-            "--endpoint-reconciler-type=none", "--profiling=false", "--v=1",
+            "--endpoint-reconciler-type=none", "--profiling=false", "--v=1", *self.extra_args,
         ])  # fmt: skip
         self.accepted_gates = dict(self.gates)
         self._wait(proc, "kube-apiserver", lambda: self.http().get("/readyz", timeout=5).status_code == 200, timeout)
@@ -338,6 +341,13 @@ class ControlPlane:
                     proc.kill()
                     proc.wait(5)
         self._procs.clear()
+
+    def compact_etcd(self) -> int:
+        """Compact etcd to its current revision (what the server does every 5 minutes):
+        watches from older resourceVersions are then answered with 410 Gone."""
+        revision = int(httpx2.post(f"{self.etcd_url}/v3/kv/range", json={"key": "AA=="}, timeout=10).json()["header"]["revision"])
+        httpx2.post(f"{self.etcd_url}/v3/kv/compaction", json={"revision": revision, "physical": True}, timeout=30).raise_for_status()
+        return revision
 
     def alive(self) -> bool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
@@ -360,7 +370,7 @@ class ControlPlane:
         return ctx
 
     def write_kubeconfig(self, path: str, *, token: str | None = None, cert: tuple[str, str] | None = None,
-                         namespace: str = "default") -> str:  # fmt: skip
+                         namespace: str = "default", server: str | None = None) -> str:  # fmt: skip
         """A kubeconfig for lightkube / the agent ($KUBECONFIG) as a token or a client cert."""
         user: dict = {}
         if token:
@@ -369,7 +379,7 @@ class ControlPlane:
             user["client-certificate"], user["client-key"] = cert
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": self.ca_path}}],
+            "clusters": [{"name": "test", "cluster": {"server": server or self.url, "certificate-authority": self.ca_path}}],
             "users": [{"name": "test", "user": user}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}],
         }  # fmt: skip

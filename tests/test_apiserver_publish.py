@@ -65,7 +65,8 @@ class Node:
         if token:  # the agent's own identity (deploy/rbac.yaml), bound to this node
             plane.apply(f"{REPO}/deploy/namespace.yaml")
             plane.apply(f"{REPO}/deploy/rbac.yaml")
-            self.kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=plane.token("sysdra", "sysdra", node=self.name))
+            self.token = plane.token("sysdra", "sysdra", node=self.name)
+            self.kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=self.token)
         else:
             self.kubeconfig = plane.kubeconfig
 

@@ -1,0 +1,196 @@
+"""A small fault-injecting HTTPS proxy in front of the real kube-apiserver, for the failures a
+real server does not produce on demand: 5xx bursts, slow responses, dropped watch streams,
+connection resets. Everything else is passed through byte for byte.
+
+The proxy terminates TLS with a certificate from the control plane's CA (so clients trust it
+like the server) and opens a fresh TLS connection to the server per request, forwarding the
+request unchanged (``Authorization`` included: use bearer tokens through the proxy; a client
+certificate ends at the proxy). Each connection carries one request (``Connection: close``).
+
+    proxy = FaultProxy(plane).start()
+    proxy.fail_next(3, 503, method="PUT")     # the next 3 PUTs get a 503 Status
+    proxy.delay(0.2)                          # every response waits 0.2 s first
+    proxy.drop_watches()                      # cut every open watch stream now
+    proxy.reset_next(2)                       # the next 2 requests: connection reset, no response
+    proxy.url, proxy.write_kubeconfig(path, token=...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+@dataclass
+class _Fault:
+    remaining: int
+    status: int
+    method: str | None
+    path: str | None
+
+    def matches(self, method: str, target: str) -> bool:
+        return (self.method is None or self.method == method) and (self.path is None or self.path in target)
+
+
+class FaultProxy:
+    def __init__(self, plane):
+        self.plane = plane
+        self.upstream = urlsplit(plane.url)
+        self.url = ""
+        self._faults: list[_Fault] = []
+        self._resets = 0
+        self._delay = 0.0
+        self._watches: set[asyncio.StreamWriter] = set()
+        self._lock = threading.Lock()
+        self.requests: list[tuple[str, str]] = []  # (method, target) seen, in order
+        self.injected = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- control (thread-safe; call from the test)
+    def fail_next(self, n: int, status: int = 500, *, method: str | None = None, path: str | None = None) -> None:
+        with self._lock:
+            self._faults.append(_Fault(n, status, method, path))
+
+    def reset_next(self, n: int) -> None:
+        with self._lock:
+            self._resets += n
+
+    def delay(self, seconds: float) -> None:
+        self._delay = seconds
+
+    def drop_watches(self) -> int:
+        """Close every open watch stream (client side gets EOF mid-stream)."""
+        assert self._loop is not None
+        fut = asyncio.run_coroutine_threadsafe(self._drop(), self._loop)
+        return fut.result(10)
+
+    async def _drop(self) -> int:
+        writers = list(self._watches)
+        for w in writers:
+            w.transport.abort()
+        return len(writers)
+
+    def open_watches(self) -> int:
+        return len(self._watches)
+
+    def write_kubeconfig(self, path: str, **kw) -> str:
+        """A kubeconfig pointing at the proxy (use ``token=``: client certificates end here)."""
+        return self.plane.write_kubeconfig(path, server=self.url, **kw)
+
+    # -- lifecycle
+    def start(self) -> "FaultProxy":
+        cert, key = self.plane._pki.issue("faultproxy", "fault-proxy", server=True)
+        self._server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._server_tls.load_cert_chain(cert, key)
+        self._upstream_tls = ssl.create_default_context(cafile=self.plane.ca_path)
+        ready = threading.Event()
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+
+            async def serve():
+                self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self._server_tls)
+                self.url = f"https://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+                ready.set()
+                async with self._server:
+                    await self._server.serve_forever()
+
+            try:
+                self._loop.run_until_complete(serve())
+            except asyncio.CancelledError:
+                pass
+
+        self._thread = threading.Thread(target=run, name="fault-proxy", daemon=True)
+        self._thread.start()
+        assert ready.wait(10), "fault proxy did not start"
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+
+        async def shutdown():
+            await self._drop()
+            self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._thread.join(10)
+        self._loop = None
+
+    # -- the proxy
+    def _take_fault(self, method: str, target: str) -> int | str | None:
+        with self._lock:
+            if self._resets:
+                self._resets -= 1
+                return "reset"
+            for f in self._faults:
+                if f.remaining and f.matches(method, target):
+                    f.remaining -= 1
+                    return f.status
+        return None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_writer = None
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ", 2)
+            headers = [ln for ln in lines[1:] if ln]
+            length = next((int(h.split(":", 1)[1]) for h in headers if h.lower().startswith("content-length:")), 0)
+            body = await reader.readexactly(length) if length else b""
+            self.requests.append((method, target))
+            fault = self._take_fault(method, target)
+            if self._delay:
+                await asyncio.sleep(self._delay)
+            if fault == "reset":
+                self.injected += 1
+                writer.transport.abort()
+                return
+            if fault is not None:
+                self.injected += 1
+                await self._status(writer, fault)
+                return
+            kept = [h for h in headers if h.split(":", 1)[0].strip().lower() not in ("connection", "host", "keep-alive")]
+            kept += [f"Host: {self.upstream.netloc}", "Connection: close"]
+            up_reader, upstream_writer = await asyncio.open_connection(self.upstream.hostname, self.upstream.port,
+                                                                       ssl=self._upstream_tls)  # fmt: skip
+            upstream_writer.write(f"{method} {target} HTTP/1.1\r\n".encode() + "\r\n".join(kept).encode("latin-1") + b"\r\n\r\n" + body)
+            await upstream_writer.drain()
+            resp_head = await up_reader.readuntil(b"\r\n\r\n")
+            resp_lines = [ln for ln in resp_head.decode("latin-1").split("\r\n") if ln]
+            resp_lines = [resp_lines[0]] + [h for h in resp_lines[1:] if h.split(":", 1)[0].strip().lower() != "connection"]
+            writer.write("\r\n".join(resp_lines + ["Connection: close"]).encode("latin-1") + b"\r\n\r\n")
+            watching = "watch=true" in target or "watch=1" in target
+            if watching:
+                self._watches.add(writer)
+            try:
+                while chunk := await up_reader.read(65536):
+                    writer.write(chunk)
+                    await writer.drain()
+            finally:
+                self._watches.discard(writer)
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, OSError, ValueError):
+            pass
+        finally:
+            for w in (upstream_writer, writer):
+                if w is not None:
+                    try:
+                        w.close()
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+
+    @staticmethod
+    async def _status(writer: asyncio.StreamWriter, code: int) -> None:
+        body = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                           "message": f"injected by the fault proxy: {code}", "reason": "InternalError", "code": code}).encode()  # fmt: skip
+        writer.write(f"HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + body)  # fmt: skip
+        await writer.drain()

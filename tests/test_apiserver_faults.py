@@ -1,0 +1,125 @@
+"""Faults on the real server: what kube-apiserver does not do on demand (5xx bursts, slow
+responses, dropped watches, connection resets) comes from tests/faultproxy.py in front of it;
+the publisher must converge to the same slices the server would hold without them.
+410 Gone is the server's own: a watch from a version etcd has compacted away."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2
+import pytest
+
+from agent.publish.store import Gone
+from agent.publish.kubestore import KubeStore
+from tests.controlplane import ControlPlane, unique
+from tests.faultproxy import FaultProxy
+from tests.test_apiserver_publish import DRIVER, Node, Running, run
+
+
+@pytest.fixture(scope="module")
+def proxy(apiserver):
+    p = FaultProxy(apiserver).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def node(apiserver, proxy, tmp_path):
+    n = Node(apiserver, tmp_path, token=True)  # through the proxy: a bearer token, not a client cert
+    n.kubeconfig = proxy.write_kubeconfig(str(tmp_path / "proxied.kubeconfig"), token=n.token)
+    return n
+
+
+def test_5xx_burst_and_slow_server_converge(node, proxy):
+    async def scenario():
+        async with Running(node) as r:
+            proxy.fail_next(6, 500)
+            proxy.fail_next(2, 503, method="POST")
+            r.pub.set_pool(node.pool(300))
+            await r.settle(lambda: node.devices() == 300)
+            proxy.delay(0.05)
+            try:
+                r.pub.set_pool(node.pool(310))
+                await r.settle(lambda: node.devices() == 310)
+            finally:
+                proxy.delay(0)
+            return r.pub.errors
+
+    injected = proxy.injected
+    assert run(scenario()) >= 1
+    assert proxy.injected - injected == 8
+    assert len(node.slices()) == 3
+
+
+def test_injected_conflicts_converge(node, proxy):
+    async def scenario():
+        async with Running(node) as r:
+            r.pub.set_pool(node.pool(200))
+            await r.settle(lambda: node.devices() == 200)
+            proxy.fail_next(3, 409, method="PUT")
+            r.pub.set_pool(node.pool(201))
+            await r.settle(lambda: node.devices() == 201)
+            return r.pub.errors
+
+    assert run(scenario()) >= 3
+
+
+def test_connection_resets_converge(node, proxy):
+    async def scenario():
+        async with Running(node) as r:
+            proxy.reset_next(4)
+            r.pub.set_pool(node.pool(130))
+            await r.settle(lambda: node.devices() == 130)
+
+    run(scenario())
+    assert {o["spec"]["pool"]["generation"] for o in node.slices()} == {1}
+
+
+def test_dropped_watch_resumes_and_still_sees_the_kubelet_wipe(node, proxy):
+    async def scenario():
+        async with Running(node, debounce=0.05) as r:
+            r.pub.set_pool(node.pool(5))
+            await r.settle(lambda: node.devices() == 5)
+            await r.settle(lambda: proxy.open_watches() >= 1)
+            assert proxy.drop_watches() >= 1
+            await r.settle(lambda: proxy.open_watches() >= 1)  # the drift watch came back by itself
+            await asyncio.to_thread(node.wipe_as_kubelet)
+            await r.settle(lambda: node.devices() == 5)
+
+    run(scenario())
+    assert {o["spec"]["pool"]["generation"] for o in node.slices()} == {2}
+
+
+@pytest.fixture(scope="module")
+def uncached(tmp_path_factory):
+    """A second control plane whose ResourceSlice watches go to etcd (no watch cache), so a
+    compacted version gives the server's own 410 Gone at once."""
+    plane = ControlPlane(dir=str(tmp_path_factory.mktemp("uncached")), extra_args=["--watch-cache=false"]).start()
+    yield plane
+    plane.stop()
+
+
+def test_watch_from_a_compacted_version_is_gone(uncached, tmp_path):
+    node = Node(uncached, tmp_path)
+
+    async def scenario():
+        async with Running(node) as r:
+            r.pub.set_pool(node.pool(3))
+            await r.settle(lambda: node.devices() == 3)
+            old = node.slices()[0]["metadata"]["resourceVersion"]
+            r.pub.set_pool(node.pool(4))
+            await r.settle(lambda: node.devices() == 4)
+            for i in range(2):  # move etcd past the update's revision, so that one is compacted too
+                await asyncio.to_thread(uncached.create_namespace, unique("bump"))
+            revision = await asyncio.to_thread(uncached.compact_etcd)
+            assert revision > int(old) + 1
+            store: KubeStore = r.store.store
+            with pytest.raises(Gone):
+                async for _ in store.watch(old):
+                    pass
+            # the publisher's own watch re-lists and goes on: a wipe is still repaired
+            await asyncio.to_thread(node.wipe_as_kubelet)
+            await r.settle(lambda: node.devices() == 4)
+
+    run(scenario())
