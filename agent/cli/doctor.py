@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-from agent.service.status import resolve_status_socket
-from agent.settings import ConfigError, Settings, build_settings
-from agent.tools.doctor import Finding, run_all
 
 _MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
@@ -27,7 +24,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _settings(args) -> tuple[Settings, Finding]:
+def _settings(args):
+    """-> (Settings, the config Finding)."""
+    from agent.settings import ConfigError, Settings, build_settings
+    from agent.tools.findings import Finding
+
     flags = {"kubelet_dir": args.kubelet_dir, "driver_name": args.driver_name, "node_name": args.node_name,
              "cluster": args.cluster, "rolling_update_uid": args.rolling_update_uid}
     try:
@@ -47,6 +48,9 @@ def _settings(args) -> tuple[Settings, Finding]:
 
 
 def run(args) -> int:
+    from agent.service.status import resolve_status_socket
+    from agent.tools.doctor import run_all
+
     settings, config_finding = _settings(args)
     status_socket = resolve_status_socket(args.status_socket, settings.kubelet_dir, settings.driver_name, args.config)
     cdi_dirs = args.cdi_dir or [settings.cdi_dir, "/etc/cdi"]

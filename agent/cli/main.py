@@ -1,5 +1,8 @@
 """``sysdra`` command line. Each subcommand lives in its own ``agent/cli/<name>.py`` module
-with ``add_parser(subparsers)`` and ``run(args) -> int``; this file only dispatches."""
+with ``add_parser(subparsers)`` and ``run(args) -> int``; this file only dispatches.
+
+Building the parser imports every subcommand module, so those import what their command
+needs inside ``run``: ``sysdra scan`` never pays for settings, gRPC or the API client."""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ import argparse
 import importlib
 import importlib.util
 import sys
-
-from agent.settings import EX_CONFIG, ConfigError
 
 # Subcommands in help order; each is the module agent/cli/<name>.py.
 COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
@@ -36,13 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as err:
-        print(f"sysdra: {err}", file=sys.stderr)
-        return EX_CONFIG
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as err:
+        settings = sys.modules.get("agent.settings")  # only a command that loaded settings can raise ConfigError
+        if settings is not None and isinstance(err, settings.ConfigError):
+            print(f"sysdra: {err}", file=sys.stderr)
+            return settings.EX_CONFIG
+        raise
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import sys
 
-from agent.kubeletplugin.types import ClaimRef
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("metadata", help="KEP-5304 device metadata: deferred updates, decoding")
@@ -36,6 +34,7 @@ def add_parser(sub) -> None:
 
 
 def run_update(args) -> int:
+    from agent.kubeletplugin.types import ClaimRef
     from agent.prepare.metadata.update import NetworkData, UpdateError, update_request
     from agent.settings import build_settings
 

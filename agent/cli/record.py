@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from agent.tools.record import record
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("record", help="record this node's /sys, /proc and /dev as seen by discovery (for bug reports)")
@@ -16,6 +14,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from agent.tools.record import record
+
     try:
         rec = record(args.out, args.root, redact=args.redact)
     except (FileExistsError, ValueError, FileNotFoundError) as err:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
+import orjson
+
 from discovery.inventory import scan
 from discovery.models import Inventory
-from discovery.render import render_table, render_tree
 
 
 def add_parser(sub) -> None:
@@ -21,11 +22,33 @@ def add_parser(sub) -> None:
 
 
 def _slices(inv: Inventory, args) -> dict:
-    from agent.settings import build_settings
     from agent.publish.slices import slices_list
+    from agent.settings import build_settings
 
     flags = {"root": args.root, "list_attributes": args.list_attributes, "node_name": args.node_name, "driver_name": args.driver_name}
     return slices_list(inv, build_settings(flags))
+
+
+def json_text(obj: object) -> bytes:
+    """Indented JSON and a newline, by orjson (~10x json's encoder); what orjson does not
+    take (integers past 64 bits from a garbled attribute) goes through json."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def _write(data: bytes) -> None:
+    """The whole output in one write: stdout may be unbuffered (PYTHONUNBUFFERED, python -u),
+    and json.dump's thousands of small writes were then as many system calls."""
+    out = sys.stdout
+    buf = getattr(out, "buffer", None)
+    if buf is None:
+        out.write(data.decode())
+        return
+    out.flush()
+    buf.write(data)
+    buf.flush()
 
 
 def run(args) -> int:
@@ -34,15 +57,12 @@ def run(args) -> int:
     except FileNotFoundError as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2
-    out = sys.stdout
     if args.output == "json":
-        json.dump(inv.to_json(), out, indent=2)
-        out.write("\n")
+        _write(json_text(inv.to_json()))
     elif args.output == "slices":
-        json.dump(_slices(inv, args), out, indent=2)
-        out.write("\n")
-    elif args.output == "tree":
-        out.write(render_tree(inv))
+        _write(json_text(_slices(inv, args)))
     else:
-        out.write(render_table(inv))
+        from discovery.render import render_table, render_tree
+
+        _write((render_tree(inv) if args.output == "tree" else render_table(inv)).encode())
     return 0

@@ -6,8 +6,6 @@ import json
 import sys
 import time
 
-from agent.service.status import AgentNotRunning, query_status, resolve_status_socket
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show what the running agent is doing")
@@ -57,6 +55,8 @@ def render_text(s: dict) -> str:
 
 
 def run(args) -> int:
+    from agent.service.status import AgentNotRunning, query_status, resolve_status_socket
+
     path = resolve_status_socket(args.socket, args.kubelet_dir, args.driver_name, args.config)
     try:
         status = query_status(path)
