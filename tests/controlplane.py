@@ -342,6 +342,22 @@ class ControlPlane:
                     proc.wait(5)
         self._procs.clear()
 
+    def start_scheduler(self, timeout: float = 60.0) -> subprocess.Popen:
+        """kube-scheduler v1.37.2 against this server (admin credentials, same gates, no leader
+        election); stopped with the control plane."""
+        binary = peer("kube-scheduler")
+        kubeconfig = self.kubeconfig
+        port = free_port()
+        gates = ",".join(f"{k}={'true' if v else 'false'}" for k, v in sorted(self.gates.items()))
+        proc = self._spawn("kube-scheduler", [
+            binary, f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1",
+            f"--secure-port={port}", f"--feature-gates={gates}", "--v=2",
+        ])  # fmt: skip
+        self._wait(proc, "kube-scheduler",
+                   lambda: httpx2.get(f"https://127.0.0.1:{port}/readyz", verify=False, timeout=2).status_code == 200, timeout)  # fmt: skip
+        return proc
+
     def compact_etcd(self) -> int:
         """Compact etcd to its current revision (what the server does every 5 minutes):
         watches from older resourceVersions are then answered with 410 Gone."""
@@ -429,13 +445,20 @@ class ControlPlane:
 
     # -- cluster objects
     def create_node(self, name: str, labels: dict | None = None, ready: bool = True) -> dict:
-        """A Node object (no kubelet behind it); its uid is what ownerReferences name."""
+        """A Node object (no kubelet behind it); its uid is what ownerReferences name. Ready,
+        with room for pods, so kube-scheduler would place pods on it."""
         node = self.create({"apiVersion": "v1", "kind": "Node",
                             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}})  # fmt: skip
         if ready:
-            status = {"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+            room = {"cpu": "8", "memory": "16Gi", "pods": "110"}
+            status = {"status": {"capacity": room, "allocatable": room,
+                                 "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                                  "message": "fake node", "lastHeartbeatTime": _now(), "lastTransitionTime": _now()}]}}  # fmt: skip
-            node = self.request("PATCH", resource_path("Node", None, name) + "/status", body=status,
+            self.request("PATCH", resource_path("Node", None, name) + "/status", body=status,
+                         content_type="application/merge-patch+json")  # fmt: skip
+            # admission (TaintNodesByCondition) taints a new node not-ready; no node lifecycle
+            # controller runs here to take the taint off once it is Ready
+            node = self.request("PATCH", resource_path("Node", None, name), body={"spec": {"taints": None}},
                                 content_type="application/merge-patch+json").json()  # fmt: skip
         return node
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build the Go test peers (tests/peers) into .peers/bin: allocator, etcd, kube-apiserver.
+# Build the Go test peers (tests/peers) into .peers/bin: allocator, etcd, kube-apiserver, kube-scheduler.
 #
-#   tests/peers/build.sh [allocator|etcd|kube-apiserver ...]   # default: all three, allocator first
+#   tests/peers/build.sh [allocator|etcd|kube-apiserver|kube-scheduler ...]   # default: all, allocator first
 #   tests/peers/build.sh --gen-replace                         # print go.mod's replace block
 #
 # Module and build caches live in .peers/ (git-ignored) unless GOMODCACHE / GOCACHE are set, so a
@@ -37,7 +37,7 @@ jobs="${PEERS_JOBS:-2}"
 mkdir -p "$peers/bin"
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(allocator etcd kube-apiserver)
+[ ${#targets[@]} -gt 0 ] || targets=(allocator etcd kube-apiserver kube-scheduler)
 
 for t in "${targets[@]}"; do
   [ -d "$here/$t" ] || { echo "tests/peers/build.sh: unknown peer '$t'" >&2; exit 2; }
