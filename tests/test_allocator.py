@@ -5,6 +5,7 @@ agent publishes, with deploy/deviceclasses.yaml. No allocation here is written b
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -212,3 +213,26 @@ def test_allocator_rejects_fields_the_v137_api_does_not_have():
     slices[0]["spec"]["devices"][0]["notAField"] = True
     with pytest.raises(RuntimeError, match="notAField"):
         allocate(slices, CLASSES, claim("gpu", exactly("gpu", "gpu.sysdra.io")), node=NODE)
+
+
+# --- make allocate (tests/allocate.py) --------------------------------------------------------
+def test_make_allocate_prints_the_allocation_for_a_profile(capsys):
+    from tests import allocate as tool
+
+    assert tool.main(["--profile", "server-2s-gpu-nic", "--node", NODE]) == 0
+    allocation = json.loads(capsys.readouterr().out)
+    assert picked(allocation) == {"gpu": ["gpu-0000-18-00-0"], "nic": ["nic-0000-1a-00-0"]}
+    assert tool.main(["--profile", "alveo"]) == 2  # no GPU there: unschedulable, said on stderr
+    assert "unschedulable" in capsys.readouterr().err
+
+
+def test_make_allocate_reads_an_offline_cluster_dir(tmp_path, capsys):
+    from tests import allocate as tool
+
+    d = tmp_path / "cluster" / "resourceslices"
+    d.mkdir(parents=True)
+    for obj in published("vm-numa-none"):
+        (d / f"{obj['metadata']['name']}.json").write_text(json.dumps(obj))
+    assert tool.main(["--slices", str(tmp_path / "cluster")]) == 0
+    got = picked(json.loads(capsys.readouterr().out))
+    assert set(got) == {"gpu", "nic"}

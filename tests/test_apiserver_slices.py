@@ -76,3 +76,30 @@ def test_counters_and_devices_never_share_a_slice_on_the_server_either(apiserver
     with pytest.raises(APIError) as err:
         apiserver.create(both)
     assert err.value.status == 422
+
+
+@pytest.fixture(scope="module")
+def without_list_attributes(tmp_path_factory):
+    """A server like the session's, but with DRAListTypeAttributes at its 1.37 default (off)."""
+    from tests.controlplane import FEATURE_GATES, ControlPlane
+
+    gates = {k: v for k, v in FEATURE_GATES.items() if k != "DRAListTypeAttributes"}
+    plane = ControlPlane(dir=str(tmp_path_factory.mktemp("nolists")), gates=gates).start()
+    yield plane
+    plane.stop()
+
+
+def test_list_attributes_cost_the_whole_slice_on_a_server_without_the_gate(without_list_attributes):
+    """Why --list-attributes must follow the cluster: with DRAListTypeAttributes off, v1.37.2
+    drops the list value and then rejects the attribute left empty, so the whole slice (every
+    device in it) is refused, not just the list attribute."""
+    plane = without_list_attributes
+    node = plane.create_node(unique("nolists"))
+    sent = agent_slices("server-2s-gpu-nic", node, list_attributes=True)[0]
+    assert any("ints" in v for d in sent["spec"]["devices"] for v in d.get("attributes", {}).values())
+    with pytest.raises(APIError) as err:
+        plane.create(sent)
+    assert err.value.status == 422 and "attributes[resource.kubernetes.io/numaNode]" in str(err.value)
+    # what the agent publishes without --list-attributes is stored unchanged there
+    plain = agent_slices("server-2s-gpu-nic", node, list_attributes=False)[0]
+    assert without_server_fields(plane.create(plain)["spec"]) == plain["spec"]
