@@ -7,16 +7,17 @@ import re
 
 from discovery.devnodes import NodeResolver
 from discovery.models import AccelInfo, DeviceNode, PciFunction, Problem
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS
 
 _ACCEL = re.compile(r"^accel(\d+)$")
 _CONTROL = re.compile(r"^accel_controlD(\d+)$")
 
 
-def read_accel(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]):
+def read_accel(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]):
     """-> (AccelInfo, device nodes)."""
+    pci_dir = d.path
     try:
-        names = fs.listdir(f"{pci_dir}/accel")
+        names = fs.listdir(f"{pci_dir}/accel") if d.has("accel") else []
     except AttrError:
         names = []
     accels = sorted((int(m.group(1)), n) for n in names if (m := _ACCEL.match(n)))

@@ -39,10 +39,12 @@ def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attrib
     return out
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=65536)
 def _value(field: str, value) -> AttributeValue:
     """Frozen values are shared: most attributes (type, vendorID, driver, ...) repeat across
-    devices, and one object per device and attribute made a large node's inventory 2x bigger."""
+    devices, and one object per device and attribute made a large node's inventory 2x bigger.
+    Room for every value of a large node (~5 per device are unique: addresses, MACs, IOMMU
+    groups), so that a full rescan finds them all again instead of evicting them in turn."""
     return AttributeValue.trusted(field, value)
 
 

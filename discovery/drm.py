@@ -10,16 +10,18 @@ import re
 
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode, Problem
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS
 
 _CARD = re.compile(r"^card(\d+)$")
 _RENDER = re.compile(r"^renderD(\d+)$")
 
 
-def drm_minors(fs: HostFS, pci_dir: str) -> tuple[str | None, str | None]:
+def drm_minors(fs: HostFS, d: Dir) -> tuple[str | None, str | None]:
     """-> (cardN, renderDN) of the function, lowest index each (connectors ignored)."""
+    if not d.has("drm"):
+        return None, None
     try:
-        names = fs.listdir(f"{pci_dir}/drm")
+        names = fs.listdir(f"{d.path}/drm")
     except AttrError:
         return None, None
     cards = sorted((int(m.group(1)), n) for n in names if (m := _CARD.match(n)))

@@ -8,7 +8,7 @@ import re
 from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, FpgaInfo, PciFunction, Problem
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS
 
 _REGION = re.compile(r"^region(\d+)$")
 _FME = re.compile(r"^dfl-fme\.(\d+)$")
@@ -30,10 +30,11 @@ def _hex_id(fs: HostFS, path: str) -> str | None:
     return v if _HEX32.match(v) else None
 
 
-def read_dfl(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]):
+def read_dfl(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]):
     """-> (FpgaInfo, nodes): the port node (what a workload opens), then the FME (PF only)."""
+    pci_dir = d.path
     try:
-        regions = [n for n in fs.listdir(f"{pci_dir}/fpga_region") if _REGION.match(n)]
+        regions = [n for n in fs.listdir(f"{pci_dir}/fpga_region") if _REGION.match(n)] if d.has("fpga_region") else []
     except AttrError:
         regions = []
     region = fme = port = None
@@ -82,9 +83,11 @@ def read_dfl(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, 
     return info, nodes
 
 
-def _ready(fs: HostFS, pci_dir: str) -> bool | None:
+def _ready(fs: HostFS, d: Dir) -> bool | None:
+    if not d.has("ready"):
+        return None
     try:
-        return fs.read_int(f"{pci_dir}/ready") == 1
+        return fs.read_int(f"{d.path}/ready") == 1
     except AttrError:
         return None
 
@@ -92,8 +95,8 @@ def _ready(fs: HostFS, pci_dir: str) -> bool | None:
 def read_alveo(
     fs: HostFS,
     resolver: NodeResolver,
-    mgmt: tuple[PciFunction, str] | None,
-    user: tuple[PciFunction, str] | None,
+    mgmt: tuple[PciFunction, Dir] | None,
+    user: tuple[PciFunction, Dir] | None,
     problems: list[Problem],
 ):
     """One Alveo card: ``/dev/xclmgmt<instance>`` of the mgmt PF, then the user PF's DRM nodes."""
@@ -103,19 +106,22 @@ def read_alveo(
     if mgmt is not None:
         fn, d = mgmt
         try:
-            mgmt_names = fs.listdir(f"{d}/xrt_mgmt")
+            mgmt_names = fs.listdir(f"{d.path}/xrt_mgmt") if d.has("xrt_mgmt") else []
         except AttrError:
             mgmt_names = []
         name = _first(mgmt_names, _XCLMGMT)
-        try:
-            instance = fs.read_int(f"{d}/instance")
-        except AttrError:
+        if d.has("instance"):
+            try:
+                instance = fs.read_int(f"{d.path}/instance")
+            except AttrError:
+                pass
+        if instance is None:
             instance = int(name[7:]) if name else None
         if name is None and instance is not None:
             name = f"xclmgmt{instance}"
         if name is not None:
             node = resolver.resolve(
-                f"/dev/{name}", problems, sysfs_dev=f"{d}/xrt_mgmt/{name}/dev" if name in mgmt_names else None,
+                f"/dev/{name}", problems, sysfs_dev=f"{d.path}/xrt_mgmt/{name}/dev" if name in mgmt_names else None,
                 proc_name="xclmgmt", minor=instance,
             )  # fmt: skip
             if node is not None:
@@ -124,7 +130,7 @@ def read_alveo(
     if user is not None:
         fn, d = user
         card, render = drm_minors(fs, d)
-        nodes += drm_nodes(fs, resolver, d, card, render, problems)
+        nodes += drm_nodes(fs, resolver, d.path, card, render, problems)
         user_ready = _ready(fs, d)
         ready = user_ready if ready is None else (ready and user_ready is not False)
     info = FpgaInfo(

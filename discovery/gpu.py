@@ -7,7 +7,7 @@ import re
 from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, GpuInfo, PciFunction, Problem
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS
 
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
 NVIDIACTL_MINOR = 255
@@ -51,9 +51,11 @@ def _nvidia(fs: HostFS, resolver: NodeResolver, fn: PciFunction, problems: list[
     return minor, uuid, model, nodes
 
 
-def _vram_bytes(fs: HostFS, pci_dir: str, problems: list[Problem]) -> int | None:
+def _vram_bytes(fs: HostFS, d: Dir, problems: list[Problem]) -> int | None:
+    if not d.has("mem_info_vram_total"):
+        return None
     try:
-        n = fs.read_int(f"{pci_dir}/mem_info_vram_total")
+        n = fs.read_int(f"{d.path}/mem_info_vram_total")
     except AttrError as err:
         if err.reason != "missing":
             problems.append(Problem(what="memory", reason=f"mem_info_vram_total: {err.reason}"))
@@ -61,21 +63,21 @@ def _vram_bytes(fs: HostFS, pci_dir: str, problems: list[Problem]) -> int | None
     return n if n > 0 else None
 
 
-def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]):
+def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]):
     """-> (GpuInfo, device nodes, capacity)."""
     vendor = _VENDORS.get(fn.vendor_id, "other")
-    card, render = drm_minors(fs, pci_dir)
+    card, render = drm_minors(fs, d)
     nodes: list[DeviceNode] = []
     capacity: dict[str, int] = {}
     minor = uuid = model = None
     if vendor == "nvidia" and fn.driver == "nvidia":
         minor, uuid, model, nodes = _nvidia(fs, resolver, fn, problems)
-    nodes += drm_nodes(fs, resolver, pci_dir, card, render, problems)
+    nodes += drm_nodes(fs, resolver, d.path, card, render, problems)
     if fn.driver == "amdgpu":
         kfd = resolver.resolve("/dev/kfd", problems, sysfs_dev=fs.path("sys/class/kfd/kfd/dev"))
         if kfd is not None:
             nodes.append(kfd)
-        vram = _vram_bytes(fs, pci_dir, problems)
+        vram = _vram_bytes(fs, d, problems)
         if vram:
             capacity["memory"] = vram
     if fn.driver not in ("nvidia", "vfio-pci") and card is None and render is None:

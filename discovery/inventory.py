@@ -19,7 +19,7 @@ from discovery.models import Device, Inventory, PciFunction, Problem, Skipped
 from discovery.nic import read_nic
 from discovery.numa import read_numa_nodes
 from discovery.pci import BDF_RE, PciError, host_dir, list_bdfs, read_function
-from discovery.sysfs import DEFAULT_ROOT, AttrError, HostFS
+from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
 log = logging.getLogger(__name__)
@@ -28,13 +28,6 @@ log = logging.getLogger(__name__)
 def device_name(kind: str, bdf: str) -> str:
     """Stable DNS-label name from kind and PCI address: ``gpu-0000-1b-00-0``."""
     return f"{kind}-" + bdf.replace(":", "-").replace(".", "-")
-
-
-def _views(fs: HostFS, d: str) -> frozenset[str]:
-    try:
-        return frozenset(fs.listdir(d))
-    except AttrError:
-        return frozenset()
 
 
 def _is_alveo(fn: PciFunction, views: frozenset[str]) -> bool:
@@ -74,11 +67,11 @@ class _Scanner:
         """Stage one of a function: Skipped, ("alveo", card) (half recorded in ``alveo``) or ("offered", ...)."""
         fs = self.fs
         try:
-            fn, problems = read_function(fs, bdf)
+            fn, problems, names = read_function(fs, bdf)
         except PciError as err:
             return Skipped(bdf=bdf, reason=f"cannot identify: {err}")
-        d = host_dir(fs, fn)
-        views = _views(fs, d)
+        d = Dir(host_dir(fs, fn), names)
+        views = d.names or frozenset()
         kind, why = classify(fn, views)
         ids = dict(class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
         if kind is None:
@@ -91,7 +84,7 @@ class _Scanner:
             return ("alveo", card)
         return ("offered", fn, d, kind, problems)
 
-    def _offered(self, fn: PciFunction, d: str, kind: str, problems: list[Problem]) -> object:
+    def _offered(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> object:
         dev = self._device(fn, d, kind, problems)
         if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
             # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
@@ -173,9 +166,10 @@ class _Scanner:
             capacity={k: quantity(v) for k, v in capacity.items()}, **info,
         )  # fmt: skip
         attrs, attr_problems = device_attributes(draft, self.numa, self.list_attributes)
+        # model_copy, not a new Device: validating would run AttributeValue's check on every value again
         return draft.model_copy(update={"attributes": attrs, "problems": tuple(problems + attr_problems)})
 
-    def _device(self, fn: PciFunction, d: str, kind: str, problems: list[Problem]) -> Device:
+    def _device(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> Device:
         fs, res = self.fs, self.resolver
         name = device_name(kind, fn.bdf)
         nodes: list = []

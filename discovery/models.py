@@ -60,8 +60,9 @@ class AttributeValue(Frozen):
 
     @classmethod
     def trusted(cls, field: str, value) -> "AttributeValue":
-        """Fast path for values discovery built itself (type already right, one field)."""
-        return cls.model_construct(**{field: value})
+        """A value discovery built itself (type already right, one field). Plain validation:
+        pydantic-core checks it in ~2 us, model_construct takes three times that."""
+        return cls(**{field: value})
 
     @property
     def value_count(self) -> int:
@@ -98,10 +99,8 @@ class Problem(Frozen):
 
 
 class PciLink(Frozen):
-    current_speed: str | None = None  # current_link_speed, e.g. "16.0 GT/s PCIe"
-    current_width: int | None = None  # current_link_width
-    max_speed: str | None = None
-    max_width: int | None = None
+    max_speed: str | None = None  # max_link_speed, e.g. "16.0 GT/s PCIe"
+    max_width: int | None = None  # max_link_width
 
 
 class Sriov(Frozen):
@@ -120,15 +119,12 @@ class PciFunction(Frozen):
     subsystem_vendor_id: str | None = None
     subsystem_device_id: str | None = None
     class_code: int  # 0x030200
-    revision: str | None = None  # 2 hex digits
     driver: str | None = None  # basename of the driver link
     numa_node: int | None = None  # None when missing or -1
-    local_cpulist: str | None = None
     iommu_group: int | None = None
     link: PciLink = PciLink()
     sriov: Sriov | None = None  # set on SR-IOV capable PFs
     physfn: str | None = None  # PF's BDF when this function is a VF
-    boot_vga: bool = False
 
     @property
     def is_vf(self) -> bool:
@@ -136,19 +132,16 @@ class PciFunction(Frozen):
 
 
 class NetInterface(Frozen):
+    """What is published of a netdev; its link state is health's (agent/health/checks.py)."""
+
     name: str
     mac: str | None = None
     mtu: int | None = None
-    operstate: str | None = None
-    carrier: bool | None = None
-    speed_mbps: int | None = None  # None for EINVAL/-1/unknown
     phys_port_name: str | None = None
-    phys_switch_id: str | None = None
 
 
 class RdmaDevice(Frozen):
     name: str  # mlx5_0
-    node_guid: str | None = None
     uverbs: str | None = None  # uverbs0
 
 

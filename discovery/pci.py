@@ -54,19 +54,6 @@ def split_sysfs_path(real: str) -> tuple[str | None, tuple[str, ...]]:
     return parts[3], tuple(chain[:-1])
 
 
-def _opt(fs: HostFS, problems: list[Problem], what: str, fn, *args):
-    """Read one optional attribute; a missing file is silent, other failures recorded."""
-    try:
-        return fn(*args)
-    except AttrError as err:
-        if err.reason != "missing":
-            problems.append(Problem(what=what, reason=err.reason))
-        return None
-    except ValueError as err:
-        problems.append(Problem(what=what, reason=str(err)))
-        return None
-
-
 def _read_id(fs: HostFS, path: str) -> str:
     try:
         return parse_id(fs.read_attr(path))
@@ -83,7 +70,7 @@ def _numa(fs: HostFS, path: str) -> int | None:
     return n
 
 
-def _vfs(fs: HostFS, d: str, names: list[str]) -> tuple[str, ...]:
+def _vfs(fs: HostFS, d: str, names: frozenset[str]) -> tuple[str, ...]:
     indexed = []
     for name in names:
         m = _VIRTFN_RE.match(name)
@@ -97,11 +84,15 @@ def _vfs(fs: HostFS, d: str, names: list[str]) -> tuple[str, ...]:
     return tuple(t for _, t in sorted(indexed))
 
 
-def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem]]:
-    """Read one function. Raises :class:`PciError` when it cannot be identified."""
+def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], frozenset[str] | None]:
+    """Read one function: (record, problems, names in its directory, None if unlistable).
+    Raises :class:`PciError` when it cannot be identified.
+
+    The directory is listed once; optional attributes that the listing lacks are not
+    looked for, and callers reuse the names (class views) instead of listing again."""
     link = fs.path(PCI_DEVICES, bdf)
     try:
-        real_host = fs.resolve_link(link) if fs.exists(link) and not fs.is_dir(link) else link
+        real_host = fs.follow(link)
     except AttrError as err:
         raise PciError(f"cannot resolve {link}: {err.reason}") from err
     if not fs.contains(real_host):
@@ -122,27 +113,39 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem]]:
     problems: list[Problem] = []
     pcie_root, bridges = split_sysfs_path(real)
     try:
-        names = fs.listdir(d)
+        names: frozenset[str] | None = frozenset(fs.listdir(d))
     except AttrError:
-        names = []
+        names = None
 
-    rev = _opt(fs, problems, "revision", fs.read_hex, f"{d}/revision")
+    def opt(what: str, read, *args):
+        """One optional attribute (``what`` is its file name); a missing file is silent, other
+        failures are recorded. Names the listing lacks are not looked for."""
+        if names is not None and what not in names:
+            return None
+        try:
+            return read(*args)
+        except AttrError as err:
+            if err.reason != "missing":
+                problems.append(Problem(what=what, reason=err.reason))
+        except ValueError as err:
+            problems.append(Problem(what=what, reason=str(err)))
+        return None
+
     sriov = None
-    if "sriov_totalvfs" in names:
+    if names is not None and "sriov_totalvfs" in names:
         sriov = Sriov(
-            total_vfs=_opt(fs, problems, "sriov_totalvfs", fs.read_int, f"{d}/sriov_totalvfs"),
-            num_vfs=_opt(fs, problems, "sriov_numvfs", fs.read_int, f"{d}/sriov_numvfs"),
+            total_vfs=opt("sriov_totalvfs", fs.read_int, f"{d}/sriov_totalvfs"),
+            num_vfs=opt("sriov_numvfs", fs.read_int, f"{d}/sriov_numvfs"),
             vfs=_vfs(fs, d, names),
         )
     physfn = None
-    if "physfn" in names:
-        physfn = _opt(fs, problems, "physfn", fs.link_name, f"{d}/physfn")
+    if names is not None and "physfn" in names:
+        physfn = opt("physfn", fs.link_name, f"{d}/physfn")
         if physfn is not None and not BDF_RE.match(physfn):
             problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
             physfn = None
 
-    iommu = _opt(fs, problems, "iommu_group", fs.link_name, f"{d}/iommu_group")
-    boot_vga = _opt(fs, [], "boot_vga", fs.read_attr, f"{d}/boot_vga") == "1"
+    iommu = opt("iommu_group", fs.link_name, f"{d}/iommu_group")
     fn = PciFunction(
         bdf=bdf,
         sysfs_path=real,
@@ -150,25 +153,20 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem]]:
         bridges=bridges,
         vendor_id=vendor,
         device_id=device,
-        subsystem_vendor_id=_opt(fs, problems, "subsystem_vendor", _read_id, fs, f"{d}/subsystem_vendor"),
-        subsystem_device_id=_opt(fs, problems, "subsystem_device", _read_id, fs, f"{d}/subsystem_device"),
+        subsystem_vendor_id=opt("subsystem_vendor", _read_id, fs, f"{d}/subsystem_vendor"),
+        subsystem_device_id=opt("subsystem_device", _read_id, fs, f"{d}/subsystem_device"),
         class_code=class_code,
-        revision=None if rev is None else f"{rev & 0xFF:02x}",
-        driver=_opt(fs, problems, "driver", fs.link_name, f"{d}/driver"),
-        numa_node=_opt(fs, problems, "numa_node", _numa, fs, f"{d}/numa_node"),
-        local_cpulist=_opt(fs, problems, "local_cpulist", fs.read_attr, f"{d}/local_cpulist"),
+        driver=opt("driver", fs.link_name, f"{d}/driver"),
+        numa_node=opt("numa_node", _numa, fs, f"{d}/numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
         link=PciLink(
-            current_speed=_opt(fs, problems, "current_link_speed", fs.read_attr, f"{d}/current_link_speed"),
-            current_width=_opt(fs, problems, "current_link_width", fs.read_int, f"{d}/current_link_width"),
-            max_speed=_opt(fs, problems, "max_link_speed", fs.read_attr, f"{d}/max_link_speed"),
-            max_width=_opt(fs, problems, "max_link_width", fs.read_int, f"{d}/max_link_width"),
+            max_speed=opt("max_link_speed", fs.read_attr, f"{d}/max_link_speed"),
+            max_width=opt("max_link_width", fs.read_int, f"{d}/max_link_width"),
         ),
         sriov=sriov,
         physfn=physfn,
-        boot_vga=boot_vga,
     )
-    return fn, problems
+    return fn, problems, names
 
 
 def list_bdfs(fs: HostFS) -> list[str]:

@@ -6,13 +6,14 @@ import re
 
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode, PciFunction, Problem
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS
 
 VFIO_CONTAINER = ("/dev/vfio/vfio", 10, 196)  # misc device
 _CDEV = re.compile(r"^vfio(\d+)$")
 
 
-def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str, problems: list[Problem]) -> list[DeviceNode]:
+def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]) -> list[DeviceNode]:
+    pci_dir = d.path
     nodes: list[DeviceNode] = []
     if fn.iommu_group is None:
         problems.append(Problem(what="/dev/vfio", reason="bound to vfio-pci but no iommu_group"))
@@ -33,7 +34,7 @@ def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, pci_dir: str
         nodes.append(node)
     # iommufd character device (kernel 6.2+), when present
     try:
-        cdevs = sorted(n for n in fs.listdir(f"{pci_dir}/vfio-dev") if _CDEV.match(n))
+        cdevs = sorted(n for n in fs.listdir(f"{pci_dir}/vfio-dev") if _CDEV.match(n)) if d.has("vfio-dev") else []
     except AttrError:
         cdevs = []
     for name in cdevs:
