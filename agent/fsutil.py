@@ -42,6 +42,41 @@ def fsync_dir(path: str) -> None:
 _temp_counter = itertools.count()
 
 
+class UnsafePath(ValueError):
+    """A path built from input that would leave its base directory."""
+
+
+def inside(base: str, *parts: str) -> str:
+    """``base`` joined with ``parts``, refused (UnsafePath) unless it stays strictly below
+    ``base`` after normalisation. ``base`` is a directory resolved once at start."""
+    path = os.path.normpath(os.path.join(base, *parts))
+    root = os.path.normpath(base)
+    if not path.startswith(root.rstrip("/") + "/") or any(not p or "\x00" in p for p in parts):
+        raise UnsafePath(f"{os.path.join(base, *parts)!r} would leave {base}")
+    return path
+
+
+def make_dirs(path: str, mode: int) -> None:
+    """``os.makedirs`` with ``mode`` on every directory it creates, whatever the umask
+    (makedirs alone gives ``mode & ~umask``). Existing directories are left as they are."""
+    missing = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue
+        os.chmod(d, mode)
+
+
 def _create_temp(directory: str, base: str, dir_mode: int | None) -> tuple[int, str]:
     """A new temp file next to the target: pid + counter make the name unique to this
     process and call (cheaper than mkstemp's random names and retries). A leftover of
@@ -55,7 +90,7 @@ def _create_temp(directory: str, base: str, dir_mode: int | None) -> tuple[int, 
         except FileNotFoundError:
             if dir_mode is None:
                 raise
-            os.makedirs(directory, mode=dir_mode, exist_ok=True)
+            make_dirs(directory, dir_mode)
     raise FileExistsError(errno.EEXIST, "cannot create a temp file", directory)
 
 

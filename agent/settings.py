@@ -14,9 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from agent.names import is_subdomain
+
 EX_CONFIG = 78
 DEFAULT_CONFIG_FILE = "/etc/sysdra/config.yaml"
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class ConfigError(Exception):
@@ -65,14 +66,14 @@ class Settings(BaseModel):
     @field_validator("driver_name")
     @classmethod
     def _driver(cls, v: str) -> str:
-        if len(v) > 63 or not _DNS_SUBDOMAIN.match(v):
+        if len(v) > 63 or not is_subdomain(v):
             raise ValueError("must be a lower-case DNS subdomain of at most 63 characters")
         return v
 
     @field_validator("node_name")
     @classmethod
     def _node(cls, v: str) -> str:
-        if not v or len(v) > 253 or not _DNS_SUBDOMAIN.match(v):
+        if not is_subdomain(v):
             raise ValueError("must be a lower-case DNS subdomain (the Kubernetes node name)")
         return v
 

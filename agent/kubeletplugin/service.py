@@ -12,11 +12,11 @@ import fcntl
 import inspect
 import logging
 import os
-import re
 from typing import Any, Callable
 
 import grpc
 
+from agent import names
 from agent.kubeletplugin.claims import ClaimError, ClaimSource
 from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PrepareResult, base_request
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
@@ -25,9 +25,6 @@ log = logging.getLogger(__name__)
 
 MAX_CLAIMS = 1000  # per call; the kubelet sends the claims of one pod
 FETCH_TIMEOUT = 30.0  # seconds; the kubelet gives up after 45
-_UID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,62}[A-Za-z0-9])?$")
-_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def check_ref(ref: ClaimRef) -> str | None:
@@ -39,21 +36,49 @@ def check_ref(ref: ClaimRef) -> str | None:
             return f"claim {field} is {len(value)} characters long (at most 253)"
         if "/" in value or "\\" in value or ".." in value or "\x00" in value:
             return f"claim {field} {value!r} contains a path separator or '..'"
-    if not _UID.match(ref.uid):
+    if not names.is_uid(ref.uid):
         return f"claim uid {ref.uid!r} is malformed"
-    if not _LABEL.match(ref.namespace):
+    if not names.is_label(ref.namespace):
         return f"claim namespace {ref.namespace!r} is not a DNS label"
-    if not _SUBDOMAIN.match(ref.name):
+    if not names.is_subdomain(ref.name):
         return f"claim name {ref.name!r} is not a DNS subdomain"
     return None
 
 
-def check_claim(ref: ClaimRef, claim: dict) -> str | None:
-    uid = (claim.get("metadata") or {}).get("uid")
+def check_claim(ref: ClaimRef, claim: object) -> str | None:
+    """Why the fetched ResourceClaim cannot be used for ``ref``, or None. Its identity must be
+    the request's (the object, not the kubelet, would otherwise choose our paths), and the
+    parts the driver reads must have their API types."""
+    what = f"ResourceClaim {ref.namespace}/{ref.name}"
+    if not isinstance(claim, dict):
+        return f"{what} is not an object"
+    meta = claim.get("metadata")
+    if not isinstance(meta, dict):
+        return f"{what}: metadata is not an object"
+    for field, want in (("namespace", ref.namespace), ("name", ref.name)):
+        if meta.get(field) != want:
+            return f"{what}: its metadata.{field} is {meta.get(field)!r}, not the requested {want!r}"
+    uid = meta.get("uid")
     if uid != ref.uid:
-        return f"ResourceClaim {ref.namespace}/{ref.name} has UID {uid}, not {ref.uid}: it was replaced"
-    if not (claim.get("status") or {}).get("allocation"):
-        return f"ResourceClaim {ref.namespace}/{ref.name} is not allocated"
+        return f"{what} has UID {uid}, not {ref.uid}: it was replaced"
+    annotations = meta.get("annotations")
+    if annotations is not None and not (isinstance(annotations, dict)
+                                        and all(isinstance(k, str) and isinstance(v, str) for k, v in annotations.items())):
+        return f"{what}: metadata.annotations is not a map of strings"
+    status = claim.get("status")
+    if status is not None and not isinstance(status, dict):
+        return f"{what}: status is not an object"
+    alloc = (status or {}).get("allocation")
+    if not alloc:
+        return f"{what} is not allocated"
+    if not isinstance(alloc, dict):
+        return f"{what}: status.allocation is not an object"
+    devices = alloc.get("devices")
+    if devices is not None and not isinstance(devices, dict):
+        return f"{what}: status.allocation.devices is not an object"
+    results = (devices or {}).get("results")
+    if results is not None and not isinstance(results, list):
+        return f"{what}: status.allocation.devices.results is not a list"
     return None
 
 
@@ -243,13 +268,18 @@ class _DRAPluginServicer:
             if res.error:
                 entry.error = res.error
                 continue
-            for d in res.devices:
-                dev = entry.devices.add(
-                    request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
-                    cdi_device_ids=d.cdi_ids,
-                )
-                if d.share_id and self.has_share_id:
-                    dev.share_id = d.share_id
+            try:
+                for d in res.devices:
+                    dev = entry.devices.add(
+                        request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
+                        cdi_device_ids=d.cdi_ids,
+                    )
+                    if d.share_id and self.has_share_id:
+                        dev.share_id = d.share_id
+            except (TypeError, ValueError) as err:  # the driver validates; this only keeps one claim's bug its own
+                log.exception("claim %s: cannot encode the prepare result", uid)
+                entry.Clear()
+                entry.error = f"internal error encoding the result: {err}"
         return resp
 
     async def NodeUnprepareResources(self, request, context: grpc.aio.ServicerContext):

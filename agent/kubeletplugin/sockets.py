@@ -11,10 +11,12 @@ with a rolling-update UID the first candidate whose full path fits 108 bytes:
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import os
 import stat
 
+from agent.fsutil import make_dirs
 from agent.settings import Settings
 
 UNIX_PATH_MAX = 108  # the kubelet's (Go's) limit on sun_path
@@ -66,7 +68,7 @@ def ensure_dir(path: str, owned: bool) -> None:
     A world-writable socket directory would let anyone replace our socket; our own
     directory is fixed, the kubelet's is reported.
     """
-    os.makedirs(path, mode=0o750 if owned else 0o755, exist_ok=True)
+    make_dirs(path, 0o750 if owned else 0o755)
     mode = os.stat(path).st_mode
     if mode & stat.S_IWOTH:
         if not owned:
@@ -106,3 +108,39 @@ def remove_if_same(path: str, ident: tuple[int, int] | None) -> None:
     """Remove our socket on stop, unless it was replaced by another instance's meanwhile."""
     if ident is not None and file_id(path) == ident:
         os.unlink(path)
+
+
+class InstanceLocked(SocketError):
+    """Another agent serves the same sockets (same plugin dir and rolling-update UID)."""
+
+
+class InstanceLock:
+    """``flock`` on ``<dra socket>.lock`` for the life of the process: a second agent with
+    the same socket names refuses to start instead of replacing the first one's live
+    sockets. Instances of a rolling update have their own socket names, so their own locks."""
+
+    def __init__(self, socket_path: str):
+        self.path = socket_path + ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise InstanceLocked(f"another sysdra agent (pid {holder}) serves {self.path[:-len('.lock')]}; "
+                                 "stop it first, or give this one its own --rolling-update-uid") from None
+        except OSError:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock; the file stays (unlinking it would race)
+            self._fd = None

@@ -1,7 +1,8 @@
 """Our per-claim CDI spec files: ``<cdi-dir>/k8s.<driver>-claim_<claimUID>.json``.
 
-Only files with our exact prefix are ever listed or removed: the CDI directory is
-shared with other drivers and the runtime.
+Only files with our exact prefixes are ever listed, written or removed: the CDI directory is
+shared with other drivers and the runtime. Paths read back from the checkpoint are not
+trusted: :func:`is_ours` decides, from the name alone, whether a path is one of our files.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 
 from agent.fsutil import atomic_write_json, clean_stale_temps, remove_file
+from agent.names import check_uid, is_uid
 from cdi.spec import SpecError, validate, vendor_of
 
 
@@ -18,7 +20,18 @@ def claim_spec_prefix(driver_name: str) -> str:
 
 
 def claim_spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
+    check_uid("claim uid", claim_uid)  # a UID has no separator: the path stays in cdi_dir
     return os.path.join(cdi_dir, f"{claim_spec_prefix(driver_name)}{claim_uid}.json")
+
+
+def is_ours(cdi_dir: str, driver_name: str, path: object) -> bool:
+    """Whether ``path`` names one of our spec files in ``cdi_dir``: directly in it, with our
+    claim or metadata prefix (``<vendor>-claim_``, ``<driver>_metadata_``) and ``.json``."""
+    if not isinstance(path, str) or os.path.dirname(path) != os.path.normpath(cdi_dir):
+        return False
+    name = os.path.basename(path)
+    prefixes = (claim_spec_prefix(driver_name), f"{driver_name}_metadata_")
+    return name.endswith(".json") and name.startswith(prefixes) and "\x00" not in name
 
 
 def write_spec(path: str, spec: dict, check: bool = True) -> None:
@@ -57,8 +70,9 @@ def list_claim_specs(cdi_dir: str, driver_name: str) -> dict[str, str]:
         return {}
     out = {}
     for name in names:
-        if name.startswith(prefix) and name.endswith(".json"):
-            out[name[len(prefix):-len(".json")]] = os.path.join(cdi_dir, name)
+        uid = name[len(prefix):-len(".json")]
+        if name.startswith(prefix) and name.endswith(".json") and is_uid(uid):
+            out[uid] = os.path.join(cdi_dir, name)
     return out
 
 

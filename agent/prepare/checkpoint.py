@@ -53,24 +53,13 @@ import os
 import time
 from typing import Iterable
 
-from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes
+from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, make_dirs
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
                                              check_entry, check_snapshot, checksum, journal_line, parse_journal_line)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum", "read_boot_id"]
-
-
-def read_boot_id(root: str = "/") -> str:
-    """The kernel boot ID of the host (under ``root`` first, then this system's /proc)."""
-    for base in (root, "/"):
-        try:
-            with open(os.path.join(base, "proc/sys/kernel/random/boot_id"), encoding="ascii") as f:
-                return f.read().strip()
-        except OSError:
-            continue
-    return ""
+__all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum"]
 
 
 class Checkpoint:
@@ -325,7 +314,7 @@ class Checkpoint:
         """New snapshot of all claims (next generation), then a new empty journal; both
         atomic and durable. A crash in between leaves an older journal, which loading
         ignores; the next save then compacts again."""
-        os.makedirs(os.path.dirname(self.path) or ".", mode=0o750, exist_ok=True)
+        make_dirs(os.path.dirname(self.path) or ".", 0o750)
         generation = self.generation + 1
         encoded = {uid: canonical(e) for uid, e in self.claims.items()}
         claims_json = canonical(self.claims)

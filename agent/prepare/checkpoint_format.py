@@ -11,6 +11,7 @@ import json
 import zlib
 
 from agent.fsutil import json_bytes
+from agent.names import is_label, is_subdomain, is_uid
 
 VERSION = 2
 STARTED = "PrepareStarted"
@@ -38,12 +39,25 @@ def checksum(claims: dict, generation: int = 0, version: int = VERSION) -> str:
 
 
 def check_entry(uid: object, entry: object) -> None:
-    if not isinstance(uid, str) or not uid:
-        raise ValueError(f"claim key {uid!r} is not a UID")
+    """An entry as we write them. Names become paths (metadata dirs, spec names), so they
+    must have their Kubernetes formats; empty namespace/name is an adopted claim's."""
+    if not is_uid(uid):
+        raise ValueError(f"claim key {str(uid)[:80]!r} is not a UID")
     if not isinstance(entry, dict) or entry.get("state") not in (STARTED, COMPLETED):
         raise ValueError(f"claim {uid}: bad entry")
-    if not isinstance(entry.get("devices"), list):
-        raise ValueError(f"claim {uid}: devices is not a list")
+    if not isinstance(entry.get("devices"), list) or not all(isinstance(d, dict) for d in entry["devices"]):
+        raise ValueError(f"claim {uid}: devices is not a list of objects")
+    ns, name = entry.get("namespace"), entry.get("name")
+    if (ns or name) and not (is_label(ns) and is_subdomain(name)):
+        raise ValueError(f"claim {uid}: namespace/name {str(ns)[:80]!r}/{str(name)[:80]!r} are not Kubernetes names")
+    spec = entry.get("cdiSpec")
+    if spec is not None and not (isinstance(spec, dict) and isinstance(spec.get("path"), str) and isinstance(spec.get("spec"), dict)):
+        raise ValueError(f"claim {uid}: bad cdiSpec")
+    meta = entry.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and isinstance(meta.get("requests"), dict)
+                                 and all(is_label(r) for r in meta["requests"])
+                                 and (meta.get("podClaimName") is None or is_label(meta.get("podClaimName")))):
+        raise ValueError(f"claim {uid}: bad metadata record")
 
 
 def check_snapshot(data: object) -> tuple[int, dict]:

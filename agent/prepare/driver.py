@@ -11,7 +11,12 @@ Unprepare saves the checkpoint without the claim first, then removes the specs a
 metadata; a crash in between leaves orphans that ``recover`` (or the kubelet's retry)
 deletes. ``fault`` is a test hook called at each of these points.
 
-KEP-5304 metadata (``settings.device_metadata``) lives in ``agent/metadata``; the claim's
+Claims and the checkpoint are input: our allocation results are checked before anything is
+recorded (``allocation.py``), names are checked before they become paths, and the only
+files written or removed are our own, at paths derived from the claim UID (a path recorded
+in the checkpoint is removed only if it names one of our files in the CDI dir).
+
+KEP-5304 metadata (``settings.device_metadata``) lives in ``agent/prepare/metadata``; the claim's
 checkpoint entry keeps what is needed to rewrite it, including the last generation.
 """
 
@@ -24,10 +29,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
-from agent.fsutil import clean_stale_temps
+from agent.fsutil import UnsafePath, clean_stale_temps
 from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from agent.names import InvalidName
 from agent.prepare import cdifiles
-from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint, read_boot_id
+from agent.prepare.allocation import ClaimFailed, Result, our_results
+from agent.prepare.bootid import read_boot_id
+from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
 from agent.settings import Settings
 from cdi.claim import build_claim_spec, cdi_device_name, cdi_id
@@ -35,10 +43,6 @@ from cdi.spec import SpecError, claim_kind
 from discovery.models import Device, Inventory
 
 log = logging.getLogger(__name__)
-
-
-class ClaimFailed(Exception):
-    """One claim cannot be prepared; the message goes to the kubelet as that claim's error."""
 
 
 @dataclass
@@ -93,25 +97,19 @@ class Driver:
     def _spec_path(self, uid: str) -> str:
         return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
 
-    def _our_results(self, claim: dict) -> list[dict]:
-        alloc = (claim.get("status") or {}).get("allocation") or {}
-        results = (alloc.get("devices") or {}).get("results") or []
-        return [r for r in results if isinstance(r, dict) and r.get("driver") == self.settings.driver_name]
-
-    def _plan(self, uid: str, results: list[dict], by_name: dict[str, Device]) -> tuple[list[PreparedDevice], dict | None]:
+    def _plan(self, uid: str, results: list[Result], by_name: dict[str, Device]) -> tuple[list[PreparedDevice], dict | None]:
         """Map our allocation results to inventory devices -> (response devices, CDI spec)."""
         picked: dict[str, Device] = {}
         prepared = []
         for r in results:
-            pool, name = r.get("pool"), r.get("device")
-            if pool != self.settings.node_name:
-                raise ClaimFailed(f"device {name!r} is allocated from pool {pool!r}, not this node's pool {self.settings.node_name!r}")
-            dev = by_name.get(name or "")
+            if r.pool != self.settings.node_name:
+                raise ClaimFailed(f"device {r.device!r} is allocated from pool {r.pool!r}, not this node's pool {self.settings.node_name!r}")
+            dev = by_name.get(r.device)
             if dev is None:
-                raise ClaimFailed(f"device {name!r} (request {r.get('request')!r}) is not on this node any more")
+                raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
             picked.setdefault(dev.name, dev)
             ids = [cdi_id(self.settings.driver_name, uid, dev.name)]
-            prepared.append(PreparedDevice([str(r.get("request", ""))], pool, dev.name, ids, r.get("shareID") or None))
+            prepared.append(PreparedDevice([r.request], r.pool, dev.name, ids, r.share_id))
         if not picked:
             return prepared, None
         return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root)
@@ -126,10 +124,14 @@ class Driver:
         changed: set[str] = set()  # entries to journal (Checkpoint.save appends only these)
         plans: dict[str, dict] = {}  # uid -> the PrepareCompleted entry, in the checkpoint once its files exist
         for claim in claims:
-            meta = claim.get("metadata") or {}
-            uid = meta.get("uid", "")
-            results = self._our_results(claim)
-            fp = _fingerprint(results)
+            meta = claim["metadata"]  # checked by the plugin: identity equals the request's
+            uid = meta["uid"]
+            try:
+                raw, results = our_results(claim, self.settings.driver_name)
+            except ClaimFailed as err:
+                out[uid] = PrepareResult(error=str(err))
+                continue
+            fp = _fingerprint(raw)
             entry = cp.claims.get(uid)
             if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
                 # idempotent re-prepare: same answer, files present (a rewrite changes the entry)
@@ -146,14 +148,18 @@ class Driver:
                     by_name = self.inventory().by_name()
                 devices, spec = self._plan(uid, results, by_name)
                 meta_rec = metadata.plan(self.settings, claim, devices, by_name) if self.settings.device_metadata else None
-            except (ClaimFailed, SpecError) as err:
+            except (ClaimFailed, SpecError, InvalidName, UnsafePath) as err:
                 out[uid] = PrepareResult(error=str(err))
+                continue
+            except Exception as err:  # a bug on one claim's data stays that claim's error
+                log.exception("claim %s: planning failed", uid)
+                out[uid] = PrepareResult(error=f"internal error: {err}")
                 continue
             if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
                 for base, rec in meta_rec["requests"].items():
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
             plans[uid] = {
-                "state": COMPLETED, "namespace": meta.get("namespace", ""), "name": meta.get("name", ""),
+                "state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"],
                 "bootID": self.boot_id, "allocation": fp, "devices": [_record(d) for d in devices],
                 "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
                 "metadata": meta_rec,
@@ -181,7 +187,7 @@ class Driver:
                     cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"], check=False)
                 what = "device metadata"
                 metadata.write_claim(self.settings, uid, entry)
-            except (OSError, SpecError) as err:
+            except (OSError, SpecError, InvalidName, UnsafePath) as err:
                 self._remove_files(entry, uid, entry["namespace"], entry["name"])
                 del cp.claims[uid]
                 out[uid] = PrepareResult(error=f"writing {what}: {err}")
@@ -239,15 +245,23 @@ class Driver:
     def _remove_spec(self, entry: dict | None, uid: str) -> None:
         # The uid's own spec path, also for unknown claims (e.g. adopted after a corrupt checkpoint).
         cdifiles.remove_spec(self._spec_path(uid))
-        spec = (entry or {}).get("cdiSpec")
-        if spec and spec["path"] != self._spec_path(uid):
-            cdifiles.remove_spec(spec["path"])
+        recorded = ((entry or {}).get("cdiSpec") or {}).get("path")
+        if recorded and recorded != self._spec_path(uid):
+            if cdifiles.is_ours(self.settings.cdi_dir, self.settings.driver_name, recorded):
+                cdifiles.remove_spec(recorded)
+            else:  # another CDI dir, or a checkpoint we did not write: not ours to delete
+                log.warning("claim %s: leaving %s (recorded in the checkpoint, not our file in %s)",
+                            uid, recorded, self.settings.cdi_dir)
 
     def _ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
         """Write a completed claim's spec if missing, unreadable or ``rebuild``; True if written."""
         spec = entry.get("cdiSpec")
         if not spec:
             return False
+        if spec["path"] != self._spec_path(uid):  # never write where the checkpoint says: derive it
+            self._remove_spec(entry, uid)
+            spec["path"] = self._spec_path(uid)
+            rebuild = True
         if not rebuild:
             try:
                 cdifiles.read_spec(spec["path"])
@@ -277,7 +291,7 @@ class Driver:
                 log.warning("claim %s: metadata keeps the recorded device data (%s)", uid, err)
         try:
             return metadata.ensure_claim(self.settings, uid, entry, rebuild=rebuild)
-        except (OSError, SpecError) as err:
+        except (OSError, SpecError, InvalidName, UnsafePath) as err:
             log.error("claim %s: cannot rewrite device metadata: %s", uid, err)
             return False
 
@@ -312,7 +326,12 @@ class Driver:
         report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
         if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
             cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
-        log.info("kubelet plugin state recovered: %s", asdict(report))
+        counts = {k: len(v) for k, v in asdict(report).items() if isinstance(v, list) and v}
+        log.info("kubelet plugin state recovered: %d claims prepared%s%s%s", len(cp.claims),
+                 "".join(f", {n} {k.replace('_', ' ')}" for k, n in counts.items()),
+                 ", after a reboot" if report.boot_changed else "",
+                 f", corrupt checkpoint moved to {report.corrupt_checkpoint}" if report.corrupt_checkpoint else "")
+        log.debug("recovery details: %s", asdict(report))
         return report
 
     def _adopt(self, cp: Checkpoint, specs: dict[str, str]) -> list[str]:

@@ -10,7 +10,7 @@ import logging
 import os
 import uuid
 
-from agent.fsutil import atomic_write_json, clean_stale_temps
+from agent.fsutil import atomic_write_json, clean_stale_temps, make_dirs
 from agent.publish.store import Conflict, NotFound, StoreError
 
 log = logging.getLogger("sysdra.publish")
@@ -23,7 +23,7 @@ class DirStore:
         self.directory = os.path.join(cluster_dir, "resourceslices")
         self.node_name = node_name
         self.driver_name = driver_name
-        os.makedirs(self.directory, exist_ok=True)
+        make_dirs(self.directory, 0o755)
         clean_stale_temps(self.directory)
         self._cache: dict[str, tuple[tuple[int, int, int], dict]] = {}
 

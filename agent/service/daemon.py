@@ -12,13 +12,18 @@ import signal
 import time
 from typing import Callable
 
+from agent.fsutil import make_dirs
 from agent.publish import metrics as publish_metrics
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool
-from agent.service import sdnotify
+from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
+from agent.prepare.checkpoint import CheckpointError
+from agent.service import sdnotify, startup
 from agent.service.logs import setup_logging
 from agent.service.metrics import Metrics, start_server
+from agent.service.observers import ObservedDriver, PublishObserver
+from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
@@ -61,53 +66,27 @@ def trim_heap() -> None:
         pass
 
 
-class ObservedDriver:
-    """The driver, timed per claim for metrics, refreshing the status board's claim list."""
-
-    def __init__(self, driver, metrics: Metrics, board: StatusBoard):
-        self.driver, self.metrics, self.board = driver, metrics, board
-
-    def __getattr__(self, name):  # recover(), checkpoint, ... pass through
-        return getattr(self.driver, name)
-
-    def _observe(self, observe, results: dict, seconds: float) -> None:
-        per_claim = seconds / max(1, len(results))
-        for result in results.values():
-            failed = getattr(result, "error", result)  # PrepareResult or unprepare's error string
-            observe(not failed, per_claim)
-        cp = getattr(self.driver, "checkpoint", None)
-        if cp is not None:
-            self.board.set_prepared_claims(cp.claims)
-
-    def prepare_claims(self, claims):
-        t0 = time.perf_counter()
-        results = self.driver.prepare_claims(claims)
-        self._observe(self.metrics.observe_prepare, results, time.perf_counter() - t0)
-        return results
-
-    def unprepare_claims(self, claims):
-        t0 = time.perf_counter()
-        results = self.driver.unprepare_claims(claims)
-        self._observe(self.metrics.observe_unprepare, results, time.perf_counter() - t0)
-        return results
+async def _unless_stopped(stop: asyncio.Event, step) -> bool:
+    """Run a start-up step unless ``stop`` is set first (SIGTERM during start-up): then the
+    step is cancelled and False returned."""
+    task = asyncio.ensure_future(step)
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        waiter.cancel()
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    log.info("stop requested during start-up")
+    return False
 
 
-class PublishObserver:
-    """Publisher -> metrics and status board (one place reports each fact)."""
-
-    def __init__(self, agent: "Agent"):
-        self.agent = agent
-
-    def observe_publish(self, ok: bool, seconds: float, reason: str = "error") -> None:
-        a = self.agent
-        a.metrics.observe_publish(ok, seconds, reason)
-        pool = a.pool
-        devices = sum(len(sl.get("devices", ())) for sl in pool.slices) if pool is not None else None
-        a.board.record_publish(ok, error=a.publisher.last_error if not ok else None, devices=devices,
-                               slices=len(pool.slices) if pool is not None else None)
-
-    def observe_change_to_slice(self, seconds: float) -> None:
-        self.agent.metrics.observe_change_to_slice(seconds)
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Agent:
@@ -203,24 +182,13 @@ class Agent:
             await self.rescan()
             self.publisher.request_sync()  # also repair drift nobody told us about
 
-    async def _first_publish(self, wait: float = 1.0) -> None:
-        """Let the first slices go out before the watchers and the kubelet side start (on a
-        large node, setting up file watches alone takes ~0.5 s). A store that does not answer
-        within ``wait`` seconds (API server down) does not hold them up."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await self.publisher.wait_synced(timeout=wait)
-
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
         """Serve the kubelet (issue 4) next to publishing, when that component is present."""
-        try:
-            from agent.kubeletplugin.claims import claim_source
-            from agent.prepare.driver import Driver
-            from agent.kubeletplugin.plugin import KubeletPlugin
-        except ImportError as err:
-            log.info("kubelet plugin not available (%s): publishing only", err)
-            return
         from agent import health
+        from agent.kubeletplugin.claims import claim_source
+        from agent.kubeletplugin.plugin import KubeletPlugin
+        from agent.prepare.driver import Driver
 
         driver = ObservedDriver(Driver(self.settings, lambda: self.inventory), self.metrics, self.board)
         self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings))
@@ -229,7 +197,12 @@ class Agent:
         await self.health.start()
         if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
-        await self.kubelet_plugin.start()  # raises: the agent exits non-zero and systemd restarts it
+        try:
+            await self.kubelet_plugin.start()
+        except SocketError as err:
+            raise StartupError(str(err), EX_CANTCREAT) from None
+        except CheckpointError as err:
+            raise StartupError(str(err), EX_DATAERR) from None
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)
@@ -276,73 +249,69 @@ class Agent:
 
     # --- main loop -----------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop``. A stop during start-up abandons the start at once; whatever
+        was started is stopped in reverse order either way."""
+        async with contextlib.AsyncExitStack() as started:
+            started.callback(log.info, "stopped")
+            await self._serve(stop, started)
+        return 0
+
+    async def _serve(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> None:
         loop = asyncio.get_running_loop()
         status_path = status_socket_path(self.settings)
         status_server = StatusServer(self.board, status_path)
         try:
-            os.makedirs(os.path.dirname(status_path), mode=0o750, exist_ok=True)
+            make_dirs(os.path.dirname(status_path), 0o750)
             await status_server.start()
+            started.push_async_callback(status_server.close)
         except OSError as err:
             log.warning("status socket not served (%s): `sysdra status` will not reach this agent", err)
-            status_server = None
-        metrics_server = None
         try:
             metrics_server = start_server(self.settings.metrics_address, self.metrics)
+            if metrics_server is not None:
+                started.callback(metrics_server.close)
         except (OSError, ValueError) as err:
             log.warning("metrics endpoint %s not served: %s", self.settings.metrics_address, err)
-        await self.rescan()
-        tasks = [loop.create_task(self.publisher.run(), name="publisher"),
-                 loop.create_task(self._periodic_rescan(), name="resync")]
-        await self._first_publish()
-        observer = None
+        if self._client is not None:
+            started.push_async_callback(self._client.close)
+        if not await _unless_stopped(stop, self.rescan()):
+            return
+        tasks: list[asyncio.Task] = []
+        started.push_async_callback(_cancel_all, tasks)
+        tasks += [loop.create_task(self.publisher.run(), name="publisher"),
+                  loop.create_task(self._periodic_rescan(), name="resync")]
         if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
-            observer = watch_dir(self.store.directory, self.publisher, loop, start_file_observer)
+            started.callback(watch_dir(self.store.directory, self.publisher, loop, start_file_observer).stop)
         elif hasattr(self.store, "watch"):
             tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
         debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
                                                with_changes=True)
+        started.callback(debouncer.cancel)
         watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         watcher.start(loop)
-        try:
-            await self.start_kubelet_plugin()
-        except BaseException:
-            watcher.stop()
-            for task in tasks:
-                task.cancel()
-            raise
+        started.callback(watcher.stop)
+        started.push_async_callback(self._stop_kubelet_side)
+        if not await _unless_stopped(stop, self.start_kubelet_plugin()):
+            return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         tasks.append(loop.create_task(self._report_status(), name="sd-status"))
         tasks.append(loop.create_task(self._follow_health(), name="health-follow"))
         watchdog = sdnotify.start_watchdog(loop)
+        if watchdog is not None:
+            started.callback(watchdog.cancel)
         log.info("sysdra running: node %s, driver %s, cluster %s", self.settings.node_name, self.settings.driver_name, self.settings.cluster)
-        try:
-            await stop.wait()
-        finally:
-            log.info("stopping")
-            sdnotify.stopping("stopping")
-            if watchdog is not None:
-                watchdog.cancel()
-            watcher.stop()
-            debouncer.cancel()
-            if observer is not None:
-                observer.stop()
-            if self.health is not None:
-                with contextlib.suppress(Exception):
-                    await self.health.stop()
-            if self.kubelet_plugin is not None:
-                with contextlib.suppress(Exception):
-                    await self.kubelet_plugin.stop()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self._client is not None:
-                await self._client.close()
-            if status_server is not None:
-                await status_server.close()
-            if metrics_server is not None:
-                metrics_server.close()
-        return 0
+        await stop.wait()
+        log.info("stopping")
+        sdnotify.stopping("stopping")
+
+    async def _stop_kubelet_side(self) -> None:
+        if self.health is not None:
+            with contextlib.suppress(Exception):
+                await self.health.stop()
+        if self.kubelet_plugin is not None:
+            with contextlib.suppress(Exception):
+                await self.kubelet_plugin.stop()
 
     async def _report_status(self) -> None:
         """STATUS= for `systemctl status`: one line, refreshed while running."""
@@ -357,14 +326,29 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings] | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    settings = startup.resolve(settings)  # directories resolved once, checked, used in that form
+    # before any socket or file is touched: a second agent must not take over the first one's
+    instance = InstanceLock(dra_socket_path(settings))
+    try:
+        instance.acquire()
+    except InstanceLocked as err:
+        raise StartupError(str(err), EX_TEMPFAIL) from None
+    try:
+        return await _serve_locked(settings, stop, reload_settings)
+    finally:
+        instance.release()
+
+
+async def _serve_locked(settings: Settings, stop: asyncio.Event, reload_settings) -> int:
+    loop = asyncio.get_running_loop()
     agent = Agent(settings, metrics=Metrics())
 
     def on_hup() -> None:
         if reload_settings is None:
             return
-        try:
-            agent.reload(reload_settings())
-        except ConfigError as err:
+        try:  # resolved like at start, so unchanged paths compare equal
+            agent.reload(startup.resolve(reload_settings()))
+        except (ConfigError, StartupError) as err:
             log.error("SIGHUP: new configuration rejected, keeping the running one: %s", err)
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)

@@ -10,12 +10,17 @@ the in-container path themselves, cleanup tools glob the spec names):
   (``resourceclaimtemplates/<podClaimName>/...`` for claims made from a template)
 
 ``<request>`` is always the base request name (``req/sub`` -> ``req``).
+
+Every name is checked (``agent.names``) before it becomes part of a path, and every host
+path is checked to stay below its base: these names come from claims and the checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 
+from agent.fsutil import inside
+from agent.names import check_label, check_subdomain, check_uid, is_uid
 from cdi.spec import finish, qualified_name
 
 CONTAINER_DIR = "/var/run/kubernetes.io/dra-device-attributes"
@@ -29,15 +34,21 @@ def host_root(plugin_dir: str) -> str:
 
 def claim_dir(plugin_dir: str, namespace: str, name: str) -> str:
     # namespaces are DNS labels and names DNS subdomains: neither contains "_"
-    return os.path.join(host_root(plugin_dir), f"{namespace}_{name}")
+    check_label("claim namespace", namespace)
+    check_subdomain("claim name", name)
+    return inside(host_root(plugin_dir), f"{namespace}_{name}")
 
 
 def host_file(plugin_dir: str, namespace: str, name: str, request: str) -> str:
-    return os.path.join(claim_dir(plugin_dir, namespace, name), request, FILE_NAME)
+    check_label("request name", request)
+    return inside(claim_dir(plugin_dir, namespace, name), request, FILE_NAME)
 
 
 def container_path(driver: str, claim_name: str, request: str, pod_claim_name: str | None) -> str:
+    check_subdomain("claim name", claim_name)
+    check_label("request name", request)
     if pod_claim_name:
+        check_label("pod-claim-name annotation", pod_claim_name)
         base = f"{CONTAINER_DIR}/resourceclaimtemplates/{pod_claim_name}"
     else:
         base = f"{CONTAINER_DIR}/resourceclaims/{claim_name}"
@@ -49,6 +60,8 @@ def spec_prefix(driver: str, claim_uid: str = "") -> str:
 
 
 def spec_path(cdi_dir: str, driver: str, claim_uid: str, request: str) -> str:
+    check_uid("claim uid", claim_uid)
+    check_label("request name", request)
     return os.path.join(cdi_dir, f"{spec_prefix(driver, claim_uid)}{request}.json")
 
 
@@ -84,5 +97,7 @@ def list_specs(cdi_dir: str, driver: str) -> dict[str, list[str]]:
     for name in sorted(names):
         if name.startswith(prefix) and name.endswith(".json"):
             uid = name[len(prefix):].split("_", 1)[0]
+            if not is_uid(uid):
+                continue
             out.setdefault(uid, []).append(os.path.join(cdi_dir, name))
     return out

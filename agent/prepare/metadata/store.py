@@ -18,6 +18,7 @@ import shutil
 from agent.deviceapi import device_api
 from agent.fsutil import atomic_write, clean_stale_temps, remove_file
 from agent.kubeletplugin.types import PreparedDevice, base_request
+from agent.names import InvalidName, check_label
 from agent.prepare import cdifiles
 from agent.prepare.metadata import layout
 from agent.prepare.metadata.stream import POD_CLAIM_NAME_ANNOTATION, MetadataError, build_object, encode, read_file
@@ -63,6 +64,9 @@ def plan(settings: Settings, claim: dict, prepared: list[PreparedDevice], by_nam
     uid = claim["metadata"]["uid"]
     driver = settings.driver_name
     annotations = claim["metadata"].get("annotations") or {}
+    pod_claim_name = annotations.get(POD_CLAIM_NAME_ANNOTATION) or None
+    if pod_claim_name is not None:
+        check_label(f"{POD_CLAIM_NAME_ANNOTATION} annotation", pod_claim_name)  # a path component in containers
     requests: dict[str, dict] = {}
     for d in prepared:
         full = d.requests[0]
@@ -75,7 +79,7 @@ def plan(settings: Settings, claim: dict, prepared: list[PreparedDevice], by_nam
         if not entries or entries[-1]["name"] != full:
             entries.append({"name": full, "devices": []})
         entries[-1]["devices"].append(device_entry(driver, d.pool, by_name[d.device]))
-    return {"podClaimName": annotations.get(POD_CLAIM_NAME_ANNOTATION) or None, "requests": requests}
+    return {"podClaimName": pod_claim_name, "requests": requests}
 
 
 def _paths(settings: Settings, uid: str, entry: dict, base: str) -> tuple[str, str, str]:
@@ -154,11 +158,20 @@ def remove_claim(settings: Settings, uid: str, namespace: str, name: str, keep_d
     namespace/name (a recreated claim), its host directory."""
     for path in layout.list_specs(settings.cdi_dir, settings.driver_name).get(uid, []):
         remove_file(path)
-    if namespace and name and not keep_dir:
-        try:
-            shutil.rmtree(layout.claim_dir(settings.plugin_dir, namespace, name))
-        except FileNotFoundError:
-            pass
+    if not namespace or not name or keep_dir:
+        return
+    try:
+        path = layout.claim_dir(settings.plugin_dir, namespace, name)
+    except InvalidName as err:  # from a checkpoint we did not write: touch nothing
+        log.warning("claim %s: not removing a metadata directory: %s", uid, err)
+        return
+    if os.path.islink(path):
+        os.unlink(path)
+        return
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
 
 
 def _dir_uids(path: str) -> set[str]:

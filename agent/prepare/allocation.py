@@ -1,0 +1,65 @@
+"""Our part of a claim's allocation, checked before anything is recorded or written.
+
+The claim object is input: ``status.allocation.devices.results`` may hold anything. Each
+of our results must have the API's types and formats (request and device names, a string
+``shareID``), and no device (or share of one) may be allocated twice; otherwise the claim
+fails as a whole with a message saying which result is wrong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.names import InvalidName, check_label, check_request, is_uid
+
+
+class ClaimFailed(Exception):
+    """One claim cannot be prepared; the message goes to the kubelet as that claim's error."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """One allocation result of our driver."""
+
+    request: str  # "req" or "req/sub"
+    pool: str
+    device: str
+    share_id: str | None
+
+
+def _results(claim: dict) -> list:
+    alloc = (claim.get("status") or {}).get("allocation") or {}
+    results = (alloc.get("devices") or {}).get("results") or []
+    if not isinstance(results, list):
+        raise ClaimFailed("status.allocation.devices.results is not a list")
+    return results
+
+
+def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]]:
+    """-> (our raw results, in order, for the fingerprint; the checked ones), or ClaimFailed."""
+    raw: list[dict] = []
+    checked: list[Result] = []
+    seen: set[tuple[str, str, str | None]] = set()
+    for i, r in enumerate(_results(claim)):
+        if not isinstance(r, dict):
+            raise ClaimFailed(f"allocation result {i} is not an object")
+        if r.get("driver") != driver_name:
+            continue
+        try:
+            request = check_request(r.get("request"))
+            pool, device = r.get("pool"), r.get("device")
+            if not isinstance(pool, str) or not pool:
+                raise ClaimFailed(f"allocation result {i}: pool {pool!r} is not a name")
+            check_label(f"allocation result {i}: device", device)
+        except InvalidName as err:
+            raise ClaimFailed(f"allocation result {i}: {err}") from None
+        share = r.get("shareID")
+        if share is not None and not is_uid(share):
+            raise ClaimFailed(f"allocation result {i}: shareID {str(share)[:80]!r} is not a UID string")
+        key = (pool, device, share or None)
+        if key in seen:
+            what = f"share {share} of device" if share else "device"
+            raise ClaimFailed(f"allocation result {i}: {what} {pool}/{device} is allocated twice")
+        seen.add(key)
+        raw.append(r)
+        checked.append(Result(request, pool, device, share or None))
+    return raw, checked

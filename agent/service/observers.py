@@ -1,0 +1,58 @@
+"""Adapters that report what the driver and the publisher do to metrics and the status
+board, so each fact is reported in one place."""
+
+from __future__ import annotations
+
+import time
+
+from agent.service.metrics import Metrics
+from agent.service.status import StatusBoard
+
+
+class ObservedDriver:
+    """The driver, timed per claim for metrics, refreshing the status board's claim list."""
+
+    def __init__(self, driver, metrics: Metrics, board: StatusBoard):
+        self.driver, self.metrics, self.board = driver, metrics, board
+
+    def __getattr__(self, name):  # recover(), checkpoint, ... pass through
+        return getattr(self.driver, name)
+
+    def _observe(self, observe, results: dict, seconds: float) -> None:
+        per_claim = seconds / max(1, len(results))
+        for result in results.values():
+            failed = getattr(result, "error", result)  # PrepareResult or unprepare's error string
+            observe(not failed, per_claim)
+        cp = getattr(self.driver, "checkpoint", None)
+        if cp is not None:
+            self.board.set_prepared_claims(cp.claims)
+
+    def prepare_claims(self, claims):
+        t0 = time.perf_counter()
+        results = self.driver.prepare_claims(claims)
+        self._observe(self.metrics.observe_prepare, results, time.perf_counter() - t0)
+        return results
+
+    def unprepare_claims(self, claims):
+        t0 = time.perf_counter()
+        results = self.driver.unprepare_claims(claims)
+        self._observe(self.metrics.observe_unprepare, results, time.perf_counter() - t0)
+        return results
+
+
+class PublishObserver:
+    """Publisher -> metrics and status board (one place reports each fact)."""
+
+    def __init__(self, agent):  # service.daemon.Agent
+        self.agent = agent
+
+    def observe_publish(self, ok: bool, seconds: float, reason: str = "error") -> None:
+        a = self.agent
+        a.metrics.observe_publish(ok, seconds, reason)
+        pool = a.pool
+        devices = sum(len(sl.get("devices", ())) for sl in pool.slices) if pool is not None else None
+        a.board.record_publish(ok, error=a.publisher.last_error if not ok else None, devices=devices,
+                               slices=len(pool.slices) if pool is not None else None)
+
+    def observe_change_to_slice(self, seconds: float) -> None:
+        self.agent.metrics.observe_change_to_slice(seconds)
