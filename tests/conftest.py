@@ -15,7 +15,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "fixtures", "sysfs")
 EXPECTED = os.path.join(REPO, "fixtures", "expected")
-SHARED = os.path.normpath(os.path.join(REPO, "..", "shared"))
 IN_CI = os.environ.get("CI") == "true"
 
 if REPO not in sys.path:

@@ -130,3 +130,18 @@ def test_hand_written_modules_are_short():
     long = {m: n for m, p in _modules().items()
             if "_pb2" not in p and (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_LINES}
     assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+def test_nothing_reads_outside_the_repository():
+    """A clone in an empty folder must pass: no code or test names a path beside the repo."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    pattern = re.compile(r"""(["'/]\.\./shared|["']\.\.["'],\s*["']shared["']|REPO,\s*["']\.\.["'])""")
+    bad = []
+    for f in files:
+        if f.endswith((".py", ".sh", "Makefile")) or f == ".ci/run":
+            text = open(os.path.join(REPO, f), encoding="utf-8", errors="replace").read()
+            bad += [f"{f}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert not bad, bad

@@ -17,12 +17,13 @@ from agent.prepare.metadata import layout
 from agent.prepare.metadata.stream import MetadataError
 from agent.prepare.metadata.update import NetworkData, UpdateError, update_request
 from discovery.models import AttributeValue, NetInterface, NicInfo
-from tests.conftest import SHARED
+from tests.conftest import REPO
 from tests.kubelet_standin import DRIVER, claim, gpu, inventory, nic
 from tests.test_checkpoint import make_env
 
 GPU0, NIC0 = "gpu-0000-1b-00-0", "nic-0000-40-00-0"
-EXAMPLE = os.path.join(SHARED, "schemas", "kep5304-metadata-example-HEAD.json")
+# a shortened rendering of upstream's KEP-5304 testdata/HEAD/metadata.json (tests/data/README.md)
+EXAMPLE = os.path.join(REPO, "tests", "data", "kep5304-metadata-example.json")
 
 
 class Crash(BaseException):
