@@ -19,6 +19,7 @@ import datetime
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -235,7 +236,7 @@ class ControlPlane:
     """etcd + kube-apiserver on 127.0.0.1. Attributes after ``start()``:
 
     ``url`` (https://127.0.0.1:PORT), ``ca_path``, ``kubeconfig`` (admin, system:masters),
-    ``admin_cert`` (cert, key), ``dir`` (data, certs, logs), ``accepted_gates``."""
+    ``admin_cert`` (cert, key), ``dir`` (data, certs, logs), ``etcd_url``."""
 
     dir: str = ""
     gates: dict[str, bool] = field(default_factory=lambda: dict(FEATURE_GATES))
@@ -243,7 +244,6 @@ class ControlPlane:
     ca_path: str = ""
     kubeconfig: str = ""
     admin_cert: tuple[str, str] = ("", "")
-    accepted_gates: dict[str, bool] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)  # more kube-apiserver flags
     etcd_url: str = ""
     _procs: list = field(default_factory=list)
@@ -325,7 +325,6 @@ class ControlPlane:
             f"--runtime-config={RUNTIME_CONFIG}", f"--feature-gates={gates}",
             "--endpoint-reconciler-type=none", "--profiling=false", "--v=1", *self.extra_args,
         ])  # fmt: skip
-        self.accepted_gates = dict(self.gates)
         self._wait(proc, "kube-apiserver", lambda: self.http().get("/readyz", timeout=5).status_code == 200, timeout)
 
     def stop(self) -> None:
@@ -357,6 +356,12 @@ class ControlPlane:
         self._wait(proc, "kube-scheduler",
                    lambda: httpx2.get(f"https://127.0.0.1:{port}/readyz", verify=False, timeout=2).status_code == 200, timeout)  # fmt: skip
         return proc
+
+    def feature_gates(self) -> dict[str, bool]:
+        """The gates as the running server reports them (``kubernetes_feature_enabled`` metric)."""
+        text = self.request("GET", "/metrics").text
+        return {m.group(1): m.group(2) == "1"
+                for m in re.finditer(r'^kubernetes_feature_enabled\{name="([^"]+)"[^}]*\} (\d)', text, re.M)}  # fmt: skip
 
     def compact_etcd(self) -> int:
         """Compact etcd to its current revision (what the server does every 5 minutes):

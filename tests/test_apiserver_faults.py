@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx2
 import pytest
 
 from agent.publish.store import Gone
 from agent.publish.kubestore import KubeStore
 from tests.controlplane import ControlPlane, unique
 from tests.faultproxy import FaultProxy
-from tests.test_apiserver_publish import DRIVER, Node, Running, run
+from tests.test_apiserver_publish import Node, Running, run
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,16 @@ def test_every_profile_is_accepted_and_stored_unchanged(apiserver, profile, vari
     apiserver.delete("Node", name)
 
 
+def test_the_server_runs_with_every_dra_gate_the_agent_relies_on(apiserver):
+    from tests.controlplane import FEATURE_GATES
+
+    enabled = apiserver.feature_gates()
+    for gate in [*FEATURE_GATES, "DRAAdminAccess", "DRAPrioritizedList", "DRAResourceClaimDeviceStatus",
+                 "DRAExtendedResource", "NodeDeclaredFeatures"]:  # the last five: GA and locked on in 1.37
+        assert enabled.get(gate) is True, gate
+    assert apiserver.request("GET", "/version").json()["gitVersion"] == "v1.37.2"
+
+
 def test_taints_get_time_added_by_the_server(apiserver):
     node = apiserver.create_node(unique("taints"))
     inv = scan(profile_root("vm-numa-none"))
