@@ -89,6 +89,23 @@ def test_cdi_specs(tmp_path):
     assert "warn" in lv["gone.json"]
 
 
+def test_hundreds_of_specs_are_grouped(tmp_path):
+    d = str(tmp_path / "cdi")
+    for i in range(300):
+        _write(d, f"k8s.sysdra.io-claim_{i:04d}.json", dict(finish(GOOD), kind=f"k8s.sysdra.io/c{i}"))
+    for i in range(40):
+        _write(d, f"gone{i:02d}.json", {"cdiVersion": "0.5.0", "kind": f"k8s.sysdra.io/gone{i}",
+                                        "devices": [{"name": "g", "containerEdits": {"deviceNodes": [{"path": "/dev/nope"}]}}]})
+    _write(d, "broken.json", "{")
+    found = doctor_files.check_cdi_dirs([d])
+    assert len(found) < 10, [f.message for f in found]
+    valid = [f for f in found if f.level == "ok"]
+    assert len(valid) == 1 and valid[0].message.startswith("300 valid specs (k8s.sysdra.io-claim_0000.json")
+    gone = [f for f in found if f.level == "warn" and "does not exist" in f.message]
+    assert len(gone) == 1 and gone[0].message.startswith("40 specs, e.g. device ") and "gone00.json" in gone[0].message
+    assert [f.level for f in found if "broken.json" in f.check] == ["fail"]  # alone: reported as it is
+
+
 def test_cdi_without_jsonschema(tmp_path, monkeypatch):
     monkeypatch.setattr(doctor_files, "_schema_validator", lambda: None)
     d = str(tmp_path / "cdi")

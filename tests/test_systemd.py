@@ -78,7 +78,7 @@ def test_unit_policy():
     d = _directives(UNIT)
     keys = dict(d)
     assert keys["Type"] == "notify" and keys["Restart"] == "on-failure"
-    assert keys["RestartPreventExitStatus"] == "78" and keys["StartLimitIntervalSec"] == "0"
+    assert keys["RestartPreventExitStatus"].split() == ["78", "77", "65"] and keys["StartLimitIntervalSec"] == "0"
     assert "WatchdogSec" in keys and keys["ProtectSystem"] == "strict"
     assert "containerd.service" in keys["After"].split()
     for key in ("Requires", "BindsTo", "PartOf", "Requisite"):

@@ -115,24 +115,47 @@ def check_cdi_dirs(dirs: list[str]) -> list[Finding]:
                                  "" if d == "/etc/cdi" else "systemd-tmpfiles --create /etc/tmpfiles.d/sysdra.conf"))
             continue
         names = sorted(n for n in os.listdir(d) if n.endswith((".json", ".yaml")) and not n.startswith("."))
+        per_dir: list[Finding] = []
         for name in names:
             path = os.path.join(d, name)
             spec_findings, spec = check_cdi_spec(path, validator)
-            found.extend(spec_findings)
+            per_dir.extend(spec_findings)
             for dev in (spec or {}).get("devices") or []:
                 qualified = f"{spec.get('kind')}={dev.get('name')}"
                 if qualified in seen:
-                    found.append(Finding(f"cdi:{path}", "fail", f"device {qualified} is also defined in {seen[qualified]}",
+                    per_dir.append(Finding(f"cdi:{path}", "fail", f"device {qualified} is also defined in {seen[qualified]}",
                                          "the runtime refuses conflicting devices: remove the stale file"))
                 seen.setdefault(qualified, path)
                 for node in (dev.get("containerEdits") or {}).get("deviceNodes") or []:
                     host = node.get("hostPath") or node.get("path")
                     if host and not os.path.exists(host):
-                        found.append(Finding(f"cdi:{path}", "warn", f"device {qualified}: {host} does not exist on this host",
+                        per_dir.append(Finding(f"cdi:{path}", "warn", f"device {qualified}: {host} does not exist on this host",
                                              "a container using it fails to start; the device is gone or the spec is stale"))
+        found.extend(group_findings(d, per_dir))
         if not names:
             found.append(ok("cdi", f"{d}: no specs"))
     return found
+
+
+GROUP_OVER = 10  # more findings alike than this in one directory are reported as one
+
+
+def group_findings(directory: str, findings: list[Finding]) -> list[Finding]:
+    """Hundreds of prepared claims mean hundreds of spec files: report alike findings of
+    one directory as one line with a count and a few example files."""
+    groups: dict[tuple[str, str], list[Finding]] = {}  # findings alike: same level and same fix
+    for f in findings:
+        groups.setdefault((f.level, f.fix), []).append(f)
+    out: list[Finding] = []
+    for (level, fix), members in groups.items():
+        if len(members) <= GROUP_OVER:
+            out.extend(members)
+            continue
+        files = sorted({os.path.basename(m.check.removeprefix("cdi:")) for m in members})
+        examples = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+        what = "valid specs" if level == "ok" else f"specs, e.g. {members[0].message}"
+        out.append(Finding(f"cdi:{directory}", level, f"{len(files)} {what} ({examples})", fix))
+    return out
 
 
 # --- KEP-5304 metadata files ------------------------------------------------------------------
