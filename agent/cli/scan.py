@@ -7,26 +7,42 @@ import sys
 
 import orjson
 
+from agent.cli import publishing
 from discovery.inventory import scan
 from discovery.models import Inventory
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("scan", help="discover devices and print them")
+    p = sub.add_parser("scan", help="discover devices and print them",
+                       description="With -o slices, the publishing flags and settings (config file, SYSDRA_*) "
+                                   "are those of `sysdra run`: the output is what run would publish.")
     p.add_argument("--root", default="/", help="host root to scan (default /)")
-    p.add_argument("--list-attributes", action="store_true", help="publish list-typed attributes (cluster has DRAListTypeAttributes)")
     p.add_argument("-o", "--output", choices=("table", "tree", "json", "slices"), default="table")
-    p.add_argument("--node-name", default=None, help="node name for -o slices (default $NODE_NAME or hostname)")
-    p.add_argument("--driver-name", default=None, help="driver name for -o slices (default sysdra.io)")
+    p.add_argument("--config", metavar="FILE", help="for -o slices: config file, as sysdra run's (default $SYSDRA_CONFIG or /etc/sysdra/config.yaml)")
+    publishing.add_publishing_flags(p)
     p.set_defaults(func=run)
 
 
-def _slices(inv: Inventory, args) -> dict:
-    from agent.publish.slices import slices_list
+def _settings(args):
     from agent.settings import build_settings
 
-    flags = {"root": args.root, "list_attributes": args.list_attributes, "node_name": args.node_name, "driver_name": args.driver_name}
-    return slices_list(inv, build_settings(flags))
+    return build_settings({"root": args.root, **publishing.publishing_values(args)}, config_file=args.config)
+
+
+def _taints(inv: Inventory, settings) -> dict[str, list[dict]]:
+    """--taint-unhealthy: one round of the agent's health checks, as its first round sees the node."""
+    from agent.health.monitor import HealthMonitor
+
+    monitor = HealthMonitor(settings, lambda: inv)
+    monitor.states = monitor._check_all()
+    return monitor.taints()
+
+
+def _slices(inv: Inventory, settings) -> dict:
+    from agent.publish.slices import slices_list
+
+    taints = _taints(inv, settings) if settings.taint_unhealthy else None
+    return slices_list(inv, settings, taints=taints)
 
 
 def json_text(obj: object) -> bytes:
@@ -52,15 +68,18 @@ def _write(data: bytes) -> None:
 
 
 def run(args) -> int:
+    # only -o slices loads the settings (config file and all); the others read no more than the flags
+    settings = _settings(args) if args.output == "slices" else None
+    list_attributes = settings.list_attributes if settings is not None else bool(args.list_attributes)
     try:
-        inv = scan(args.root, list_attributes=args.list_attributes)
+        inv = scan(args.root, list_attributes=list_attributes)
     except FileNotFoundError as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2
     if args.output == "json":
         _write(json_text(inv.to_json()))
     elif args.output == "slices":
-        _write(json_text(_slices(inv, args)))
+        _write(json_text(_slices(inv, settings)))
     else:
         from discovery.render import render_table, render_tree
 

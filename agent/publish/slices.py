@@ -263,15 +263,21 @@ def render(pool: PoolContent, **kwargs) -> list[dict]:
     return [render_slice(pool, i, **kwargs) for i in range(len(pool.slices))]
 
 
-def slices_list(inventory, settings, generation: int = 1, node_uid: str | None = None) -> dict:
+def pool_options(settings) -> dict:
+    """``build_pool``'s keyword arguments from the publishing settings: one place, used by the
+    daemon and by ``sysdra scan -o slices`` alike (the flags are agent/cli/publishing.py's)."""
+    return {
+        "node_name": settings.node_name,
+        "driver_name": settings.driver_name,
+        "list_attributes": settings.list_attributes,
+        "pf_vf_exclusive": settings.pf_vf_exclusive,
+    }
+
+
+def slices_list(inventory, settings, generation: int = 1, node_uid: str | None = None,
+                taints: dict[str, list[dict]] | None = None) -> dict:
     """``sysdra scan -o slices``: what would be published for a fresh pool, as a Kubernetes List."""
-    pool = build_pool(
-        inventory,
-        node_name=settings.node_name,
-        driver_name=settings.driver_name,
-        list_attributes=settings.list_attributes,
-        pf_vf_exclusive=getattr(settings, "pf_vf_exclusive", False),
-    )
+    pool = build_pool(inventory, **pool_options(settings), taints=taints)
     items = render(pool, driver_name=settings.driver_name, node_name=settings.node_name, generation=generation, node_uid=node_uid, full_name=True)
     return {"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items}
 

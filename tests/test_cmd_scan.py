@@ -1,0 +1,86 @@
+"""``sysdra scan -o slices`` takes the publishing flags of ``sysdra run`` (one definition)
+and prints what run would publish with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from agent.cli import main as cli
+from agent.cli import publishing
+from tests.conftest import REPO, profile_root
+
+
+def _options(command: str) -> set[str]:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return {opt for a in sub._actions for opt in a.option_strings}
+
+
+def test_scan_and_run_take_every_publishing_flag():
+    flags = {f"--{f}" for f in publishing.VALUE_FLAGS + publishing.SWITCH_FLAGS}
+    assert flags <= _options("scan")
+    assert flags <= _options("run")
+    assert "--config" in _options("scan")
+
+
+def _scan_slices(*argv: str, env: dict | None = None) -> list[dict]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
+    environ.update(env or {}, SYSDRA_CONFIG=os.devnull)
+    out = subprocess.run([sys.executable, "-m", "agent", "scan", "-o", "slices", "--node-name", "node-a", *argv],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env=environ)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["items"]
+
+
+def _from_run(profile: str, *argv: str) -> list[dict]:
+    """What the daemon's own pool code gives for the same settings as ``sysdra run`` parses them."""
+    from agent.cli.run import settings_from_args
+    from agent.publish.slices import slices_list
+    from discovery.inventory import scan
+
+    args = cli.build_parser().parse_args(["run", "--config", os.devnull, "--root", profile_root(profile),
+                                          "--node-name", "node-a", *argv])
+    settings = settings_from_args(args)
+    return slices_list(scan(settings.root, list_attributes=settings.list_attributes), settings)["items"]
+
+
+def test_pf_vf_exclusive_reaches_scan_output():
+    plain = _scan_slices("--root", profile_root("sriov-nic"))
+    exclusive = _scan_slices("--root", profile_root("sriov-nic"), "--pf-vf-exclusive")
+    assert not any("sharedCounters" in s["spec"] for s in plain)
+    assert any("sharedCounters" in s["spec"] for s in exclusive)
+    assert exclusive == _from_run("sriov-nic", "--pf-vf-exclusive")
+
+
+def test_settings_from_the_environment_apply_as_for_run():
+    by_env = _scan_slices("--root", profile_root("sriov-nic"), env={"SYSDRA_PF_VF_EXCLUSIVE": "true"})
+    assert by_env == _from_run("sriov-nic", "--pf-vf-exclusive")
+
+
+def test_bad_publishing_setting_exits_78_like_run():
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
+    out = subprocess.run([sys.executable, "-m", "agent", "scan", "-o", "slices", "--root", profile_root("sriov-nic"),
+                          "--config", os.devnull, "--driver-name", "Not_A_Domain"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env=environ)
+    assert out.returncode == 78 and "driver-name" in out.stderr
+
+
+def test_taint_unhealthy_shows_the_taint_run_would_publish(tmp_path):
+    import glob
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    nic_net = glob.glob(str(root / "sys/bus/pci/devices/0000:1a:00.0/net/*"))[0]
+    with open(os.path.join(nic_net, "carrier"), "w") as f:
+        f.write("0\n")
+
+    def taints(*argv: str) -> dict:
+        return {d["name"]: d.get("taints") for s in _scan_slices("--root", str(root), *argv) for d in s["spec"].get("devices", [])}
+
+    assert taints()["nic-0000-1a-00-0"] is None
+    tainted = taints("--taint-unhealthy")["nic-0000-1a-00-0"]
+    assert tainted and tainted[0]["key"] == "sysdra.io/unhealthy" and tainted[0]["effect"] == "NoSchedule"
