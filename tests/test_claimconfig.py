@@ -1,0 +1,90 @@
+"""Claim configuration (agent/prepare/claimconfig.py): strict decoding of sysdra.io/v1alpha1
+kinds and upstream's precedence (class configs, then claim configs, last match per request).
+The configs reach the driver as the scheduler's allocator copies them into the allocation."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+from agent.prepare.allocation import ClaimFailed
+from agent.prepare.claimconfig import GpuConfig, NicConfig, config_for, decode, env_of, opaque_configs
+from tests.conftest import REPO
+from tests.controlplane import allocate, load_yaml
+from tests.test_allocator import NODE, claim, exactly, published
+
+CLASSES = load_yaml(os.path.join(REPO, "deploy", "deviceclasses.yaml"))
+
+
+def gpu_config(**kw) -> dict:
+    return {"apiVersion": "sysdra.io/v1alpha1", "kind": "GpuConfig", **kw}
+
+
+def opaque(parameters: dict, requests: list[str] | None = None, driver: str = "sysdra.io") -> dict:
+    out: dict = {"opaque": {"driver": driver, "parameters": parameters}}
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def test_decode_defaults_and_strictness():
+    c = decode(gpu_config())
+    assert isinstance(c, GpuConfig) and c.sharing.mpsLimits is True and c.env == {}
+    assert isinstance(decode({"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "env": {"A": "1"}}), NicConfig)
+    for bad, why in (
+        (gpu_config(sharing={"mpsLimits": True, "mps": 1}), "sharing.mps"),  # unknown field
+        (gpu_config(sharing={"mpsLimits": "yes"}), "sharing.mpsLimits"),  # strict: no coercion
+        (gpu_config(colour="red"), "colour"),
+        (gpu_config(env={"SYSDRA_SHARE_ID": "x"}), "env"),  # the driver's own names
+        (gpu_config(env={"1BAD": "x"}), "env"),
+        ({"apiVersion": "sysdra.io/v1", "kind": "GpuConfig"}, "apiVersion"),
+        ({"apiVersion": "sysdra.io/v1alpha1", "kind": "TpuConfig"}, "kind"),
+        ("not an object", "object"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            decode(bad)
+
+
+def _allocated(class_configs: list[dict], claim_configs: list[dict], *requests: dict) -> dict:
+    classes = copy.deepcopy(CLASSES)
+    gpu_class = next(c for c in classes if c["metadata"]["name"] == "gpu.sysdra.io")
+    gpu_class["spec"]["config"] = class_configs
+    c = claim("cfg", *requests)
+    c["spec"]["devices"]["config"] = claim_configs
+    (allocation,) = allocate(published("server-2s-gpu-nic"), classes, c, node=NODE)
+    return {"metadata": {"uid": "u"}, "status": {"allocation": allocation}}
+
+
+def test_class_then_claim_last_match_per_request_from_the_allocators_copy():
+    got = _allocated(
+        [opaque(gpu_config(env={"FROM": "class"}))],
+        [opaque(gpu_config(env={"FROM": "claim-a"}), requests=["a"]),
+         opaque({"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "env": {"FROM": "nic"}}),
+         opaque({"anything": "goes"}, driver="other.example.com")],  # another driver's: not ours to read
+        exactly("a", "gpu.sysdra.io"), exactly("b", "gpu.sysdra.io"), exactly("n", "nic.sysdra.io"))
+    configs = opaque_configs(got, "sysdra.io")
+    assert [c.source for c in configs] == ["FromClass", "FromClaim", "FromClaim"]
+    assert env_of(config_for(configs, "a", "gpu")) == ["FROM=claim-a"]  # claim beats class for its request
+    assert env_of(config_for(configs, "b", "gpu")) == ["FROM=class"]  # the claim's NicConfig is not for GPUs
+    assert env_of(config_for(configs, "n", "nic")) == ["FROM=nic"]
+    assert config_for(configs, "a/sub", "gpu") is not None  # "a" covers its subrequests
+
+
+def test_config_naming_a_request_of_another_kind_is_the_claims_error():
+    got = _allocated([], [opaque(gpu_config(), requests=["n"])], exactly("g", "gpu.sysdra.io"), exactly("n", "nic.sysdra.io"))
+    configs = opaque_configs(got, "sysdra.io")
+    assert config_for(configs, "g", "gpu") is None
+    with pytest.raises(ClaimFailed, match="GpuConfig names request 'n'"):
+        config_for(configs, "n", "nic", "nic-0")
+    # the allocator drops `requests` from a config that names every request: it then applies by kind
+    (only,) = opaque_configs(_allocated([], [opaque(gpu_config(), requests=["n"])], exactly("n", "nic.sysdra.io")), "sysdra.io")
+    assert only.requests == () and config_for([only], "n", "nic") is None
+
+
+def test_unknown_field_fails_the_claim_even_where_no_result_uses_it():
+    nic = {"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "mtu": 9000}  # no NIC in this claim
+    got = _allocated([], [opaque(nic)], exactly("a", "gpu.sysdra.io"))
+    with pytest.raises(ClaimFailed, match=r"config 0 \(FromClaim\) for sysdra.io: NicConfig: mtu"):
+        opaque_configs(got, "sysdra.io")
