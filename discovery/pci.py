@@ -7,6 +7,7 @@ identified and goes to ``skipped``. Everything else is optional and costs only i
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from discovery.models import PciFunction, PciLink, Problem, Sriov
 from discovery.sysfs import AttrError, HostFS
@@ -84,6 +85,12 @@ def _vfs(fs: HostFS, d: str, names: frozenset[str]) -> tuple[str, ...]:
     return tuple(t for _, t in sorted(indexed))
 
 
+@lru_cache(maxsize=256)
+def _link(max_speed: str | None, max_width: int | None) -> PciLink:
+    """Link records are shared: a node has a handful of distinct ones (frozen, like attribute values)."""
+    return PciLink(max_speed=max_speed, max_width=max_width)
+
+
 def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], frozenset[str] | None]:
     """Read one function: (record, problems, names in its directory, None if unlistable).
     Raises :class:`PciError` when it cannot be identified.
@@ -159,10 +166,8 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], fro
         driver=opt("driver", fs.link_name, f"{d}/driver"),
         numa_node=opt("numa_node", _numa, fs, f"{d}/numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
-        link=PciLink(
-            max_speed=opt("max_link_speed", fs.read_attr, f"{d}/max_link_speed"),
-            max_width=opt("max_link_width", fs.read_int, f"{d}/max_link_width"),
-        ),
+        link=_link(opt("max_link_speed", fs.read_attr, f"{d}/max_link_speed"),
+                   opt("max_link_width", fs.read_int, f"{d}/max_link_width")),
         sriov=sriov,
         physfn=physfn,
     )

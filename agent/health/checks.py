@@ -11,6 +11,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from discovery.models import Device
 from discovery.sysfs import AttrError, HostFS
@@ -26,23 +27,25 @@ def truncate(message: str) -> str:
     return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
 
 
+@lru_cache(maxsize=256)
 def _slug(text: str) -> str:
     """A label value (taint value): [A-Za-z0-9._-], alphanumeric at both ends, <= 63."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63].rstrip("-._") or "unhealthy"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per device per round: slots keep them small
 class Verdict:
     health: str
     message: str
     reason: str = ""  # short code of the first fault (taint value); "" unless UNHEALTHY
 
 
-@dataclass
+@dataclass(slots=True)
 class Memory:
     """What a device's checks remember between rounds."""
 
     driver: str | None = None  # last driver seen bound: unbinding is a fault, never bound is not
+    aer: bool = True  # False once aer_dev_fatal was missing (no AER capability: not looked for again)
     aer_fatal: int | None = None  # last TOTAL_ERR_FATAL
     aer_until: float = 0.0
     aer_message: str = ""
@@ -64,8 +67,8 @@ class _Findings:
 
 def _net_interfaces(fs: HostFS, pci_dir: str, virtio: bool) -> list[str]:
     """Interface dirs below the function (virtio one level deeper), as discovery finds them.
-    Only virtio functions are listed whole: a PCI function directory is large and this
-    runs for every NIC every round."""
+    Only virtio functions are listed whole: a PCI function directory is large and this runs
+    for every NIC every round."""
     dirs = [f"{pci_dir}/net"]
     if virtio:
         try:
@@ -81,24 +84,48 @@ def _net_interfaces(fs: HostFS, pci_dir: str, virtio: bool) -> list[str]:
     return out
 
 
-def _check_nic(fs: HostFS, pci_dir: str, f: _Findings, virtio: bool = False) -> None:
-    paths = _net_interfaces(fs, pci_dir, virtio)
-    if not paths:
-        f.unknown.append("no network interface visible (moved into a pod's network namespace, or none)")
-    for path in paths:
-        name = os.path.basename(path)
+def _operstates(fs: HostFS, pci_dir: str, virtio: bool, known: tuple[str, ...]) -> list[tuple[str, str, AttrError | None]]:
+    """(interface dir, operstate, error) of the function's interfaces. ``known``: the ones
+    discovery saw; while all of them are still there, the net directory is not listed (this
+    runs for every NIC every round); one gone (renamed, moved into a pod) means: list."""
+    if known and not virtio:
+        out = []
+        for name in known:
+            path = f"{pci_dir}/net/{name}"
+            try:
+                out.append((path, fs.read_attr(f"{path}/operstate"), None))
+            except AttrError as err:
+                if err.reason == "missing":
+                    break
+                out.append((path, "", err))
+        else:
+            return out
+    out = []
+    for path in _net_interfaces(fs, pci_dir, virtio):
         try:
-            state = fs.read_attr(f"{path}/operstate")
+            out.append((path, fs.read_attr(f"{path}/operstate"), None))
         except AttrError as err:
+            out.append((path, "", err))
+    return out
+
+
+def _check_nic(fs: HostFS, pci_dir: str, f: _Findings, virtio: bool = False, known: tuple[str, ...] = ()) -> None:
+    found = _operstates(fs, pci_dir, virtio, known)
+    if not found:
+        f.unknown.append("no network interface visible (moved into a pod's network namespace, or none)")
+    for path, state, err in found:
+        name = os.path.basename(path)
+        if err is not None:
             f.unknown.append(f"interface {name} operstate {err.reason}")
+            continue
+        if state in _LINK_DOWN:  # decided without the carrier
+            f.faults.append(("link-down", f"interface {name} operstate {state}"))
             continue
         try:
             carrier: int | None = fs.read_int(f"{path}/carrier")
         except AttrError:
             carrier = None  # EINVAL while administratively down
-        if state in _LINK_DOWN:
-            f.faults.append(("link-down", f"interface {name} operstate {state}"))
-        elif carrier == 0:
+        if carrier == 0:
             f.faults.append(("no-carrier", f"interface {name} carrier 0"))
         elif state == "up" or (state == "unknown" and carrier == 1):
             f.good.append(f"interface {name} link up")
@@ -132,10 +159,13 @@ def _check_alveo(fs: HostFS, dev: Device, f: _Findings) -> None:
 
 
 def _check_aer(fs: HostFS, pci_dir: str, mem: Memory, now: float, f: _Findings) -> None:
+    if not mem.aer:
+        return
     try:
         m = _AER_TOTAL.search(fs.read_text(f"{pci_dir}/aer_dev_fatal"))
-    except AttrError:
-        return  # no AER capability: nothing to learn
+    except AttrError as err:
+        mem.aer = err.reason != "missing"  # no AER capability: nothing to learn, now or later
+        return
     if not m:
         return
     count = int(m.group(1))
@@ -151,12 +181,12 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
     now = time.time() if now is None else now
     f = _Findings()
     pci_dir = fs.path(dev.pci.sysfs_path)
-    if not fs.is_dir(pci_dir):
-        return Verdict(UNHEALTHY, truncate(f"PCI function {dev.pci.bdf} is gone from sysfs"), "gone")
-    try:
+    try:  # the driver link first: when it is there, so is the function (one system call, not two)
         driver: str | None = fs.link_name(f"{pci_dir}/driver")
     except AttrError:
         driver = None
+    if driver is None and not fs.is_dir(pci_dir):
+        return Verdict(UNHEALTHY, truncate(f"PCI function {dev.pci.bdf} is gone from sysfs"), "gone")
     if driver is None:
         if mem.driver:
             f.faults.append(("driver-unbound", f"driver {mem.driver} is no longer bound to {dev.pci.bdf}"))
@@ -172,7 +202,8 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
             f.good.append("device nodes present")
     _check_aer(fs, pci_dir, mem, now, f)
     if dev.kind == "nic":
-        _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == "1af4")
+        _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == "1af4",
+                   known=tuple(i.name for i in dev.nic.interfaces) if dev.nic else ())
     elif dev.kind == "accelerator" and (driver or mem.driver) == "habanalabs":
         _check_habanalabs(fs, pci_dir, f)
     elif dev.kind == "fpga" and dev.fpga and dev.fpga.family == "alveo":

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 TAINT_KEY = "sysdra.io/unhealthy"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeviceState:
     verdict: Verdict
     checked_at: float  # Unix seconds of the check that produced it
