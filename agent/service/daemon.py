@@ -182,6 +182,15 @@ class Agent:
             await self.rescan()
             self.publisher.request_sync()  # also repair drift nobody told us about
 
+    async def _first_publish(self, wait: float = 1.0) -> None:
+        """Let the first slices go out before the watchers and the kubelet side start (on a
+        large node, setting up file watches alone takes ~0.5 s). A store that does not answer
+        within ``wait`` seconds (API server down) does not hold them up. Then the garbage of
+        building and writing the pool goes back to the OS."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await self.publisher.wait_synced(timeout=wait)
+        trim_heap()
+
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
         """Serve the kubelet (issue 4) next to publishing, when that component is present."""
@@ -280,6 +289,8 @@ class Agent:
         started.push_async_callback(_cancel_all, tasks)
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(self._periodic_rescan(), name="resync")]
+        if not await _unless_stopped(stop, self._first_publish()):
+            return
         if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
             started.callback(watch_dir(self.store.directory, self.publisher, loop, start_file_observer).stop)
         elif hasattr(self.store, "watch"):
