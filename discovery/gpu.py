@@ -7,6 +7,7 @@ import re
 from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, GpuInfo, PciFunction, Problem
+from discovery.partitions import read_amd, read_mig
 from discovery.sysfs import AttrError, Dir, HostFS
 
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
@@ -69,9 +70,11 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
     card, render = drm_minors(fs, d)
     nodes: list[DeviceNode] = []
     capacity: dict[str, int] = {}
-    minor = uuid = model = None
+    minor = uuid = model = partitioning = None
     if vendor == "nvidia" and fn.driver == "nvidia":
         minor, uuid, model, nodes = _nvidia(fs, resolver, fn, problems)
+        if minor is not None:
+            partitioning = read_mig(fs, resolver, minor, problems)
     nodes += drm_nodes(fs, resolver, d.path, card, render, problems)
     if fn.driver == "amdgpu":
         kfd = resolver.resolve("/dev/kfd", problems, sysfs_dev=fs.path("sys/class/kfd/kfd/dev"))
@@ -80,9 +83,12 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         vram = _vram_bytes(fs, d, problems)
         if vram:
             capacity["memory"] = vram
+        if d.has("current_compute_partition"):
+            partitioning = read_amd(fs, resolver, fn, d, problems)
     if fn.driver not in ("nvidia", "vfio-pci") and card is None and render is None:
         problems.append(Problem(what="drm", reason=f"driver {fn.driver} exposes no DRM card or render node"))
     if model is not None and not re.fullmatch(r"[\x20-\x7e]{1,64}", model):
         model = None
-    info = GpuInfo(vendor=vendor, drm_card=card, drm_render=render, nvidia_minor=minor, nvidia_uuid=uuid, model=model)
+    info = GpuInfo(vendor=vendor, drm_card=card, drm_render=render, nvidia_minor=minor, nvidia_uuid=uuid, model=model,
+                   partitioning=partitioning)
     return info, nodes, capacity

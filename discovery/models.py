@@ -156,6 +156,33 @@ class RdmaDevice(Frozen):
     uverbs: str | None = None  # uverbs0
 
 
+class GpuPartition(Frozen):
+    """One partition the kernel exposes now: an AMD compute partition (``index`` = its KFD
+    function number) or an NVIDIA MIG compute instance (``gi``/``ci``)."""
+
+    index: int
+    nodes: tuple[DeviceNode, ...] = ()  # its own nodes only: a render node, or MIG cap nodes
+    xcds: int | None = None  # AMD: XCCs in this partition (KFD num_xcc)
+    gi: int | None = None
+    ci: int | None = None
+
+
+class Partitioning(Frozen):
+    """How a GPU is split now and how it could be (discovery/partitions.py)."""
+
+    kind: Literal["amd", "mig"]
+    compute_mode: str | None = None  # AMD: SPX..CPX
+    memory_mode: str | None = None  # AMD: NPS1..NPS8
+    compute_modes: tuple[str, ...] = ()  # available_compute_partition (empty: cannot switch)
+    memory_modes: tuple[str, ...] = ()
+    partitions: tuple[GpuPartition, ...] = ()
+    xcds: int | None = None  # AMD: the GPU's XCCs (sum over its partitions)
+
+    @property
+    def switchable(self) -> bool:
+        return bool(self.compute_modes)
+
+
 class GpuInfo(Frozen):
     vendor: str  # nvidia | amd | intel | other
     drm_card: str | None = None  # card1
@@ -163,6 +190,7 @@ class GpuInfo(Frozen):
     nvidia_minor: int | None = None
     nvidia_uuid: str | None = None
     model: str | None = None
+    partitioning: Partitioning | None = None
 
 
 class NicInfo(Frozen):

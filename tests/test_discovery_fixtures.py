@@ -40,6 +40,25 @@ def _actual(inv) -> dict:
     return {"devices": devices, "skipped": sorted(s.bdf for s in inv.skipped)}
 
 
+def _partitions(inv) -> dict:
+    """Per partitioned GPU: its modes and the partitions the kernel exposes, with their nodes."""
+    out = {}
+    for d in inv.devices:
+        pt = d.gpu and d.gpu.partitioning
+        if not pt:
+            continue
+        e: dict = {"kind": pt.kind}
+        if pt.kind == "amd":
+            e.update(mode=f"{pt.compute_mode}/{pt.memory_mode}", computeModes=list(pt.compute_modes),
+                     memoryModes=list(pt.memory_modes), xcds=pt.xcds)
+        e["partitions"] = [
+            {"index": x.index, **({"xcds": x.xcds} if x.xcds else {}), **({"gi": x.gi, "ci": x.ci} if x.gi is not None else {}),
+             "deviceNodes": [f"{n.path} {n.major}:{n.minor}" for n in x.nodes]}
+            for x in pt.partitions]  # fmt: skip
+        out[d.name] = e
+    return out
+
+
 def test_at_least_nine_profiles():
     assert len(PROFILES) >= 9, PROFILES
 
@@ -58,6 +77,8 @@ def test_golden(profile):
     inv = scan(profile_root(profile))
     merged = {d.fpga.user_bdf: d.name for d in inv.devices if d.fpga and d.fpga.user_bdf and d.fpga.user_bdf != d.pci.bdf}
     assert merged == want.get("merged", {})
+    # GPU partitions (AMD compute partitions, NVIDIA MIG instances) as the kernel exposes them
+    assert _partitions(inv) == want.get("partitions", {})
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -1,0 +1,211 @@
+"""GPU partitions as the kernel exposes them now. Read-only, like all of discovery.
+
+AMD Instinct (amdgpu): ``current_/available_compute_partition`` and
+``current_/available_memory_partition`` in the PCI function's directory; each partition is a
+KFD topology node whose ``location_id`` carries the GPU's bus/device with the partition
+number as PCI function (``0000:05:00.3`` is partition 3 of ``0000:05:00.0``) and whose
+``drm_render_minor`` names its render node: partition 0 uses the function's own, the others
+one below ``/sys/devices/platform/amdgpu_xcp_<N>`` (reference/sysfs.md §3.1, features §12).
+
+NVIDIA MIG without NVML: ``/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/ci<C>/access``
+exist for created instances only; ``/proc/driver/nvidia-caps/mig-minors`` gives the minor of
+``/dev/nvidia-caps/nvidia-cap<N>`` for each of them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from discovery.devnodes import NodeResolver
+from discovery.models import DeviceNode, GpuPartition, Partitioning, PciFunction, Problem
+from discovery.sysfs import AttrError, Dir, HostFS
+
+# partitions per compute mode, and memory partitions per memory mode (amdgpu_gfx.c / amdgpu_gmc.c)
+COMPUTE_PARTS = {"SPX": 1, "DPX": 2, "TPX": 3, "QPX": 4, "CPX": 8}
+MEMORY_PARTS = {"NPS1": 1, "NPS2": 2, "NPS3": 3, "NPS4": 4, "NPS6": 6, "NPS8": 8}
+KFD_NODES = "sys/class/kfd/kfd/topology/nodes"
+MIG_MINORS = "proc/driver/nvidia-caps/mig-minors"
+_XCP_DEVICE = re.compile(r"^amdgpu_xcp[._]\d+$")
+_GI = re.compile(r"^gi(\d{1,3})$")
+_CI = re.compile(r"^ci(\d{1,3})$")
+_MIG_LINE = re.compile(r"^(gpu\d+/gi\d+(?:/ci\d+)?/access|config|monitor) (\d+)$")
+
+
+def parse_modes(text: str, known: dict[str, int]) -> tuple[str, ...]:
+    """``"SPX, DPX, QPX, CPX"`` -> the known modes in the kernel's order (unknown ones dropped)."""
+    out: list[str] = []
+    for word in re.split(r"[,\s]+", text.strip().upper()):
+        if word in known and word not in out:
+            out.append(word)
+    return tuple(out)
+
+
+def modes_fit(compute: str, memory: str | None, xcds: int | None) -> bool:
+    """Whether a compute mode can run in a memory mode on a GPU with ``xcds`` XCCs: each
+    partition gets whole XCCs, and memory partitions split evenly among compute partitions
+    (amdgpu's ``__aqua_vanjaram_is_valid_mode``; NPS4 takes QPX or CPX on an MI300X)."""
+    parts = COMPUTE_PARTS[compute]
+    if xcds is not None and (xcds < parts or xcds % parts):
+        return False
+    mem = MEMORY_PARTS.get(memory or "NPS1", 1)
+    return mem == 1 or (parts >= mem and parts % mem == 0)
+
+
+def _props(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def kfd_gpu_nodes(fs: HostFS, problems: list[Problem]) -> list[dict[str, int]]:
+    """Properties of every KFD GPU node (CPU nodes have no ``drm_render_minor``)."""
+    base = fs.path(KFD_NODES)
+    try:
+        names = fs.listdir(base)
+    except AttrError:
+        return []
+    out = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            props = _props(fs.read_text(f"{base}/{name}/properties", limit=16384))
+        except AttrError as err:
+            problems.append(Problem(what=f"kfd node {name}", reason=err.reason))
+            continue
+        if props.get("simd_count") and "location_id" in props and "drm_render_minor" in props:
+            out.append(props)
+    return out
+
+
+def _bus_dev(bdf: str) -> tuple[int, int, int, int]:
+    dom, bus, rest = bdf.split(":")
+    dev, fn = rest.split(".")
+    return int(dom, 16), int(bus, 16), int(dev, 16), int(fn, 16)
+
+
+def _render_node(fs: HostFS, resolver: NodeResolver, fn_dir: str, minor: int, problems: list[Problem]) -> DeviceNode | None:
+    """``/dev/dri/renderD<minor>``, if its class device belongs to this GPU (its own function or
+    an ``amdgpu_xcp`` platform device): a stale KFD entry must not hand out another GPU's node."""
+    name = f"renderD{minor}"
+    try:
+        class_dir = fs.follow(fs.path("sys/class/drm", name))
+        owner = fs.resolve_link(f"{class_dir}/device")
+    except AttrError as err:
+        problems.append(Problem(what=f"/dev/dri/{name}", reason=f"partition render node: {err.reason}"))
+        return None
+    if owner != fn_dir and not _XCP_DEVICE.match(owner.rsplit("/", 1)[-1]):
+        problems.append(Problem(what=f"/dev/dri/{name}", reason=f"belongs to {fs.rel(owner)}, not this GPU's partitions"))
+        return None
+    return resolver.resolve(f"/dev/dri/{name}", problems, sysfs_dev=f"{class_dir}/dev")
+
+
+def _mode(fs: HostFS, d: Dir, name: str, known: dict[str, int], problems: list[Problem]) -> str | None:
+    if not d.has(name):
+        return None
+    try:
+        value = fs.read_attr(f"{d.path}/{name}", limit=64).upper()
+    except AttrError as err:
+        problems.append(Problem(what=name, reason=err.reason))
+        return None
+    if value not in known:
+        problems.append(Problem(what=name, reason=f"unknown mode {value[:16]!r}"))
+        return None
+    return value
+
+
+def _available(fs: HostFS, d: Dir, name: str, known: dict[str, int]) -> tuple[str, ...]:
+    if not d.has(name):
+        return ()
+    try:
+        return parse_modes(fs.read_attr(f"{d.path}/{name}", limit=256), known)
+    except AttrError:
+        return ()
+
+
+def read_amd(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]) -> Partitioning | None:
+    """The GPU's compute/memory modes and the partitions the kernel exposes now (None: the
+    GPU has no compute partitions)."""
+    compute = _mode(fs, d, "current_compute_partition", COMPUTE_PARTS, problems)
+    if compute is None:
+        return None
+    memory = _mode(fs, d, "current_memory_partition", MEMORY_PARTS, problems)
+    dom, bus, dev, _ = _bus_dev(fn.bdf)
+    mine = [p for p in kfd_gpu_nodes(fs, problems)
+            if (p.get("domain", 0), p["location_id"] >> 8, (p["location_id"] >> 3) & 0x1F) == (dom, bus, dev)]
+    first = next((p for p in mine if p["location_id"] & 7 == 0), None)
+    if first is not None and first.get("unique_id"):  # a multi-function card's other functions are not partitions
+        mine = [p for p in mine if p.get("unique_id") == first["unique_id"]]
+    parts = []
+    for p in sorted(mine, key=lambda p: p["location_id"] & 7):
+        node = _render_node(fs, resolver, d.path, p["drm_render_minor"], problems)
+        if node is not None:
+            parts.append(GpuPartition(index=p["location_id"] & 7, nodes=(node,), xcds=p.get("num_xcc") or None))
+    if len(parts) != COMPUTE_PARTS[compute]:
+        problems.append(Problem(what="partitions", reason=f"{compute} has {COMPUTE_PARTS[compute]} partitions, the kernel exposes {len(parts)}"))
+    xcds = sum(p.xcds for p in parts) if parts and all(p.xcds for p in parts) else None
+    return Partitioning(
+        kind="amd", compute_mode=compute, memory_mode=memory, partitions=tuple(parts), xcds=xcds,
+        compute_modes=_available(fs, d, "available_compute_partition", COMPUTE_PARTS),
+        memory_modes=_available(fs, d, "available_memory_partition", MEMORY_PARTS),
+    )  # fmt: skip
+
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """``gpu0/gi1/ci0/access 13`` lines -> {path: minor}; other lines are ignored."""
+    out = {}
+    for line in text.splitlines():
+        m = _MIG_LINE.match(line.strip())
+        if m:
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def _access_minor(fs: HostFS, path: str) -> int | None:
+    try:
+        for line in fs.read_text(path, limit=4096).splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "DeviceFileMinor" and value.strip().isdigit():
+                return int(value)
+    except AttrError:
+        pass
+    return None
+
+
+def read_mig(fs: HostFS, resolver: NodeResolver, minor: int, problems: list[Problem]) -> Partitioning | None:
+    """Created MIG compute instances of GPU ``minor`` with their cap nodes (None: no MIG)."""
+    base = fs.path("proc/driver/nvidia/capabilities", f"gpu{minor}", "mig")
+    if not fs.is_dir(base):
+        return None
+    try:
+        minors = parse_mig_minors(fs.read_text(fs.path(MIG_MINORS), limit=1 << 20))
+    except AttrError as err:
+        problems.append(Problem(what="MIG", reason=f"{MIG_MINORS}: {err.reason}"))
+        return Partitioning(kind="mig")
+    parts: list[GpuPartition] = []
+    for gi_name in fs.listdir(base):
+        if not (g := _GI.match(gi_name)) or not fs.exists(f"{base}/{gi_name}/access"):
+            continue
+        gi = int(g.group(1))
+        for ci_name in fs.listdir(f"{base}/{gi_name}"):
+            if not (c := _CI.match(ci_name)) or not fs.exists(f"{base}/{gi_name}/{ci_name}/access"):
+                continue
+            ci = int(c.group(1))
+            nodes = []
+            for key, access in ((f"gpu{minor}/gi{gi}/access", f"{base}/{gi_name}/access"),
+                                (f"gpu{minor}/gi{gi}/ci{ci}/access", f"{base}/{gi_name}/{ci_name}/access")):
+                cap = minors.get(key)
+                if cap is None or _access_minor(fs, access) not in (None, cap):
+                    problems.append(Problem(what=f"MIG gi{gi}/ci{ci}", reason=f"{key}: no minor, or it disagrees with its access file"))
+                    break
+                node = resolver.resolve(f"/dev/nvidia-caps/nvidia-cap{cap}", problems, proc_name="nvidia-caps", minor=cap)
+                if node is None:
+                    break
+                nodes.append(node)
+            else:
+                parts.append(GpuPartition(index=len(parts), nodes=tuple(nodes), gi=gi, ci=ci))
+    parts.sort(key=lambda p: (p.gi, p.ci))
+    return Partitioning(kind="mig", partitions=tuple(p.model_copy(update={"index": i}) for i, p in enumerate(parts)))
