@@ -48,6 +48,18 @@ class Settings(BaseModel):
     pf_vf_exclusive: bool = False
     # Publish unhealthy devices with a NoSchedule DeviceTaint sysdra.io/unhealthy (docs/health.md).
     taint_unhealthy: bool = False
+    # GPU partitions as devices with shared counters; compatibility groups need the cluster's
+    # DRADeviceCompatibilityGroups gate (docs/partitions.md). Seconds a mode switch may take.
+    partitions: bool = False
+    compatibility_groups: bool = False
+    partition_switch_timeout: float = 60.0
+
+    @field_validator("partition_switch_timeout")
+    @classmethod
+    def _positive_timeout(cls, v: float) -> float:
+        if not 0 < v <= 3600:
+            raise ValueError("must be between 0 and 3600 seconds")
+        return v
 
     @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod

@@ -18,6 +18,8 @@ VARIANTS = {
     "plain": {"list_attributes": False},
     "list-attributes": {"list_attributes": True},
     "pf-vf-exclusive": {"list_attributes": True, "pf_vf_exclusive": True},
+    "partitions": {"list_attributes": True, "pf_vf_exclusive": True, "partitions": True},
+    "compatibility-groups": {"list_attributes": True, "partitions": True, "compatibility_groups": True},
 }
 
 

@@ -10,7 +10,7 @@ naming the setting (exit 78).
 from __future__ import annotations
 
 VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name")
-SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy")
+SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups")
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
     "node-name": "Kubernetes node name: the pool name and the slices' owner (default $NODE_NAME or the hostname)",
@@ -18,6 +18,8 @@ HELP = {
     "list-attributes": "publish list-typed attributes (needs the DRAListTypeAttributes gate on the cluster)",
     "pf-vf-exclusive": "publish per-PF counters so a PF and its VFs are never allocated together (partitionable devices)",
     "taint-unhealthy": "publish unhealthy devices with a NoSchedule device taint sysdra.io/unhealthy",
+    "partitions": "publish GPU partitions (AMD compute partitions, NVIDIA MIG instances) with shared counters",
+    "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
 }
 
 

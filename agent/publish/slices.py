@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from agent.deviceapi import device_api
+from agent.publish import partitions as gpu_partitions
 from agent.publish.validation import device_problems
 
 API_VERSION = "resource.k8s.io/v1"
@@ -165,7 +166,7 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
 
 
 def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
-               taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
+               partitions: bool = False, compatibility_groups: bool = False, taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
                cache: dict | None = None) -> PoolContent:
     """Validated, chunked pool content for this node's devices (inventory order = allocation order).
 
@@ -189,11 +190,17 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
         pf_of[device.name], bdf_of[device.name] = device.pci.physfn, device.pci.bdf
         entries.append(entry)
     slices: list[dict] = []
+    counter_sets: list[dict] = []
     if pf_vf_exclusive:
         entries, counter_sets = _pf_vf_counters(entries, pf_of, bdf_of)
-        # counter slices first: PFs come and go less often than devices, so indexes stay put
-        for i in range(0, len(counter_sets), MAX_COUNTER_SETS):
-            slices.append({"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]})
+    if partitions:  # GPU partitions after PF/VF counters: a GPU PF may consume from both
+        entries, gpu_sets, bad = gpu_partitions.expand(entries, inventory.by_name(), groups=compatibility_groups,
+                                                       driver_name=driver_name, list_attributes=list_attributes)
+        counter_sets += gpu_sets
+        rejected += bad
+    # counter slices first: PFs and GPUs come and go less often than devices, so indexes stay put
+    for i in range(0, len(counter_sets), MAX_COUNTER_SETS):
+        slices.append({"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]})
     if cache is not None and len(cache) > len(inventory.devices):
         names = {d.name for d in inventory.devices}
         for name in [n for n in cache if n not in names]:
@@ -271,6 +278,8 @@ def pool_options(settings) -> dict:
         "driver_name": settings.driver_name,
         "list_attributes": settings.list_attributes,
         "pf_vf_exclusive": settings.pf_vf_exclusive,
+        "partitions": settings.partitions,
+        "compatibility_groups": settings.compatibility_groups,
     }
 
 

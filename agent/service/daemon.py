@@ -16,7 +16,7 @@ from agent.fsutil import make_dirs
 from agent.publish import metrics as publish_metrics
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
-from agent.publish.slices import PoolContent, build_pool
+from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import sdnotify, startup
@@ -114,9 +114,7 @@ class Agent:
     def _pool_for(self, inventory) -> PoolContent:
         s = self.settings
         taints = self.health.taints() if s.taint_unhealthy and self.health is not None else None
-        pool = build_pool(inventory, node_name=s.node_name, driver_name=s.driver_name,
-                          list_attributes=s.list_attributes, pf_vf_exclusive=s.pf_vf_exclusive, taints=taints,
-                          previous=self.pool, cache=self._slice_cache)
+        pool = build_pool(inventory, **pool_options(s), taints=taints, previous=self.pool, cache=self._slice_cache)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)

@@ -1,0 +1,96 @@
+"""Partitionable GPUs in the pool (``--partitions``): per GPU one counter set, one device per
+way of running it (discovery/gpuways.py), each consuming its share (docs/partitions.md).
+
+AMD: counters ``xcds`` (the GPU's XCCs) and ``memory`` (its VRAM); the whole GPU consumes
+all of both, a partition of a mode with P partitions 1/P. Counters keep a whole GPU and its
+partitions apart and bound how many partitions of one mode fit, but they cannot keep two
+modes apart (a DPX and a CPX partition fit in the sum). So:
+
+- with ``--compatibility-groups`` (cluster gate DRADeviceCompatibilityGroups) every mode the
+  GPU can switch to is published, each consumption naming its mode's group;
+- without it only the whole GPU and the partitions of the mode the GPU is in now: counters
+  alone keep that correct, and no claim ever needs a mode switch but the whole GPU (SPX).
+
+NVIDIA MIG: counter ``compute-instances`` (how many exist); the whole GPU consumes all, each
+instance one. Counters alone keep that correct, so no groups are ever published for MIG.
+"""
+
+from __future__ import annotations
+
+from agent.deviceapi import device_api
+from agent.publish.validation import device_problems
+from discovery.attributes import quantity
+from discovery.gpuways import Way, current_mode, partitioning, quantity_bytes, way_device, ways
+
+XCDS, MEMORY, INSTANCES = "xcds", "memory", "compute-instances"
+
+
+def counter_set_name(gpu_name: str) -> str:
+    return gpu_name  # gpu-<bdf>: a DNS label, and PF/VF counter sets are named pf-<bdf>
+
+
+def _amd_counters(way: Way) -> dict[str, int]:
+    pt = partitioning(way.parent)
+    out = {XCDS: pt.xcds} if pt.xcds else {}
+    if "memory" in way.parent.capacity:
+        out[MEMORY] = quantity_bytes(way.parent.capacity["memory"])
+    return out
+
+
+def _q(counter: str, n: int) -> str:
+    return quantity(n) if counter == MEMORY else str(n)
+
+
+def _published(gpu_ways: list[Way], groups: bool) -> list[Way]:
+    if groups or not gpu_ways or gpu_ways[0].parent.gpu.partitioning.kind == "mig":
+        return gpu_ways
+    now = current_mode(gpu_ways[0].parent)
+    return [w for w in gpu_ways if w.kind == "whole" or (w.compute, w.memory) == now]
+
+
+def _consumption(set_name: str, totals: dict[str, int], way: Way, groups: bool) -> dict:
+    share = {k: _q(k, v // way.parts) for k, v in totals.items()}
+    if way.kind == "mig":
+        share = {INSTANCES: "1"}
+    elif way.kind == "whole":
+        share = {k: _q(k, v) for k, v in totals.items()}
+    entry: dict = {"counterSet": set_name, "counters": {k: {"value": v} for k, v in share.items()}}
+    if groups and way.group:
+        entry["compatibilityGroups"] = [way.group]
+    return entry
+
+
+def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str, list_attributes: bool
+           ) -> tuple[list[dict], list[dict], list[tuple[str, str]]]:
+    """-> (entries with each partitionable GPU followed by its partitions, counter sets,
+    rejected (name, reason)). ``devices``: inventory name -> Device."""
+    out: list[dict] = []
+    counter_sets: list[dict] = []
+    rejected: list[tuple[str, str]] = []
+    for entry in entries:
+        device = devices.get(entry["name"])
+        gpu_ways = _published(ways(device), groups) if device is not None else []
+        if len(gpu_ways) < 2:
+            out.append(entry)
+            continue
+        if gpu_ways[0].parent.gpu.partitioning.kind == "mig":
+            totals = {INSTANCES: len(gpu_ways) - 1}
+        else:
+            totals = _amd_counters(gpu_ways[0])
+            if not totals or any(w.parts > totals.get(XCDS, w.parts) for w in gpu_ways):
+                out.append(entry)
+                rejected.append((entry["name"] + "-*", "partitions left out: the GPU's XCC count or memory is unknown"))
+                continue
+        set_name = counter_set_name(device.name)
+        counter_sets.append({"name": set_name, "counters": {k: {"value": _q(k, v)} for k, v in totals.items()}})
+        for way in gpu_ways:
+            if way.kind == "whole":
+                e = dict(device_api(way_device(way)), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
+            else:
+                e = device_api(way_device(way))
+                if problems := device_problems(e, driver_name, list_attributes):
+                    rejected.append((way.name, "; ".join(problems)))
+                    continue
+            e["consumesCounters"] = list(e.get("consumesCounters") or []) + [_consumption(set_name, totals, way, groups)]
+            out.append(e)
+    return out, counter_sets, rejected

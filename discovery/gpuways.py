@@ -1,0 +1,129 @@
+"""The ways of running a partitionable GPU, each one a device: the whole GPU, each AMD
+partition of each compute/memory mode the GPU can be put in, each created MIG compute
+instance. Pure (no I/O): names, the mode a way needs, and the device a way is, shared by
+publishing (agent/publish/partitions.py) and prepare (agent/prepare/partitions.py).
+
+Names: ``<gpu>-<compute>-<memory>-<index>`` (``gpu-0000-05-00-0-cpx-nps1-3``) and
+``<gpu>-mig-gi<G>-ci<C>``; the whole GPU keeps its own name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from discovery.attributes import _value, quantity
+from discovery.models import Device, GpuPartition, Partitioning
+from discovery.partitions import COMPUTE_PARTS, modes_fit
+
+WHOLE_MODE = ("SPX", "NPS1")  # the whole GPU is its single-partition mode
+_PARENT_ONLY = ("uuid",)  # a MIG instance has its own UUID (NVML's): the GPU's would be wrong
+
+
+@dataclass(frozen=True)
+class Way:
+    name: str
+    parent: Device
+    kind: str  # "whole" | "amd" | "mig"
+    compute: str | None = None  # the AMD mode this way runs in (None: any / not AMD)
+    memory: str | None = None
+    index: int = 0  # partition number in its mode
+    parts: int = 1  # partitions of its mode
+    instance: GpuPartition | None = None  # MIG: the compute instance
+
+    @property
+    def mode(self) -> str | None:
+        return f"{self.compute}/{self.memory}" if self.compute else None
+
+    @property
+    def group(self) -> str | None:
+        """The compatibility group of its mode (``cpx-nps1``)."""
+        return f"{self.compute}-{self.memory}".lower() if self.compute else None
+
+
+def partitioning(device: Device) -> Partitioning | None:
+    return device.gpu.partitioning if device.gpu is not None else None
+
+
+def amd_modes(pt: Partitioning) -> list[tuple[str, str]]:
+    """(compute, memory) pairs this GPU can run in: the available ones that fit together,
+    or only the current one when the GPU cannot switch."""
+    memory_now = pt.memory_mode or "NPS1"
+    if not pt.switchable:
+        return [(pt.compute_mode, memory_now)] if pt.compute_mode else []
+    memories = pt.memory_modes or (memory_now,)
+    return [(c, m) for m in memories for c in pt.compute_modes if modes_fit(c, m, pt.xcds)]
+
+
+def ways(device: Device) -> list[Way]:
+    """Every way of running ``device`` (the whole GPU first); [] for a GPU without partitions."""
+    pt = partitioning(device)
+    if pt is None:
+        return []
+    if pt.kind == "mig":
+        if not pt.partitions:
+            return []
+        out = [Way(device.name, device, "whole")]
+        for p in pt.partitions:
+            out.append(Way(f"{device.name}-mig-gi{p.gi}-ci{p.ci}", device, "mig", index=p.index, instance=p))
+        return out
+    modes = amd_modes(pt)
+    whole = WHOLE_MODE if WHOLE_MODE in modes or (pt.compute_mode, pt.memory_mode or "NPS1") == WHOLE_MODE else (None, None)
+    out = [Way(device.name, device, "whole", compute=whole[0], memory=whole[1])]
+    for compute, memory in modes:
+        parts = COMPUTE_PARTS[compute]
+        if parts == 1:
+            continue  # SPX: that is the whole GPU
+        for i in range(parts):
+            out.append(Way(f"{device.name}-{compute.lower()}-{memory.lower()}-{i}", device, "amd", compute, memory, i, parts))
+    return out
+
+
+def current_mode(device: Device) -> tuple[str | None, str | None]:
+    pt = partitioning(device)
+    return (pt.compute_mode, pt.memory_mode or "NPS1") if pt is not None and pt.kind == "amd" else (None, None)
+
+
+def way_device(way: Way, now: Partitioning | None = None) -> Device:
+    """The device a way is: the parent's attributes plus its partition's, its share of the
+    GPU's memory, and (from ``now``, the partitions exposed at this moment) its nodes. An AMD
+    partition whose mode is not the current one has no nodes yet."""
+    parent = way.parent
+    if way.kind == "whole":
+        if way.compute is None:
+            return parent
+        attrs = dict(parent.attributes, computePartition=_value("string", way.compute),
+                     memoryPartition=_value("string", way.memory))
+        return parent.model_copy(update={"attributes": attrs})
+    attrs = {k: v for k, v in parent.attributes.items() if k not in _PARENT_ONLY}
+    attrs["partitionOf"] = _value("string", parent.name)
+    attrs["partitionIndex"] = _value("int_", way.index)
+    capacity: dict[str, str] = {}
+    if way.kind == "mig":
+        attrs["migGpuInstance"] = _value("int_", way.instance.gi)
+        attrs["migComputeInstance"] = _value("int_", way.instance.ci)
+        nodes = tuple(n for n in parent.device_nodes) + way.instance.nodes
+    else:
+        attrs["computePartition"] = _value("string", way.compute)
+        attrs["memoryPartition"] = _value("string", way.memory)
+        if "memory" in parent.capacity:
+            capacity["memory"] = quantity(quantity_bytes(parent.capacity["memory"]) // way.parts)
+        nodes = ()
+        pt = now if now is not None else partitioning(parent)
+        if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == (way.compute, way.memory):
+            mine = next((p for p in pt.partitions if p.index == way.index), None)
+            kfd = tuple(n for n in parent.device_nodes if n.path == "/dev/kfd")
+            nodes = (mine.nodes + kfd) if mine is not None else ()
+    return Device(name=way.name, kind="gpu", pci=parent.pci, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
+                  capacity=capacity, gpu=parent.gpu)
+
+
+_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def quantity_bytes(q: str) -> int:
+    """Inverse of ``attributes.quantity`` (binary suffixes or plain bytes)."""
+    return int(q[:-2]) * _UNITS[q[-2:]] if q[-2:] in _UNITS else int(q)
+
+
+def by_name(devices) -> dict[str, Way]:
+    """Way name -> way, for every partitionable device of an inventory."""
+    return {w.name: w for d in devices for w in ways(d)}

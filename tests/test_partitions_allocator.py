@@ -1,0 +1,152 @@
+"""GPU partitions under the scheduler's own allocator (tests/peers/allocator, v0.37.2): what
+the counters and compatibility groups the agent publishes for the mi300x-partitions and
+h100-mig fixtures let it allocate. No allocation here is written by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.controlplane import Unschedulable, allocate, with_allocation
+from tests.test_allocator import CLASSES, NODE, claim, devices, exactly, picked, published
+
+CPX_GPU, SPX_GPU = "gpu-0000-05-00-0", "gpu-0000-27-00-0"  # CPX/NPS1 and SPX/NPS1 in the fixture
+MIG_GPU = "gpu-0000-18-00-0"
+
+
+def _sel(expr: str) -> list[dict]:
+    return [{"cel": {"expression": expr}}]
+
+
+def whole(gpu: str) -> list[dict]:
+    return _sel(f'device.attributes["sysdra.io"].pciAddress == "{gpu_bdf(gpu)}" && '
+                f'!has(device.attributes["sysdra.io"].partitionOf)')
+
+
+def part_of(gpu: str, mode: str | None = None) -> list[dict]:
+    expr = f'device.attributes["sysdra.io"].?partitionOf.orValue("") == "{gpu}"'
+    if mode:
+        compute, memory = mode.split("/")
+        expr += (f' && device.attributes["sysdra.io"].computePartition == "{compute}"'
+                 f' && device.attributes["sysdra.io"].memoryPartition == "{memory}"')
+    return _sel(expr)
+
+
+def gpu_bdf(name: str) -> str:
+    return "0000:" + name[9:11] + ":" + name[12:14] + "." + name[15]
+
+
+def req(name: str, selectors: list[dict], count: int = 1) -> dict:
+    return exactly(name, "gpu.sysdra.io", selectors=selectors, count=count)
+
+
+def amd(groups: bool) -> list[dict]:
+    return published("mi300x-partitions", partitions=True, compatibility_groups=groups)
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_whole_gpu_and_any_of_its_partitions_never_together(groups):
+    slices = amd(groups)
+    modes = ["CPX/NPS1", "DPX/NPS1", "QPX/NPS4"] if groups else ["CPX/NPS1"]
+    for mode in modes:
+        with pytest.raises(Unschedulable):  # in one claim
+            allocate(slices, CLASSES, claim("both", req("w", whole(CPX_GPU)), req("p", part_of(CPX_GPU, mode))), node=NODE)
+        # across claims, whichever comes first
+        w = claim("w", req("w", whole(CPX_GPU)))
+        (a,) = allocate(slices, CLASSES, w, node=NODE)
+        assert picked(a)["w"] == [CPX_GPU]
+        p = claim("p", req("p", part_of(CPX_GPU, mode)))
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, p, node=NODE, allocated=[with_allocation(w, a)])
+        (b,) = allocate(slices, CLASSES, p, node=NODE)
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, w, node=NODE, allocated=[with_allocation(p, b)])
+
+
+def test_whole_mig_gpu_and_its_instances_never_together():
+    slices = published("h100-mig", partitions=True)
+    names = devices(slices)
+    instances = sorted(n for n in names if n.startswith(MIG_GPU + "-mig-"))
+    assert instances == [f"{MIG_GPU}-mig-gi1-ci0", f"{MIG_GPU}-mig-gi2-ci0", f"{MIG_GPU}-mig-gi2-ci1", f"{MIG_GPU}-mig-gi9-ci0"]
+    all_mig = claim("all", req("m", part_of(MIG_GPU), count=4))
+    (a,) = allocate(slices, CLASSES, all_mig, node=NODE)
+    assert sorted(picked(a)["m"]) == instances  # every instance fits beside the others
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, claim("w", req("w", whole(MIG_GPU))), node=NODE, allocated=[with_allocation(all_mig, a)])
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, claim("both", req("w", whole(MIG_GPU)), req("m", part_of(MIG_GPU))), node=NODE)
+    # the GPU without MIG is an ordinary whole GPU
+    (c,) = allocate(slices, CLASSES, claim("other", req("g", whole("gpu-0000-3a-00-0"))), node=NODE)
+    assert picked(c)["g"] == ["gpu-0000-3a-00-0"]
+
+
+def test_two_modes_never_share_a_gpu_with_compatibility_groups():
+    slices = amd(True)
+    for first, second in (("DPX/NPS1", "CPX/NPS1"), ("CPX/NPS1", "QPX/NPS1"), ("QPX/NPS4", "QPX/NPS1"), ("CPX/NPS4", "CPX/NPS1")):
+        a_claim = claim("a", req("a", part_of(SPX_GPU, first)))
+        (a,) = allocate(slices, CLASSES, a_claim, node=NODE)
+        b_claim = claim("b", req("b", part_of(SPX_GPU, second)))
+        with pytest.raises(Unschedulable):  # counters alone would let these fit (1/2 + 1/8)
+            allocate(slices, CLASSES, b_claim, node=NODE, allocated=[with_allocation(a_claim, a)])
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, claim("ab", req("a", part_of(SPX_GPU, first)), req("b", part_of(SPX_GPU, second))), node=NODE)
+        # the same mode does share the GPU, and the other mode still fits on the other GPU
+        (c,) = allocate(slices, CLASSES, claim("c", req("c", part_of(SPX_GPU, first))), node=NODE,
+                        allocated=[with_allocation(a_claim, a)])
+        assert picked(c)["c"] != picked(a)["a"]
+        allocate(slices, CLASSES, claim("d", req("d", part_of(CPX_GPU, second))), node=NODE, allocated=[with_allocation(a_claim, a)])
+
+
+def test_any_mode_across_claims_picks_one_mode_per_gpu():
+    """"Some partition of this GPU", claim after claim: the first claim's mode holds the GPU
+    (first fit: the first mode listed, DPX) until its partitions are used up."""
+    slices = amd(True)
+    got: list[str] = []
+    allocated: list[dict] = []
+    for i in range(9):
+        c = claim(f"any{i}", req("p", part_of(SPX_GPU)))
+        try:
+            (a,) = allocate(slices, CLASSES, c, node=NODE, allocated=allocated)
+        except Unschedulable:
+            break
+        allocated.append(with_allocation(c, a))
+        got += picked(a)["p"]
+    assert sorted(got) == [f"{SPX_GPU}-dpx-nps1-0", f"{SPX_GPU}-dpx-nps1-1"], got
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_as_many_partitions_of_a_mode_fit_as_counters_allow(groups):
+    slices = amd(groups)
+    fits = {"CPX/NPS1": 8}
+    if groups:
+        fits.update({"DPX/NPS1": 2, "QPX/NPS1": 4, "QPX/NPS4": 4, "CPX/NPS4": 8})
+    for mode, n in fits.items():
+        (a,) = allocate(slices, CLASSES, claim("n", req("p", part_of(CPX_GPU, mode), count=n)), node=NODE)
+        assert len(set(picked(a)["p"])) == n
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, claim("n1", req("p", part_of(CPX_GPU, mode), count=n + 1)), node=NODE)
+        # one at a time, across claims, the same
+        allocated: list[dict] = []
+        for i in range(n):
+            c = claim(f"one{i}", req("p", part_of(CPX_GPU, mode)))
+            (b,) = allocate(slices, CLASSES, c, node=NODE, allocated=allocated)
+            allocated.append(with_allocation(c, b))
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, claim("extra", req("p", part_of(CPX_GPU, mode))), node=NODE, allocated=allocated)
+
+
+def test_without_groups_only_what_counters_keep_correct_is_published():
+    names = devices(amd(False))
+    cpx = [n for n in names if n.startswith(CPX_GPU + "-")]
+    assert sorted(cpx) == sorted(f"{CPX_GPU}-cpx-nps1-{i}" for i in range(8))  # the current mode only
+    assert not [n for n in names if n.startswith(SPX_GPU + "-")]  # SPX: the whole GPU is its only way
+    assert not any(cc.get("compatibilityGroups") for d in names.values() for cc in d.get("consumesCounters", []))
+
+
+def test_grouped_devices_need_the_gate():
+    """Why --compatibility-groups must follow the cluster's gate: an allocator without it skips
+    every device that names a group (here: all partitions and whole GPUs of the pool)."""
+    slices = amd(True)
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, claim("p", req("p", part_of(CPX_GPU, "CPX/NPS1"))), node=NODE,
+                 features={"CompatibilityGroups": False})
+    allocate(slices, CLASSES, claim("p", req("p", part_of(CPX_GPU, "CPX/NPS1"))), node=NODE)
