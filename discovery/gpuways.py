@@ -112,8 +112,9 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             mine = next((p for p in pt.partitions if p.index == way.index), None)
             kfd = tuple(n for n in parent.device_nodes if n.path == "/dev/kfd")
             nodes = (mine.nodes + kfd) if mine is not None else ()
-    return Device(name=way.name, kind="gpu", pci=parent.pci, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
-                  capacity=capacity, gpu=parent.gpu)
+    # model_copy: no re-validation of the (already checked, shared) attribute values
+    return parent.model_copy(update={"name": way.name, "device_nodes": nodes, "attributes": dict(sorted(attrs.items())),
+                                     "capacity": capacity, "problems": ()})
 
 
 _UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
