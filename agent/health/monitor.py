@@ -118,9 +118,10 @@ class HealthMonitor:
 
     async def _run(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel racing the wake-up
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:

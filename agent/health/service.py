@@ -34,9 +34,10 @@ async def watch(monitor: HealthMonitor, pb: ModuleType):
     try:
         yield build_response(monitor, pb)
         while True:
-            try:
-                await asyncio.wait_for(sub.event.wait(), timeout=min(RESEND_MAX, 2 * monitor.interval))
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout: 3.11's wait_for can swallow the stream's cancellation
+                async with asyncio.timeout(min(RESEND_MAX, 2 * monitor.interval)):
+                    await sub.event.wait()
+            except TimeoutError:
                 pass
             sub.event.clear()
             if sub.closed:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zlib
 
 from agent.fsutil import json_bytes
 from agent.names import is_label, is_subdomain, is_uid
+
+_BDF = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+_DRIVER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 VERSION = 2
 STARTED = "PrepareStarted"
@@ -53,6 +57,11 @@ def check_entry(uid: object, entry: object) -> None:
     spec = entry.get("cdiSpec")
     if spec is not None and not (isinstance(spec, dict) and isinstance(spec.get("path"), str) and isinstance(spec.get("spec"), dict)):
         raise ValueError(f"claim {uid}: bad cdiSpec")
+    for rec in entry.get("vfio") or ():  # functions we moved to vfio-pci: written back to sysfs
+        if not (isinstance(rec, dict) and isinstance(rec.get("bdf"), str) and _BDF.fullmatch(rec["bdf"])
+                and type(rec.get("group")) is int
+                and all(rec.get(k) is None or (isinstance(rec[k], str) and _DRIVER.fullmatch(rec[k])) for k in ("driver", "override"))):
+            raise ValueError(f"claim {uid}: bad vfio record")
     meta = entry.get("metadata")
     if meta is not None and not (isinstance(meta, dict) and isinstance(meta.get("requests"), dict)
                                  and all(is_label(r) for r in meta["requests"])

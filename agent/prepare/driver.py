@@ -26,35 +26,25 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
-from agent.fsutil import UnsafePath, clean_stale_temps
+from agent.fsutil import UnsafePath
 from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
 from agent.names import InvalidName
-from agent.prepare import cdifiles
+from agent.prepare import cdifiles, recovery, vfio
+from agent.prepare.recovery import RecoveryReport
 from agent.prepare.allocation import ClaimFailed, Result, our_results
 from agent.prepare.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
+from agent.prepare.vfio import VfioError
+from agent.prepare.vfio_kernel import KernelError, PciKernel
 from agent.settings import Settings
-from cdi.claim import build_claim_spec, cdi_device_name, cdi_id
-from cdi.spec import SpecError, claim_kind
+from cdi.claim import build_claim_spec, cdi_id
+from cdi.spec import SpecError
 from discovery.models import Device, Inventory
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RecoveryReport:
-    rolled_back: list[str] = field(default_factory=list)
-    rebuilt: list[str] = field(default_factory=list)
-    orphans_removed: list[str] = field(default_factory=list)
-    metadata_rebuilt: list[str] = field(default_factory=list)
-    metadata_orphans_removed: list[str] = field(default_factory=list)
-    adopted: list[str] = field(default_factory=list)
-    corrupt_checkpoint: str | None = None
-    boot_changed: bool = False
 
 
 def _fingerprint(results: list[dict]) -> str:
@@ -68,8 +58,11 @@ def _device_from_record(d: dict) -> PreparedDevice:
 def _started(entry: dict) -> dict:
     """The PrepareStarted entry: just what rolling back needs (the spec paths derive from
     the UID, the metadata directory from namespace/name), so the first save stays small."""
-    return {"state": STARTED, "namespace": entry["namespace"], "name": entry["name"], "bootID": entry["bootID"],
-            "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
+    started = {"state": STARTED, "namespace": entry["namespace"], "name": entry["name"], "bootID": entry["bootID"],
+               "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
+    if entry.get("vfio"):  # the intent of a kernel change: what to give back if we crash
+        started["vfio"] = entry["vfio"]
+    return started
 
 
 def _record(d: PreparedDevice) -> dict:
@@ -83,6 +76,8 @@ class Driver:
         self.checkpoint_path = os.path.join(settings.plugin_dir, "checkpoint.json")
         self.checkpoint: Checkpoint | None = None
         self.boot_id = read_boot_id(settings.root)
+        self.kernel = PciKernel(settings.root)
+        self.recovery: RecoveryReport | None = None  # of the last recover()
         self.fault: Callable[[str], None] = lambda point: None
 
     # --- helpers -------------------------------------------------------------
@@ -114,6 +109,13 @@ class Driver:
             return prepared, None
         return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root)
 
+    def _claim_spec(self, uid: str, entry: dict, by_name: dict[str, Device]) -> dict:
+        """The claim's CDI spec from the inventory; VFIO functions get the nodes they have now."""
+        devs = list({d["device"]: by_name[d["device"]] for d in entry["devices"]}.values())
+        held = {rec["bdf"] for rec in entry.get("vfio") or ()}
+        devs = [vfio.with_vfio_nodes(self.settings.root, d) if d.pci.bdf in held else d for d in devs]
+        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
+
     # --- prepare / unprepare ---------------------------------------------------
     def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
         cp = self._cp()
@@ -135,20 +137,31 @@ class Driver:
             entry = cp.claims.get(uid)
             if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
                 # idempotent re-prepare: same answer, files present (a rewrite changes the entry)
-                if self._ensure_spec(uid, entry) | metadata.ensure_claim(self.settings, uid, entry):
+                try:
+                    if entry.get("vfio") and vfio.ensure_bound(self.kernel, entry["vfio"], self.fault):
+                        self.ensure_spec(uid, entry, rebuild=True)  # new group nodes
+                except VfioError as err:
+                    out[uid] = PrepareResult(error=str(err))
+                    continue
+                if self.ensure_spec(uid, entry) | metadata.ensure_claim(self.settings, uid, entry):
                     changed.add(uid)
                 out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]])
                 continue
             if entry:  # half-prepared or allocation changed: undo before redoing
-                self._remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
+                if entry.get("vfio") and (problems := vfio.restore_all(self.kernel, entry["vfio"])):
+                    out[uid] = PrepareResult(error="giving VFIO functions back failed: " + "; ".join(problems))
+                    continue
+                self.remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
                 del cp.claims[uid]
                 changed.add(uid)
             try:
                 if by_name is None:
                     by_name = self.inventory().by_name()
                 devices, spec = self._plan(uid, results, by_name)
+                vfio_recs = vfio.claim_records(self.settings, self.kernel, claim, results, by_name,
+                                               {u: e for u, e in cp.claims.items() if u != uid})
                 meta_rec = metadata.plan(self.settings, claim, devices, by_name) if self.settings.device_metadata else None
-            except (ClaimFailed, SpecError, InvalidName, UnsafePath) as err:
+            except (ClaimFailed, SpecError, InvalidName, UnsafePath, VfioError, KernelError) as err:
                 out[uid] = PrepareResult(error=str(err))
                 continue
             except Exception as err:  # a bug on one claim's data stays that claim's error
@@ -164,6 +177,8 @@ class Driver:
                 "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
                 "metadata": meta_rec,
             }
+            if vfio_recs:
+                plans[uid]["vfio"] = vfio_recs
             cp.claims[uid] = _started(plans[uid])
             out[uid] = PrepareResult(devices)
             todo.append(uid)
@@ -173,7 +188,9 @@ class Driver:
                 for uid in out:
                     out[uid] = PrepareResult(error=err)
             return out
-        if err := self._save(cp, before, changed, durable=False):  # PrepareStarted: see Checkpoint.save
+        # PrepareStarted (see Checkpoint.save); durable when it records a kernel change to undo
+        hardware = any(plans[uid].get("vfio") for uid in todo)
+        if err := self._save(cp, before, changed, durable=hardware):
             # nothing written yet; memory is back to what the file says
             for uid in todo:
                 out[uid] = PrepareResult(error=err)
@@ -183,14 +200,21 @@ class Driver:
             entry = plans[uid]
             what = "CDI spec"
             try:
+                if entry.get("vfio"):
+                    what = "VFIO binding"
+                    vfio.bind_all(self.kernel, entry["vfio"], self.fault)
+                    entry["cdiSpec"]["spec"] = self._claim_spec(uid, entry, by_name)
+                    what = "CDI spec"
                 if entry["cdiSpec"]:  # built by cdi.spec.finish in _plan just now: already valid
                     cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"], check=False)
                 what = "device metadata"
                 metadata.write_claim(self.settings, uid, entry)
-            except (OSError, SpecError, InvalidName, UnsafePath) as err:
-                self._remove_files(entry, uid, entry["namespace"], entry["name"])
+            except (OSError, SpecError, InvalidName, UnsafePath, VfioError) as err:
+                if entry.get("vfio") and what != "VFIO binding":  # bind_all restores on its own failures
+                    vfio.restore_all(self.kernel, entry["vfio"], self.fault)
+                self.remove_files(entry, uid, entry["namespace"], entry["name"])
                 del cp.claims[uid]
-                out[uid] = PrepareResult(error=f"writing {what}: {err}")
+                out[uid] = PrepareResult(error=f"{what}: {err}")
                 continue
             cp.claims[uid] = entry
         self.fault("prepare:specs-written")
@@ -198,7 +222,9 @@ class Driver:
         if err := self._save(cp, {**cp.claims, **started}, todo):
             # the file still says PrepareStarted: undo the files so a retry starts clean
             for uid, entry in started.items():
-                self._remove_files(entry, uid, entry["namespace"], entry["name"])
+                if entry.get("vfio"):
+                    vfio.restore_all(self.kernel, entry["vfio"], self.fault)
+                self.remove_files(entry, uid, entry["namespace"], entry["name"])
                 out[uid] = PrepareResult(error=err)
             return out
         self.fault("prepare:completed")
@@ -218,22 +244,27 @@ class Driver:
 
     def unprepare_claims(self, claims: list[ClaimRef]) -> dict[str, str | None]:
         cp = self._cp()
+        out: dict[str, str | None] = {}
+        for ref in claims:  # functions go back before the claim leaves the checkpoint (a crash: retried)
+            entry = cp.claims.get(ref.uid)
+            if entry and entry.get("vfio") and (problems := vfio.restore_all(self.kernel, entry["vfio"], self.fault)):
+                out[ref.uid] = "giving VFIO functions back to their drivers failed: " + "; ".join(problems)
+        claims = [c for c in claims if c.uid not in out]
         before = dict(cp.claims)
         removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}
         if any(removed.values()) and (err := self._save(cp, before, removed)):
-            return {c.uid: err for c in claims}  # files kept: the kubelet retries unprepare
+            return {**out, **{c.uid: err for c in claims}}  # files kept: the kubelet retries unprepare
         self.fault("unprepare:saved")
-        out: dict[str, str | None] = {}
         for ref in claims:
             try:
-                self._remove_files(removed[ref.uid], ref.uid, ref.namespace, ref.name)
+                self.remove_files(removed[ref.uid], ref.uid, ref.namespace, ref.name)
                 out[ref.uid] = None
             except OSError as err:
                 out[ref.uid] = f"removing CDI spec or device metadata: {err}"
         self.fault("unprepare:done")
         return out
 
-    def _remove_files(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
+    def remove_files(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
         """The claim spec, the metadata specs and the metadata directory (which is keyed by
         namespace/name: kept if another prepared claim, a recreated one, uses it)."""
         self._remove_spec(entry, uid)
@@ -253,7 +284,7 @@ class Driver:
                 log.warning("claim %s: leaving %s (recorded in the checkpoint, not our file in %s)",
                             uid, recorded, self.settings.cdi_dir)
 
-    def _ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
+    def ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
         """Write a completed claim's spec if missing, unreadable or ``rebuild``; True if written."""
         spec = entry.get("cdiSpec")
         if not spec:
@@ -270,16 +301,14 @@ class Driver:
                 pass
         content = spec["spec"]
         try:  # rebuild from the current inventory: device numbers can change across reboots
-            by_name = self.inventory().by_name()
-            devs = list({d["device"]: by_name[d["device"]] for d in entry["devices"]}.values())
-            content = build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
-        except (KeyError, SpecError, ValueError) as err:
+            content = self._claim_spec(uid, entry, self.inventory().by_name())
+        except (KeyError, SpecError, ValueError, VfioError, KernelError) as err:
             log.warning("claim %s: rebuilding CDI spec from the recorded one (%s)", uid, err)
         cdifiles.write_spec(spec["path"], content)
         spec["spec"] = content
         return True
 
-    def _ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
+    def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
         """Missing metadata files/specs are rewritten with a higher generation; after a
         reboot all of them, with device data from the current inventory."""
         if not entry.get("metadata"):
@@ -296,62 +325,6 @@ class Driver:
             return False
 
     # --- start-up reconciliation ----------------------------------------------
-    def recover(self) -> RecoveryReport:
-        """Load the checkpoint and make the CDI dir match it. Call before serving."""
-        s = self.settings
-        clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json")
-        cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
-        cp = self.checkpoint = Checkpoint.load(self.checkpoint_path)
-        report = RecoveryReport(corrupt_checkpoint=cp.corrupt_path)
-        specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
-        if cp.corrupt_path:
-            report.adopted = self._adopt(cp, specs)
-        for uid, entry in list(cp.claims.items()):
-            if entry["state"] == STARTED:
-                del cp.claims[uid]
-                self._remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
-                report.rolled_back.append(uid)
-                continue
-            rebooted = entry.get("bootID") != self.boot_id
-            report.boot_changed |= rebooted
-            if self._ensure_spec(uid, entry, rebuild=rebooted):
-                report.rebuilt.append(uid)
-            if self._ensure_metadata(uid, entry, rebuild=rebooted):
-                report.metadata_rebuilt.append(uid)
-            entry["bootID"] = self.boot_id
-        for uid, path in specs.items():
-            if uid not in cp.claims:
-                cdifiles.remove_spec(path)
-                report.orphans_removed.append(uid)
-        report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
-        if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
-            cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
-        counts = {k: len(v) for k, v in asdict(report).items() if isinstance(v, list) and v}
-        log.info("kubelet plugin state recovered: %d claims prepared%s%s%s", len(cp.claims),
-                 "".join(f", {n} {k.replace('_', ' ')}" for k, n in counts.items()),
-                 ", after a reboot" if report.boot_changed else "",
-                 f", corrupt checkpoint moved to {report.corrupt_checkpoint}" if report.corrupt_checkpoint else "")
-        log.debug("recovery details: %s", asdict(report))
-        return report
-
-    def _adopt(self, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
-        """After a corrupt checkpoint, keep claims whose valid spec files exist as prepared:
-        running containers still reference them and the kubelet will unprepare them."""
-        kind = claim_kind(self.settings.driver_name)
-        adopted = []
-        for uid, path in specs.items():
-            try:
-                spec = cdifiles.read_spec(path)
-            except SpecError as err:
-                log.error("removing unreadable CDI spec %s", err)
-                continue  # left as orphan: removed below
-            prefix = cdi_device_name(uid, "")
-            devices = [
-                {"requests": [], "pool": self.settings.node_name, "device": d["name"][len(prefix):],
-                 "cdiDeviceIDs": [f"{kind}={d['name']}"], "shareID": None}
-                for d in spec["devices"] if d["name"].startswith(prefix)
-            ]
-            cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": self.boot_id,
-                              "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec}}
-            adopted.append(uid)
-        return adopted
+    def recover(self) -> "RecoveryReport":
+        """Load the checkpoint and make the CDI dir (and the kernel) match it. Call before serving."""
+        return recovery.recover(self)

@@ -84,9 +84,10 @@ class Publisher:
 
     async def run(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.resync_interval or None)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel racing the wake-up
+                async with asyncio.timeout(self.resync_interval or None):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass  # periodic resync: repairs drift nobody told us about
             self._wake.clear()
             if self.debounce and not self._urgent:
@@ -124,4 +125,5 @@ class Publisher:
         async def _wait():
             async with self._synced:
                 await self._synced.wait_for(lambda: self.syncs > 0 and predicate(self))
-        await asyncio.wait_for(_wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await _wait()

@@ -210,6 +210,9 @@ class Agent:
             raise StartupError(str(err), EX_CANTCREAT) from None
         except CheckpointError as err:
             raise StartupError(str(err), EX_DATAERR) from None
+        recovery = getattr(driver.driver, "recovery", None)
+        if recovery is not None and recovery.kernel_changed:  # functions moved between drivers: re-read them
+            await self.rescan()
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)

@@ -1,0 +1,191 @@
+"""VFIO passthrough at prepare: a claim asks (``VfioConfig``), the agent moves the allocated
+PCI functions to vfio-pci and gives them back on unprepare (docs/vfio.md).
+
+A transaction in the checkpoint: the claim's PrepareStarted entry records, durably and
+before the first kernel write, each function's original driver and ``driver_override``
+(``vfio`` records); a failure at any step gives every function of the claim back to its
+original driver; start-up recovery gives back the functions of a claim that was being
+prepared, and re-binds those of a prepared claim after a reboot (the kernel forgets
+bindings). Unprepare gives the functions back *before* the claim leaves the checkpoint, so
+a crash in between is repaired by the kubelet's retry.
+
+Refused, with the reason, before anything is written: the IOMMU is off; the function's
+IOMMU group holds another function that is in use and not allocated to this claim (bridges
+and idle functions are fine); the function is the host's own (it carries a default route,
+or it is the boot VGA device); a PF with SR-IOV VFs enabled (unbinding it destroys them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
+from discovery.devnodes import NodeResolver
+from discovery.routes import default_route_functions
+from discovery.models import Device, Problem
+from discovery.pci import host_dir, read_function
+from discovery.sysfs import Dir
+from discovery.vfio import vfio_nodes
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "sysdra.io/v1alpha1"
+KIND = "VfioConfig"
+_FIELDS = {"apiVersion", "kind"}
+
+
+class VfioError(Exception):
+    """The claim's VFIO request cannot be done; the message is that claim's error."""
+
+
+def requested(claim: dict, driver_name: str) -> set[str] | None:
+    """Base request names whose devices go to vfio-pci (``{"*"}``: every request), or None.
+
+    ``status.allocation.devices.config`` holds the class's and the claim's opaque configs for
+    our driver; a ``VfioConfig`` applies to the requests it names (all when it names none)."""
+    configs = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config") or []
+    if not isinstance(configs, list):
+        raise VfioError("status.allocation.devices.config is not a list")
+    out: set[str] = set()
+    for i, c in enumerate(configs):
+        opaque = c.get("opaque") if isinstance(c, dict) else None
+        if not isinstance(opaque, dict) or opaque.get("driver") != driver_name:
+            continue
+        params = opaque.get("parameters")
+        if not isinstance(params, dict) or params.get("kind") != KIND:
+            continue
+        if params.get("apiVersion") != API_VERSION:
+            raise VfioError(f"config {i}: {KIND} apiVersion {params.get('apiVersion')!r} is not {API_VERSION}")
+        unknown = sorted(set(params) - _FIELDS)
+        if unknown:
+            raise VfioError(f"config {i}: {KIND} has unknown fields {', '.join(map(str, unknown))}")
+        reqs = c.get("requests") or ["*"]
+        if not isinstance(reqs, list) or not all(isinstance(r, str) for r in reqs):
+            raise VfioError(f"config {i}: requests is not a list of names")
+        out |= {r.split("/", 1)[0] for r in reqs}
+    return out or None
+
+
+def wants_vfio(wanted: set[str] | None, request: str) -> bool:
+    return wanted is not None and ("*" in wanted or request.split("/", 1)[0] in wanted)
+
+
+def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
+    """Why the function is the host's own, or None."""
+    routes = default_route_functions(root)
+    if bdf in routes:
+        return f"it carries the host's default route ({routes[bdf]})"
+    try:
+        if kernel.fs.read_attr(os.path.join(kernel.dev(bdf), "boot_vga")) == "1":
+            return "it is the boot VGA device (the host's console)"
+    except Exception:  # no boot_vga attribute: not a display device
+        pass
+    return None
+
+
+def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: set[str]) -> list[dict]:
+    """The ``vfio`` records for ``functions`` (this claim's), after every refusal check."""
+    mine = set(functions)
+    records = []
+    for bdf in functions:
+        group = kernel.group(bdf)
+        if group is None:
+            raise VfioError(f"{bdf}: the IOMMU is off or the function has no IOMMU group "
+                            "(boot with intel_iommu=on or amd_iommu=on)")
+        if bdf in in_use_elsewhere:
+            raise VfioError(f"{bdf} is in use by another prepared claim (a shared device cannot go to a VM)")
+        if (why := host_own(root, kernel, bdf)) is not None:
+            raise VfioError(f"{bdf} is the host's own: {why}")
+        if kernel.num_vfs(bdf) > 0:
+            raise VfioError(f"{bdf} has {kernel.num_vfs(bdf)} SR-IOV VFs enabled: unbinding the PF would destroy them")
+        for other in kernel.group_members(group):
+            if other in mine or kernel.class_code(other) >> 8 == 0x0604:  # PCI bridges may share a group
+                continue
+            drv = kernel.driver(other)
+            if other in in_use_elsewhere or (drv is not None and drv != VFIO_DRIVER):
+                raise VfioError(f"{bdf}: IOMMU group {group} also holds {other} (driver {drv or 'none'}), "
+                                "which this claim is not allocated; a VM would get both")
+        records.append({"bdf": bdf, "group": group, "driver": kernel.driver(bdf), "override": kernel.override(bdf)})
+    return records
+
+
+def bind_all(kernel: PciKernel, records: list[dict], fault: Callable[[str], None]) -> None:
+    """Move every function to vfio-pci; on any failure give all of them back and raise."""
+    try:
+        for rec in records:
+            bdf = rec["bdf"]
+            kernel.set_override(bdf, VFIO_DRIVER)
+            fault("vfio:override-set")
+            if kernel.driver(bdf) != VFIO_DRIVER:
+                kernel.unbind(bdf)
+                fault("vfio:unbound")
+                kernel.bind(bdf, VFIO_DRIVER)
+                fault("vfio:bound")
+            kernel.wait_group_node(bdf, rec["group"])
+    except KernelError as err:
+        problems = restore_all(kernel, records, fault)
+        msg = f"binding to vfio-pci failed: {err}; original drivers restored"
+        raise VfioError(msg if not problems else f"{msg} except: {'; '.join(problems)}") from None
+
+
+def restore(kernel: PciKernel, rec: dict, fault: Callable[[str], None] = lambda p: None) -> None:
+    """Give one function back to its original driver (idempotent)."""
+    bdf, original = rec["bdf"], rec.get("driver")
+    if original == VFIO_DRIVER or (kernel.driver(bdf) == original and kernel.override(bdf) == rec.get("override")):
+        return  # it came to us on vfio-pci, or it is back already
+    kernel.set_override(bdf, rec.get("override"))
+    fault("vfio:override-restored")
+    if kernel.driver(bdf) not in (None, original):
+        kernel.unbind(bdf)
+        fault("vfio:restore-unbound")
+    if original is not None and kernel.driver(bdf) is None:
+        kernel.bind(bdf, original)
+        fault("vfio:restored")
+
+
+def restore_all(kernel: PciKernel, records: list[dict], fault: Callable[[str], None] = lambda p: None) -> list[str]:
+    """Give every function back; -> problems (empty when all are back)."""
+    problems = []
+    for rec in records:
+        try:
+            restore(kernel, rec, fault)
+        except KernelError as err:
+            log.error("VFIO: %s could not be given back to %s: %s", rec["bdf"], rec.get("driver"), err)
+            problems.append(str(err))
+    return problems
+
+
+def ensure_bound(kernel: PciKernel, records: list[dict], fault: Callable[[str], None] = lambda p: None) -> bool:
+    """A prepared claim's functions on vfio-pci again (after a reboot); True if any was moved."""
+    moved = [r for r in records if kernel.driver(r["bdf"]) != VFIO_DRIVER]
+    if moved:
+        bind_all(kernel, moved, fault)
+    return bool(moved)
+
+
+def claim_records(settings, kernel: PciKernel, claim: dict, results, by_name: dict[str, Device],
+                  others: dict[str, dict]) -> list[dict]:
+    """The ``vfio`` records of a claim whose config asks for VFIO (checked, nothing written);
+    ``others``: the other prepared claims, whose functions are in use."""
+    wanted = requested(claim, settings.driver_name)
+    if wanted is None:
+        return []
+    bdfs = list(dict.fromkeys(by_name[r.device].pci.bdf for r in results if wants_vfio(wanted, r.request)))
+    in_use = {by_name[d["device"]].pci.bdf for e in others.values() for d in e["devices"] if d["device"] in by_name}
+    in_use |= {rec["bdf"] for e in others.values() for rec in e.get("vfio") or ()}
+    return plan(settings.root, kernel, bdfs, in_use)
+
+
+def with_vfio_nodes(root: str, device: Device) -> Device:
+    """``device`` with the nodes a VFIO user opens (group node, /dev/vfio/vfio, iommufd cdev),
+    read from the kernel as it is now, instead of its driver's nodes."""
+    from discovery.sysfs import HostFS
+
+    fs = HostFS(root)
+    fn, problems, names = read_function(fs, device.pci.bdf)
+    found: list[Problem] = []
+    nodes = vfio_nodes(fs, NodeResolver(fs), fn, Dir(host_dir(fs, fn), names), found)
+    if not any(n.path.startswith("/dev/vfio/") and n.path != "/dev/vfio/vfio" for n in nodes):
+        raise VfioError(f"{device.pci.bdf}: no VFIO group node after binding ({'; '.join(p.reason for p in found)})")
+    return device.model_copy(update={"device_nodes": tuple(nodes)})

@@ -1,0 +1,206 @@
+"""A simulated PCI driver core for a copied fixture tree: it reacts to writes into
+``driver_override``, ``drivers/<d>/unbind``, ``drivers/<d>/bind`` and ``drivers_probe`` as
+the kernel does, so the agent's VFIO transaction runs against something that behaves.
+
+Why a stand-in: binding real functions needs real hardware and an IOMMU; this machine has
+neither. The behaviour follows drivers/base/bus.c and drivers/pci/pci-driver.c:
+- ``driver_override`` holds a driver name ("(null)" when unset); while set, only that driver
+  may bind the function;
+- unbind removes the ``driver`` link and the driver's view of the function (its net/,
+  infiniband/, drm/ directories vanish; they come back when the original driver binds it);
+- vfio-pci creates ``/dev/vfio/<group>`` (a real character node with /dev/null's numbers
+  when ``real_nodes``, so podman can inject it) and ``sys/class/vfio/<group>``;
+- failures to inject: a file ``<root>/.simkernel/fail-bind-<driver>`` makes binds to that
+  driver have no effect (probe failed), as in the NVIDIA driver issue where unbind worked
+  and the bind to vfio-pci did not.
+
+It polls (a few ms) instead of using inotify so it also sees writes made while it was
+stopped (it processes them when started again, like a kernel that was never down)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import threading
+import time
+
+SYS_PCI = "sys/bus/pci"
+
+
+class SimPciKernel:
+    def __init__(self, root: str, real_nodes: bool = False, vfio_loaded: bool = True, poll: float = 0.002):
+        self.root = root
+        self.real_nodes = real_nodes
+        self.poll = poll
+        self.state = os.path.join(root, ".simkernel")
+        os.makedirs(os.path.join(self.state, "stash"), exist_ok=True)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.log: list[str] = []
+        drivers = self.p(SYS_PCI, "drivers")
+        if vfio_loaded:
+            os.makedirs(os.path.join(drivers, "vfio-pci"), exist_ok=True)
+        for d in os.listdir(drivers):
+            for name in ("bind", "unbind"):
+                self._touch(os.path.join(drivers, d, name))
+        self._touch(self.p(SYS_PCI, "drivers_probe"))
+        for bdf in os.listdir(self.p(SYS_PCI, "devices")):
+            path = os.path.join(self.p(SYS_PCI, "devices", bdf), "driver_override")
+            if not os.path.exists(path):
+                with open(path, "w") as f:
+                    f.write("(null)\n")
+
+    def p(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    @staticmethod
+    def _touch(path: str) -> None:
+        if not os.path.exists(path):
+            open(path, "w").close()
+
+    def fail_binds(self, driver: str, on: bool = True) -> None:
+        flag = os.path.join(self.state, f"fail-bind-{driver}")
+        if on:
+            open(flag, "w").close()
+        elif os.path.exists(flag):
+            os.unlink(flag)
+
+    # --- the driver core --------------------------------------------------------------
+    def dev(self, bdf: str) -> str:
+        return self.p(SYS_PCI, "devices", bdf)
+
+    def driver(self, bdf: str) -> str | None:
+        link = os.path.join(self.dev(bdf), "driver")
+        return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+
+    def override(self, bdf: str) -> str | None:
+        with open(os.path.join(self.dev(bdf), "driver_override")) as f:
+            value = f.read().strip()
+        return None if value in ("", "(null)") else value
+
+    def group(self, bdf: str) -> str | None:
+        link = os.path.join(self.dev(bdf), "iommu_group")
+        return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+
+    def unbind(self, driver: str, bdf: str) -> None:
+        if self.driver(bdf) != driver:
+            return  # -ENODEV: the function is not bound to this driver
+        os.unlink(os.path.join(self.dev(bdf), "driver"))
+        link = self.p(SYS_PCI, "drivers", driver, bdf)
+        if os.path.islink(link):
+            os.unlink(link)
+        real = os.path.realpath(self.dev(bdf))
+        stash = os.path.join(self.state, "stash", bdf)
+        if driver == "vfio-pci":
+            g = self.group(bdf)
+            for path in (self.p("dev/vfio", g), self.p("sys/class/vfio", g)):
+                if os.path.lexists(path):
+                    os.unlink(path)
+            shutil.rmtree(self.p("sys/devices/virtual/vfio", g), ignore_errors=True)
+        else:
+            os.makedirs(stash, exist_ok=True)
+            with open(os.path.join(stash, "driver"), "w") as f:
+                f.write(driver)
+            for view in ("net", "infiniband", "infiniband_verbs", "drm"):
+                if os.path.isdir(os.path.join(real, view)):
+                    os.rename(os.path.join(real, view), os.path.join(stash, view))
+        self.log.append(f"unbind {bdf} {driver}")
+
+    def bind(self, driver: str, bdf: str) -> None:
+        override = self.override(bdf)
+        if self.driver(bdf) is not None or (override is not None and override != driver):
+            return  # -EBUSY / the override forbids it
+        if os.path.exists(os.path.join(self.state, f"fail-bind-{driver}")):
+            self.log.append(f"bind {bdf} {driver} FAILED")
+            return
+        if driver == "vfio-pci" and self.group(bdf) is None:
+            return  # vfio-pci refuses a function without an IOMMU group
+        drvdir = self.p(SYS_PCI, "drivers", driver)
+        real = os.path.realpath(self.dev(bdf))
+        os.symlink(os.path.relpath(drvdir, real), os.path.join(real, "driver"))
+        os.symlink(os.path.relpath(real, drvdir), os.path.join(drvdir, bdf))
+        if driver == "vfio-pci":
+            self._vfio_nodes(self.group(bdf))
+        else:
+            stash = os.path.join(self.state, "stash", bdf)
+            for view in ("net", "infiniband", "infiniband_verbs", "drm"):
+                if os.path.isdir(os.path.join(stash, view)):
+                    os.rename(os.path.join(stash, view), os.path.join(real, view))
+        self.log.append(f"bind {bdf} {driver}")
+
+    def probe(self, bdf: str) -> None:
+        if self.driver(bdf) is not None:
+            return
+        native = os.path.join(self.state, "stash", bdf, "driver")
+        driver = self.override(bdf) or (open(native).read().strip() if os.path.exists(native) else None)
+        if driver:
+            self.bind(driver, bdf)
+
+    def _vfio_nodes(self, group: str) -> None:
+        major, minor = (1, 3) if self.real_nodes else (241, int(group))
+        d = self.p("sys/devices/virtual/vfio", group)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "dev"), "w") as f:
+            f.write(f"{major}:{minor}\n")
+        os.makedirs(self.p("sys/class/vfio"), exist_ok=True)
+        if not os.path.lexists(self.p("sys/class/vfio", group)):
+            os.symlink(os.path.relpath(d, self.p("sys/class/vfio")), self.p("sys/class/vfio", group))
+        os.makedirs(self.p("dev/vfio"), exist_ok=True)
+        for node, numbers in ((group, (major, minor)), ("vfio", (1, 3) if self.real_nodes else (10, 196))):
+            path = self.p("dev/vfio", node)
+            if self.real_nodes and not (os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode)):
+                if os.path.lexists(path):
+                    os.unlink(path)  # the fixture's placeholder file
+                os.mknod(path, 0o666 | 0o020000, os.makedev(*numbers))
+            elif not os.path.exists(path):
+                open(path, "w").close()
+        if self.real_nodes:
+            misc = self.p("sys/devices/virtual/misc/vfio")
+            os.makedirs(misc, exist_ok=True)
+            with open(os.path.join(misc, "dev"), "w") as f:
+                f.write("1:3\n")
+
+    # --- the loop -----------------------------------------------------------------------
+    def step(self) -> None:
+        """Handle every pending write once."""
+        drivers = self.p(SYS_PCI, "drivers")
+        for d in sorted(os.listdir(drivers)):
+            for op in ("unbind", "bind"):
+                path = os.path.join(drivers, d, op)
+                value = _take(path)
+                if value:
+                    (self.unbind if op == "unbind" else self.bind)(d, value)
+        value = _take(self.p(SYS_PCI, "drivers_probe"))
+        if value:
+            self.probe(value)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.step()
+            time.sleep(self.poll)
+
+    def start(self) -> "SimPciKernel":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="simkernel", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _take(path: str) -> str:
+    """The value written to a control file, which is then emptied (a write is one event)."""
+    try:
+        with open(path, "r+") as f:
+            value = f.read().strip()
+            if value:
+                f.seek(0)
+                f.truncate()
+            return value
+    except FileNotFoundError:
+        return ""
