@@ -3,15 +3,17 @@
 ``sysdra scan -o json`` and ``sysdra scan`` (the table) are run as fresh processes, in turn
 with ``lspci -A linux-sysfs -vmm`` on the same tree and with a minimal Python reader of the
 same sysfs files (``bench/minreader.py``): A B C D, A B C D, ... after one warm-up round, so
-every ratio compares runs made side by side. Each figure is the median wall time; the CPU
-time (user + system, from ``wait4``) is kept in the progress output.
+every ratio compares runs made side by side. Each figure is the median CPU time (user +
+system, from ``wait4``) of the process: all of these commands are single-threaded, so on an
+idle machine it equals the wall time, and on a shared one it leaves out the time spent
+waiting for a CPU (the wall times are in the progress output).
 
 The Python processes run as an installed ``sysdra`` does (``agentproc.installed_env``):
 bytecode cached (the warm-up round fills the cache) and stdout buffered.
 
 ``first_publish``: a real ``sysdra run`` in offline mode on the same node, from ``exec`` to
-the first ResourceSlice file on disk (median of 3 starts). Floor: ``sysdra scan -o json``
-(the agent has to scan before it can publish)."""
+the first ResourceSlice file on disk, wall time (median of 3 starts). Floor: the CPU time of
+``sysdra scan -o json`` (the agent has to scan before it can publish)."""
 
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def run(rounds: int = ROUNDS) -> list[Figure]:
     t = measure(root, rounds)
     for name, (wall, cpu) in t.items():
         progress(f"  {name:<10} wall {wall * 1000:7.1f} ms  cpu {cpu * 1000:7.1f} ms")
-    ms = {k: w * 1000 for k, (w, _) in t.items()}
+    ms = {k: c * 1000 for k, (_, c) in t.items()}
     figures = []
     if "lspci" in ms:
         figures += [
