@@ -13,6 +13,7 @@ Kinds (docs/claim-config.md documents every field; later issues add theirs to ``
 
 - ``GpuConfig`` — GPUs: ``sharing.mpsLimits`` and extra ``env``.
 - ``NicConfig`` — NICs: extra ``env``.
+- ``VfioConfig`` — any PCI function: hand it to a VM bound to vfio-pci (docs/vfio.md).
 """
 
 from __future__ import annotations
@@ -68,11 +69,16 @@ class NicConfig(_Kind):
     kind: Literal["NicConfig"]
 
 
-Config = Union[GpuConfig, NicConfig]
+class VfioConfig(_Kind):
+    kind: Literal["VfioConfig"]
+
+
+Config = Union[GpuConfig, NicConfig, VfioConfig]
 # kind -> (model, the device kinds it configures)
 KINDS: dict[str, tuple[type[_Kind], frozenset[str]]] = {
     "GpuConfig": (GpuConfig, frozenset({"gpu"})),
     "NicConfig": (NicConfig, frozenset({"nic"})),
+    "VfioConfig": (VfioConfig, frozenset({"gpu", "nic", "fpga", "accelerator"})),
 }
 
 

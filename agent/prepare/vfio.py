@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Callable
 
+from agent.prepare import claimconfig
 from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
 from discovery.devnodes import NodeResolver
 from discovery.routes import default_route_functions
@@ -30,45 +31,22 @@ from discovery.vfio import vfio_nodes
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "sysdra.io/v1alpha1"
-KIND = "VfioConfig"
-_FIELDS = {"apiVersion", "kind"}
 
 
 class VfioError(Exception):
     """The claim's VFIO request cannot be done; the message is that claim's error."""
 
 
-def requested(claim: dict, driver_name: str) -> set[str] | None:
-    """Base request names whose devices go to vfio-pci (``{"*"}``: every request), or None.
-
-    ``status.allocation.devices.config`` holds the class's and the claim's opaque configs for
-    our driver; a ``VfioConfig`` applies to the requests it names (all when it names none)."""
-    configs = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config") or []
-    if not isinstance(configs, list):
-        raise VfioError("status.allocation.devices.config is not a list")
-    out: set[str] = set()
-    for i, c in enumerate(configs):
-        opaque = c.get("opaque") if isinstance(c, dict) else None
-        if not isinstance(opaque, dict) or opaque.get("driver") != driver_name:
-            continue
-        params = opaque.get("parameters")
-        if not isinstance(params, dict) or params.get("kind") != KIND:
-            continue
-        if params.get("apiVersion") != API_VERSION:
-            raise VfioError(f"config {i}: {KIND} apiVersion {params.get('apiVersion')!r} is not {API_VERSION}")
-        unknown = sorted(set(params) - _FIELDS)
-        if unknown:
-            raise VfioError(f"config {i}: {KIND} has unknown fields {', '.join(map(str, unknown))}")
-        reqs = c.get("requests") or ["*"]
-        if not isinstance(reqs, list) or not all(isinstance(r, str) for r in reqs):
-            raise VfioError(f"config {i}: requests is not a list of names")
-        out |= {r.split("/", 1)[0] for r in reqs}
-    return out or None
-
-
-def wants_vfio(wanted: set[str] | None, request: str) -> bool:
-    return wanted is not None and ("*" in wanted or request.split("/", 1)[0] in wanted)
+def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device]) -> list[str]:
+    """PCI addresses of the results whose config (class, then claim: the last that applies,
+    agent/prepare/claimconfig.py) is a ``VfioConfig``; ClaimFailed for a bad config."""
+    configs = claimconfig.opaque_configs(claim, driver_name)
+    out: list[str] = []
+    for r in results:
+        dev = by_name.get(r.device)
+        if dev is not None and isinstance(claimconfig.config_for(configs, r.request, dev.kind, dev.name), claimconfig.VfioConfig):
+            out.append(dev.pci.bdf)
+    return list(dict.fromkeys(out))
 
 
 def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
@@ -168,10 +146,9 @@ def claim_records(settings, kernel: PciKernel, claim: dict, results, by_name: di
                   others: dict[str, dict]) -> list[dict]:
     """The ``vfio`` records of a claim whose config asks for VFIO (checked, nothing written);
     ``others``: the other prepared claims, whose functions are in use."""
-    wanted = requested(claim, settings.driver_name)
-    if wanted is None:
+    bdfs = functions(claim, settings.driver_name, results, by_name)
+    if not bdfs:
         return []
-    bdfs = list(dict.fromkeys(by_name[r.device].pci.bdf for r in results if wants_vfio(wanted, r.request)))
     in_use = {by_name[d["device"]].pci.bdf for e in others.values() for d in e["devices"] if d["device"] in by_name}
     in_use |= {rec["bdf"] for e in others.values() for rec in e.get("vfio") or ()}
     return plan(settings.root, kernel, bdfs, in_use)
