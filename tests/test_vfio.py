@@ -233,3 +233,27 @@ def test_podman_sees_the_vfio_nodes(tmp_path):
     finally:
         podman.cleanup()
         sim.stop()
+
+
+def test_reboot_in_the_middle_of_a_bind(node):
+    """The node reboots between unbind and bind: the kernel comes up with the original driver
+    and no override; recovery finds the intent, has nothing to undo and rolls the claim back."""
+    s, sim, state, driver = node
+
+    class Crash(BaseException):
+        pass
+
+    d = driver()
+    d.fault = lambda point: (_ for _ in ()).throw(Crash()) if point == "vfio:unbound" else None
+    with pytest.raises(Crash):
+        d.prepare_claims([vfio_claim("vm", [VF], UID)])
+    sim.stop()
+    with open(os.path.join(s.root, "sys/bus/pci/devices", VF_BDF, "driver_override"), "w") as f:
+        f.write("(null)\n")
+    sim.bind("mlx5_core", VF_BDF)  # the boot's probe
+    with open(os.path.join(s.root, "proc/sys/kernel/random/boot_id"), "w") as f:
+        f.write("rebooted\n")
+    sim.start()
+    report = driver().recover()
+    assert UID in report.rolled_back and sim.driver(VF_BDF) == "mlx5_core"
+    assert UID not in Checkpoint.load(os.path.join(s.plugin_dir, "checkpoint.json"), move_corrupt=False).claims
