@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 
 import pytest
+import yaml
 from lightkube import AsyncClient, KubeConfig
 
 from agent.kubeletplugin.claims import ClaimError, KubeClaimSource
@@ -158,22 +160,8 @@ def test_rbac_alone_lets_the_agent_write_another_nodes_slices(apiserver, agent):
     apiserver.delete("ResourceSlice", r.json()["metadata"]["name"])
 
 
-NODE_POLICY = [
-    {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-     "metadata": {"name": "sysdra-own-node-slices"},
-     "spec": {"failurePolicy": "Fail",
-              "matchConstraints": {"resourceRules": [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"],
-                                                      "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["resourceslices"]}]},
-              "matchConditions": [{"name": "agent", "expression": "request.userInfo.username == 'system:serviceaccount:sysdra:sysdra'"}],
-              "variables": [{"name": "nodeName", "expression":
-                             "request.userInfo.extra[?'authentication.kubernetes.io/node-name'][0].orValue('')"},
-                            {"name": "slice", "expression": "request.operation == 'DELETE' ? oldObject : object"}],
-              "validations": [{"reason": "Forbidden", "expression": "variables.nodeName != '' && variables.slice.spec.?nodeName.orValue('') == variables.nodeName",
-                               "messageExpression": "'the sysdra agent on ' + variables.nodeName + ' may only write its own node\\'s ResourceSlices'"}]}},
-    {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-     "metadata": {"name": "sysdra-own-node-slices"},
-     "spec": {"policyName": "sysdra-own-node-slices", "validationActions": ["Deny"]}},
-]  # fmt: skip
+# deploy/admission-policy.yaml: the agent may write only its own node's slices
+NODE_POLICY = list(yaml.safe_load_all(open(os.path.join(REPO, "deploy", "admission-policy.yaml"))))
 
 
 def test_node_bound_token_and_an_admission_policy_confine_the_agent_to_its_node(apiserver, agent):
