@@ -281,16 +281,14 @@ class Inventory(Frozen):
     def to_json(self) -> dict:
         """``sysdra scan -o json``: devices in ResourceSlice encoding plus device nodes."""
         devices = []
-        for d in self.devices:
-            entry = {"name": d.name, "kind": d.kind}
-            api = d.to_api()
-            entry["attributes"] = api.get("attributes", {})
-            entry["capacity"] = api.get("capacity", {})
-            entry["deviceNodes"] = [
-                {"path": n.path, "type": n.type, "major": n.major, "minor": n.minor} for n in d.device_nodes
-            ]
+        for d in self.devices:  # the shared, read-only ``AttributeValue.api`` dicts: this is only encoded
+            entry = {"name": d.name, "kind": d.kind,
+                     "attributes": {k: v.api for k, v in sorted(d.attributes.items())},
+                     "capacity": {k: {"value": v} for k, v in sorted(d.capacity.items())},
+                     "deviceNodes": [{"path": n.path, "type": n.type, "major": n.major, "minor": n.minor}
+                                     for n in d.device_nodes]}  # fmt: skip
             if d.problems:
-                entry["problems"] = [p.model_dump() for p in d.problems]
+                entry["problems"] = [{"what": p.what, "reason": p.reason} for p in d.problems]
             devices.append(entry)
         skipped = [{"bdf": s.bdf, "reason": s.reason} for s in self.skipped]
         out = {"devices": devices, "skipped": skipped}

@@ -79,11 +79,14 @@ def test_run_offline_publishes_then_stops_on_sigterm(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
-        files = []
-        while not files and time.monotonic() < deadline and proc.poll() is None:
+        files, sockets = [], []
+        # slices go out first, the kubelet side starts after them: SIGTERM once both are up
+        while not (files and sockets) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
             files = glob.glob(str(cluster / "resourceslices" / "*.json"))
+            sockets = glob.glob(str(tmp_path / "kubelet" / "plugins_registry" / "*.sock"))
         assert files, proc.stderr.read() if proc.poll() is not None else "no slices published"
+        assert sockets, "the registration socket never appeared"
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
