@@ -60,6 +60,19 @@ class Settings(BaseModel):
         if not 0 < v <= 3600:
             raise ValueError("must be between 0 and 3600 seconds")
         return v
+    # Device kinds published for sharing (consumable capacity) and their capacity policies;
+    # checked by agent.publish.sharing.share_plan at start (docs/sharing.md).
+    share: tuple[Literal["gpu", "nic"], ...] = ()
+    share_policies: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("share", mode="before")
+    @classmethod
+    def _share_list(cls, v):
+        if isinstance(v, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        if isinstance(v, (list, tuple)) and len(set(v)) != len(v):
+            raise ValueError("names a kind twice")
+        return tuple(v) if isinstance(v, list) else v
 
     @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod

@@ -149,11 +149,13 @@ class NetInterface(Frozen):
     mac: str | None = None
     mtu: int | None = None
     phys_port_name: str | None = None
+    speed_mbps: int | None = None  # ``speed`` (None while the link is down): bandwidth of a shared NIC
 
 
 class RdmaDevice(Frozen):
     name: str  # mlx5_0
     uverbs: str | None = None  # uverbs0
+    rate_gbps: float | None = None  # port 1's ``rate`` ("400 Gb/sec (4X NDR)"): bandwidth of a shared NIC
 
 
 class GpuPartition(Frozen):

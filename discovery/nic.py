@@ -12,6 +12,7 @@ from discovery.sysfs import AttrError, Dir, HostFS
 _UVERBS = re.compile(r"^uverbs(\d+)$")
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,19}$")
 _IFNAME = re.compile(r"^[^/\s]{1,15}$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?) Gb/sec\b")
 
 
 def _net_dirs(fs: HostFS, d: Dir) -> list[str]:
@@ -44,12 +45,26 @@ def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) ->
         return None
 
     mac = opt("address")
+    try:  # EINVAL or -1 while the link is down: no speed, and nothing wrong
+        speed: int | None = int(fs.read_attr(f"{path}/speed"))
+    except (AttrError, ValueError):
+        speed = None
     return NetInterface(
         name=name,
         mac=mac.lower() if mac and _MAC.match(mac.lower()) else None,
         mtu=opt("mtu", int),
         phys_port_name=opt("phys_port_name"),
+        speed_mbps=speed if speed is not None and 0 < speed < 10**8 else None,
     )
+
+
+def _port_rate(fs: HostFS, ibdev_dir: str) -> float | None:
+    """Port 1's rate in Gb/s (``ports/1/rate``: "400 Gb/sec (4X NDR)"), None when unreadable."""
+    try:
+        m = _RATE.match(fs.read_attr(f"{ibdev_dir}/ports/1/rate"))
+    except AttrError:
+        return None
+    return float(m.group(1)) if m and 0 < float(m.group(1)) < 10**5 else None
 
 
 def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]):
@@ -87,5 +102,6 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         ibdevs = fs.listdir(f"{pci_dir}/infiniband") if d.has("infiniband") else []
     except AttrError:
         ibdevs = []
-    rdma = [RdmaDevice(name=ib, uverbs=verbs_by_ibdev.get(ib)) for ib in ibdevs]
+    rdma = [RdmaDevice(name=ib, uverbs=verbs_by_ibdev.get(ib), rate_gbps=_port_rate(fs, f"{pci_dir}/infiniband/{ib}"))
+            for ib in ibdevs]
     return NicInfo(interfaces=tuple(interfaces), rdma=tuple(rdma)), nodes

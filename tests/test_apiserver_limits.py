@@ -61,6 +61,43 @@ DEVICES = {
 }  # fmt: skip
 
 
+def shared(policy: dict, value: str = "100", multiple: bool | None = True) -> dict:
+    device: dict = {"name": "d", "capacity": {"compute": {"value": value, "requestPolicy": policy}}}
+    if multiple is not None:
+        device["allowMultipleAllocations"] = multiple
+    return device
+
+
+RANGE = {"min": "1", "max": "100", "step": "1"}
+# consumable capacity (docs/sharing.md): request policies, as agent/publish/sharing.py publishes them
+DEVICES.update({
+    "policy-range": shared({"default": "10", "validRange": RANGE}),
+    "policy-range-min-only": shared({"default": "10", "validRange": {"min": "1"}}),
+    "policy-without-multiple": shared({"default": "10", "validRange": RANGE}, multiple=None),
+    "policy-multiple-false": shared({"default": "10", "validRange": RANGE}, multiple=False),
+    "policy-multiple-no-policy": {"name": "d", "allowMultipleAllocations": True, "capacity": {"slots": {"value": "4"}}},
+    "policy-no-default": shared({"validRange": RANGE}),
+    "policy-values-and-range": shared({"default": "10", "validValues": ["10"], "validRange": RANGE}),
+    "policy-values-10": shared({"default": "10", "validValues": [str(10 * i) for i in range(1, 11)]}),
+    "policy-values-11": shared({"default": "10", "validValues": [str(5 * i) for i in range(1, 12)]}),
+    "policy-values-descending": shared({"default": "10", "validValues": ["50", "10"]}),
+    "policy-values-duplicate": shared({"default": "10", "validValues": ["10", "10"]}),
+    "policy-values-over-capacity": shared({"default": "10", "validValues": ["10", "200"]}),
+    "policy-default-not-a-value": shared({"default": "20", "validValues": ["10", "50"]}),
+    "policy-default-below-min": shared({"default": "0", "validRange": RANGE}),
+    "policy-default-above-max": shared({"default": "101", "validRange": {"min": "1", "max": "100"}}),
+    "policy-max-over-capacity": shared({"default": "10", "validRange": {"min": "1", "max": "200"}}),
+    "policy-min-over-capacity": shared({"default": "200", "validRange": {"min": "200"}}),
+    "policy-min-plus-step-over-capacity": shared({"default": "60", "validRange": {"min": "60", "step": "50"}}),
+    "policy-default-off-step": shared({"default": "15", "validRange": {"min": "10", "step": "10"}}),
+    "policy-max-off-step": shared({"default": "10", "validRange": {"min": "10", "max": "95", "step": "10"}}),
+    "policy-step-zero": shared({"default": "10", "validRange": {"min": "10", "step": "0"}}),
+    "policy-milli": shared({"default": "500m", "validRange": {"min": "250m", "step": "250m"}}, value="4"),
+    "policy-below-milli": shared({"default": "1", "validRange": {"min": "0.0005", "step": "1"}}, value="4"),
+    "policy-binary": shared({"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}, value="80Gi"),
+})
+
+
 # Where the agent is deliberately stricter than v1.37.2's validation (it leaves out a device the
 # server would take). Each is asserted as such, so a server that starts rejecting it shows up.
 STRICTER = {

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 
+from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
 from tests.conftest import profile_root, profiles
@@ -20,6 +21,7 @@ VARIANTS = {
     "pf-vf-exclusive": {"list_attributes": True, "pf_vf_exclusive": True},
     "partitions": {"list_attributes": True, "pf_vf_exclusive": True, "partitions": True},
     "compatibility-groups": {"list_attributes": True, "partitions": True, "compatibility_groups": True},
+    "share": {"share": share_plan(("gpu", "nic"), None)},  # consumable capacity, docs/sharing.md
 }
 
 

@@ -9,7 +9,7 @@ naming the setting (exit 78).
 
 from __future__ import annotations
 
-VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name")
+VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share")
 SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups")
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
@@ -20,6 +20,7 @@ HELP = {
     "taint-unhealthy": "publish unhealthy devices with a NoSchedule device taint sysdra.io/unhealthy",
     "partitions": "publish GPU partitions (AMD compute partitions, NVIDIA MIG instances) with shared counters",
     "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
+    "share": "device kinds shared by several claims (consumable capacity), e.g. gpu,nic; policies: share_policies in the config file",
 }
 
 
@@ -40,6 +41,22 @@ def add_publishing_flags(parser) -> None:
         add_value_flag(parser, flag, HELP[flag])
     for flag in SWITCH_FLAGS:
         add_switch_flag(parser, flag, HELP[flag])
+
+
+def checked(settings):
+    """``settings`` once the publishing settings that Settings cannot judge alone (share
+    policies, checked as the API server would) are valid; else ConfigError (exit 78)."""
+    from agent.publish.sharing import share_plan
+    from agent.settings import ConfigError
+
+    try:
+        share_plan(settings.share, settings.share_policies)
+    except ValueError as err:
+        raise ConfigError(f"invalid setting {err}") from err
+    if "gpu" in settings.share and getattr(settings, "partitions", False):
+        # a partition device is a copy of its GPU's entry: shares of it would publish the whole GPU's capacities
+        raise ConfigError("invalid setting share: gpu cannot be combined with partitions (share the GPUs or partition them)")
+    return settings
 
 
 def publishing_values(args) -> dict:

@@ -45,7 +45,7 @@ def settings_from_args(args):
 
     flags = {publishing.dest(name): getattr(args, publishing.dest(name), None) for name in VALUE_FLAGS + SWITCH_FLAGS}
     flags.update(publishing.publishing_values(args))
-    return build_settings(flags, config_file=args.config)
+    return publishing.checked(build_settings(flags, config_file=args.config))
 
 
 def run(args) -> int:

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 def _settings(args):
     from agent.settings import build_settings
 
-    return build_settings({"root": args.root, **publishing.publishing_values(args)}, config_file=args.config)
+    return publishing.checked(build_settings({"root": args.root, **publishing.publishing_values(args)}, config_file=args.config))
 
 
 def _taints(inv: Inventory, settings) -> dict[str, list[dict]]:

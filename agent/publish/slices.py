@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from agent.deviceapi import device_api
 from agent.publish import partitions as gpu_partitions
+from agent.publish.sharing import SharePlan, share_plan, shared_entry
 from agent.publish.validation import device_problems
 
 API_VERSION = "resource.k8s.io/v1"
@@ -145,16 +146,17 @@ def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: d
     return out, counter_sets
 
 
-def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict | None) -> tuple[dict, list[str]]:
+def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict | None,
+           share: SharePlan | None = None) -> tuple[dict, list[str]]:
     """The device's API entry and validation problems; ``cache`` reuses them while the
     device object (discovery reuses unchanged ones), its taints and the settings are the same."""
     t = taints.get(device.name) if taints else None
-    key = (driver_name, list_attributes)
+    key = (driver_name, list_attributes, share)
     if cache is not None:
         hit = cache.get(device.name)
         if hit is not None and hit[0] is device and hit[1] == t and hit[2] == key:
             return hit[3], list(hit[4])
-    entry = device_api(device)
+    entry = shared_entry(device_api(device), device, share)
     if device.pci.physfn:
         entry = _with_pf_attribute(entry, device.pci.physfn)
     if t:
@@ -167,20 +169,21 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
 
 def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
                partitions: bool = False, compatibility_groups: bool = False, taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
-               cache: dict | None = None) -> PoolContent:
+               cache: dict | None = None, share: SharePlan | None = None) -> PoolContent:
     """Validated, chunked pool content for this node's devices (inventory order = allocation order).
 
     ``taints``: device name -> DeviceTaints (``--taint-unhealthy``); a tainted device makes
     its slice an advanced one (at most 64 devices). ``previous``: the pool published
     before, for sticky slice placement (``chunk_devices``). ``cache``: a dict kept by the
-    caller across calls; entries (treated as read-only) are reused for unchanged devices."""
+    caller across calls; entries (treated as read-only) are reused for unchanged devices.
+    ``share``: kinds published multi-allocatable with capacity policies (``sharing.share_plan``)."""
     rejected: list[tuple[str, str]] = []
     entries: list[dict] = []
     seen: set[str] = set()
     pf_of: dict[str, str | None] = {}
     bdf_of: dict[str, str] = {}
     for device in inventory.devices:
-        entry, problems = _entry(device, driver_name, list_attributes, taints, cache)
+        entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share)
         if device.name in seen:
             problems.append("device name used twice in the pool")
         if problems:
@@ -280,6 +283,7 @@ def pool_options(settings) -> dict:
         "pf_vf_exclusive": settings.pf_vf_exclusive,
         "partitions": settings.partitions,
         "compatibility_groups": settings.compatibility_groups,
+        "share": share_plan(settings.share, settings.share_policies),
     }
 
 

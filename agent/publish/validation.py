@@ -11,6 +11,8 @@ import functools
 import re
 from fractions import Fraction
 
+from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
+
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_ATTRIBUTE_VALUES = 48
 MAX_VALUE_LENGTH = 64  # bytes, for string/version values and list elements
@@ -18,6 +20,7 @@ MAX_ID_LENGTH = 32
 MAX_DOMAIN_LENGTH = 63
 MAX_COUNTER_CONSUMPTIONS = 2
 MAX_COUNTERS = 32
+MAX_VALID_VALUES = 10  # CapacityRequestPolicyDiscreteMaxOptions
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -28,9 +31,6 @@ _SEMVER = re.compile(
     r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
-_QUANTITY = re.compile(r"^([+-]?)(\d+\.?\d*|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$")
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 _SCALAR_KEYS = ("int", "bool", "string", "version")
 _LIST_KEYS = ("ints", "bools", "strings", "versions")
 
@@ -41,22 +41,6 @@ def is_dns_label(name: str) -> bool:
 
 def is_dns_subdomain(name: str, max_len: int = 253) -> bool:
     return len(name) <= max_len and bool(_DNS_SUBDOMAIN.match(name))
-
-
-def parse_quantity(text: str) -> Fraction:
-    """Value of a Kubernetes quantity string; ValueError when the syntax is wrong."""
-    m = _QUANTITY.match(text) if isinstance(text, str) else None
-    if m is None:
-        raise ValueError(f"not a quantity: {text!r}")
-    sign, number, suffix = m.group(1), m.group(2), m.group(3) or ""
-    value = Fraction(number)
-    if suffix in _BINARY:
-        value *= _BINARY[suffix]
-    elif suffix in _DECIMAL:
-        value *= Fraction(10) ** _DECIMAL[suffix]
-    else:  # decimal exponent, e.g. 1e3
-        value *= Fraction(10) ** int(suffix[1:])
-    return -value if sign == "-" else value
 
 
 @functools.lru_cache(maxsize=4096)  # a pool repeats the same few dozen names on every device
@@ -138,19 +122,85 @@ def device_problems(device: dict, driver: str, list_attributes: bool) -> list[st
             values += 1
     if values > MAX_ATTRIBUTE_VALUES:
         problems.append(f"{values} attribute values, at most {MAX_ATTRIBUTE_VALUES}")
+    multiple = device.get("allowMultipleAllocations") is True
     for key, cap in capacity.items():
         problem = qualified_name_problem(key)
         if problem is None:
             try:
-                parse_quantity(cap.get("value") if isinstance(cap, dict) else None)
+                value = parse_quantity(cap.get("value") if isinstance(cap, dict) else None)
             except ValueError:
                 problem = f"capacity {key!r}: {cap!r} is not a quantity"
+        if problem is None and cap.get("requestPolicy") is not None:
+            if not multiple:
+                problem = f"capacity {key!r}: requestPolicy: allowMultipleAllocations must be true"
+            elif found := policy_problems(cap["requestPolicy"], value):
+                problem = f"capacity {key!r}: requestPolicy: " + "; ".join(found)
         if problem:
             problems.append(problem)
     for problem in (_unique_names(attributes, driver), _unique_names(capacity, driver)):
         if problem:
             problems.append(problem)
     problems.extend(_consumption_problems(device.get("consumesCounters") or []))
+    return problems
+
+
+def _milli(q: Fraction) -> bool:
+    return (q * 1000).denominator == 1
+
+
+def policy_problems(policy: dict, capacity: Fraction | None) -> list[str]:
+    """What the API server rejects in a ``requestPolicy`` (validateRequestPolicy, v1.37, with
+    DRAFractionalCapacityRange on: values in milli units); ``capacity`` None skips the checks
+    against the capacity value (the value is known per device only)."""
+    try:
+        default = parse_quantity(policy["default"]) if policy.get("default") is not None else None
+        values = [parse_quantity(v) for v in policy.get("validValues") or []]
+        rng = {k: parse_quantity(v) for k, v in (policy.get("validRange") or {}).items() if v is not None}
+    except (ValueError, TypeError, AttributeError) as err:
+        return [f"bad quantity ({err})"]
+    problems = []
+    if values and policy.get("validRange") is not None:
+        return ['exactly one policy can be specified, cannot specify "validValues" and "validRange" at the same time']
+    if (values or policy.get("validRange") is not None) and default is None:
+        problems.append("default is required with validValues or validRange")
+    if values:
+        if len(values) > MAX_VALID_VALUES:
+            problems.append(f"validValues has {len(values)} entries, at most {MAX_VALID_VALUES}")
+        if any(a >= b for a, b in zip(values, values[1:])):
+            problems.append("validValues must be sorted in ascending order, without duplicates")
+        if capacity is not None and any(v > capacity for v in values):
+            problems.append(f"a valid value is larger than the capacity value {capacity}")
+        if default is not None and default not in values:
+            problems.append("default must be one of validValues")
+    if policy.get("validRange") is not None:
+        lo, hi, step = rng.get("min"), rng.get("max"), rng.get("step")
+        if lo is None:
+            return problems + ["validRange.min is required"]
+        if not all(_milli(q) for q in (lo, hi, step, default) if q is not None):
+            problems.append("validRange and default must have at most 3 decimals (milli units)")
+        if lo < 0:
+            problems.append("validRange.min must not be negative")
+        if capacity is not None and lo > capacity:
+            problems.append(f"validRange.min is larger than the capacity value {capacity}")
+        if default is not None and default < lo:
+            problems.append("default is less than validRange.min")
+        if hi is not None:
+            if lo > hi:
+                problems.append("validRange.min is larger than validRange.max")
+            if capacity is not None and hi > capacity:
+                problems.append(f"validRange.max is larger than the capacity value {capacity}")
+            if default is not None and default > hi:
+                problems.append("default is more than validRange.max")
+        if step is not None:
+            if step <= 0:
+                problems.append("validRange.step must be greater than zero")
+            else:
+                if capacity is not None and lo + step > capacity:
+                    problems.append(f"one step above validRange.min is larger than the capacity value {capacity}")
+                if default is not None and (default - lo) % step:
+                    problems.append("default is not validRange.min plus a multiple of validRange.step")
+                if hi is not None and (hi - lo) % step:
+                    problems.append("validRange.max is not validRange.min plus a multiple of validRange.step")
     return problems
 
 

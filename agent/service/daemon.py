@@ -51,7 +51,9 @@ def make_store(settings: Settings):
 
 # Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy"})
+                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies"})
+# Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
+REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies"})
 
 
 def trim_heap() -> None:
@@ -254,7 +256,7 @@ class Agent:
         if "log_level" in live or "log_format" in live:
             setup_logging(self.settings)
         log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))
-        if {"list_attributes", "pf_vf_exclusive", "taint_unhealthy"} & set(live):
+        if REPUBLISH_SETTINGS & set(live):
             self._republish()
 
     # --- main loop -----------------------------------------------------------------------

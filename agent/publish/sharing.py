@@ -1,0 +1,174 @@
+"""Devices shared by several claims (consumable capacity, KEP-5075; docs/sharing.md).
+
+With ``--share gpu,nic`` those kinds are published with ``allowMultipleAllocations: true`` and
+capacities that carry a ``requestPolicy``; the scheduler then hands out shares and accounts what
+each consumes. What a kind's shares consume, and the policies, come from ``DEFAULT_POLICIES``
+merged with ``share_policies`` of the config file (one capacity's entry replaces its default;
+``null`` drops that capacity). ``share_plan`` checks all of it at start, as the API server
+would check it (``validation.policy_problems``), so a bad policy stops the agent with exit 78
+instead of costing every device later.
+
+Capacity values: ``value`` of the policy when given; else GPU ``memory`` from discovery (VRAM
+``mem_info_vram_total``) or, for NVIDIA, the size in the model name the driver's information
+file gives ("NVIDIA H100 80GB HBM3" -> 80Gi); NIC ``bandwidth`` from the RDMA port rate or, without
+RDMA, the netdev's link speed. A capacity whose value is unknown on a device is left out there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from types import MappingProxyType
+
+from agent.publish.validation import policy_problems, qualified_name_problem
+from agent.quantity import parse_quantity, plain
+
+SHAREABLE = ("gpu", "nic")
+MAX_SHARED_CAPACITIES = 8
+
+# kind -> capacity -> policy (API form, plus an optional "value"); docs/sharing.md lists them
+DEFAULT_POLICIES: dict[str, dict[str, dict]] = {
+    "gpu": {
+        "memory": {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}},
+        "compute": {"value": "100", "default": "10", "validRange": {"min": "1", "max": "100", "step": "1"}},
+    },
+    "nic": {
+        "bandwidth": {"default": "1G", "validRange": {"min": "100M", "step": "100M"}},
+        "slots": {"value": "32", "default": "1", "validRange": {"min": "1", "step": "1"}},
+    },
+}
+_NVIDIA_MODEL_SIZE = re.compile(r"\b(\d{1,4})\s?GB\b")
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """Which kinds are shared and each kind's capacity policies (checked)."""
+
+    kinds: frozenset[str]
+    policies: MappingProxyType  # kind -> ((capacity, policy dict), ...)
+
+    def __hash__(self) -> int:  # a cache key of build_pool
+        return hash((self.kinds, tuple(sorted((k, repr(v)) for k, v in self.policies.items()))))
+
+
+def _quantity_text(v: object, where: str) -> str:
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise ValueError(f"{where}: {v!r} is not a quantity")
+    text = str(v)
+    try:
+        parse_quantity(text)
+    except ValueError:
+        raise ValueError(f"{where}: {text!r} is not a quantity") from None
+    return text
+
+
+_POLICY_KEYS = {"value", "default", "validValues", "validRange"}
+_RANGE_KEYS = {"min", "max", "step"}
+
+
+def _normalize(policy: object, where: str) -> dict:
+    """A policy from the config file -> API form with quantity strings; ValueError if malformed."""
+    if not isinstance(policy, dict):
+        raise ValueError(f"{where}: must be a mapping with default and validValues or validRange")
+    unknown = sorted(set(policy) - _POLICY_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(str, unknown))} (known: {', '.join(sorted(_POLICY_KEYS))})")
+    out: dict = {}
+    for key in ("value", "default"):
+        if policy.get(key) is not None:
+            out[key] = _quantity_text(policy[key], f"{where}.{key}")
+    if policy.get("validValues") is not None:
+        values = policy["validValues"]
+        if not isinstance(values, list):
+            raise ValueError(f"{where}.validValues: must be a list")
+        out["validValues"] = [_quantity_text(v, f"{where}.validValues[{i}]") for i, v in enumerate(values)]
+    if policy.get("validRange") is not None:
+        rng = policy["validRange"]
+        if not isinstance(rng, dict) or set(rng) - _RANGE_KEYS:
+            raise ValueError(f"{where}.validRange: must be a mapping of min, max, step")
+        out["validRange"] = {k: _quantity_text(rng[k], f"{where}.validRange.{k}") for k in ("min", "max", "step") if rng.get(k) is not None}
+    return out
+
+
+def share_plan(share: tuple[str, ...] | list[str], share_policies: dict | None) -> SharePlan | None:
+    """The checked plan for the ``share`` and ``share_policies`` settings (None: nothing shared).
+    ValueError names the setting and what is wrong."""
+    kinds = tuple(share or ())
+    for kind in kinds:
+        if kind not in SHAREABLE:
+            raise ValueError(f"share: {kind!r} cannot be shared (shareable: {', '.join(SHAREABLE)})")
+    overrides = share_policies or {}
+    if not isinstance(overrides, dict):
+        raise ValueError("share-policies: must be a mapping of device kind to capacity policies")
+    for kind in overrides:
+        if kind not in SHAREABLE:
+            raise ValueError(f"share-policies.{kind}: not a shareable kind ({', '.join(SHAREABLE)})")
+        if kind not in kinds:
+            raise ValueError(f"share-policies.{kind}: a request policy needs allowMultipleAllocations, "
+                             f"but {kind} is not shared (add it to share / --share)")
+    if not kinds:
+        return None
+    policies = {}
+    for kind in kinds:
+        merged: dict[str, dict | None] = dict(DEFAULT_POLICIES[kind])
+        given = overrides.get(kind) or {}
+        if not isinstance(given, dict):
+            raise ValueError(f"share-policies.{kind}: must be a mapping of capacity name to policy")
+        merged.update(given)
+        caps = []
+        for name, policy in merged.items():
+            where = f"share-policies.{kind}.{name}"
+            if policy is None:
+                continue
+            if problem := qualified_name_problem(str(name)):
+                raise ValueError(f"{where}: {problem}")
+            p = _normalize(policy, where)
+            value = parse_quantity(p["value"]) if "value" in p else None
+            problems = policy_problems({k: v for k, v in p.items() if k != "value"}, value)
+            if problems:
+                raise ValueError(f"{where}: " + "; ".join(problems))
+            caps.append((str(name), MappingProxyType(p)))
+        if len(caps) > MAX_SHARED_CAPACITIES:
+            raise ValueError(f"share-policies.{kind}: {len(caps)} capacities, at most {MAX_SHARED_CAPACITIES}")
+        policies[kind] = tuple(caps)
+    return SharePlan(frozenset(kinds), MappingProxyType(policies))
+
+
+def _bits(mbps: Fraction) -> str:
+    return f"{plain(mbps / 1000)}G" if (mbps / 1000).denominator == 1 else f"{plain(mbps)}M"
+
+
+def discovered_value(device, capacity: str) -> str | None:
+    """What discovery knows of a shared capacity on ``device`` (None: unknown)."""
+    if capacity == "memory" and device.kind == "gpu":
+        if device.capacity.get("memory"):
+            return device.capacity["memory"]
+        model = device.gpu.model if device.gpu else None
+        if device.gpu and device.gpu.vendor == "nvidia" and model and (m := _NVIDIA_MODEL_SIZE.search(model)):
+            return f"{int(m.group(1))}Gi"
+    if capacity == "bandwidth" and device.kind == "nic" and device.nic:
+        rates = [Fraction(r.rate_gbps).limit_denominator(1000) * 1000 for r in device.nic.rdma if r.rate_gbps]
+        rates = rates or [Fraction(i.speed_mbps) for i in device.nic.interfaces if i.speed_mbps]
+        if rates:
+            return _bits(max(rates))
+    return None
+
+
+def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
+    """The device's slice entry, multi-allocatable with policies when its kind is shared."""
+    if plan is None or device.kind not in plan.kinds:
+        return entry
+    capacity = dict(entry.get("capacity") or {})
+    for name, policy in plan.policies[device.kind]:
+        value = policy.get("value") or discovered_value(device, name)
+        if value is None:
+            capacity.pop(name, None)  # unknown here: not accounted on this device
+            continue
+        request_policy = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                          for k, v in policy.items() if k != "value"}
+        capacity[name] = {"value": value, "requestPolicy": request_policy}
+    out = dict(entry, allowMultipleAllocations=True)
+    if capacity:
+        out["capacity"] = dict(sorted(capacity.items()))
+    return out
