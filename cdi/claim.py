@@ -1,7 +1,8 @@
 """The per-claim CDI spec: what a container gets for the devices of one claim.
 
 Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
-- kind ``k8s.<driver>/claim``, one CDI device ``<claimUID>-<device>`` per device with
+- kind ``k8s.<driver>/claim``, one CDI device ``<claimUID>-<device>`` per device (per share:
+  ``<claimUID>-<device>-<shareID>``, with the share's environment, docs/sharing.md) with
   its device nodes (``hostPath`` only when the agent's root is not ``/``) and
   ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
 - spec-level edits (applied once when any device of the claim is injected) carry the
@@ -12,9 +13,20 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from cdi.spec import claim_kind, finish, qualified_name
 from discovery.models import Device
+
+
+@dataclass(frozen=True)
+class ClaimDevice:
+    """One CDI device of a claim: a device, or one share of it (``key`` ``<device>-<shareID>``,
+    so every share gets its own CDI name), with environment of its own (the share, claim config)."""
+
+    device: Device
+    key: str
+    env: tuple[str, ...] = ()
 
 
 def env_name(device_name: str) -> str:
@@ -29,7 +41,7 @@ def cdi_id(driver_name: str, claim_uid: str, device_name: str) -> str:
     return qualified_name(claim_kind(driver_name), cdi_device_name(claim_uid, device_name))
 
 
-def _device_edits(dev: Device, with_host_path: bool) -> dict:
+def _device_edits(dev: Device, with_host_path: bool, extra_env: tuple[str, ...] = ()) -> dict:
     nodes = []
     for n in dev.device_nodes:
         node = {"path": n.path}
@@ -37,16 +49,19 @@ def _device_edits(dev: Device, with_host_path: bool) -> dict:
             node["hostPath"] = n.host_path
         node.update({"type": n.type, "major": n.major, "minor": n.minor})
         nodes.append(node)
-    edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}"]}
+    edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env]}
     if nodes:
         edits["deviceNodes"] = nodes
     return edits
 
 
-def build_claim_spec(driver_name: str, claim_uid: str, devices: list[Device], root: str = "/") -> dict:
-    """The finished, validated spec dict for ``devices`` (each once, in allocation order)."""
-    if not devices:
+def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/") -> dict:
+    """The finished, validated spec dict for ``entries`` (each once, in allocation order; a
+    plain Device is its own key). Claim-wide lists name each device once, however many shares."""
+    if not entries:
         raise ValueError("a CDI spec needs at least one device")
+    cdi_devices = [e if isinstance(e, ClaimDevice) else ClaimDevice(e, e.name) for e in entries]
+    devices = list({c.device.name: c.device for c in cdi_devices}.values())
     with_host_path = root != "/"
     env = [f"SYSDRA_CLAIM_UID={claim_uid}", "SYSDRA_DEVICES=" + ",".join(d.name for d in devices)]
     for kind in sorted({d.kind for d in devices}):
@@ -58,8 +73,8 @@ def build_claim_spec(driver_name: str, claim_uid: str, devices: list[Device], ro
     spec = {
         "kind": claim_kind(driver_name),
         "devices": [
-            {"name": cdi_device_name(claim_uid, d.name), "containerEdits": _device_edits(d, with_host_path)}
-            for d in devices
+            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, with_host_path, c.env)}
+            for c in cdi_devices
         ],
         "containerEdits": {"env": env},
     }

@@ -143,3 +143,49 @@ def test_exclusive_devices_are_unchanged_without_share():
     c = gpu_share("m", memory="1Gi")  # capacity 'memory' unknown on an unshared NVIDIA GPU: no fit
     with pytest.raises(Unschedulable):
         allocate(plain, CLASSES, c, node=NODE)
+
+
+def test_demo_share_claims_get_what_the_demo_hands_out(tmp_path):
+    """agent/tools/demo.py plays the scheduler for its two sharing claims: the allocator agrees."""
+    from agent.tools import demo
+    from tests.controlplane import claim_from
+
+    slices = published(GPU_PROFILE, list_attributes=False, share=share_plan(("gpu",), None))
+    gpus = [n for n, d in devices(slices).items() if kind(d) == "gpu"]
+    hand = demo.make_share_claims(str(tmp_path), gpus[1])
+    allocated: list[dict] = []
+    # the demo's first claim takes gpus[0] whole (its default share); the sharing claims then land where the demo says
+    first = claim("train", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "80Gi"}}))
+    (a,) = allocate(slices, CLASSES, first, node=NODE)
+    allocated.append(with_allocation(first, a))
+    for c in hand:
+        (got,) = allocate(slices, CLASSES, claim_from(c), node=NODE, allocated=allocated)
+        allocated.append(with_allocation(claim_from(c), got))
+        (r,) = got["devices"]["results"]
+        (want,) = c["status"]["allocation"]["devices"]["results"]
+        assert (r["device"], r["consumedCapacity"]) == (want["device"], want["consumedCapacity"])
+
+
+def test_deploy_sharing_examples_allocate_as_they_say():
+    import os
+
+    from tests.conftest import REPO
+    from tests.controlplane import claim_from, load_yaml
+
+    docs = {d["metadata"]["name"]: d for d in load_yaml(os.path.join(REPO, "deploy", "example-sharing.yaml"))
+            if d["kind"] == "ResourceClaimTemplate"}  # fmt: skip
+    slices = shared()
+    by_name = devices(slices)
+    # the two pods' claims share the first GPU
+    small = [claim_from(docs["gpu-share-small"], name=f"infer-{x}") for x in "ab"]
+    a, b = allocate(slices, CLASSES, small, node=NODE)
+    ra, rb = a["devices"]["results"][0], b["devices"]["results"][0]
+    assert ra["device"] == rb["device"] and ra["shareID"] != rb["shareID"]
+    assert ra["consumedCapacity"] == {"memory": "10Gi", "compute": "25"}
+    assert a["devices"]["config"][0]["opaque"]["parameters"]["kind"] == "GpuConfig"
+    (spread,) = allocate(slices, CLASSES, claim_from(docs["gpu-shares-spread"]), node=NODE)
+    assert len({r["device"] for r in spread["devices"]["results"]}) == 2
+    (pair,) = allocate(slices, CLASSES, claim_from(docs["gpu-and-rdma-share"]), node=NODE)
+    root = {r["request"]: by_name[r["device"]]["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
+            for r in pair["devices"]["results"]}  # fmt: skip
+    assert root["gpu"] == root["rdma"]

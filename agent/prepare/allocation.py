@@ -7,9 +7,11 @@ fails as a whole with a message saying which result is wrong."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from agent.names import InvalidName, check_label, check_request, is_uid
+from agent.quantity import parse_quantity
 
 
 class ClaimFailed(Exception):
@@ -24,6 +26,28 @@ class Result:
     pool: str
     device: str
     share_id: str | None
+    consumed: tuple[tuple[str, str], ...] = ()  # consumedCapacity of a share: (capacity, quantity), by name
+
+
+_CAPACITY_NAME = re.compile(r"^(?:[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?/)?[A-Za-z_][A-Za-z0-9_]{0,31}$")
+
+
+def _consumed(i: int, value: object) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > 32:
+        raise ClaimFailed(f"allocation result {i}: consumedCapacity is not a map of at most 32 capacities")
+    out = []
+    for name, q in sorted(value.items()):
+        if not isinstance(name, str) or not _CAPACITY_NAME.match(name):
+            raise ClaimFailed(f"allocation result {i}: consumedCapacity name {str(name)[:80]!r} is not a capacity name")
+        try:
+            if not isinstance(q, str) or len(q) > 64 or parse_quantity(q) < 0:
+                raise ValueError
+        except ValueError:
+            raise ClaimFailed(f"allocation result {i}: consumedCapacity {name}: {str(q)[:80]!r} is not a quantity") from None
+        out.append((name, q))
+    return tuple(out)
 
 
 def _results(claim: dict) -> list:
@@ -61,5 +85,5 @@ def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]
             raise ClaimFailed(f"allocation result {i}: {what} {pool}/{device} is allocated twice")
         seen.add(key)
         raw.append(r)
-        checked.append(Result(request, pool, device, share or None))
+        checked.append(Result(request, pool, device, share or None, _consumed(i, r.get("consumedCapacity"))))
     return raw, checked

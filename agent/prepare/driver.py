@@ -31,9 +31,10 @@ from typing import Callable, Iterable
 from agent.fsutil import UnsafePath
 from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
 from agent.names import InvalidName
-from agent.prepare import cdifiles, recovery, vfio
+from agent.prepare import cdifiles, recovery, shares, vfio
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.allocation import ClaimFailed, Result, our_results
+from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
 from agent.prepare.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
@@ -65,8 +66,11 @@ def _started(entry: dict) -> dict:
     return started
 
 
-def _record(d: PreparedDevice) -> dict:
-    return {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
+def _record(d: PreparedDevice, env: tuple[str, ...] = ()) -> dict:
+    rec = {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
+    if env:  # a share's or a claim config's environment, for rebuilding the spec (omitted when empty)
+        rec["cdiEnv"] = list(env)
+    return rec
 
 
 class Driver:
@@ -92,28 +96,35 @@ class Driver:
     def _spec_path(self, uid: str) -> str:
         return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
 
-    def _plan(self, uid: str, results: list[Result], by_name: dict[str, Device]) -> tuple[list[PreparedDevice], dict | None]:
-        """Map our allocation results to inventory devices -> (response devices, CDI spec)."""
-        picked: dict[str, Device] = {}
-        prepared = []
+    def _plan(self, uid: str, results: list[Result], by_name: dict[str, Device],
+              configs: list[OpaqueConfig] = ()) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
+        """Map our allocation results to inventory devices -> (response devices, CDI spec, each
+        device's own environment). One CDI device per result: a share is its own (prepare/shares.py)."""
+        picked: dict[str, shares.ClaimDevice] = {}
+        prepared, envs = [], []
         for r in results:
             if r.pool != self.settings.node_name:
                 raise ClaimFailed(f"device {r.device!r} is allocated from pool {r.pool!r}, not this node's pool {self.settings.node_name!r}")
             dev = by_name.get(r.device)
             if dev is None:
                 raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
-            picked.setdefault(dev.name, dev)
-            ids = [cdi_id(self.settings.driver_name, uid, dev.name)]
+            cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
+            picked.setdefault(cd.key, cd)
+            ids = [cdi_id(self.settings.driver_name, uid, cd.key)]
             prepared.append(PreparedDevice([r.request], r.pool, dev.name, ids, r.share_id))
+            envs.append(cd.env)
         if not picked:
-            return prepared, None
-        return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root)
+            return prepared, None, envs
+        return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root), envs
 
     def _claim_spec(self, uid: str, entry: dict, by_name: dict[str, Device]) -> dict:
         """The claim's CDI spec from the inventory; VFIO functions get the nodes they have now."""
-        devs = list({d["device"]: by_name[d["device"]] for d in entry["devices"]}.values())
         held = {rec["bdf"] for rec in entry.get("vfio") or ()}
-        devs = [vfio.with_vfio_nodes(self.settings.root, d) if d.pci.bdf in held else d for d in devs]
+        devs = []
+        for d in entry["devices"]:
+            dev = by_name[d["device"]]
+            devs.append(shares.recorded(vfio.with_vfio_nodes(self.settings.root, dev) if dev.pci.bdf in held else dev, d))
+        devs = list({c.key: c for c in devs}.values())
         return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
 
     # --- prepare / unprepare ---------------------------------------------------
@@ -130,6 +141,7 @@ class Driver:
             uid = meta["uid"]
             try:
                 raw, results = our_results(claim, self.settings.driver_name)
+                configs = opaque_configs(claim, self.settings.driver_name)
             except ClaimFailed as err:
                 out[uid] = PrepareResult(error=str(err))
                 continue
@@ -157,7 +169,7 @@ class Driver:
             try:
                 if by_name is None:
                     by_name = self.inventory().by_name()
-                devices, spec = self._plan(uid, results, by_name)
+                devices, spec, envs = self._plan(uid, results, by_name, configs)
                 vfio_recs = vfio.claim_records(self.settings, self.kernel, claim, results, by_name,
                                                {u: e for u, e in cp.claims.items() if u != uid})
                 meta_rec = metadata.plan(self.settings, claim, devices, by_name) if self.settings.device_metadata else None
@@ -173,7 +185,7 @@ class Driver:
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
             plans[uid] = {
                 "state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"],
-                "bootID": self.boot_id, "allocation": fp, "devices": [_record(d) for d in devices],
+                "bootID": self.boot_id, "allocation": fp, "devices": [_record(d, e) for d, e in zip(devices, envs)],
                 "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
                 "metadata": meta_rec,
             }

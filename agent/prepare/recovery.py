@@ -12,7 +12,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from agent.fsutil import clean_stale_temps
-from agent.prepare import cdifiles, vfio
+from agent.prepare import cdifiles, shares, vfio
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
 from agent.prepare.vfio import VfioError
@@ -98,8 +98,8 @@ def adopt(driver, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
             continue  # left as orphan: removed below
         prefix = cdi_device_name(uid, "")
         devices = [
-            {"requests": [], "pool": driver.settings.node_name, "device": d["name"][len(prefix):],
-             "cdiDeviceIDs": [f"{kind}={d['name']}"], "shareID": None}
+            {"requests": [], "pool": driver.settings.node_name, **shares.split_key(d["name"][len(prefix):]),
+             "cdiDeviceIDs": [f"{kind}={d['name']}"]}
             for d in spec["devices"] if d["name"].startswith(prefix)
         ]
         cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": driver.boot_id,

@@ -3,8 +3,9 @@
 It copies a fixture node to ``.state/demo/root``, starts ``sysdra run`` on it in offline
 mode, and then plays the kubelet and the scheduler against the real sockets and files:
 registration, a ResourceClaim allocated from the published slices, NodePrepareResources
-(CDI spec + device metadata on disk), a GPU hot-unplug that the agent republishes, and
-NodeUnprepareResources. Nothing outside ``.state/demo`` is touched.
+(CDI spec + device metadata on disk), two claims sharing one GPU (``--share gpu``: one share
+each, with its own CDI device and environment), a GPU hot-unplug that the agent republishes,
+and NodeUnprepareResources. Nothing outside ``.state/demo`` is touched.
 """
 
 from __future__ import annotations
@@ -95,6 +96,62 @@ def make_claim(cluster: str, gpu: str, nic: str) -> dict:
     return claim
 
 
+# The two claims sharing one GPU: (name, capacity requests, what the scheduler's allocator
+# consumes for them under the default policies; tests/test_allocator.py checks it does)
+SHARE_CLAIMS = (("infer-a", {"memory": "20Gi", "compute": "30"}, {"compute": "30", "memory": "20Gi"}),
+                ("infer-b", {"memory": "39.5Gi"}, {"compute": "10", "memory": "40Gi"}))
+
+
+def make_share_claims(cluster: str, gpu: str) -> list[dict]:
+    """Two ResourceClaims, each allocated one share of ``gpu`` (shareID, consumedCapacity)."""
+    out = []
+    for name, requests, consumed in SHARE_CLAIMS:
+        claim = {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "demo", "uid": str(uuid.uuid4())},
+            "spec": {"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io", "capacity": {"requests": requests}}}]}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": gpu, "shareID": str(uuid.uuid4()),
+                 "consumedCapacity": consumed}]}}},
+        }  # fmt: skip
+        d = os.path.join(cluster, "resourceclaims", "demo")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"{name}.json"), "w") as f:
+            json.dump(claim, f, indent=2)
+        out.append(claim)
+    return out
+
+
+async def share_session(kubelet, state: str, cluster: str, gpu: str) -> None:
+    shared = next(d for s in read_slices(cluster) for d in s["spec"].get("devices", []) if d["name"] == gpu)
+    say(f"sharing: {gpu} is published with allowMultipleAllocations (sysdra run --share gpu)")
+    show(f"allowMultipleAllocations: {json.dumps(shared.get('allowMultipleAllocations'))}\n" + "\n".join(
+        f"capacity {name}: {json.dumps(cap)}" for name, cap in (shared.get("capacity") or {}).items()))
+    claims = make_share_claims(cluster, gpu)
+    say(f"scheduler: two claims get one share of {gpu} each")
+    for c in claims:
+        r = c["status"]["allocation"]["devices"]["results"][0]
+        show(f"{c['metadata']['name']}: shareID={r['shareID']} consumedCapacity={r['consumedCapacity']}")
+    say("kubelet: NodePrepareResources for both: one Device per share, its own CDI device and environment")
+    for c in claims:
+        uid = c["metadata"]["uid"]
+        result = (await kubelet.prepare(c)).claims[uid]
+        if result.error:
+            raise SystemExit(f"demo: prepare failed: {result.error}")
+        (dev,) = result.devices
+        with open(os.path.join(state, "cdi", f"k8s.{DRIVER}-claim_{uid}.json")) as f:
+            spec = json.load(f)
+        env = [e for d in spec["devices"] for e in d["containerEdits"]["env"] if e.startswith(("SYSDRA_SHARE_", "CUDA_MPS_"))]
+        nodes = [n["path"] for d in spec["devices"] for n in d["containerEdits"].get("deviceNodes", [])]
+        lines = [f"{c['metadata']['name']}: share_id={dev.share_id} cdi={list(dev.cdi_device_ids)}",
+                 f"  device nodes {', '.join(nodes)}"] + [f"  {e}" for e in env]
+        show("\n".join(lines))
+    for c in claims:
+        await kubelet.unprepare(c)
+    show("both unprepared")
+
+
 def unplug(root: str, device_name: str) -> str:
     """Remove a PCI function from the copied tree the way a surprise removal looks."""
     bdf_parts = device_name.split("-", 1)[1].rsplit("-", 1)
@@ -138,6 +195,8 @@ async def kubelet_session(state: str, cluster: str, root: str, proc: subprocess.
         with open(sorted(meta)[0]) as f:
             show(f.read(), limit=25)
 
+    await share_session(kubelet, state, cluster, gpus[1])
+
     victim = gpus[-1]
     say(f"hardware: surprise removal of {victim}")
     t0 = time.monotonic()
@@ -170,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     say("starting the agent: sysdra run --cluster dir:... (offline mode)")
     cmd = [sys.executable, "-m", "agent", "run", "--root", root, "--node-name", NODE, "--cluster", f"dir:{cluster}",
            "--kubelet-dir", os.path.join(state, "kubelet"), "--cdi-dir", os.path.join(state, "cdi"),
-           "--metrics-address", "", "--debounce", "0.25"]
+           "--metrics-address", "", "--debounce", "0.25", "--share", "gpu"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
     log_path = os.path.join(state, "agent.log")
     with open(log_path, "w") as log:
