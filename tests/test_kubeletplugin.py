@@ -121,7 +121,8 @@ def test_prepare_unprepare_both_versions(env, version):
                 (["gpus"], "node-1", "gpu-0000-1b-00-0",
                  [f"k8s.{DRIVER}/claim={uid}-gpu-0000-1b-00-0", f"{DRIVER}/metadata={uid}_gpus"]),
                 (["nets"], "node-1", "nic-0000-40-00-0",
-                 [f"k8s.{DRIVER}/claim={uid}-nic-0000-40-00-0", f"{DRIVER}/metadata={uid}_nets"]),
+                 # a share is its own CDI device: <claim>-<device>-<shareID> (docs/sharing.md)
+                 [f"k8s.{DRIVER}/claim={uid}-nic-0000-40-00-0-5ab3c1c8-0000-4000-8000-000000000001", f"{DRIVER}/metadata={uid}_nets"]),
             ]
             if version == "v1.DRAPlugin":
                 assert not r.devices[0].HasField("share_id")

@@ -88,3 +88,13 @@ def test_share_flag_reaches_scan_output():
 def test_defaults_are_valid_policies():
     plan = share_plan(tuple(DEFAULT_POLICIES), None)
     assert plan is not None and set(plan.kinds) == {"gpu", "nic"}
+
+
+def test_shared_gpus_and_gpu_partitions_are_refused_together(monkeypatch, capsys):
+    from agent.cli import main as cli
+
+    for key in [k for k in os.environ if k.startswith("SYSDRA_")]:
+        monkeypatch.delenv(key)
+    code = cli.main(["scan", "-o", "slices", "--config", os.devnull, "--root", profile_root("vm-numa-none"),
+                     "--node-name", "n", "--share", "gpu", "--partitions"])
+    assert code == 78 and "gpu cannot be combined with partitions" in capsys.readouterr().err
