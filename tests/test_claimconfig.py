@@ -88,3 +88,11 @@ def test_unknown_field_fails_the_claim_even_where_no_result_uses_it():
     got = _allocated([], [opaque(nic)], exactly("a", "gpu.sysdra.io"))
     with pytest.raises(ClaimFailed, match=r"config 0 \(FromClaim\) for sysdra.io: NicConfig: mtu"):
         opaque_configs(got, "sysdra.io")
+
+
+def test_vfio_config_is_a_known_kind_for_every_device_kind():
+    from agent.prepare.claimconfig import VfioConfig
+
+    got = _allocated([], [opaque({"apiVersion": "sysdra.io/v1alpha1", "kind": "VfioConfig"})], exactly("a", "gpu.sysdra.io"))
+    (only,) = opaque_configs(got, "sysdra.io")
+    assert isinstance(only.config, VfioConfig) and isinstance(config_for([only], "a", "gpu"), VfioConfig)
