@@ -37,8 +37,16 @@ class PciKernel:
         return self.fs.path("sys/bus/pci/devices", bdf)
 
     def driver(self, bdf: str) -> str | None:
-        link = os.path.join(self.dev(bdf), "driver")
-        return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+        return self._link_name(os.path.join(self.dev(bdf), "driver"))
+
+    @staticmethod
+    def _link_name(link: str) -> str | None:
+        try:  # one readlink: the kernel may remove the link at any moment (unbind in progress)
+            return os.path.basename(os.readlink(link))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as err:
+            raise KernelError(f"cannot read {link}: {err.strerror or err}") from None
 
     def override(self, bdf: str) -> str | None:
         try:
@@ -50,8 +58,7 @@ class PciKernel:
         return None if value == "(null)" else value
 
     def group(self, bdf: str) -> int | None:
-        link = os.path.join(self.dev(bdf), "iommu_group")
-        name = os.path.basename(os.readlink(link)) if os.path.islink(link) else ""
+        name = self._link_name(os.path.join(self.dev(bdf), "iommu_group")) or ""
         return int(name) if name.isdigit() else None
 
     def group_members(self, group: int) -> list[str]:
