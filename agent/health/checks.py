@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from discovery.models import Device
@@ -51,15 +51,20 @@ class Memory:
     aer_message: str = ""
 
 
-@dataclass
 class _Findings:
-    faults: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
-    good: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
+    """What one check found (one per device per round: kept plain and small)."""
+
+    __slots__ = ("faults", "good", "unknown")
+
+    def __init__(self):
+        self.faults: list[tuple[str, str]] = []  # (code, message)
+        self.good: list[str] = []
+        self.unknown: list[str] = []
 
     def verdict(self) -> Verdict:
         if self.faults:
-            return Verdict(UNHEALTHY, truncate("; ".join(m for _, m in self.faults)), _slug(self.faults[0][0]))
+            message = self.faults[0][1] if len(self.faults) == 1 else "; ".join(m for _, m in self.faults)
+            return Verdict(UNHEALTHY, truncate(message), _slug(self.faults[0][0]))
         if self.good:
             return Verdict(HEALTHY, truncate("; ".join(self.good)))
         return Verdict(UNKNOWN, truncate("; ".join(self.unknown) or "nothing to check"))
@@ -84,37 +89,37 @@ def _net_interfaces(fs: HostFS, pci_dir: str, virtio: bool) -> list[str]:
     return out
 
 
-def _operstates(fs: HostFS, pci_dir: str, virtio: bool, known: tuple[str, ...]) -> list[tuple[str, str, AttrError | None]]:
-    """(interface dir, operstate, error) of the function's interfaces. ``known``: the ones
-    discovery saw; while all of them are still there, the net directory is not listed (this
-    runs for every NIC every round); one gone (renamed, moved into a pod) means: list."""
+def _operstates(fs: HostFS, pci_dir: str, virtio: bool, known: tuple) -> list[tuple[str, str, str, AttrError | None]]:
+    """(name, interface dir, operstate, error) of the function's interfaces. ``known``: the
+    NetInterfaces discovery saw; while all of them are still there, the net directory is not
+    listed (this runs for every NIC every round); one gone (renamed, moved into a pod): list."""
     if known and not virtio:
         out = []
-        for name in known:
-            path = f"{pci_dir}/net/{name}"
+        for iface in known:
+            path = f"{pci_dir}/net/{iface.name}"
             try:
-                out.append((path, fs.read_attr(f"{path}/operstate"), None))
+                out.append((iface.name, path, fs.read_attr(f"{path}/operstate"), None))
             except AttrError as err:
                 if err.reason == "missing":
                     break
-                out.append((path, "", err))
+                out.append((iface.name, path, "", err))
         else:
             return out
     out = []
     for path in _net_interfaces(fs, pci_dir, virtio):
+        name = os.path.basename(path)
         try:
-            out.append((path, fs.read_attr(f"{path}/operstate"), None))
+            out.append((name, path, fs.read_attr(f"{path}/operstate"), None))
         except AttrError as err:
-            out.append((path, "", err))
+            out.append((name, path, "", err))
     return out
 
 
-def _check_nic(fs: HostFS, pci_dir: str, f: _Findings, virtio: bool = False, known: tuple[str, ...] = ()) -> None:
+def _check_nic(fs: HostFS, pci_dir: str, f: _Findings, virtio: bool = False, known: tuple = ()) -> None:
     found = _operstates(fs, pci_dir, virtio, known)
     if not found:
         f.unknown.append("no network interface visible (moved into a pod's network namespace, or none)")
-    for path, state, err in found:
-        name = os.path.basename(path)
+    for name, path, state, err in found:
         if err is not None:
             f.unknown.append(f"interface {name} operstate {err.reason}")
             continue
@@ -203,7 +208,7 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
     _check_aer(fs, pci_dir, mem, now, f)
     if dev.kind == "nic":
         _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == "1af4",
-                   known=tuple(i.name for i in dev.nic.interfaces) if dev.nic else ())
+                   known=dev.nic.interfaces if dev.nic else ())
     elif dev.kind == "accelerator" and (driver or mem.driver) == "habanalabs":
         _check_habanalabs(fs, pci_dir, f)
     elif dev.kind == "fpga" and dev.fpga and dev.fpga.family == "alveo":

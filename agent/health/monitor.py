@@ -172,7 +172,9 @@ class HealthMonitor:
         for dev in (inv.devices if inv is not None else ()):
             present.add(dev.name)
             self._known[dev.name] = dev
-            mem = self._memory.setdefault(dev.name, Memory())
+            mem = self._memory.get(dev.name)
+            if mem is None:
+                mem = self._memory[dev.name] = Memory()
             if dev.pci.driver:
                 mem.driver = dev.pci.driver
         self._present_names = present
