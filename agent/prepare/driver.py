@@ -38,6 +38,7 @@ from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
 from agent.prepare.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
+from agent.prepare.partitions import Partitions
 from agent.prepare.vfio import VfioError
 from agent.prepare.vfio_kernel import KernelError, PciKernel
 from agent.settings import Settings
@@ -63,6 +64,8 @@ def _started(entry: dict) -> dict:
                "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
     if entry.get("vfio"):  # the intent of a kernel change: what to give back if we crash
         started["vfio"] = entry["vfio"]
+    if entry.get("partitions"):  # a GPU mode switch's intent (prepare/partitions.py)
+        started["partitions"] = entry["partitions"]
     return started
 
 
@@ -83,6 +86,9 @@ class Driver:
         self.kernel = PciKernel(settings.root)
         self.recovery: RecoveryReport | None = None  # of the last recover()
         self.fault: Callable[[str], None] = lambda point: None
+        self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
+        self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
+                                     fault=lambda point: self.fault(point)) if settings.partitions else None
 
     # --- helpers -------------------------------------------------------------
     def _cp(self) -> Checkpoint:
@@ -136,6 +142,7 @@ class Driver:
         by_name: dict[str, Device] | None = None
         changed: set[str] = set()  # entries to journal (Checkpoint.save appends only these)
         plans: dict[str, dict] = {}  # uid -> the PrepareCompleted entry, in the checkpoint once its files exist
+        planned: dict[str, tuple] = {}  # uid -> (results, devices by name, configs): what a mode switch re-plans from
         for claim in claims:
             meta = claim["metadata"]  # checked by the plugin: identity equals the request's
             uid = meta["uid"]
@@ -169,10 +176,12 @@ class Driver:
             try:
                 if by_name is None:
                     by_name = self.inventory().by_name()
-                devices, spec, envs = self._plan(uid, results, by_name, configs)
+                extra, part_rec = self.partitions.plan(uid, results, cp.claims) if self.partitions else ({}, None)
+                names = {**by_name, **extra} if extra else by_name
+                devices, spec, envs = self._plan(uid, results, names, configs)
                 vfio_recs = vfio.claim_records(self.settings, self.kernel, claim, results, by_name,
                                                {u: e for u, e in cp.claims.items() if u != uid})
-                meta_rec = metadata.plan(self.settings, claim, devices, by_name) if self.settings.device_metadata else None
+                meta_rec = metadata.plan(self.settings, claim, devices, names) if self.settings.device_metadata else None
             except (ClaimFailed, SpecError, InvalidName, UnsafePath, VfioError, KernelError) as err:
                 out[uid] = PrepareResult(error=str(err))
                 continue
@@ -191,6 +200,9 @@ class Driver:
             }
             if vfio_recs:
                 plans[uid]["vfio"] = vfio_recs
+            if part_rec:
+                plans[uid]["partitions"] = part_rec
+            planned[uid] = (results, names, configs)
             cp.claims[uid] = _started(plans[uid])
             out[uid] = PrepareResult(devices)
             todo.append(uid)
@@ -201,7 +213,8 @@ class Driver:
                     out[uid] = PrepareResult(error=err)
             return out
         # PrepareStarted (see Checkpoint.save); durable when it records a kernel change to undo
-        hardware = any(plans[uid].get("vfio") for uid in todo)
+        switching = any((plans[uid].get("partitions") or {}).get("switch") for uid in todo)
+        hardware = switching or any(plans[uid].get("vfio") for uid in todo)
         if err := self._save(cp, before, changed, durable=hardware):
             # nothing written yet; memory is back to what the file says
             for uid in todo:
@@ -210,6 +223,13 @@ class Driver:
         self.fault("prepare:started")
         for uid in todo:
             entry = plans[uid]
+            if (entry.get("partitions") or {}).get("switch"):
+                try:
+                    out[uid] = self._switch_mode(uid, entry, *planned[uid])
+                except (ClaimFailed, SpecError) as err:
+                    del cp.claims[uid]
+                    out[uid] = PrepareResult(error=str(err))
+                    continue
             what = "CDI spec"
             try:
                 if entry.get("vfio"):
@@ -229,6 +249,8 @@ class Driver:
                 out[uid] = PrepareResult(error=f"{what}: {err}")
                 continue
             cp.claims[uid] = entry
+        if switching:
+            self.hardware_changed()
         self.fault("prepare:specs-written")
         started = {uid: _started(plans[uid]) for uid in todo if uid in cp.claims}
         if err := self._save(cp, {**cp.claims, **started}, todo):
@@ -241,6 +263,18 @@ class Driver:
             return out
         self.fault("prepare:completed")
         return out
+
+    def _switch_mode(self, uid: str, entry: dict, results: list[Result], names: dict[str, Device],
+                     configs: list[OpaqueConfig]) -> PrepareResult:
+        """The GPU mode switch the entry records (its intent is on disk), then the claim's
+        devices and spec from the partitions the kernel exposes afterwards."""
+        pt = self.partitions.switch(entry["partitions"]["switch"])
+        fresh = {**names, **self.partitions.devices_after(pt, results)}
+        devices, spec, envs = self._plan(uid, results, fresh, configs)
+        entry["devices"] = [_record(d, e) for d, e in zip(devices, envs)]
+        entry["cdiSpec"] = {"path": self._spec_path(uid), "spec": spec} if spec else None
+        entry["partitions"] = {"uses": entry["partitions"]["uses"]}
+        return PrepareResult(devices)
 
     def _save(self, cp: Checkpoint, fallback: dict[str, dict], changed: Iterable[str], durable: bool = True) -> str | None:
         """Save the ``changed`` entries; on failure put ``fallback`` (what the files still

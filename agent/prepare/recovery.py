@@ -33,6 +33,7 @@ class RecoveryReport:
     corrupt_checkpoint: str | None = None
     boot_changed: bool = False
     kernel_changed: bool = False  # VFIO functions moved: the inventory read before recovery is stale
+    modes_restored: list[str] = field(default_factory=list)  # GPU mode switches undone (prepare/partitions.py)
 
 
 def recover(driver) -> RecoveryReport:
@@ -52,6 +53,9 @@ def recover(driver) -> RecoveryReport:
                 if vfio.restore_all(driver.kernel, entry["vfio"]):
                     log.error("claim %s: VFIO functions not given back yet; retried at the next start", uid)
                     continue  # keep the intent: the next start tries again
+            if driver.partitions and (undone := driver.partitions.recover(entry, cp.claims)):
+                report.modes_restored.append(undone)
+                report.kernel_changed = True
             del cp.claims[uid]
             driver.remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
             report.rolled_back.append(uid)

@@ -109,6 +109,7 @@ class Agent:
         self.rescans = 0
         self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
         self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
+        self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
 
@@ -150,6 +151,11 @@ class Agent:
             self.health.on_inventory(inventory)
         self.board.set_inventory(inventory, health=self.health_states())
         return self._republish(changed_at)
+
+    def _rescan_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.rescan())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _republish(self, changed_at: float | None = None) -> bool:
         """Hand the publisher a new pool only if what we publish changed."""
@@ -199,7 +205,11 @@ class Agent:
         from agent.kubeletplugin.plugin import KubeletPlugin
         from agent.prepare.driver import Driver
 
-        driver = ObservedDriver(Driver(self.settings, lambda: self.inventory), self.metrics, self.board)
+        core = Driver(self.settings, lambda: self.inventory)
+        loop = asyncio.get_running_loop()
+        # a GPU mode switch at prepare (any thread): rescan and republish
+        core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
+        driver = ObservedDriver(core, self.metrics, self.board)
         self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings))
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)

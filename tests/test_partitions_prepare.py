@@ -1,0 +1,202 @@
+"""Prepare of partition devices on the simulated amdgpu (fixtures/simkernel/amdgpu.py): claims
+allocated by the scheduler's allocator from the agent's slices, mode switches as transactions,
+refusals, restores and start-up recovery. The MIG side needs no switch: its nodes are checked
+here too."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agent.prepare.driver import Driver
+from agent.prepare.partitions import intent
+from tests.partition_node import CPX_GPU, SPX_GPU, Node, devices_of, mode_of, part_of, whole
+from tests.test_partitions_allocator import gpu_bdf
+
+
+def spec_nodes(driver: Driver, uid: str) -> dict[str, list[str]]:
+    """CDI device name suffix (our device) -> its device node paths, from the spec on disk."""
+    with open(driver._spec_path(uid)) as f:
+        spec = json.load(f)
+    return {d["name"][len(uid) + 1:]: [n["path"] for n in d["containerEdits"].get("deviceNodes", [])] for d in spec["devices"]}
+
+
+@pytest.fixture
+def node(tmp_path):
+    n = Node(str(tmp_path))
+    with n.sim:
+        yield n
+
+
+def driver_for(node: Node) -> Driver:
+    d = Driver(node.settings, node.inventory)
+    d.hardware_changed = node.rescan
+    return d
+
+
+def prepare(driver: Driver, claim: dict) -> object:
+    return driver.prepare_claims([claim])[claim["metadata"]["uid"]]
+
+
+def test_partition_in_the_current_mode_needs_no_switch(node):
+    d = driver_for(node)
+    c = node.allocated("cpx", part_of(CPX_GPU, "CPX/NPS1"), count=2)
+    res = prepare(d, c)
+    assert not res.error, res.error
+    assert node.sim.switches == [] and node.rescans == 0
+    got = spec_nodes(d, c["metadata"]["uid"])
+    assert got == {f"{CPX_GPU}-cpx-nps1-0": ["/dev/dri/renderD128", "/dev/kfd"],
+                   f"{CPX_GPU}-cpx-nps1-1": ["/dev/dri/renderD129", "/dev/kfd"]}
+    assert d.checkpoint.claims[c["metadata"]["uid"]]["partitions"] == {"uses": {gpu_bdf(CPX_GPU): "CPX/NPS1"}}
+
+
+def test_prepare_switches_the_mode_and_builds_the_spec_from_the_new_partitions(node):
+    d = driver_for(node)
+    a = node.allocated("a", part_of(SPX_GPU, "DPX/NPS1"))
+    assert devices_of(a) == [f"{SPX_GPU}-dpx-nps1-0"]
+    res = prepare(d, a)
+    assert not res.error, res.error
+    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "DPX/NPS1" and node.rescans == 1  # republished after the switch
+    assert spec_nodes(d, a["metadata"]["uid"]) == {f"{SPX_GPU}-dpx-nps1-0": ["/dev/dri/renderD136", "/dev/kfd"]}
+    entry = d.checkpoint.claims[a["metadata"]["uid"]]
+    assert entry["partitions"] == {"uses": {gpu_bdf(SPX_GPU): "DPX/NPS1"}}  # the intent is gone once done
+    # the second DPX partition, allocated knowing about the first: no switch, the xcp render node
+    b = node.allocated("b", part_of(SPX_GPU, "DPX/NPS1"), prepared=[a])
+    assert not prepare(d, b).error
+    assert spec_nodes(d, b["metadata"]["uid"]) == {f"{SPX_GPU}-dpx-nps1-1": ["/dev/dri/renderD137", "/dev/kfd"]}
+    assert len(node.sim.switches) == 1
+    # once both are gone the GPU may switch again
+    assert d.unprepare_claims([ref(a), ref(b)]) == {a["metadata"]["uid"]: None, b["metadata"]["uid"]: None}
+    c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"), count=8)
+    assert not prepare(d, c).error
+    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "CPX/NPS1"
+    assert sorted(n for ns in spec_nodes(d, c["metadata"]["uid"]).values() for n in ns if "render" in n) == \
+        sorted(f"/dev/dri/renderD{136 + i}" for i in range(8))
+
+
+def ref(c: dict):
+    from agent.kubeletplugin.types import ClaimRef
+
+    m = c["metadata"]
+    return ClaimRef(namespace=m["namespace"], name=m["name"], uid=m["uid"])
+
+
+def test_memory_and_compute_switch_in_a_valid_order(node):
+    d = driver_for(node)
+    a = node.allocated("q4", part_of(SPX_GPU, "QPX/NPS4"))
+    assert not prepare(d, a).error
+    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "QPX/NPS4"
+    assert [s[1:] for s in node.sim.switches] == [("QPX", "NPS1"), ("QPX", "NPS4")]  # SPX/NPS4 does not exist
+    d.unprepare_claims([ref(a)])
+    w = node.allocated("w", whole(SPX_GPU))
+    assert not prepare(d, w).error, "back to the whole GPU: memory first (QPX/NPS1), then SPX"
+    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "SPX/NPS1"
+    assert [s[1:] for s in node.sim.switches[2:]] == [("QPX", "NPS1"), ("SPX", "NPS1")]
+
+
+def test_whole_gpu_in_partition_mode_switches_to_spx(node):
+    d = driver_for(node)
+    w = node.allocated("w", whole(CPX_GPU))
+    assert not prepare(d, w).error
+    assert mode_of(node.root, gpu_bdf(CPX_GPU)) == "SPX/NPS1"
+    assert spec_nodes(d, w["metadata"]["uid"]) == {CPX_GPU: ["/dev/dri/card1", "/dev/dri/renderD128", "/dev/kfd"]}
+
+
+def test_a_mode_that_conflicts_with_a_prepared_claim_is_refused(node):
+    d = driver_for(node)
+    a = node.allocated("a", part_of(SPX_GPU, "DPX/NPS1"))
+    assert not prepare(d, a).error
+    # a scheduler that did not see claim a (or a stale slice) allocates another mode: refused here
+    b = node.allocated("b", part_of(SPX_GPU, "CPX/NPS1"))
+    res = prepare(d, b)
+    assert "runs in DPX/NPS1 for prepared claim default/a" in res.error and "needs CPX/NPS1" in res.error
+    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "DPX/NPS1" and b["metadata"]["uid"] not in d.checkpoint.claims
+    w = node.allocated("w", whole(SPX_GPU))
+    assert "needs SPX/NPS1" in prepare(d, w).error
+    assert not prepare(d, a).error  # the prepared claim is untouched (idempotent re-prepare)
+
+
+@pytest.mark.parametrize("failure", ["reject", "stall", "partial"])
+def test_a_failed_switch_restores_the_previous_mode(tmp_path, failure):
+    node = Node(str(tmp_path), partition_switch_timeout=0.5)
+    with node.sim:
+        node.sim.fail, node.sim.fail_modes = failure, {"CPX"}
+        d = driver_for(node)
+        c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
+        res = prepare(d, c)
+        assert res.error.startswith(f"switching GPU {gpu_bdf(SPX_GPU)} from SPX/NPS1 to CPX/NPS1 failed: the kernel shows")
+        assert res.error.endswith("restored SPX/NPS1"), res.error
+        assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "SPX/NPS1"
+        assert c["metadata"]["uid"] not in d.checkpoint.claims and not os.path.exists(d._spec_path(c["metadata"]["uid"]))
+        pt, problems = d.partitions.read(node.inv.by_name()[SPX_GPU])
+        assert len(pt.partitions) == 1 and not problems  # the kernel shows the old mode whole again
+        node.sim.fail = None  # the kubelet's retry then works
+        assert not prepare(d, c).error and mode_of(node.root, gpu_bdf(SPX_GPU)) == "CPX/NPS1"
+
+
+class Crash(BaseException):
+    """Stands in for the process dying at a fault point (tests/faults does it with SIGKILL)."""
+
+
+@pytest.mark.parametrize("point", ["partition:compute-written", "partition:exposed", "prepare:specs-written"])
+def test_recovery_undoes_a_switch_interrupted_before_the_claim_completed(node, point):
+    d = driver_for(node)
+    c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
+
+    def crash(at: str) -> None:
+        if at == point:
+            raise Crash(at)
+
+    d.fault = crash
+    with pytest.raises(Crash):
+        prepare(d, c)
+    uid = c["metadata"]["uid"]
+    on_disk = Driver(node.settings, node.inventory)  # a new process: checkpoint from disk
+    report = on_disk.recover()
+    assert report.rolled_back == [uid] and report.modes_restored == [f"{gpu_bdf(SPX_GPU)}: restored SPX/NPS1"]
+    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "SPX/NPS1" and uid not in on_disk.checkpoint.claims
+    pt, problems = on_disk.partitions.read(node.inv.by_name()[SPX_GPU])
+    assert pt.compute_mode == "SPX" and len(pt.partitions) == 1 and not problems
+
+
+def test_an_intent_is_on_disk_before_the_first_kernel_write(node):
+    d = driver_for(node)
+    c = node.allocated("c", part_of(SPX_GPU, "QPX/NPS1"))
+    seen = {}
+
+    def look(at: str) -> None:
+        if at == "partition:compute-written":
+            from agent.prepare.checkpoint import Checkpoint
+
+            seen["disk"] = Checkpoint.load(d.checkpoint_path).claims[c["metadata"]["uid"]]
+
+    d.fault = look
+    assert not prepare(d, c).error
+    assert intent(seen["disk"]) == {"gpu": gpu_bdf(SPX_GPU), "from": "SPX/NPS1", "to": "QPX/NPS1"}
+
+
+def test_mig_instances_get_their_cap_nodes(tmp_path):
+    from tests.partition_node import copy_node
+
+    root = copy_node(str(tmp_path / "host"), "h100-mig")
+    n = Node.__new__(Node)
+    n.root, n.rescans = root, 0
+    from discovery.inventory import scan
+    from tests.kubelet_standin import settings_for
+
+    n.settings = settings_for(str(tmp_path), root=root, partitions=True)
+    n.inv = scan(root)
+    d = driver_for(n)
+    c = n.allocated("m", part_of("gpu-0000-18-00-0"), count=2)
+    assert not prepare(d, c).error
+    got = spec_nodes(d, c["metadata"]["uid"])
+    assert got == {
+        "gpu-0000-18-00-0-mig-gi1-ci0": ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+                                         "/dev/nvidia-caps/nvidia-cap12", "/dev/nvidia-caps/nvidia-cap13"],
+        "gpu-0000-18-00-0-mig-gi2-ci0": ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+                                         "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"],
+    }
+    assert "partitions" not in d.checkpoint.claims[c["metadata"]["uid"]]  # MIG instances need no mode
+
