@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -96,13 +96,16 @@ class KubeletPlugin:
         )
         pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(servicer, server)
 
-    async def start(self) -> None:
-        """Recover the driver's state, serve DRA, then let the kubelet see the registration socket."""
+    async def start(self, after_recovery: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Recover the driver's state, run ``after_recovery`` (e.g. re-read hardware that recovery
+        moved), serve DRA, then let the kubelet see the registration socket."""
         sockets.ensure_dir(self.settings.plugin_dir, owned=True)
         sockets.ensure_dir(self.settings.registry_dir, owned=False)
         recover = getattr(self.driver, "recover", None)
         if callable(recover):
             await asyncio.to_thread(recover)
+        if after_recovery is not None:
+            await after_recovery()
         self._lock.open()
         try:
             await self._dra.start(self._add_dra)

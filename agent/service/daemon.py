@@ -216,15 +216,17 @@ class Agent:
         await self.health.start()
         if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
-        try:
-            await self.kubelet_plugin.start()
+        async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them
+            recovery = getattr(driver.driver, "recovery", None)
+            if recovery is not None and recovery.kernel_changed:
+                await self.rescan()
+
+        try:  # the kubelet may call as soon as the sockets exist: the inventory must be current by then
+            await self.kubelet_plugin.start(after_recovery=rescan_if_moved)
         except SocketError as err:
             raise StartupError(str(err), EX_CANTCREAT) from None
         except CheckpointError as err:
             raise StartupError(str(err), EX_DATAERR) from None
-        recovery = getattr(driver.driver, "recovery", None)
-        if recovery is not None and recovery.kernel_changed:  # functions moved between drivers: re-read them
-            await self.rescan()
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)
