@@ -44,6 +44,14 @@ def require_root() -> None:
         _missing("needs root")
 
 
+def require_podman() -> str:
+    """Root, podman, runc, unshare and tar for a container run; returns busybox's path (the image)."""
+    require_root()
+    for tool in ("podman", "runc", "unshare", "tar"):
+        require_tool(tool)
+    return require_tool("busybox")
+
+
 def profiles() -> list[str]:
     if not os.path.isdir(FIXTURES):
         return []

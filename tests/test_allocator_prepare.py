@@ -22,7 +22,7 @@ from agent.publish import Reconciler
 from agent.publish.kubestore import KubeStore
 from agent.publish.slices import build_pool
 from discovery.models import AttributeValue
-from tests.conftest import REPO, require_root, require_tool
+from tests.conftest import REPO, require_podman
 from tests.controlplane import allocate, claim_from, load_yaml, resource_path, unique
 from tests.kubelet_standin import KubeletStandIn, gpu, inventory, nic, settings_for
 from tests.test_podman_cdi import Podman
@@ -33,10 +33,7 @@ EXAMPLE = next(d for d in load_yaml(os.path.join(REPO, "deploy", "example-claim.
 
 
 def test_example_claim_allocated_by_the_scheduler_code_then_prepared_and_run(apiserver, tmp_path):
-    require_root()
-    for tool in ("podman", "runc", "unshare", "tar"):
-        require_tool(tool)
-    busybox = require_tool("busybox")
+    busybox = require_podman()
 
     host = str(tmp_path / "host")
     os.makedirs(os.path.join(host, "dev", "dri"))

@@ -21,7 +21,7 @@ import pytest
 from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource
 from agent.prepare.driver import Driver
-from tests.conftest import require_root, require_tool
+from tests.conftest import require_podman
 from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -73,10 +73,7 @@ class Podman:
 
 
 def test_podman_gets_prepared_devices(tmp_path):
-    require_root()
-    for tool in ("podman", "runc", "unshare", "tar"):
-        require_tool(tool)
-    busybox = require_tool("busybox")
+    busybox = require_podman()
 
     host = str(tmp_path / "host")
     os.makedirs(os.path.join(host, "dev", "dri"))
@@ -134,10 +131,7 @@ async def _prepare_and_run(s, inv, podman: Podman) -> None:
 def test_podman_container_reads_device_metadata(tmp_path):
     """KEP-5304: the metadata file is at the exact in-container path, read-only, and says
     what the claim says."""
-    require_root()
-    for tool in ("podman", "runc", "unshare", "tar"):
-        require_tool(tool)
-    busybox = require_tool("busybox")
+    busybox = require_podman()
     s = settings_for(str(tmp_path))
     inv = inventory(nic(0, "ens9f0"), nic(1, "ens9f1"))
     podman = Podman(str(tmp_path), s.cdi_dir)

@@ -207,13 +207,10 @@ def test_podman_sees_the_vfio_nodes(tmp_path):
     """The prepared claim's CDI spec gives a container the group node and /dev/vfio/vfio."""
     import asyncio
 
-    from tests.conftest import require_root, require_tool
+    from tests.conftest import require_podman
     from tests.test_podman_cdi import Podman
 
-    require_root()
-    for tool in ("podman", "runc", "unshare", "tar"):
-        require_tool(tool)
-    busybox = require_tool("busybox")
+    busybox = require_podman()
     root = str(tmp_path / "root")
     shutil.copytree(profile_root("sriov-nic"), root, symlinks=True)
     sim = SimPciKernel(root, real_nodes=True).start()

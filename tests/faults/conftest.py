@@ -22,6 +22,17 @@ class Recorder:
 
 
 @pytest.fixture
+def node(tmp_path):
+    """The real agent running on a copied fixture node (tests/faults/harness.py)."""
+    from tests.faults.harness import Node
+
+    n = Node(tmp_path)
+    n.start()
+    yield n
+    n.stop()
+
+
+@pytest.fixture
 def faults(request) -> Recorder:
     return Recorder(request.node.nodeid)
 

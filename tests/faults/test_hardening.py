@@ -30,14 +30,6 @@ UID2 = "00000000-0000-4000-8000-00000000a002"
 UID3 = "00000000-0000-4000-8000-00000000a003"
 
 
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
-    n.start()
-    yield n
-    n.stop()
-
-
 def _gpus(node: Node) -> list[str]:
     return [d for d in node.devices() if d.startswith("gpu-")]
 

@@ -30,14 +30,6 @@ def outside_writes(node: Node, before: dict) -> list[str]:
     return [p for p in snapshot_diff(before, snapshot(node.tmp)) if _outside(p, node)]
 
 
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
-    n.start()
-    yield n
-    n.stop()
-
-
 def errors_of(resp) -> dict[str, str]:
     return {uid: c.error for uid, c in resp.claims.items()}
 
