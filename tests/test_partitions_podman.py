@@ -14,7 +14,7 @@ import pytest
 from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource
 from agent.prepare.driver import Driver
-from tests.conftest import require_root, require_tool
+from tests.conftest import require_podman
 from tests.kubelet_standin import KubeletStandIn, store_claim
 from tests.partition_node import SPX_GPU, Node, devices_of, mode_of, part_of
 from tests.test_partitions_allocator import gpu_bdf
@@ -24,10 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 
 def test_podman_sees_the_partition_the_switch_exposed(tmp_path):
-    require_root()
-    for tool in ("podman", "runc", "unshare", "tar"):
-        require_tool(tool)
-    busybox = require_tool("busybox")
+    busybox = require_podman()
     node = Node(str(tmp_path), mknod=True)
     for rel in ("dev/dri/renderD136", "dev/kfd"):  # the nodes the fixture has before any switch
         os.unlink(os.path.join(node.root, rel))

@@ -16,7 +16,7 @@ from agent.prepare.driver import Driver
 from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.models import AttributeValue
-from tests.conftest import require_root, require_tool
+from tests.conftest import require_podman
 from tests.controlplane import allocate, with_allocation
 from tests.kubelet_standin import KubeletStandIn, gpu, inventory, settings_for, store_claim
 from tests.test_allocator import CLASSES, claim, exactly
@@ -27,10 +27,7 @@ DRIVER, NODE = "sysdra.io", "node-a"
 
 
 def test_two_claims_share_one_gpu_in_two_containers(tmp_path):
-    require_root()
-    for tool in ("podman", "runc", "unshare", "tar"):
-        require_tool(tool)
-    busybox = require_tool("busybox")
+    busybox = require_podman()
     host = str(tmp_path / "host")
     os.makedirs(os.path.join(host, "dev", "dri"))
     os.mknod(os.path.join(host, "dev", "dri", "renderD128"), 0o666 | 0o020000, os.makedev(1, 3))  # /dev/null's numbers
