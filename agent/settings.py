@@ -38,6 +38,8 @@ class Settings(BaseModel):
     debounce: float = 0.25  # seconds to wait for a burst of hardware events to settle
     rolling_update_uid: str | None = None
     device_metadata: bool = True
+    # Write status.devices (Ready condition, data, networkData) of prepared claims (docs/cluster-integration.md).
+    claim_status: bool = True
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_address: str = "127.0.0.1:9478"  # "" disables

@@ -8,7 +8,7 @@ from agent.cli import publishing
 # The publishing flags (what goes into the slices) are agent/cli/publishing.py's, shared with `sysdra scan`.
 VALUE_FLAGS = ("root", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
                "log-level", "log-format", "metrics-address", "rolling-update-uid", "device-metadata",
-               "health-interval", "status-socket")
+               "claim-status", "health-interval", "status-socket")
 SWITCH_FLAGS: tuple[str, ...] = ()
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
@@ -23,6 +23,7 @@ HELP = {
     "metrics-address": "HOST:PORT of the Prometheus /metrics endpoint (default 127.0.0.1:9478; empty disables)",
     "rolling-update-uid": "this pod's UID, so two agents of a rolling update serve their own sockets",
     "device-metadata": "write KEP-5304 device metadata files for prepared claims: true or false (default true)",
+    "claim-status": "write status.devices of prepared claims: true or false (default true)",
     "health-interval": "seconds between device health re-checks, at most 10 (default 10)",
     "status-socket": "unix socket of `sysdra status` (default <plugin dir>/status.sock)",
 }

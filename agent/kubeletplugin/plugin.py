@@ -13,6 +13,7 @@ from agent.kubeletplugin import sockets
 from agent.kubeletplugin.claims import ClaimSource
 from agent.kubeletplugin.registration import RegistrationServicer, RegistrationStatus
 from agent.kubeletplugin.service import DRAPluginV1, DRAPluginV1beta1, Prepare, SerializeLock
+from agent.kubeletplugin.statuswriter import StatusWriter
 from agent.kubeletplugin.types import DriverProtocol
 from agent.protos import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
 from agent.settings import Settings
@@ -61,10 +62,12 @@ class _Server:
 class KubeletPlugin:
     """See the package docstring for the contract."""
 
-    def __init__(self, settings: Settings, driver: DriverProtocol, claims: ClaimSource):
+    def __init__(self, settings: Settings, driver: DriverProtocol, claims: ClaimSource,
+                 status: StatusWriter | None = None):
         self.settings = settings
         self.driver = driver
         self.claims = claims
+        self.status = status  # writes results' status.devices entries; None: not reported
         self.dra_socket = sockets.dra_socket_path(settings)
         self.registration_socket = sockets.registration_socket_path(settings)
         self.registration = RegistrationStatus()
@@ -84,7 +87,7 @@ class KubeletPlugin:
         self._extra.append(add_to_server)
 
     def _add_dra(self, server: grpc.aio.Server) -> None:
-        core = Prepare(self.driver, self.claims, self._lock)
+        core = Prepare(self.driver, self.claims, self._lock, self.status)
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(core), server)
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1beta1(core), server)
         for add in self._extra:
@@ -121,4 +124,9 @@ class KubeletPlugin:
         await self._reg.stop(0)
         await self._dra.stop(grace)
         self._lock.close()
+        if self.status is not None:  # pending status writes get a moment, then are dropped
+            try:
+                await self.status.idle(grace)
+            except TimeoutError:
+                log.warning("claim status writes still pending at stop")
         self.started = False

@@ -151,10 +151,11 @@ async def _in_thread_or_await(fn: Callable[[Any], Any], arg: Any) -> Any:
 class Prepare:
     """The version-neutral prepare/unprepare flow."""
 
-    def __init__(self, driver: DriverProtocol, claims: ClaimSource, lock: SerializeLock):
+    def __init__(self, driver: DriverProtocol, claims: ClaimSource, lock: SerializeLock, status=None):
         self.driver = driver
         self.claims = claims
         self.lock = lock
+        self.status = status  # a StatusWriter: results' status.devices, written in the background
 
     async def _serialized(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         # The usual call (a plain driver method, one or two claims, no contention) runs right
@@ -220,8 +221,10 @@ class Prepare:
                 log.exception("driver failed to prepare claims")
                 results = {c["metadata"]["uid"]: PrepareResult(error=f"internal error: {err}") for c in claims}
             for c in claims:
-                uid = c["metadata"]["uid"]
-                out[uid] = results.get(uid) or PrepareResult(error="internal error: driver returned no result")
+                ref = ok[uid := c["metadata"]["uid"]]
+                out[uid] = res = results.get(uid) or PrepareResult(error="internal error: driver returned no result")
+                if self.status is not None and not res.error and res.status is not None:
+                    self.status.submit(ref, res.status)
         for uid, res in out.items():
             if res.error:
                 log.warning("prepare claim %s: %s", uid, res.error)
@@ -236,8 +239,10 @@ class Prepare:
             except Exception as err:
                 log.exception("driver failed to unprepare claims")
                 results = {uid: f"internal error: {err}" for uid in ok}
-            for uid in ok:
+            for uid, ref in ok.items():
                 out[uid] = results[uid] if uid in results else "internal error: driver returned no result"
+                if self.status is not None and out[uid] is None:
+                    self.status.submit(ref, [])  # our entries go with the prepared devices
         return out
 
 

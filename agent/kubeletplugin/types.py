@@ -28,6 +28,7 @@ class PreparedDevice:
 class PrepareResult:
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str | None = None  # set: the claim failed, devices are ignored
+    status: list[dict] | None = None  # our status.devices entries; None: not reported
 
 
 class DriverProtocol(Protocol):

@@ -62,6 +62,9 @@ def check_entry(uid: object, entry: object) -> None:
                 and type(rec.get("group")) is int
                 and all(rec.get(k) is None or (isinstance(rec[k], str) and _DRIVER.fullmatch(rec[k])) for k in ("driver", "override"))):
             raise ValueError(f"claim {uid}: bad vfio record")
+    status = entry.get("deviceStatus")
+    if status is not None and not (isinstance(status, list) and all(isinstance(e, dict) for e in status)):
+        raise ValueError(f"claim {uid}: deviceStatus is not a list of objects")
     meta = entry.get("metadata")
     if meta is not None and not (isinstance(meta, dict) and isinstance(meta.get("requests"), dict)
                                  and all(is_label(r) for r in meta["requests"])

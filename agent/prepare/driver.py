@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from agent.fsutil import UnsafePath
 from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
 from agent.names import InvalidName
-from agent.prepare import cdifiles, recovery, shares, vfio
+from agent.prepare import cdifiles, claimstatus, recovery, shares, vfio
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.allocation import ClaimFailed, Result, our_results
 from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
@@ -164,7 +164,7 @@ class Driver:
                     continue
                 if self.ensure_spec(uid, entry) | metadata.ensure_claim(self.settings, uid, entry):
                     changed.add(uid)
-                out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]])
+                out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]], status=entry.get("deviceStatus"))
                 continue
             if entry:  # half-prepared or allocation changed: undo before redoing
                 if entry.get("vfio") and (problems := vfio.restore_all(self.kernel, entry["vfio"])):
@@ -203,8 +203,10 @@ class Driver:
             if part_rec:
                 plans[uid]["partitions"] = part_rec
             planned[uid] = (results, names, configs)
+            if self.settings.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
+                plans[uid]["deviceStatus"] = claimstatus.build_for(self.settings, devices, by_name)
             cp.claims[uid] = _started(plans[uid])
-            out[uid] = PrepareResult(devices)
+            out[uid] = PrepareResult(devices, status=plans[uid].get("deviceStatus"))
             todo.append(uid)
             changed.add(uid)
         if not todo:

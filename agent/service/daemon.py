@@ -203,6 +203,7 @@ class Agent:
         from agent import health
         from agent.kubeletplugin.claims import claim_source
         from agent.kubeletplugin.plugin import KubeletPlugin
+        from agent.kubeletplugin.statuswriter import status_writer
         from agent.prepare.driver import Driver
 
         core = Driver(self.settings, lambda: self.inventory)
@@ -210,7 +211,8 @@ class Agent:
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
         driver = ObservedDriver(core, self.metrics, self.board)
-        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings))
+        status = status_writer(self.settings) if self.settings.claim_status else None
+        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings), status)
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         await self.health.start()

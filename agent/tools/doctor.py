@@ -110,7 +110,9 @@ def check_registration(status_socket: str, query: Callable[[str], dict] | None =
 
 
 # --- API server ------------------------------------------------------------------------------
-# (verb, group, resource, namespaced) the agent uses: publish/kubestore.py and claims.py
+# (verb, group, resource) the agent uses: publish/kubestore.py, claims.py and statuswriter.py
+# (status.devices by server-side apply: the synthetic resourceclaims/driver subresource is
+# asked for the driver name, with the verb for a claim allocated to the token's own node)
 API_PERMISSIONS = (
     ("list", "resource.k8s.io", "resourceslices"),
     ("watch", "resource.k8s.io", "resourceslices"),
@@ -118,12 +120,14 @@ API_PERMISSIONS = (
     ("update", "resource.k8s.io", "resourceslices"),
     ("delete", "resource.k8s.io", "resourceslices"),
     ("get", "resource.k8s.io", "resourceclaims"),
+    ("patch", "resource.k8s.io", "resourceclaims/status"),
+    ("associated-node:patch", "resource.k8s.io", "resourceclaims/driver"),
     ("get", "", "nodes"),
 )
 
 
 def check_api(cluster: str, node_name: str, review: Callable[[str, str, str, str | None], tuple[bool, str | None]] | None = None,
-              now: Callable[[], float] = time.time) -> list[Finding]:
+              now: Callable[[], float] = time.time, driver_name: str = "sysdra.io") -> list[Finding]:
     """``review(verb, group, resource, name) -> (allowed, server Date header)``; the
     default asks the API server with SelfSubjectAccessReviews through lightkube."""
     if cluster.startswith("dir:"):
@@ -137,14 +141,16 @@ def check_api(cluster: str, node_name: str, review: Callable[[str, str, str, str
     found = [ok("api", "API server reachable")]
     denied = []
     for i, (verb, group, resource) in enumerate(API_PERMISSIONS):
-        allowed = allowed_first if i == 0 else review(verb, group, resource, node_name if resource == "nodes" else None)[0]
+        name = {"nodes": node_name, "resourceclaims/driver": driver_name}.get(resource)
+        allowed = allowed_first if i == 0 else review(verb, group, resource, name)[0]
         if not allowed:
             denied.append(f"{verb} {resource}")
     if denied:
         found.append(Finding("rbac", "fail", "not allowed: " + ", ".join(denied),
                              "apply deploy/rbac.yaml (ClusterRole sysdra) and bind it to the agent's identity"))
     else:
-        found.append(ok("rbac", "can list/watch/create/update/delete ResourceSlices, get ResourceClaims and Nodes"))
+        found.append(ok("rbac", "can list/watch/create/update/delete ResourceSlices, get ResourceClaims and "
+                                  "Nodes, patch claim status for its driver"))
     found.append(check_clock(date, now()))
     return found
 
@@ -172,8 +178,9 @@ def _lightkube_review():
     generic = client._client  # the public create() hides the response headers we need for the clock
 
     def review(verb: str, group: str, resource: str, name: str | None) -> tuple[bool, str | None]:
-        ssar = SelfSubjectAccessReview(spec=SelfSubjectAccessReviewSpec(
-            resourceAttributes=ResourceAttributes(verb=verb, group=group, resource=resource, name=name)))
+        resource, _, subresource = resource.partition("/")
+        ssar = SelfSubjectAccessReview(spec=SelfSubjectAccessReviewSpec(resourceAttributes=ResourceAttributes(
+            verb=verb, group=group, resource=resource, subresource=subresource or None, name=name)))
         request = generic.prepare_request("post", res=SelfSubjectAccessReview, obj=ssar)
         response = generic.send(generic.build_adapter_request(request))
         result = generic.handle_response("post", response, request)
@@ -190,5 +197,5 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True)
     found += check_metadata(settings.plugin_dir)
     found += check_checkpoint(settings.plugin_dir)
     if api:
-        found += check_api(settings.cluster, settings.node_name)
+        found += check_api(settings.cluster, settings.node_name, driver_name=settings.driver_name)
     return found

@@ -1,0 +1,338 @@
+"""status.devices (KEP-4817) and its fine-grained authorization on the real kube-apiserver v1.37.2.
+
+The agent runs as the DaemonSet does: ServiceAccount sysdra/sysdra (deploy/rbac.yaml) with the
+token the kubelet mounts into its pod (bound to the Pod object, so it carries the node name).
+Claims are allocated by the upstream allocator from what the server holds, and written as the
+scheduler does. Another driver shares the claim and writes its own entry with its own field
+manager; the agent's server-side apply must leave it untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+
+import pytest
+from lightkube import AsyncClient, KubeConfig
+
+from agent.kubeletplugin import KubeletPlugin
+from agent.kubeletplugin.claims import KubeClaimSource
+from agent.kubeletplugin.statuswriter import KubeStatus, StatusRefused, StatusWriter
+from agent.kubeletplugin.types import ClaimRef
+from agent.prepare.driver import Driver
+from agent.publish import Reconciler
+from agent.publish.kubestore import KubeStore
+from agent.publish.slices import build_pool
+from discovery.models import AttributeValue, NetInterface, NicInfo
+from tests.conftest import REPO
+from tests.controlplane import allocate, load_yaml, resource_path, unique
+from tests.kubelet_standin import KubeletStandIn, gpu, inventory, nic, settings_for
+
+DRIVER = "sysdra.io"
+OTHER = "other.example.com"
+MAC = "0c:42:a1:00:00:01"
+
+
+def run(coro, timeout: float = 90):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def typed(*devices):
+    # the `type` attribute deploy/deviceclasses.yaml selects on (discovery always sets it)
+    return [d.model_copy(update={"attributes": {"type": AttributeValue(string=d.kind)}}) for d in devices]
+
+
+def host_root(tmp) -> str:
+    """A host tree whose init's network namespace lists one global IPv6 address on ens9f0
+    (``/proc/1/net/if_inet6``, the kernel's format) and one link-local that is left out."""
+    root = os.path.join(str(tmp), "host")
+    os.makedirs(os.path.join(root, "proc", "1", "net"))
+    with open(os.path.join(root, "proc", "1", "net", "if_inet6"), "w") as f:
+        f.write("20010db8000000000000000000000005 05 40 00 80 ens9f0\n"
+                "fe800000000000000e42a1fffe000001 05 40 20 80 ens9f0\n")  # fmt: skip
+    return root
+
+
+class Cluster:
+    """The deploy/ manifests on the server, a class for the other driver, two nodes."""
+
+    def __init__(self, plane, tmp):
+        self.plane = plane
+        for name in ("namespace.yaml", "rbac.yaml", "deviceclasses.yaml"):
+            plane.apply(f"{REPO}/deploy/{name}")
+        self.other_class = unique("other")
+        plane.apply({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": self.other_class},
+                     "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{OTHER}"'}}]}})  # fmt: skip
+        self.node = plane.create_node(unique("status-own"))
+        self.name = self.node["metadata"]["name"]
+        self.far = plane.create_node(unique("status-far"))
+        self.ns = unique("status")
+        plane.create_namespace(self.ns)
+        self.pod_token = self.daemonset_pod_token()
+        self.kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=self.pod_token, namespace="sysdra")
+        host = host_root(tmp)
+        devices = typed(gpu(0, root=host), nic(0, "ens9f0"))
+        devices[1] = devices[1].model_copy(update={"nic": NicInfo(interfaces=(NetInterface(name="ens9f0", mac=MAC),))})
+        self.inv = inventory(*devices, root=host)
+        self.settings = settings_for(str(tmp), root=host, node_name=self.name, cluster="kube")
+        for node in (self.name, self.far["metadata"]["name"]):
+            self.publish(node)
+
+    def daemonset_pod_token(self) -> str:
+        """What the kubelet mounts into the DaemonSet's pod: a token bound to the Pod, which runs
+        on our node. The Pod is the DaemonSet's own template, so the server validates that too."""
+        (ds,) = [d for d in load_yaml(f"{REPO}/deploy/daemonset.yaml") if d["kind"] == "DaemonSet"]
+        self.plane.apply(ds)
+        template = copy.deepcopy(ds["spec"]["template"])
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": unique("sysdra"), "namespace": "sysdra", "labels": template["metadata"]["labels"]},
+               "spec": dict(template["spec"], nodeName=self.name)}  # fmt: skip
+        pod = self.plane.create(pod)
+        assert any(v.get("projected") for v in pod["spec"]["volumes"]), "the kube-api-access volume is mounted"
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
+                                            "uid": pod["metadata"]["uid"]}}}  # fmt: skip
+        path = resource_path("ServiceAccount", "sysdra", "sysdra") + "/token"
+        return self.plane.request("POST", path, body=body).json()["status"]["token"]
+
+    def publish(self, node: str) -> None:
+        async def sync():
+            client = AsyncClient(config=KubeConfig.from_file(self.plane.kubeconfig), field_manager=DRIVER)
+            try:
+                store = KubeStore(client, node_name=node, driver_name=DRIVER)
+                await Reconciler(store, node_name=node, driver_name=DRIVER).sync(
+                    build_pool(self.inv, node_name=node, driver_name=DRIVER))
+            finally:
+                await client.close()
+
+        run(sync())
+        self.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{node}-{OTHER}"},
+                           "spec": {"driver": OTHER, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                                    "devices": [{"name": "other-0"}]}})  # fmt: skip
+
+    def allocated_claim(self, node: str, other: bool = True) -> dict:
+        """A claim for a GPU, a NIC (and the other driver's device), allocated on ``node`` by the allocator."""
+        requests = [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}},
+                    {"name": "nic", "exactly": {"deviceClassName": "nic.sysdra.io"}}]  # fmt: skip
+        if other:
+            requests.append({"name": "other", "exactly": {"deviceClassName": self.other_class}})
+        stored = self.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                    "metadata": {"name": unique("claim"), "namespace": self.ns},
+                                    "spec": {"devices": {"requests": requests}}})  # fmt: skip
+        slices = self.plane.list("ResourceSlice", fields={"spec.nodeName": node})
+        classes = self.plane.list("DeviceClass")
+        (allocation,) = allocate(slices, classes, stored, node=self.plane.get("Node", node))
+        meta = stored["metadata"]
+        path = resource_path("ResourceClaim", meta["namespace"], meta["name"]) + "/status"
+        return self.plane.request("PUT", path, body=dict(stored, status={"allocation": allocation})).json()
+
+    def claim(self, c: dict) -> dict:
+        return self.plane.get("ResourceClaim", c["metadata"]["name"], c["metadata"]["namespace"])
+
+    def apply_status_as(self, manager: str, c: dict, entries: list[dict]) -> dict:
+        meta = c["metadata"]
+        path = resource_path("ResourceClaim", meta["namespace"], meta["name"]) + "/status"
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "status": {"devices": entries}}  # fmt: skip
+        return self.plane.request("PATCH", path, body=body, params={"fieldManager": manager, "force": "true"},
+                                  content_type="application/apply-patch+yaml").json()
+
+    def agent_client(self) -> AsyncClient:
+        return AsyncClient(config=KubeConfig.from_file(self.kubeconfig), field_manager=DRIVER)
+
+
+@pytest.fixture(scope="module")
+def cluster(apiserver, tmp_path_factory):
+    return Cluster(apiserver, tmp_path_factory.mktemp("status"))
+
+
+def ref(c: dict) -> ClaimRef:
+    m = c["metadata"]
+    return ClaimRef(m["namespace"], m["name"], m["uid"])
+
+
+def ours(c: dict) -> list[dict]:
+    return [e for e in (c.get("status") or {}).get("devices") or [] if e["driver"] == DRIVER]
+
+
+def test_the_daemonset_token_carries_its_node(cluster):
+    review = cluster.plane.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                                   client=cluster.plane.http(token=cluster.pod_token),
+                                   body={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}).json()  # fmt: skip
+    user = review["status"]["userInfo"]
+    assert user["username"] == "system:serviceaccount:sysdra:sysdra"
+    assert user["extra"]["authentication.kubernetes.io/node-name"] == [cluster.name]
+
+
+def test_prepare_writes_our_entries_unprepare_removes_them_other_drivers_untouched(cluster):
+    c = cluster.allocated_claim(cluster.name)
+    results = c["status"]["allocation"]["devices"]["results"]
+    other = [r for r in results if r["driver"] == OTHER]
+    assert len(other) == 1 and len(results) == 3
+    theirs = [{"driver": OTHER, "pool": other[0]["pool"], "device": other[0]["device"], "data": {"owner": "them"},
+               "conditions": [{"type": "Ready", "status": "False", "reason": "Starting", "message": "",
+                               "lastTransitionTime": "2026-01-01T00:00:00Z"}]}]  # fmt: skip
+    cluster.apply_status_as(OTHER, c, theirs)
+
+    async def scenario():
+        client = cluster.agent_client()
+        writer = StatusWriter(KubeStatus(DRIVER, client))
+        plugin = KubeletPlugin(cluster.settings, Driver(cluster.settings, lambda: cluster.inv), KubeClaimSource(client), writer)
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(cluster.settings.registry_dir)
+            await kubelet.register()
+            resp = await kubelet.prepare(c)
+            assert resp.claims[c["metadata"]["uid"]].error == ""
+            await writer.idle(30)
+            prepared = await asyncio.to_thread(cluster.claim, c)
+            again = await kubelet.prepare(c)  # idempotent: the same entries, nothing changes
+            assert again.claims[c["metadata"]["uid"]].error == ""
+            await writer.idle(30)
+            reprepared = await asyncio.to_thread(cluster.claim, c)
+            assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
+            await writer.idle(30)
+            assert writer.failed == 0, writer.last_error
+            return prepared, reprepared
+        finally:
+            await plugin.stop()
+            await client.close()
+
+    prepared, reprepared = run(scenario())
+    entries = {e["device"]: e for e in ours(prepared)}
+    by_request = {r["request"]: r["device"] for r in results if r["driver"] == DRIVER}
+    assert set(entries) == {by_request["gpu"], by_request["nic"]}
+    for e in entries.values():
+        assert e["pool"] == cluster.name
+        (ready,) = e["conditions"]
+        assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "Prepared")
+        assert e["data"]["cdiDeviceIDs"] and e["data"]["kind"] in ("gpu", "nic")
+    assert entries[by_request["nic"]]["networkData"] == {"interfaceName": "ens9f0", "hardwareAddress": MAC,
+                                                       "ips": ["2001:db8::5/64"]}  # fmt: skip
+    assert "networkData" not in entries[by_request["gpu"]]
+    assert [e for e in prepared["status"]["devices"] if e["driver"] == OTHER] == theirs
+    assert reprepared["metadata"]["resourceVersion"] == prepared["metadata"]["resourceVersion"]
+    managers = {m["manager"] for m in prepared["metadata"]["managedFields"] if m.get("subresource") == "status"}
+    assert {DRIVER, OTHER} <= managers
+    after = cluster.claim(prepared)
+    assert ours(after) == [] and after["status"]["devices"] == theirs
+    assert after["status"]["allocation"] == prepared["status"]["allocation"]
+
+
+def _write(cluster, token: str | None, c: dict, entries: list[dict]) -> None:
+    async def go():
+        config = cluster.kubeconfig
+        if token is not None:
+            config = cluster.plane.write_kubeconfig(os.path.join(os.path.dirname(cluster.kubeconfig), unique("t")), token=token)
+        client = AsyncClient(config=KubeConfig.from_file(config), field_manager=DRIVER)
+        try:
+            await KubeStatus(DRIVER, client).write(ref(c), entries)
+        finally:
+            await client.close()
+
+    run(go())
+
+
+def _entry(r: dict) -> dict:
+    return {"driver": r["driver"], "pool": r["pool"], "device": r["device"], "data": {"x": 1}}
+
+
+def test_refused_for_a_claim_allocated_to_another_node(cluster):
+    far = cluster.far["metadata"]["name"]
+    c = cluster.allocated_claim(far, other=False)
+    mine = [_entry(r) for r in c["status"]["allocation"]["devices"]["results"]]
+    with pytest.raises(StatusRefused) as err:
+        _write(cluster, None, c, mine)
+    # the server's answer is a 422 whose field error is Forbidden (the check runs in validation)
+    assert "422" in str(err.value) and "status.devices: Forbidden" in str(err.value)
+    assert 'resource "resourceclaims/driver"' in str(err.value) and "arbitrary-node:patch" in str(err.value)
+    assert ours(cluster.claim(c)) == []
+
+
+def test_refused_for_another_drivers_entries(cluster):
+    c = cluster.allocated_claim(cluster.name)
+    theirs = [_entry(r) for r in c["status"]["allocation"]["devices"]["results"] if r["driver"] == OTHER]
+    with pytest.raises(StatusRefused) as err:
+        _write(cluster, None, c, theirs)
+    assert "status.devices: Forbidden" in str(err.value) and 'resource "resourceclaims/driver"' in str(err.value)
+    assert (cluster.claim(c).get("status") or {}).get("devices") is None
+
+
+def test_refused_without_a_token_bound_to_the_node(cluster):
+    """An unbound ServiceAccount token is checked for arbitrary-node:patch only, which we never grant."""
+    c = cluster.allocated_claim(cluster.name, other=False)
+    mine = [_entry(r) for r in c["status"]["allocation"]["devices"]["results"]]
+    with pytest.raises(StatusRefused) as err:
+        _write(cluster, cluster.plane.token("sysdra", "sysdra"), c, mine)
+    assert "arbitrary-node:patch" in str(err.value)
+    _write(cluster, None, c, mine)  # the node-bound pod token may
+    assert [e["device"] for e in ours(cluster.claim(c))] == [e["device"] for e in mine]
+
+
+def test_a_replaced_claim_is_not_written(cluster):
+    c = cluster.allocated_claim(cluster.name, other=False)
+    mine = [_entry(r) for r in c["status"]["allocation"]["devices"]["results"]]
+    stale = ClaimRef(c["metadata"]["namespace"], c["metadata"]["name"], "00000000-0000-4000-8000-000000000000")
+
+    async def go():
+        client = cluster.agent_client()
+        try:
+            await KubeStatus(DRIVER, client).write(stale, mine)
+        finally:
+            await client.close()
+
+    with pytest.raises(StatusRefused):
+        run(go())
+    assert ours(cluster.claim(c)) == []
+
+
+def _limit_cases(base: dict) -> dict[str, dict]:
+    cond = {"type": "Ready", "status": "True", "reason": "Prepared", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    conds = lambda n: [dict(cond, type=f"sysdra.io/c{i}") for i in range(n)]  # noqa: E731
+    data = lambda n: {"x": "a" * (n - len('{"x":""}'))}  # noqa: E731 - n bytes of compact JSON
+    v4 = lambda n: [f"192.0.2.{i + 1}/24" for i in range(n)]  # noqa: E731
+    return {
+        "plain": base,
+        "8 conditions": dict(base, conditions=conds(8)), "9 conditions": dict(base, conditions=conds(9)),
+        "duplicate condition types": dict(base, conditions=[cond, cond]),
+        "reason with a space": dict(base, conditions=[dict(cond, reason="Not ready")]),
+        "status maybe": dict(base, conditions=[dict(cond, status="Maybe")]),
+        "data 10240 bytes": dict(base, data=data(10240)), "data 10241 bytes": dict(base, data=data(10241)),
+        "data an array": dict(base, data=[1]),
+        "16 IPs": dict(base, networkData={"ips": v4(16)}), "17 IPs": dict(base, networkData={"ips": v4(17)}),
+        "duplicate IPs": dict(base, networkData={"ips": v4(1) * 2}),
+        "IP without prefix": dict(base, networkData={"ips": ["192.0.2.5"]}),
+        "IP not canonical": dict(base, networkData={"ips": ["2001:DB8::5/64"]}),
+        "IPv4 host bits": dict(base, networkData={"ips": ["192.0.2.5/24"]}),
+        "interface 256 bytes": dict(base, networkData={"interfaceName": "i" * 256}),
+        "interface 257 bytes": dict(base, networkData={"interfaceName": "i" * 257}),
+        "hardware address 128 bytes": dict(base, networkData={"hardwareAddress": "h" * 128}),
+        "hardware address 129 bytes": dict(base, networkData={"hardwareAddress": "h" * 129}),
+        "shareID of an unshared device": dict(base, shareID="00000000-0000-4000-8000-000000000000"),
+        "shareID upper case": dict(base, shareID="00000000-0000-4000-8000-00000000000A"),
+    }  # fmt: skip
+
+
+def test_our_checks_and_the_server_agree_at_every_limit(cluster):
+    from agent.kubeletplugin.devicestatus import allocated_keys, problems
+
+    c = cluster.allocated_claim(cluster.name, other=False)
+    r = c["status"]["allocation"]["devices"]["results"][0]
+    base = {"driver": r["driver"], "pool": r["pool"], "device": r["device"]}
+    meta = c["metadata"]
+    path = resource_path("ResourceClaim", meta["namespace"], meta["name"]) + "/status"
+    verdicts = {}
+    for what, entry in _limit_cases(base).items():
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "status": {"devices": [entry]}}  # fmt: skip
+        resp = cluster.plane.request("PATCH", path, body=body, params={"fieldManager": "limits", "force": "true"},
+                                     content_type="application/apply-patch+yaml", ok=False)
+        # duplicate list-map keys fail in server-side apply's merge, before validation: a 500
+        want = (200, 500) if what == "duplicate condition types" else (200, 422)
+        assert resp.status_code in want, (what, resp.status_code, resp.text[:300])
+        verdicts[what] = (resp.status_code == 200, not problems(entry, allocated_keys(c)))
+        cluster.apply_status_as("limits", c, [])
+    assert {w: v for w, v in verdicts.items() if v[0] != v[1]} == {}
+    assert [w for w, (server, _) in verdicts.items() if server] == [
+        "plain", "8 conditions", "data 10240 bytes", "16 IPs", "IPv4 host bits", "interface 256 bytes",
+        "hardware address 128 bytes"]  # fmt: skip

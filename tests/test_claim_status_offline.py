@@ -1,0 +1,132 @@
+"""status.devices without a server: the ``dir:`` store's claim file, the entry builder and the
+address readers (the real-server side is tests/test_claim_status.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+
+from agent.kubeletplugin import devicestatus
+from agent.kubeletplugin.statuswriter import StatusWriter, status_writer
+from agent.kubeletplugin.types import ClaimRef
+from agent.prepare import claimstatus, netaddrs
+from agent.prepare.driver import Driver
+from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
+
+OTHER = {"driver": "other.example.com", "pool": "p", "device": "x", "data": {"theirs": True}}
+
+
+def _prepare_unprepare(s, inv, c):
+    from agent.kubeletplugin import KubeletPlugin
+    from agent.kubeletplugin.claims import claim_source
+
+    async def go():
+        writer = status_writer(s)
+        plugin = KubeletPlugin(s, Driver(s, lambda: inv), claim_source(s), writer)
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(s.registry_dir)
+            await kubelet.register()
+            assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
+            await writer.idle(10)
+            prepared = json.load(open(path))
+            assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
+            await writer.idle(10)
+            return prepared, json.load(open(path))
+        finally:
+            await plugin.stop()
+
+    path = os.path.join(s.cluster_dir, "resourceclaims", c["metadata"]["namespace"], c["metadata"]["name"] + ".json")
+    return asyncio.run(go())
+
+
+def test_offline_prepare_writes_the_claim_file_status_and_unprepare_removes_ours(tmp_path):
+    s = settings_for(str(tmp_path))
+    inv = inventory(gpu(0), nic(0, "ens9f0"))
+    c = claim("c", [("gpu", "gpu-0000-1b-00-0"), ("nic", "nic-0000-40-00-0")])
+    c["status"]["devices"] = [OTHER]
+    store_claim(s, c)
+    prepared, after = _prepare_unprepare(s, inv, c)
+    devices = prepared["status"]["devices"]
+    assert devices[0] == OTHER and [e["device"] for e in devices[1:]] == ["gpu-0000-1b-00-0", "nic-0000-40-00-0"]
+    assert devices[2]["networkData"] == {"interfaceName": "ens9f0"}
+    assert all(not devicestatus.problems(e) for e in devices[1:])
+    assert after["status"]["devices"] == [OTHER] and after["status"]["allocation"] == c["status"]["allocation"]
+    assert not [f for f in os.listdir(os.path.dirname(s.cluster_dir + "/resourceclaims/default/")) if f.startswith(".")]
+
+
+def test_offline_writer_refuses_a_replaced_claim(tmp_path):
+    s = settings_for(str(tmp_path))
+    c = store_claim(s, claim("c", [("gpu", "gpu-0000-1b-00-0")]))
+    writer = status_writer(s)
+
+    async def go():
+        writer.submit(ClaimRef("default", "c", "00000000-0000-4000-8000-000000000000"), [])
+        writer.submit(ClaimRef("default", "c", "00000000-0000-4000-8000-000000000001"),
+                      [{"driver": "sysdra.io", "pool": "node-a", "device": "gpu-0000-1b-00-0"}])
+        await writer.idle(10)
+
+    asyncio.run(go())
+    assert writer.failed == 2 and "replaced" in writer.last_error
+    assert "devices" not in json.load(open(os.path.join(s.cluster_dir, "resourceclaims", "default", "c.json")))["status"]
+    assert c["metadata"]["uid"]
+
+
+def test_a_write_the_server_would_refuse_is_never_sent(tmp_path):
+    class Recorder:
+        calls = []
+
+        async def write(self, ref, entries):
+            self.calls.append(entries)
+
+    writer = StatusWriter(Recorder())
+    bad = {"driver": "sysdra.io", "pool": "p", "device": "d", "networkData": {"ips": ["192.0.2.5"]}}
+
+    async def go():
+        writer.submit(ClaimRef("default", "c", "u-1"), [bad])
+        writer.submit(ClaimRef("default", "d", "u-2"), [])
+        await writer.idle(5)
+
+    asyncio.run(go())
+    assert Recorder.calls == [[]]
+
+
+def test_entries_fit_the_limits_with_hundreds_of_device_nodes():
+    from discovery.models import DeviceNode
+
+    from agent.kubeletplugin.types import PreparedDevice
+
+    nodes = tuple(DeviceNode(path=f"/dev/some/long/path/node{i:04d}", host_path=f"/dev/x{i}", major=1, minor=i, source="test")
+                  for i in range(600))  # fmt: skip
+    dev = gpu(0).model_copy(update={"device_nodes": nodes})
+    (entry,) = claimstatus.build("sysdra.io", "/nonexistent", [PreparedDevice(["gpu"], "node-a", dev.name, ["k=x"])],
+                                 {dev.name: dev}, when="2026-01-01T00:00:00Z")
+    assert entry["data"]["deviceNodes"] == 600 and not devicestatus.problems(entry)
+
+
+def test_if_inet6_and_netlink_parsers():
+    text = ("20010db8000000000000000000000005 05 40 00 80 ens9f0\n"
+            "fe800000000000000e42a1fffe000001 05 40 20 80 ens9f0\n"
+            "garbage\n00000000000000000000000000000001 01 80 10 80 lo\n")  # fmt: skip
+    assert netaddrs.parse_if_inet6(text) == {"ens9f0": ["2001:db8::5/64"]}
+
+    def msg(family, prefix, scope, index, addr):
+        attr = struct.pack("=HH", 4 + len(addr), netaddrs.IFA_LOCAL if family == socket.AF_INET else netaddrs.IFA_ADDRESS) + addr
+        body = struct.pack("=BBBBI", family, prefix, 0, scope, index) + attr
+        return struct.pack("=IHHII", 16 + len(body), netaddrs.RTM_NEWADDR, 0, 1, 0) + body
+
+    data = msg(socket.AF_INET, 24, 0, 2, bytes([192, 0, 2, 5])) + msg(socket.AF_INET6, 64, 253, 2, b"\xfe\x80" + b"\0" * 14)
+    assert netaddrs.parse_addresses(data) == ([(2, "192.0.2.5/24")], False)
+    done = struct.pack("=IHHII", 20, netaddrs.NLMSG_DONE, 0, 1, 0) + b"\0\0\0\0"
+    assert netaddrs.parse_addresses(data + done)[1] is True
+    assert netaddrs.parse_addresses(b"\xff" * 7) == ([], False)
+
+
+def test_netlink_dump_on_this_host_lists_loopback_free_global_addresses():
+    found = netaddrs._netlink_dump()  # raises if the kernel does not answer
+    assert "lo" not in found  # 127.0.0.1 is host scope
+    for addrs in found.values():
+        assert all(devicestatus.canonical_interface_address(a) == a for a in addrs)
