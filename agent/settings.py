@@ -75,6 +75,9 @@ class Settings(BaseModel):
         if isinstance(v, (list, tuple)) and len(set(v)) != len(v):
             raise ValueError("names a kind twice")
         return tuple(v) if isinstance(v, list) else v
+    # KEP-5945 (alpha): device kind -> node operations the kubelet may skip for its devices,
+    # e.g. {"accelerator": ["*"]} (docs/cluster-integration.md); upstream's rule is enforced.
+    skip_node_operations: dict[str, list[str]] = Field(default_factory=dict)
 
     @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod
@@ -132,6 +135,29 @@ class Settings(BaseModel):
     def _uid(cls, v: str | None) -> str | None:
         if v is not None and not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,127}", v):
             raise ValueError("must be a pod UID")
+        return v
+
+    @field_validator("skip_node_operations", mode="before")
+    @classmethod
+    def _skip_text(cls, v: Any) -> Any:
+        if isinstance(v, str):  # SYSDRA_SKIP_NODE_OPERATIONS='{accelerator: ["*"]}' (YAML or JSON)
+            try:
+                v = yaml.safe_load(v) or {}
+            except yaml.YAMLError as err:
+                raise ValueError(f"not a YAML mapping: {err}") from None
+        return v
+
+    @field_validator("skip_node_operations")
+    @classmethod
+    def _skip(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        from agent.nodeops import rule_problem
+        from discovery.models import KINDS
+
+        for kind, ops in v.items():
+            if kind not in KINDS:
+                raise ValueError(f"{kind!r} is not a device kind ({', '.join(KINDS)})")
+            if problem := rule_problem(ops):
+                raise ValueError(f"{kind}: {problem}")
         return v
 
     # --- derived paths ----------------------------------------------------------

@@ -130,3 +130,44 @@ def test_netlink_dump_on_this_host_lists_loopback_free_global_addresses():
     assert "lo" not in found  # 127.0.0.1 is host scope
     for addrs in found.values():
         assert all(devicestatus.canonical_interface_address(a) == a for a in addrs)
+
+
+def test_a_deferred_metadata_update_brings_the_network_data_into_the_status(tmp_path):
+    import subprocess
+    import sys
+
+    from agent.kubeletplugin import KubeletPlugin
+    from agent.kubeletplugin.claims import claim_source
+    from tests.conftest import REPO
+
+    s = settings_for(str(tmp_path))
+    inv = inventory(gpu(0), nic(0, "ens9f0"))
+    c = store_claim(s, claim("c", [("gpu", "gpu-0000-1b-00-0"), ("nic", "nic-0000-40-00-0")]))
+    path = os.path.join(s.cluster_dir, "resourceclaims", "default", "c.json")
+
+    async def prepare():
+        writer = status_writer(s)
+        plugin = KubeletPlugin(s, Driver(s, lambda: inv), claim_source(s), writer)
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(s.registry_dir)
+            await kubelet.register()
+            assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
+            await writer.idle(10)
+        finally:
+            await plugin.stop()
+
+    asyncio.run(prepare())
+    cmd = [sys.executable, "-m", "agent", "metadata", "update", "--config", os.devnull, "--kubelet-dir", s.kubelet_dir,
+           "--cluster", s.cluster, "--namespace", "default", "--claim", "c", "--uid", c["metadata"]["uid"],
+           "--request", "nic", "--interface-name", "net1", "--ip", "192.0.2.7/24", "--ip", "2001:DB8::7/64"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "status.devices updated (2 entries)" in out.stdout
+    nic_entry = [e for e in json.load(open(path))["status"]["devices"] if e["device"] == "nic-0000-40-00-0"][0]
+    assert nic_entry["networkData"] == {"interfaceName": "net1", "ips": ["192.0.2.7/24", "2001:db8::7/64"]}
+    assert not devicestatus.problems(nic_entry)
+    # the claim is gone from the node: the update says so and writes nothing
+    gone = subprocess.run(cmd[:-4] + ["--uid", "00000000-0000-4000-8000-000000000009"] + cmd[-4:], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert gone.returncode == 1 and "not found in prepared claim" in gone.stderr

@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     u.add_argument("--hardware-address", default=None)
     u.add_argument("--kubelet-dir", default=None)
     u.add_argument("--driver-name", default=None)
+    u.add_argument("--cluster", default=None, help="'kube' or 'dir:PATH', where status.devices is written (default: the config's)")
     u.add_argument("--config", default=None, help="config file (default /etc/sysdra/config.yaml)")
     u.set_defaults(func=run_update)
     s = msub.add_parser("show", help="decode a metadata file (first understood version)")
@@ -35,10 +36,11 @@ def add_parser(sub) -> None:
 
 def run_update(args) -> int:
     from agent.kubeletplugin.types import ClaimRef
-    from agent.prepare.metadata.update import NetworkData, UpdateError, update_request
+    from agent.prepare.metadata.update import NetworkData, UpdateError, update_request, write_status
     from agent.settings import build_settings
 
-    settings = build_settings({"kubelet_dir": args.kubelet_dir, "driver_name": args.driver_name}, args.config)
+    settings = build_settings({"kubelet_dir": args.kubelet_dir, "driver_name": args.driver_name, "cluster": args.cluster},
+                              args.config)
     net = NetworkData(args.interface_name, list(args.ip), args.hardware_address)
     try:
         generation, path = update_request(settings, ClaimRef(args.namespace, args.claim, args.uid), args.request,
@@ -47,6 +49,14 @@ def run_update(args) -> int:
         print(f"sysdra metadata update: {err}", file=sys.stderr)
         return 1
     print(f"{path}: generation {generation}")
+    if settings.claim_status:  # the claim's status.devices carries the same network data
+        try:
+            written = write_status(settings, ClaimRef(args.namespace, args.claim, args.uid))
+        except UpdateError as err:  # the metadata is what the hook is for: a warning, not a failure
+            print(f"sysdra metadata update: warning: metadata updated, but {err}", file=sys.stderr)
+            return 0
+        if written is not None:
+            print(f"ResourceClaim {args.namespace}/{args.claim}: status.devices updated ({written} entries)")
     return 0
 
 

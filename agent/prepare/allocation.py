@@ -3,13 +3,18 @@
 The claim object is input: ``status.allocation.devices.results`` may hold anything. Each
 of our results must have the API's types and formats (request and device names, a string
 ``shareID``), and no device (or share of one) may be allocated twice; otherwise the claim
-fails as a whole with a message saying which result is wrong."""
+fails as a whole with a message saying which result is wrong.
+
+Results whose ``skipNodeOperations`` (KEP-5945, copied from their slice at allocation) skip
+NodePrepareResources are left out: the kubelet calls us for a claim only when some of our
+devices need preparing, and those that do not are never an error."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from agent import nodeops
 from agent.names import InvalidName, check_label, check_request, is_uid
 from agent.quantity import parse_quantity
 
@@ -67,6 +72,11 @@ def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]
         if not isinstance(r, dict):
             raise ClaimFailed(f"allocation result {i} is not an object")
         if r.get("driver") != driver_name:
+            continue
+        skip = r.get("skipNodeOperations")
+        if skip is not None and not (isinstance(skip, list) and all(isinstance(op, str) for op in skip)):
+            raise ClaimFailed(f"allocation result {i}: skipNodeOperations is not a list of strings")
+        if nodeops.skips(skip, nodeops.PREPARE):  # KEP-5945: this device needs no node work
             continue
         try:
             request = check_request(r.get("request"))

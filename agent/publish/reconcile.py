@@ -47,7 +47,8 @@ def _canonical(value):
     return value
 
 
-_SPEC_FIELDS = ("driver", "pool", "nodeName", "nodeSelector", "allNodes", "devices", "sharedCounters", "perDeviceNodeSelection")
+_SPEC_FIELDS = ("driver", "pool", "nodeName", "nodeSelector", "allNodes", "devices", "sharedCounters", "perDeviceNodeSelection",
+                "skipNodeOperations")
 
 
 def _owner_key(obj: dict) -> list[tuple]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from agent.deviceapi import device_api
 from agent.publish import partitions as gpu_partitions
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
+from agent.publish.nodeops import grouped_slices
 from agent.publish.validation import device_problems
 
 API_VERSION = "resource.k8s.io/v1"
@@ -169,14 +170,16 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
 
 def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
                partitions: bool = False, compatibility_groups: bool = False, taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
-               cache: dict | None = None, share: SharePlan | None = None) -> PoolContent:
+               cache: dict | None = None, share: SharePlan | None = None,
+               skip_node_operations: dict[str, list[str]] | None = None) -> PoolContent:
     """Validated, chunked pool content for this node's devices (inventory order = allocation order).
 
     ``taints``: device name -> DeviceTaints (``--taint-unhealthy``); a tainted device makes
     its slice an advanced one (at most 64 devices). ``previous``: the pool published
     before, for sticky slice placement (``chunk_devices``). ``cache``: a dict kept by the
     caller across calls; entries (treated as read-only) are reused for unchanged devices.
-    ``share``: kinds published multi-allocatable with capacity policies (``sharing.share_plan``)."""
+    ``share``: kinds published multi-allocatable with capacity policies (``sharing.share_plan``).
+    ``skip_node_operations``: device kind -> the slice's skipNodeOperations (``publish/nodeops.py``)."""
     rejected: list[tuple[str, str]] = []
     entries: list[dict] = []
     seen: set[str] = set()
@@ -208,8 +211,13 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
         names = {d.name for d in inventory.devices}
         for name in [n for n in cache if n not in names]:
             del cache[name]
-    prev_chunks = [sl["devices"] for sl in previous.slices if "devices" in sl] if previous is not None else None
-    slices.extend({"devices": chunk} for chunk in chunk_devices(entries, prev_chunks))
+    if skip_node_operations:
+        kind_of = {d.name: d.kind for d in inventory.devices}
+        prev = list(previous.slices) if previous is not None else None
+        slices.extend(grouped_slices(entries, kind_of, skip_node_operations, prev, chunk_devices))
+    else:
+        prev_chunks = [sl["devices"] for sl in previous.slices if "devices" in sl] if previous is not None else None
+        slices.extend({"devices": chunk} for chunk in chunk_devices(entries, prev_chunks))
     return PoolContent(name=node_name, slices=tuple(slices), rejected=tuple(rejected))
 
 
@@ -284,6 +292,7 @@ def pool_options(settings) -> dict:
         "partitions": settings.partitions,
         "compatibility_groups": settings.compatibility_groups,
         "share": share_plan(settings.share, settings.share_policies),
+        "skip_node_operations": settings.skip_node_operations,
     }
 
 

@@ -51,9 +51,11 @@ def make_store(settings: Settings):
 
 # Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies"})
+                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
+                           "skip_node_operations"})
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
-REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies"})
+REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
+                                "skip_node_operations"})
 
 
 def trim_heap() -> None:
@@ -246,6 +248,14 @@ class Agent:
             return None
         return {name: state.lower() for name, (state, _msg) in self.health.snapshot().items()}
 
+    def _node_operations(self, configured: dict) -> dict:
+        """``configured`` skip_node_operations, or the applied ones while prepared claims forbid the change."""
+        from agent.service import nodeops
+
+        driver = getattr(self.kubelet_plugin, "driver", None)
+        return nodeops.settle(configured, self.settings.plugin_dir, live=getattr(driver, "checkpoint", None),
+                              applied=self.settings.skip_node_operations if self.kubelet_plugin else None)
+
     # --- SIGHUP ----------------------------------------------------------------------------
     def reload(self, new: Settings) -> None:
         """Apply the settings that can change live; say which ones need a restart."""
@@ -258,6 +268,8 @@ class Agent:
         if restart:
             log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
         live = {k: getattr(new, k) for k in changed & LIVE_SETTINGS}
+        if "skip_node_operations" in live and self._node_operations(new.skip_node_operations) != new.skip_node_operations:
+            del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
         if not live:
             return
         self.settings = old.model_copy(update=live)
@@ -300,6 +312,8 @@ class Agent:
             log.warning("metrics endpoint %s not served: %s", self.settings.metrics_address, err)
         if self._client is not None:
             started.push_async_callback(self._client.close)
+        if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
+            self.settings = self.settings.model_copy(update={"skip_node_operations": ops})
         if not await _unless_stopped(stop, self.rescan()):
             return
         tasks: list[asyncio.Task] = []

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from agent.kubeletplugin import devicestatus
 from agent.kubeletplugin.service import check_ref
 from agent.kubeletplugin.types import ClaimRef, base_request
 from agent.prepare.checkpoint import COMPLETED, Checkpoint, CheckpointError
@@ -113,9 +114,59 @@ def update_request(settings: Settings, ref: ClaimRef, request: str, net: Network
         if target is None:
             raise UpdateError(f"device {device!r} is not in request {request!r} of {ref.namespace}/{ref.name}")
         net.apply(target)
+        for status_entry in entry.get("deviceStatus") or []:  # status.devices follows (write_status)
+            if status_entry.get("device") == target["name"]:
+                net.apply(status_entry)
+                ips = (status_entry.get("networkData") or {}).get("ips", [])
+                canon = [devicestatus.canonical_interface_address(ip) or ip for ip in ips]
+                if canon:
+                    status_entry["networkData"]["ips"] = list(dict.fromkeys(canon))
         try:
             generation = store.write_file(settings, ref.uid, entry, base)
             cp.save()
         except OSError as err:
             raise UpdateError(str(err)) from err
     return generation, layout.host_file(settings.plugin_dir, ref.namespace, ref.name, base)
+
+
+def write_status(settings: Settings, ref: ClaimRef, client=None) -> int | None:
+    """Write the claim's ``status.devices`` entries as recorded (after ``update_request``):
+    by server-side apply, or into the ``dir:`` claim file. -> entries written; None when the
+    claim records none (prepared with ``claim_status`` off). Raises UpdateError."""
+    # under the plugin's lock: an unprepare in between must not find its removal undone by us
+    with _Flock(os.path.join(settings.plugin_dir, "serialize.lock"), LOCK_TIMEOUT):
+        try:
+            cp = Checkpoint.load(os.path.join(settings.plugin_dir, "checkpoint.json"), move_corrupt=False)
+        except (CheckpointError, ValueError, OSError) as err:
+            raise UpdateError(f"cannot read the checkpoint: {err}") from err
+        entry = cp.claims.get(ref.uid) or {}
+        if entry.get("state") != COMPLETED or (entry.get("namespace"), entry.get("name")) != (ref.namespace, ref.name):
+            raise UpdateError(f"{ref.namespace}/{ref.name} (uid {ref.uid}) is no longer prepared")
+        entries = entry.get("deviceStatus")
+        if entries is None:
+            return None
+        return _write_status(settings, ref, entries, client)
+
+
+def _write_status(settings: Settings, ref: ClaimRef, entries: list[dict], client) -> int:
+    import asyncio
+
+    from agent.kubeletplugin.statuswriter import DirStatus, KubeStatus
+
+    if bad := [p for e in entries for p in devicestatus.problems(e)]:
+        raise UpdateError("status.devices not written: " + "; ".join(bad))
+    backend = (DirStatus(settings.cluster_dir, settings.driver_name) if settings.cluster_dir is not None
+               else KubeStatus(settings.driver_name, client))
+
+    async def write():
+        try:
+            await backend.write(ref, entries)
+        finally:
+            if client is None and getattr(backend, "_client", None) is not None:
+                await backend._client.close()
+
+    try:
+        asyncio.run(write())
+    except Exception as err:
+        raise UpdateError(f"status.devices not written: {type(err).__name__}: {err}") from err
+    return len(entries)
