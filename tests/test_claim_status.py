@@ -336,3 +336,34 @@ def test_our_checks_and_the_server_agree_at_every_limit(cluster):
     assert [w for w, (server, _) in verdicts.items() if server] == [
         "plain", "8 conditions", "data 10240 bytes", "16 IPs", "IPv4 host bits", "interface 256 bytes",
         "hardware address 128 bytes"]  # fmt: skip
+
+
+def test_server_errors_and_resets_are_retried_until_written(cluster, tmp_path):
+    from agent.kubeletplugin import statuswriter
+    from tests.faultproxy import FaultProxy
+
+    c = cluster.allocated_claim(cluster.name, other=False)
+    mine = [_entry(r) for r in c["status"]["allocation"]["devices"]["results"]]
+    proxy = FaultProxy(cluster.plane).start()
+    try:
+        proxy.fail_next(2, 503, method="PATCH")
+        proxy.reset_next(1)
+        config = proxy.write_kubeconfig(str(tmp_path / "proxy.kubeconfig"), token=cluster.pod_token)
+
+        async def go():
+            client = AsyncClient(config=KubeConfig.from_file(config), field_manager=DRIVER)
+            writer = StatusWriter(KubeStatus(DRIVER, client))
+            try:
+                writer.submit(ref(c), mine)
+                await writer.idle(60)
+                return writer
+            finally:
+                await client.close()
+
+        statuswriter.FIRST_DELAY = 0.05  # the backoff's shape is not under test here
+        writer = run(go())
+    finally:
+        statuswriter.FIRST_DELAY = 0.5
+        proxy.stop()
+    assert (writer.written, writer.failed) == (1, 0), writer.last_error
+    assert [e["device"] for e in ours(cluster.claim(c))] == [e["device"] for e in mine]
