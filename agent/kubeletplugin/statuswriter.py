@@ -11,7 +11,8 @@ apply, or into the claim file of the ``dir:`` store.
 
 Writes run in the background (``submit``), one worker per claim, latest state wins, retried
 with backoff: status is what others read about a prepared device, never a reason to fail
-or delay NodePrepareResources. ``idle()`` waits for the pending writes (tests, shutdown).
+or delay NodePrepareResources (they wait for a pause in the kubelet's calls, ``SETTLE``).
+``idle()`` waits for the pending writes (tests, shutdown).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 ATTEMPTS = 8
 FIRST_DELAY, MAX_DELAY = 0.5, 30.0
+# Writes wait until the kubelet's calls pause this long (at most MAX_DEFER): a burst of
+# prepares is not slowed by the status writes between them, which follow right after it.
+SETTLE, MAX_DEFER = 0.05, 2.0
 
 
 class StatusRefused(Exception):
@@ -112,6 +116,7 @@ class StatusWriter:
         self.backend = backend
         self._desired: dict[str, tuple[ClaimRef, list[dict]]] = {}
         self._workers: dict[str, asyncio.Task] = {}
+        self._last_submit = 0.0
         self.written = 0
         self.failed = 0
         self.last_error: str | None = None
@@ -123,11 +128,19 @@ class StatusWriter:
             log.error("claim %s/%s: status not written: %s", ref.namespace, ref.name, "; ".join(bad))
             return
         self._desired[ref.uid] = (ref, entries)
+        self._last_submit = asyncio.get_running_loop().time()
         if ref.uid not in self._workers:
             self._workers[ref.uid] = asyncio.get_running_loop().create_task(self._run(ref.uid), name=f"claim-status-{ref.uid}")
 
+    async def _settle(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MAX_DEFER
+        while (wait := min(self._last_submit + SETTLE, deadline) - loop.time()) > 0:
+            await asyncio.sleep(wait)
+
     async def _run(self, uid: str) -> None:
         try:
+            await self._settle()
             while uid in self._desired:
                 ref, entries = self._desired.pop(uid)
                 await self._write(ref, entries, uid)
