@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv peers test test-fast demo run allocate bench reliability protos fixtures install clean
+.PHONY: all venv peers test test-fast demo demo-partitions run allocate bench reliability protos fixtures install clean
 
 all: test
 
@@ -32,6 +32,10 @@ test-fast: $(STAMP) peers
 
 demo: $(STAMP)
 	$(VPY) -m agent.tools.demo --profile $(PROFILE)
+
+# A partitioned GPU: mode switch at prepare on the simulated amdgpu (docs/partitions.md).
+demo-partitions: $(STAMP)
+	$(VPY) -m fixtures.simkernel.demo
 
 # What the scheduler's allocator allocates for CLAIM on PROFILE's published slices (or SLICES=dir).
 CLAIM ?= deploy/example-claim.yaml

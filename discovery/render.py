@@ -11,6 +11,16 @@ def _nodes(dev: Device) -> str:
     return ",".join(n.path.removeprefix("/dev/") for n in dev.device_nodes) or "-"
 
 
+def _partitions(dev: Device) -> str:
+    """`` CPX/NPS1: 8 partitions`` / `` MIG: 4 instances`` for a partitioned GPU."""
+    pt = dev.gpu.partitioning if dev.gpu is not None else None
+    if pt is None or (pt.kind == "amd" and not pt.switchable and len(pt.partitions) <= 1):
+        return ""
+    if pt.kind == "mig":
+        return f"  MIG: {len(pt.partitions)} instances"
+    return f"  {pt.compute_mode}/{pt.memory_mode}: {len(pt.partitions)} partitions"
+
+
 def _row(dev: Device) -> list[str]:
     fn = dev.pci
     numa = "-" if fn.numa_node is None else str(fn.numa_node)
@@ -71,7 +81,7 @@ def _subtree(devs: list[Device], depth: int, prefix: str, lines: list[str]) -> N
         branch = "└── " if last else "├── "
         if what == "dev":
             d = item
-            lines.append(f"{prefix}{branch}{d.pci.bdf}  {d.name}  {d.pci.vendor_id}:{d.pci.device_id} {d.pci.driver or '-'}  [{_nodes(d)}]")
+            lines.append(f"{prefix}{branch}{d.pci.bdf}  {d.name}  {d.pci.vendor_id}:{d.pci.device_id} {d.pci.driver or '-'}  [{_nodes(d)}]{_partitions(d)}")
         else:
             lines.append(f"{prefix}{branch}{label} (bridge)")
             _subtree(item, depth + 1, prefix + ("    " if last else "│   "), lines)

@@ -16,3 +16,12 @@ def test_demo_runs_end_to_end():
                      "metadata.resource.k8s.io/v1beta1", "12 -> 11 devices", "registered", "CDI spec still there: False",
                      "exit code 0; sockets left: none"):
         assert expected in text, expected
+
+
+def test_partition_demo_switches_the_gpu_and_hands_out_the_partition():
+    out = subprocess.run([sys.executable, "-m", "fixtures.simkernel.demo"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for expected in ("counter set gpu-0000-27-00-0: xcds=8, memory=196288Mi", "16 cpx-nps1", "is in SPX/NPS1",
+                     "is now in CPX/NPS1", "gpu-0000-27-00-0-cpx-nps1-3: /dev/dri/renderD139, /dev/kfd",
+                     "error=''; GPU gpu-0000-27-00-0 in CPX/NPS1", "[dri/card2,dri/renderD136,kfd]  CPX/NPS1: 8 partitions"):
+        assert expected in out.stdout, expected

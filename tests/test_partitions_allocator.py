@@ -150,3 +150,13 @@ def test_grouped_devices_need_the_gate():
         allocate(slices, CLASSES, claim("p", req("p", part_of(CPX_GPU, "CPX/NPS1"))), node=NODE,
                  features={"CompatibilityGroups": False})
     allocate(slices, CLASSES, claim("p", req("p", part_of(CPX_GPU, "CPX/NPS1"))), node=NODE)
+
+
+def test_the_partition_demo_hands_out_what_the_allocator_picks(tmp_path):
+    """fixtures/simkernel/demo.py (make demo-partitions) stands in for the scheduler."""
+    from fixtures.simkernel import demo
+    from tests.controlplane import claim_from
+
+    hand = demo.make_claim(str(tmp_path))
+    (allocation,) = allocate(amd(True), CLASSES, claim_from(hand), node=NODE)
+    assert picked(allocation) == {"gpu": [demo.PARTITION]}
