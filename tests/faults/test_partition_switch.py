@@ -19,6 +19,7 @@ from fixtures.simkernel.amdgpu import AmdgpuSim
 from tests.controlplane import allocate, claim_from
 from tests.faults.harness import NODE, Node, run
 from tests.partition_node import SPX_GPU, mode_of, part_of
+from tests.partition_node import whole as whole_gpu
 from tests.test_allocator import CLASSES, claim
 from tests.test_partitions_allocator import gpu_bdf, req
 
@@ -128,3 +129,42 @@ def test_sigkill_at_every_step_of_a_mode_switch(tmp_path, faults):
     faults.add("Crash anywhere", "SIGKILL at every step of a GPU mode switch at prepare (simulated amdgpu)", len(POINTS),
                f"restart: claim prepared in the new mode or rolled back with the old mode restored "
                f"({outcomes.count('undone')} undone, {outcomes.count('kept')} kept); the retry prepares it")
+
+
+class CountersOnlyNode(Node):
+    def command(self, cluster: str | None = None) -> list[str]:
+        return super().command(cluster) + ["--partitions"]
+
+
+def test_the_running_agent_republishes_after_a_switch(tmp_path):
+    """Without compatibility groups only the current mode is published: a whole-GPU claim on
+    the CPX GPU switches it to SPX, and the agent's slices then drop its CPX partitions."""
+    node = CountersOnlyNode(str(tmp_path), profile="mi300x-partitions")
+    sim = AmdgpuSim(node.root, delay=0.05).start()
+    try:
+        node.start()
+        cpx = [f"gpu-0000-05-00-0-cpx-nps1-{i}" for i in range(8)]
+        names = lambda: {d["name"] for s in node.read_slices() for d in s["spec"].get("devices", [])}  # noqa: E731
+        deadline = time.monotonic() + 10
+        while not set(cpx) <= names():
+            assert time.monotonic() < deadline, names()
+            time.sleep(0.05)
+        c = claim_from(claim("whole", req("gpu", whole_gpu("gpu-0000-05-00-0"))))
+        from agent.publish.slices import build_pool, render
+        from discovery.inventory import scan
+
+        pool = build_pool(scan(node.root, list_attributes=True), node_name=NODE, driver_name="sysdra.io", list_attributes=True,
+                          partitions=True)
+        (alloc,) = allocate(render(pool, driver_name="sysdra.io", node_name=NODE, generation=1, full_name=True), CLASSES, c, node=NODE)
+        c = node.write_claim("whole", [(r["request"], r["device"]) for r in alloc["devices"]["results"]], uid=c["metadata"]["uid"])
+        resp = run(node.prepare(c))
+        assert not resp.claims[c["metadata"]["uid"]].error, resp.claims[c["metadata"]["uid"]].error
+        assert mode_of(node.root, "0000:05:00.0") == "SPX/NPS1"
+        deadline = time.monotonic() + 10
+        while set(cpx) & names():
+            assert time.monotonic() < deadline, f"not republished after the switch: {sorted(names())}"
+            time.sleep(0.05)
+        assert "gpu-0000-05-00-0" in names()
+    finally:
+        node.stop()
+        sim.stop()
