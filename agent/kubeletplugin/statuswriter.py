@@ -18,11 +18,12 @@ or delay NodePrepareResources (they wait for a pause in the kubelet's calls, ``S
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import random
 from typing import Protocol
 
-from agent.fsutil import atomic_write, json_bytes
+from agent.fsutil import atomic_write, clean_stale_temps, json_bytes
 from agent.kubeletplugin import devicestatus
 from agent.kubeletplugin.claims import ClaimError, DirClaimSource, _claim_resource
 from agent.kubeletplugin.types import ClaimRef
@@ -83,6 +84,12 @@ class DirStatus:
     def __init__(self, path: str, driver_name: str):
         self.source = DirClaimSource(path)
         self.driver_name = driver_name
+
+    def clean_temps(self) -> None:
+        """At the agent's start: temps of claim-file rewrites a crash interrupted."""
+        claims = os.path.join(self.source.path, "resourceclaims")
+        for ns in os.listdir(claims) if os.path.isdir(claims) else ():
+            clean_stale_temps(os.path.join(claims, ns), prefix=".")
 
     async def write(self, ref: ClaimRef, entries: list[dict]) -> None:
         # a thread: the loop keeps serving the kubelet while the file is read and replaced
@@ -183,5 +190,7 @@ class StatusWriter:
 def status_writer(settings: Settings, client=None) -> StatusWriter:
     """The writer matching ``--cluster``: the ``dir:PATH`` store's files or the API server."""
     if settings.cluster_dir is not None:
-        return StatusWriter(DirStatus(settings.cluster_dir, settings.driver_name))
+        backend = DirStatus(settings.cluster_dir, settings.driver_name)
+        backend.clean_temps()  # the daemon's writer, made once at start
+        return StatusWriter(backend)
     return StatusWriter(KubeStatus(settings.driver_name, client))

@@ -16,14 +16,17 @@ pytestmark = pytest.mark.slow
 UID = "00000000-0000-4000-8000-0000000ba5e0"
 
 
-def ours(node: Node) -> tuple[str, ...]:
-    """Where the agent may write: its CDI files, its plugin dir, slices, its log."""
-    return (node.cdi_dir + "/", node.plugin_dir + "/", node.plugin_dir, os.path.join(node.cluster, "resourceslices"),
-            node.log_path, node.kubelet_dir, node.cdi_dir, node.cluster)  # (cluster: the dir itself, created)
+def ours(node: Node) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where the agent may write -> (directory prefixes, exact paths): its CDI files, its plugin
+    and kubelet dirs, slices, the claims' status (offline mode writes it into the claim files), its log."""
+    prefixes = (node.cdi_dir + "/", node.plugin_dir + "/", node.kubelet_dir + "/",
+                os.path.join(node.cluster, "resourceslices"), os.path.join(node.cluster, "resourceclaims") + "/")
+    return prefixes, (node.plugin_dir, node.log_path, node.kubelet_dir, node.cdi_dir, node.cluster)
 
 
 def _outside(path: str, node: Node) -> bool:
-    return not (path.startswith(ours(node)[:4]) or path in ours(node) or path.startswith(node.kubelet_dir + "/"))
+    prefixes, exact = ours(node)
+    return not (path.startswith(prefixes) or path in exact)
 
 
 def outside_writes(node: Node, before: dict) -> list[str]:
