@@ -233,6 +233,20 @@ class Node:
                 found += [os.path.join(dirpath, n) for n in files if n.endswith(".tmp")]
         return found
 
+    def assert_no_temps(self, settle: float = 5.0) -> None:
+        """No temp file is left. The claim-status writer rewrites claim files in the background
+        (after a pause in the kubelet's calls), so its temps may exist for a moment: those get
+        ``settle`` seconds to go; any other temp fails at once."""
+        claims = os.path.join(self.cluster, "resourceclaims") + "/"
+        deadline = time.monotonic() + settle
+        while True:
+            left = self.temp_files()
+            if not left:
+                return
+            if any(not p.startswith(claims) for p in left) or time.monotonic() > deadline:
+                raise AssertionError(f"temp files left: {left}")
+            time.sleep(0.02)
+
     def check_state(self, generations: dict | None = None) -> Checkpoint:
         """After a (re)start: checkpoint, CDI dir and metadata files are consistent."""
         cp = Checkpoint.load(os.path.join(self.plugin_dir, "checkpoint.json"), move_corrupt=False)
@@ -279,7 +293,7 @@ class Node:
                 host = mdlayout.host_file(self.plugin_dir, entry["namespace"], entry["name"], base)
                 assert os.path.exists(host), f"claim {uid}: metadata file {host} missing"
                 assert mdlayout.spec_path(self.cdi_dir, DRIVER, uid, base) in meta_specs.get(uid, []), f"claim {uid}: metadata spec missing"
-        assert not self.temp_files(), f"temp files left: {self.temp_files()}"
+        self.assert_no_temps()
         return cp
 
     def check_clean(self) -> None:
@@ -290,7 +304,7 @@ class Node:
         assert left == [], f"CDI dir not empty: {left}"
         mroot = mdlayout.host_root(self.plugin_dir)
         assert not os.path.isdir(mroot) or os.listdir(mroot) == [], f"metadata left: {os.listdir(mroot)}"
-        assert not self.temp_files(), f"temp files left: {self.temp_files()}"
+        self.assert_no_temps()
 
     # --- slices -----------------------------------------------------------------------------
     def read_slices(self) -> list[dict] | None:
