@@ -83,7 +83,7 @@ async def _unless_stopped(stop: asyncio.Event, step) -> bool:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    log.info("stop requested during start-up")
+    log.info("stopping: stop requested during start-up")
     return False
 
 
