@@ -10,6 +10,7 @@ certificate ends at the proxy). Each connection carries one request (``Connectio
     proxy = FaultProxy(plane).start()
     proxy.fail_next(3, 503, method="PUT")     # the next 3 PUTs get a 503 Status
     proxy.delay(0.2)                          # every response waits 0.2 s first
+    proxy.delay(30, path="/resourceslices")   # only these wait
     proxy.drop_watches()                      # cut every open watch stream now
     proxy.reset_next(2)                       # the next 2 requests: connection reset, no response
     proxy.url, proxy.write_kubeconfig(path, token=...)
@@ -31,9 +32,15 @@ class _Fault:
     status: int
     method: str | None
     path: str | None
+    watch: bool | None = None
 
     def matches(self, method: str, target: str) -> bool:
-        return (self.method is None or self.method == method) and (self.path is None or self.path in target)
+        return ((self.method is None or self.method == method) and (self.path is None or self.path in target)
+                and (self.watch is None or self.watch == _is_watch(target)))
+
+
+def _is_watch(target: str) -> bool:
+    return "watch=true" in target or "watch=1" in target
 
 
 class FaultProxy:
@@ -44,6 +51,7 @@ class FaultProxy:
         self._faults: list[_Fault] = []
         self._resets = 0
         self._delay = 0.0
+        self._delay_path: str | None = None
         self._watches: set[asyncio.StreamWriter] = set()
         self._lock = threading.Lock()
         self.requests: list[tuple[str, str]] = []  # (method, target) seen, in order
@@ -51,16 +59,20 @@ class FaultProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- control (thread-safe; call from the test)
-    def fail_next(self, n: int, status: int = 500, *, method: str | None = None, path: str | None = None) -> None:
+    def fail_next(self, n: int, status: int = 500, *, method: str | None = None, path: str | None = None,
+                  watch: bool | None = None) -> None:
+        """The next ``n`` matching requests get ``status``; ``watch=False`` spares watch
+        requests (a list), ``watch=True`` takes only them."""
         with self._lock:
-            self._faults.append(_Fault(n, status, method, path))
+            self._faults.append(_Fault(n, status, method, path, watch))
 
     def reset_next(self, n: int) -> None:
         with self._lock:
             self._resets += n
 
-    def delay(self, seconds: float) -> None:
-        self._delay = seconds
+    def delay(self, seconds: float, *, path: str | None = None) -> None:
+        """Every response (or only those whose target contains ``path``) waits ``seconds`` first."""
+        self._delay, self._delay_path = seconds, path
 
     def drop_watches(self) -> int:
         """Close every open watch stream (client side gets EOF mid-stream)."""
@@ -148,7 +160,7 @@ class FaultProxy:
             body = await reader.readexactly(length) if length else b""
             self.requests.append((method, target))
             fault = self._take_fault(method, target)
-            if self._delay:
+            if self._delay and (self._delay_path is None or self._delay_path in target):
                 await asyncio.sleep(self._delay)
             if fault == "reset":
                 self.injected += 1
@@ -168,8 +180,7 @@ class FaultProxy:
             resp_lines = [ln for ln in resp_head.decode("latin-1").split("\r\n") if ln]
             resp_lines = [resp_lines[0]] + [h for h in resp_lines[1:] if h.split(":", 1)[0].strip().lower() != "connection"]
             writer.write("\r\n".join(resp_lines + ["Connection: close"]).encode("latin-1") + b"\r\n\r\n")
-            watching = "watch=true" in target or "watch=1" in target
-            if watching:
+            if _is_watch(target):
                 self._watches.add(writer)
             try:
                 while chunk := await up_reader.read(65536):

@@ -122,3 +122,43 @@ def test_watch_from_a_compacted_version_is_gone(uncached, tmp_path):
             await r.settle(lambda: node.devices() == 4)
 
     run(scenario())
+
+
+def test_publishers_watch_resuming_from_a_compacted_version_gets_gone_and_relists(uncached, tmp_path):
+    """The drift watch itself is dropped (fault proxy) and resumes from a version etcd has
+    compacted away: the server's 410 Gone, a fresh list, and a later kubelet wipe still repaired."""
+    proxy = FaultProxy(uncached).start()
+    node = Node(uncached, tmp_path, token=True)
+    node.kubeconfig = proxy.write_kubeconfig(str(tmp_path / "proxied.kubeconfig"), token=node.token)
+    gone: list[str] = []
+
+    async def scenario():
+        async with Running(node) as r:
+            r.pub.set_pool(node.pool(5))
+            await r.settle(lambda: node.devices() == 5)
+            await r.settle(lambda: proxy.open_watches() >= 1)
+            inner = r.store.store.watch
+
+            async def watch(version):  # the watch as watch_api calls it, noting the 410s
+                try:
+                    async for event in inner(version):
+                        yield event
+                except Gone:
+                    gone.append(version)
+                    raise
+
+            r.store.watch = watch  # watch_api looks it up again on every resume
+            old = node.slices()[0]["metadata"]["resourceVersion"]
+            for _ in range(2):  # other objects move etcd on; the slice watch sees none of it
+                await asyncio.to_thread(uncached.create_namespace, unique("bump"))
+            assert await asyncio.to_thread(uncached.compact_etcd) > int(old) + 1
+            assert proxy.drop_watches() >= 1
+            await r.settle(lambda: bool(gone) and proxy.open_watches() >= 1)
+            await asyncio.to_thread(node.wipe_as_kubelet)
+            await r.settle(lambda: node.devices() == 5)
+
+    try:
+        run(scenario())
+    finally:
+        proxy.stop()
+    assert gone and {o["spec"]["pool"]["generation"] for o in node.slices()} == {2}

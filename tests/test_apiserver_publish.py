@@ -1,10 +1,8 @@
 """The agent's API mode (KubeStore over lightkube, Publisher, drift watch) against the real
 kube-apiserver v1.37.2 + etcd (tests/controlplane.py): field-selected list/watch, updates and
 deletes with preconditions, real 409s, the kubelet's wipe done as the kubelet does it, a second
-writer's drift, and the whole Agent publishing with its ServiceAccount token.
-
-tests/test_publisher.py keeps the stand-in (tests/apiserver_standin.py) only for what a real
-server does not do on demand: injected 5xx bursts, slow responses, dropped watches, 410 Gone."""
+writer's drift, and the whole Agent publishing with its ServiceAccount token. What the server
+does not do on demand (5xx bursts, stalls, dropped watches) is in test_apiserver_faults.py."""
 
 from __future__ import annotations
 

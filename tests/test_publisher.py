@@ -1,5 +1,5 @@
-"""Reconciler and publisher against the offline directory and, over real HTTP, the
-stand-in API server (tests/apiserver_standin.py; not a real kube-apiserver)."""
+"""Reconciler and publisher against the offline directory (``--cluster dir:``). API mode runs
+against the real kube-apiserver: tests/test_apiserver_publish.py and test_apiserver_faults.py."""
 
 from __future__ import annotations
 
@@ -9,19 +9,15 @@ import time
 
 import kubernetes_validate
 import pytest
-from lightkube import AsyncClient, KubeConfig
 
 from agent.publish import Conflict, Reconciler
-from agent.publish.backoff import Backoff
 from agent.publish.dirstore import DirStore
-from agent.publish.drift import watch_api, watch_dir
-from agent.publish.kubestore import KubeStore
+from agent.publish.drift import watch_dir
 from agent.publish.publisher import Publisher
 from agent.publish.slices import build_pool
 from agent.service.watch import start_file_observer
 from discovery.models import Inventory
-from tests.apiserver_standin import StandinAPIServer
-from tests.inventory_factory import device, inventory
+from tests.inventory_factory import inventory
 
 DRIVER, NODE = "sysdra.io", "node-a"
 
@@ -169,217 +165,3 @@ def test_published_file_removed_by_someone_else_is_republished(tmp_path):
 
     elapsed, exists = run(scenario())
     assert exists and elapsed < 1.0
-
-
-# --- Kubernetes API via lightkube against the stand-in ------------------------------------
-@pytest.fixture
-def api(tmp_path):
-    server = StandinAPIServer().start()
-    server.add_node(NODE, uid="11111111-2222-3333-4444-555555555555")
-    server.kubeconfig_path = server.kubeconfig(str(tmp_path / "kubeconfig"))
-    yield server
-    server.stop()
-
-
-def kube_store(api) -> KubeStore:
-    client = AsyncClient(config=KubeConfig.from_file(api.kubeconfig_path), field_manager=DRIVER)
-    return KubeStore(client, node_name=NODE, driver_name=DRIVER)
-
-
-class Running:
-    """A publisher with its API watch, as the daemon runs them."""
-
-    def __init__(self, api, debounce=0.05):
-        self.api = api
-        self.store = kube_store(api)
-        self.pub = Publisher(self.store, node_name=NODE, driver_name=DRIVER, resync_interval=0, debounce=debounce,
-                             backoff=Backoff(initial=0.02, cap=0.2))
-
-    async def __aenter__(self):
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self.pub.run()),
-                      loop.create_task(watch_api(self.store, self.pub, Backoff(initial=0.02, cap=0.2)))]
-        return self
-
-    async def __aexit__(self, *exc):
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.store.client.close()
-
-    async def settle(self, predicate, timeout=10.0):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not converged: {self.api.writes}, {len(self.api.slices)} slices")
-            await asyncio.sleep(0.02)
-
-
-def test_api_initial_publish_owner_and_noop_resync(api):
-    async def scenario():
-        async with Running(api) as r:
-            r.pub.set_pool(pool_of(300))
-            await r.pub.wait_synced(lambda p: p.total.created == 3)
-            writes = dict(api.writes)
-            r.pub.request_sync()
-            syncs = r.pub.syncs
-            await r.pub.wait_synced(lambda p: p.syncs > syncs)
-            return writes, dict(api.writes), r.pub.last_stats
-
-    before, after, last = run(scenario())
-    assert before == after and last.writes == 0
-    objs = api.slice_list()
-    assert len(objs) == 3
-    for i, o in enumerate(objs):
-        assert o["metadata"]["name"].startswith(f"{i:05x}-{DRIVER}-{NODE}-") and len(o["metadata"]["name"]) == len(f"00000-{DRIVER}-{NODE}-") + 5
-        assert o["metadata"]["ownerReferences"][0]["uid"] == "11111111-2222-3333-4444-555555555555"
-        assert o["spec"]["pool"]["generation"] == 1
-
-
-def test_api_device_added_and_removed(api):
-    async def scenario():
-        async with Running(api) as r:
-            r.pub.set_pool(pool_of(3))
-            await r.pub.wait_synced(lambda p: p.total.created == 1)
-            r.pub.set_pool(pool_of(4))
-            await r.pub.wait_synced(lambda p: p.total.updated == 1)
-            r.pub.set_pool(pool_of(2))
-            await r.pub.wait_synced(lambda p: p.total.updated == 2)
-
-    run(scenario())
-    (obj,) = api.slice_list()
-    assert [d["name"] for d in obj["spec"]["devices"]] == [d.name for d in inventory(2).devices]
-    assert obj["spec"]["pool"]["generation"] == 1
-
-
-def test_api_kubelet_wipe_republished_within_debounce(api):
-    async def scenario():
-        async with Running(api, debounce=0.1) as r:
-            r.pub.set_pool(pool_of(300))
-            await r.pub.wait_synced(lambda p: p.total.created == 3)
-            await asyncio.sleep(0.2)  # the watch is established
-            t0 = time.monotonic()
-            assert api.wipe(NODE) == 3
-            await r.settle(lambda: len(api.slices) == 3)
-            return time.monotonic() - t0
-
-    elapsed = run(scenario())
-    assert elapsed < 0.1 + 0.5
-    assert {o["spec"]["pool"]["generation"] for o in api.slice_list()} == {2}
-
-
-def test_api_5xx_burst_and_slow_server_converge(api):
-    async def scenario():
-        async with Running(api) as r:
-            api.fail_next(6, 500)
-            api.fail_next(2, 503, verb="create")
-            r.pub.set_pool(pool_of(300))
-            await r.settle(lambda: len(api.slices) == 3)
-            api.delay(0.05)
-            r.pub.set_pool(pool_of(310))
-            await r.settle(lambda: sum(len(o["spec"]["devices"]) for o in api.slice_list()) == 310)
-            return r.pub.errors
-
-    assert run(scenario()) >= 1
-
-
-def test_api_conflicts_converge(api):
-    async def scenario():
-        async with Running(api) as r:
-            r.pub.set_pool(pool_of(200))
-            await r.settle(lambda: len(api.slices) == 2)
-            # someone else touched a slice: our cached view is stale when we update
-            store = r.store
-            api.fail_next(3, 409, verb="update")
-            r.pub.set_pool(pool_of(201))
-            await r.settle(lambda: sum(len(o["spec"]["devices"]) for o in api.slice_list()) == 201)
-            obj = (await store.list_slices())[0]
-            await store.update(obj)
-            with pytest.raises(Conflict):
-                await store.update(obj)  # real stale resourceVersion
-            with pytest.raises(Conflict):
-                await store.delete(obj["metadata"]["name"], "wrong-uid", "")
-            return r.pub.errors
-
-    assert run(scenario()) >= 3
-
-
-def test_api_dropped_watch_and_410_gone_still_repair(api):
-    async def scenario():
-        async with Running(api) as r:
-            r.pub.set_pool(pool_of(5))
-            await r.settle(lambda: len(api.slices) == 1)
-            await asyncio.sleep(0.2)
-            other = pool_of(1)
-            with api.lock:  # another node's write moves the resourceVersion past what our watch saw
-                api._create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "other"},
-                             "spec": {"driver": DRIVER, "nodeName": "node-b", "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
-                                      "devices": other.slices[0]["devices"]}})
-            api.compact()
-            api.drop_watches()  # the watch resumes from a compacted version: 410 Gone, re-list
-            await asyncio.sleep(0.3)
-            api.wipe(NODE, DRIVER)
-            await r.settle(lambda: len([o for o in api.slice_list() if o["spec"]["nodeName"] == NODE]) == 1, timeout=5)
-
-    run(scenario())
-    assert api.writes["create"] == 3
-    assert api.gone_served >= 1
-
-
-def test_agent_in_api_mode_publishes_scanned_inventory(api, monkeypatch, tmp_path):
-    from agent.service.daemon import Agent
-    from agent.settings import Settings
-
-    monkeypatch.setenv("KUBECONFIG", api.kubeconfig_path)
-    settings = Settings(root=str(tmp_path), node_name=NODE, cluster="kube", debounce=0.05, resync_interval=0,
-                        kubelet_dir=str(tmp_path / "kubelet"), cdi_dir=str(tmp_path / "cdi"))
-
-    async def scenario():
-        agent = Agent(settings, scan=lambda s: inventory(130))
-        agent.start_kubelet_plugin = _no_plugin
-        stop = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(agent.run(stop))
-        try:
-            await agent.publisher.wait_synced(lambda p: p.total.created == 2)
-        finally:
-            stop.set()
-            await task
-
-    run(scenario())
-    assert [len(o["spec"]["devices"]) for o in api.slice_list()] == [128, 2]
-
-
-async def _no_plugin():
-    return None
-
-
-def test_api_without_node_publishes_without_owner(api, caplog):
-    api.nodes.clear()
-
-    async def scenario():
-        async with Running(api) as r:
-            r.pub.set_pool(pool_of(1))
-            await r.settle(lambda: len(api.slices) == 1)
-            r.pub.set_pool(pool_of(2))
-            await r.settle(lambda: len(api.slice_list()[0]["spec"]["devices"]) == 2)
-
-    run(scenario())
-    assert "ownerReferences" not in api.slice_list()[0]["metadata"]
-    assert sum("cannot read Node" in m for m in caplog.messages) == 1
-
-
-def test_standin_rejects_what_the_apiserver_rejects(api):
-    async def scenario():
-        store = kube_store(api)
-        try:
-            too_many = pool_of(129).slices[0]
-            too_many = {"devices": too_many["devices"] + [device(999).to_api()]}
-            obj = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"generateName": "x-"},
-                   "spec": {"driver": DRIVER, "nodeName": NODE, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}, **too_many}}
-            from agent.publish import StoreError
-            with pytest.raises(StoreError, match="422"):
-                await store.create(obj)
-        finally:
-            await store.client.close()
-
-    run(scenario())

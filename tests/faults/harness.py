@@ -86,8 +86,9 @@ class Node:
     """A copied fixture node plus the state dirs of one agent."""
 
     def __init__(self, tmp: str, profile: str = PROFILE, boot: str = "boot-1", cdi_dir: str | None = None,
-                 kubelet_dir: str | None = None, copy_root: bool = True):
+                 kubelet_dir: str | None = None, copy_root: bool = True, node_name: str = NODE):
         self.tmp = str(tmp)
+        self.name = node_name  # a Node of a shared API server needs a name of its own
         self.root = os.path.join(self.tmp, "root")
         if copy_root:
             shutil.copytree(profile_root(profile), self.root, symlinks=True)
@@ -140,13 +141,13 @@ class Node:
 
     # --- claims -------------------------------------------------------------------------
     def write_claim(self, name: str, results: list[tuple[str, str]], uid: str, namespace: str = "default",
-                    pod_claim_name: str | None = None, driver: str = DRIVER, pool: str = NODE) -> dict:
+                    pod_claim_name: str | None = None, driver: str = DRIVER, pool: str | None = None) -> dict:
         claim = {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": namespace, "uid": uid},
             "spec": {"devices": {"requests": [{"name": r.split("/")[0], "exactly": {"deviceClassName": "x"}} for r, _ in results]}},
             "status": {"allocation": {"devices": {"results": [
-                {"request": r, "driver": driver, "pool": pool, "device": d} for r, d in results]}}},
+                {"request": r, "driver": driver, "pool": pool or self.name, "device": d} for r, d in results]}}},
         }
         if pod_claim_name:
             claim["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": pod_claim_name}
@@ -158,7 +159,7 @@ class Node:
 
     # --- the agent ------------------------------------------------------------------------
     def command(self, cluster: str | None = None) -> list[str]:
-        return [sys.executable, "-m", "tests.faults.crashpoint", "run", "--root", self.root, "--node-name", NODE,
+        return [sys.executable, "-m", "tests.faults.crashpoint", "run", "--root", self.root, "--node-name", self.name,
                 "--cluster", cluster or f"dir:{self.cluster}", "--kubelet-dir", self.kubelet_dir,
                 "--cdi-dir", self.cdi_dir, "--metrics-address", "", "--debounce", "0.05", "--resync-interval", "0"]
 
@@ -318,7 +319,7 @@ class Node:
         from agent.publish.slices import build_pool
         from discovery.inventory import scan
 
-        pool = build_pool(scan(self.root), node_name=NODE, driver_name=DRIVER)
+        pool = build_pool(scan(self.root), node_name=self.name, driver_name=DRIVER)
         return sorted(d["name"] for s in pool.slices for d in s.get("devices", []))
 
     def wait_slices_converge(self, timeout: float = 10.0) -> list[dict]:

@@ -1,6 +1,9 @@
-"""API faults: the real agent in API mode (``--cluster kube``, KUBECONFIG -> the stand-in API
-server) while the server returns 5xx bursts, 409 storms, drops watches and stalls. The agent
-keeps answering the kubelet during the fault and its slices converge once the server recovers.
+"""API faults: the real agent in API mode (``--cluster kube``) against the real kube-apiserver
+v1.37.2 (the session's ``apiserver``), through tests/faultproxy.py for what the server does not
+do on demand: 5xx bursts, 409 storms, dropped watches and stalls. The agent runs with its own
+ServiceAccount token (deploy/rbac.yaml, bound to its Node); its ResourceClaims are real objects,
+allocated by the scheduler's allocator from the slices the agent published. The agent keeps
+answering the kubelet during the fault and its slices converge once the server recovers.
 
 ``SYSDRA_FAULT_STALL`` (default 30) is the length of the one long stall of the ResourceSlice
 endpoints the issue asks for."""
@@ -12,49 +15,98 @@ import time
 
 import pytest
 
-from tests.apiserver_standin import SLICES, StandinAPIServer
-from tests.faults.harness import NODE, Node, run
+from tests.conftest import REPO
+from tests.controlplane import allocate, resource_path, unique
+from tests.faultproxy import FaultProxy
+from tests.faults.harness import DRIVER, Node, run
 
 pytestmark = pytest.mark.slow
 
 STALL = float(os.environ.get("SYSDRA_FAULT_STALL", "30"))
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 @pytest.fixture
-def api():
-    server = StandinAPIServer().start()
-    server.add_node(NODE)
-    yield server
-    server.stop()
+def proxy(apiserver):
+    p = FaultProxy(apiserver).start()  # one per test: a fault armed but not taken does not leak
+    yield p
+    p.stop()
 
 
 @pytest.fixture
-def node(api, tmp_path):
-    n = Node(tmp_path)
-    kubeconfig = api.kubeconfig(str(tmp_path / "kubeconfig"))
-    g = [d for d in n.devices() if d.startswith("gpu-")]
-    n.claims = []
-    for i in range(3):
-        c = n.write_claim(f"c{i}", [("gpu", g[i])], uid=f"{i:08d}-0000-4000-8000-0000000a9100")
-        api.claims[("default", f"c{i}")] = c
-        n.claims.append(c)
-    n.hot = g[7]
+def node(apiserver, proxy, tmp_path):
+    name = unique("faults")
+    node_obj = apiserver.create_node(name)
+    for manifest in ("namespace.yaml", "rbac.yaml", "deviceclasses.yaml"):
+        apiserver.apply(f"{REPO}/deploy/{manifest}")
+    kubeconfig = proxy.write_kubeconfig(str(tmp_path / "kubeconfig"), token=apiserver.token("sysdra", "sysdra", node=name))
+    n = Node(tmp_path, node_name=name)
+    n.plane = apiserver
+    n.namespace = unique("faults")
+    apiserver.create_namespace(n.namespace)
     n.start(env={"KUBECONFIG": kubeconfig}, cluster="kube")
-    yield n
-    n.stop()
+    try:
+        converge(n, 30)
+        n.claims = allocated_claims(apiserver, n, node_obj, 3)
+        allocated = {r["device"] for c in n.claims for r in c["status"]["allocation"]["devices"]["results"]}
+        n.hot = [d for d in n.devices() if d.startswith("gpu-") and d not in allocated][-1]
+        yield n
+    finally:
+        n.stop()
 
 
-def converge(api, node: Node, timeout: float) -> float:
+def allocated_claims(plane, node: Node, node_obj: dict, count: int) -> list[dict]:
+    """``count`` one-GPU claims, created on the server, allocated by the scheduler's allocator from
+    the slices the agent published, their status written as the scheduler does."""
+    claims = [plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                            "metadata": {"name": f"c{i}", "namespace": node.namespace},
+                            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}})
+              for i in range(count)]  # fmt: skip
+    allocations = allocate(server_slices(node), plane.list("DeviceClass"), claims, node=node_obj)
+    out = []
+    for claim, allocation in zip(claims, allocations):
+        path = resource_path("ResourceClaim", node.namespace, claim["metadata"]["name"]) + "/status"
+        out.append(plane.request("PUT", path, body=dict(claim, status={"allocation": allocation})).json())
+    assert len({r["device"] for c in out for r in c["status"]["allocation"]["devices"]["results"]}) == count
+    return out
+
+
+def server_slices(node: Node) -> list[dict]:
+    return node.plane.list("ResourceSlice", fields={"spec.nodeName": node.name, "spec.driver": DRIVER})
+
+
+def converge(node: Node, timeout: float) -> float:
+    """The server holds exactly the scanned devices in one complete pool (read as admin, not
+    through the proxy)."""
     t0 = time.monotonic()
     want = node.expected_devices()
     while True:
-        mine = [s for s in api.slice_list() if s["spec"]["nodeName"] == NODE]
+        mine = server_slices(node)
         names = sorted(d["name"] for s in mine for d in s["spec"].get("devices", []))
         if names == want and {s["spec"]["pool"]["resourceSliceCount"] for s in mine} == {len(mine)}:
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"slices did not converge in {timeout}s: {names} != {want}\n{node.log_tail()}")
+        time.sleep(0.1)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def wipe_as_kubelet(node: Node) -> int:
+    """The kubelet's DeleteCollection of this node's slices, as system:node:<name>."""
+    kubelet = node.plane.http(cert=node.plane.node_identity(node.name))
+    try:
+        r = kubelet.request("DELETE", SLICES, params={"fieldSelector": f"spec.nodeName={node.name},spec.driver={DRIVER}"})
+        assert r.status_code == 200, r.text
+        return len(r.json()["items"])
+    finally:
+        kubelet.close()
 
 
 def prepare_works(node: Node, claim: dict, within: float = 5.0) -> float:
@@ -73,23 +125,23 @@ def unprepare_all(node: Node) -> None:
     node.check_clean()
 
 
-def test_5xx_bursts(api, node, faults):
-    converge(api, node, 10)
-    for verb in ("list", "create", "update", "delete", "watch"):
-        api.fail_next(1, 500, verb=verb)
-    api.fail_next(2, 503, verb="list")
+def test_5xx_bursts(node, proxy, faults):
+    for method, watch in (("GET", False), ("POST", None), ("PUT", None), ("DELETE", None), ("GET", True)):  # list, create, update, delete, watch
+        proxy.fail_next(1, 500, method=method, path=SLICES, watch=watch)
+    proxy.fail_next(2, 503, method="GET", path=SLICES, watch=False)
     node.unplug(node.hot)
     lat = prepare_works(node, node.claims[0])
-    took = converge(api, node, 30)
+    took = converge(node, 30)
     node.replug(node.hot)
-    converge(api, node, 30)
+    converge(node, 30)
     unprepare_all(node)
-    faults.add("API faults", "5xx bursts (500/503 on list, create, update, delete, watch) during a hot-unplug", 7,
+    assert proxy.injected >= 1, "no 5xx reached the agent"
+    faults.add("API faults", "5xx bursts (500/503 on list, create, update, delete, watch) during a hot-unplug", proxy.injected,
                f"prepare served ({lat * 1000:.0f} ms); slices converged {took:.1f}s after the change")
 
 
-def test_5xx_on_claim_reads(api, node, faults):
-    api.fail_next(2, 500, verb="get")
+def test_5xx_on_claim_reads(node, proxy, faults):
+    proxy.fail_next(2, 500, method="GET", path=f"/namespaces/{node.namespace}/resourceclaims/c1")
     uid = node.claims[1]["metadata"]["uid"]
     errors = []
     for _ in range(3):  # the kubelet retries
@@ -97,45 +149,50 @@ def test_5xx_on_claim_reads(api, node, faults):
         if not r.claims[uid].error:
             break
         errors.append(r.claims[uid].error)
-    assert errors and all("500" in e and "default/c1" in e for e in errors), errors
+    assert errors and all("500" in e and f"{node.namespace}/c1" in e for e in errors), errors
     assert not r.claims[uid].error
     unprepare_all(node)
     faults.add("API faults", "500 on the ResourceClaim GET", len(errors),
                "per-claim error naming the claim and the status; the kubelet's retry succeeds")
 
 
-def test_409_storm(api, node, faults):
-    converge(api, node, 10)
-    api.fail_next(6, 409, verb="update")
-    api.fail_next(2, 409, verb="create")
+def test_409_storm(node, proxy, faults):
+    proxy.fail_next(6, 409, method="PUT", path=SLICES)
+    proxy.fail_next(2, 409, method="POST", path=SLICES)
     node.unplug(node.hot)
     lat = prepare_works(node, node.claims[0])
-    took = converge(api, node, 30)
+    took = converge(node, 30)
     unprepare_all(node)
-    faults.add("API faults", "409 storm on update/create during a hot-unplug", 8,
+    assert proxy.injected >= 1, "no 409 reached the agent"
+    faults.add("API faults", "409 storm on update/create during a hot-unplug", proxy.injected,
                f"prepare served ({lat * 1000:.0f} ms); converged in {took:.1f}s")
 
 
-def test_dropped_watches(api, node, faults):
-    converge(api, node, 10)
-    for _ in range(5):
-        api.drop_watches()
-        time.sleep(0.1)
-    api.compact()
-    api.drop_watches()  # resumes from a compacted version: 410 Gone, re-list
-    time.sleep(0.5)
+def test_dropped_watches(node, proxy, faults, apiserver):
+    dropped = 0
+    for i in range(6):
+        wait_for(lambda: proxy.open_watches() >= 1, 30, "the agent's slice watch")
+        if i == 5:  # the last one resumes across an etcd compaction
+            for _ in range(2):
+                apiserver.create_namespace(unique("bump"))
+            apiserver.compact_etcd()
+        dropped += proxy.drop_watches()
+    wait_for(lambda: proxy.open_watches() >= 1, 30, "the agent's slice watch to come back")
     prepare_works(node, node.claims[0])
-    api.wipe(NODE)  # the kubelet's DeleteCollection: only the repaired watch can notice
-    took = converge(api, node, 20)
+    assert wipe_as_kubelet(node) >= 1  # the kubelet's DeleteCollection: only the repaired watch can notice
+    t0 = time.monotonic()
+    converge(node, 20)
+    took = time.monotonic() - t0
     unprepare_all(node)
-    faults.add("API faults", "dropped watches (6, one resuming from a compacted version) then a kubelet wipe", 6,
+    assert dropped >= 6
+    faults.add("API faults", "dropped watches (6, the last across an etcd compaction) then a kubelet wipe", dropped,
                f"slices republished {took:.1f}s after the wipe")
 
 
-def test_slice_endpoints_stall(api, node, faults):
+def test_slice_endpoints_stall(node, proxy, faults):
     """The one long stall: every ResourceSlice request hangs for STALL seconds."""
-    converge(api, node, 10)
-    api.delay(STALL, only=SLICES)
+    seen = len(proxy.requests)
+    proxy.delay(STALL, path=SLICES)
     node.unplug(node.hot)
     t0 = time.monotonic()
     lats = []
@@ -144,9 +201,9 @@ def test_slice_endpoints_stall(api, node, faults):
         r = run(node.unprepare(*node.claims))
         assert all(not e.error for e in r.claims.values()), r
         time.sleep(1.0)
-    stalled = [p for v, p in api.requests if p.startswith(SLICES)]
-    api.delay(0)
-    took = converge(api, node, STALL + 30)
+    stalled = [t for _m, t in proxy.requests[seen:] if t.startswith(SLICES)]
+    proxy.delay(0)
+    took = converge(node, STALL + 30)
     unprepare_all(node)
     faults.add("API faults", f"{STALL:.0f} s stall of every ResourceSlice request during a hot-unplug", 1,
                f"{len(lats)} prepares served during the stall (max {max(lats) * 1000:.0f} ms); converged {took:.1f}s "
@@ -154,12 +211,12 @@ def test_slice_endpoints_stall(api, node, faults):
     assert stalled, "no ResourceSlice request reached the stalled server"
 
 
-def test_claim_read_stall(api, node, faults):
-    api.delay(3, only="/apis/resource.k8s.io/v1/namespaces/")
+def test_claim_read_stall(node, proxy, faults):
+    proxy.delay(3, path=f"/namespaces/{node.namespace}/resourceclaims/")
     t0 = time.monotonic()
     r = run(node.prepare(node.claims[2]))
     took = time.monotonic() - t0
-    api.delay(0)
+    proxy.delay(0)
     assert not r.claims[node.claims[2]["metadata"]["uid"]].error and 3 <= took < 45, (took, r)
     prepare_works(node, node.claims[0])
     unprepare_all(node)
