@@ -23,10 +23,10 @@ from typing import Callable
 from agent.prepare import claimconfig
 from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
 from discovery.devnodes import NodeResolver
-from discovery.routes import default_route_functions
 from discovery.models import Device, Problem
 from discovery.pci import host_dir, read_function
-from discovery.sysfs import Dir
+from discovery.routes import default_route_functions
+from discovery.sysfs import AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
     try:
         if kernel.fs.read_attr(os.path.join(kernel.dev(bdf), "boot_vga")) == "1":
             return "it is the boot VGA device (the host's console)"
-    except Exception:  # no boot_vga attribute: not a display device
+    except AttrError:  # no boot_vga attribute: not a display device
         pass
     return None
 
@@ -157,8 +157,6 @@ def claim_records(settings, kernel: PciKernel, claim: dict, results, by_name: di
 def with_vfio_nodes(root: str, device: Device) -> Device:
     """``device`` with the nodes a VFIO user opens (group node, /dev/vfio/vfio, iommufd cdev),
     read from the kernel as it is now, instead of its driver's nodes."""
-    from discovery.sysfs import HostFS
-
     fs = HostFS(root)
     fn, problems, names = read_function(fs, device.pci.bdf)
     found: list[Problem] = []
