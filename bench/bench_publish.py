@@ -21,6 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 from bench.agentproc import large_node
 from bench.report import Figure, progress
@@ -98,9 +99,9 @@ def _slice_build(repeat: int) -> tuple[float, float, int]:
         for d in devices:
             if len(many) == 4096:
                 break
-            many.append(d if i == 0 else d.model_copy(update={"name": f"{d.name}-x{i}"}))
+            many.append(d if i == 0 else replace(d, name=f"{d.name}-x{i}"))
         i += 1
-    big = inv.model_copy(update={"devices": tuple(sorted(many, key=lambda d: d.name))})
+    big = replace(inv, devices=tuple(sorted(many, key=lambda d: d.name)))
     build, floor = [], []
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ Names: ``<gpu>-<compute>-<memory>-<index>`` (``gpu-0000-05-00-0-cpx-nps1-3``) an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from discovery.attributes import _value, quantity
 from discovery.models import Device, GpuPartition, Partitioning
@@ -92,7 +92,7 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             return parent
         attrs = dict(parent.attributes, computePartition=_value("string", way.compute),
                      memoryPartition=_value("string", way.memory))
-        return parent.model_copy(update={"attributes": attrs})
+        return replace(parent, attributes=attrs)
     attrs = {k: v for k, v in parent.attributes.items() if k not in _PARENT_ONLY}
     attrs["partitionOf"] = _value("string", parent.name)
     attrs["partitionIndex"] = _value("int_", way.index)
@@ -112,9 +112,8 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             mine = next((p for p in pt.partitions if p.index == way.index), None)
             kfd = tuple(n for n in parent.device_nodes if n.path == "/dev/kfd")
             nodes = (mine.nodes + kfd) if mine is not None else ()
-    # model_copy: no re-validation of the (already checked, shared) attribute values
-    return parent.model_copy(update={"name": way.name, "device_nodes": nodes, "attributes": dict(sorted(attrs.items())),
-                                     "capacity": capacity, "problems": ()})
+    return replace(parent, name=way.name, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
+                   capacity=capacity, problems=())
 
 
 _UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from discovery.accel import read_accel
 from discovery.attributes import device_attributes, quantity
@@ -166,8 +167,7 @@ class _Scanner:
             capacity={k: quantity(v) for k, v in capacity.items()}, **info,
         )  # fmt: skip
         attrs, attr_problems = device_attributes(draft, self.numa, self.list_attributes)
-        # model_copy, not a new Device: validating would run AttributeValue's check on every value again
-        return draft.model_copy(update={"attributes": attrs, "problems": tuple(problems + attr_problems)})
+        return replace(draft, attributes=attrs, problems=tuple(problems + attr_problems))
 
     def _device(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> Device:
         fs, res = self.fs, self.resolver

@@ -2,78 +2,130 @@
 
 Absent values are ``None`` (never -1 or ""); why a value is absent is kept in
 ``Device.problems`` so an operator can see it in ``sysdra scan``.
+
+Records are plain slotted dataclasses: discovery builds every value itself, with the types
+already right, so nothing is validated on construction (pydantic cost a whole-process scan
+~100 ms of imports and ~13 MB of the agent's memory). What comes from outside goes through
+a checking constructor (:meth:`AttributeValue.from_api`).
 """
 
 from __future__ import annotations
 
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Kind = Literal["gpu", "nic", "fpga", "accelerator"]
 KINDS: tuple[str, ...] = ("gpu", "nic", "fpga", "accelerator")
 
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+# Frozen (assignment raises FrozenInstanceError), slotted (no per-instance __dict__) and
+# keyword-only, so every constructor names its fields; equality and hashing by value.
+record = dataclass(frozen=True, slots=True, kw_only=True)
 
 _VALUE_FIELDS = ("int_", "bool_", "string", "version", "ints", "bools", "strings", "versions")
+_LIST_FIELDS = ("ints", "bools", "strings", "versions")
+# API name -> (Python field, exact type of the value or of each list item, is a list)
+_API_FIELDS = {
+    "int": ("int_", int, False), "bool": ("bool_", bool, False),
+    "string": ("string", str, False), "version": ("version", str, False),
+    "ints": ("ints", int, True), "bools": ("bools", bool, True),
+    "strings": ("strings", str, True), "versions": ("versions", str, True),
+}
+_set = object.__setattr__  # how a frozen record's own constructor stores its fields
 
 
-class AttributeValue(Frozen):
+@dataclass(frozen=True, slots=True, init=False)
+class AttributeValue:
     """One ResourceSlice DeviceAttribute: exactly one field is set.
 
-    Python names end in ``_`` where the API name is a builtin; ``to_api`` uses the API names.
+    Python names end in ``_`` where the API name is a builtin; the constructor also takes
+    the API names (``AttributeValue(int=1)``), and ``to_api`` uses them.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    int_: Optional[int]
+    bool_: Optional[bool]
+    string: Optional[str]
+    version: Optional[str]
+    ints: Optional[tuple[int, ...]]
+    bools: Optional[tuple[bool, ...]]
+    strings: Optional[tuple[str, ...]]
+    versions: Optional[tuple[str, ...]]
+    _api: Optional[dict] = field(default=None, init=False, repr=False, compare=False)  # ``api``, once asked for
 
-    int_: Optional[int] = Field(None, alias="int")
-    bool_: Optional[bool] = Field(None, alias="bool")
-    string: Optional[str] = None
-    version: Optional[str] = None
-    ints: Optional[tuple[int, ...]] = None
-    bools: Optional[tuple[bool, ...]] = None
-    strings: Optional[tuple[str, ...]] = None
-    versions: Optional[tuple[str, ...]] = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "AttributeValue":
-        set_fields = [k for k, v in self.__dict__.items() if v is not None]
+    def __init__(self, *, int_: int | None = None, bool_: bool | None = None, string: str | None = None,
+                 version: str | None = None, ints: tuple[int, ...] | None = None, bools: tuple[bool, ...] | None = None,
+                 strings: tuple[str, ...] | None = None, versions: tuple[str, ...] | None = None, **api_names):
+        if api_names:
+            int_, bool_ = _api_names(api_names, int_, bool_)
+        values = (int_, bool_, string, version, ints, bools, strings, versions)
+        for name, value in zip(_VALUE_FIELDS, values):
+            _set(self, name, value)
+        _set(self, "_api", None)
+        set_fields = [name for name, value in zip(_VALUE_FIELDS, values) if value is not None]
         if len(set_fields) != 1:
             raise ValueError(f"exactly one value field must be set, got {set_fields}")
-        for k in ("ints", "bools", "strings", "versions"):
-            if getattr(self, k) == ():
-                raise ValueError(f"list attribute {k} must not be empty")
-        return self
+        if set_fields[0] in _LIST_FIELDS and not values[_VALUE_FIELDS.index(set_fields[0])]:
+            raise ValueError(f"list attribute {set_fields[0]} must not be empty")
+
+    @classmethod
+    def trusted(cls, field: str, value) -> AttributeValue:
+        """A value discovery built itself: ``field`` is a Python field name and ``value`` of its
+        type (a non-empty tuple for a list). Nothing is checked."""
+        out = cls.__new__(cls)
+        for name in _VALUE_FIELDS:
+            _set(out, name, None)
+        _set(out, field, value)
+        _set(out, "_api", None)
+        return out
+
+    @classmethod
+    def from_api(cls, data: dict) -> AttributeValue:
+        """A DeviceAttribute from outside (API encoding, e.g. ``{"int": 3}``), checked strictly:
+        exactly one field, the value of exactly its type (a bool is not an int), lists
+        non-empty and of that type throughout. Raises ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"attribute value must be an object, got {type(data).__name__}")
+        items = [(k, v) for k, v in data.items() if v is not None]  # JSON null: not set (as Go decodes it)
+        unknown = sorted(str(k) for k in data if k not in _API_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown attribute value field(s) {unknown}")
+        if len(items) != 1:
+            raise ValueError(f"exactly one value field must be set, got {sorted(k for k, _ in items)}")
+        (key, value), = items
+        name, item_type, is_list = _API_FIELDS[key]
+        if not is_list:
+            if type(value) is not item_type:
+                raise ValueError(f"{key}: expected {item_type.__name__}, got {type(value).__name__}")
+            return cls.trusted(name, value)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {type(value).__name__}")
+        if not value:
+            raise ValueError(f"list attribute {key} must not be empty")
+        for i, item in enumerate(value):
+            if type(item) is not item_type:
+                raise ValueError(f"{key}[{i}]: expected {item_type.__name__}, got {type(item).__name__}")
+        return cls.trusted(name, tuple(value))
 
     def _item(self) -> tuple[str, object]:
-        d = self.__dict__  # the fields, and ``api`` once it was asked for
-        (key, value), = ((k, d[k]) for k in _VALUE_FIELDS if d[k] is not None)
-        return key.rstrip("_"), value
+        for name in _VALUE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name.rstrip("_"), value
+        raise AssertionError("no value field set")  # the constructors make this impossible
 
     def to_api(self) -> dict:
         key, value = self._item()
         return {key: list(value) if isinstance(value, tuple) else value}
 
-    @cached_property
+    @property
     def api(self) -> dict:
         """``to_api()`` built once. Discovery shares value objects between devices, and so
         every device's slice entry shares this dict: read-only (entries are encoded, never
         modified). A large node's pool is ~6 MB smaller for it."""
-        return self.to_api()
-
-    @classmethod
-    def from_api(cls, data: dict) -> "AttributeValue":
-        return cls.model_validate(data)
-
-    @classmethod
-    def trusted(cls, field: str, value) -> "AttributeValue":
-        """A value discovery built itself (type already right, one field). Plain validation:
-        pydantic-core checks it in ~2 us, model_construct takes three times that."""
-        return cls(**{field: value})
+        api = self._api
+        if api is None:
+            api = self.to_api()
+            _set(self, "_api", api)
+        return api
 
     @property
     def value_count(self) -> int:
@@ -83,10 +135,21 @@ class AttributeValue(Frozen):
 
     @property
     def is_list(self) -> bool:
-        return any(getattr(self, k) is not None for k in ("ints", "bools", "strings", "versions"))
+        return any(getattr(self, k) is not None for k in _LIST_FIELDS)
 
 
-class DeviceNode(Frozen):
+def _api_names(api_names: dict, int_, bool_) -> tuple:
+    """``int=``/``bool=``, the API names of ``int_``/``bool_`` (a builtin cannot be a parameter)."""
+    unknown = set(api_names) - {"int", "bool"}
+    if unknown:
+        raise TypeError(f"AttributeValue got unexpected keyword argument(s) {sorted(unknown)}")
+    if ("int" in api_names and int_ is not None) or ("bool" in api_names and bool_ is not None):
+        raise TypeError("AttributeValue got a field under both its names")
+    return api_names.get("int", int_), api_names.get("bool", bool_)
+
+
+@record
+class DeviceNode:
     """A device node a container needs.
 
     ``path`` is where the node lives on the node and inside the container
@@ -99,28 +162,32 @@ class DeviceNode(Frozen):
     type: Literal["c", "b"] = "c"
     major: int
     minor: int
-    source: str = Field(description="where major:minor came from: dev node, sysfs dev file, /proc/devices")
+    source: str  # where major:minor came from: dev node, sysfs dev file, /proc/devices
 
 
-class Problem(Frozen):
+@record
+class Problem:
     """Why an attribute or device node is missing (``what`` names it)."""
 
     what: str
     reason: str
 
 
-class PciLink(Frozen):
+@record
+class PciLink:
     max_speed: str | None = None  # max_link_speed, e.g. "16.0 GT/s PCIe"
     max_width: int | None = None  # max_link_width
 
 
-class Sriov(Frozen):
+@record
+class Sriov:
     total_vfs: int | None = None  # sriov_totalvfs
     num_vfs: int | None = None  # sriov_numvfs
     vfs: tuple[str, ...] = ()  # virtfnN targets (BDFs), by N
 
 
-class PciFunction(Frozen):
+@record
+class PciFunction:
     bdf: str  # "0000:1b:00.0"; the domain may have 5+ hex digits (VMD)
     sysfs_path: str  # resolved /sys/devices/... path (node view)
     pcie_root: str | None  # "pci0000:00": first component below /sys/devices
@@ -142,7 +209,8 @@ class PciFunction(Frozen):
         return self.physfn is not None
 
 
-class NetInterface(Frozen):
+@record
+class NetInterface:
     """What is published of a netdev; its link state is health's (agent/health/checks.py)."""
 
     name: str
@@ -152,13 +220,15 @@ class NetInterface(Frozen):
     speed_mbps: int | None = None  # ``speed`` (None while the link is down): bandwidth of a shared NIC
 
 
-class RdmaDevice(Frozen):
+@record
+class RdmaDevice:
     name: str  # mlx5_0
     uverbs: str | None = None  # uverbs0
     rate_gbps: float | None = None  # port 1's ``rate`` ("400 Gb/sec (4X NDR)"): bandwidth of a shared NIC
 
 
-class GpuPartition(Frozen):
+@record
+class GpuPartition:
     """One partition the kernel exposes now: an AMD compute partition (``index`` = its KFD
     function number) or an NVIDIA MIG compute instance (``gi``/``ci``)."""
 
@@ -169,7 +239,8 @@ class GpuPartition(Frozen):
     ci: int | None = None
 
 
-class Partitioning(Frozen):
+@record
+class Partitioning:
     """How a GPU is split now and how it could be (discovery/partitions.py)."""
 
     kind: Literal["amd", "mig"]
@@ -185,7 +256,8 @@ class Partitioning(Frozen):
         return bool(self.compute_modes)
 
 
-class GpuInfo(Frozen):
+@record
+class GpuInfo:
     vendor: str  # nvidia | amd | intel | other
     drm_card: str | None = None  # card1
     drm_render: str | None = None  # renderD129
@@ -195,12 +267,14 @@ class GpuInfo(Frozen):
     partitioning: Partitioning | None = None
 
 
-class NicInfo(Frozen):
+@record
+class NicInfo:
     interfaces: tuple[NetInterface, ...] = ()
     rdma: tuple[RdmaDevice, ...] = ()
 
 
-class FpgaInfo(Frozen):
+@record
+class FpgaInfo:
     family: Literal["dfl", "alveo", "other"]
     # Intel DFL
     region: str | None = None  # fpga_region/regionN
@@ -216,21 +290,26 @@ class FpgaInfo(Frozen):
     ready: bool | None = None
 
 
-class AccelInfo(Frozen):
+@record
+class AccelInfo:
     accel: str | None = None  # accel0
     status: str | None = None  # habanalabs status ("operational")
     module_id: int | None = None
 
 
-class Device(Frozen):
-    """A device we offer through DRA: one PCI function (an Alveo card: two)."""
+@record
+class Device:
+    """A device we offer through DRA: one PCI function (an Alveo card: two).
+
+    Not hashable (``attributes`` and ``capacity`` are dicts); never modify them: values and
+    devices are shared between inventories and the publisher's caches."""
 
     name: str  # gpu-0000-1b-00-0
     kind: Kind
     pci: PciFunction
     device_nodes: tuple[DeviceNode, ...] = ()
-    attributes: dict[str, AttributeValue] = Field(default_factory=dict)
-    capacity: dict[str, str] = Field(default_factory=dict)  # quantities as strings
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+    capacity: dict[str, str] = field(default_factory=dict)  # quantities as strings
     gpu: GpuInfo | None = None
     nic: NicInfo | None = None
     fpga: FpgaInfo | None = None
@@ -247,7 +326,8 @@ class Device(Frozen):
         return out
 
 
-class Skipped(Frozen):
+@record
+class Skipped:
     """A PCI function we looked at but do not offer, with the reason."""
 
     bdf: str
@@ -257,28 +337,31 @@ class Skipped(Frozen):
     device_id: str | None = None
 
 
-class NumaNode(Frozen):
+@record
+class NumaNode:
     id: int
     cpulist: str | None = None
     distances: tuple[int, ...] = ()
     socket: int | None = None  # physical_package_id of its first CPU
 
 
-class Inventory(Frozen):
+@record
+class Inventory:
     root: str
     devices: tuple[Device, ...] = ()
     skipped: tuple[Skipped, ...] = ()
     numa_nodes: tuple[NumaNode, ...] = ()
     problems: tuple[Problem, ...] = ()  # node-wide (no /sys/bus/pci, unreadable /proc/devices ...)
+    _by_name: Optional[dict] = field(default=None, init=False, repr=False, compare=False)
 
     def by_name(self) -> dict[str, Device]:
         """Name -> device; built once per inventory (prepare looks devices up on every call).
         Callers must not modify the returned dict."""
-        return self._by_name
-
-    @cached_property
-    def _by_name(self) -> dict[str, Device]:
-        return {d.name: d for d in self.devices}
+        table = self._by_name
+        if table is None:
+            table = {d.name: d for d in self.devices}
+            _set(self, "_by_name", table)
+        return table
 
     def to_json(self) -> dict:
         """``sysdra scan -o json``: devices in ResourceSlice encoding plus device nodes."""
@@ -295,5 +378,5 @@ class Inventory(Frozen):
         skipped = [{"bdf": s.bdf, "reason": s.reason} for s in self.skipped]
         out = {"devices": devices, "skipped": skipped}
         if self.problems:
-            out["problems"] = [p.model_dump() for p in self.problems]
+            out["problems"] = [{"what": p.what, "reason": p.reason} for p in self.problems]
         return out

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 from lightkube import AsyncClient, KubeConfig
@@ -61,7 +62,7 @@ class Node:
         self.ns = unique(prefix)
         plane.create_namespace(self.ns)
         plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": self.ns}})
-        devices = [d.model_copy(update={"attributes": {"type": AttributeValue(string="gpu")}}) for d in (gpu(0), gpu(1))]
+        devices = [replace(d, attributes={"type": AttributeValue(string="gpu")}) for d in (gpu(0), gpu(1))]
         self.inv = inventory(*devices)
         self.settings = settings_for(str(tmp), node_name=self.name, cluster="kube")
         run(self._publish())
