@@ -24,30 +24,18 @@ def build_large_node(dest: str) -> int:
 
 
 def record_operations(root: str) -> list[tuple[str, str]]:
-    """Run one scan with the syscalls it makes recorded: (op, path) (``sysdra record``'s tracer)."""
-    from agent.tools.record import traced_scan
+    """Run one scan with the file operations it makes recorded: (op, path) (the tracer
+    ``sysdra record`` uses too)."""
+    from agent.tools.fstrace import traced_scan
 
     return traced_scan(root)[1]
 
 
 def minimal_reader(ops: list[tuple[str, str]]) -> None:
-    """The floor: the same syscalls in a tight loop, no parsing, no models."""
-    for op, path in ops:
-        try:
-            if op == "open":
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-                os.read(fd, 4097)
-                os.close(fd)
-            elif op == "listdir":
-                os.listdir(path)
-            elif op == "readlink":
-                os.readlink(path)
-            elif op == "stat":
-                os.stat(path)
-            else:
-                os.lstat(path)
-        except OSError:
-            pass
+    """The floor: the same operations in a tight loop, no parsing, no models."""
+    from agent.tools.fstrace import replay
+
+    replay(ops)
 
 
 def _cpu(fn) -> float:

@@ -19,7 +19,7 @@ from discovery.gpu import read_gpu
 from discovery.models import Device, Inventory, PciFunction, Problem, Skipped
 from discovery.nic import read_nic
 from discovery.numa import read_numa_nodes
-from discovery.pci import BDF_RE, PciError, host_dir, list_bdfs, read_function
+from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
@@ -68,10 +68,9 @@ class _Scanner:
         """Stage one of a function: Skipped, ("alveo", card) (half recorded in ``alveo``) or ("offered", ...)."""
         fs = self.fs
         try:
-            fn, problems, names = read_function(fs, bdf)
+            fn, problems, d = read_function(fs, bdf)
         except PciError as err:
             return Skipped(bdf=bdf, reason=f"cannot identify: {err}")
-        d = Dir(host_dir(fs, fn), names)
         views = d.names or frozenset()
         kind, why = classify(fn, views)
         ids = dict(class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)

@@ -20,17 +20,16 @@ def _net_dirs(fs: HostFS, d: Dir) -> list[str]:
     dirs = [f"{d.path}/net"] if d.has("net") else []
     if d.names is None:
         try:
-            names = fs.listdir(d.path)
+            d = fs.list_dir(d.path)
         except AttrError:
             return dirs
-    else:
-        names = sorted(d.names)
-    dirs += [f"{d.path}/{n}/net" for n in names if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]
+    dirs += [f"{d.path}/{n}/net" for n in sorted(d.dirs) if n.startswith("virtio")]
     return dirs
 
 
 def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) -> NetInterface:
-    """The published values of one netdev (its link state is for health to read)."""
+    """The published values of one netdev (its link state is for health to read). Read by
+    path, not listed first: four ``stat``s cost less than listing a netdev's ~20 entries."""
 
     def opt(attr: str, parse=str):
         try:
@@ -73,11 +72,11 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
     interfaces = []
     for net_dir in _net_dirs(fs, d):
         try:
-            names = fs.listdir(net_dir)
+            listed = fs.list_dir(net_dir)
         except AttrError:
             continue
-        for name in names:
-            if _IFNAME.match(name) and fs.is_dir(f"{net_dir}/{name}"):
+        for name in sorted(listed.dirs):  # real directories only (d_type), as sysfs has them
+            if _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
 
     rdma: list[RdmaDevice] = []

@@ -6,11 +6,13 @@ identified and goes to ``skipped``. Everything else is optional and costs only i
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from functools import lru_cache
 
 from discovery.models import PciFunction, PciLink, Problem, Sriov
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS, os_reason
 
 PCI_DEVICES = "sys/bus/pci/devices"
 # Domain may be 5+ hex digits (Intel VMD 10000:, Hyper-V); never fixed width.
@@ -55,15 +57,22 @@ def split_sysfs_path(real: str) -> tuple[str | None, tuple[str, ...]]:
     return parts[3], tuple(chain[:-1])
 
 
-def _read_id(fs: HostFS, path: str) -> str:
+def _int(text: str) -> int:
     try:
-        return parse_id(fs.read_attr(path))
-    except ValueError as err:
-        raise AttrError(path, str(err)) from err
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text[:40]!r}") from None
 
 
-def _numa(fs: HostFS, path: str) -> int | None:
-    n = fs.read_int(path)
+def _hex(text: str) -> int:
+    try:
+        return int(text, 16)  # "0x030200" or "030200"
+    except ValueError:
+        raise ValueError(f"not hex: {text[:40]!r}") from None
+
+
+def _numa(text: str) -> int | None:
+    n = _int(text)
     if n < 0:
         return None  # NUMA_NO_NODE: unknown, never publish it
     if n >= 1024:
@@ -71,13 +80,13 @@ def _numa(fs: HostFS, path: str) -> int | None:
     return n
 
 
-def _vfs(fs: HostFS, d: str, names: frozenset[str]) -> tuple[str, ...]:
+def _vfs(fs: HostFS, d: Dir) -> tuple[str, ...]:
     indexed = []
-    for name in names:
+    for name in d.names or ():
         m = _VIRTFN_RE.match(name)
         if m:
             try:
-                target = fs.link_name(f"{d}/{name}")
+                target = fs.link_name(f"{d.path}/{name}")
             except AttrError:
                 continue
             if BDF_RE.match(target):
@@ -91,87 +100,118 @@ def _link(max_speed: str | None, max_width: int | None) -> PciLink:
     return PciLink(max_speed=max_speed, max_width=max_width)
 
 
-def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], frozenset[str] | None]:
-    """Read one function: (record, problems, names in its directory, None if unlistable).
-    Raises :class:`PciError` when it cannot be identified.
+@lru_cache(maxsize=4096)
+def _bridges_above(parent: str) -> tuple[str | None, tuple[str, ...]]:
+    """``split_sysfs_path`` for a function directly below ``parent``: the 64 VFs of a PF
+    share one answer."""
+    parts = parent.split("/")
+    if len(parts) < 4 or parts[1] != "sys" or parts[2] != "devices" or not ROOT_BUS_RE.match(parts[3]):
+        return None, ()
+    return parts[3], tuple(p for p in parts[4:] if BDF_RE.match(p))
 
-    The directory is listed once; optional attributes that the listing lacks are not
-    looked for, and callers reuse the names (class views) instead of listing again."""
-    link = fs.path(PCI_DEVICES, bdf)
+
+# Read in one pass per function (absent ones cost nothing); the first three identify it.
+_PARSE = {"vendor": parse_id, "device": parse_id, "class": _hex, "subsystem_vendor": parse_id,
+          "subsystem_device": parse_id, "numa_node": _numa, "max_link_speed": str,
+          "max_link_width": _int, "sriov_totalvfs": _int, "sriov_numvfs": _int}  # fmt: skip
+_ATTRS = tuple(_PARSE)
+
+
+def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
+    """The function's directory behind its bus link: (host path, path as on the node).
+    The kernel's link is ``../../../devices/...``, resolved by string; any other target
+    lexically, and it must stay under the root."""
     try:
-        real_host = fs.follow(link)
-    except AttrError as err:
-        raise PciError(f"cannot resolve {link}: {err.reason}") from err
+        target = os.readlink(link)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOENT):  # EINVAL: no link, the entry itself
+            raise PciError(f"cannot resolve {link}: {os_reason(err)}") from err
+        target = None
+    if target is not None and target.startswith("../../../devices/"):
+        rest = target[9:].rstrip("/")
+        if "/." not in rest and "//" not in rest:
+            return fs.path("sys", rest), "/sys/" + rest
+    real_host = link if target is None else os.path.normpath(os.path.join(os.path.dirname(link), target))
     if not fs.contains(real_host):
         raise PciError(f"link escapes the root: {link}")
+    return real_host, fs.rel(real_host)
+
+
+def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir]:
+    """Read one function: (record, problems, its directory listed once; ``names`` None if
+    unlistable). Raises :class:`PciError` when it cannot be identified.
+
+    Optional attributes that the listing lacks are not looked for, and callers reuse the
+    listing (class views) instead of listing again."""
+    real_host, real = _real_dir(fs, fs.path(PCI_DEVICES, bdf))
     if not fs.is_dir(real_host):
         raise PciError("device directory missing or not a directory")
-    real = fs.rel(real_host)
-    d = real_host
     try:
-        vendor = _read_id(fs, f"{d}/vendor")
-        device = _read_id(fs, f"{d}/device")
-        class_code = fs.read_hex(f"{d}/class")
-    except AttrError as err:
-        raise PciError(f"{err.path.rsplit('/', 1)[-1]}: {err.reason}") from err
+        d = fs.list_dir(real_host)
+    except AttrError:
+        d = Dir(real_host)
+    problems: list[Problem] = []
+    values: dict = {}
+    for name, text in fs.attrs(d, _ATTRS).items():
+        try:
+            values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
+        except ValueError as err:
+            values[name] = AttrError(f"{real_host}/{name}", str(err))
+    for name in ("vendor", "device", "class"):
+        v = values.get(name)
+        if v is None or isinstance(v, AttrError):
+            raise PciError(f"{name}: {v.reason if v is not None else 'missing'}")
+    class_code = values["class"]
     if not 0 <= class_code <= 0xFFFFFF:
         raise PciError(f"class: out of range {class_code:#x}")
 
-    problems: list[Problem] = []
-    pcie_root, bridges = split_sysfs_path(real)
-    try:
-        names: frozenset[str] | None = frozenset(fs.listdir(d))
-    except AttrError:
-        names = None
+    def opt(name: str):
+        """An optional value: None when absent; a failure other than missing is a problem."""
+        v = values.get(name)
+        if isinstance(v, AttrError):
+            if v.reason != "missing":
+                problems.append(Problem(what=name, reason=v.reason))
+            return None
+        return v
 
-    def opt(what: str, read, *args):
-        """One optional attribute (``what`` is its file name); a missing file is silent, other
-        failures are recorded. Names the listing lacks are not looked for."""
-        if names is not None and what not in names:
+    def link(name: str) -> str | None:
+        if not d.has(name):
             return None
         try:
-            return read(*args)
+            return fs.link_name(f"{real_host}/{name}")
         except AttrError as err:
             if err.reason != "missing":
-                problems.append(Problem(what=what, reason=err.reason))
-        except ValueError as err:
-            problems.append(Problem(what=what, reason=str(err)))
+                problems.append(Problem(what=name, reason=err.reason))
         return None
 
     sriov = None
-    if names is not None and "sriov_totalvfs" in names:
-        sriov = Sriov(
-            total_vfs=opt("sriov_totalvfs", fs.read_int, f"{d}/sriov_totalvfs"),
-            num_vfs=opt("sriov_numvfs", fs.read_int, f"{d}/sriov_numvfs"),
-            vfs=_vfs(fs, d, names),
-        )
-    physfn = None
-    if names is not None and "physfn" in names:
-        physfn = opt("physfn", fs.link_name, f"{d}/physfn")
-        if physfn is not None and not BDF_RE.match(physfn):
-            problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
-            physfn = None
-
-    iommu = opt("iommu_group", fs.link_name, f"{d}/iommu_group")
+    if d.names is not None and "sriov_totalvfs" in d.names:
+        sriov = Sriov(total_vfs=opt("sriov_totalvfs"), num_vfs=opt("sriov_numvfs"), vfs=_vfs(fs, d))
+    physfn = link("physfn") if d.names is not None and "physfn" in d.names else None
+    if physfn is not None and not BDF_RE.match(physfn):
+        problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
+        physfn = None
+    iommu = link("iommu_group")
+    parent, _, last = real.rpartition("/")
+    pcie_root, bridges = _bridges_above(parent) if last == bdf else split_sysfs_path(real)
     fn = PciFunction(
         bdf=bdf,
         sysfs_path=real,
         pcie_root=pcie_root,
         bridges=bridges,
-        vendor_id=vendor,
-        device_id=device,
-        subsystem_vendor_id=opt("subsystem_vendor", _read_id, fs, f"{d}/subsystem_vendor"),
-        subsystem_device_id=opt("subsystem_device", _read_id, fs, f"{d}/subsystem_device"),
+        vendor_id=values["vendor"],
+        device_id=values["device"],
+        subsystem_vendor_id=opt("subsystem_vendor"),
+        subsystem_device_id=opt("subsystem_device"),
         class_code=class_code,
-        driver=opt("driver", fs.link_name, f"{d}/driver"),
-        numa_node=opt("numa_node", _numa, fs, f"{d}/numa_node"),
+        driver=link("driver"),
+        numa_node=opt("numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
-        link=_link(opt("max_link_speed", fs.read_attr, f"{d}/max_link_speed"),
-                   opt("max_link_width", fs.read_int, f"{d}/max_link_width")),
+        link=_link(opt("max_link_speed"), opt("max_link_width")),
         sriov=sriov,
         physfn=physfn,
     )
-    return fn, problems, names
+    return fn, problems, d
 
 
 def list_bdfs(fs: HostFS) -> list[str]:

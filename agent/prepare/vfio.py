@@ -25,9 +25,9 @@ from agent.prepare import claimconfig
 from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Problem
-from discovery.pci import host_dir, read_function
+from discovery.pci import read_function
 from discovery.routes import default_route_functions
-from discovery.sysfs import AttrError, Dir, HostFS
+from discovery.sysfs import AttrError, HostFS
 from discovery.vfio import vfio_nodes
 
 log = logging.getLogger(__name__)
@@ -159,9 +159,9 @@ def with_vfio_nodes(root: str, device: Device) -> Device:
     """``device`` with the nodes a VFIO user opens (group node, /dev/vfio/vfio, iommufd cdev),
     read from the kernel as it is now, instead of its driver's nodes."""
     fs = HostFS(root)
-    fn, problems, names = read_function(fs, device.pci.bdf)
+    fn, problems, d = read_function(fs, device.pci.bdf)
     found: list[Problem] = []
-    nodes = vfio_nodes(fs, NodeResolver(fs), fn, Dir(host_dir(fs, fn), names), found)
+    nodes = vfio_nodes(fs, NodeResolver(fs), fn, d, found)
     if not any(n.path.startswith("/dev/vfio/") and n.path != "/dev/vfio/vfio" for n in nodes):
         raise VfioError(f"{device.pci.bdf}: no VFIO group node after binding ({'; '.join(p.reason for p in found)})")
     return replace(device, device_nodes=tuple(nodes))

@@ -28,35 +28,11 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 
+from agent.tools.fstrace import LISTINGS, traced_scan
+
 MAX_TEXT = 4096
 DENY = re.compile(r"^(config|rom|resource\d*(_wc)?|vpd|remove|rescan|reset|new_id|remove_id|bind|unbind)$")
 SIDE_DIR = ".sysdra-record"
-TRACED = ("open", "listdir", "readlink", "stat", "lstat")
-
-
-def traced_scan(root: str) -> tuple[object, list[tuple[str, str]]]:
-    """One discovery scan of ``root`` with its file operations: (inventory, [(op, path)])."""
-    from discovery.inventory import scan
-
-    ops: list[tuple[str, str]] = []
-    real = {name: getattr(os, name) for name in TRACED}
-
-    def wrap(name):
-        def traced(path, *a, **kw):
-            if isinstance(path, str):
-                ops.append((name, path))
-            return real[name](path, *a, **kw)
-
-        return traced
-
-    for name in real:
-        setattr(os, name, wrap(name))
-    try:
-        inventory = scan(root)
-    finally:
-        for name, fn in real.items():
-            setattr(os, name, fn)
-    return inventory, ops
 
 
 # --- redaction ---------------------------------------------------------------------------------
@@ -287,7 +263,7 @@ def _apply(rec: Recording, ops: list[tuple[str, str]], root: str) -> None:
                 _lstat_entry(rec, os.path.join(*parent, parts[-1]) if parent else parts[-1])
             continue
         resolved = _materialize(rec, parts, op == "open")
-        if op == "listdir" and resolved is not None:
+        if op in LISTINGS and resolved is not None:
             d = os.path.join(*resolved) if resolved else ""
             try:
                 names = os.listdir(rec.src(d))
