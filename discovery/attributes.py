@@ -48,74 +48,69 @@ def _value(field: str, value) -> AttributeValue:
     return AttributeValue.trusted(field, value)
 
 
-def _put(out: dict, problems: list[Problem], name: str, value) -> None:
-    """Add a driver-local attribute; skip None and over-long strings (with a reason)."""
-    if value is None:
-        return
-    if isinstance(value, bool):
-        out[name] = _value("bool_", value)
-    elif isinstance(value, int):
-        out[name] = _value("int_", value)
-    elif isinstance(value, (list, tuple)):
-        vals = tuple(v for v in value if 0 < len(v.encode()) <= MAX_STRING)
-        if vals:
-            out[name] = _value("strings", vals)
-    else:
-        if len(value.encode()) > MAX_STRING or not value:
-            problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
-            return
-        out[name] = _value("string", value)
-
-
 def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
-    """All attributes of a device; documented one by one in docs/attributes.md."""
+    """All attributes of a device; documented one by one in docs/attributes.md. Absent values
+    (None) are left out; a string longer than 64 bytes is left out with a problem."""
     fn = dev.pci
     problems: list[Problem] = []
     out = standard_attributes(fn, numa, list_attributes)
-    put = lambda name, value: _put(out, problems, name, value)  # noqa: E731
-    put("type", dev.kind)
-    put("vendorID", fn.vendor_id)
-    put("deviceID", fn.device_id)
-    put("subsystemVendorID", fn.subsystem_vendor_id)
-    put("subsystemDeviceID", fn.subsystem_device_id)
-    put("pciClass", f"{fn.class_code:06x}")
-    put("pciAddress", fn.bdf)  # also for 5-digit domains, where pciBusID is not published
-    put("driver", fn.driver)
-    put("iommuGroup", fn.iommu_group)
-    put("pcieLinkSpeed", fn.link.max_speed)
-    put("pcieLinkWidth", fn.link.max_width)
+    value = _value
+
+    def text(name: str, v: str | None) -> None:
+        if v is None:
+            return
+        if not v or len(v) > MAX_STRING or (not v.isascii() and len(v.encode()) > MAX_STRING):
+            problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
+        else:
+            out[name] = value("string", v)
+
+    def num(name: str, v: int | None) -> None:
+        if v is not None:
+            out[name] = value("int_", v)
+
+    text("type", dev.kind)
+    text("vendorID", fn.vendor_id)
+    text("deviceID", fn.device_id)
+    text("subsystemVendorID", fn.subsystem_vendor_id)
+    text("subsystemDeviceID", fn.subsystem_device_id)
+    text("pciClass", f"{fn.class_code:06x}")
+    text("pciAddress", fn.bdf)  # also for 5-digit domains, where pciBusID is not published
+    text("driver", fn.driver)
+    num("iommuGroup", fn.iommu_group)
+    text("pcieLinkSpeed", fn.link.max_speed)
+    num("pcieLinkWidth", fn.link.max_width)
     if fn.physfn is not None:
-        put("sriovRole", "vf")
-        put("pfPciAddress", fn.physfn)
+        text("sriovRole", "vf")
+        text("pfPciAddress", fn.physfn)
     elif fn.sriov is not None:
-        put("sriovRole", "pf")
-        put("sriovTotalVFs", fn.sriov.total_vfs)
-        put("sriovNumVFs", fn.sriov.num_vfs)
+        text("sriovRole", "pf")
+        num("sriovTotalVFs", fn.sriov.total_vfs)
+        num("sriovNumVFs", fn.sriov.num_vfs)
     if dev.gpu is not None:
-        put("gpuVendor", dev.gpu.vendor)
-        put("model", dev.gpu.model)
-        put("uuid", dev.gpu.nvidia_uuid)
+        text("gpuVendor", dev.gpu.vendor)
+        text("model", dev.gpu.model)
+        text("uuid", dev.gpu.nvidia_uuid)
     if dev.nic is not None:
         ifaces = dev.nic.interfaces
         if ifaces:
-            put("interfaceName", ifaces[0].name)
-            put("macAddress", ifaces[0].mac)
-            put("mtu", ifaces[0].mtu)
-            put("switchdevPortName", ifaces[0].phys_port_name)
+            text("interfaceName", ifaces[0].name)
+            text("macAddress", ifaces[0].mac)
+            num("mtu", ifaces[0].mtu)
+            text("switchdevPortName", ifaces[0].phys_port_name)
             if list_attributes and len(ifaces) > 1:
-                put("interfaceNames", [i.name for i in ifaces])
+                names = tuple(i.name for i in ifaces if 0 < len(i.name.encode()) <= MAX_STRING)
+                if names:
+                    out["interfaceNames"] = value("strings", names)
+        out["rdma"] = value("bool_", bool(dev.nic.rdma))
         if dev.nic.rdma:
-            put("rdma", True)
-            put("rdmaDevice", dev.nic.rdma[0].name)
-        else:
-            put("rdma", False)
+            text("rdmaDevice", dev.nic.rdma[0].name)
     if dev.fpga is not None:
-        put("fpgaFamily", dev.fpga.family)
-        put("afuID", dev.fpga.afu_id)
-        put("interfaceID", dev.fpga.interface_id)
-        put("userPciAddress", dev.fpga.user_bdf if dev.fpga.user_bdf != fn.bdf else None)
+        text("fpgaFamily", dev.fpga.family)
+        text("afuID", dev.fpga.afu_id)
+        text("interfaceID", dev.fpga.interface_id)
+        text("userPciAddress", dev.fpga.user_bdf if dev.fpga.user_bdf != fn.bdf else None)
     if dev.accel is not None:
-        put("moduleID", dev.accel.module_id)
+        num("moduleID", dev.accel.module_id)
     if len(out) + len(dev.capacity) > MAX_ENTRIES:
         # keep the standard ones and the first driver-local ones, in insertion order
         keep = list(out)[: MAX_ENTRIES - len(dev.capacity)]
