@@ -8,6 +8,7 @@ class, vendor/device ids and the class views found below the function.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from discovery.models import PciFunction
 
@@ -38,14 +39,14 @@ class Rule:
     device_in: frozenset | None = None  # device ids (with vendor)
     view: str | None = None  # a class view directory below the function
 
-    def matches(self, fn: PciFunction, views: frozenset[str]) -> bool:
-        if self.cls is not None and (fn.class_code & self.cls[1]) != self.cls[0]:
+    def matches(self, class_code: int, vendor: str, device: str, views: frozenset[str]) -> bool:
+        if self.cls is not None and (class_code & self.cls[1]) != self.cls[0]:
             return False
-        if self.vendor is not None and fn.vendor_id != self.vendor:
+        if self.vendor is not None and vendor != self.vendor:
             return False
-        if self.ids is not None and (fn.vendor_id, fn.device_id) not in self.ids:
+        if self.ids is not None and (vendor, device) not in self.ids:
             return False
-        if self.device_in is not None and fn.device_id not in self.device_in:
+        if self.device_in is not None and device not in self.device_in:
             return False
         if self.view is not None and self.view not in views:
             return False
@@ -84,9 +85,19 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+_RULE_VIEWS = frozenset(r.view for r in RULES if r.view is not None)
+
+
 def classify(fn: PciFunction, views: frozenset[str]) -> tuple[str | None, str]:
     """-> (kind or None, why). ``views``: names of the entries below the function dir."""
+    return _classify(fn.class_code, fn.vendor_id, fn.device_id, views & _RULE_VIEWS)
+
+
+@lru_cache(maxsize=1024)
+def _classify(class_code: int, vendor: str, device: str, views: frozenset[str]) -> tuple[str | None, str]:
+    """By what the rules look at only, so that a node's few distinct functions (the 2,048 VFs
+    of a large node are four) go through the table once each."""
     for rule in RULES:
-        if rule.matches(fn, views):
+        if rule.matches(class_code, vendor, device, views):
             return rule.kind, rule.what
-    return None, f"class 0x{fn.class_code:06x} is not a device class we offer"
+    return None, f"class 0x{class_code:06x} is not a device class we offer"

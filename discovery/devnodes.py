@@ -46,6 +46,18 @@ class NodeResolver:
     def __init__(self, fs: HostFS):
         self.fs = fs
         self.problems: list[Problem] = []  # node-wide (unreadable /proc/devices)
+        self.shared_nodes: dict[str, tuple[DeviceNode | None, tuple[Problem, ...]]] = {}
+
+    def shared(self, key: str, problems: list[Problem], resolve) -> DeviceNode | None:
+        """A node every device of a kind shares (``/dev/vfio/vfio``): ``resolve(problems)``
+        once per scan run (the scanner clears ``shared_nodes``), its problems reported to
+        every device that asks."""
+        if key not in self.shared_nodes:
+            found: list[Problem] = []
+            self.shared_nodes[key] = (resolve(found), tuple(found))
+        node, found = self.shared_nodes[key]
+        problems.extend(found)
+        return node
 
     @cached_property
     def char_majors(self) -> dict[str, int]:

@@ -12,6 +12,13 @@ VFIO_CONTAINER = ("/dev/vfio/vfio", 10, 196)  # misc device
 _CDEV = re.compile(r"^vfio(\d+)$")
 
 
+def _container(fs: HostFS, resolver: NodeResolver, problems: list[Problem]) -> DeviceNode | None:
+    path, major, minor = VFIO_CONTAINER
+    misc_dev = fs.path("sys/class/misc/vfio/dev")
+    node = resolver.resolve(path, [], sysfs_dev=misc_dev) if fs.exists(misc_dev) else None
+    return node or resolver.resolve(path, problems, major=major, minor=minor)
+
+
 def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]) -> list[DeviceNode]:
     pci_dir = d.path
     nodes: list[DeviceNode] = []
@@ -26,10 +33,7 @@ def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, prob
             )
         if node is not None:
             nodes.append(node)
-    path, major, minor = VFIO_CONTAINER
-    misc_dev = fs.path("sys/class/misc/vfio/dev")
-    node = resolver.resolve(path, [], sysfs_dev=misc_dev) if fs.exists(misc_dev) else None
-    node = node or resolver.resolve(path, problems, major=major, minor=minor)
+    node = resolver.shared(VFIO_CONTAINER[0], problems, lambda found: _container(fs, resolver, found))
     if node is not None:
         nodes.append(node)
     # iommufd character device (kernel 6.2+), when present
