@@ -110,11 +110,40 @@ def _bridges_above(parent: str) -> tuple[str | None, tuple[str, ...]]:
     return parts[3], tuple(p for p in parts[4:] if BDF_RE.match(p))
 
 
+_UEVENT_IDS = re.compile(r"^([0-9A-Fa-f]{4}):([0-9A-Fa-f]{4})$")
+_UEVENT_CLASS = re.compile(r"^[0-9A-Fa-f]{1,6}$")
+_UEVENT_DRIVER = re.compile(r"^[^/\s]+$")
+
+
+def parse_uevent(text: str) -> dict:
+    """What a PCI function's ``uevent`` says of it: the kernel prints the same ``pci_dev``
+    fields as the ``vendor``, ``device``, ``class`` and ``subsystem_*`` files, and the
+    driver's name (no ``DRIVER=`` line: none bound). One file instead of five and a link.
+    Only well-formed fields are returned, with the attribute files' names; ``driver`` only
+    when the text is a PCI uevent (has ``PCI_ID``), else the caller asks the files."""
+    out: dict = {}
+    driver = None
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key == "PCI_ID" and (m := _UEVENT_IDS.match(value)):
+            out["vendor"], out["device"] = m.group(1).lower(), m.group(2).lower()
+        elif key == "PCI_SUBSYS_ID" and (m := _UEVENT_IDS.match(value)):
+            out["subsystem_vendor"], out["subsystem_device"] = m.group(1).lower(), m.group(2).lower()
+        elif key == "PCI_CLASS" and _UEVENT_CLASS.match(value):
+            out["class"] = int(value, 16)
+        elif key == "DRIVER" and _UEVENT_DRIVER.match(value):
+            driver = value
+    if "vendor" in out:
+        out["driver"] = driver
+    return out
+
+
 # Read in one pass per function (absent ones cost nothing); the first three identify it.
 _PARSE = {"vendor": parse_id, "device": parse_id, "class": _hex, "subsystem_vendor": parse_id,
           "subsystem_device": parse_id, "numa_node": _numa, "max_link_speed": str,
           "max_link_width": _int, "sriov_totalvfs": _int, "sriov_numvfs": _int}  # fmt: skip
 _ATTRS = tuple(_PARSE)
+_NOT_IN_UEVENT = tuple(n for n in _ATTRS if n not in ("vendor", "device", "class", "subsystem_vendor", "subsystem_device"))
 
 
 def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
@@ -152,7 +181,11 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
         d = Dir(real_host)
     problems: list[Problem] = []
     values: dict = {}
-    for name, text in fs.attrs(d, _ATTRS).items():
+    if d.has("uevent"):  # unreadable or not a PCI uevent: the attribute files say it all
+        text = fs.attrs(d, ("uevent",)).get("uevent")
+        values = parse_uevent(text) if isinstance(text, str) else {}
+    wanted = _NOT_IN_UEVENT if len(values) == 6 else tuple(n for n in _ATTRS if n not in values)
+    for name, text in fs.attrs(d, wanted).items():
         try:
             values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
         except ValueError as err:
@@ -204,7 +237,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
         subsystem_vendor_id=opt("subsystem_vendor"),
         subsystem_device_id=opt("subsystem_device"),
         class_code=class_code,
-        driver=link("driver"),
+        driver=values["driver"] if "driver" in values else link("driver"),
         numa_node=opt("numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
         link=_link(opt("max_link_speed"), opt("max_link_width")),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,11 +89,40 @@ def test_broken_function_goes_to_skipped(pristine, tmp_path):
     victim = inv0.devices[0]
     d = os.path.join(root, victim.pci.sysfs_path.lstrip("/"))
     open(os.path.join(d, "vendor"), "w").write("garbage\n")
+    uevent = open(os.path.join(d, "uevent")).read()
+    assert scan(root).by_name()[victim.name] == victim  # the uevent still identifies it
+    open(os.path.join(d, "uevent"), "w").write(uevent.replace("PCI_ID=", "PCI_ID=zz"))
     inv = scan(root)
     assert victim.name not in inv.by_name()
     reasons = {s.bdf: s.reason for s in inv.skipped}
     assert "vendor" in reasons[victim.pci.bdf]
     assert len(inv.devices) == len(inv0.devices) - 1
+
+
+@pytest.mark.parametrize("how", ["missing", "empty", "garbled", "not pci", "no driver line"])
+def test_uevent_and_attribute_files_agree(pristine, tmp_path, how):
+    """A function's uevent is read instead of five attribute files and the driver link; when
+    it is missing or says less, the files answer, so the scan is the same either way (the
+    kernel prints the same fields in both). Without a DRIVER line no driver is bound."""
+    root = str(tmp_path / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    inv0 = scan(root)
+    victim = inv0.devices[0]
+    path = os.path.join(root, victim.pci.sysfs_path.lstrip("/"), "uevent")
+    text = open(path).read()
+    assert "PCI_ID=" in text and "DRIVER=" in text
+    if how == "missing":
+        os.unlink(path)
+    else:
+        new = {"empty": "", "garbled": text.replace("PCI_ID=", "PCI_ID=x").replace("PCI_CLASS=", "PCI_CLASS=y"),
+               "not pci": "DRIVER=other\n", "no driver line": re.sub(r"(?m)^DRIVER=.*\n?", "", text)}[how]
+        open(path, "w").write(new)
+    inv = scan(root)
+    if how == "no driver line":
+        assert victim.name not in inv.by_name()
+        assert "no driver bound" in {s.bdf: s.reason for s in inv.skipped}[victim.pci.bdf]
+    else:
+        assert inv.to_json() == inv0.to_json()
 
 
 def test_bad_attribute_costs_only_that_attribute(pristine, tmp_path):
