@@ -6,7 +6,8 @@ Why a stand-in: binding real functions needs real hardware and an IOMMU; this ma
 neither. The behaviour follows drivers/base/bus.c and drivers/pci/pci-driver.c:
 - ``driver_override`` holds a driver name ("(null)" when unset); while set, only that driver
   may bind the function;
-- unbind removes the ``driver`` link and the driver's view of the function (its net/,
+- unbind removes the ``driver`` link (and the ``DRIVER=`` line of the function's uevent,
+  which the kernel prints from the same ``dev->driver``) and the driver's view of the function (its net/,
   infiniband/, drm/ directories vanish; they come back when the original driver binds it);
 - vfio-pci creates ``/dev/vfio/<group>`` (a real character node with /dev/null's numbers
   when ``real_nodes``, so podman can inject it) and ``sys/class/vfio/<group>``;
@@ -27,6 +28,15 @@ import time
 
 SYS_PCI = "sys/bus/pci"
 
+
+
+def set_uevent_driver(dev_dir: str, driver: str | None) -> None:
+    """The function's ``uevent`` as the kernel prints it with ``driver`` bound (None: none):
+    ``DRIVER=`` first, the rest unchanged."""
+    path = os.path.join(dev_dir, "uevent")
+    lines = [ln for ln in open(path).read().splitlines() if not ln.startswith("DRIVER=")] if os.path.exists(path) else []
+    with open(path, "w") as f:
+        f.write("\n".join(([f"DRIVER={driver}"] if driver else []) + lines) + "\n")
 
 class SimPciKernel:
     def __init__(self, root: str, real_nodes: bool = False, vfio_loaded: bool = True, poll: float = 0.002):
@@ -87,6 +97,7 @@ class SimPciKernel:
         if self.driver(bdf) != driver:
             return  # -ENODEV: the function is not bound to this driver
         os.unlink(os.path.join(self.dev(bdf), "driver"))
+        set_uevent_driver(self.dev(bdf), None)
         link = self.p(SYS_PCI, "drivers", driver, bdf)
         if os.path.islink(link):
             os.unlink(link)
@@ -119,6 +130,7 @@ class SimPciKernel:
         drvdir = self.p(SYS_PCI, "drivers", driver)
         real = os.path.realpath(self.dev(bdf))
         os.symlink(os.path.relpath(drvdir, real), os.path.join(real, "driver"))
+        set_uevent_driver(real, driver)
         os.symlink(os.path.relpath(real, drvdir), os.path.join(drvdir, bdf))
         if driver == "vfio-pci":
             self._vfio_nodes(self.group(bdf))

@@ -16,6 +16,7 @@ from agent.service.daemon import Agent
 from agent.service.watch import Debouncer, HardwareWatcher, UdevSource
 from agent.settings import Settings
 from tests.conftest import profile_root, profiles, require_root
+from tests.simkernel import set_uevent_driver
 
 DEBOUNCE = 0.1
 MARGIN = 0.9  # scan of a fixture tree + inotify delivery on a loaded 2-core CI machine
@@ -122,8 +123,10 @@ def test_fixture_tree_changes_republish_within_debounce(fixture_root, tmp_path):
             driver_link = os.path.join(bus, bdf, "driver")
             driver_target = os.readlink(driver_link)
             os.unlink(driver_link)
+            set_uevent_driver(os.path.join(bus, bdf), None)  # the kernel's uevent follows the link
             latencies["unbind"] = await _wait_for(lambda: gone_name not in _device_names(cluster), 5)
             os.symlink(driver_target, driver_link)
+            set_uevent_driver(os.path.join(bus, bdf), os.path.basename(driver_target))
             latencies["bind"] = await _wait_for(lambda: _slice_devices(cluster).get(gone_name, {}).get("attributes", {}).get("driver"), 5)
             rescans = agent.rescans
             # a file event that changes nothing we publish rewrites nothing
