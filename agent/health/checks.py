@@ -182,6 +182,15 @@ def _check_aer(fs: HostFS, pci_dir: str, mem: Memory, now: float, f: _Findings) 
         f.faults.append(("aer-fatal", mem.aer_message))
 
 
+def polled(dev: Device, mem: Memory, links_reported: bool) -> bool:
+    """Whether ``check`` reads anything for ``dev`` that no event reports, so a timer round
+    must look: device nodes, the AER counter, habanalabs status, Alveo ``ready``, and NIC links
+    unless link changes arrive as events. A function's presence and driver are not on the list:
+    the watcher reports them (its rescan hands the monitor a new inventory)."""
+    return bool(dev.device_nodes) or mem.aer or dev.kind in ("accelerator", "fpga") or (
+        dev.kind == "nic" and not links_reported)
+
+
 def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Verdict:
     now = time.time() if now is None else now
     f = _Findings()

@@ -6,6 +6,14 @@ sends the full list again; a round that changes a verdict runs right after the c
 is seen (timer or ``on_inventory``) and its result goes out at once. With ``watch_links``
 (the daemon turns it on when it manages the real host, root ``/``) a kernel link event
 re-checks the NICs of that interface at once (``agent/health/linkwatch.py``).
+
+A round re-reads what no event reports. Once the daemon says which changes its watchers
+report (``events_report``: PCI functions added, removed, bound, unbound; NIC links), a timer
+round re-checks only the devices with a polled signal (device nodes, AER, habanalabs status,
+Alveo ``ready``, links without link events: ``checks.polled``) and carries the other verdicts
+over: an event about them would have started a full round (``on_inventory``, lost link events)
+or re-checked them (a link event). A full round still runs at least every ``FULL_SWEEP``
+seconds, so even a lost event is caught within a minute.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from agent.health.checks import UNHEALTHY, Memory, Verdict, check, truncate
+from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, truncate
 from agent.health.linkwatch import LinkWatch
 from agent.settings import Settings
 from discovery.models import Device, Inventory
@@ -25,6 +33,7 @@ from discovery.sysfs import HostFS
 log = logging.getLogger(__name__)
 
 TAINT_KEY = "sysdra.io/unhealthy"
+FULL_SWEEP = 60.0  # seconds: event-reported signals are re-read at least this often anyway
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +68,13 @@ class HealthMonitor:
         self._links: LinkWatch | None = None
         self._link_checks: set[asyncio.Task] = set()
         self.rounds = 0
+        self.full_rounds = 0
         self.link_checks = 0
         self._present_names: set[str] = set()
+        self._present_of: Inventory | None = None  # the inventory _present_names was built from
+        self._functions_reported = False  # see events_report
+        self._links_reported = False
+        self._last_full = float("-inf")  # time.monotonic() of the last full round
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -80,7 +94,17 @@ class HealthMonitor:
             log.warning("no kernel link events (%s): NIC links are checked every %.0f s", err, self.interval)
             return False
         self._links = links
+        self._links_reported = True
         return True
+
+    def events_report(self, functions: bool, links: bool = False) -> None:
+        """Say which changes the daemon's watchers report, so timer rounds need not poll
+        them: ``functions``: PCI functions added, removed, bound or unbound (the watcher
+        rescans, then ``on_inventory``); ``links``: NIC link state (file events on a fixture
+        root; on the host, ``watch_links`` sets it). Both False (the default): every round
+        checks everything."""
+        self._functions_reported = functions
+        self._links_reported = links or self._links is not None
 
     def _on_links(self, interfaces: set[str] | None) -> None:
         if interfaces is None:  # events were lost: a full round
@@ -118,24 +142,31 @@ class HealthMonitor:
 
     async def _run(self) -> None:
         while True:
+            woken = False  # by on_inventory or lost link events: something changed, check everything
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel racing the wake-up
                 async with asyncio.timeout(self.interval):
                     await self._wake.wait()
+                    woken = True
             except TimeoutError:
                 pass
             self._wake.clear()
+            full = woken or not self._functions_reported or time.monotonic() - self._last_full >= FULL_SWEEP
             try:
-                await self.check_now()
+                await self.check_now(full=full)
             except Exception:  # a bug in a rule must not stop the resends
                 log.exception("health check round failed")
 
     # --- checks -------------------------------------------------------------------
-    async def check_now(self) -> dict[str, DeviceState]:
+    async def check_now(self, full: bool = True) -> dict[str, DeviceState]:
+        """One round; ``full=False``: only the devices ``checks.polled`` names (timer rounds)."""
         async with self._round:
-            states = await asyncio.to_thread(self._check_all)
+            if full:
+                self._last_full = time.monotonic()
+            states = await asyncio.to_thread(self._check_all, full)
             changed = [n for n, st in states.items() if n not in self.states or self.states[n].verdict != st.verdict]
             self.states = states
             self.rounds += 1
+            self.full_rounds += full
             self._report(changed, wake_all=True)
             return states
 
@@ -168,6 +199,9 @@ class HealthMonitor:
 
     def _present(self) -> set[str]:
         inv = self._latest if self._latest is not None else self._inventory_fn()
+        if inv is not None and inv is self._present_of:  # the same inventory as last round: same answer
+            return self._present_names
+        self._present_of = inv
         present = set()
         for dev in (inv.devices if inv is not None else ()):
             present.add(dev.name)
@@ -187,10 +221,19 @@ class HealthMonitor:
                               "not-discovered")
         return verdict
 
-    def _check_all(self) -> dict[str, DeviceState]:
+    def _check_all(self, full: bool = True) -> dict[str, DeviceState]:
         present = self._present()
         now = time.time()
-        return {name: DeviceState(self._verdict(name, present, now), now) for name in list(self._known)}
+        if full:
+            return {name: DeviceState(self._verdict(name, present, now), now) for name in list(self._known)}
+        states, links = {}, self._links_reported
+        for name in list(self._known):
+            old = self.states.get(name)
+            if old is None or polled(self._known[name], self._memory[name], links):
+                states[name] = DeviceState(self._verdict(name, present, now), now)
+            else:  # no event about it came, so what was checked still holds now
+                states[name] = DeviceState(old.verdict, now)
+        return states
 
     # --- queries ------------------------------------------------------------------
     def snapshot(self) -> dict[str, tuple[str, str]]:

@@ -114,6 +114,7 @@ class Agent:
         self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
+        self.watcher: HardwareWatcher | None = None
 
     # --- inventory -> pool ---------------------------------------------------------------
     def _pool_for(self, inventory) -> PoolContent:
@@ -220,6 +221,8 @@ class Agent:
         await self.health.start()
         if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
+        if self.watcher is not None:  # timer rounds need not poll what its events report
+            self.health.events_report(*self.watcher.reports())
         async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them
             recovery = getattr(driver.driver, "recovery", None)
             if recovery is not None and recovery.kernel_changed:
@@ -329,7 +332,7 @@ class Agent:
         debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
                                                with_changes=True)
         started.callback(debouncer.cancel)
-        watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
+        watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         watcher.start(loop)
         started.callback(watcher.stop)
         started.push_async_callback(self._stop_kubelet_side)

@@ -174,6 +174,13 @@ class HardwareWatcher:
                 [sys_dir], lambda p: loop.call_soon_threadsafe(self._event, "file", bdf_of_path(os.path.relpath(p, root))))
             log.info("watching file events below %s", sys_dir)
 
+    def reports(self) -> tuple[bool, bool]:
+        """(functions, links): whether this watcher's events report PCI functions added,
+        removed, bound and unbound, and NIC link changes (for the health monitor, which then
+        need not poll them). uevents carry no link state (rtnetlink does: health's own
+        LinkWatch); file events below a fixture root's sys/ see every write there."""
+        return (self._udev is not None or self._observer is not None), self._observer is not None
+
     def _event(self, source: str, bdf: str | None = None) -> None:
         """``bdf``: the PCI function the event is about (an incremental rescan re-reads it
         alone); None when the event names none: a full rescan."""

@@ -1,0 +1,134 @@
+"""Timer rounds when the daemon's watchers report changes (``HealthMonitor.events_report``):
+a timer round re-reads only what no event reports; everything else is caught by the full
+round an event starts, or by the full sweep that runs at least every ``FULL_SWEEP``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import pytest
+
+from agent.health import monitor as monitor_mod
+from agent.health.checks import Memory, polled
+from agent.health.monitor import HealthMonitor
+from discovery.inventory import scan
+from tests.conftest import profile_root
+from tests.kubelet_standin import settings_for
+
+VM_NIC = "nic-0000-05-00-0"  # virtio NIC, interface eth0, no device nodes
+VM_GPU = "gpu-0000-06-00-0"  # nvidia, /dev/nvidia0
+VM_NIC_NET = "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0/virtio12/net/eth0"
+VM_GPU_DIR = "sys/devices/pci0000:00/0000:00:01.5/0000:06:00.0"
+
+
+def copy_profile(tmp_path, name: str) -> str:
+    root = str(tmp_path / name)
+    shutil.copytree(profile_root(name), root, symlinks=True)
+    return root
+
+
+def write(root: str, rel: str, text: str) -> None:
+    with open(os.path.join(root, rel), "w") as f:
+        f.write(text)
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def rounds(monitor: HealthMonitor, n: int) -> None:
+    """Wait until ``n`` more rounds have run."""
+    target = monitor.rounds + n
+    while monitor.rounds < target:
+        await asyncio.sleep(0.01)
+
+
+def test_polled_names_the_signals_no_event_reports(tmp_path):
+    inv = scan(profile_root("vm-numa-none"))
+    nic, gpu = inv.by_name()[VM_NIC], inv.by_name()[VM_GPU]
+    quiet = Memory(driver="virtio-pci", aer=False)
+    assert not nic.device_nodes and gpu.device_nodes
+    assert polled(nic, quiet, links_reported=False)  # its link is read every round
+    assert not polled(nic, quiet, links_reported=True)  # link events and rescans report all it has
+    assert polled(nic, Memory(aer=True), links_reported=True)  # an AER counter is only ever polled
+    assert polled(gpu, Memory(driver="nvidia", aer=False), links_reported=True)  # device nodes
+    for profile in ("accel-gaudi", "alveo"):  # habanalabs status, Alveo ready
+        for dev in scan(profile_root(profile)).devices:
+            if dev.kind in ("accelerator", "fpga"):
+                assert polled(dev, quiet, links_reported=True), dev.name
+
+
+def test_timer_rounds_skip_what_events_report_and_still_catch_polled_faults(tmp_path):
+    root = copy_profile(tmp_path, "vm-numa-none")
+    inv = scan(root)
+    monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
+
+    async def main():
+        await monitor.start()
+        monitor.events_report(functions=True, links=True)
+        try:
+            assert monitor.snapshot()[VM_NIC][0] == "HEALTHY" and monitor.snapshot()[VM_GPU][0] == "HEALTHY"
+            full, before = monitor.full_rounds, monitor.states[VM_NIC].checked_at
+            write(root, VM_NIC_NET + "/carrier", "0\n")  # no event told the monitor
+            os.unlink(os.path.join(root, "dev/nvidia0"))  # nothing reports this: polled
+            await rounds(monitor, 3)
+            assert monitor.full_rounds == full, "a timer round checked everything"
+            snap = monitor.snapshot()
+            assert snap[VM_GPU][0] == "UNHEALTHY" and "/dev/nvidia0 missing" in snap[VM_GPU][1]
+            assert snap[VM_NIC][0] == "HEALTHY"  # carried over, not read ...
+            assert monitor.states[VM_NIC].checked_at > before  # ... and reported as holding now
+            monitor.on_inventory(inv)  # the rescan a file event starts: a full round at once
+            await rounds(monitor, 1)
+            assert monitor.full_rounds == full + 1
+            assert monitor.snapshot()[VM_NIC][:2] == ("UNHEALTHY", "interface eth0 carrier 0")
+        finally:
+            await monitor.stop()
+    run(main())
+
+
+def test_a_full_sweep_catches_a_lost_event(tmp_path, monkeypatch):
+    monkeypatch.setattr(monitor_mod, "FULL_SWEEP", 0.3)
+    root = copy_profile(tmp_path, "vm-numa-none")
+    inv = scan(root)
+    monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
+
+    async def main():
+        await monitor.start()
+        monitor.events_report(functions=True, links=True)
+        try:
+            os.unlink(os.path.join(root, VM_GPU_DIR, "driver"))  # the unbind's event was lost
+            write(root, VM_NIC_NET + "/operstate", "down\n")
+            for _ in range(100):
+                await rounds(monitor, 1)
+                snap = monitor.snapshot()
+                if snap[VM_NIC][0] == "UNHEALTHY":
+                    break
+            assert snap[VM_NIC][:2] == ("UNHEALTHY", "interface eth0 operstate down")
+            assert snap[VM_GPU][:2] == ("UNHEALTHY", "driver nvidia is no longer bound to 0000:06:00.0")
+            assert monitor.full_rounds >= 2
+        finally:
+            await monitor.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_without_link_events_every_round_reads_links(tmp_path, reported):
+    """``events_report(functions=True)`` alone (uevents, no link events): links stay polled."""
+    root = copy_profile(tmp_path, "vm-numa-none")
+    inv = scan(root)
+    monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
+
+    async def main():
+        await monitor.start()
+        monitor.events_report(functions=reported, links=False)
+        try:
+            full = monitor.full_rounds
+            write(root, VM_NIC_NET + "/carrier", "0\n")
+            await rounds(monitor, 2)
+            assert monitor.snapshot()[VM_NIC][:2] == ("UNHEALTHY", "interface eth0 carrier 0")
+            assert (monitor.full_rounds == full) is reported  # without events every round is full
+        finally:
+            await monitor.stop()
+    run(main())
