@@ -11,7 +11,6 @@ import re
 import socket
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent.names import is_subdomain
@@ -141,6 +140,8 @@ class Settings(BaseModel):
     @classmethod
     def _skip_text(cls, v: Any) -> Any:
         if isinstance(v, str):  # SYSDRA_SKIP_NODE_OPERATIONS='{accelerator: ["*"]}' (YAML or JSON)
+            import yaml
+
             try:
                 v = yaml.safe_load(v) or {}
             except yaml.YAMLError as err:
@@ -190,10 +191,18 @@ def _env_values(environ: dict[str, str]) -> dict[str, Any]:
 def load_config_file(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            text = f.read()
     except FileNotFoundError:
         return {}
-    except (OSError, yaml.YAMLError) as err:
+    except OSError as err:
+        raise ConfigError(f"config file {path}: {err}") from err
+    if not text.strip():  # no file content (e.g. /dev/null): the YAML parser is not even loaded
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
         raise ConfigError(f"config file {path}: {err}") from err
     if data is None:
         return {}

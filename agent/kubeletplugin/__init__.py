@@ -20,12 +20,19 @@ Public API::
 worker thread, serialized by a flock on ``<plugin dir>/serialize.lock``.
 """
 
-from agent.kubeletplugin.plugin import DRA_SERVICES, KubeletPlugin
-from agent.kubeletplugin.registration import RegistrationStatus
-from agent.kubeletplugin.sockets import SocketError
-from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PreparedDevice, PrepareResult
+import importlib
 
-__all__ = [
-    "DRA_SERVICES", "KubeletPlugin", "RegistrationStatus", "SocketError",
-    "ClaimRef", "DriverProtocol", "PreparedDevice", "PrepareResult",
-]
+# name -> module; imported on first use, so ``agent.kubeletplugin.sockets`` (the daemon's
+# instance lock, taken before anything else) does not load gRPC before the first publish
+_EXPORTS = {
+    "DRA_SERVICES": "plugin", "KubeletPlugin": "plugin", "RegistrationStatus": "registration",
+    "SocketError": "sockets", "ClaimRef": "types", "DriverProtocol": "types", "PreparedDevice": "types",
+    "PrepareResult": "types",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

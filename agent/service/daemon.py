@@ -19,7 +19,7 @@ from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
-from agent.service import sdnotify, startup
+from agent.service import heap, sdnotify, startup
 from agent.service.logs import setup_logging
 from agent.service.metrics import Metrics, start_server
 from agent.service.observers import ObservedDriver, PublishObserver
@@ -56,18 +56,6 @@ LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "deboun
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
 REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
                                 "skip_node_operations"})
-
-
-def trim_heap() -> None:
-    """Hand freed heap back to the OS (glibc keeps it in its arenas otherwise)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 async def _unless_stopped(stop: asyncio.Event, step) -> bool:
@@ -115,6 +103,7 @@ class Agent:
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
+        self._gc_pause = heap.StartupPause()  # no cyclic collections until the first publish
 
     # --- inventory -> pool ---------------------------------------------------------------
     def _pool_for(self, inventory) -> PoolContent:
@@ -148,8 +137,8 @@ class Agent:
         self.rescans += 1
         inventory = await asyncio.to_thread(self._scan, changed)
         self.inventory = inventory  # the old one goes here
-        if changed is None:
-            trim_heap()  # a full scan's garbage would otherwise stay in the RSS for good
+        if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
+            heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
         if self.health is not None:
             self.health.on_inventory(inventory)
         self.board.set_inventory(inventory, health=self.health_states())
@@ -198,7 +187,8 @@ class Agent:
         building and writing the pool goes back to the OS."""
         with contextlib.suppress(asyncio.TimeoutError):
             await self.publisher.wait_synced(timeout=wait)
-        trim_heap()
+        heap.trim()
+        self._gc_pause.resume()
 
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
@@ -299,6 +289,8 @@ class Agent:
 
     async def _serve(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> None:
         loop = asyncio.get_running_loop()
+        self._gc_pause.pause()
+        started.callback(self._gc_pause.resume)  # whatever stops the start-up
         status_path = status_socket_path(self.settings)
         status_server = StatusServer(self.board, status_path)
         try:

@@ -1,0 +1,73 @@
+"""`sysdra run`'s start-up order, seen from inside a real agent process: the first slices are
+written before anything the kubelet side needs is even imported (gRPC, the kubelet plugin,
+health), the YAML parser is not loaded for an empty config file, the cyclic collector is
+paused until the first publish and back on once the agent runs, and the kubelet's
+registration socket appears only after the first publish."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO, profile_root
+
+SCENARIO = r"""
+import gc, glob, json, os, signal, sys, threading, time
+
+from agent.publish import dirstore
+
+kubelet, cluster, config, root = sys.argv[1:5]
+registry = os.path.join(kubelet, "plugins_registry")
+seen = {}
+write = dirstore.DirStore._write
+
+
+def first_write(self, obj):
+    if "at_first_slice" not in seen:
+        seen["at_first_slice"] = {
+            "loaded": sorted(m for m in ("grpc", "yaml", "agent.kubeletplugin.plugin", "agent.health", "agent.prepare.driver")
+                             if m in sys.modules),
+            "gc_enabled": gc.isenabled(),
+            "registration_socket": bool(glob.glob(os.path.join(registry, "*.sock"))),
+        }
+    return write(self, obj)
+
+
+dirstore.DirStore._write = first_write
+
+
+def stop_once_registered():
+    deadline = time.monotonic() + 30
+    while not glob.glob(os.path.join(registry, "*.sock")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    seen["running"] = {"gc_enabled": gc.isenabled(), "grpc_loaded": "grpc" in sys.modules}
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+threading.Thread(target=stop_once_registered, daemon=True).start()
+from agent.cli.main import main
+
+rc = main(["run", "--config", config, "--root", root, "--node-name", "node-a", "--cluster", "dir:" + cluster,
+           "--kubelet-dir", kubelet, "--cdi-dir", os.path.join(os.path.dirname(kubelet), "cdi"), "--metrics-address", ""])
+print(json.dumps(seen))
+sys.exit(rc)
+"""
+
+
+def test_first_publish_comes_before_the_kubelet_side_is_loaded(tmp_path):
+    config = tmp_path / "empty.yaml"
+    config.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
+    proc = subprocess.run([sys.executable, "-c", SCENARIO, str(tmp_path / "kubelet"), str(tmp_path / "cluster"),
+                           str(config), profile_root("server-2s-gpu-nic")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    first = seen["at_first_slice"]
+    assert first["loaded"] == [], f"loaded before the first publish: {first['loaded']}"
+    assert first["registration_socket"] is False, "the kubelet could register before the first publish"
+    assert first["gc_enabled"] is False
+    assert seen["running"] == {"gc_enabled": True, "grpc_loaded": True}
