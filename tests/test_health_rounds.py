@@ -67,7 +67,7 @@ def test_timer_rounds_skip_what_events_report_and_still_catch_polled_faults(tmp_
 
     async def main():
         await monitor.start()
-        monitor.events_report(functions=True, links=True)
+        monitor.events_report(lambda: (True, True))
         try:
             assert monitor.snapshot()[VM_NIC][0] == "HEALTHY" and monitor.snapshot()[VM_GPU][0] == "HEALTHY"
             full, before = monitor.full_rounds, monitor.states[VM_NIC].checked_at
@@ -96,7 +96,7 @@ def test_a_full_sweep_catches_a_lost_event(tmp_path, monkeypatch):
 
     async def main():
         await monitor.start()
-        monitor.events_report(functions=True, links=True)
+        monitor.events_report(lambda: (True, True))
         try:
             os.unlink(os.path.join(root, VM_GPU_DIR, "driver"))  # the unbind's event was lost
             write(root, VM_NIC_NET + "/operstate", "down\n")
@@ -115,14 +115,14 @@ def test_a_full_sweep_catches_a_lost_event(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("reported", [False, True])
 def test_without_link_events_every_round_reads_links(tmp_path, reported):
-    """``events_report(functions=True)`` alone (uevents, no link events): links stay polled."""
+    """Functions reported alone (uevents, no link events): links stay polled."""
     root = copy_profile(tmp_path, "vm-numa-none")
     inv = scan(root)
     monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
 
     async def main():
         await monitor.start()
-        monitor.events_report(functions=reported, links=False)
+        monitor.events_report(lambda: (reported, False))
         try:
             full = monitor.full_rounds
             write(root, VM_NIC_NET + "/carrier", "0\n")

@@ -72,8 +72,7 @@ class HealthMonitor:
         self.link_checks = 0
         self._present_names: set[str] = set()
         self._present_of: Inventory | None = None  # the inventory _present_names was built from
-        self._functions_reported = False  # see events_report
-        self._links_reported = False
+        self._reports: Callable[[], tuple[bool, bool]] = lambda: (False, False)  # see events_report
         self._last_full = float("-inf")  # time.monotonic() of the last full round
 
     # --- lifecycle ----------------------------------------------------------------
@@ -94,17 +93,19 @@ class HealthMonitor:
             log.warning("no kernel link events (%s): NIC links are checked every %.0f s", err, self.interval)
             return False
         self._links = links
-        self._links_reported = True
         return True
 
-    def events_report(self, functions: bool, links: bool = False) -> None:
-        """Say which changes the daemon's watchers report, so timer rounds need not poll
-        them: ``functions``: PCI functions added, removed, bound or unbound (the watcher
-        rescans, then ``on_inventory``); ``links``: NIC link state (file events on a fixture
-        root; on the host, ``watch_links`` sets it). Both False (the default): every round
-        checks everything."""
-        self._functions_reported = functions
-        self._links_reported = links or self._links is not None
+    def events_report(self, reports: Callable[[], tuple[bool, bool]]) -> None:
+        """``reports()`` -> (functions, links): which changes the daemon's watchers report
+        right now, so timer rounds need not poll them. ``functions``: PCI functions added,
+        removed, bound or unbound (the watcher rescans, then ``on_inventory``); ``links``:
+        NIC link state (file events on a fixture root; ``watch_links`` adds it on the host).
+        Until this is called every round checks everything."""
+        self._reports = reports
+
+    def _reported(self) -> tuple[bool, bool]:
+        functions, links = self._reports()
+        return functions, links or self._links is not None
 
     def _on_links(self, interfaces: set[str] | None) -> None:
         if interfaces is None:  # events were lost: a full round
@@ -150,7 +151,7 @@ class HealthMonitor:
             except TimeoutError:
                 pass
             self._wake.clear()
-            full = woken or not self._functions_reported or time.monotonic() - self._last_full >= FULL_SWEEP
+            full = woken or not self._reported()[0] or time.monotonic() - self._last_full >= FULL_SWEEP
             try:
                 await self.check_now(full=full)
             except Exception:  # a bug in a rule must not stop the resends
@@ -226,7 +227,7 @@ class HealthMonitor:
         now = time.time()
         if full:
             return {name: DeviceState(self._verdict(name, present, now), now) for name in list(self._known)}
-        states, links = {}, self._links_reported
+        states, links = {}, self._reported()[1]
         for name in list(self._known):
             old = self.states.get(name)
             if old is None or polled(self._known[name], self._memory[name], links):

@@ -212,7 +212,7 @@ class Agent:
         if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
         if self.watcher is not None:  # timer rounds need not poll what its events report
-            self.health.events_report(*self.watcher.reports())
+            self.health.events_report(self.watcher.reports)
         async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them
             recovery = getattr(driver.driver, "recovery", None)
             if recovery is not None and recovery.kernel_changed:

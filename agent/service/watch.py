@@ -2,7 +2,7 @@
 
 - real root (``/``): pyudev netlink monitor on the subsystems we publish (udev source
   when udevd runs, else raw kernel uevents); inotify cannot see sysfs changes;
-- fixture root: watchdog file events below ROOT/sys (tests, demos);
+- fixture root: inotify file events below ROOT/sys (tests, demos; ``agent/service/inotify.py``);
 - both: a periodic full rescan as a safety net (netlink drops events under bursts).
 
 Events name the PCI function they are about (uevent DEVPATH, file path -> deepest PCI
@@ -118,24 +118,11 @@ class UdevSource:
 
 
 def start_file_observer(paths: list[str], callback: Callable[[str], None], recursive: bool = True):
-    """watchdog observer calling ``callback(path)`` (from its thread) for every change."""
-    from watchdog import events as ev
-    from watchdog.observers import Observer
+    """File events: ``callback(path)`` on the running loop for every change below ``paths``
+    (``agent.service.inotify.TreeWatch``; ``.stop()`` ends it). Call on the event loop."""
+    from agent.service.inotify import TreeWatch
 
-    class Handler(ev.FileSystemEventHandler):
-        def on_any_event(self, event):
-            callback(event.src_path)
-
-    # Only changes: subscribing to opens/reads would make every rescan flood the inotify queue.
-    changes = [ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileModifiedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
-               ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent]
-    observer = Observer()
-    for path in paths:
-        if os.path.isdir(path):
-            observer.schedule(Handler(), path, recursive=recursive, event_filter=changes)
-    observer.daemon = True
-    observer.start()
-    return observer
+    return TreeWatch(paths, callback, recursive=recursive)
 
 
 def _device_bdf(device) -> str | None:
@@ -170,16 +157,16 @@ class HardwareWatcher:
         else:
             sys_dir = os.path.join(self.root, "sys")
             root = os.path.abspath(self.root)
-            self._observer = start_file_observer(
-                [sys_dir], lambda p: loop.call_soon_threadsafe(self._event, "file", bdf_of_path(os.path.relpath(p, root))))
-            log.info("watching file events below %s", sys_dir)
+            self._observer = start_file_observer([sys_dir], lambda p: self._event("file", bdf_of_path(os.path.relpath(p, root))))
+            log.info("watching file events below %s (%d directories)", sys_dir, self._observer.watched)
 
     def reports(self) -> tuple[bool, bool]:
         """(functions, links): whether this watcher's events report PCI functions added,
         removed, bound and unbound, and NIC link changes (for the health monitor, which then
         need not poll them). uevents carry no link state (rtnetlink does: health's own
         LinkWatch); file events below a fixture root's sys/ see every write there."""
-        return (self._udev is not None or self._observer is not None), self._observer is not None
+        files = self._observer is not None and self._observer.complete
+        return (self._udev is not None or files), files
 
     def _event(self, source: str, bdf: str | None = None) -> None:
         """``bdf``: the PCI function the event is about (an incremental rescan re-reads it
@@ -193,4 +180,3 @@ class HardwareWatcher:
             self._udev.stop()
         if self._observer:
             self._observer.stop()
-            self._observer.join(timeout=2)
