@@ -92,3 +92,29 @@ def test_disabled_and_bad_addresses():
     for bad in ("9478", ":9478", "host:port", "127.0.0.1:70000"):
         with pytest.raises(ValueError):
             parse_address(bad)
+
+
+def test_null_metrics_take_every_call_metrics_take():
+    """Without an endpoint the daemon records into NullMetrics: it must accept all of it."""
+    from agent.service.observers import NullMetrics
+
+    public = {n for n in dir(Metrics) if not n.startswith("_") and callable(getattr(Metrics, n))}
+    null = NullMetrics()
+    assert public <= set(dir(null)), public - set(dir(null))
+    null.observe_publish(True, 0.1)
+    null.count_watcher_event("file")
+    with null.timed("prepare"):
+        pass
+
+
+def test_publish_counts_are_exported_with_their_labels():
+    from agent.publish import metrics as publish_metrics
+
+    m = Metrics(process=False)
+    before = m.registry.get_sample_value("sysdra_resourceslice_writes_total", {"op": "update"}) or 0
+    publish_metrics.SLICE_WRITES.labels("update").inc()
+    publish_metrics.POOL_GENERATION.set(7)
+    assert m.registry.get_sample_value("sysdra_resourceslice_writes_total", {"op": "update"}) == before + 1
+    assert m.registry.get_sample_value("sysdra_pool_generation") == 7
+    with pytest.raises(ValueError):
+        publish_metrics.SLICE_WRITES.labels("a", "b")

@@ -1,6 +1,7 @@
 """`sysdra run`'s start-up order, seen from inside a real agent process: the first slices are
 written before anything the kubelet side needs is even imported (gRPC, the kubelet plugin,
-health), the YAML parser is not loaded for an empty config file, the cyclic collector is
+health), the YAML parser is not loaded for an empty config file nor prometheus_client without a
+metrics endpoint, the cyclic collector is
 paused until the first publish and back on once the agent runs, and the kubelet's
 registration socket appears only after the first publish."""
 
@@ -27,7 +28,8 @@ write = dirstore.DirStore._write
 def first_write(self, obj):
     if "at_first_slice" not in seen:
         seen["at_first_slice"] = {
-            "loaded": sorted(m for m in ("grpc", "yaml", "agent.kubeletplugin.plugin", "agent.health", "agent.prepare.driver")
+            "loaded": sorted(m for m in ("grpc", "yaml", "prometheus_client", "agent.kubeletplugin.plugin",
+                                                  "agent.health", "agent.prepare.driver")
                              if m in sys.modules),
             "gc_enabled": gc.isenabled(),
             "registration_socket": bool(glob.glob(os.path.join(registry, "*.sock"))),
@@ -43,7 +45,8 @@ def stop_once_registered():
     while not glob.glob(os.path.join(registry, "*.sock")) and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)
-    seen["running"] = {"gc_enabled": gc.isenabled(), "grpc_loaded": "grpc" in sys.modules}
+    seen["running"] = {"gc_enabled": gc.isenabled(), "grpc_loaded": "grpc" in sys.modules,
+                       "prometheus_loaded": "prometheus_client" in sys.modules}
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -70,4 +73,4 @@ def test_first_publish_comes_before_the_kubelet_side_is_loaded(tmp_path):
     assert first["loaded"] == [], f"loaded before the first publish: {first['loaded']}"
     assert first["registration_socket"] is False, "the kubelet could register before the first publish"
     assert first["gc_enabled"] is False
-    assert seen["running"] == {"gc_enabled": True, "grpc_loaded": True}
+    assert seen["running"] == {"gc_enabled": True, "grpc_loaded": True, "prometheus_loaded": False}

@@ -1,9 +1,48 @@
-"""Process-wide counters of slice writes (bridged onto the agent's registry by agent.service.metrics).
+"""Process-wide counts of slice writes, as plain numbers: publishing does not load
+prometheus_client (its import pulls in http.server, urllib and email: ~15 ms and ~2.5 MB),
+and an agent without a metrics endpoint never loads it. ``agent.service.metrics`` exports
+these on the agent's registry.
 
 Publish attempts, failures and change-to-slice latency live in agent.service.metrics.Metrics."""
 
-from prometheus_client import Counter, Gauge
+from __future__ import annotations
 
-SLICE_WRITES = Counter("sysdra_resourceslice_writes_total", "ResourceSlice writes", ["op"])
-INVALID_DEVICES = Counter("sysdra_invalid_devices_total", "Devices left out of a slice because they would not validate")
-POOL_GENERATION = Gauge("sysdra_pool_generation", "Generation of the published pool")
+
+class Count:
+    """A counter (``inc``) or gauge (``set``), optionally per label values (``labels(...)``)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (), kind: str = "counter"):
+        self.name, self.documentation, self.labelnames, self.kind = name, documentation, labelnames, kind
+        self.values: dict[tuple[str, ...], float] = {}  # label values -> value
+
+    def labels(self, *values: str) -> "_Labelled":
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        return _Labelled(self, tuple(str(v) for v in values))
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._add((), amount)
+
+    def set(self, value: float) -> None:
+        self.values[()] = float(value)
+
+    def _add(self, key: tuple[str, ...], amount: float) -> None:
+        if amount < 0 and self.kind == "counter":
+            raise ValueError("counters only go up")
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+
+class _Labelled:
+    __slots__ = ("count", "key")
+
+    def __init__(self, count: Count, key: tuple[str, ...]):
+        self.count, self.key = count, key
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.count._add(self.key, amount)
+
+
+SLICE_WRITES = Count("sysdra_resourceslice_writes_total", "ResourceSlice writes", ("op",))
+INVALID_DEVICES = Count("sysdra_invalid_devices_total", "Devices left out of a slice because they would not validate")
+POOL_GENERATION = Count("sysdra_pool_generation", "Generation of the published pool", kind="gauge")
+ALL = (SLICE_WRITES, INVALID_DEVICES, POOL_GENERATION)

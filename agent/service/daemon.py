@@ -21,8 +21,7 @@ from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketErro
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, sdnotify, startup
 from agent.service.logs import setup_logging
-from agent.service.metrics import Metrics, start_server
-from agent.service.observers import ObservedDriver, PublishObserver
+from agent.service.observers import NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
@@ -58,35 +57,16 @@ REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unh
                                 "skip_node_operations"})
 
 
-async def _unless_stopped(stop: asyncio.Event, step) -> bool:
-    """Run a start-up step unless ``stop`` is set first (SIGTERM during start-up): then the
-    step is cancelled and False returned."""
-    task = asyncio.ensure_future(step)
-    waiter = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        waiter.cancel()
-        task.result()
-        return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    log.info("stopping: stop requested during start-up")
-    return False
-
-
-async def _cancel_all(tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 class Agent:
     def __init__(self, settings: Settings, scan: Callable[[Settings], object] = default_scan, store=None,
-                 metrics: Metrics | None = None):
+                 metrics=None):
         self.settings = settings
         self.scan = scan
-        self.metrics = metrics or Metrics(process=False)
+        if metrics is None:
+            from agent.service.metrics import Metrics
+
+            metrics = Metrics(process=False)
+        self.metrics = metrics  # agent.service.metrics.Metrics, or NullMetrics without an endpoint
         self.board = StatusBoard(settings.node_name, settings.driver_name, metrics=self.metrics)
         self.store, self._client = (store, None) if store is not None else make_store(settings)
         self.publisher = Publisher(self.store, node_name=settings.node_name, driver_name=settings.driver_name,
@@ -299,23 +279,25 @@ class Agent:
             started.push_async_callback(status_server.close)
         except OSError as err:
             log.warning("status socket not served (%s): `sysdra status` will not reach this agent", err)
-        try:
-            metrics_server = start_server(self.settings.metrics_address, self.metrics)
-            if metrics_server is not None:
+        if self.settings.metrics_address and not isinstance(self.metrics, NullMetrics):
+            from agent.service.metrics import start_server
+
+            try:
+                metrics_server = start_server(self.settings.metrics_address, self.metrics)
                 started.callback(metrics_server.close)
-        except (OSError, ValueError) as err:
-            log.warning("metrics endpoint %s not served: %s", self.settings.metrics_address, err)
+            except (OSError, ValueError) as err:
+                log.warning("metrics endpoint %s not served: %s", self.settings.metrics_address, err)
         if self._client is not None:
             started.push_async_callback(self._client.close)
         if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
             self.settings = self.settings.model_copy(update={"skip_node_operations": ops})
-        if not await _unless_stopped(stop, self.rescan()):
+        if not await startup.unless_stopped(stop, self.rescan()):
             return
         tasks: list[asyncio.Task] = []
-        started.push_async_callback(_cancel_all, tasks)
+        started.push_async_callback(startup.cancel_all, tasks)
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(self._periodic_rescan(), name="resync")]
-        if not await _unless_stopped(stop, self._first_publish()):
+        if not await startup.unless_stopped(stop, self._first_publish()):
             return
         if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
             started.callback(watch_dir(self.store.directory, self.publisher, loop, start_file_observer).stop)
@@ -328,7 +310,7 @@ class Agent:
         watcher.start(loop)
         started.callback(watcher.stop)
         started.push_async_callback(self._stop_kubelet_side)
-        if not await _unless_stopped(stop, self.start_kubelet_plugin()):
+        if not await startup.unless_stopped(stop, self.start_kubelet_plugin()):
             return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
@@ -378,7 +360,13 @@ async def serve(settings: Settings, reload_settings: Callable[[], Settings] | No
 
 async def _serve_locked(settings: Settings, stop: asyncio.Event, reload_settings) -> int:
     loop = asyncio.get_running_loop()
-    agent = Agent(settings, metrics=Metrics())
+    if settings.metrics_address:
+        from agent.service.metrics import Metrics
+
+        metrics = Metrics()
+    else:  # no endpoint: nobody could read them, and prometheus_client is not even loaded
+        metrics = NullMetrics()
+    agent = Agent(settings, metrics=metrics)
 
     def on_hup() -> None:
         if reload_settings is None:

@@ -1,9 +1,10 @@
 """Prometheus metrics of the agent on their own registry, and the /metrics endpoint.
 
 A private :class:`CollectorRegistry` (not prometheus_client's global one) keeps tests
-independent and the endpoint limited to what we define. The publisher's metrics that
-already live in the global registry (``agent/publish/metrics.py``, ``sysdra_*``) are
-re-exported by a bridge collector, so one endpoint shows everything once.
+independent and the endpoint limited to what we define. The publisher's process-wide counts
+(``agent/publish/metrics.py``, plain numbers so publishing never loads this library) are
+exported by a bridge collector, so one endpoint shows everything once. Without an endpoint
+the daemon keeps no metrics at all (``agent.service.observers.NullMetrics``).
 
 The daemon calls the ``observe_*``/``set_*`` methods; see docs/operations.md "Metrics".
 """
@@ -16,7 +17,6 @@ import time
 from typing import Iterator
 
 from prometheus_client import (
-    REGISTRY,
     CollectorRegistry,
     Counter,
     Enum,
@@ -27,6 +27,9 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agent.publish import metrics as publish_metrics
 
 log = logging.getLogger("sysdra.metrics")
 
@@ -37,16 +40,16 @@ _FAST = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
-class _GlobalSysdraBridge:
-    """Re-exports ``sysdra_*`` families of the global registry that we do not define."""
-
-    def __init__(self, own_names: set[str]):
-        self.own_names = own_names
+class _PublishBridge:
+    """Exports the publisher's process-wide counts (``agent.publish.metrics.ALL``)."""
 
     def collect(self):
-        for family in REGISTRY.collect():
-            if family.name.startswith("sysdra_") and family.name not in self.own_names:
-                yield family
+        for count in publish_metrics.ALL:
+            family_of = CounterMetricFamily if count.kind == "counter" else GaugeMetricFamily
+            family = family_of(count.name, count.documentation, labels=list(count.labelnames))
+            for labels, value in sorted(count.values.items()):
+                family.add_metric(list(labels), value)
+            yield family
 
 
 class Metrics:
@@ -76,7 +79,7 @@ class Metrics:
             PlatformCollector(registry=r)
             GCCollector(registry=r)
         if bridge_global:
-            r.register(_GlobalSysdraBridge({m.name for m in r.collect()}))
+            r.register(_PublishBridge())
 
     # --- kubelet plugin -----------------------------------------------------------------
     def observe_prepare(self, ok: bool, seconds: float) -> None:

@@ -1,12 +1,32 @@
 """Adapters that report what the driver and the publisher do to metrics and the status
-board, so each fact is reported in one place."""
+board, so each fact is reported in one place; ``NullMetrics`` when there is no endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import TYPE_CHECKING
 
-from agent.service.metrics import Metrics
 from agent.service.status import StatusBoard
+
+if TYPE_CHECKING:
+    from agent.service.metrics import Metrics
+
+
+class NullMetrics:
+    """``agent.service.metrics.Metrics``' interface, keeping nothing: with the endpoint
+    disabled nobody can read metrics, so the agent does not load prometheus_client."""
+
+    registry = None
+
+    def timed(self, what: str):
+        return contextlib.nullcontext()
+
+    def _ignore(self, *args, **kwargs) -> None:
+        return None
+
+    observe_prepare = observe_unprepare = set_registration = set_published_devices = _ignore
+    observe_publish = observe_change_to_slice = count_watcher_event = set_health = _ignore
 
 
 class ObservedDriver:

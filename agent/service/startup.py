@@ -12,6 +12,8 @@ Every refusal is a ``StartupError``: one line on stderr and a documented exit co
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import stat
@@ -98,3 +100,26 @@ def resolve(settings: Settings) -> Settings:
         log.warning("plugin directory %s had mode %o: tightened to %o", plugin, mode, PLUGIN_DIR_MODE)
         os.chmod(plugin, mode & PLUGIN_DIR_MODE)
     return resolved
+
+
+async def unless_stopped(stop: asyncio.Event, step) -> bool:
+    """Run a start-up step unless ``stop`` is set first (SIGTERM during start-up): then the
+    step is cancelled and False returned."""
+    task = asyncio.ensure_future(step)
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        waiter.cancel()
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    log.info("stopping: stop requested during start-up")
+    return False
+
+
+async def cancel_all(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
