@@ -172,7 +172,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
 
     Optional attributes that the listing lacks are not looked for, and callers reuse the
     listing (class views) instead of listing again."""
-    real_host, real = _real_dir(fs, fs.path(PCI_DEVICES, bdf))
+    real_host, real = _real_dir(fs, f"{fs.path(PCI_DEVICES)}/{bdf}")
     if not fs.is_dir(real_host):
         raise PciError("device directory missing or not a directory")
     try:

@@ -101,7 +101,7 @@ class HostFS:
     root: str = DEFAULT_ROOT
 
     def path(self, *parts: str) -> str:
-        rel = (parts[0] if len(parts) == 1 else os.path.join(*parts)).lstrip("/")
+        rel = (parts[0] if len(parts) == 1 else os.path.join(*parts)).lstrip("/")  # join: an absolute part restarts
         root = self.root
         return (root if root.endswith("/") else root + "/") + rel
 
@@ -223,7 +223,7 @@ class HostFS:
             target = os.readlink(path)
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
-        name = os.path.basename(target.rstrip("/"))
+        name = target.rstrip("/").rpartition("/")[2]
         if not name or name in (".", ".."):
             raise AttrError(path, f"odd link target {target!r}")
         return name
