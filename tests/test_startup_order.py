@@ -74,3 +74,31 @@ def test_first_publish_comes_before_the_kubelet_side_is_loaded(tmp_path):
     assert first["registration_socket"] is False, "the kubelet could register before the first publish"
     assert first["gc_enabled"] is False
     assert seen["running"] == {"gc_enabled": True, "grpc_loaded": True, "prometheus_loaded": False}
+
+
+def test_sigterm_while_the_grpc_servers_start_stops_cleanly(tmp_path, monkeypatch):
+    """A stop that lands inside grpc.aio's server start: the kubelet side is let finish its
+    start and is then stopped in order (cancelling that start broke gRPC's own shutdown)."""
+    import asyncio
+    import glob
+
+    from agent.kubeletplugin import plugin
+    from agent.service.daemon import Agent
+    from tests.kubelet_standin import settings_for
+
+    settings = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"), metrics_address="")
+    stop = asyncio.Event()
+    start = plugin._Server.start
+
+    async def start_then_stop(self, add_services):
+        stop.set()  # SIGTERM now, while the server starts
+        await start(self, add_services)
+
+    monkeypatch.setattr(plugin._Server, "start", start_then_stop)
+
+    async def main():
+        return await asyncio.wait_for(Agent(settings).run(stop), 60)
+
+    assert asyncio.run(main()) == 0
+    assert not glob.glob(os.path.join(settings.registry_dir, "*.sock")) and not os.path.exists(
+        os.path.join(settings.plugin_dir, "dra.sock"))

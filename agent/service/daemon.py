@@ -310,7 +310,8 @@ class Agent:
         watcher.start(loop)
         started.callback(watcher.stop)
         started.push_async_callback(self._stop_kubelet_side)
-        if not await startup.unless_stopped(stop, self.start_kubelet_plugin()):
+        # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
+        if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):
             return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())

@@ -102,9 +102,9 @@ def resolve(settings: Settings) -> Settings:
     return resolved
 
 
-async def unless_stopped(stop: asyncio.Event, step) -> bool:
+async def unless_stopped(stop: asyncio.Event, step, cancel: bool = True) -> bool:
     """Run a start-up step unless ``stop`` is set first (SIGTERM during start-up): then the
-    step is cancelled and False returned."""
+    step is cancelled (``cancel=False``: let finish) and False returned."""
     task = asyncio.ensure_future(step)
     waiter = asyncio.ensure_future(stop.wait())
     done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -112,8 +112,11 @@ async def unless_stopped(stop: asyncio.Event, step) -> bool:
         waiter.cancel()
         task.result()
         return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    if cancel:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    else:
         await task
     log.info("stopping: stop requested during start-up")
     return False
