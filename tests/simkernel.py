@@ -96,7 +96,6 @@ class SimPciKernel:
     def unbind(self, driver: str, bdf: str) -> None:
         if self.driver(bdf) != driver:
             return  # -ENODEV: the function is not bound to this driver
-        os.unlink(os.path.join(self.dev(bdf), "driver"))
         set_uevent_driver(self.dev(bdf), None)
         link = self.p(SYS_PCI, "drivers", driver, bdf)
         if os.path.islink(link):
@@ -117,6 +116,7 @@ class SimPciKernel:
                 if os.path.isdir(os.path.join(real, view)):
                     os.rename(os.path.join(real, view), os.path.join(stash, view))
         self.log.append(f"unbind {bdf} {driver}")
+        os.unlink(os.path.join(real, "driver"))  # last: what the agent reads back to see it done
 
     def bind(self, driver: str, bdf: str) -> None:
         override = self.override(bdf)
@@ -129,7 +129,6 @@ class SimPciKernel:
             return  # vfio-pci refuses a function without an IOMMU group
         drvdir = self.p(SYS_PCI, "drivers", driver)
         real = os.path.realpath(self.dev(bdf))
-        os.symlink(os.path.relpath(drvdir, real), os.path.join(real, "driver"))
         set_uevent_driver(real, driver)
         os.symlink(os.path.relpath(real, drvdir), os.path.join(drvdir, bdf))
         if driver == "vfio-pci":
@@ -140,6 +139,8 @@ class SimPciKernel:
                 if os.path.isdir(os.path.join(stash, view)):
                     os.rename(os.path.join(stash, view), os.path.join(real, view))
         self.log.append(f"bind {bdf} {driver}")
+        # last: the link is what the agent reads back, so everything else is in place by then
+        os.symlink(os.path.relpath(drvdir, real), os.path.join(real, "driver"))
 
     def probe(self, bdf: str) -> None:
         if self.driver(bdf) is not None:
