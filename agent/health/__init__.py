@@ -5,6 +5,7 @@ Wiring (the daemon)::
 
     monitor = agent.health.attach(plugin, inventory_fn, settings)  # before plugin.start()
     await monitor.start()         # first check round, then every settings.health_interval
+    monitor.events_report(fn)     # fn() -> (functions, links) the watchers report: not polled by timer rounds
     await plugin.start()
     watcher: monitor.on_inventory(inv) after every rescan (any thread)
     monitor.snapshot()            # {device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}
