@@ -2,7 +2,7 @@
 cost of building the ResourceSlices of a 4,096-device pool.
 
 ``change_to_slice``: a VF's bus link is removed from a copy of the generated 2,000+-function
-tree while ``sysdra run``'s Agent watches it (watchdog file events, debounce D); the figure
+tree while ``sysdra run``'s Agent watches it (inotify file events, debounce D); the figure
 is the median time from the unlink until the slice files no longer list the VF. Floor: D
 (the agent waits that long on purpose). Goal: <= D + 100 ms.
 

@@ -1,5 +1,6 @@
 """inotify(7) watches on directory trees, read on the event loop: the file events of fixture
-roots (tests, demos) and of the offline cluster directory.
+roots (tests, demos) and of the offline cluster directory. The system calls are
+inotify_simple's (a literal ctypes wrapper); the tree walking is ours.
 
 One path string per watched directory and no thread: the large benchmark node has ~10,500
 directories, which watchdog held at ~550 bytes and several objects each (~6 MB of the idle
@@ -11,34 +12,24 @@ a queue overflow reports each watched root, i.e. "look at everything".
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import logging
 import os
-import struct
 from typing import Callable
+
+from inotify_simple import INotify, flags, parse_events
 
 log = logging.getLogger("sysdra.watch")
 
-IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
-IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
-IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
-IN_ONLYDIR, IN_DONT_FOLLOW, IN_ISDIR = 0x01000000, 0x02000000, 0x40000000
+# plain ints: they are tested against every event's mask
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = int(flags.MODIFY), int(flags.ATTRIB), int(flags.CLOSE_WRITE)
+IN_MOVED_FROM, IN_MOVED_TO = int(flags.MOVED_FROM), int(flags.MOVED_TO)
+IN_CREATE, IN_DELETE = int(flags.CREATE), int(flags.DELETE)
+IN_DELETE_SELF, IN_MOVE_SELF = int(flags.DELETE_SELF), int(flags.MOVE_SELF)
+IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = int(flags.Q_OVERFLOW), int(flags.IGNORED), int(flags.ISDIR)
+IN_ONLYDIR, IN_DONT_FOLLOW = int(flags.ONLYDIR), int(flags.DONT_FOLLOW)
 CHANGES = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
            | IN_DELETE_SELF | IN_MOVE_SELF)
-_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
-_libc: ctypes.CDLL | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.inotify_init1.argtypes = [ctypes.c_int]
-        lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-        lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
-        _libc = lib
-    return _libc
 
 
 class TreeWatch:
@@ -52,10 +43,8 @@ class TreeWatch:
         self.recursive = recursive
         self.complete = True
         self._dirs: dict[int, str] = {}  # watch descriptor -> directory path
-        fd = _lib().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), f"inotify_init1: {os.strerror(ctypes.get_errno())}")
-        self._fd = fd
+        self._inotify = INotify(nonblocking=True)  # close-on-exec
+        fd = self._fd = self._inotify.fileno()
         self._roots = [p for p in paths if os.path.isdir(p)]
         for root in self._roots:
             self._add_tree(root)
@@ -67,15 +56,15 @@ class TreeWatch:
         return len(self._dirs)
 
     def _add(self, path: str) -> bool:
-        wd = _lib().inotify_add_watch(self._fd, os.fsencode(path), CHANGES | IN_ONLYDIR | IN_DONT_FOLLOW)
-        if wd >= 0:
-            self._dirs[wd] = path
-            return True
-        err = ctypes.get_errno()
-        if err not in (errno.ENOENT, errno.ENOTDIR):  # (gone again, or not a directory: nothing to watch)
-            self.complete = False
-            log.warning("cannot watch %s: %s; changes there are seen by the periodic rescan", path, os.strerror(err))
-        return False
+        try:
+            wd = self._inotify.add_watch(path, CHANGES | IN_ONLYDIR | IN_DONT_FOLLOW)
+        except OSError as err:
+            if err.errno not in (errno.ENOENT, errno.ENOTDIR):  # (gone again, or not a directory: nothing to watch)
+                self.complete = False
+                log.warning("cannot watch %s: %s; changes there are seen by the periodic rescan", path, err.strerror)
+            return False
+        self._dirs[wd] = path
+        return True
 
     def _add_tree(self, top: str) -> list[str]:
         """Watch ``top`` and (recursive) every directory below it, each before it is listed;
@@ -101,7 +90,10 @@ class TreeWatch:
         for wd, path in list(self._dirs.items()):
             if path == top or path.startswith(below):
                 del self._dirs[wd]
-                _lib().inotify_rm_watch(self._fd, wd)
+                try:
+                    self._inotify.rm_watch(wd)
+                except OSError:  # EINVAL: the kernel dropped it already
+                    pass
 
     def _readable(self) -> None:
         try:
@@ -111,12 +103,8 @@ class TreeWatch:
         except OSError as err:
             log.warning("file events: %s", err)
             return
-        off = 0
-        while off + _EVENT.size <= len(data):
-            wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
-            name = data[off + _EVENT.size:off + _EVENT.size + length].split(b"\0", 1)[0]
-            off += _EVENT.size + length
-            self._event(wd, mask, os.fsdecode(name))
+        for event in parse_events(data):  # a read returns whole events only
+            self._event(event.wd, event.mask, event.name)
 
     def _event(self, wd: int, mask: int, name: str) -> None:
         if mask & IN_Q_OVERFLOW:  # events were lost
@@ -141,6 +129,6 @@ class TreeWatch:
     def stop(self) -> None:
         if self._fd >= 0:
             self._loop.remove_reader(self._fd)
-            os.close(self._fd)  # removes every watch
+            self._inotify.close()  # removes every watch
             self._fd = -1
             self._dirs.clear()
