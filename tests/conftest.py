@@ -62,6 +62,18 @@ def profile_root(name: str) -> str:
     return os.path.join(FIXTURES, name)
 
 
+def copy_profile(tmp_path, name: str) -> str:
+    """A private copy of fixture profile ``name`` that a test may change."""
+    root = str(tmp_path / name)
+    shutil.copytree(profile_root(name), root, symlinks=True)
+    return root
+
+
+def write_file(root: str, rel: str, text: str) -> None:
+    with open(os.path.join(root, rel), "w") as f:
+        f.write(text)
+
+
 @pytest.fixture(scope="session")
 def apiserver(tmp_path_factory):
     """A real kube-apiserver v1.37.2 + etcd on 127.0.0.1 for the session (tests/controlplane.py).

@@ -21,7 +21,7 @@ from agent.protos import dra_health_v1_pb2, dra_health_v1_pb2_grpc, dra_health_v
 from discovery.inventory import scan
 from discovery.models import DeviceNode
 from discovery.sysfs import HostFS
-from tests.conftest import profile_root
+from tests.conftest import copy_profile, write_file
 from tests.kubelet_standin import KubeletStandIn, settings_for
 
 VM_NIC = "nic-0000-05-00-0"
@@ -29,17 +29,6 @@ VM_GPU = "gpu-0000-06-00-0"
 VM_NIC_NET = "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0/virtio12/net/eth0"
 VM_GPU_DIR = "sys/devices/pci0000:00/0000:00:01.5/0000:06:00.0"
 STUBS = {"v1": (dra_health_v1_pb2, dra_health_v1_pb2_grpc), "v1alpha1": (dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc)}
-
-
-def copy_profile(tmp_path, name: str) -> str:
-    root = str(tmp_path / name)
-    shutil.copytree(profile_root(name), root, symlinks=True)
-    return root
-
-
-def write(root: str, rel: str, text: str) -> None:
-    with open(os.path.join(root, rel), "w") as f:
-        f.write(text)
 
 
 class Agent:
@@ -113,11 +102,11 @@ def test_snapshot_then_link_down_update_then_resend(tmp_path, version):
             assert first[VM_NIC][:2] == ("HEALTHY", "interface eth0 link up")
             dev = first[VM_NIC][2]
             assert dev.device.pool_name == a.settings.node_name and abs(dev.last_updated_time - time.time()) < 5
-            write(root, VM_NIC_NET + "/carrier", "0\n")
+            write_file(root, VM_NIC_NET + "/carrier", "0\n")
             t0 = time.monotonic()
             got = await s.until(lambda g: g[VM_NIC][0] == "UNHEALTHY")
             assert got[VM_NIC][1] == "interface eth0 carrier 0" and time.monotonic() - t0 < 2
-            write(root, VM_NIC_NET + "/operstate", "down\n")
+            write_file(root, VM_NIC_NET + "/operstate", "down\n")
             got = await s.until(lambda g: "operstate down" in g[VM_NIC][1])
             assert got[VM_NIC][0] == "UNHEALTHY" and got[VM_GPU][0] == "HEALTHY"  # always the full list
             assert a.monitor.taints() == {VM_NIC: [{"key": "sysdra.io/unhealthy", "value": "link-down", "effect": "NoSchedule"}]}
@@ -126,8 +115,8 @@ def test_snapshot_then_link_down_update_then_resend(tmp_path, version):
             for _ in range(3):
                 assert set(await s.next(timeout=2)) == {VM_NIC, VM_GPU}
             assert time.monotonic() - t0 < 2
-            write(root, VM_NIC_NET + "/operstate", "up\n")
-            write(root, VM_NIC_NET + "/carrier", "1\n")
+            write_file(root, VM_NIC_NET + "/operstate", "up\n")
+            write_file(root, VM_NIC_NET + "/carrier", "1\n")
             await s.until(lambda g: g[VM_NIC][0] == "HEALTHY")
             assert a.monitor.taints() == {}
             await s.close()
@@ -169,7 +158,7 @@ def test_habanalabs_status_and_client_reconnect(tmp_path):
             assert first["accelerator-0000-99-00-0"][:2] == ("UNHEALTHY", "habanalabs status is 'in reset', not 'operational'")
             assert first["accelerator-0000-19-00-0"][0] == "UNKNOWN"  # nothing to check is not HEALTHY
             await s.close()  # the kubelet goes away ...
-            write(root, status, "in reset\n")
+            write_file(root, status, "in reset\n")
             await asyncio.sleep(0.3)
             assert not a.monitor._subscribers
             s = Stream(a.plugin.dra_socket, "v1")  # ... and comes back: snapshot at once
@@ -206,9 +195,9 @@ def test_aer_fatal_increase_is_unhealthy_for_a_while(tmp_path):
     gpu = scan(root).by_name()[VM_GPU]
     fs, mem = HostFS(root), Memory(driver="nvidia")
     aer = os.path.join(root, VM_GPU_DIR, "aer_dev_fatal")
-    write(root, aer, "Undefined 0\nDLP 0\nTOTAL_ERR_FATAL 2\n")
+    write_file(root, aer, "Undefined 0\nDLP 0\nTOTAL_ERR_FATAL 2\n")
     assert check(fs, gpu, mem, now=1000).health == "HEALTHY"  # a baseline, not an increase
-    write(root, aer, "Undefined 0\nDLP 1\nTOTAL_ERR_FATAL 3\n")
+    write_file(root, aer, "Undefined 0\nDLP 1\nTOTAL_ERR_FATAL 3\n")
     v = check(fs, gpu, mem, now=1001)
     assert (v.health, v.reason) == ("UNHEALTHY", "aer-fatal") and "from 2 to 3" in v.message
     assert check(fs, gpu, mem, now=1001 + AER_HOLD / 2).health == "UNHEALTHY"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 
 import pytest
 
@@ -14,7 +13,7 @@ from agent.health import monitor as monitor_mod
 from agent.health.checks import Memory, polled
 from agent.health.monitor import HealthMonitor
 from discovery.inventory import scan
-from tests.conftest import profile_root
+from tests.conftest import copy_profile, profile_root, write_file
 from tests.kubelet_standin import settings_for
 
 VM_NIC = "nic-0000-05-00-0"  # virtio NIC, interface eth0, no device nodes
@@ -23,15 +22,11 @@ VM_NIC_NET = "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0/virtio12/net/eth0
 VM_GPU_DIR = "sys/devices/pci0000:00/0000:00:01.5/0000:06:00.0"
 
 
-def copy_profile(tmp_path, name: str) -> str:
-    root = str(tmp_path / name)
-    shutil.copytree(profile_root(name), root, symlinks=True)
-    return root
-
-
-def write(root: str, rel: str, text: str) -> None:
-    with open(os.path.join(root, rel), "w") as f:
-        f.write(text)
+def vm_monitor(tmp_path):
+    """(root, inventory, monitor) of a private copy of the vm-numa-none node, 50 ms rounds."""
+    root = copy_profile(tmp_path, "vm-numa-none")
+    inv = scan(root)
+    return root, inv, HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
 
 
 def run(coro):
@@ -61,9 +56,7 @@ def test_polled_names_the_signals_no_event_reports(tmp_path):
 
 
 def test_timer_rounds_skip_what_events_report_and_still_catch_polled_faults(tmp_path):
-    root = copy_profile(tmp_path, "vm-numa-none")
-    inv = scan(root)
-    monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
+    root, inv, monitor = vm_monitor(tmp_path)
 
     async def main():
         await monitor.start()
@@ -71,7 +64,7 @@ def test_timer_rounds_skip_what_events_report_and_still_catch_polled_faults(tmp_
         try:
             assert monitor.snapshot()[VM_NIC][0] == "HEALTHY" and monitor.snapshot()[VM_GPU][0] == "HEALTHY"
             full, before = monitor.full_rounds, monitor.states[VM_NIC].checked_at
-            write(root, VM_NIC_NET + "/carrier", "0\n")  # no event told the monitor
+            write_file(root, VM_NIC_NET + "/carrier", "0\n")  # no event told the monitor
             os.unlink(os.path.join(root, "dev/nvidia0"))  # nothing reports this: polled
             await rounds(monitor, 3)
             assert monitor.full_rounds == full, "a timer round checked everything"
@@ -90,16 +83,14 @@ def test_timer_rounds_skip_what_events_report_and_still_catch_polled_faults(tmp_
 
 def test_a_full_sweep_catches_a_lost_event(tmp_path, monkeypatch):
     monkeypatch.setattr(monitor_mod, "FULL_SWEEP", 0.3)
-    root = copy_profile(tmp_path, "vm-numa-none")
-    inv = scan(root)
-    monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
+    root, inv, monitor = vm_monitor(tmp_path)
 
     async def main():
         await monitor.start()
         monitor.events_report(lambda: (True, True))
         try:
             os.unlink(os.path.join(root, VM_GPU_DIR, "driver"))  # the unbind's event was lost
-            write(root, VM_NIC_NET + "/operstate", "down\n")
+            write_file(root, VM_NIC_NET + "/operstate", "down\n")
             for _ in range(100):
                 await rounds(monitor, 1)
                 snap = monitor.snapshot()
@@ -116,16 +107,14 @@ def test_a_full_sweep_catches_a_lost_event(tmp_path, monkeypatch):
 @pytest.mark.parametrize("reported", [False, True])
 def test_without_link_events_every_round_reads_links(tmp_path, reported):
     """Functions reported alone (uevents, no link events): links stay polled."""
-    root = copy_profile(tmp_path, "vm-numa-none")
-    inv = scan(root)
-    monitor = HealthMonitor(settings_for(str(tmp_path), root=root, health_interval=0.05), lambda: inv)
+    root, inv, monitor = vm_monitor(tmp_path)
 
     async def main():
         await monitor.start()
         monitor.events_report(lambda: (reported, False))
         try:
             full = monitor.full_rounds
-            write(root, VM_NIC_NET + "/carrier", "0\n")
+            write_file(root, VM_NIC_NET + "/carrier", "0\n")
             await rounds(monitor, 2)
             assert monitor.snapshot()[VM_NIC][:2] == ("UNHEALTHY", "interface eth0 carrier 0")
             assert (monitor.full_rounds == full) is reported  # without events every round is full
