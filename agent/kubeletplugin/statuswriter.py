@@ -9,10 +9,13 @@ apply, or into the claim file of the ``dir:`` store.
 - **dir**: ``resourceclaims/<ns>/<name>.json`` rewritten atomically with our entries replaced
   and everyone else's kept.
 
-Writes run in the background (``submit``), one worker per claim, latest state wins, retried
-with backoff: status is what others read about a prepared device, never a reason to fail
-or delay NodePrepareResources (they wait for a pause in the kubelet's calls, ``SETTLE``).
-``idle()`` waits for the pending writes (tests, shutdown).
+Writes run in the background (``submit`` only records the wish), latest state per claim
+wins, retried with backoff: status is what others read about a prepared device, never a
+reason to fail or delay NodePrepareResources. They wait for a pause in the kubelet's calls
+(``SETTLE``, at most ``MAX_DEFER``), so a burst of prepares is not slowed by them, and a claim
+prepared and unprepared within that time costs no write (the dir store skips a rewrite that
+changes nothing; the API server keeps the object as it is). ``idle()`` waits for the pending
+writes (tests, shutdown).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import os
 import logging
 import random
+from dataclasses import dataclass
 from typing import Protocol
 
 from agent.fsutil import atomic_write, clean_stale_temps, json_bytes
@@ -92,8 +96,10 @@ class DirStatus:
             clean_stale_temps(os.path.join(claims, ns), prefix=".")
 
     async def write(self, ref: ClaimRef, entries: list[dict]) -> None:
-        # a thread: the loop keeps serving the kubelet while the file is read and replaced
-        await asyncio.to_thread(self._write, ref, entries)
+        # On the loop, like the claim read at prepare: one small local file, one claim at a
+        # time (the writer yields between claims). In a worker thread it fought the loop
+        # for the GIL on every system call of the prepares running meanwhile.
+        self._write(ref, entries)
 
     def _write(self, ref: ClaimRef, entries: list[dict]) -> None:
         try:
@@ -109,6 +115,8 @@ class DirStatus:
         if entries and not status.get("allocation"):
             raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
         devices = others + entries
+        if devices == (status.get("devices") or []):  # already so (re-prepare; prepared and unprepared before the write)
+            return
         if devices:
             status["devices"] = devices
         else:
@@ -118,61 +126,122 @@ class DirStatus:
         atomic_write(self.source.claim_path(ref.namespace, ref.name), json_bytes(claim), durable=False)
 
 
+@dataclass(slots=True)
+class _Pending:
+    """The latest state of one claim's entries that is not written yet."""
+
+    ref: ClaimRef
+    entries: list[dict]
+    queued: float  # when the claim first waited (kept when a newer state replaces this one)
+    attempt: int = 0  # failed attempts of this state
+    retry_at: float = 0.0
+
+
 class StatusWriter:
-    def __init__(self, backend: StatusBackend):
+    """Writes in the background, off the kubelet's reply path, in a few drain tasks (``slots``;
+    not one task and timer per claim: hundreds of them waking every ``SETTLE`` took a fifth of
+    the loop while the kubelet's calls kept coming, docs/performance.md "Prepare").
+
+    Per claim, the latest submitted state wins and at most one write is in flight: a later
+    state (an unprepare's ``[]``) is written after the earlier one's write finished, never
+    overtaken by it. A failed write waits for its retry without holding up other claims."""
+
+    def __init__(self, backend: StatusBackend, slots: int = 1):
         self.backend = backend
-        self._desired: dict[str, tuple[ClaimRef, list[dict]]] = {}
-        self._workers: dict[str, asyncio.Task] = {}
+        self.slots = slots
+        self._pending: dict[str, _Pending] = {}  # by uid, the longest-waiting first
+        self._inflight: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._wake: asyncio.Event | None = None
         self._last_submit = 0.0
         self.written = 0
         self.failed = 0
         self.last_error: str | None = None
 
     def submit(self, ref: ClaimRef, entries: list[dict]) -> None:
-        """Make our entries of ``ref`` equal ``entries`` ([] removes them), in the background."""
-        bad = [p for e in entries for p in devicestatus.problems(e)]
-        if bad:  # the builder checks too: a write the server would refuse as a whole is not sent
-            log.error("claim %s/%s: status not written: %s", ref.namespace, ref.name, "; ".join(bad))
-            return
-        self._desired[ref.uid] = (ref, entries)
-        self._last_submit = asyncio.get_running_loop().time()
-        if ref.uid not in self._workers:
-            self._workers[ref.uid] = asyncio.get_running_loop().create_task(self._run(ref.uid), name=f"claim-status-{ref.uid}")
-
-    async def _settle(self) -> None:
+        """Make our entries of ``ref`` equal ``entries`` ([] removes them), in the background.
+        Only records the wish: nothing is checked, encoded or written on the caller's time."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + MAX_DEFER
+        now = loop.time()
+        old = self._pending.get(ref.uid)
+        self._pending[ref.uid] = _Pending(ref, entries, old.queued if old else now)  # attempts start over
+        self._last_submit = now
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if len(self._tasks) < self.slots:
+            task = loop.create_task(self._drain(), name="claim-status-writer")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _next_due(self, now: float) -> tuple[str | None, float | None]:
+        """-> (the longest-waiting claim to write now, or None; else seconds to its retry or None)."""
+        soonest = None
+        for uid, p in self._pending.items():
+            if uid in self._inflight:  # its newer state waits for the write in flight
+                continue
+            if p.retry_at <= now:
+                return uid, None
+            soonest = p.retry_at if soonest is None else min(soonest, p.retry_at)
+        return None, None if soonest is None else soonest - now
+
+    async def _settle(self, deadline: float) -> None:
+        """Until the kubelet's calls pause for ``SETTLE``, at most until ``deadline``."""
+        loop = asyncio.get_running_loop()
         while (wait := min(self._last_submit + SETTLE, deadline) - loop.time()) > 0:
             await asyncio.sleep(wait)
 
-    async def _run(self, uid: str) -> None:
-        try:
-            await self._settle()
-            while uid in self._desired:
-                ref, entries = self._desired.pop(uid)
-                await self._write(ref, entries, uid)
-        finally:
-            self._workers.pop(uid, None)
-
-    async def _write(self, ref: ClaimRef, entries: list[dict], uid: str) -> None:
-        delay = FIRST_DELAY
-        for attempt in range(1, ATTEMPTS + 1):
-            if uid in self._desired:  # superseded while we waited: the newer state is written next
-                return
-            try:
-                await self.backend.write(ref, entries)
-                self.written += 1
-                return
-            except StatusRefused as err:
-                self._fail(ref, entries, str(err))
-                return
-            except Exception as err:  # network, server errors: try again
-                if attempt == ATTEMPTS:
-                    self._fail(ref, entries, f"{type(err).__name__}: {err} (after {ATTEMPTS} attempts)")
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            uid, wait = self._next_due(loop.time())
+            if uid is None:
+                if wait is None:  # nothing left that this task could write
                     return
-                log.debug("claim %s/%s: status write failed (%s), retrying", ref.namespace, ref.name, err)
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, MAX_DELAY)
+                self._wake.clear()
+                try:  # a retry's time, or a new submit
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+                continue
+            await self._settle(self._pending[uid].queued + MAX_DEFER)
+            p = self._pending.get(uid)
+            if p is None or uid in self._inflight or p.retry_at > loop.time():  # another task wrote it meanwhile
+                continue
+            del self._pending[uid]
+            self._inflight.add(uid)
+            try:
+                retry = await self._write(p)
+            finally:
+                self._inflight.discard(uid)
+                self._wake.set()  # a newer state of this claim may wait for this write
+            if retry and uid not in self._pending:  # else superseded: the newer state is written next
+                self._pending[uid] = p
+
+    async def _write(self, p: _Pending) -> bool:
+        """One attempt; True if it should be retried (then ``p`` carries the retry's time)."""
+        ref, entries = p.ref, p.entries
+        bad = [why for e in entries for why in devicestatus.problems(e)]
+        if bad:  # the builder checks too: a write the server would refuse as a whole is not sent
+            log.error("claim %s/%s: status not written: %s", ref.namespace, ref.name, "; ".join(bad))
+            return False
+        try:
+            await self.backend.write(ref, entries)
+            self.written += 1
+            return False
+        except StatusRefused as err:
+            self._fail(ref, entries, str(err))
+            return False
+        except Exception as err:  # network, server errors: try again
+            p.attempt += 1
+            if p.attempt == ATTEMPTS:
+                self._fail(ref, entries, f"{type(err).__name__}: {err} (after {ATTEMPTS} attempts)")
+                return False
+            log.debug("claim %s/%s: status write failed (%s), retrying", ref.namespace, ref.name, err)
+            delay = min(FIRST_DELAY * 2 ** (p.attempt - 1), MAX_DELAY)
+            p.retry_at = asyncio.get_running_loop().time() + delay * random.uniform(0.8, 1.2)
+            return True
 
     def _fail(self, ref: ClaimRef, entries: list[dict], why: str) -> None:
         self.failed += 1
@@ -183,8 +252,8 @@ class StatusWriter:
     async def idle(self, timeout: float | None = None) -> None:
         """Wait until every submitted write has finished (or ``timeout`` passed)."""
         async with asyncio.timeout(timeout):
-            while self._workers:
-                await asyncio.gather(*list(self._workers.values()), return_exceptions=True)
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
 def status_writer(settings: Settings, client=None) -> StatusWriter:
@@ -193,4 +262,5 @@ def status_writer(settings: Settings, client=None) -> StatusWriter:
         backend = DirStatus(settings.cluster_dir, settings.driver_name)
         backend.clean_temps()  # the daemon's writer, made once at start
         return StatusWriter(backend)
-    return StatusWriter(KubeStatus(settings.driver_name, client))
+    # a few applies in flight: one slow answer does not hold up the other claims' status
+    return StatusWriter(KubeStatus(settings.driver_name, client), slots=4)
