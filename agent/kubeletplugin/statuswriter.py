@@ -12,10 +12,10 @@ apply, or into the claim file of the ``dir:`` store.
 Writes run in the background (``submit`` only records the wish), latest state per claim
 wins, retried with backoff: status is what others read about a prepared device, never a
 reason to fail or delay NodePrepareResources. They wait for a pause in the kubelet's calls
-(``SETTLE``, at most ``MAX_DEFER``), so a burst of prepares is not slowed by them, and a claim
-prepared and unprepared within that time costs no write (the dir store skips a rewrite that
-changes nothing; the API server keeps the object as it is). ``idle()`` waits for the pending
-writes (tests, shutdown).
+(``SETTLE``, at most ``MAX_DEFER``), so a burst of prepares is not slowed by them. A claim
+prepared and unprepared within that time is written once, with its latest state (the dir
+store then finds nothing to change and does not rewrite the file). ``idle()`` waits for the
+pending writes (tests, shutdown).
 """
 
 from __future__ import annotations
