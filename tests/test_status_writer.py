@@ -192,3 +192,27 @@ def test_the_claim_file_is_not_rewritten_when_our_entries_would_not_change(tmp_p
     assert stamp() == prepared
     asyncio.run(write([]))
     assert "devices" not in json.load(open(path))["status"] and writer.failed == 0
+
+
+def test_writes_that_do_not_yield_still_let_other_work_run_between_them():
+    log: list[str] = []
+
+    class Blocking:  # like the dir store: the write never awaits
+        async def write(self, ref, entries):
+            log.append("write")
+
+    writer = StatusWriter(Blocking())
+
+    async def other_work():  # stands for the kubelet's calls
+        while len([e for e in log if e == "write"]) < 3:
+            log.append("other")
+            await asyncio.sleep(0)
+
+    async def go():
+        for n in range(3):
+            writer.submit(_ref(n), _entries("gpu-0"))
+        await asyncio.gather(other_work(), writer.idle(10))
+
+    asyncio.run(go())
+    writes = [i for i, e in enumerate(log) if e == "write"]
+    assert len(writes) == 3 and all(b - a > 1 for a, b in zip(writes, writes[1:])), log

@@ -218,6 +218,7 @@ class StatusWriter:
                 self._wake.set()  # a newer state of this claim may wait for this write
             if retry and uid not in self._pending:  # else superseded: the newer state is written next
                 self._pending[uid] = p
+            await asyncio.sleep(0)  # a dir write does not yield: let the kubelet's calls in between two
 
     async def _write(self, p: _Pending) -> bool:
         """One attempt; True if it should be retried (then ``p`` carries the retry's time)."""
