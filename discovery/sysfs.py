@@ -49,10 +49,10 @@ def os_reason(err: OSError) -> str:
     return _REASONS.get(err.errno or 0, err.strerror or type(err).__name__)
 
 
-def _read_regular(path: str, limit: int, flags: int = _READ_FLAGS) -> bytes:
+def _read_regular(path: str, limit: int) -> bytes:
     """Open, one read, close: for a path already known to be a regular file."""
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, _READ_FLAGS)
     except OSError as err:
         raise AttrError(path, os_reason(err)) from err
     try:
@@ -120,7 +120,7 @@ class HostFS:
 
         FIFOs, sockets and devices are refused before opening (opening a FIFO blocks, opening
         a device can have side effects). Files of a listed :class:`Dir` are read with
-        :meth:`attr`, which knows their type from the listing and skips the ``stat``.
+        :meth:`attrs`, which knows their type from the listing and skips the ``stat``.
         """
         try:
             mode = os.stat(path).st_mode
@@ -144,23 +144,12 @@ class HostFS:
         """A one-value sysfs attribute, stripped; empty counts as an error."""
         return _attr_text(path, self.read_bytes(path, limit))
 
-    def attr(self, d: Dir, name: str) -> str:
-        """Attribute ``name`` of the listed directory ``d``, like :meth:`read_attr`. The scan
-        reads ~20,000 of these on a large node: an entry the listing lacks costs nothing, and
-        one it shows as a regular file is opened straight away (O_NOFOLLOW and O_NONBLOCK
-        keep an entry swapped since the listing from being followed or blocking)."""
-        path = f"{d.path}/{name}"
-        if name in d.files:
-            return _attr_text(path, _read_regular(path, MAX_ATTR_BYTES, _LISTED_FLAGS))
-        if d.names is not None and name not in d.names:
-            raise AttrError(path, "missing")
-        return self.read_attr(path)
-
     def attrs(self, d: Dir, names: tuple[str, ...]) -> dict[str, str | AttrError]:
         """Several attributes of a listed directory in one pass: name -> text as
-        :meth:`attr` returns it, or the :class:`AttrError` it would raise. Names the listing
-        lacks are left out (missing, no system call). The scan's hot path: ~10 files per PCI
-        function, so this is written out for speed."""
+        :meth:`read_attr` returns it, or the :class:`AttrError` it would raise. Names the
+        listing lacks are left out (missing, no system call); a file the listing shows as
+        regular is opened straight away (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since
+        the listing from being followed or blocking). The scan's hot path, so written out."""
         out: dict[str, str | AttrError] = {}
         base, files, listed = d.path, d.files, d.names
         _open, _read, _close = os.open, os.read, os.close  # per call, not at import: the tracer patches os
@@ -194,27 +183,12 @@ class HostFS:
             out[name] = text if text and "\x00" not in text else AttrError(path, "contains NUL bytes" if text else "empty")
         return out
 
-    def attr_int(self, d: Dir, name: str, base: int = 10) -> int:
-        text = self.attr(d, name)
-        try:
-            return int(text, base)
-        except ValueError as err:
-            raise AttrError(f"{d.path}/{name}", f"not {'hex' if base == 16 else 'an integer'}: {text[:40]!r}") from err
-
     def read_int(self, path: str, base: int = 10) -> int:
         text = self.read_attr(path)
         try:
             return int(text, base)
         except ValueError as err:
             raise AttrError(path, f"not an integer: {text[:40]!r}") from err
-
-    def read_hex(self, path: str) -> int:
-        text = self.read_attr(path)
-        body = text[2:] if text.lower().startswith("0x") else text
-        try:
-            return int(body, 16)
-        except ValueError as err:
-            raise AttrError(path, f"not hex: {text[:40]!r}") from err
 
     # --- links and listings ------------------------------------------------------
     def link_name(self, path: str) -> str:
