@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import asynccontextmanager
 
 from agent.kubeletplugin.kubelet_client import KNOWN, find_registration_sockets  # noqa: F401 - re-exported for tests
 from agent.kubeletplugin.kubelet_client import KubeletClient as KubeletStandIn  # noqa: F401
@@ -70,3 +71,20 @@ def store_claim(settings: Settings, obj: dict) -> dict:
     with open(os.path.join(d, obj["metadata"]["name"] + ".json"), "w") as f:
         json.dump(obj, f)
     return obj
+
+
+@asynccontextmanager
+async def registered_plugin(settings: Settings, inv: Inventory, source, writer):
+    """A real kubelet plugin serving ``inv`` (claims from ``source``, status by ``writer``), and
+    a kubelet stand-in registered with it; the plugin is stopped on the way out."""
+    from agent.kubeletplugin import KubeletPlugin
+    from agent.prepare.driver import Driver
+
+    plugin = KubeletPlugin(settings, Driver(settings, lambda: inv), source, writer)
+    await plugin.start()
+    try:
+        kubelet = KubeletStandIn(settings.registry_dir)
+        await kubelet.register()
+        yield kubelet
+    finally:
+        await plugin.stop()

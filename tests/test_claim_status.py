@@ -16,18 +16,16 @@ from dataclasses import replace
 import pytest
 from lightkube import AsyncClient, KubeConfig
 
-from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import KubeClaimSource
 from agent.kubeletplugin.statuswriter import KubeStatus, StatusRefused, StatusWriter
 from agent.kubeletplugin.types import ClaimRef
-from agent.prepare.driver import Driver
 from agent.publish import Reconciler
 from agent.publish.kubestore import KubeStore
 from agent.publish.slices import build_pool
 from discovery.models import AttributeValue, NetInterface, NicInfo
 from tests.conftest import REPO
 from tests.controlplane import allocate, load_yaml, resource_path, unique
-from tests.kubelet_standin import KubeletStandIn, gpu, inventory, nic, settings_for
+from tests.kubelet_standin import gpu, inventory, nic, registered_plugin, settings_for
 
 DRIVER = "sysdra.io"
 OTHER = "other.example.com"
@@ -178,25 +176,21 @@ def test_prepare_writes_our_entries_unprepare_removes_them_other_drivers_untouch
     async def scenario():
         client = cluster.agent_client()
         writer = StatusWriter(KubeStatus(DRIVER, client))
-        plugin = KubeletPlugin(cluster.settings, Driver(cluster.settings, lambda: cluster.inv), KubeClaimSource(client), writer)
-        await plugin.start()
         try:
-            kubelet = KubeletStandIn(cluster.settings.registry_dir)
-            await kubelet.register()
-            resp = await kubelet.prepare(c)
-            assert resp.claims[c["metadata"]["uid"]].error == ""
-            await writer.idle(30)
-            prepared = await asyncio.to_thread(cluster.claim, c)
-            again = await kubelet.prepare(c)  # idempotent: the same entries, nothing changes
-            assert again.claims[c["metadata"]["uid"]].error == ""
-            await writer.idle(30)
-            reprepared = await asyncio.to_thread(cluster.claim, c)
-            assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
-            await writer.idle(30)
-            assert writer.failed == 0, writer.last_error
-            return prepared, reprepared
+            async with registered_plugin(cluster.settings, cluster.inv, KubeClaimSource(client), writer) as kubelet:
+                resp = await kubelet.prepare(c)
+                assert resp.claims[c["metadata"]["uid"]].error == ""
+                await writer.idle(30)
+                prepared = await asyncio.to_thread(cluster.claim, c)
+                again = await kubelet.prepare(c)  # idempotent: the same entries, nothing changes
+                assert again.claims[c["metadata"]["uid"]].error == ""
+                await writer.idle(30)
+                reprepared = await asyncio.to_thread(cluster.claim, c)
+                assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
+                await writer.idle(30)
+                assert writer.failed == 0, writer.last_error
+                return prepared, reprepared
         finally:
-            await plugin.stop()
             await client.close()
 
     prepared, reprepared = run(scenario())

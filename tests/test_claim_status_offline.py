@@ -14,34 +14,37 @@ from agent.kubeletplugin import devicestatus
 from agent.kubeletplugin.statuswriter import StatusWriter, status_writer
 from agent.kubeletplugin.types import ClaimRef
 from agent.prepare import claimstatus, netaddrs
-from agent.prepare.driver import Driver
-from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
+from tests.kubelet_standin import claim, gpu, inventory, nic, registered_plugin, settings_for, store_claim
 
 OTHER = {"driver": "other.example.com", "pool": "p", "device": "x", "data": {"theirs": True}}
 
 
-def _prepare_unprepare(s, inv, c):
-    from agent.kubeletplugin import KubeletPlugin
+def _with_plugin(s, inv, body):
+    """Run ``body(kubelet, writer)`` against a real kubelet plugin serving ``inv`` offline."""
     from agent.kubeletplugin.claims import claim_source
 
     async def go():
         writer = status_writer(s)
-        plugin = KubeletPlugin(s, Driver(s, lambda: inv), claim_source(s), writer)
-        await plugin.start()
-        try:
-            kubelet = KubeletStandIn(s.registry_dir)
-            await kubelet.register()
-            assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
-            await writer.idle(10)
-            prepared = json.load(open(path))
-            assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
-            await writer.idle(10)
-            return prepared, json.load(open(path))
-        finally:
-            await plugin.stop()
+        async with registered_plugin(s, inv, claim_source(s), writer) as kubelet:
+            return await body(kubelet, writer)
 
-    path = os.path.join(s.cluster_dir, "resourceclaims", c["metadata"]["namespace"], c["metadata"]["name"] + ".json")
     return asyncio.run(go())
+
+
+def _claim_file(s, c) -> str:
+    return os.path.join(s.cluster_dir, "resourceclaims", c["metadata"]["namespace"], c["metadata"]["name"] + ".json")
+
+
+def _prepare_unprepare(s, inv, c):
+    async def body(kubelet, writer):
+        assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
+        await writer.idle(10)
+        prepared = json.load(open(_claim_file(s, c)))
+        assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
+        await writer.idle(10)
+        return prepared, json.load(open(_claim_file(s, c)))
+
+    return _with_plugin(s, inv, body)
 
 
 def test_offline_prepare_writes_the_claim_file_status_and_unprepare_removes_ours(tmp_path):
@@ -137,28 +140,18 @@ def test_a_deferred_metadata_update_brings_the_network_data_into_the_status(tmp_
     import subprocess
     import sys
 
-    from agent.kubeletplugin import KubeletPlugin
-    from agent.kubeletplugin.claims import claim_source
     from tests.conftest import REPO
 
     s = settings_for(str(tmp_path))
     inv = inventory(gpu(0), nic(0, "ens9f0"))
     c = store_claim(s, claim("c", [("gpu", "gpu-0000-1b-00-0"), ("nic", "nic-0000-40-00-0")]))
-    path = os.path.join(s.cluster_dir, "resourceclaims", "default", "c.json")
+    path = _claim_file(s, c)
 
-    async def prepare():
-        writer = status_writer(s)
-        plugin = KubeletPlugin(s, Driver(s, lambda: inv), claim_source(s), writer)
-        await plugin.start()
-        try:
-            kubelet = KubeletStandIn(s.registry_dir)
-            await kubelet.register()
-            assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
-            await writer.idle(10)
-        finally:
-            await plugin.stop()
+    async def prepare(kubelet, writer):
+        assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
+        await writer.idle(10)
 
-    asyncio.run(prepare())
+    _with_plugin(s, inv, prepare)
     cmd = [sys.executable, "-m", "agent", "metadata", "update", "--config", os.devnull, "--kubelet-dir", s.kubelet_dir,
            "--cluster", s.cluster, "--namespace", "default", "--claim", "c", "--uid", c["metadata"]["uid"],
            "--request", "nic", "--interface-name", "net1", "--ip", "192.0.2.7/24", "--ip", "2001:DB8::7/64"]  # fmt: skip

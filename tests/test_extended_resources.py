@@ -17,18 +17,16 @@ from dataclasses import replace
 import pytest
 from lightkube import AsyncClient, KubeConfig
 
-from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import KubeClaimSource
 from agent.kubeletplugin.statuswriter import KubeStatus, StatusWriter
 from agent.prepare import cdifiles
-from agent.prepare.driver import Driver
 from agent.publish import Reconciler
 from agent.publish.kubestore import KubeStore
 from agent.publish.slices import build_pool
 from discovery.models import AttributeValue
 from tests.conftest import REPO
 from tests.controlplane import APIError, allocate, load_yaml, resource_path, unique
-from tests.kubelet_standin import KubeletStandIn, gpu, inventory, settings_for
+from tests.kubelet_standin import gpu, inventory, registered_plugin, settings_for
 
 DRIVER = "sysdra.io"
 ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
@@ -91,18 +89,14 @@ class Node:
         async def go():
             client = AsyncClient(config=KubeConfig.from_file(self.plane.kubeconfig), field_manager=DRIVER)
             writer = StatusWriter(KubeStatus(DRIVER, client))
-            plugin = KubeletPlugin(self.settings, Driver(self.settings, lambda: self.inv), KubeClaimSource(client), writer)
-            await plugin.start()
             try:
-                kubelet = KubeletStandIn(self.settings.registry_dir)
-                await kubelet.register()
-                result = (await kubelet.prepare(claim)).claims[claim["metadata"]["uid"]]
-                assert result.error == "", result.error
-                await writer.idle(30)
-                assert writer.failed == 0, writer.last_error
-                return [d.device_name for d in result.devices]
+                async with registered_plugin(self.settings, self.inv, KubeClaimSource(client), writer) as kubelet:
+                    result = (await kubelet.prepare(claim)).claims[claim["metadata"]["uid"]]
+                    assert result.error == "", result.error
+                    await writer.idle(30)
+                    assert writer.failed == 0, writer.last_error
+                    return [d.device_name for d in result.devices]
             finally:
-                await plugin.stop()
                 await client.close()
 
         devices = run(go())
