@@ -28,6 +28,28 @@ def _counts(counts: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
 
 
+def _one_line(text) -> str:
+    """A reason from a server or a file: never more than one line of our output."""
+    return " ".join(str(text).split())
+
+
+_FAILURE_NAMES = {"invalid": "invalid, not sent", "failed": "retries exhausted"}  # "refused" says itself
+
+
+def _claim_status_lines(now: float, cs: dict) -> list[str]:
+    if cs.get("enabled") is False:
+        return ["claim status: off (claim_status: false)"]
+    writes = cs.get("writes") or {}
+    failed = cs.get("failed", 0)
+    how = ", ".join(f"{_FAILURE_NAMES.get(r, r)} {n}" for r, n in sorted(writes.items()) if r not in ("written", "unchanged"))
+    lines = [f"claim status: {writes.get('written', 0)} written, {writes.get('unchanged', 0)} unchanged, "
+             f"{failed} failed" + (f" ({how})" if failed and how else "")]
+    for f in cs.get("recentFailures") or []:
+        lines.append(f"  {f.get('namespace')}/{f.get('name')} {f.get('result')} {_ago(now, f.get('time'))}: "
+                     f"{_one_line(f.get('reason'))}")
+    return lines
+
+
 def render_text(s: dict) -> str:
     now = s.get("now") or time.time()
     reg = s.get("registration") or {}
@@ -50,6 +72,8 @@ def render_text(s: dict) -> str:
     else:
         detail = f" ({pub['devices']} devices in {pub['slices']} slices)" if pub.get("devices") is not None else ""
         lines.append(f"last publish: {pub.get('result')} {_ago(now, pub['time'])}{detail}" + (f": {pub['error']}" if pub.get("error") else ""))
+    if s.get("claimStatus") is not None:  # (an older agent's document has none)
+        lines += _claim_status_lines(now, s["claimStatus"])
     lines.append(f"last error:   {err['where']}: {err['message']} ({_ago(now, err['time'])})" if err else "last error:   none")
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,9 @@ reason to fail or delay NodePrepareResources. They wait for a pause in the kubel
 prepared and unprepared within that time is written once, with its latest state (the dir
 store then finds nothing to change and does not rewrite the file). ``idle()`` waits for the
 pending writes (tests, shutdown).
+
+Every write ends in one of ``RESULTS``, reported to the ``observer`` (the daemon's: metrics
+and ``sysdra status``, agent/service/observers.py): a failure must not be only a log line.
 """
 
 from __future__ import annotations
@@ -41,13 +44,28 @@ FIRST_DELAY, MAX_DELAY = 0.5, 30.0
 # prepares is not slowed by the status writes between them, which follow right after it.
 SETTLE, MAX_DEFER = 0.05, 2.0
 
+# How a write ended (the ``result`` label of sysdra_claim_status_writes_total):
+WRITTEN = "written"  # applied (API), or the claim file rewritten
+UNCHANGED = "unchanged"  # nothing to change: our entries already so, or a removal from a claim that is gone
+REFUSED = "refused"  # the server or the claim file will not take it (4xx, replaced claim): not retried
+INVALID = "invalid"  # our entries would not pass the server's validation: never sent
+FAILED = "failed"  # network or server errors on every one of ATTEMPTS attempts
+RESULTS = (WRITTEN, UNCHANGED, REFUSED, INVALID, FAILED)
+FAILURES = frozenset({REFUSED, INVALID, FAILED})
+
 
 class StatusRefused(Exception):
     """The server (or the claim file) will not take this write as it is: retrying cannot help."""
 
 
 class StatusBackend(Protocol):
-    async def write(self, ref: ClaimRef, entries: list[dict]) -> None: ...
+    async def write(self, ref: ClaimRef, entries: list[dict]) -> bool | None:
+        """Raises StatusRefused, or any error to have it retried; False: nothing had to change."""
+
+
+class StatusObserver(Protocol):
+    def claim_status_written(self, ref: ClaimRef, result: str, reason: str | None) -> None:
+        """``result`` one of RESULTS; ``reason`` says why for the FAILURES, else None."""
 
 
 def apply_body(ref: ClaimRef, entries: list[dict]) -> dict:
@@ -64,7 +82,7 @@ class KubeStatus:
         self._client = client
         self._status = _claim_resource().Status
 
-    async def write(self, ref: ClaimRef, entries: list[dict]) -> None:
+    async def write(self, ref: ClaimRef, entries: list[dict]) -> bool:
         from lightkube import ApiError, AsyncClient
         from lightkube.types import PatchType
 
@@ -76,10 +94,11 @@ class KubeStatus:
         except ApiError as err:
             code = getattr(err.status, "code", None)
             if code == 404 and not entries:
-                return  # claim gone: nothing of ours is left to remove
+                return False  # claim gone: nothing of ours is left to remove
             if code in (400, 403, 404, 409, 422):  # 409: the UID changed (a replaced claim)
                 raise StatusRefused(f"API error {code}: {err}") from err
             raise
+        return True
 
 
 class DirStatus:
@@ -95,18 +114,18 @@ class DirStatus:
         for ns in os.listdir(claims) if os.path.isdir(claims) else ():
             clean_stale_temps(os.path.join(claims, ns), prefix=".")
 
-    async def write(self, ref: ClaimRef, entries: list[dict]) -> None:
+    async def write(self, ref: ClaimRef, entries: list[dict]) -> bool:
         # On the loop, like the claim read at prepare: one small local file, one claim at a
         # time (the writer yields between claims). In a worker thread it fought the loop
         # for the GIL on every system call of the prepares running meanwhile.
-        self._write(ref, entries)
+        return self._write(ref, entries)
 
-    def _write(self, ref: ClaimRef, entries: list[dict]) -> None:
+    def _write(self, ref: ClaimRef, entries: list[dict]) -> bool:
         try:
             claim = self.source._read(ref.namespace, ref.name)
         except ClaimError as err:
             if not entries and "not found" in str(err):
-                return
+                return False
             raise StatusRefused(str(err)) from err
         if (claim.get("metadata") or {}).get("uid") != ref.uid:
             raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} has another UID: it was replaced")
@@ -116,7 +135,7 @@ class DirStatus:
             raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
         devices = others + entries
         if devices == (status.get("devices") or []):  # already so (re-prepare; prepared and unprepared before the write)
-            return
+            return False
         if devices:
             status["devices"] = devices
         else:
@@ -124,6 +143,7 @@ class DirStatus:
         claim["status"] = status
         # atomic, not durable: status is informational, and two fsyncs per claim showed in prepare latency
         atomic_write(self.source.claim_path(ref.namespace, ref.name), json_bytes(claim), durable=False)
+        return True
 
 
 @dataclass(slots=True)
@@ -146,16 +166,17 @@ class StatusWriter:
     state (an unprepare's ``[]``) is written after the earlier one's write finished, never
     overtaken by it. A failed write waits for its retry without holding up other claims."""
 
-    def __init__(self, backend: StatusBackend, slots: int = 1):
+    def __init__(self, backend: StatusBackend, slots: int = 1, observer: StatusObserver | None = None):
         self.backend = backend
         self.slots = slots
+        self.observer = observer
         self._pending: dict[str, _Pending] = {}  # by uid, the longest-waiting first
         self._inflight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._last_submit = 0.0
-        self.written = 0
-        self.failed = 0
+        self.written = 0  # writes that succeeded (WRITTEN or UNCHANGED)
+        self.failed = 0  # writes that ended in one of FAILURES
         self.last_error: str | None = None
 
     def submit(self, ref: ClaimRef, entries: list[dict]) -> None:
@@ -225,30 +246,40 @@ class StatusWriter:
         ref, entries = p.ref, p.entries
         bad = [why for e in entries for why in devicestatus.problems(e)]
         if bad:  # the builder checks too: a write the server would refuse as a whole is not sent
-            log.error("claim %s/%s: status not written: %s", ref.namespace, ref.name, "; ".join(bad))
+            self._fail(ref, entries, INVALID, "our entries would not pass validation: " + "; ".join(bad))
             return False
         try:
-            await self.backend.write(ref, entries)
-            self.written += 1
-            return False
+            changed = await self.backend.write(ref, entries)
         except StatusRefused as err:
-            self._fail(ref, entries, str(err))
+            self._fail(ref, entries, REFUSED, str(err))
             return False
         except Exception as err:  # network, server errors: try again
             p.attempt += 1
             if p.attempt == ATTEMPTS:
-                self._fail(ref, entries, f"{type(err).__name__}: {err} (after {ATTEMPTS} attempts)")
+                self._fail(ref, entries, FAILED, f"{type(err).__name__}: {err} (after {ATTEMPTS} attempts)")
                 return False
             log.debug("claim %s/%s: status write failed (%s), retrying", ref.namespace, ref.name, err)
             delay = min(FIRST_DELAY * 2 ** (p.attempt - 1), MAX_DELAY)
             p.retry_at = asyncio.get_running_loop().time() + delay * random.uniform(0.8, 1.2)
             return True
+        self.written += 1
+        self._report(ref, UNCHANGED if changed is False else WRITTEN, None)
+        return False
 
-    def _fail(self, ref: ClaimRef, entries: list[dict], why: str) -> None:
+    def _fail(self, ref: ClaimRef, entries: list[dict], result: str, why: str) -> None:
         self.failed += 1
         self.last_error = f"{ref.namespace}/{ref.name}: {why}"
         log.warning("claim %s/%s: %s status.devices not written: %s", ref.namespace, ref.name,
                     "adding" if entries else "removing", why)
+        self._report(ref, result, why)
+
+    def _report(self, ref: ClaimRef, result: str, reason: str | None) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer.claim_status_written(ref, result, reason)
+        except Exception:  # noqa: BLE001 - reporting must not stop the writer's drain task
+            log.exception("claim %s/%s: status write result not reported", ref.namespace, ref.name)
 
     async def idle(self, timeout: float | None = None) -> None:
         """Wait until every submitted write has finished (or ``timeout`` passed)."""
@@ -257,11 +288,11 @@ class StatusWriter:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def status_writer(settings: Settings, client=None) -> StatusWriter:
+def status_writer(settings: Settings, client=None, observer: StatusObserver | None = None) -> StatusWriter:
     """The writer matching ``--cluster``: the ``dir:PATH`` store's files or the API server."""
     if settings.cluster_dir is not None:
         backend = DirStatus(settings.cluster_dir, settings.driver_name)
         backend.clean_temps()  # the daemon's writer, made once at start
-        return StatusWriter(backend)
+        return StatusWriter(backend, observer=observer)
     # a few applies in flight: one slow answer does not hold up the other claims' status
-    return StatusWriter(KubeStatus(settings.driver_name, client), slots=4)
+    return StatusWriter(KubeStatus(settings.driver_name, client), slots=4, observer=observer)

@@ -21,7 +21,7 @@ from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketErro
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, sdnotify, startup
 from agent.service.logs import setup_logging
-from agent.service.observers import NullMetrics, ObservedDriver, PublishObserver
+from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
@@ -184,7 +184,9 @@ class Agent:
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
         driver = ObservedDriver(core, self.metrics, self.board)
-        status = status_writer(self.settings) if self.settings.claim_status else None
+        status = (status_writer(self.settings, observer=ClaimStatusObserver(self.metrics, self.board))
+                  if self.settings.claim_status else None)
+        self.board.claim_status_enabled = self.settings.claim_status
         self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings), status)
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)

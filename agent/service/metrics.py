@@ -36,6 +36,9 @@ log = logging.getLogger("sysdra.metrics")
 KINDS = ("gpu", "nic", "fpga", "accelerator")
 HEALTH_STATES = ("healthy", "unhealthy", "unknown")
 REGISTRATION_STATES = ("not_started", "waiting", "registered", "failed")
+# agent.kubeletplugin.statuswriter.RESULTS, written out: importing the writer here would load the
+# kubelet side before the first publish (tests/test_metrics.py keeps the two equal)
+CLAIM_STATUS_RESULTS = ("written", "unchanged", "refused", "invalid", "failed")
 _FAST = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -69,11 +72,15 @@ class Metrics:
         self.watcher_events = Counter("sysdra_watcher_events_total", "Events that triggered work, by source", ["source"], registry=r)
         self.device_health = Gauge("sysdra_device_health", "Devices by health state", ["state"], registry=r)
         self.registration = Enum("sysdra_registration", "Kubelet plugin registration state", states=list(REGISTRATION_STATES), registry=r)
+        self.claim_status_writes = Counter("sysdra_claim_status_writes_total", "ResourceClaim status.devices writes by result",
+                                           ["result"], registry=r)
         self.last_publish = Gauge("sysdra_last_successful_publish_timestamp_seconds", "Unix time of the last successful sync", registry=r)
         for kind in KINDS:
             self.published_devices.labels(kind).set(0)
         for state in HEALTH_STATES:
             self.device_health.labels(state).set(0)
+        for result in CLAIM_STATUS_RESULTS:  # present at 0, so a rate() alert works from the first failure
+            self.claim_status_writes.labels(result)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
@@ -103,6 +110,10 @@ class Metrics:
             observe(False, time.perf_counter() - t0)
             raise
         observe(True, time.perf_counter() - t0)
+
+    def observe_claim_status(self, result: str) -> None:
+        """One finished status.devices write; ``result`` one of CLAIM_STATUS_RESULTS."""
+        self.claim_status_writes.labels(result).inc()
 
     def set_registration(self, state: str) -> None:
         self.registration.state(state if state in REGISTRATION_STATES else "failed")

@@ -26,7 +26,7 @@ class NullMetrics:
         return None
 
     observe_prepare = observe_unprepare = set_registration = set_published_devices = _ignore
-    observe_publish = observe_change_to_slice = count_watcher_event = set_health = _ignore
+    observe_publish = observe_change_to_slice = count_watcher_event = set_health = observe_claim_status = _ignore
 
 
 class ObservedDriver:
@@ -58,6 +58,17 @@ class ObservedDriver:
         results = self.driver.unprepare_claims(claims)
         self._observe(self.metrics.observe_unprepare, results, time.perf_counter() - t0)
         return results
+
+
+class ClaimStatusObserver:
+    """The claim-status writer's results -> metrics and status board (``sysdra status``)."""
+
+    def __init__(self, metrics: Metrics, board: StatusBoard):
+        self.metrics, self.board = metrics, board
+
+    def claim_status_written(self, ref, result: str, reason: str | None) -> None:
+        self.metrics.observe_claim_status(result)
+        self.board.record_claim_status(ref.namespace, ref.name, ref.uid, result, reason)
 
 
 class PublishObserver:

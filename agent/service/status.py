@@ -14,11 +14,13 @@ import os
 import socket
 import stat
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from agent.settings import DEFAULT_CONFIG_FILE, ConfigError, load_config_file
 
 SOCKET_NAME = "status.sock"
+RECENT_CLAIM_STATUS_FAILURES = 5  # kept for `sysdra status`; the count and the log have all of them
+MAX_REASON = 300
 
 
 def agent_version() -> str:
@@ -49,6 +51,10 @@ class StatusBoard:
         self._prepared: list[dict] | None = []
         self.publish = {"time": None, "result": None, "error": None, "devices": None, "slices": None}
         self.last_error: dict | None = None
+        self.claim_status_enabled: bool | None = None  # None until the kubelet side starts
+        self.claim_status_writes: dict[str, int] = {}  # result -> count (agent.kubeletplugin.statuswriter.RESULTS)
+        self.claim_status_failed = 0
+        self._claim_status_failures: deque[dict] = deque(maxlen=RECENT_CLAIM_STATUS_FAILURES)
         if metrics is not None:
             metrics.set_registration("not_started")
 
@@ -102,6 +108,17 @@ class StatusBoard:
         if not ok:
             self.record_error("publish", error or "unknown error")
 
+    def record_claim_status(self, namespace: str, name: str, uid: str, result: str, reason: str | None = None) -> None:
+        """One finished status.devices write; a ``reason`` marks a failure (kept among the last few)."""
+        self.claim_status_writes[result] = self.claim_status_writes.get(result, 0) + 1
+        if reason is None:
+            return
+        self.claim_status_failed += 1
+        reason = str(reason)[:MAX_REASON]
+        self._claim_status_failures.append({"time": self._clock(), "namespace": namespace, "name": name, "uid": uid,
+                                            "result": result, "reason": reason})
+        self.record_error("claim status", f"{namespace}/{name}: {reason}")
+
     def record_error(self, where: str, message: str) -> None:
         self.last_error = {"time": self._clock(), "where": where, "message": str(message)[:500]}
 
@@ -119,6 +136,9 @@ class StatusBoard:
                         "total": sum(self.devices_by_kind.values())},
             "preparedClaims": {"count": len(self.prepared), "claims": list(self.prepared)},
             "lastPublish": dict(self.publish),
+            "claimStatus": {"enabled": self.claim_status_enabled, "writes": dict(self.claim_status_writes),
+                            "failed": self.claim_status_failed,
+                            "recentFailures": [dict(f) for f in reversed(self._claim_status_failures)]},  # newest first
             "lastError": dict(self.last_error) if self.last_error else None,
         }
 
@@ -131,6 +151,8 @@ class StatusBoard:
         if self.publish["time"] is not None:
             ago = max(0, int(self._clock() - self.publish["time"]))
             parts.append(f"last publish {self.publish['result']} {ago}s ago")
+        if self.claim_status_failed:
+            parts.append(f"{self.claim_status_failed} claim status writes failed")
         return "; ".join(parts)
 
 
