@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 from dataclasses import replace
 
@@ -362,3 +363,55 @@ def test_server_errors_and_resets_are_retried_until_written(cluster, tmp_path):
         proxy.stop()
     assert (writer.written, writer.failed) == (1, 0), writer.last_error
     assert [e["device"] for e in ours(cluster.claim(c))] == [e["device"] for e in mine]
+
+
+def test_writes_that_fail_for_good_are_counted_and_shown_by_sysdra_status(cluster, tmp_path, monkeypatch):
+    """The daemon's writer and observer: real metrics and status board. One claim's writes all get
+    a 503 (retries exhausted), one is refused by the server (another node's claim), one is written."""
+    from agent.cli.status import render_text
+    from agent.kubeletplugin import statuswriter
+    from agent.service.metrics import Metrics
+    from agent.service.observers import ClaimStatusObserver
+    from agent.service.status import StatusBoard
+    from tests.faultproxy import FaultProxy
+
+    monkeypatch.setattr(statuswriter, "ATTEMPTS", 3)
+    monkeypatch.setattr(statuswriter, "FIRST_DELAY", 0.05)  # the backoff's shape is not under test here
+    down, fine = (cluster.allocated_claim(cluster.name, other=False) for _ in range(2))
+    far = cluster.allocated_claim(cluster.far["metadata"]["name"], other=False)
+    metrics, board = Metrics(process=False, bridge_global=False), StatusBoard(cluster.name, DRIVER)
+    proxy = FaultProxy(cluster.plane).start()
+    try:
+        proxy.fail_next(100, 503, method="PATCH", path="/resourceclaims/" + down["metadata"]["name"] + "/")
+        config = proxy.write_kubeconfig(str(tmp_path / "proxy.kubeconfig"), token=cluster.pod_token)
+
+        async def go():
+            client = AsyncClient(config=KubeConfig.from_file(config), field_manager=DRIVER)
+            writer = statuswriter.status_writer(cluster.settings, client, observer=ClaimStatusObserver(metrics, board))
+            try:
+                for c in (down, far, fine):
+                    writer.submit(ref(c), [_entry(r) for r in c["status"]["allocation"]["devices"]["results"]])
+                await writer.idle(60)
+            finally:
+                await client.close()
+
+        run(go())
+    finally:
+        proxy.stop()
+    assert proxy.injected == 3  # every attempt of the one claim, none of the others
+    count = lambda result: metrics.registry.get_sample_value("sysdra_claim_status_writes_total", {"result": result})  # noqa: E731
+    assert {r: count(r) for r in statuswriter.RESULTS} == {"written": 1, "unchanged": 0, "refused": 1, "invalid": 0, "failed": 1}
+    assert ours(cluster.claim(down)) == [] and ours(cluster.claim(far)) == [] and len(ours(cluster.claim(fine))) == 2
+    doc = board.snapshot()
+    assert doc["claimStatus"]["failed"] == 2
+    failures = {f["name"]: f for f in doc["claimStatus"]["recentFailures"]}
+    assert failures.keys() == {down["metadata"]["name"], far["metadata"]["name"]}
+    assert failures[down["metadata"]["name"]]["result"] == "failed" and "after 3 attempts" in failures[down["metadata"]["name"]]["reason"]
+    assert failures[far["metadata"]["name"]]["result"] == "refused" and "422" in failures[far["metadata"]["name"]]["reason"]
+    text = render_text(json.loads(json.dumps(doc)))  # as `sysdra status` gets it over the socket
+    assert "claim status: 1 written, 0 unchanged, 2 failed (retries exhausted 1, refused 1)\n" in text, text
+    lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("  ")}
+    down_line, far_line = lines[f"{cluster.ns}/{down['metadata']['name']}"], lines[f"{cluster.ns}/{far['metadata']['name']}"]
+    assert " failed " in down_line and "(after 3 attempts)" in down_line, down_line
+    assert " refused " in far_line and "API error 422" in far_line, far_line
+    assert board.summary().endswith("; 2 claim status writes failed")

@@ -86,7 +86,13 @@ def test_a_write_the_server_would_refuse_is_never_sent(tmp_path):
         async def write(self, ref, entries):
             self.calls.append(entries)
 
-    writer = StatusWriter(Recorder())
+    class Results:
+        seen = []
+
+        def claim_status_written(self, ref, result, reason):
+            self.seen.append((ref.name, result, reason))
+
+    writer = StatusWriter(Recorder(), observer=Results())
     bad = {"driver": "sysdra.io", "pool": "p", "device": "d", "networkData": {"ips": ["192.0.2.5"]}}
 
     async def go():
@@ -96,6 +102,9 @@ def test_a_write_the_server_would_refuse_is_never_sent(tmp_path):
 
     asyncio.run(go())
     assert Recorder.calls == [[]]
+    (invalid, written) = Results.seen
+    assert invalid[:2] == ("c", "invalid") and "192.0.2.5" in invalid[2] and written == ("d", "written", None)
+    assert writer.failed == 1
 
 
 def test_entries_fit_the_limits_with_hundreds_of_device_nodes():

@@ -171,7 +171,14 @@ def test_the_claim_file_is_not_rewritten_when_our_entries_would_not_change(tmp_p
     c = store_claim(s, claim("c", [("gpu", "gpu-0000-1b-00-0")]))
     ref = ClaimRef("default", "c", c["metadata"]["uid"])
     path = os.path.join(s.cluster_dir, "resourceclaims", "default", "c.json")
-    writer = status_writer(s)
+    results = []
+
+    class Results:
+        def claim_status_written(self, ref, result, reason):
+            results.append(result)
+            raise RuntimeError("a broken observer")  # must not stop the writer
+
+    writer = status_writer(s, observer=Results())
 
     def stamp():
         st = os.stat(path)
@@ -192,6 +199,7 @@ def test_the_claim_file_is_not_rewritten_when_our_entries_would_not_change(tmp_p
     assert stamp() == prepared
     asyncio.run(write([]))
     assert "devices" not in json.load(open(path))["status"] and writer.failed == 0
+    assert results == ["unchanged", "written", "unchanged", "written"]
 
 
 def test_writes_that_do_not_yield_still_let_other_work_run_between_them():

@@ -33,7 +33,7 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
-_FAILURE_NAMES = {"invalid": "invalid, not sent", "failed": "retries exhausted"}  # "refused" says itself
+_FAILURE_NAMES = {"invalid": "invalid entries", "failed": "retries exhausted"}  # "refused" says itself
 
 
 def _claim_status_lines(now: float, cs: dict) -> list[str]:
