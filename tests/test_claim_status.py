@@ -415,3 +415,74 @@ def test_writes_that_fail_for_good_are_counted_and_shown_by_sysdra_status(cluste
     assert " failed " in down_line and "(after 3 attempts)" in down_line, down_line
     assert " refused " in far_line and "API error 422" in far_line, far_line
     assert board.summary().endswith("; 2 claim status writes failed")
+
+
+def test_a_queued_write_keeps_what_a_metadata_update_wrote_meanwhile(cluster):
+    """The prepare's write is still queued when the runtime hook's `sysdra metadata update` applies
+    the claim's IPs: the queued write must not put the entries of before the update back."""
+    import subprocess
+    import sys
+
+    from tests.test_claim_status_offline import HeldBackend
+
+    c = cluster.allocated_claim(cluster.name)
+    m = c["metadata"]
+    s = cluster.settings
+    cmd = [sys.executable, "-m", "agent", "metadata", "update", "--config", os.devnull, "--kubelet-dir", s.kubelet_dir,
+           "--cluster", "kube", "--namespace", m["namespace"], "--claim", m["name"], "--uid", m["uid"], "--request", "nic",
+           "--ip", "2001:db8::7/64"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")} | {"KUBECONFIG": cluster.kubeconfig}
+
+    async def scenario():
+        client = cluster.agent_client()
+        writer = StatusWriter(KubeStatus(DRIVER, client))
+        try:
+            async with registered_plugin(s, cluster.inv, KubeClaimSource(client), writer) as kubelet:
+                writer.backend = held = HeldBackend(writer.backend)
+                assert (await kubelet.prepare(c)).claims[m["uid"]].error == ""
+                out = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+                assert out.returncode == 0 and "status.devices updated (2 entries)" in out.stdout, out.stderr
+                updated = await asyncio.to_thread(cluster.claim, c)
+                held.gate.set()  # now the prepare's write, queued before the update
+                await writer.idle(30)
+                assert writer.failed == 0, writer.last_error
+                return updated, writer.written
+        finally:
+            await client.close()
+
+    updated, written = run(scenario())
+    nic_of = lambda claim: [e for e in ours(claim) if e["device"].startswith("nic-")]  # noqa: E731
+    assert [e["networkData"] for e in nic_of(updated)] == [{"interfaceName": "ens9f0", "hardwareAddress": MAC,
+                                                             "ips": ["2001:db8::7/64"]}]  # fmt: skip
+    now = cluster.claim(c)
+    assert nic_of(now) == nic_of(updated) and now["metadata"]["resourceVersion"] == updated["metadata"]["resourceVersion"]
+    assert written == 1  # found already so: nothing written
+    assert [e["driver"] for e in now["status"]["devices"]].count(DRIVER) == 2
+
+
+def test_a_write_over_a_claim_changed_since_it_was_read_is_retried_with_a_fresh_read(cluster):
+    """The apply carries the resourceVersion read: the server refuses it (409) when the claim
+    changed in between, and the write is decided again on what the claim is now."""
+    c = cluster.allocated_claim(cluster.name)
+    results = c["status"]["allocation"]["devices"]["results"]
+    mine = [_entry(r) for r in results if r["driver"] == DRIVER]
+    theirs = [_entry(r) for r in results if r["driver"] == OTHER]
+    asked = []
+
+    def latest():  # between our read and our write, the other driver writes its entry
+        asked.append(cluster.claim(c)["metadata"]["resourceVersion"])
+        if len(asked) == 1:
+            cluster.apply_status_as(OTHER, c, theirs)
+        return mine
+
+    async def go():
+        client = cluster.agent_client()
+        try:
+            return await KubeStatus(DRIVER, client).write(ref(c), [], latest)
+        finally:
+            await client.close()
+
+    assert run(go()) is True
+    assert len(asked) == 2 and asked[0] != asked[1]
+    now = [{k: v for k, v in e.items() if v is not None} for e in cluster.claim(c)["status"]["devices"]]  # (conditions: null)
+    assert [e for e in now if e["driver"] == DRIVER] == mine and [e for e in now if e["driver"] == OTHER] == theirs

@@ -174,3 +174,55 @@ def test_a_deferred_metadata_update_brings_the_network_data_into_the_status(tmp_
     gone = subprocess.run(cmd[:-4] + ["--uid", "00000000-0000-4000-8000-000000000009"] + cmd[-4:], cwd=REPO,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert gone.returncode == 1 and "not found in prepared claim" in gone.stderr
+
+
+def _metadata_update(s, c, *net: str):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cmd = [sys.executable, "-m", "agent", "metadata", "update", "--config", os.devnull, "--kubelet-dir", s.kubelet_dir,
+           "--cluster", s.cluster, "--namespace", c["metadata"]["namespace"], "--claim", c["metadata"]["name"],
+           "--uid", c["metadata"]["uid"], "--request", "nic", *net]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+class HeldBackend:
+    """The writer's real backend, whose writes wait until the test opens ``gate``."""
+
+    def __init__(self, real):
+        self.real, self.gate = real, asyncio.Event()
+
+    async def write(self, *args, **kw):
+        await self.gate.wait()
+        return await self.real.write(*args, **kw)
+
+
+def test_a_queued_write_keeps_the_network_data_a_metadata_update_wrote_meanwhile(tmp_path):
+    """The prepare's write is still queued when the runtime hook's `sysdra metadata update` writes
+    the claim's IPs: the queued write must not put the entries of before the update back."""
+    s = settings_for(str(tmp_path))
+    inv = inventory(gpu(0), nic(0, "ens9f0"))
+    c = claim("c", [("gpu", "gpu-0000-1b-00-0"), ("nic", "nic-0000-40-00-0")])
+    c["status"]["devices"] = [OTHER]
+    store_claim(s, c)
+    path = _claim_file(s, c)
+    net = {"interfaceName": "net1", "ips": ["192.0.2.7/24"]}
+
+    async def body(kubelet, writer):
+        writer.backend = held = HeldBackend(writer.backend)
+        assert (await kubelet.prepare(c)).claims[c["metadata"]["uid"]].error == ""
+        out = await asyncio.to_thread(_metadata_update, s, c, "--interface-name", "net1", "--ip", "192.0.2.7/24")
+        assert out.returncode == 0 and "status.devices updated (2 entries)" in out.stdout, out.stderr
+        updated = json.load(open(path))["status"]["devices"]
+        held.gate.set()  # now the prepare's write, queued before the update
+        await writer.idle(10)
+        return updated, writer
+
+    updated, writer = _with_plugin(s, inv, body)
+    assert [e["networkData"] for e in updated if e.get("device") == "nic-0000-40-00-0"] == [net]
+    devices = json.load(open(path))["status"]["devices"]
+    assert devices[0] == OTHER and [e["device"] for e in devices[1:]] == ["gpu-0000-1b-00-0", "nic-0000-40-00-0"]
+    assert devices[2]["networkData"] == net, devices[2]
+    assert writer.failed == 0, writer.last_error

@@ -224,3 +224,30 @@ def test_writes_that_do_not_yield_still_let_other_work_run_between_them():
     asyncio.run(go())
     writes = [i for i, e in enumerate(log) if e == "write"]
     assert len(writes) == 3 and all(b - a > 1 for a, b in zip(writes, writes[1:])), log
+
+
+def test_a_claim_file_another_writer_holds_is_written_once_it_is_free(tmp_path, monkeypatch):
+    """`sysdra metadata update` holds the namespace's lock while it rewrites a claim file: the
+    agent's writer does not wait on its loop, it retries."""
+    import fcntl
+
+    monkeypatch.setattr(statuswriter, "FIRST_DELAY", 0.01)
+    s = settings_for(str(tmp_path))
+    c = store_claim(s, claim("c", [("gpu", "gpu-0000-1b-00-0")]))
+    ref = ClaimRef("default", "c", c["metadata"]["uid"])
+    ns_dir = os.path.join(s.cluster_dir, "resourceclaims", "default")
+    writer = status_writer(s)
+    held = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    async def go():
+        writer.submit(ref, _entries("gpu-0000-1b-00-0"))
+        while not any(p.attempt for p in writer._pending.values()):  # refused while held, its retry waits
+            await asyncio.sleep(0.005)
+        assert "devices" not in json.load(open(os.path.join(ns_dir, "c.json")))["status"]
+        os.close(held)  # the other writer is done
+        await writer.idle(10)
+
+    asyncio.run(go())
+    assert json.load(open(os.path.join(ns_dir, "c.json")))["status"]["devices"] == _entries("gpu-0000-1b-00-0")
+    assert (writer.written, writer.failed) == (1, 0)

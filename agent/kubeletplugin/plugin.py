@@ -68,6 +68,8 @@ class KubeletPlugin:
         self.driver = driver
         self.claims = claims
         self.status = status  # writes results' status.devices entries; None: not reported
+        if status is not None and status.recorded is None:  # what to write is the driver's record at write time
+            status.recorded = getattr(driver, "recorded_status", None)
         self.dra_socket = sockets.dra_socket_path(settings)
         self.registration_socket = sockets.registration_socket_path(settings)
         self.registration = RegistrationStatus()

@@ -9,6 +9,13 @@ apply, or into the claim file of the ``dir:`` store.
 - **dir**: ``resourceclaims/<ns>/<name>.json`` rewritten atomically with our entries replaced
   and everyone else's kept.
 
+Both read the claim right before writing and write only if our entries change. What they write
+is then asked for (``latest``): the writer's is the checkpoint's record of the claim, which
+``sysdra metadata update`` (another process) changes before it writes the same entries itself.
+The write is conditional on the claim as read (``metadata.resourceVersion`` in the apply, retried
+on a 409 with a fresh read; a ``flock`` on the claim's namespace directory for the files), so a
+state queued before an update can never land over the update's write.
+
 Writes run in the background (``submit`` only records the wish), latest state per claim
 wins, retried with backoff: status is what others read about a prepared device, never a
 reason to fail or delay NodePrepareResources. They wait for a pause in the kubelet's calls
@@ -24,11 +31,14 @@ and ``sysdra status``, agent/service/observers.py): a failure must not be only a
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import logging
 import random
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
 
 from agent.fsutil import atomic_write, clean_stale_temps, json_bytes
 from agent.kubeletplugin import devicestatus
@@ -43,6 +53,7 @@ FIRST_DELAY, MAX_DELAY = 0.5, 30.0
 # Writes wait until the kubelet's calls pause this long (at most MAX_DEFER): a burst of
 # prepares is not slowed by the status writes between them, which follow right after it.
 SETTLE, MAX_DEFER = 0.05, 2.0
+CONFLICTS = 5  # fresh reads after a 409 before the write counts as one failed attempt
 
 # How a write ended (the ``result`` label of sysdra_claim_status_writes_total):
 WRITTEN = "written"  # applied (API), or the claim file rewritten
@@ -58,9 +69,21 @@ class StatusRefused(Exception):
     """The server (or the claim file) will not take this write as it is: retrying cannot help."""
 
 
+class EntriesInvalid(StatusRefused):
+    """The entries to write now would not pass the server's validation: never sent."""
+
+
+class StatusConflict(Exception):
+    """The claim changed between our read and our write, again and again: retried later."""
+
+
 class StatusBackend(Protocol):
-    async def write(self, ref: ClaimRef, entries: list[dict]) -> bool | None:
-        """Raises StatusRefused, or any error to have it retried; False: nothing had to change."""
+    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool | None:
+        """Our entries of the claim := ``latest()`` (called after the claim was read), else
+        ``entries``. Raises StatusRefused, or any error to have it retried; False: nothing had to change."""
+
+
+Latest = Callable[[], list[dict]]
 
 
 class StatusObserver(Protocol):
@@ -80,33 +103,56 @@ class KubeStatus:
     def __init__(self, driver_name: str, client=None):
         self.driver_name = driver_name
         self._client = client
-        self._status = _claim_resource().Status
+        self._claims = _claim_resource()  # read with `get` on resourceclaims (deploy/rbac.yaml)
+        self._status = self._claims.Status
 
-    async def write(self, ref: ClaimRef, entries: list[dict]) -> bool:
+    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
         from lightkube import ApiError, AsyncClient
         from lightkube.types import PatchType
 
         if self._client is None:
             self._client = AsyncClient(field_manager=self.driver_name)
-        try:
-            await self._client.patch(self._status, ref.name, apply_body(ref, entries), namespace=ref.namespace,
-                                     patch_type=PatchType.APPLY, field_manager=self.driver_name, force=True)
-        except ApiError as err:
-            code = getattr(err.status, "code", None)
-            if code == 404 and not entries:
-                return False  # claim gone: nothing of ours is left to remove
-            if code in (400, 403, 404, 409, 422):  # 409: the UID changed (a replaced claim)
-                raise StatusRefused(f"API error {code}: {err}") from err
-            raise
-        return True
+        for _ in range(CONFLICTS):
+            try:
+                claim = await self._client.get(self._claims, ref.name, namespace=ref.namespace)
+            except ApiError as err:
+                code = getattr(err.status, "code", None)
+                if code == 404 and not entries:
+                    return False  # claim gone: nothing of ours is left to remove
+                if code in (400, 403, 404, 422):
+                    raise StatusRefused(f"API error {code}: {err}") from err
+                raise
+            claim = claim.to_dict() if hasattr(claim, "to_dict") else dict(claim)
+            meta = claim.get("metadata") or {}
+            if meta.get("uid") != ref.uid:
+                raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} has another UID: it was replaced")
+            now = latest() if latest is not None else entries
+            ours = [e for e in (claim.get("status") or {}).get("devices") or [] if e.get("driver") == self.driver_name]
+            if ours == now:
+                return False
+            body = apply_body(ref, now)
+            body["metadata"]["resourceVersion"] = meta.get("resourceVersion")  # the apply's precondition
+            try:
+                await self._client.patch(self._status, ref.name, body, namespace=ref.namespace,
+                                         patch_type=PatchType.APPLY, field_manager=self.driver_name, force=True)
+                return True
+            except ApiError as err:
+                code = getattr(err.status, "code", None)
+                if code == 409:  # changed since our read (or replaced: the next read tells)
+                    continue
+                if code in (400, 403, 404, 422):
+                    raise StatusRefused(f"API error {code}: {err}") from err
+                raise
+        raise StatusConflict(f"ResourceClaim {ref.namespace}/{ref.name} changed during each of {CONFLICTS} writes")
 
 
 class DirStatus:
     """The ``dir:`` store's claim file, rewritten atomically."""
 
-    def __init__(self, path: str, driver_name: str):
+    def __init__(self, path: str, driver_name: str, lock_timeout: float = 0.0):
         self.source = DirClaimSource(path)
         self.driver_name = driver_name
+        self.lock_timeout = lock_timeout  # 0: the agent, on its loop, never waits (a busy lock is retried later)
 
     def clean_temps(self) -> None:
         """At the agent's start: temps of claim-file rewrites a crash interrupted."""
@@ -114,13 +160,37 @@ class DirStatus:
         for ns in os.listdir(claims) if os.path.isdir(claims) else ():
             clean_stale_temps(os.path.join(claims, ns), prefix=".")
 
-    async def write(self, ref: ClaimRef, entries: list[dict]) -> bool:
+    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
         # On the loop, like the claim read at prepare: one small local file, one claim at a
         # time (the writer yields between claims). In a worker thread it fought the loop
         # for the GIL on every system call of the prepares running meanwhile.
-        return self._write(ref, entries)
+        with self._locked(ref.namespace):
+            return self._write(ref, entries, latest)
 
-    def _write(self, ref: ClaimRef, entries: list[dict]) -> bool:
+    @contextmanager
+    def _locked(self, namespace: str) -> Iterator[None]:
+        """``flock`` on the namespace's directory, against the other writer of our entries
+        (``sysdra metadata update``): read, decide and rename as one step."""
+        try:
+            fd = os.open(os.path.dirname(self.source.claim_path(namespace, "x")), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:  # no such namespace: the read says the claim is not found
+            yield
+            return
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StatusConflict(f"ResourceClaims of {namespace} are being written by another process") from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # (releases the lock)
+
+    def _write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
         try:
             claim = self.source._read(ref.namespace, ref.name)
         except ClaimError as err:
@@ -131,6 +201,7 @@ class DirStatus:
             raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} has another UID: it was replaced")
         status = claim.get("status") if isinstance(claim.get("status"), dict) else {}
         others = [e for e in status.get("devices") or [] if not (isinstance(e, dict) and e.get("driver") == self.driver_name)]
+        entries = latest() if latest is not None else entries
         if entries and not status.get("allocation"):
             raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
         devices = others + entries
@@ -166,10 +237,14 @@ class StatusWriter:
     state (an unprepare's ``[]``) is written after the earlier one's write finished, never
     overtaken by it. A failed write waits for its retry without holding up other claims."""
 
-    def __init__(self, backend: StatusBackend, slots: int = 1, observer: StatusObserver | None = None):
+    def __init__(self, backend: StatusBackend, slots: int = 1, observer: StatusObserver | None = None,
+                 recorded: Callable[[ClaimRef], list[dict] | None] | None = None):
         self.backend = backend
         self.slots = slots
         self.observer = observer
+        # the driver's record of a prepared claim's entries as they are now (a metadata update
+        # included), None if it has none; set by KubeletPlugin from DriverProtocol.recorded_status
+        self.recorded = recorded
         self._pending: dict[str, _Pending] = {}  # by uid, the longest-waiting first
         self._inflight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -249,7 +324,13 @@ class StatusWriter:
             self._fail(ref, entries, INVALID, "our entries would not pass validation: " + "; ".join(bad))
             return False
         try:
-            changed = await self.backend.write(ref, entries)
+            if self.recorded is None:
+                changed = await self.backend.write(ref, entries)
+            else:
+                changed = await self.backend.write(ref, entries, lambda: self._latest(p))
+        except EntriesInvalid as err:
+            self._fail(ref, entries, INVALID, str(err))
+            return False
         except StatusRefused as err:
             self._fail(ref, entries, REFUSED, str(err))
             return False
@@ -265,6 +346,17 @@ class StatusWriter:
         self.written += 1
         self._report(ref, UNCHANGED if changed is False else WRITTEN, None)
         return False
+
+    def _latest(self, p: _Pending) -> list[dict]:
+        """What to write, asked right after the backend read the claim: a prepare's entries as the
+        driver records them now (``sysdra metadata update`` may have changed them since the
+        submit); a removal stays a removal."""
+        recorded = self.recorded(p.ref) if p.entries else None
+        if recorded is None or recorded == p.entries:
+            return p.entries
+        if bad := [why for e in recorded for why in devicestatus.problems(e)]:
+            raise EntriesInvalid("our entries would not pass validation: " + "; ".join(bad))
+        return recorded
 
     def _fail(self, ref: ClaimRef, entries: list[dict], result: str, why: str) -> None:
         self.failed += 1

@@ -46,6 +46,10 @@ class DriverProtocol(Protocol):
     ) -> Union[dict[str, str | None], Awaitable[dict[str, str | None]]]:
         """Returns ``{uid: error or None}``; unknown claims succeed."""
 
+    # optional: recorded_status(ref: ClaimRef) -> list[dict] | None, a prepared claim's
+    # status.devices entries as recorded now (cheap, called on the loop right before each status
+    # write; None: nothing recorded, the entries the prepare returned are written)
+
 
 def base_request(name: str) -> str:
     """``"req/sub"`` -> ``"req"``: the kubelet matches containers on base request names."""

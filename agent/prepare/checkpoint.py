@@ -98,14 +98,18 @@ class Checkpoint:
                 out.append(None)
         return tuple(out)
 
-    def reload_if_changed(self) -> bool:
-        """Pick up a save by another process holding the serialize lock (``sysdra metadata
-        update``, the other instance of a rolling update): a compaction changes the
-        snapshot's inode, an append makes the byte after our last record non-zero (in the
-        preallocated journal neither size nor mtime need change). Vanished or unreadable
-        files keep what we have."""
+    def changed_on_disk(self) -> bool:
+        """Another process holding the serialize lock saved (``sysdra metadata update``, the
+        other instance of a rolling update): a compaction changes the snapshot's inode, an
+        append makes the byte after our last record non-zero (in the preallocated journal
+        neither size nor mtime need change)."""
         stamp = self._disk_stamp()
-        if stamp[0] is None or (stamp == self.stamp and not self._foreign_append()):
+        return stamp[0] is not None and (stamp != self.stamp or self._foreign_append())
+
+    def reload_if_changed(self) -> bool:
+        """Pick up another process's save (``changed_on_disk``). Vanished or unreadable files
+        keep what we have."""
+        if not self.changed_on_disk():
             return False
         try:
             fresh = Checkpoint.load(self.path, move_corrupt=False)

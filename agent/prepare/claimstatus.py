@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import Callable
 
 import orjson
 
 from agent.kubeletplugin import devicestatus
-from agent.kubeletplugin.types import PreparedDevice
+from agent.kubeletplugin.types import ClaimRef, PreparedDevice
 from agent.prepare import netaddrs
+from agent.prepare.checkpoint import Checkpoint, CheckpointError
+from agent.prepare.checkpoint_format import COMPLETED
 from discovery.models import Device
 
 log = logging.getLogger(__name__)
@@ -107,3 +110,33 @@ def with_network(entries: list[dict], device: str, net: dict) -> list[dict]:
             e = dict(e, networkData={**(e.get("networkData") or {}), **net})
         out.append(e)
     return out
+
+
+class RecordedStatus:
+    """``DriverProtocol.recorded_status``: a prepared claim's entries as its checkpoint entry holds
+    them now, asked by the status writer right before it writes (on the loop, without the
+    serialize lock: entries are replaced, never changed in place). After another process saved
+    (``sysdra metadata update``), the file is what counts until the driver reloads it itself."""
+
+    def __init__(self, checkpoint: Callable[[], Checkpoint | None]):
+        self._checkpoint = checkpoint
+        self._saved_by_other: Checkpoint | None = None  # read-only view of the file, while it is newer
+
+    def __call__(self, ref: ClaimRef) -> list[dict] | None:
+        cp = self._checkpoint()
+        if cp is not None and cp.changed_on_disk():
+            cp = self._from_disk(cp.path)
+        entry = cp.claims.get(ref.uid) if cp is not None else None
+        if not entry or entry.get("state") != COMPLETED or (entry.get("namespace"), entry.get("name")) != (ref.namespace, ref.name):
+            return None
+        return entry.get("deviceStatus")
+
+    def _from_disk(self, path: str) -> Checkpoint | None:
+        view = self._saved_by_other
+        if view is None or view.path != path or view.changed_on_disk():
+            try:
+                view = self._saved_by_other = Checkpoint.load(path, move_corrupt=False)
+            except (CheckpointError, ValueError, RecursionError, OSError) as err:
+                log.warning("checkpoint %s changed on disk but cannot be read (%s): status written as prepared", path, err)
+                return None
+        return view

@@ -87,6 +87,7 @@ class Driver:
         self.recovery: RecoveryReport | None = None  # of the last recover()
         self.fault: Callable[[str], None] = lambda point: None
         self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
+        self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
 

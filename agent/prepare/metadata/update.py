@@ -155,7 +155,8 @@ def _write_status(settings: Settings, ref: ClaimRef, entries: list[dict], client
 
     if bad := [p for e in entries for p in devicestatus.problems(e)]:
         raise UpdateError("status.devices not written: " + "; ".join(bad))
-    backend = (DirStatus(settings.cluster_dir, settings.driver_name) if settings.cluster_dir is not None
+    # both read the claim and write only if it did not change meanwhile (the agent's writer may be writing it)
+    backend = (DirStatus(settings.cluster_dir, settings.driver_name, lock_timeout=5.0) if settings.cluster_dir is not None
                else KubeStatus(settings.driver_name, client))
 
     async def write():
