@@ -172,7 +172,7 @@ class DirStatus:
         """``flock`` on the namespace's directory, against the other writer of our entries
         (``sysdra metadata update``): read, decide and rename as one step."""
         try:
-            fd = os.open(os.path.dirname(self.source.claim_path(namespace, "x")), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(os.path.join(self.source.path, "resourceclaims", namespace), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:  # no such namespace: the read says the claim is not found
             yield
             return
