@@ -11,23 +11,34 @@ import re
 import socket
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import msgspec
 
 from agent.names import is_subdomain
 
 EX_CONFIG = 78
 DEFAULT_CONFIG_FILE = "/etc/sysdra/config.yaml"
+# The words a boolean setting may be written as (flags, SYSDRA_*, YAML strings), any case.
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
 class ConfigError(Exception):
     """A bad setting; ``str()`` names it. The CLI exits with EX_CONFIG."""
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+def _default_node_name() -> str:
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The agent's settings: typed and checked once, then read-only. :meth:`of` builds them
+    from outside values (strings from flags and the environment, YAML values), converting
+    each to its field's type; every constructor runs the checks in ``__post_init__``.
+
+    msgspec rather than pydantic: this is the first thing ``sysdra run`` loads, and pydantic
+    and the model cost ~100 ms of each start (docs/performance.md, "First publish")."""
 
     root: str = "/"
-    node_name: str = Field(default_factory=lambda: os.environ.get("NODE_NAME") or socket.gethostname())
+    node_name: str = msgspec.field(default_factory=_default_node_name)
     driver_name: str = "sysdra.io"
     kubelet_dir: str = "/var/lib/kubelet"
     cdi_dir: str = "/var/run/cdi"
@@ -54,112 +65,37 @@ class Settings(BaseModel):
     partitions: bool = False
     compatibility_groups: bool = False
     partition_switch_timeout: float = 60.0
-
-    @field_validator("partition_switch_timeout")
-    @classmethod
-    def _positive_timeout(cls, v: float) -> float:
-        if not 0 < v <= 3600:
-            raise ValueError("must be between 0 and 3600 seconds")
-        return v
     # Device kinds published for sharing (consumable capacity) and their capacity policies;
     # checked by agent.publish.sharing.share_plan at start (docs/sharing.md).
     share: tuple[Literal["gpu", "nic"], ...] = ()
-    share_policies: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("share", mode="before")
-    @classmethod
-    def _share_list(cls, v):
-        if isinstance(v, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
-            v = [x.strip() for x in v.split(",") if x.strip()]
-        if isinstance(v, (list, tuple)) and len(set(v)) != len(v):
-            raise ValueError("names a kind twice")
-        return tuple(v) if isinstance(v, list) else v
+    share_policies: dict[str, Any] = msgspec.field(default_factory=dict)
     # KEP-5945 (alpha): device kind -> node operations the kubelet may skip for its devices,
     # e.g. {"accelerator": ["*"]} (docs/cluster-integration.md); upstream's rule is enforced.
-    skip_node_operations: dict[str, list[str]] = Field(default_factory=dict)
+    skip_node_operations: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
-    @field_validator("root", "kubelet_dir", "cdi_dir")
     @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v:
-            raise ValueError("must not be empty")
-        return os.path.abspath(v)  # relative to the working directory, like --cluster dir:PATH
+    def of(cls, values: dict[str, Any]) -> Settings:
+        """Settings from outside values, each converted to its field's type (``"0.5"`` to a
+        float, ``"true"``/``"no"`` to a bool, ``"gpu,nic"`` to a tuple); ConfigError names
+        the first bad one."""
+        try:
+            return msgspec.convert(_before(values), cls, strict=False)
+        except msgspec.ValidationError as err:
+            raise ConfigError(f"invalid setting {_message(str(err), values)}") from None
 
-    @field_validator("root")
-    @classmethod
-    def _root_exists(cls, v: str) -> str:
-        if not os.path.isdir(v):
-            raise ValueError(f"{v} is not a directory")
-        return v
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` (typed values), checked like a new one."""
+        return msgspec.structs.replace(self, **changes)
 
-    @field_validator("driver_name")
-    @classmethod
-    def _driver(cls, v: str) -> str:
-        if len(v) > 63 or not is_subdomain(v):
-            raise ValueError("must be a lower-case DNS subdomain of at most 63 characters")
-        return v
-
-    @field_validator("node_name")
-    @classmethod
-    def _node(cls, v: str) -> str:
-        if not is_subdomain(v):
-            raise ValueError("must be a lower-case DNS subdomain (the Kubernetes node name)")
-        return v
-
-    @field_validator("cluster")
-    @classmethod
-    def _cluster(cls, v: str) -> str:
-        if v == "kube":
-            return v
-        if v.startswith("dir:") and len(v) > 4:
-            return "dir:" + os.path.abspath(v[4:])
-        raise ValueError("must be 'kube' or 'dir:PATH'")
-
-    @field_validator("resync_interval", "debounce")
-    @classmethod
-    def _non_negative(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError("must not be negative")
-        return v
-
-    @field_validator("health_interval")
-    @classmethod
-    def _health(cls, v: float) -> float:
-        if not 0 < v <= 10:
-            raise ValueError("must be in (0, 10] seconds: the kubelet marks devices Unknown after 30 s")
-        return v
-
-    @field_validator("rolling_update_uid")
-    @classmethod
-    def _uid(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,127}", v):
-            raise ValueError("must be a pod UID")
-        return v
-
-    @field_validator("skip_node_operations", mode="before")
-    @classmethod
-    def _skip_text(cls, v: Any) -> Any:
-        if isinstance(v, str):  # SYSDRA_SKIP_NODE_OPERATIONS='{accelerator: ["*"]}' (YAML or JSON)
-            import yaml
-
+    def __post_init__(self) -> None:
+        for name, check in _CHECKS:
+            value = getattr(self, name)
             try:
-                v = yaml.safe_load(v) or {}
-            except yaml.YAMLError as err:
-                raise ValueError(f"not a YAML mapping: {err}") from None
-        return v
-
-    @field_validator("skip_node_operations")
-    @classmethod
-    def _skip(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
-        from agent.nodeops import rule_problem
-        from discovery.models import KINDS
-
-        for kind, ops in v.items():
-            if kind not in KINDS:
-                raise ValueError(f"{kind!r} is not a device kind ({', '.join(KINDS)})")
-            if problem := rule_problem(ops):
-                raise ValueError(f"{kind}: {problem}")
-        return v
+                checked = check(value)
+            except ValueError as err:
+                raise ValueError(f"{name.replace('_', '-')}: {err}") from None
+            if checked is not value:
+                msgspec.structs.force_setattr(self, name, checked)  # normalised: absolute paths
 
     # --- derived paths ----------------------------------------------------------
     @property
@@ -175,8 +111,125 @@ class Settings(BaseModel):
         return os.path.join(self.kubelet_dir, "plugins_registry")
 
 
+def _before(values: dict[str, Any]) -> dict[str, Any]:
+    """The spellings a field's type does not take as they are: boolean words, a comma
+    list for ``share``, YAML text for ``skip_node_operations`` (from SYSDRA_*)."""
+    out = dict(values)
+    for name, value in values.items():
+        if isinstance(value, str) and name in _BOOLS:
+            word = value.strip().lower()
+            out[name] = True if word in _TRUE else False if word in _FALSE else value
+        elif name == "share" and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
+            out[name] = [x.strip() for x in value.split(",") if x.strip()]
+        elif name == "skip_node_operations" and isinstance(value, str):  # '{accelerator: ["*"]}'
+            import yaml
+
+            try:
+                out[name] = yaml.safe_load(value) or {}
+            except yaml.YAMLError as err:
+                raise ConfigError(f"invalid setting skip-node-operations: not a YAML mapping: {err}") from None
+    return out
+
+
+def _message(text: str, values: dict[str, Any]) -> str:
+    """msgspec's ``Expected `float`, got `str` - at `$.debounce``` -> ``debounce: expected
+    float, got str 'soon'``; a check's own message already starts with the setting's name."""
+    what, sep, where = text.rpartition(" - at `$.")
+    if not sep:
+        if text.startswith("Object contains unknown field"):
+            return text.rpartition(" ")[2].strip("`").replace("_", "-") + ": no such setting"
+        return text
+    name = re.split(r"[.\[`]", where, maxsplit=1)[0]
+    given = f" {values[name]!r}"[:80] if what.startswith("Expected") and isinstance(values.get(name), str) else ""
+    return f"{name.replace('_', '-')}: {what[:1].lower()}{what[1:].replace('`', '')}{given}"
+
+
+def _absolute(v: str) -> str:
+    if not v:
+        raise ValueError("must not be empty")
+    return os.path.abspath(v)  # relative to the working directory, like --cluster dir:PATH
+
+
+def _root(v: str) -> str:
+    v = _absolute(v)
+    if not os.path.isdir(v):
+        raise ValueError(f"{v} is not a directory")
+    return v
+
+
+def _driver(v: str) -> str:
+    if len(v) > 63 or not is_subdomain(v):
+        raise ValueError("must be a lower-case DNS subdomain of at most 63 characters")
+    return v
+
+
+def _node(v: str) -> str:
+    if not is_subdomain(v):
+        raise ValueError("must be a lower-case DNS subdomain (the Kubernetes node name)")
+    return v
+
+
+def _cluster(v: str) -> str:
+    if v == "kube":
+        return v
+    if v.startswith("dir:") and len(v) > 4:
+        return "dir:" + os.path.abspath(v[4:])
+    raise ValueError("must be 'kube' or 'dir:PATH'")
+
+
+def _non_negative(v: float) -> float:
+    if v < 0:
+        raise ValueError("must not be negative")
+    return v
+
+
+def _health(v: float) -> float:
+    if not 0 < v <= 10:
+        raise ValueError("must be in (0, 10] seconds: the kubelet marks devices Unknown after 30 s")
+    return v
+
+
+def _switch_timeout(v: float) -> float:
+    if not 0 < v <= 3600:
+        raise ValueError("must be between 0 and 3600 seconds")
+    return v
+
+
+def _uid(v: str | None) -> str | None:
+    if v is not None and not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,127}", v):
+        raise ValueError("must be a pod UID")
+    return v
+
+
+def _share(v: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(v)) != len(v):
+        raise ValueError("names a kind twice")
+    return v
+
+
+def _skip(v: dict[str, list[str]]) -> dict[str, list[str]]:
+    from agent.nodeops import rule_problem
+    from discovery.models import KINDS
+
+    for kind, ops in v.items():
+        if kind not in KINDS:
+            raise ValueError(f"{kind!r} is not a device kind ({', '.join(KINDS)})")
+        if problem := rule_problem(ops):
+            raise ValueError(f"{kind}: {problem}")
+    return v
+
+
+_CHECKS = (
+    ("root", _root), ("kubelet_dir", _absolute), ("cdi_dir", _absolute), ("driver_name", _driver),
+    ("node_name", _node), ("cluster", _cluster), ("resync_interval", _non_negative), ("debounce", _non_negative),
+    ("health_interval", _health), ("rolling_update_uid", _uid), ("partition_switch_timeout", _switch_timeout),
+    ("share", _share), ("skip_node_operations", _skip),
+)  # fmt: skip
+_BOOLS = frozenset(f.name for f in msgspec.structs.fields(Settings) if f.type is bool)
+
+
 # Names accepted in the config file and as SYSDRA_<NAME> environment variables.
-FIELDS = tuple(Settings.model_fields)
+FIELDS = Settings.__struct_fields__
 
 
 def _env_values(environ: dict[str, str]) -> dict[str, Any]:
@@ -234,11 +287,4 @@ def build_settings(
     merged.update(load_config_file(path))
     merged.update(_env_values(environ))
     merged.update({k: v for k, v in flags.items() if v is not None})
-    try:
-        return Settings(**merged)
-    except ValidationError as err:
-        parts = []
-        for e in err.errors():
-            loc = ".".join(str(x) for x in e["loc"]) or "settings"
-            parts.append(f"{loc.replace('_', '-')}: {e['msg']}")
-        raise ConfigError("invalid setting " + "; ".join(parts)) from err
+    return Settings.of(merged)

@@ -40,11 +40,11 @@ def _settings(args):
     for key, value in flags.items():
         if value is not None:
             try:
-                Settings(**{**base, key: value})
+                Settings.of({**base, key: value})
                 base[key] = value
-            except ValueError:
+            except ConfigError:
                 pass
-    return Settings(**base), finding
+    return Settings.of(base), finding
 
 
 def run(args) -> int:

@@ -235,7 +235,7 @@ class Agent:
     def reload(self, new: Settings) -> None:
         """Apply the settings that can change live; say which ones need a restart."""
         old = self.settings
-        changed = {k for k in Settings.model_fields if getattr(old, k) != getattr(new, k)}
+        changed = {k for k in Settings.__struct_fields__ if getattr(old, k) != getattr(new, k)}
         if not changed:
             log.info("SIGHUP: configuration unchanged")
             return
@@ -247,7 +247,7 @@ class Agent:
             del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
         if not live:
             return
-        self.settings = old.model_copy(update=live)
+        self.settings = old.replace(**live)
         self.publisher.resync_interval = self.settings.resync_interval
         self.publisher.debounce = self.settings.debounce
         if self.debouncer is not None:
@@ -292,7 +292,7 @@ class Agent:
         if self._client is not None:
             started.push_async_callback(self._client.close)
         if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
-            self.settings = self.settings.model_copy(update={"skip_node_operations": ops})
+            self.settings = self.settings.replace(skip_node_operations=ops)
         if not await startup.unless_stopped(stop, self.rescan()):
             return
         tasks: list[asyncio.Task] = []

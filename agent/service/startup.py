@@ -83,7 +83,7 @@ def resolve(settings: Settings) -> Settings:
     if settings.status_socket:
         d, name = os.path.split(settings.status_socket)
         update["status_socket"] = os.path.join(os.path.realpath(d), name)
-    resolved = settings.model_copy(update=update)
+    resolved = settings.replace(**update)
     plugin = resolved.plugin_dir
     _ensure(plugin, PLUGIN_DIR_MODE, "plugin directory")
     if os.path.realpath(plugin) != plugin:
