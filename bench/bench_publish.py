@@ -21,7 +21,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 
 from bench.agentproc import large_node
 from bench.report import Figure, progress
@@ -99,9 +98,9 @@ def _slice_build(repeat: int) -> tuple[float, float, int]:
         for d in devices:
             if len(many) == 4096:
                 break
-            many.append(d if i == 0 else replace(d, name=f"{d.name}-x{i}"))
+            many.append(d if i == 0 else d.replace(name=f"{d.name}-x{i}"))
         i += 1
-    big = replace(inv, devices=tuple(sorted(many, key=lambda d: d.name)))
+    big = inv.replace(devices=tuple(sorted(many, key=lambda d: d.name)))
     build, floor = [], []
     for _ in range(repeat):
         t0 = time.perf_counter()

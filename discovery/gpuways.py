@@ -8,7 +8,7 @@ Names: ``<gpu>-<compute>-<memory>-<index>`` (``gpu-0000-05-00-0-cpx-nps1-3``) an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from discovery.attributes import _value, quantity
 from discovery.models import Device, GpuPartition, Partitioning
@@ -92,7 +92,7 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             return parent
         attrs = dict(parent.attributes, computePartition=_value("string", way.compute),
                      memoryPartition=_value("string", way.memory))
-        return replace(parent, attributes=attrs)
+        return parent.replace(attributes=attrs)
     attrs = {k: v for k, v in parent.attributes.items() if k not in _PARENT_ONLY}
     attrs["partitionOf"] = _value("string", parent.name)
     attrs["partitionIndex"] = _value("int_", way.index)
@@ -112,7 +112,7 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             mine = next((p for p in pt.partitions if p.index == way.index), None)
             kfd = tuple(n for n in parent.device_nodes if n.path == "/dev/kfd")
             nodes = (mine.nodes + kfd) if mine is not None else ()
-    return replace(parent, name=way.name, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
+    return parent.replace(name=way.name, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
                    capacity=capacity, problems=())
 
 

@@ -15,7 +15,6 @@ exist for created instances only; ``/proc/driver/nvidia-caps/mig-minors`` gives 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode, GpuPartition, Partitioning, PciFunction, Problem
@@ -209,4 +208,4 @@ def read_mig(fs: HostFS, resolver: NodeResolver, minor: int, problems: list[Prob
             else:
                 parts.append(GpuPartition(index=len(parts), nodes=tuple(nodes), gi=gi, ci=ci))
     parts.sort(key=lambda p: (p.gi, p.ci))
-    return Partitioning(kind="mig", partitions=tuple(replace(p, index=i) for i, p in enumerate(parts)))
+    return Partitioning(kind="mig", partitions=tuple(p.replace(index=i) for i, p in enumerate(parts)))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import replace
 
 import pytest
 from lightkube import AsyncClient, KubeConfig
@@ -45,7 +44,7 @@ def test_example_claim_allocated_by_the_scheduler_code_then_prepared_and_run(api
     s = settings_for(str(tmp_path), root=host, node_name=name, cluster="kube")
     # discovery always sets the `type` attribute deploy/deviceclasses.yaml selects on; the factory
     # devices do not, and a class selector reading a missing attribute is a CEL runtime error
-    devices = [replace(d, attributes={"type": AttributeValue(string=d.kind)})
+    devices = [d.replace(attributes={"type": AttributeValue(string=d.kind)})
                for d in (gpu(0, root=host, major=1, minor=3), nic(0, "ens9f0"))]  # fmt: skip
     inv = inventory(*devices, root=host)
 

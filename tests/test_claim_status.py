@@ -12,7 +12,6 @@ import asyncio
 import copy
 import json
 import os
-from dataclasses import replace
 
 import pytest
 from lightkube import AsyncClient, KubeConfig
@@ -39,7 +38,7 @@ def run(coro, timeout: float = 90):
 
 def typed(*devices):
     # the `type` attribute deploy/deviceclasses.yaml selects on (discovery always sets it)
-    return [replace(d, attributes={"type": AttributeValue(string=d.kind)}) for d in devices]
+    return [d.replace(attributes={"type": AttributeValue(string=d.kind)}) for d in devices]
 
 
 def host_root(tmp) -> str:
@@ -72,7 +71,7 @@ class Cluster:
         self.kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=self.pod_token, namespace="sysdra")
         host = host_root(tmp)
         devices = typed(gpu(0, root=host), nic(0, "ens9f0"))
-        devices[1] = replace(devices[1], nic=NicInfo(interfaces=(NetInterface(name="ens9f0", mac=MAC),)))
+        devices[1] = devices[1].replace(nic=NicInfo(interfaces=(NetInterface(name="ens9f0", mac=MAC),)))
         self.inv = inventory(*devices, root=host)
         self.settings = settings_for(str(tmp), root=host, node_name=self.name, cluster="kube")
         for node in (self.name, self.far["metadata"]["name"]):

@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import struct
-from dataclasses import replace
 
 from agent.kubeletplugin import devicestatus
 from agent.kubeletplugin.statuswriter import StatusWriter, status_writer
@@ -114,7 +113,7 @@ def test_entries_fit_the_limits_with_hundreds_of_device_nodes():
 
     nodes = tuple(DeviceNode(path=f"/dev/some/long/path/node{i:04d}", host_path=f"/dev/x{i}", major=1, minor=i, source="test")
                   for i in range(600))  # fmt: skip
-    dev = replace(gpu(0), device_nodes=nodes)
+    dev = gpu(0).replace(device_nodes=nodes)
     (entry,) = claimstatus.build("sysdra.io", "/nonexistent", [PreparedDevice(["gpu"], "node-a", dev.name, ["k=x"])],
                                  {dev.name: dev}, when="2026-01-01T00:00:00Z")
     assert entry["data"]["deviceNodes"] == 600 and not devicestatus.problems(entry)

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import replace
 
 import pytest
 from lightkube import AsyncClient, KubeConfig
@@ -60,7 +59,7 @@ class Node:
         self.ns = unique(prefix)
         plane.create_namespace(self.ns)
         plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": self.ns}})
-        devices = [replace(d, attributes={"type": AttributeValue(string="gpu")}) for d in (gpu(0), gpu(1))]
+        devices = [d.replace(attributes={"type": AttributeValue(string="gpu")}) for d in (gpu(0), gpu(1))]
         self.inv = inventory(*devices)
         self.settings = settings_for(str(tmp), node_name=self.name, cluster="kube")
         run(self._publish())

@@ -7,7 +7,6 @@ import asyncio
 import os
 import shutil
 import time
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -174,7 +173,7 @@ def test_long_messages_are_truncated_on_the_wire(tmp_path):
     gpu = inv.by_name()[VM_GPU]
     missing = tuple(DeviceNode(path=f"/dev/missing-{'x' * 40}-{i}", host_path="/nonexistent", major=1, minor=i,
                                source="test") for i in range(40))
-    inv = replace(inv, devices=(replace(gpu, device_nodes=missing),))
+    inv = inv.replace(devices=(gpu.replace(device_nodes=missing),))
 
     async def main():
         async with Agent(tmp_path, root, inventory=inv) as a:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 
 import pytest
 
@@ -33,9 +32,9 @@ class Crash(BaseException):
 
 def env(tmp_path, **kw):
     s, state = make_env(tmp_path, **kw)
-    g = replace(gpu(0, root=s.root), attributes={
+    g = gpu(0, root=s.root).replace(attributes={
         "model": AttributeValue(string="MI210"), "resource.kubernetes.io/pciBusID": AttributeValue(string="0000:1b:00.0")})
-    n = replace(nic(0, "ens9f0"), nic=NicInfo(interfaces=(NetInterface(name="ens9f0", mac="0c:42:a1:00:00:01"),)))
+    n = nic(0, "ens9f0").replace(nic=NicInfo(interfaces=(NetInterface(name="ens9f0", mac="0c:42:a1:00:00:01"),)))
     state["inv"] = inventory(g, gpu(1, root=s.root), n, root=s.root)
     return s, state
 

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -37,7 +36,7 @@ COMBOS = [list(c) for n in (1, 2, 3) for c in itertools.permutations(nodeops.KNO
 
 def accel(n: int):
     dev = gpu(n)
-    return replace(dev, name=dev.name.replace("gpu-", "accelerator-"), kind="accelerator")
+    return dev.replace(name=dev.name.replace("gpu-", "accelerator-"), kind="accelerator")
 
 
 # --- the setting -------------------------------------------------------------------------------
@@ -210,7 +209,7 @@ def test_the_allocator_copies_the_rule_and_prepare_follows_it(apiserver, tmp_pat
     path = resource_path("Node", None, name) + "/status"
     node = apiserver.request("PATCH", path, body={"status": {"declaredFeatures": ["DRAOptionalNodeOperations"]}},
                              content_type="application/merge-patch+json").json()  # fmt: skip
-    devices = [replace(d, attributes={"type": AttributeValue(string=d.kind)}) for d in (gpu(0), accel(1))]
+    devices = [d.replace(attributes={"type": AttributeValue(string=d.kind)}) for d in (gpu(0), accel(1))]
     inv = inventory(*devices)
     pool = build_pool(inv, node_name=name, driver_name=DRIVER, skip_node_operations={"accelerator": ["*"]})
     slices = [apiserver.create(sl) for sl in render(pool, driver_name=DRIVER, node_name=name, generation=1, full_name=True)]

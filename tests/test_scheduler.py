@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -52,7 +51,7 @@ def wait_for(predicate, what: str, plane, timeout: float = 60.0):
 def test_scheduler_allocates_the_claim_binds_the_pod_and_prepare_follows(apiserver, scheduler, tmp_path):
     node = apiserver.create_node(unique("sched"))
     name = node["metadata"]["name"]
-    devices = [replace(d, attributes={"type": AttributeValue(string=d.kind)}) for d in (gpu(0), gpu(1), nic(0, "ens9f0"))]
+    devices = [d.replace(attributes={"type": AttributeValue(string=d.kind)}) for d in (gpu(0), gpu(1), nic(0, "ens9f0"))]
     inv = inventory(*devices)
     s = settings_for(str(tmp_path), node_name=name, cluster="kube")
 

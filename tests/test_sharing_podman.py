@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import replace
 
 import pytest
 
@@ -34,8 +33,8 @@ def test_two_claims_share_one_gpu_in_two_containers(tmp_path):
     os.mknod(os.path.join(host, "dev", "dri", "renderD128"), 0o666 | 0o020000, os.makedev(1, 3))  # /dev/null's numbers
     s = settings_for(str(tmp_path), root=host, node_name=NODE)
     base = gpu(0, root=host, major=1, minor=3)
-    dev = replace(base, attributes={"type": AttributeValue(string="gpu")}, capacity={"memory": "16Gi"},
-                  pci=replace(base.pci, vendor_id="10de"))
+    dev = base.replace(attributes={"type": AttributeValue(string="gpu")}, capacity={"memory": "16Gi"},
+                      pci=base.pci.replace(vendor_id="10de"))
     inv = inventory(dev, root=host)
 
     slices = render(build_pool(inv, node_name=NODE, driver_name=DRIVER, share=share_plan(("gpu",), None)),

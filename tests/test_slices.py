@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import kubernetes_validate
 import pytest
@@ -177,7 +176,7 @@ def test_pf_attribute_added_when_discovery_lacks_it():
     inv = sriov_inventory(pfs=1, vfs=1)
     vf = inv.devices[1]
     attrs = {k: v for k, v in vf.attributes.items() if k != "pfPciAddress"}
-    inv = Inventory(root="/", devices=(inv.devices[0], replace(vf, attributes=attrs)))
+    inv = Inventory(root="/", devices=(inv.devices[0], vf.replace(attributes=attrs)))
     assert build(inv).slices[0]["devices"][1]["attributes"][slices.PF_ATTRIBUTE] == {"string": "0000:00:00.0"}
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 from typing import Callable
 
 from agent.prepare import claimconfig
@@ -164,4 +163,4 @@ def with_vfio_nodes(root: str, device: Device) -> Device:
     nodes = vfio_nodes(fs, NodeResolver(fs), fn, d, found)
     if not any(n.path.startswith("/dev/vfio/") and n.path != "/dev/vfio/vfio" for n in nodes):
         raise VfioError(f"{device.pci.bdf}: no VFIO group node after binding ({'; '.join(p.reason for p in found)})")
-    return replace(device, device_nodes=tuple(nodes))
+    return device.replace(device_nodes=tuple(nodes))
