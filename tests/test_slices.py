@@ -124,6 +124,18 @@ def test_bad_device_left_out_others_kept(case):
     assert_api_valid(rendered(pool))
 
 
+@pytest.mark.parametrize("case", sorted(BAD_DEVICES))
+def test_a_bad_value_shared_by_devices_rejects_each_of_them(case):
+    """Values are checked once per pool (validation.device_problems' memo); a bad one that
+    several devices share must still keep every one of them out."""
+    good = inventory(2).devices
+    shared = BAD_DEVICES[case]
+    bad = [device(50 + i, **shared) for i in range(3)]  # the very same value objects
+    pool = build(Inventory(root="/", devices=(bad[0], good[0], bad[1], good[1], bad[2])))
+    assert [d["name"] for d in pool.slices[0]["devices"]] == [d.name for d in good]
+    assert [name for name, _ in pool.rejected] == [d.name for d in bad]
+
+
 def test_limits_exactly_at_the_edge_are_accepted():
     # 3 standard attributes from the factory + 28 + 1 capacity = 32 entries
     dev = device(1, attributes={f"a{i}": AttributeValue(int=i) for i in range(28)}, capacity={"memory": "80Gi"})

@@ -148,7 +148,7 @@ def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: d
 
 
 def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict | None,
-           share: SharePlan | None = None) -> tuple[dict, list[str]]:
+           share: SharePlan | None = None, checked: dict | None = None) -> tuple[dict, list[str]]:
     """The device's API entry and validation problems; ``cache`` reuses them while the
     device object (discovery reuses unchanged ones), its taints and the settings are the same."""
     t = taints.get(device.name) if taints else None
@@ -162,7 +162,7 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
         entry = _with_pf_attribute(entry, device.pci.physfn)
     if t:
         entry = {**entry, "taints": [dict(x) for x in t]}
-    problems = device_problems(entry, driver_name, list_attributes)
+    problems = device_problems(entry, driver_name, list_attributes, checked)
     if cache is not None:
         cache[device.name] = (device, t, key, entry, tuple(problems))
     return entry, problems
@@ -185,8 +185,9 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
     seen: set[str] = set()
     pf_of: dict[str, str | None] = {}
     bdf_of: dict[str, str] = {}
+    checked: dict = {}  # attribute values checked in this pool (validation.device_problems)
     for device in inventory.devices:
-        entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share)
+        entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share, checked)
         if device.name in seen:
             problems.append("device name used twice in the pool")
         if problems:

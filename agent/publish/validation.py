@@ -88,7 +88,8 @@ def _value_problem(key: str, value: object) -> str | None:
     return None
 
 
-def _unique_names(keys, driver: str) -> str | None:
+@functools.lru_cache(maxsize=1024)  # devices of a kind have the same names: one check per set
+def _unique_names(keys: tuple[str, ...], driver: str) -> str | None:
     # "foo" is implicitly "<driver>/foo"; both spellings at once name the same thing twice
     seen: set[str] = set()
     for key in keys:
@@ -99,8 +100,23 @@ def _unique_names(keys, driver: str) -> str | None:
     return None
 
 
-def device_problems(device: dict, driver: str, list_attributes: bool) -> list[str]:
-    """Everything the API server would reject about one ``spec.devices[]`` entry."""
+def _attribute_problem(key: str, value: object, list_attributes: bool) -> tuple[str | None, int]:
+    """(why the API server would reject the attribute, or None; how many values it counts)."""
+    problem = qualified_name_problem(key) or _value_problem(key, value)
+    if problem is None and not list_attributes and next(iter(value)) in _LIST_KEYS:
+        problem = f"attribute {key!r} is a list but --list-attributes is off (the API would drop it)"
+    if problem is None and next(iter(value)) in _LIST_KEYS:
+        return None, len(next(iter(value.values())))
+    return problem, 1
+
+
+def device_problems(device: dict, driver: str, list_attributes: bool, checked: dict | None = None) -> list[str]:
+    """Everything the API server would reject about one ``spec.devices[]`` entry.
+
+    ``checked``: a dict the caller keeps while it checks one pool (same ``list_attributes``).
+    Discovery shares attribute value objects between devices (a pool of 2,000 devices has a
+    few thousand distinct ones among ~40,000 entries), so each distinct (name, value) is
+    checked once; the memo holds the value, so its id cannot be reused meanwhile."""
     problems: list[str] = []
     name = device.get("name", "")
     if not is_dns_label(name):
@@ -111,15 +127,17 @@ def device_problems(device: dict, driver: str, list_attributes: bool) -> list[st
         problems.append(f"{len(attributes) + len(capacity)} attributes and capacities, at most {MAX_ATTRIBUTES_AND_CAPACITIES}")
     values = 0
     for key, value in attributes.items():
-        problem = qualified_name_problem(key) or _value_problem(key, value)
-        if problem is None and not list_attributes and next(iter(value)) in _LIST_KEYS:
-            problem = f"attribute {key!r} is a list but --list-attributes is off (the API would drop it)"
+        if checked is None:
+            problem, count = _attribute_problem(key, value, list_attributes)
+        else:
+            hit = checked.get((key, id(value)))
+            if hit is None:
+                hit = checked[(key, id(value))] = (value, *_attribute_problem(key, value, list_attributes))
+            _, problem, count = hit
         if problem:
             problems.append(problem)
-        elif next(iter(value)) in _LIST_KEYS:
-            values += len(next(iter(value.values())))
         else:
-            values += 1
+            values += count
     if values > MAX_ATTRIBUTE_VALUES:
         problems.append(f"{values} attribute values, at most {MAX_ATTRIBUTE_VALUES}")
     multiple = device.get("allowMultipleAllocations") is True
@@ -137,7 +155,7 @@ def device_problems(device: dict, driver: str, list_attributes: bool) -> list[st
                 problem = f"capacity {key!r}: requestPolicy: " + "; ".join(found)
         if problem:
             problems.append(problem)
-    for problem in (_unique_names(attributes, driver), _unique_names(capacity, driver)):
+    for problem in (_unique_names(tuple(attributes), driver), _unique_names(tuple(capacity), driver)):
         if problem:
             problems.append(problem)
     problems.extend(_consumption_problems(device.get("consumesCounters") or []))
