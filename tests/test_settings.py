@@ -1,0 +1,59 @@
+"""Settings (agent/settings.py): text from flags and SYSDRA_* converted to each field's type,
+every constructor checked, and a bad value named in the error (exit 78 in the CLI)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agent.settings import ConfigError, Settings, build_settings
+
+
+def _build(**values) -> Settings:
+    return build_settings(values, config_file=os.devnull, environ={})
+
+
+@pytest.mark.parametrize("word,value", [("true", True), ("Yes", True), ("ON", True), ("1", True),
+                                        ("false", False), ("no", False), ("Off", False), ("0", False)])
+def test_boolean_words(word, value):
+    assert _build(device_metadata=word).device_metadata is value
+    assert build_settings({}, os.devnull, environ={"SYSDRA_CLAIM_STATUS": word}).claim_status is value
+
+
+def test_text_becomes_the_fields_type():
+    s = _build(debounce="0.5", resync_interval="0", share="gpu, nic", kubelet_dir="rel/kubelet",
+               cluster="dir:rel/cluster", log_level="debug")
+    assert (s.debounce, s.resync_interval, s.share, s.log_level) == (0.5, 0.0, ("gpu", "nic"), "debug")
+    assert s.kubelet_dir == os.path.abspath("rel/kubelet") and s.cluster == "dir:" + os.path.abspath("rel/cluster")
+    assert _build(debounce=1).debounce == 1.0  # a YAML integer for a float setting
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"debounce": "soon"}, "invalid setting debounce: expected float, got str 'soon'"),
+    ({"claim_status": "maybe"}, "invalid setting claim-status: expected bool, got str 'maybe'"),
+    ({"log_level": "loud"}, "invalid setting log-level: invalid enum value 'loud'"),
+    ({"share": "gpu,tpu"}, "invalid setting share: invalid enum value 'tpu'"),
+    ({"share": "gpu,gpu"}, "invalid setting share: names a kind twice"),
+    ({"health_interval": "30"}, "invalid setting health-interval: must be in (0, 10] seconds"),
+    ({"rolling_update_uid": 12}, "invalid setting rolling-update-uid: expected str | null, got int"),
+    ({"share_policies": []}, "invalid setting share-policies: expected object, got array"),
+    ({"no_such": 1}, "invalid setting no-such: no such setting"),
+    ({"skip_node_operations": "{a: [b"}, "invalid setting skip-node-operations: not a YAML mapping"),
+])
+def test_a_bad_value_is_named(values, message):
+    with pytest.raises(ConfigError) as err:
+        Settings.of(values)
+    assert str(err.value).startswith(message)
+
+
+def test_every_constructor_checks():
+    s = Settings(node_name="node-a")
+    with pytest.raises(ValueError, match="debounce: must not be negative"):
+        Settings(node_name="node-a", debounce=-1.0)
+    with pytest.raises(ValueError, match="node-name: must be a lower-case DNS subdomain"):
+        s.replace(node_name="Node_A")
+    moved = s.replace(kubelet_dir="rel")
+    assert moved.kubelet_dir == os.path.abspath("rel") and s.kubelet_dir == "/var/lib/kubelet"
+    with pytest.raises(AttributeError):
+        s.debounce = 1.0  # frozen
