@@ -17,7 +17,8 @@ import pytest
 from lightkube import AsyncClient, KubeConfig
 
 from agent.kubeletplugin.claims import KubeClaimSource
-from agent.kubeletplugin.statuswriter import KubeStatus, StatusRefused, StatusWriter
+from agent.kubeletplugin.statusbackends import KubeStatus, StatusRefused
+from agent.kubeletplugin.statuswriter import StatusWriter
 from agent.kubeletplugin.types import ClaimRef
 from agent.publish import Reconciler
 from agent.publish.kubestore import KubeStore

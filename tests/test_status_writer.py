@@ -13,7 +13,8 @@ import os
 import pytest
 
 from agent.kubeletplugin import statuswriter
-from agent.kubeletplugin.statuswriter import StatusRefused, StatusWriter, status_writer
+from agent.kubeletplugin.statusbackends import StatusRefused
+from agent.kubeletplugin.statuswriter import StatusWriter, status_writer
 from agent.kubeletplugin.types import ClaimRef
 from tests.kubelet_standin import claim, settings_for, store_claim
 

@@ -110,7 +110,7 @@ def check_registration(status_socket: str, query: Callable[[str], dict] | None =
 
 
 # --- API server ------------------------------------------------------------------------------
-# (verb, group, resource) the agent uses: publish/kubestore.py, claims.py and statuswriter.py
+# (verb, group, resource) the agent uses: publish/kubestore.py, claims.py and statusbackends.py
 # (status.devices by server-side apply: the synthetic resourceclaims/driver subresource is
 # asked for the driver name, with the verb for a claim allocated to the token's own node)
 API_PERMISSIONS = (

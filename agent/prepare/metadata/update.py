@@ -151,7 +151,7 @@ def write_status(settings: Settings, ref: ClaimRef, client=None) -> int | None:
 def _write_status(settings: Settings, ref: ClaimRef, entries: list[dict], client) -> int:
     import asyncio
 
-    from agent.kubeletplugin.statuswriter import DirStatus, KubeStatus
+    from agent.kubeletplugin.statusbackends import DirStatus, KubeStatus
 
     if bad := [p for e in entries for p in devicestatus.problems(e)]:
         raise UpdateError("status.devices not written: " + "; ".join(bad))
