@@ -57,6 +57,17 @@ def test_debouncer_survives_a_failing_action():
     assert len(asyncio.run(scenario())) == 2
 
 
+def test_a_uevent_monitor_that_fails_to_start_reports_nothing():
+    """A monitor that cannot start (here: the loop it would read on is closed) leaves the agent
+    on periodic rescans, and health must keep polling what events would have reported."""
+    loop = asyncio.new_event_loop()
+    loop.close()
+    watcher = HardwareWatcher("/", Debouncer(1.0, lambda *_: None))
+    watcher.start(loop)
+    assert watcher.reports() == (False, False)
+    watcher.stop()
+
+
 # --- fixture tree: file events -------------------------------------------------------------
 def _device_names(cluster_dir: str) -> list[str]:
     names = []

@@ -148,12 +148,13 @@ class HardwareWatcher:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if os.path.abspath(self.root) == "/":
             try:
-                self._udev = UdevSource(lambda device: self._event(self._udev.source if self._udev else "udev",
-                                                                   _device_bdf(device)))
-                self._udev.start(loop)
-                log.info("watching %s uevents for %s", self._udev.source, ", ".join(SUBSYSTEMS))
+                udev = UdevSource(lambda device: self._event(udev.source, _device_bdf(device)))
+                udev.start(loop)
             except Exception as err:  # noqa: BLE001 - no libudev / AF_NETLINK: periodic rescans still work
                 log.warning("no uevent monitor (%s): relying on periodic rescans", err)
+                return
+            self._udev = udev  # only a started source: reports() tells health what events cover
+            log.info("watching %s uevents for %s", udev.source, ", ".join(SUBSYSTEMS))
         else:
             sys_dir = os.path.join(self.root, "sys")
             root = os.path.abspath(self.root)
