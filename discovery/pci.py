@@ -1,7 +1,7 @@
 """PCI functions from ``/sys/bus/pci/devices`` (one record per function).
 
-Required files: ``vendor``, ``device``, ``class`` — without them a function cannot be
-identified and goes to ``skipped``. Everything else is optional and costs only itself.
+Required values: vendor, device and class (from ``uevent``, else the ``vendor``, ``device``
+and ``class`` files) — without them a function cannot be identified and goes to ``skipped``. Everything else is optional and costs only itself.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def split_sysfs_path(real: str) -> tuple[str | None, tuple[str, ...]]:
     components (``virtio1``, VMD's ``pci10000:00``) are not bridges; a nested
     ``pciDDDD:BB`` (VMD) is not a new root complex for ``pcieRoot`` either.
     """
+    parent, _, last = real.rpartition("/")
+    if BDF_RE.match(last):
+        return _bridges_above(parent)
     parts = real.split("/")
     if len(parts) < 4 or parts[1] != "sys" or parts[2] != "devices" or not ROOT_BUS_RE.match(parts[3]):
         return None, ()
@@ -102,7 +105,7 @@ def _link(max_speed: str | None, max_width: int | None) -> PciLink:
 
 @lru_cache(maxsize=4096)
 def _bridges_above(parent: str) -> tuple[str | None, tuple[str, ...]]:
-    """``split_sysfs_path`` for a function directly below ``parent``: the 64 VFs of a PF
+    """``split_sysfs_path`` of a function directly below ``parent``: the 64 VFs of a PF
     share one answer."""
     parts = parent.split("/")
     if len(parts) < 4 or parts[1] != "sys" or parts[2] != "devices" or not ROOT_BUS_RE.match(parts[3]):
@@ -143,7 +146,6 @@ _PARSE = {"vendor": parse_id, "device": parse_id, "class": _hex, "subsystem_vend
           "subsystem_device": parse_id, "numa_node": _numa, "max_link_speed": str,
           "max_link_width": _int, "sriov_totalvfs": _int, "sriov_numvfs": _int}  # fmt: skip
 _ATTRS = tuple(_PARSE)
-_NOT_IN_UEVENT = tuple(n for n in _ATTRS if n not in ("vendor", "device", "class", "subsystem_vendor", "subsystem_device"))
 
 
 def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
@@ -184,8 +186,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
     if d.has("uevent"):  # unreadable or not a PCI uevent: the attribute files say it all
         text = fs.attrs(d, ("uevent",)).get("uevent")
         values = parse_uevent(text) if isinstance(text, str) else {}
-    wanted = _NOT_IN_UEVENT if len(values) == 6 else tuple(n for n in _ATTRS if n not in values)
-    for name, text in fs.attrs(d, wanted).items():
+    for name, text in fs.attrs(d, tuple(n for n in _ATTRS if n not in values)).items():
         try:
             values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
         except ValueError as err:
@@ -225,8 +226,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
         problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
         physfn = None
     iommu = link("iommu_group")
-    parent, _, last = real.rpartition("/")
-    pcie_root, bridges = _bridges_above(parent) if last == bdf else split_sysfs_path(real)
+    pcie_root, bridges = split_sysfs_path(real)
     fn = PciFunction(
         bdf=bdf,
         sysfs_path=real,
