@@ -150,7 +150,7 @@ def test_published_file_removed_by_someone_else_is_republished(tmp_path):
         pub = Publisher(store, node_name=NODE, driver_name=DRIVER, resync_interval=0, debounce=0.05)
         loop = asyncio.get_running_loop()
         task = loop.create_task(pub.run())
-        observer = watch_dir(store.directory, pub, loop, start_file_observer)
+        observer = watch_dir(store.directory, pub, start_file_observer)
         try:
             pub.set_pool(pool_of(5))
             await pub.wait_synced(lambda p: p.total.created == 1)

@@ -34,8 +34,9 @@ async def watch_api(store, publisher, backoff: Backoff | None = None) -> None:
         version = version or store.list_resource_version
 
 
-def watch_dir(directory: str, publisher, loop: asyncio.AbstractEventLoop, observe):
+def watch_dir(directory: str, publisher, observe):
     """File events in the offline ``resourceslices`` dir: a file deleted or edited by
     someone else is repaired like the kubelet's wipe. ``observe(paths, callback,
-    recursive=)`` starts the file watcher (the daemon's); returns the started observer."""
-    return observe([directory], lambda path: loop.call_soon_threadsafe(publisher.request_sync), recursive=False)
+    recursive=)`` starts the file watcher (the daemon's, which calls back on the event loop);
+    returns the started observer."""
+    return observe([directory], lambda path: publisher.request_sync(), recursive=False)

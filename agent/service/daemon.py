@@ -302,7 +302,7 @@ class Agent:
         if not await startup.unless_stopped(stop, self._first_publish()):
             return
         if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
-            started.callback(watch_dir(self.store.directory, self.publisher, loop, start_file_observer).stop)
+            started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
         elif hasattr(self.store, "watch"):
             tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
         debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),

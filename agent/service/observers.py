@@ -17,8 +17,6 @@ class NullMetrics:
     """``agent.service.metrics.Metrics``' interface, keeping nothing: with the endpoint
     disabled nobody can read metrics, so the agent does not load prometheus_client."""
 
-    registry = None
-
     def timed(self, what: str):
         return contextlib.nullcontext()
 
