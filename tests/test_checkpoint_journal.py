@@ -388,3 +388,37 @@ def test_no_room_to_preallocate_still_saves(path, monkeypatch, caplog):
     cp.claims[uid(2)] = entry(2)
     cp.save(changed=[uid(2)])
     assert Checkpoint.load(path).claims == cp.claims
+
+
+def test_our_own_save_under_way_is_not_taken_for_another_process(path):
+    """The status writer asks from the event loop while a prepare saves on a worker thread:
+    between the append and the new stamp, the file looks appended to by someone else."""
+    import threading
+
+    cp = Checkpoint.load(path)
+    cp.claims[uid(1)] = entry(1)
+    cp.save()
+    appended, go_on = threading.Event(), threading.Event()
+    append = cp._append
+
+    def slow_append(data, durable):  # as a slow fdatasync would hold it
+        append(data, durable)
+        appended.set()
+        go_on.wait(10)
+
+    cp._append = slow_append
+    cp.claims[uid(2)] = entry(2)
+    saver = threading.Thread(target=cp.save, kwargs={"changed": [uid(2)]})
+    saver.start()
+    try:
+        assert appended.wait(10)
+        assert cp.changed_on_disk()  # what a reader without the save lock would conclude
+        assert not cp.saved_by_another()
+    finally:
+        go_on.set()
+        saver.join(10)
+    assert not cp.saved_by_another()
+    other = Checkpoint.load(path)
+    other.claims[uid(3)] = entry(3)
+    other.save()
+    assert cp.saved_by_another()

@@ -50,6 +50,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from typing import Iterable
 
@@ -79,6 +80,7 @@ class Checkpoint:
         self.claims: dict[str, dict] = {}
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
         self.stamp: tuple | None = None  # identity of the files last loaded/saved
+        self._saving = threading.RLock()  # held while save() or compact() writes: see saved_by_another()
         self.generation = 0
         self._snapshot_size = 0
         self._journal_size: int | None = None  # good bytes in our generation's journal; None: start a new one
@@ -106,6 +108,18 @@ class Checkpoint:
         stamp = self._disk_stamp()
         return stamp[0] is not None and (stamp != self.stamp or self._foreign_append())
 
+    def saved_by_another(self) -> bool:
+        """``changed_on_disk`` asked from another thread than the saver's (the status writer's
+        loop): False while a save of ours is under way. Its half-written state would look like
+        another process's append, and memory is then the newest state anyway: the saver holds
+        the serialize lock, so no other process saves meanwhile."""
+        if not self._saving.acquire(blocking=False):
+            return False
+        try:
+            return self.changed_on_disk()
+        finally:
+            self._saving.release()
+
     def reload_if_changed(self) -> bool:
         """Pick up another process's save (``changed_on_disk``). Vanished or unreadable files
         keep what we have."""
@@ -116,9 +130,9 @@ class Checkpoint:
         except (CheckpointError, ValueError, RecursionError) as err:
             log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
             return False
-        corrupt_path = self.corrupt_path
+        corrupt_path, saving = self.corrupt_path, self._saving
         self.__dict__.update(fresh.__dict__)
-        self.corrupt_path = corrupt_path
+        self.corrupt_path, self._saving = corrupt_path, saving
         return True
 
     @classmethod
@@ -230,26 +244,27 @@ class Checkpoint:
         so surviving a crash of the process is all it needs (the page cache does that).
         On error (WriteError) the files are unchanged and so is what this object believes
         they hold; the caller restores ``claims``."""
-        updates = self._updates(changed)
-        if changed is not None and self.verify_changed:
-            missed = set(self._updates(None)) - set(updates)
-            assert not missed, f"checkpoint entries changed but not passed to save(): {sorted(missed)}"
-        if self._journal_size is None or self._due_for_compaction(updates):
-            self.compact()
-            return
-        if updates:
-            data = b"".join(journal_line(b'{"uid":%s,"entry":%s}' % (json_bytes(uid), b"null" if enc is None else enc))
-                            for uid, enc in updates.items())
-            self._append(data, durable)
-            self._journal_records += len(updates)
-            for uid, enc in updates.items():
-                if enc is None:
-                    self._encoded.pop(uid, None)
-                else:
-                    self._encoded[uid] = enc
-        elif durable and self._unsynced:
-            self._append(b"", durable=True)
-        self.stamp = self._disk_stamp()
+        with self._saving:
+            updates = self._updates(changed)
+            if changed is not None and self.verify_changed:
+                missed = set(self._updates(None)) - set(updates)
+                assert not missed, f"checkpoint entries changed but not passed to save(): {sorted(missed)}"
+            if self._journal_size is None or self._due_for_compaction(updates):
+                self.compact()
+                return
+            if updates:
+                data = b"".join(journal_line(b'{"uid":%s,"entry":%s}' % (json_bytes(uid), b"null" if enc is None else enc))
+                                for uid, enc in updates.items())
+                self._append(data, durable)
+                self._journal_records += len(updates)
+                for uid, enc in updates.items():
+                    if enc is None:
+                        self._encoded.pop(uid, None)
+                    else:
+                        self._encoded[uid] = enc
+            elif durable and self._unsynced:
+                self._append(b"", durable=True)
+            self.stamp = self._disk_stamp()
 
     def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
@@ -318,27 +333,28 @@ class Checkpoint:
         """New snapshot of all claims (next generation), then a new empty journal; both
         atomic and durable. A crash in between leaves an older journal, which loading
         ignores; the next save then compacts again."""
-        make_dirs(os.path.dirname(self.path) or ".", 0o750)
-        generation = self.generation + 1
-        encoded = {uid: canonical(e) for uid, e in self.claims.items()}
-        claims_json = canonical(self.claims)
-        digest = "sha256:" + hashlib.sha256(b"%d:%s" % (generation, claims_json)).hexdigest()
-        text = b'{"version": %d, "generation": %d, "checksum": "%s", "claims": %s}\n' % (
-            VERSION, generation, digest.encode(), claims_json)
-        atomic_write(self.path, text, mode=0o600, durable=True)
-        header = journal_line(b'{"journal":%d,"generation":%d}' % (VERSION, generation))
-        zeros = max(0, self.compact_bytes - len(header))
-        self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
-        self._journal_size, self._journal_records, self._unsynced = None, 0, False
-        try:
+        with self._saving:
+            make_dirs(os.path.dirname(self.path) or ".", 0o750)
+            generation = self.generation + 1
+            encoded = {uid: canonical(e) for uid, e in self.claims.items()}
+            claims_json = canonical(self.claims)
+            digest = "sha256:" + hashlib.sha256(b"%d:%s" % (generation, claims_json)).hexdigest()
+            text = b'{"version": %d, "generation": %d, "checksum": "%s", "claims": %s}\n' % (
+                VERSION, generation, digest.encode(), claims_json)
+            atomic_write(self.path, text, mode=0o600, durable=True)
+            header = journal_line(b'{"journal":%d,"generation":%d}' % (VERSION, generation))
+            zeros = max(0, self.compact_bytes - len(header))
+            self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
+            self._journal_size, self._journal_records, self._unsynced = None, 0, False
             try:
-                atomic_write(self.journal_path, header + bytes(zeros), mode=0o600, durable=True)
-            except WriteError as err:
-                if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not zeros:
-                    raise
-                log.warning("no room to preallocate the checkpoint journal (%s); it grows as it is appended to", err)
-                atomic_write(self.journal_path, header, mode=0o600, durable=True)
-            self._journal_size, self._garbage_end = len(header), 0
-        except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
-            log.warning("checkpoint saved as a snapshot only; %s", err)
-        self.stamp = self._disk_stamp()
+                try:
+                    atomic_write(self.journal_path, header + bytes(zeros), mode=0o600, durable=True)
+                except WriteError as err:
+                    if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not zeros:
+                        raise
+                    log.warning("no room to preallocate the checkpoint journal (%s); it grows as it is appended to", err)
+                    atomic_write(self.journal_path, header, mode=0o600, durable=True)
+                self._journal_size, self._garbage_end = len(header), 0
+            except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
+                log.warning("checkpoint saved as a snapshot only; %s", err)
+            self.stamp = self._disk_stamp()

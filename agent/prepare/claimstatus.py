@@ -124,7 +124,7 @@ class RecordedStatus:
 
     def __call__(self, ref: ClaimRef) -> list[dict] | None:
         cp = self._checkpoint()
-        if cp is not None and cp.changed_on_disk():
+        if cp is not None and cp.saved_by_another():
             cp = self._from_disk(cp.path)
         entry = cp.claims.get(ref.uid) if cp is not None else None
         if not entry or entry.get("state") != COMPLETED or (entry.get("namespace"), entry.get("name")) != (ref.namespace, ref.name):
@@ -133,10 +133,11 @@ class RecordedStatus:
 
     def _from_disk(self, path: str) -> Checkpoint | None:
         view = self._saved_by_other
-        if view is None or view.path != path or view.changed_on_disk():
-            try:
-                view = self._saved_by_other = Checkpoint.load(path, move_corrupt=False)
-            except (CheckpointError, ValueError, RecursionError, OSError) as err:
-                log.warning("checkpoint %s changed on disk but cannot be read (%s): status written as prepared", path, err)
-                return None
+        if view is not None and not view.changed_on_disk():
+            return view
+        try:
+            view = self._saved_by_other = Checkpoint.load(path, move_corrupt=False)
+        except (CheckpointError, ValueError, RecursionError, OSError) as err:
+            log.warning("checkpoint %s changed on disk but cannot be read (%s): status written as prepared", path, err)
+            return None
         return view
