@@ -5,8 +5,8 @@ Writes run in the background (``submit`` only records the wish), latest state pe
 wins, retried with backoff: status is what others read about a prepared device, never a
 reason to fail or delay NodePrepareResources. They wait for a pause in the kubelet's calls
 (``SETTLE``, at most ``MAX_DEFER``), so a burst of prepares is not slowed by them. A claim
-prepared and unprepared within that time is written once, with its latest state (the dir
-store then finds nothing to change and does not rewrite the file). ``idle()`` waits for the
+prepared and unprepared within that time is written once, with its latest state (a backend
+then finds nothing of ours to change and writes nothing). ``idle()`` waits for the
 pending writes (tests, shutdown). What a write puts in the claim is the driver's record of
 it at that moment (``recorded``), so a state queued before a ``sysdra metadata update`` never
 lands over the update's write.

@@ -37,7 +37,7 @@ KINDS = ("gpu", "nic", "fpga", "accelerator")
 HEALTH_STATES = ("healthy", "unhealthy", "unknown")
 REGISTRATION_STATES = ("not_started", "waiting", "registered", "failed")
 # agent.kubeletplugin.statuswriter.RESULTS, written out: importing the writer here would load the
-# kubelet side before the first publish (tests/test_metrics.py keeps the two equal)
+# kubelet side before the first publish (tests/test_claim_status_reporting.py keeps the two equal)
 CLAIM_STATUS_RESULTS = ("written", "unchanged", "refused", "invalid", "failed")
 _FAST = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
