@@ -8,8 +8,9 @@ system, from ``wait4``) of the process: all of these commands are single-threade
 idle machine it equals the wall time, and on a shared one it leaves out the time spent
 waiting for a CPU (the wall times are in the progress output).
 
-The Python processes run as an installed ``sysdra`` does (``agentproc.installed_env``):
-bytecode cached (the warm-up round fills the cache) and stdout buffered.
+The Python processes run as an installed ``sysdra`` does: from a wheel-like install without
+the development tree's editable-install hook (``agentproc.Install``), bytecode cached (the
+warm-up round fills the cache) and stdout buffered (``agentproc.installed_env``).
 
 ``first_publish``: a real ``sysdra run`` in offline mode on the same node, from ``exec`` to
 the first ResourceSlice file on disk, wall time (median of 3 starts). Floor: the CPU time of
@@ -22,11 +23,10 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from bench.agentproc import REPO, AgentProcess, installed_env, large_node, tmpfs_dir
+from bench.agentproc import REPO, AgentProcess, installed, installed_env, large_node, tmpfs_dir
 from bench.report import Figure, progress
 
 ROUNDS = 7
@@ -35,7 +35,7 @@ ROUNDS = 7
 def _timed(cmd: list[str], env: dict) -> tuple[float, float]:
     """(wall s, user + system CPU s) of one run, output discarded."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=installed().cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -45,7 +45,7 @@ def _timed(cmd: list[str], env: dict) -> tuple[float, float]:
 
 
 def commands(root: str) -> dict[str, list[str]]:
-    py = sys.executable
+    py = installed().python
     cmds = {
         "scan_json": [py, "-m", "agent", "scan", "--root", root, "-o", "json"],
         "scan_table": [py, "-m", "agent", "scan", "--root", root],

@@ -11,14 +11,12 @@ asyncio loop. Both are sampled with psutil over the same window.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
-from bench.agentproc import REPO, AgentProcess, installed_env, large_node, tmpfs_dir
+from bench.agentproc import AgentProcess, installed, installed_env, large_node, tmpfs_dir
 from bench.report import Figure, progress
 
 DURATION = 60.0
@@ -66,8 +64,8 @@ def run(duration: float = DURATION) -> list[Figure]:
     try:
         progress("idle: starting sysdra run on the large node and the floor process")
         with AgentProcess(root, work, cdi) as agent:
-            floor = subprocess.Popen([sys.executable, "-c", FLOOR_CODE.format(mods=FLOOR_IMPORTS, secs=duration + 30)],
-                                     cwd=REPO, env=installed_env())
+            floor = subprocess.Popen([installed().python, "-c", FLOOR_CODE.format(mods=FLOOR_IMPORTS, secs=duration + 30)],
+                                     cwd=installed().cwd, env=installed_env())
             time.sleep(5.0)  # start-up work (first health round, first syncs) is not idle time
             if agent.proc.poll() is not None or floor.poll() is not None:
                 raise RuntimeError("agent or floor process exited early")

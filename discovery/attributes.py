@@ -64,26 +64,32 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
         else:
             out[name] = value("string", v)
 
+    def short(name: str, v: str | None) -> None:
+        """A string whose format discovery checked when it parsed it (PCI ids: 4 hex digits,
+        MAC addresses, interface names: at most 15 bytes): within the limit by construction."""
+        if v is not None:
+            out[name] = value("string", v)
+
     def num(name: str, v: int | None) -> None:
         if v is not None:
             out[name] = value("int_", v)
 
-    text("type", dev.kind)
-    text("vendorID", fn.vendor_id)
-    text("deviceID", fn.device_id)
-    text("subsystemVendorID", fn.subsystem_vendor_id)
-    text("subsystemDeviceID", fn.subsystem_device_id)
-    text("pciClass", f"{fn.class_code:06x}")
+    short("type", dev.kind)
+    short("vendorID", fn.vendor_id)
+    short("deviceID", fn.device_id)
+    short("subsystemVendorID", fn.subsystem_vendor_id)
+    short("subsystemDeviceID", fn.subsystem_device_id)
+    short("pciClass", f"{fn.class_code:06x}")
     text("pciAddress", fn.bdf)  # also for 5-digit domains, where pciBusID is not published
     text("driver", fn.driver)
     num("iommuGroup", fn.iommu_group)
     text("pcieLinkSpeed", fn.link.max_speed)
     num("pcieLinkWidth", fn.link.max_width)
     if fn.physfn is not None:
-        text("sriovRole", "vf")
+        short("sriovRole", "vf")
         text("pfPciAddress", fn.physfn)
     elif fn.sriov is not None:
-        text("sriovRole", "pf")
+        short("sriovRole", "pf")
         num("sriovTotalVFs", fn.sriov.total_vfs)
         num("sriovNumVFs", fn.sriov.num_vfs)
     if dev.gpu is not None:
@@ -93,8 +99,8 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
     if dev.nic is not None:
         ifaces = dev.nic.interfaces
         if ifaces:
-            text("interfaceName", ifaces[0].name)
-            text("macAddress", ifaces[0].mac)
+            short("interfaceName", ifaces[0].name)
+            short("macAddress", ifaces[0].mac)
             num("mtu", ifaces[0].mtu)
             text("switchdevPortName", ifaces[0].phys_port_name)
             if list_attributes and len(ifaces) > 1:
