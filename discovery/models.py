@@ -191,8 +191,7 @@ class PciLink(Record, kw_only=True):
 
 class Sriov(Record, kw_only=True):
     total_vfs: int | None = None  # sriov_totalvfs
-    num_vfs: int | None = None  # sriov_numvfs
-    vfs: tuple[str, ...] = ()  # virtfnN targets (BDFs), by N
+    num_vfs: int | None = None  # sriov_numvfs (a VF names its PF: PciFunction.physfn)
 
 
 class PciFunction(Record, kw_only=True):

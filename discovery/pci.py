@@ -19,7 +19,6 @@ PCI_DEVICES = "sys/bus/pci/devices"
 BDF_RE = re.compile(r"^([0-9a-f]{4,}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
 ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 _ID_RE = re.compile(r"^0x([0-9a-f]{4})$")
-_VIRTFN_RE = re.compile(r"^virtfn(\d+)$")
 
 
 class PciError(Exception):
@@ -81,20 +80,6 @@ def _numa(text: str) -> int | None:
     if n >= 1024:
         raise ValueError(f"numa_node {n} out of range")
     return n
-
-
-def _vfs(fs: HostFS, d: Dir) -> tuple[str, ...]:
-    indexed = []
-    for name in d.names or ():
-        m = _VIRTFN_RE.match(name)
-        if m:
-            try:
-                target = fs.link_name(f"{d.path}/{name}")
-            except AttrError:
-                continue
-            if BDF_RE.match(target):
-                indexed.append((int(m.group(1)), target))
-    return tuple(t for _, t in sorted(indexed))
 
 
 @lru_cache(maxsize=256)
@@ -220,7 +205,9 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
 
     sriov = None
     if d.names is not None and "sriov_totalvfs" in d.names:
-        sriov = Sriov(total_vfs=opt("sriov_totalvfs"), num_vfs=opt("sriov_numvfs"), vfs=_vfs(fs, d))
+        # the VFs themselves are not read from the PF's virtfnN links: each VF's physfn link
+        # says the same (2,048 readlinks of the large node's scan; nothing asked the list)
+        sriov = Sriov(total_vfs=opt("sriov_totalvfs"), num_vfs=opt("sriov_numvfs"))
     physfn = link("physfn") if d.names is not None and "physfn" in d.names else None
     if physfn is not None and not BDF_RE.match(physfn):
         problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))

@@ -34,7 +34,6 @@ def sriov_inventory(pfs: int = 2, vfs: int = 4) -> Inventory:
     devices = []
     for p in range(pfs):
         pf = bdf(p)
-        vf_bdfs = tuple(bdf(p, f) for f in range(1, vfs + 1))
-        devices.append(device(p, "nic", sriov=Sriov(total_vfs=8, num_vfs=vfs, vfs=vf_bdfs)))
+        devices.append(device(p, "nic", sriov=Sriov(total_vfs=8, num_vfs=vfs)))
         devices.extend(device(p, "nic", fn=f, physfn=pf) for f in range(1, vfs + 1))
     return Inventory(root="/", devices=tuple(devices))
