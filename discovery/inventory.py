@@ -45,10 +45,11 @@ def _alveo_role(fn: PciFunction, views: frozenset[str]) -> str:
 
 
 @contextmanager
-def _collector_paused():
-    """No cyclic garbage collection while a scan builds its ~50,000 records: they hold no
-    cycles, and each collection would walk the whole growing heap again (~8 % of a large
-    node's scan). Reference counting frees as usual; the collector's state is restored."""
+def collector_paused():
+    """No cyclic garbage collection while a scan builds its ~50,000 records (and while
+    ``sysdra scan`` encodes them): they hold no cycles, and each collection would walk the
+    whole growing heap again (~8 % of a large node's scan). Reference counting frees as
+    usual; the collector's state is restored."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -113,7 +114,7 @@ class _Scanner:
         """``changed=None``: read every function. Else re-read only the functions in
         ``changed`` (plus their slot siblings, their PFs, and functions that appeared)
         and reuse the previous results for the others."""
-        with _collector_paused():
+        with collector_paused():
             return self._run(changed)
 
     def _run(self, changed: set[str] | None) -> Inventory:

@@ -84,3 +84,25 @@ def test_taint_unhealthy_shows_the_taint_run_would_publish(tmp_path):
     assert taints()["nic-0000-1a-00-0"] is None
     tainted = taints("--taint-unhealthy")["nic-0000-1a-00-0"]
     assert tainted and tainted[0]["key"] == "sysdra.io/unhealthy" and tainted[0]["effect"] == "NoSchedule"
+
+
+def test_scan_pauses_the_collector_and_leaves_it_as_it_found_it(capsys, monkeypatch):
+    """``sysdra scan`` encodes with the cyclic collector off (its objects hold no cycles); run
+    in-process, it must hand the collector back on, and back off when it found it off."""
+    import gc
+
+    from agent.cli import scan as scan_cmd
+
+    seen = []
+    real_scan = scan_cmd.scan
+    monkeypatch.setattr(scan_cmd, "scan", lambda *a, **kw: seen.append(gc.isenabled()) or real_scan(*a, **kw))
+    assert gc.isenabled()
+    assert cli.main(["scan", "--root", profile_root("sriov-nic"), "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"]
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        assert cli.main(["scan", "--root", profile_root("sriov-nic")]) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -7,6 +7,7 @@ needs inside ``run``: ``sysdra scan`` never pays for settings, gRPC or the API c
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import sys
@@ -33,7 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    was = gc.isenabled()
+    gc.disable()  # the subcommand modules' imports make no cycles; collecting them cost ~4 %
+    try:
+        parser = build_parser()
+    finally:
+        if was:
+            gc.enable()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
