@@ -7,7 +7,6 @@ a device turns into a ``skipped`` entry or a per-device problem.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 from contextlib import contextmanager
 
@@ -26,7 +25,10 @@ from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
-log = logging.getLogger(__name__)
+def _warn(msg: str, *args) -> None:
+    import logging  # only on this path: `sysdra scan` loads no logging otherwise (~3 ms of a start)
+
+    logging.getLogger(__name__).warning(msg, *args)
 
 
 def device_name(kind: str, bdf: str) -> str:
@@ -213,7 +215,7 @@ class _Scanner:
             elif kind == "accelerator":
                 info["accel"], nodes = read_accel(fs, res, fn, d, problems)
         except Exception as err:  # noqa: BLE001 - one device must never cost the inventory
-            log.warning("device %s: unexpected error while reading details: %r", fn.bdf, err)
+            _warn("device %s: unexpected error while reading details: %r", fn.bdf, err)
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
             nodes, capacity, info = [], {}, {}
         return self._finish(name, kind, fn, nodes, capacity, problems, **info)
