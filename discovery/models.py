@@ -362,9 +362,10 @@ class Inventory(Record, kw_only=True, gc=True, dict=True):
         """``sysdra scan -o json``: devices in ResourceSlice encoding plus device nodes."""
         devices = []
         for d in self.devices:  # the shared, read-only ``AttributeValue.api`` dicts: this is only encoded
+            attrs, cap = d.attributes, d.capacity  # keys sorted, not items: no tuple per entry
             entry = {"name": d.name, "kind": d.kind,
-                     "attributes": {k: v.api for k, v in sorted(d.attributes.items())},
-                     "capacity": {k: {"value": v} for k, v in sorted(d.capacity.items())},
+                     "attributes": {k: attrs[k].api for k in sorted(attrs)},
+                     "capacity": {k: {"value": cap[k]} for k in sorted(cap)} if cap else {},
                      "deviceNodes": [{"path": n.path, "type": n.type, "major": n.major, "minor": n.minor}
                                      for n in d.device_nodes]}  # fmt: skip
             if d.problems:
