@@ -93,11 +93,9 @@ class _Scanner:
             return Skipped(bdf=bdf, reason=f"cannot identify: {err}")
         views = d.names or frozenset()
         kind, why = classify(fn, views)
-        ids = dict(class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
-        if kind is None:
-            return Skipped(bdf=bdf, reason=f"not offered: {why}", **ids)
-        if fn.driver is None:
-            return Skipped(bdf=bdf, reason=f"no driver bound ({why})", **ids)
+        if kind is None or fn.driver is None:
+            reason = f"not offered: {why}" if kind is None else f"no driver bound ({why})"
+            return Skipped(bdf=bdf, reason=reason, class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
         if kind == "fpga" and _is_alveo(fn, views):
             card = BDF_RE.match(bdf).groups()[:3]
             alveo.setdefault(card, {})[_alveo_role(fn, views)] = (fn, d, problems)
@@ -140,8 +138,9 @@ class _Scanner:
         alveo: dict[tuple, dict] = {}
         for bdf in sorted(todo):
             results[bdf] = self._read(bdf, alveo)
-        # a function that appeared or changed may name a PF we have not re-read (VF created)
-        for bdf in sorted(todo):
+        # a function that appeared or changed may name a PF we have not re-read (VF created);
+        # a full scan has read every function
+        for bdf in sorted(todo) if changed is not None else ():
             r = results[bdf]
             pf = r[1].physfn if isinstance(r, tuple) and r[0] == "offered" else getattr(getattr(r, "pci", None), "physfn", None)
             if pf and pf in present and pf not in todo:
@@ -153,11 +152,12 @@ class _Scanner:
             if isinstance(r, tuple) and r[0] == "offered":
                 results[bdf] = self._offered(*r[1:])
         # Alveo cards: re-read together; a card with a re-read half is rebuilt from both halves
-        touched = {r[1] for bdf, r in results.items() if bdf in todo and isinstance(r, tuple)}
-        touched |= {_slot(b) for b in todo}
-        for card in list(cards):
-            if card in touched:
-                del cards[card]
+        if cards:  # an incremental scan's cards (a full scan starts without any)
+            touched = {r[1] for bdf, r in results.items() if bdf in todo and isinstance(r, tuple)}
+            touched |= {_slot(b) for b in todo}
+            for card in list(cards):
+                if card in touched:
+                    del cards[card]
         for card, halves in alveo.items():
             cards[card] = self._alveo_device(halves)
 
@@ -188,7 +188,7 @@ class _Scanner:
     def _finish(self, name: str, kind: str, fn: PciFunction, nodes, capacity: dict, problems, **info) -> Device:
         draft = Device(
             name=name, kind=kind, pci=fn, device_nodes=tuple(nodes),
-            capacity={k: quantity(v) for k, v in capacity.items()}, **info,
+            capacity={k: quantity(v) for k, v in capacity.items()} if capacity else {}, **info,
         )  # fmt: skip
         attrs, attr_problems = device_attributes(draft, self.numa, self.list_attributes)
         # the draft has not escaped yet: completed in place, as a record's own constructor

@@ -146,7 +146,7 @@ def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
     if target is not None and target.startswith("../../../devices/"):
         rest = target[9:].rstrip("/")
         if "/." not in rest and "//" not in rest:
-            return fs.path("sys", rest), "/sys/" + rest
+            return fs.path("sys/" + rest), "/sys/" + rest
     real_host = link if target is None else os.path.normpath(os.path.join(os.path.dirname(link), target))
     if not fs.contains(real_host):
         raise PciError(f"link escapes the root: {link}")
@@ -171,7 +171,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
     if d.has("uevent"):  # unreadable or not a PCI uevent: the attribute files say it all
         text = fs.attrs(d, ("uevent",)).get("uevent")
         values = parse_uevent(text) if isinstance(text, str) else {}
-    for name, text in fs.attrs(d, tuple(n for n in _ATTRS if n not in values)).items():
+    for name, text in fs.attrs(d, [n for n in _ATTRS if n not in values]).items():
         try:
             values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
         except ValueError as err:

@@ -13,6 +13,8 @@ import os
 import stat
 from dataclasses import dataclass
 
+import msgspec
+
 DEFAULT_ROOT = "/"
 MAX_ATTR_BYTES = 4096  # sysfs attributes are one page at most
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -76,8 +78,7 @@ def _attr_text(path: str, data: bytes) -> str:
     return text
 
 
-@dataclass(frozen=True, slots=True)
-class Dir:
+class Dir(msgspec.Struct, frozen=True, gc=False):
     """A directory listed once: its host path, entry names (None: it could not be listed)
     and, from the listing's entry types (``getdents``' d_type), which entries are regular
     files and which real directories. Readers ask :meth:`has` before looking for an optional
@@ -144,7 +145,7 @@ class HostFS:
         """A one-value sysfs attribute, stripped; empty counts as an error."""
         return _attr_text(path, self.read_bytes(path, limit))
 
-    def attrs(self, d: Dir, names: tuple[str, ...]) -> dict[str, str | AttrError]:
+    def attrs(self, d: Dir, names: list[str] | tuple[str, ...]) -> dict[str, str | AttrError]:
         """Several attributes of a listed directory in one pass: name -> text as
         :meth:`read_attr` returns it, or the :class:`AttrError` it would raise. Names the
         listing lacks are left out (missing, no system call); a file the listing shows as
