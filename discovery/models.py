@@ -46,23 +46,33 @@ _API_FIELDS = {
 _set = object.__setattr__  # how a frozen record's own constructor stores its fields
 
 
+def _value_of(name: str) -> property:
+    return property(lambda self: self.value if self.field == name else None,
+                    doc=f"The value if the field set is {name}, else None.")
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class AttributeValue:
     """One ResourceSlice DeviceAttribute: exactly one field is set.
 
-    Python names end in ``_`` where the API name is a builtin; the constructor also takes
-    the API names (``AttributeValue(int=1)``), and ``to_api`` uses them.
+    Stored as that field's Python name and its value (three slots, so the ~6,000 distinct
+    values of a large node are built in a few µs each); ``int_``, ``string``, ... read it
+    back, None for the others. Python names end in ``_`` where the API name is a builtin; the
+    constructor also takes the API names (``AttributeValue(int=1)``), and ``to_api`` uses them.
     """
 
-    int_: Optional[int]
-    bool_: Optional[bool]
-    string: Optional[str]
-    version: Optional[str]
-    ints: Optional[tuple[int, ...]]
-    bools: Optional[tuple[bool, ...]]
-    strings: Optional[tuple[str, ...]]
-    versions: Optional[tuple[str, ...]]
+    field: str  # the one field set: "int_", "bool_", "string", "version", "ints", ...
+    value: Any
     _api: Optional[dict] = field(default=None, init=False, repr=False, compare=False)  # ``api``, once asked for
+
+    int_ = _value_of("int_")
+    bool_ = _value_of("bool_")
+    string = _value_of("string")
+    version = _value_of("version")
+    ints = _value_of("ints")
+    bools = _value_of("bools")
+    strings = _value_of("strings")
+    versions = _value_of("versions")
 
     def __init__(self, *, int_: int | None = None, bool_: bool | None = None, string: str | None = None,
                  version: str | None = None, ints: tuple[int, ...] | None = None, bools: tuple[bool, ...] | None = None,
@@ -70,23 +80,23 @@ class AttributeValue:
         if api_names:
             int_, bool_ = _api_names(api_names, int_, bool_)
         values = (int_, bool_, string, version, ints, bools, strings, versions)
-        for name, value in zip(_VALUE_FIELDS, values):
-            _set(self, name, value)
-        _set(self, "_api", None)
-        set_fields = [name for name, value in zip(_VALUE_FIELDS, values) if value is not None]
+        set_fields = [(name, value) for name, value in zip(_VALUE_FIELDS, values) if value is not None]
         if len(set_fields) != 1:
-            raise ValueError(f"exactly one value field must be set, got {set_fields}")
-        if set_fields[0] in _LIST_FIELDS and not values[_VALUE_FIELDS.index(set_fields[0])]:
-            raise ValueError(f"list attribute {set_fields[0]} must not be empty")
+            raise ValueError(f"exactly one value field must be set, got {[name for name, _ in set_fields]}")
+        (name, value), = set_fields
+        if name in _LIST_FIELDS and not value:
+            raise ValueError(f"list attribute {name} must not be empty")
+        _set(self, "field", name)
+        _set(self, "value", value)
+        _set(self, "_api", None)
 
     @classmethod
     def trusted(cls, field: str, value) -> AttributeValue:
         """A value discovery built itself: ``field`` is a Python field name and ``value`` of its
         type (a non-empty tuple for a list). Nothing is checked."""
         out = cls.__new__(cls)
-        for name in _VALUE_FIELDS:
-            _set(out, name, None)
-        _set(out, field, value)
+        _set(out, "field", field)
+        _set(out, "value", value)
         _set(out, "_api", None)
         return out
 
@@ -119,11 +129,7 @@ class AttributeValue:
         return cls.trusted(name, tuple(value))
 
     def _item(self) -> tuple[str, object]:
-        for name in _VALUE_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                return name.rstrip("_"), value
-        raise AssertionError("no value field set")  # the constructors make this impossible
+        return self.field.rstrip("_"), self.value
 
     def to_api(self) -> dict:
         key, value = self._item()
@@ -148,7 +154,7 @@ class AttributeValue:
 
     @property
     def is_list(self) -> bool:
-        return any(getattr(self, k) is not None for k in _LIST_FIELDS)
+        return self.field in _LIST_FIELDS
 
 
 def _api_names(api_names: dict, int_, bool_) -> tuple:

@@ -153,8 +153,9 @@ def test_the_constructor_keeps_the_one_field_contract():
 def test_cached_encodings_are_built_once_and_not_carried_over():
     value = AttributeValue(strings=("a",))
     assert value.api is value.api
-    other = dataclasses.replace(value, strings=("b",))
+    other = AttributeValue.trusted("strings", ("b",))
     assert other.api == {"strings": ["b"]} and value.api == {"strings": ["a"]}
+    assert value.strings == ("a",) and value.ints is None and value.field == "strings"
     assert "_api" not in repr(value) and value == AttributeValue(strings=("a",))  # the cache is not compared
 
     inv = scan(profile_root("server-2s-gpu-nic"))
