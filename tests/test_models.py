@@ -156,7 +156,8 @@ def test_cached_encodings_are_built_once_and_not_carried_over():
     other = AttributeValue.trusted("strings", ("b",))
     assert other.api == {"strings": ["b"]} and value.api == {"strings": ["a"]}
     assert value.strings == ("a",) and value.ints is None and value.field == "strings"
-    assert "_api" not in repr(value) and value == AttributeValue(strings=("a",))  # the cache is not compared
+    assert "api" not in repr(value) and value == AttributeValue(strings=("a",))  # the encoding is not compared
+    assert value.api == value.to_api() and value.api is not value.to_api()  # to_api: a fresh dict to change
 
     inv = scan(profile_root("server-2s-gpu-nic"))
     assert inv.by_name() is inv.by_name() and set(inv.by_name()) == {d.name for d in inv.devices}
