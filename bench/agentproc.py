@@ -7,6 +7,7 @@ import atexit
 import glob
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -64,14 +65,12 @@ class Install:
         venv = os.path.join(base, "venv")
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
         self.python = os.path.join(venv, "bin", "python")
-        site = subprocess.run([self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
-        import site as this_site
-
-        with open(os.path.join(site, "sysdra-deps.pth"), "w") as f:
-            f.write("".join(p + "\n" for p in this_site.getsitepackages()))
+        purelib = subprocess.run([self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True).stdout.strip()
+        with open(os.path.join(purelib, "sysdra-deps.pth"), "w") as f:
+            f.write("".join(p + "\n" for p in site.getsitepackages()))
         for pkg in PACKAGES:
-            shutil.copytree(os.path.join(REPO, pkg), os.path.join(site, pkg),
+            shutil.copytree(os.path.join(REPO, pkg), os.path.join(purelib, pkg),
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         self.cwd = base
 

@@ -25,6 +25,7 @@ from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
+
 def _warn(msg: str, *args) -> None:
     import logging  # only on this path: `sysdra scan` loads no logging otherwise (~3 ms of a start)
 

@@ -127,29 +127,29 @@ class AttributeValue:
                 raise ValueError(f"{key}[{i}]: expected {item_type.__name__}, got {type(item).__name__}")
         return cls.trusted(name, tuple(value))
 
-    def _item(self) -> tuple[str, object]:
-        return self.field.rstrip("_"), self.value
-
     def to_api(self) -> dict:
-        key, value = self._item()
-        return {key: list(value) if isinstance(value, tuple) else value}
+        """The API encoding as a new dict (``api`` is the shared one)."""
+        return _encode(self.field, self.value)
 
     @property
     def value_count(self) -> int:
         """How many values this attribute counts for against the 48-value limit."""
-        _, value = self._item()
-        return len(value) if isinstance(value, tuple) else 1
+        return len(self.value) if isinstance(self.value, tuple) else 1
 
     @property
     def is_list(self) -> bool:
         return self.field in _LIST_FIELDS
 
 
+def _encode(field: str, value) -> dict:
+    return {field.rstrip("_"): list(value) if isinstance(value, tuple) else value}
+
+
 def _fill(value_obj: AttributeValue, field: str, value) -> None:
     """Store a value's three slots, as a frozen record's own constructor does."""
     _set(value_obj, "field", field)
     _set(value_obj, "value", value)
-    _set(value_obj, "api", {field.rstrip("_"): list(value) if isinstance(value, tuple) else value})
+    _set(value_obj, "api", _encode(field, value))
 
 
 def _api_names(api_names: dict, int_, bool_) -> tuple:

@@ -1,7 +1,8 @@
 """PCI functions from ``/sys/bus/pci/devices`` (one record per function).
 
 Required values: vendor, device and class (from ``uevent``, else the ``vendor``, ``device``
-and ``class`` files) — without them a function cannot be identified and goes to ``skipped``. Everything else is optional and costs only itself.
+and ``class`` files) — without them a function cannot be identified and goes to
+``skipped``. Everything else is optional and costs only itself.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import os
 import subprocess
 
 from bench.agentproc import Install
+from tests.conftest import profile_root
 
 PROBE = ("import sys, agent.cli.main, discovery.inventory\n"
          "print(agent.cli.main.__file__)\n"
@@ -19,7 +20,7 @@ def test_the_installed_copy_runs_without_the_editable_hook(tmp_path):
     path, hooks = out.stdout.splitlines()
     assert path.startswith(os.path.join(inst.cwd, "venv")) and "site-packages" in path
     assert hooks == "[]"
-    scan = subprocess.run([inst.python, "-m", "agent", "scan", "--root", os.path.join(os.path.dirname(__file__), "..",
-                           "fixtures", "sysfs", "sriov-nic"), "-o", "json"], cwd=inst.cwd, capture_output=True, text=True)
+    scan = subprocess.run([inst.python, "-m", "agent", "scan", "--root", profile_root("sriov-nic"), "-o", "json"],
+                          cwd=inst.cwd, capture_output=True, text=True)
     assert scan.returncode == 0, scan.stderr
     assert '"devices"' in scan.stdout
