@@ -1,5 +1,3 @@
-import sys
+from agent.cli.main import entry
 
-from agent.cli.main import main
-
-sys.exit(main())
+entry()

@@ -106,3 +106,35 @@ def test_scan_pauses_the_collector_and_leaves_it_as_it_found_it(capsys, monkeypa
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_scan_command_ends_its_process_without_teardown_and_loses_no_output(tmp_path):
+    """As a command (``python -m agent``, the ``sysdra`` script), scan leaves by ``os._exit``
+    once its output is flushed: the whole output reaches a pipe and a file, the exit status
+    is kept, and no teardown runs (an atexit handler would otherwise print)."""
+    from agent.cli.scan import json_text
+    from discovery.inventory import scan
+
+    root = profile_root("server-2s-gpu-nic")
+    expected = json_text(scan(root).to_json())
+    probe = ("import atexit, sys; atexit.register(lambda: sys.stderr.write('teardown ran'));"
+             "sys.argv[0] = 'sysdra'; from agent.cli.main import entry; entry()")  # fmt: skip
+    piped = subprocess.run([sys.executable, "-c", probe, "scan", "--root", root, "-o", "json"], cwd=REPO,
+                           capture_output=True, timeout=60)
+    assert piped.returncode == 0 and piped.stdout == expected and b"teardown ran" not in piped.stderr
+    with open(tmp_path / "out.json", "wb") as out:
+        to_file = subprocess.run([sys.executable, "-m", "agent", "scan", "--root", root, "-o", "json"], cwd=REPO,
+                                 stdout=out, stderr=subprocess.PIPE, timeout=60)
+    assert to_file.returncode == 0 and (tmp_path / "out.json").read_bytes() == expected
+    missing = subprocess.run([sys.executable, "-c", probe, "scan", "--root", str(tmp_path / "absent")], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr and "teardown ran" not in missing.stderr
+
+
+def test_only_commands_that_ask_for_it_skip_the_teardown():
+    """``run`` (the daemon) and the commands that write files keep the interpreter's normal
+    exit; in-process callers (tests, ``main(argv)``) always get the status back."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["scan"]).quick_exit is True
+    for argv in (["run"], ["status"], ["doctor"]):
+        assert not getattr(parser.parse_args(argv), "quick_exit", False), argv

@@ -10,6 +10,7 @@ import argparse
 import gc
 import importlib
 import importlib.util
+import os
 import sys
 
 # Subcommands in help order; each is the module agent/cli/<name>.py.
@@ -33,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one command and return its exit status. ``own_process`` (the ``sysdra`` command):
+    a command that asks for it (``quick_exit``, e.g. ``scan``) ends the process when done."""
     was = gc.isenabled()
     gc.disable()  # the subcommand modules' imports make no cycles; collecting them cost ~4 %
     try:
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.enable()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -54,7 +57,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sysdra: {err}", file=sys.stderr)
             return settings.EX_CONFIG
         raise
+    if own_process and getattr(args, "quick_exit", False):
+        _quick_exit(status)
+    return status
+
+
+def _quick_exit(status: int) -> None:
+    """End a command that has written all it had to, without the interpreter's teardown: that
+    frees every object one by one (the large node's inventory and its JSON: ~20 ms, 6 % of a
+    ``sysdra scan -o json``) for a process that is about to end anyway. Only for commands
+    with no atexit work and no file left open; their output is flushed here."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # the reader left: as main's own handler, not an error
+        pass
+    os._exit(status)
+
+
+def entry() -> None:
+    """The ``sysdra`` command and ``python -m agent``."""
+    sys.exit(main(own_process=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", choices=("table", "tree", "json", "slices"), default="table")
     p.add_argument("--config", metavar="FILE", help="for -o slices: config file, as sysdra run's (default $SYSDRA_CONFIG or /etc/sysdra/config.yaml)")
     publishing.add_publishing_flags(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, quick_exit=True)  # it only prints: no teardown of the inventory
 
 
 def _settings(args):
