@@ -138,3 +138,23 @@ def test_only_commands_that_ask_for_it_skip_the_teardown():
     assert parser.parse_args(["scan"]).quick_exit is True
     for argv in (["run"], ["status"], ["doctor"]):
         assert not getattr(parser.parse_args(argv), "quick_exit", False), argv
+
+
+def test_a_named_command_parses_as_with_every_command_and_loads_no_other():
+    """``sysdra scan ...`` builds the scan parser alone: the same arguments parse to the same
+    values as with the whole parser, the other commands' modules are not imported, and
+    ``sysdra --help`` (or a mistyped command) still lists or names every command."""
+    root = profile_root("sriov-nic")
+    for argv in (["scan", "--root", root, "-o", "json"], ["scan", "--root", root, "-o", "slices", "--node-name", "n"],
+                 ["run", "--root", root, "--node-name", "n", "--debounce", "0.5"], ["status"], ["doctor"]):
+        assert cli.build_parser(argv[0]).parse_args(argv) == cli.build_parser().parse_args(argv), argv
+    probe = ("import sys; from agent.cli.main import main; main(sys.argv[1:]);"
+             "print(sorted(m for m in sys.modules if m.startswith('agent.cli.')), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", probe, "scan", "--root", root, "-o", "json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout)["devices"]
+    assert out.stderr.strip().splitlines()[-1] == "['agent.cli.main', 'agent.cli.publishing', 'agent.cli.scan']"
+    helped = subprocess.run([sys.executable, "-m", "agent", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and all(name in helped.stdout for name in cli.COMMANDS)
+    wrong = subprocess.run([sys.executable, "-m", "agent", "scna"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "invalid choice: 'scna'" in wrong.stderr and "metadata" in wrong.stderr

@@ -1,15 +1,16 @@
 """``sysdra`` command line. Each subcommand lives in its own ``agent/cli/<name>.py`` module
 with ``add_parser(subparsers)`` and ``run(args) -> int``; this file only dispatches.
 
-Building the parser imports every subcommand module, so those import what their command
-needs inside ``run``: ``sysdra scan`` never pays for settings, gRPC or the API client."""
+A command line that names its command builds that command's parser only (the others'
+modules are not imported, their flags not defined); ``sysdra --help`` and a mistyped
+command build them all. Subcommand modules import what their command needs inside
+``run``: ``sysdra scan`` never pays for settings, gRPC or the API client."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import importlib
-import importlib.util
 import os
 import sys
 
@@ -17,30 +18,25 @@ import sys
 COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
 
 
-def _commands() -> dict[str, str]:
-    found = {}
-    for name in COMMANDS:
-        mod = f"agent.cli.{name}"
-        if importlib.util.find_spec(mod) is not None:
-            found[name] = mod
-    return found
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command`` alone (it parses that command's
+    arguments as the whole parser does)."""
     parser = argparse.ArgumentParser(prog="sysdra", description="Kubernetes DRA node agent for GPUs, NICs, FPGAs and accelerators")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in _commands().values():
-        importlib.import_module(module).add_parser(sub)
+    # prog given: argparse would otherwise format a usage line for it (and load shutil)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="sysdra")
+    for name in (command,) if command in COMMANDS else COMMANDS:
+        importlib.import_module(f"agent.cli.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Run one command and return its exit status. ``own_process`` (the ``sysdra`` command):
     a command that asks for it (``quick_exit``, e.g. ``scan``) ends the process when done."""
+    argv = sys.argv[1:] if argv is None else argv
     was = gc.isenabled()
     gc.disable()  # the subcommand modules' imports make no cycles; collecting them cost ~4 %
     try:
-        parser = build_parser()
+        parser = build_parser(argv[0] if argv else None)
     finally:
         if was:
             gc.enable()
