@@ -31,11 +31,12 @@ def record_operations(root: str) -> list[tuple[str, str]]:
     return traced_scan(root)[1]
 
 
-def minimal_reader(ops: list[tuple[str, str]]) -> None:
-    """The floor: the same operations in a tight loop, no parsing, no models."""
+def minimal_reader(plan: list[tuple[str, str]]) -> None:
+    """The floor: the same operations (``fstrace.replay_plan``) in a tight loop, no parsing,
+    no models."""
     from agent.tools.fstrace import replay
 
-    replay(ops)
+    replay(plan)
 
 
 def _cpu(fn) -> float:
@@ -94,6 +95,8 @@ def floor_rss_mb() -> float:
 def run(repeat: int = 7) -> list[Figure]:
     from discovery.inventory import scan
 
+    from agent.tools.fstrace import replay_plan
+
     from bench.agentproc import large_node
 
     progress("generating the large node (shared by all benchmarks of this run)")
@@ -104,7 +107,8 @@ def run(repeat: int = 7) -> list[Figure]:
         ops = record_operations(tmp)
         progress(f"{len(ops)} operations; timing scan, minimal reader, lspci ({repeat} runs each)")
         scan(tmp)  # warm the dentry cache for everybody
-        t_scan, t_min = _interleaved(lambda: scan(tmp), lambda: minimal_reader(ops), repeat)
+        plan = replay_plan(ops)
+        t_scan, t_min = _interleaved(lambda: scan(tmp), lambda: minimal_reader(plan), repeat)
         figures = [Figure("scan", t_scan * 1000, "ms", t_min * 1000, "ratio <= 1.3", t_scan <= 1.3 * t_min)]
         lspci = shutil.which("lspci")
         if lspci:

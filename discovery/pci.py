@@ -161,18 +161,31 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
     Optional attributes that the listing lacks are not looked for, and callers reuse the
     listing (class views) instead of listing again."""
     real_host, real = _real_dir(fs, f"{fs.path(PCI_DEVICES)}/{bdf}")
-    if not fs.is_dir(real_host):
-        raise PciError("device directory missing or not a directory")
+    try:  # held open while the function is read: its files are looked up by one name each
+        dir_fd = fs.open_dir(real_host)
+    except AttrError as err:
+        if err.reason != "permission denied":  # missing, a symlink (ELOOP) or not a directory
+            raise PciError("device directory missing or not a directory") from None
+        dir_fd = None  # cannot be listed: its files are read by path
     try:
-        d = fs.list_dir(real_host)
+        return _read_listed(fs, bdf, real_host, real, dir_fd)
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+
+
+def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | None):
+    """:func:`read_function` with the function's directory open (``dir_fd``) or unlistable (None)."""
+    try:
+        d = fs.list_dir(real_host, dir_fd) if dir_fd is not None else Dir(real_host)
     except AttrError:
         d = Dir(real_host)
     problems: list[Problem] = []
     values: dict = {}
     if d.has("uevent"):  # unreadable or not a PCI uevent: the attribute files say it all
-        text = fs.attrs(d, ("uevent",)).get("uevent")
+        text = fs.attrs(d, ("uevent",), dir_fd).get("uevent")
         values = parse_uevent(text) if isinstance(text, str) else {}
-    for name, text in fs.attrs(d, [n for n in _ATTRS if n not in values]).items():
+    for name, text in fs.attrs(d, [n for n in _ATTRS if n not in values], dir_fd).items():
         try:
             values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
         except ValueError as err:
@@ -198,7 +211,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
         if not d.has(name):
             return None
         try:
-            return fs.link_name(f"{real_host}/{name}")
+            return fs.link_name(f"{real_host}/{name}", dir_fd)
         except AttrError as err:
             if err.reason != "missing":
                 problems.append(Problem(what=name, reason=err.reason))

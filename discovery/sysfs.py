@@ -19,6 +19,7 @@ DEFAULT_ROOT = "/"
 MAX_ATTR_BYTES = 4096  # sysfs attributes are one page at most
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _LISTED_FLAGS = _READ_FLAGS | os.O_NOFOLLOW  # a listed regular file: a symlink there now was swapped in
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a real directory, no symlink
 S_ISREG = stat.S_ISREG
 
 _REASONS = {
@@ -145,12 +146,13 @@ class HostFS:
         """A one-value sysfs attribute, stripped; empty counts as an error."""
         return _attr_text(path, self.read_bytes(path, limit))
 
-    def attrs(self, d: Dir, names: list[str] | tuple[str, ...]) -> dict[str, str | AttrError]:
+    def attrs(self, d: Dir, names: list[str] | tuple[str, ...], dir_fd: int | None = None) -> dict[str, str | AttrError]:
         """Several attributes of a listed directory in one pass: name -> text as
         :meth:`read_attr` returns it, or the :class:`AttrError` it would raise. Names the
         listing lacks are left out (missing, no system call); a file the listing shows as
         regular is opened straight away (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since
-        the listing from being followed or blocking). The scan's hot path, so written out."""
+        the listing from being followed or blocking), relative to ``dir_fd`` when the caller
+        holds the directory open (:meth:`open_dir`). The scan's hot path, so written out."""
         out: dict[str, str | AttrError] = {}
         base, files, listed = d.path, d.files, d.names
         _open, _read, _close = os.open, os.read, os.close  # per call, not at import: the tracer patches os
@@ -162,7 +164,7 @@ class HostFS:
                 if name not in files:  # type unknown from the listing: the checked read
                     out[name] = self.read_attr(path)
                     continue
-                fd = _open(path, _LISTED_FLAGS)
+                fd = _open(path, _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
                 try:
                     data = _read(fd, MAX_ATTR_BYTES + 1)
                 finally:
@@ -192,10 +194,11 @@ class HostFS:
             raise AttrError(path, f"not an integer: {text[:40]!r}") from err
 
     # --- links and listings ------------------------------------------------------
-    def link_name(self, path: str) -> str:
-        """Basename of a symlink's target (``driver``, ``iommu_group``, ``physfn``)."""
+    def link_name(self, path: str, dir_fd: int | None = None) -> str:
+        """Basename of a symlink's target (``driver``, ``iommu_group``, ``physfn``); with
+        ``dir_fd``, the link is read relative to its directory, held open by the caller."""
         try:
-            target = os.readlink(path)
+            target = os.readlink(path) if dir_fd is None else os.readlink(path.rpartition("/")[2], dir_fd=dir_fd)
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
         name = target.rstrip("/").rpartition("/")[2]
@@ -228,11 +231,22 @@ class HostFS:
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
 
-    def list_dir(self, path: str) -> Dir:
-        """``path`` listed once, with its entries' types (no ``stat`` per entry: d_type)."""
+    def open_dir(self, path: str) -> int:
+        """A real directory (not a symlink to one) opened, for :meth:`list_dir`,
+        :meth:`attrs` and :meth:`link_name` relative to it: each of those then looks one name
+        up instead of walking the whole path again (a PCI function's directory is ~10
+        components deep). The caller closes it."""
+        try:
+            return os.open(path, _DIR_FLAGS)
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+
+    def list_dir(self, path: str, dir_fd: int | None = None) -> Dir:
+        """``path`` listed once, with its entries' types (no ``stat`` per entry: d_type);
+        through ``dir_fd`` (:meth:`open_dir` of ``path``) when the caller holds it open."""
         names, files, dirs = [], [], []
         try:
-            with os.scandir(path) as entries:
+            with os.scandir(path if dir_fd is None else dir_fd) as entries:
                 for e in entries:
                     names.append(e.name)
                     if e.is_file(follow_symlinks=False):

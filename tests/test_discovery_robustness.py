@@ -188,3 +188,72 @@ def test_real_sys_scan_works():
         assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert set(data) >= {"devices", "skipped"}
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("how", ["symlink", "file", "unreadable", "unidentifiable"])
+def test_a_function_directory_is_held_open_only_while_it_is_read(pristine, tmp_path, monkeypatch, how):
+    """Discovery reads a function's files relative to its directory, held open: a directory
+    that is a symlink (to a real one) or a file is skipped as before, one it may not list
+    is read by path, and no descriptor outlives the scan, whatever the function's fate."""
+    root = str(tmp_path / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    inv0 = scan(root)
+    victim = inv0.devices[0]
+    d = os.path.join(root, victim.pci.sysfs_path.lstrip("/"))
+    if how == "symlink":
+        os.rename(d, d + ".real")
+        os.symlink(os.path.basename(d) + ".real", d)
+    elif how == "file":
+        shutil.rmtree(d)
+        open(d, "w").close()
+    elif how == "unreadable":  # EACCES on opening it (root may open any directory: stand-in for a 0311 one)
+        real_open = os.open
+
+        def refusing(path, flags, *a, **kw):
+            if path == d and flags & os.O_DIRECTORY:
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path, flags, *a, **kw)
+
+        monkeypatch.setattr(os, "open", refusing)
+    else:
+        open(os.path.join(d, "uevent"), "w").write("DRIVER=x\n")
+        os.unlink(os.path.join(d, "vendor"))
+    before = _open_fds()
+    inv = scan(root)
+    assert _open_fds() == before
+    reasons = {s.bdf: s.reason for s in inv.skipped}
+    if how in ("symlink", "file"):
+        assert "device directory missing or not a directory" in reasons[victim.pci.bdf]
+    elif how == "unreadable":
+        assert inv.by_name()[victim.name].attributes == victim.attributes
+    else:
+        assert "vendor: missing" in reasons[victim.pci.bdf]
+
+
+def test_the_traced_operations_replay_as_the_scan_made_them(pristine):
+    """The bench's floor and ``sysdra record`` see the held directories: each ``opendir`` is
+    closed, relative operations name files directly in it, and the plan replays cleanly."""
+    from agent.tools.fstrace import replay, replay_plan, traced_scan
+
+    _, ops = traced_scan(pristine)
+    held = None
+    relative = 0
+    for op, path in ops:
+        assert path.startswith(pristine), (op, path)
+        if op == "opendir":
+            assert held is None
+            held = path
+        elif op == "closedir":
+            assert path == held
+            held = None
+        elif op.endswith("@"):
+            relative += 1
+            assert held is not None and (path == held if op == "scandir@" else os.path.dirname(path) == held)
+    assert held is None and relative > 0
+    before = _open_fds()
+    replay(replay_plan(ops))
+    assert _open_fds() == before

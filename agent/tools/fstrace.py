@@ -4,15 +4,22 @@ Two users: ``sysdra record`` learns from it what to copy into a fixture tree, an
 ``bench/bench_scan.py`` replays exactly these operations as the floor a scan is measured
 against. So every operation discovery uses is traced under its own name: ``open``,
 ``scandir`` (a listing with entry types), ``listdir``, ``readlink``, ``stat``, ``lstat``.
-Paths are recorded as given: discovery passes absolute host paths, never ``dir_fd``.
+A directory discovery holds open to work in it (``HostFS.open_dir``) is traced as
+``opendir`` ... ``closedir``; the operations made relative to it carry an ``@`` (``open@``,
+``readlink@``, ``scandir@``). Every traced path is the whole host path.
 """
 
 from __future__ import annotations
 
 import os
 
-TRACED = ("open", "scandir", "listdir", "readlink", "stat", "lstat")
-LISTINGS = ("scandir", "listdir")
+TRACED = ("open", "scandir", "listdir", "readlink", "stat", "lstat", "close")
+LISTINGS = ("scandir", "listdir", "scandir@")
+
+
+def plain_op(op: str) -> str:
+    """The operation whatever it was relative to: ``open@`` -> ``open``."""
+    return op.rstrip("@")
 
 
 def traced_scan(root: str) -> tuple[object, list[tuple[str, str]]]:
@@ -21,12 +28,30 @@ def traced_scan(root: str) -> tuple[object, list[tuple[str, str]]]:
 
     ops: list[tuple[str, str]] = []
     real = {name: getattr(os, name) for name in TRACED}
+    held: dict[int, str] = {}  # directory descriptors the scan holds open -> their paths
 
     def wrap(name):
+        fn = real[name]
+
         def traced(path, *a, **kw):
-            if isinstance(path, str):
-                ops.append((name, path))
-            return real[name](path, *a, **kw)
+            if isinstance(path, int):  # close(fd), scandir(fd): only held directories are traced
+                where = held.pop(path, None) if name == "close" else held.get(path)
+                if where is not None:
+                    ops.append(("closedir" if name == "close" else name + "@", where))
+                return fn(path, *a, **kw)
+            if not isinstance(path, str):
+                return fn(path, *a, **kw)
+            dir_fd = kw.get("dir_fd")
+            if dir_fd is not None:
+                ops.append((name + "@", f"{held[dir_fd]}/{path}"))
+                return fn(path, *a, **kw)
+            if name == "open" and (a[0] if a else kw.get("flags", 0)) & os.O_DIRECTORY:
+                ops.append(("opendir", path))
+                fd = fn(path, *a, **kw)
+                held[fd] = path
+                return fd
+            ops.append((name, path))
+            return fn(path, *a, **kw)
 
         return traced
 
@@ -40,18 +65,36 @@ def traced_scan(root: str) -> tuple[object, list[tuple[str, str]]]:
     return inventory, ops
 
 
-def replay(ops: list[tuple[str, str]]) -> None:
-    """The same operations in a tight loop: no parsing, no records (the bench's floor).
-    A listing with types asks each entry's type, as discovery does (free with d_type)."""
+def replay_plan(ops: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The traced operations as :func:`replay` makes them: relative ones by their last name."""
+    return [(op, path.rpartition("/")[2] if op.endswith("@") and op != "scandir@" else path) for op, path in ops]
+
+
+def replay(plan: list[tuple[str, str]]) -> None:
+    """The same operations (:func:`replay_plan`) in a tight loop: no parsing, no records (the
+    bench's floor). A listing with types asks each entry's type, as discovery does (free with
+    d_type); relative operations go through the directory held open, as discovery's do."""
     flags = os.O_RDONLY | os.O_NONBLOCK
-    for op, path in ops:
+    held = -1
+    for op, path in plan:
         try:
             if op == "open":
                 fd = os.open(path, flags)
                 os.read(fd, 4097)
                 os.close(fd)
-            elif op == "scandir":
-                with os.scandir(path) as entries:
+            elif op == "open@":
+                fd = os.open(path, flags, dir_fd=held)
+                os.read(fd, 4097)
+                os.close(fd)
+            elif op == "readlink@":
+                os.readlink(path, dir_fd=held)
+            elif op == "opendir":
+                held = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            elif op == "closedir":
+                os.close(held)
+                held = -1
+            elif op == "scandir" or op == "scandir@":
+                with os.scandir(path if op == "scandir" else held) as entries:
                     for e in entries:
                         e.is_file(follow_symlinks=False) or e.is_dir(follow_symlinks=False)
             elif op == "listdir":

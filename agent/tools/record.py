@@ -28,7 +28,7 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 
-from agent.tools.fstrace import LISTINGS, traced_scan
+from agent.tools.fstrace import LISTINGS, plain_op, traced_scan
 
 MAX_TEXT = 4096
 DENY = re.compile(r"^(config|rom|resource\d*(_wc)?|vpd|remove|rescan|reset|new_id|remove_id|bind|unbind)$")
@@ -251,6 +251,12 @@ def _placeholder(rec: Recording, d: str) -> None:
     rec.placeholders += 1
 
 
+def _traced(root: str) -> list[tuple[str, str]]:
+    """The scan's file operations on ``root``, each as what it touched (relative or not; a
+    held directory is an ``opendir``, which records it as a directory)."""
+    return [(plain_op(op), path) for op, path in traced_scan(root)[1] if op != "closedir"]
+
+
 def _apply(rec: Recording, ops: list[tuple[str, str]], root: str) -> None:
     for op, path in ops:
         parts = _rel_parts(root, path)
@@ -311,11 +317,10 @@ def record(out: str, root: str = "/", redact: bool = False, redactor: Redactor |
         raise ValueError(f"{out} must not be inside the recorded /sys or /proc")
     os.makedirs(out, exist_ok=True)
     rec = Recording(root, out, redactor or (Redactor() if redact else None))
-    _, ops = traced_scan(root)
-    _apply(rec, ops, root)
+    _apply(rec, _traced(root), root)
     _materialize(rec, ["proc", "devices"], True)  # major numbers for nodes not backed by sysfs
     for _ in range(rounds):  # replay; add what the replay asked for and the first pass missed
-        _, replay_ops = traced_scan(out)
+        replay_ops = _traced(out)
         missing = [(op, os.path.join(root, "/".join(parts))) for op, parts in
                    ((op, _rel_parts(out, p)) for op, p in replay_ops) if parts and _missed(rec, op, parts)]
         if not missing:
