@@ -33,7 +33,8 @@ def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) ->
 
     def opt(attr: str, parse=str):
         try:
-            return parse(fs.read_attr(f"{path}/{attr}"))
+            text = fs.read_optional(f"{path}/{attr}")
+            return None if text is None else parse(text)
         except AttrError as err:
             # phys_port_name reads EOPNOTSUPP when the driver has no switchdev ops: expected
             expected = attr.startswith("phys_") and err.reason.startswith("not supported")
@@ -45,7 +46,8 @@ def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) ->
 
     mac = opt("address")
     try:  # EINVAL or -1 while the link is down: no speed, and nothing wrong
-        speed: int | None = int(fs.read_attr(f"{path}/speed"))
+        text = fs.read_optional(f"{path}/speed")
+        speed: int | None = int(text) if text is not None else None
     except (AttrError, ValueError):
         speed = None
     return NetInterface(

@@ -102,6 +102,18 @@ def test_read_primitive_errors(tmp_path):
         "loop": "symlink loop",
         "missing": "missing",
     }
+    # an optional attribute: absent is None, every other failure the same error as read_attr's
+    (tmp_path / "file").write_text("x\n")
+    assert fs.read_optional(str(tmp_path / "ok")) == "0x10de"
+    assert fs.read_optional(str(tmp_path / "missing")) is None
+    assert fs.read_present(str(tmp_path / "missing")) is None
+    for name in ("huge", "latin1", "empty", "nul", "fifo", "loop"):
+        with pytest.raises(AttrError) as exc:
+            fs.read_optional(str(tmp_path / name))
+        assert exc.value.reason == reasons[name], name
+    with pytest.raises(AttrError) as exc:  # a path through a file: ENOTDIR is no absence
+        fs.read_optional(str(tmp_path / "file" / "speed"))
+    assert exc.value.reason == "not a directory"
 
 
 def test_contains_rejects_escapes(tmp_path):
