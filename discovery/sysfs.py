@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
 import msgspec
 
@@ -96,9 +95,9 @@ class Dir(msgspec.Struct, frozen=True, gc=False):
         return self.names is None or name in self.names
 
 
-@dataclass(frozen=True)
-class HostFS:
-    """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests)."""
+class HostFS(msgspec.Struct, frozen=True):
+    """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests). A Struct, as
+    ``Dir``: a dataclass decorator cost ~0.7 ms of every ``sysdra`` start."""
 
     root: str = DEFAULT_ROOT
 
