@@ -7,6 +7,7 @@ class, vendor/device ids and the class views found below the function.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import lru_cache
 
 import msgspec
@@ -89,9 +90,9 @@ RULES: tuple[Rule, ...] = (
 _RULE_VIEWS = frozenset(r.view for r in RULES if r.view is not None)
 
 
-def classify(fn: PciFunction, views: frozenset[str]) -> tuple[str | None, str]:
+def classify(fn: PciFunction, views: Collection[str]) -> tuple[str | None, str]:
     """-> (kind or None, why). ``views``: names of the entries below the function dir."""
-    return _classify(fn.class_code, fn.vendor_id, fn.device_id, views & _RULE_VIEWS)
+    return _classify(fn.class_code, fn.vendor_id, fn.device_id, frozenset(views & _RULE_VIEWS))
 
 
 @lru_cache(maxsize=1024)

@@ -13,18 +13,22 @@ _UVERBS = re.compile(r"^uverbs(\d+)$")
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,19}$")
 _IFNAME = re.compile(r"^[^/\s]{1,15}$")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?) Gb/sec\b")
+VIRTIO_VENDOR = "1af4"  # every virtio PCI device (virtio spec, 4.1.2)
 
 
-def _net_dirs(fs: HostFS, d: Dir) -> list[str]:
-    """Directories that hold netdevs: ``<fn>/net`` and virtio's ``<fn>/virtioN/net``."""
+def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
+    """Directories that hold netdevs: ``<fn>/net``, and a virtio device's ``<fn>/virtioN/net``
+    (virtio's PCI vendor is 1af4, by its spec; only those are looked through)."""
     dirs = [f"{d.path}/net"] if d.has("net") else []
+    if fn.vendor_id != VIRTIO_VENDOR:
+        return dirs
     if d.names is None:
         try:
             d = fs.list_dir(d.path)
         except AttrError:
             return dirs
-    dirs += [f"{d.path}/{n}/net" for n in sorted(d.dirs) if n.startswith("virtio")]
-    return dirs
+    # by path (the function's directory is no longer held), real directories only
+    return dirs + [f"{d.path}/{n}/net" for n in sorted(d.names) if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]
 
 
 def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) -> NetInterface:
@@ -72,12 +76,12 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
     """-> (NicInfo, device nodes)."""
     pci_dir = d.path
     interfaces = []
-    for net_dir in _net_dirs(fs, d):
+    for net_dir in _net_dirs(fs, fn, d):
         try:
             listed = fs.list_dir(net_dir)
         except AttrError:
             continue
-        for name in sorted(listed.dirs):  # real directories only (d_type), as sysfs has them
+        for name in listed.subdirs():  # real directories only (d_type), as sysfs has them
             if _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import KeysView
 
 import msgspec
 
@@ -79,20 +80,34 @@ def _attr_text(path: str, data: bytes) -> str:
 
 
 class Dir(msgspec.Struct, frozen=True, gc=False):
-    """A directory listed once: its host path, entry names (None: it could not be listed)
-    and, from the listing's entry types (``getdents``' d_type), which entries are regular
-    files and which real directories. Readers ask :meth:`has` before looking for an optional
-    entry, so an absent one costs no system call, and a file the listing shows as regular is
-    opened without the ``stat`` that otherwise comes first."""
+    """A directory listed once: its host path and its entries by name (``entries`` None: it
+    could not be listed); ``names`` is a view of their names. Readers ask :meth:`has` before
+    looking for an optional entry, so an absent one costs no system call. An entry's type is
+    asked only of the entries read (:meth:`HostFS.attrs`: a file the listing shows as regular
+    is opened without the ``stat`` that otherwise comes first), from the listing's d_type;
+    asking all ~30 entries of a PCI function as they were listed was ~60 M instructions of a
+    large node's scan. A listing made through a held directory (:meth:`HostFS.open_dir`) is
+    asked while that directory is open: an entry without d_type is looked up relative to it."""
 
     path: str
-    names: frozenset[str] | None = None
-    files: frozenset[str] = frozenset()
-    dirs: frozenset[str] = frozenset()
+    entries: dict[str, os.DirEntry] | None = None
+    names: KeysView[str] | None = None
 
     def has(self, name: str) -> bool:
         """False only when the listing shows that ``name`` is absent."""
         return self.names is None or name in self.names
+
+    def subdirs(self) -> list[str]:
+        """Names of the real directories (not symlinks), sorted; for a listing made by path
+        (an entry without d_type is then looked up by its path)."""
+        out = []
+        for name, entry in (self.entries or {}).items():
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    out.append(name)
+            except OSError:  # no d_type, and the lstat failed: not known to be a directory
+                pass
+        return sorted(out)
 
 
 class HostFS(msgspec.Struct, frozen=True):
@@ -169,14 +184,15 @@ class HostFS(msgspec.Struct, frozen=True):
         the listing from being followed or blocking), relative to ``dir_fd`` when the caller
         holds the directory open (:meth:`open_dir`). The scan's hot path, so written out."""
         out: dict[str, str | AttrError] = {}
-        base, files, listed = d.path, d.files, d.names
+        base, entries = d.path, d.entries
         _open, _read, _close = os.open, os.read, os.close  # per call, not at import: the tracer patches os
         for name in names:
-            if listed is not None and name not in listed:
-                continue
+            entry = None
+            if entries is not None and (entry := entries.get(name)) is None:
+                continue  # the listing lacks it
             path = f"{base}/{name}"
             try:
-                if name not in files:  # type unknown from the listing: the checked read
+                if entry is None or not entry.is_file(follow_symlinks=False):  # type unknown: the checked read
                     out[name] = self.read_attr(path)
                     continue
                 fd = _open(path, _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
@@ -257,20 +273,15 @@ class HostFS(msgspec.Struct, frozen=True):
             raise AttrError(path, os_reason(err)) from err
 
     def list_dir(self, path: str, dir_fd: int | None = None) -> Dir:
-        """``path`` listed once, with its entries' types (no ``stat`` per entry: d_type);
-        through ``dir_fd`` (:meth:`open_dir` of ``path``) when the caller holds it open."""
-        names, files, dirs = [], [], []
+        """``path`` listed once, its entries kept with the types the listing gave them (d_type:
+        no ``stat`` per entry); through ``dir_fd`` (:meth:`open_dir` of ``path``) when the
+        caller holds it open."""
         try:
-            with os.scandir(path if dir_fd is None else dir_fd) as entries:
-                for e in entries:
-                    names.append(e.name)
-                    if e.is_file(follow_symlinks=False):
-                        files.append(e.name)
-                    elif e.is_dir(follow_symlinks=False):
-                        dirs.append(e.name)
+            with os.scandir(path if dir_fd is None else dir_fd) as listing:
+                entries = {e.name: e for e in listing}
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
-        return Dir(path, frozenset(names), frozenset(files), frozenset(dirs))
+        return Dir(path, entries, entries.keys())
 
     def contains(self, host_path: str) -> bool:
         """True if a (normalised) host path lies under the root."""

@@ -257,3 +257,22 @@ def test_the_traced_operations_replay_as_the_scan_made_them(pristine):
     before = _open_fds()
     replay(replay_plan(ops))
     assert _open_fds() == before
+
+
+def test_netdevs_are_found_in_real_directories_only(tmp_path):
+    """A virtio NIC's netdev is one level deeper (``virtioN/net``); neither that directory
+    nor a netdev's own may be a symlink (one could point anywhere, outside the root too)."""
+    root = str(tmp_path / "root")
+    shutil.copytree(profile_root("vm-numa-none"), root, symlinks=True)
+    fn_dir = os.path.join(root, "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0")
+    nic = scan(root).by_name()["nic-0000-05-00-0"]
+    assert [i.name for i in nic.nic.interfaces] == ["eth0"]
+
+    elsewhere = str(tmp_path / "elsewhere")
+    shutil.copytree(os.path.join(fn_dir, "virtio12/net/eth0"), os.path.join(elsewhere, "eth1"), symlinks=True)
+    os.symlink(os.path.join(elsewhere, "eth1"), os.path.join(fn_dir, "virtio12/net/eth1"))
+    assert [i.name for i in scan(root).by_name()[nic.name].nic.interfaces] == ["eth0"]
+
+    os.rename(os.path.join(fn_dir, "virtio12"), os.path.join(elsewhere, "virtio12"))
+    os.symlink(os.path.join(elsewhere, "virtio12"), os.path.join(fn_dir, "virtio12"))
+    assert scan(root).by_name()[nic.name].nic.interfaces == ()
