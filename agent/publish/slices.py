@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from itertools import chain
 
 from agent.deviceapi import device_api
 from agent.publish import partitions as gpu_partitions
@@ -20,6 +21,7 @@ API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
 MAX_DEVICES = 128
 MAX_DEVICES_ADVANCED = 64  # any taint, consumesCounters or list attribute in the slice
+_SCALAR_FIELDS = frozenset(("string", "int", "bool", "version"))  # any other value field is a list
 MAX_COUNTER_SETS = 8
 # generateName: the apiserver keeps 58 characters of the prefix and appends 5 random ones
 MAX_GENERATE_PREFIX = 58
@@ -41,7 +43,8 @@ class PoolContent:
 def is_advanced(device: dict) -> bool:
     if device.get("taints") or device.get("consumesCounters"):
         return True
-    return any(next(iter(v)) in ("ints", "bools", "strings", "versions") for v in (device.get("attributes") or {}).values())
+    # each attribute value is a one-field dict ({"string": ...}): its fields, chained, all scalar?
+    return not _SCALAR_FIELDS.issuperset(chain.from_iterable((device.get("attributes") or {}).values()))
 
 
 def _limit(advanced: bool) -> int:
