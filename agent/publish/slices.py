@@ -117,7 +117,8 @@ def _greedy(devices: list[dict]) -> list[list[dict]]:
 
 def _with_pf_attribute(entry: dict, pf_bdf: str) -> dict:
     attributes = entry.get("attributes") or {}
-    if any(v.get("string") == pf_bdf for v in attributes.values()):
+    pf_value = {"string": pf_bdf}
+    if attributes.get(PF_ATTRIBUTE) == pf_value or pf_value in attributes.values():  # discovery's, or another name
         return entry
     attributes = dict(attributes, **{PF_ATTRIBUTE: {"string": pf_bdf}})
     return dict(entry, attributes=dict(sorted(attributes.items())))

@@ -126,14 +126,12 @@ def device_problems(device: dict, driver: str, list_attributes: bool, checked: d
     if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
         problems.append(f"{len(attributes) + len(capacity)} attributes and capacities, at most {MAX_ATTRIBUTES_AND_CAPACITIES}")
     values = 0
+    memo = checked if checked is not None else {}
     for key, value in attributes.items():
-        if checked is None:
-            problem, count = _attribute_problem(key, value, list_attributes)
-        else:
-            hit = checked.get((key, id(value)))
-            if hit is None:
-                hit = checked[(key, id(value))] = (value, *_attribute_problem(key, value, list_attributes))
-            _, problem, count = hit
+        hit = memo.get((key, id(value)))
+        if hit is None:
+            hit = memo[(key, id(value))] = (value, *_attribute_problem(key, value, list_attributes))
+        _, problem, count = hit
         if problem:
             problems.append(problem)
         else:
