@@ -91,7 +91,7 @@ class Dir(msgspec.Struct, frozen=True, gc=False):
 
     path: str
     entries: dict[str, os.DirEntry] | None = None
-    names: KeysView[str] | None = None
+    names: KeysView[str] | None = None  # entries.keys(), a field: read several times per function
 
     def has(self, name: str) -> bool:
         """False only when the listing shows that ``name`` is absent."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from discovery.models import Device
+from discovery.nic import VIRTIO_VENDOR
 from discovery.sysfs import AttrError, HostFS
 
 HEALTHY, UNHEALTHY, UNKNOWN = "HEALTHY", "UNHEALTHY", "UNKNOWN"
@@ -216,7 +217,7 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
             f.good.append("device nodes present")
     _check_aer(fs, pci_dir, mem, now, f)
     if dev.kind == "nic":
-        _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == "1af4",
+        _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == VIRTIO_VENDOR,
                    known=dev.nic.interfaces if dev.nic else ())
     elif dev.kind == "accelerator" and (driver or mem.driver) == "habanalabs":
         _check_habanalabs(fs, pci_dir, f)

@@ -118,9 +118,10 @@ def _greedy(devices: list[dict]) -> list[list[dict]]:
 def _with_pf_attribute(entry: dict, pf_bdf: str) -> dict:
     attributes = entry.get("attributes") or {}
     pf_value = {"string": pf_bdf}
-    if attributes.get(PF_ATTRIBUTE) == pf_value or pf_value in attributes.values():  # discovery's, or another name
+    # discovery's own name is one lookup; any other name holding the PF's address, a scan in C
+    if attributes.get(PF_ATTRIBUTE) == pf_value or pf_value in attributes.values():
         return entry
-    attributes = dict(attributes, **{PF_ATTRIBUTE: {"string": pf_bdf}})
+    attributes = dict(attributes, **{PF_ATTRIBUTE: pf_value})
     return dict(entry, attributes=dict(sorted(attributes.items())))
 
 
