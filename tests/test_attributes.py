@@ -1,0 +1,93 @@
+"""Device attributes as discovery publishes them (discovery/attributes.py): limits, shared
+values and their tables."""
+
+from __future__ import annotations
+
+import pytest
+
+import discovery.attributes as attributes
+from discovery.attributes import MAX_ENTRIES, device_attributes
+from discovery.models import Device, GpuInfo, NetInterface, NicInfo, PciFunction, PciLink, RdmaDevice, Sriov
+
+
+def _fn(bdf: str = "0000:3b:00.1", **kw) -> PciFunction:
+    values = dict(bdf=bdf, sysfs_path=f"/sys/devices/pci0000:3a/0000:3a:00.0/{bdf}", pcie_root="pci0000:3a",
+                  vendor_id="15b3", device_id="101e", class_code=0x020000, driver="mlx5_core", numa_node=1,
+                  iommu_group=1, link=PciLink(max_speed="32.0 GT/s PCIe", max_width=16))  # fmt: skip
+    values.update(kw)
+    return PciFunction(**values)
+
+
+def _nic(fn: PciFunction, rdma: bool = True, **iface) -> Device:
+    net = NetInterface(**{"name": "ens1f1", "mac": "0c:42:a1:00:00:01", "mtu": 9000, **iface})
+    rd = (RdmaDevice(name="mlx5_1"),) if rdma else ()
+    return Device(name="nic-" + fn.bdf, kind="nic", pci=fn, nic=NicInfo(interfaces=(net,), rdma=rd))
+
+
+def test_a_nic_vf_in_order_with_the_standard_ones_first():
+    dev = _nic(_fn(physfn="0000:3b:00.0"))
+    attrs, problems = device_attributes(dev, (), False)
+    assert problems == []
+    assert list(attrs) == [
+        "resource.kubernetes.io/pciBusID", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode",
+        "type", "vendorID", "deviceID", "pciClass", "pciAddress", "driver", "iommuGroup", "pcieLinkSpeed",
+        "pcieLinkWidth", "sriovRole", "pfPciAddress", "interfaceName", "macAddress", "mtu", "rdma", "rdmaDevice",
+    ]  # fmt: skip
+    api = {k: v.api for k, v in attrs.items()}
+    assert api["iommuGroup"] == {"int": 1} and api["rdma"] == {"bool": True}  # 1 and True stay apart
+    assert api["pciClass"] == {"string": "020000"} and api["sriovRole"] == {"string": "vf"}
+    assert api["resource.kubernetes.io/numaNode"] == {"int": 1}
+
+
+def test_a_pf_publishes_its_vf_counts():
+    attrs, _ = device_attributes(_nic(_fn(sriov=Sriov(total_vfs=8, num_vfs=0)), rdma=False), (), False)
+    assert {k: attrs[k].api for k in ("sriovRole", "sriovTotalVFs", "sriovNumVFs", "rdma")} == {
+        "sriovRole": {"string": "pf"}, "sriovTotalVFs": {"int": 8}, "sriovNumVFs": {"int": 0}, "rdma": {"bool": False}}
+
+
+@pytest.mark.parametrize("value", ["x" * 65, "é" * 33, ""])
+def test_a_string_past_64_bytes_or_empty_is_left_out_with_a_problem(value):
+    """65 ASCII characters, or 33 two-byte ones (66 bytes in 33 characters); an empty one."""
+    gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200, driver=value),
+                 gpu=GpuInfo(vendor="nvidia", model=value))
+    attrs, problems = device_attributes(gpu, (), False)
+    assert "driver" not in attrs and "model" not in attrs
+    assert [(p.what, p.reason) for p in problems] == [("driver", "value longer than 64 bytes"),
+                                                      ("model", "value longer than 64 bytes")]
+    assert attrs["gpuVendor"].api == {"string": "nvidia"}
+
+
+def test_exactly_64_bytes_is_published():
+    gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200),
+                 gpu=GpuInfo(vendor="nvidia", model="é" * 32))
+    attrs, problems = device_attributes(gpu, (), False)
+    assert problems == [] and attrs["model"].api == {"string": "é" * 32}
+
+
+def test_values_are_shared_between_devices():
+    a, _ = device_attributes(_nic(_fn("0000:3b:00.1")), (), False)
+    b, _ = device_attributes(_nic(_fn("0000:3b:00.2"), mac="0c:42:a1:00:00:02"), (), False)
+    assert a["vendorID"] is b["vendorID"] and a["driver"] is b["driver"] and a["mtu"] is b["mtu"]
+    assert a["macAddress"] is not b["macAddress"]
+
+
+def test_a_full_value_table_starts_over_and_stays_right(monkeypatch):
+    """An agent that has met ever new values (MACs of recreated VFs) keeps its tables bounded."""
+    monkeypatch.setattr(attributes, "_TABLE_LIMIT", 4)
+    monkeypatch.setattr(attributes, "_STRINGS", {})
+    monkeypatch.setattr(attributes, "_INTS", {})
+    for i in range(20):
+        fn = _fn(f"0000:3b:{i:02x}.0", iommu_group=100 + i)
+        attrs, _ = device_attributes(_nic(fn, mac=f"0c:42:a1:00:00:{i:02x}"), (), False)
+        assert attrs["macAddress"].api == {"string": f"0c:42:a1:00:00:{i:02x}"}
+        assert attrs["iommuGroup"].api == {"int": 100 + i}
+        assert len(attributes._STRINGS) <= 4 and len(attributes._INTS) <= 4
+
+
+def test_more_than_32_entries_keep_the_first_ones():
+    dev = _nic(_fn()).replace(capacity={f"c{i}": "1" for i in range(20)})
+    attrs, problems = device_attributes(dev, (), False)
+    assert len(attrs) + len(dev.capacity) == MAX_ENTRIES
+    assert list(attrs)[:3] == ["resource.kubernetes.io/pciBusID", "resource.kubernetes.io/pcieRoot",
+                               "resource.kubernetes.io/numaNode"]  # fmt: skip
+    assert [p.what for p in problems] == ["attributes"] and "dropped 5" in problems[0].reason
