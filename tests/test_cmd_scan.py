@@ -3,6 +3,7 @@ and prints what run would publish with them."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -158,3 +159,33 @@ def test_a_named_command_parses_as_with_every_command_and_loads_no_other():
     assert helped.returncode == 0 and all(name in helped.stdout for name in cli.COMMANDS)
     wrong = subprocess.run([sys.executable, "-m", "agent", "scna"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "invalid choice: 'scna'" in wrong.stderr and "metadata" in wrong.stderr
+
+
+def test_the_parser_needs_no_shutil_and_formats_help_as_argparse_does(monkeypatch):
+    """argparse asks shutil for the terminal width in every add_argument; sysdra's formatter
+    finds the same width without it ($COLUMNS, else stdout's terminal, else 80)."""
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "shutil", None)  # importing it now fails
+        for command in (None, *cli.COMMANDS):
+            cli.build_parser(command)
+    for columns in ("50", "132", None):
+        if columns is None:
+            monkeypatch.delenv("COLUMNS", raising=False)
+        else:
+            monkeypatch.setenv("COLUMNS", columns)
+        ours = _helps()
+        with monkeypatch.context() as m:
+            m.setattr(cli, "_Formatter", argparse.HelpFormatter)
+            theirs = _helps()
+        assert ours == theirs, columns
+    scan_help = subprocess.run([sys.executable, "-m", "agent", "scan", "--help"], cwd=REPO, capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "COLUMNS": "60"})  # fmt: skip
+    assert scan_help.returncode == 0 and "--root ROOT" in scan_help.stdout
+    assert max(len(line) for line in scan_help.stdout.splitlines() if not line.startswith("  -o")) <= 58
+
+
+def _helps() -> list[str]:
+    """The help of sysdra and of each command."""
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return [parser.format_help()] + [commands[name].format_help() for name in cli.COMMANDS]

@@ -18,10 +18,42 @@ import sys
 COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
 
 
+def _help_width() -> int:
+    """The width help is formatted for, as argparse finds it (shutil.get_terminal_size less
+    two): $COLUMNS, else stdout's terminal, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return (columns or 80) - 2
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, the width found without shutil. argparse makes a formatter for
+    every add_argument (to check its metavar) and each asked shutil, whose import brings the
+    compression modules along: ~6.5 M instructions of every start, and an ioctl per flag."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
+        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of ``sysdra`` and of its commands (subparsers are of their parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or of ``command`` alone (it parses that command's
     arguments as the whole parser does)."""
-    parser = argparse.ArgumentParser(prog="sysdra", description="Kubernetes DRA node agent for GPUs, NICs, FPGAs and accelerators")
+    parser = _Parser(prog="sysdra", description="Kubernetes DRA node agent for GPUs, NICs, FPGAs and accelerators")
     # prog given: argparse would otherwise format the main parser's usage line to make one
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="sysdra")
     for name in (command,) if command in COMMANDS else COMMANDS:
