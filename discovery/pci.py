@@ -127,17 +127,27 @@ def parse_uevent(text: str) -> dict:
     return out
 
 
-# Read in one pass per function (absent ones cost nothing); the first three identify it.
+# The files of a function's values (absent ones cost nothing); the first three identify it.
 _PARSE = {"vendor": parse_id, "device": parse_id, "class": _hex, "subsystem_vendor": parse_id,
           "subsystem_device": parse_id, "numa_node": _numa, "max_link_speed": str,
           "max_link_width": _int, "sriov_totalvfs": _int, "sriov_numvfs": _int}  # fmt: skip
-_ATTRS = tuple(_PARSE)
+_IDS = ("vendor", "device", "class", "subsystem_vendor", "subsystem_device")  # also in uevent
+_ID_SET = frozenset(_IDS)
+# read in one pass: uevent (which names the ids and the driver) and the files it does not cover
+_FIRST_PASS = ("uevent",) + tuple(n for n in _PARSE if n not in _ID_SET)
 
 
-def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
+@lru_cache(maxsize=64)
+def _dirs(fs: HostFS) -> tuple[str, str]:
+    """(the bus's devices directory, the ``sys`` directory and a slash) under ``fs``'s root:
+    joined once per root, not twice per function."""
+    return fs.path(PCI_DEVICES), fs.path("sys") + "/"
+
+
+def _real_dir(fs: HostFS, link: str, sys_dir: str) -> tuple[str, str]:
     """The function's directory behind its bus link: (host path, path as on the node).
-    The kernel's link is ``../../../devices/...``, resolved by string; any other target
-    lexically, and it must stay under the root."""
+    The kernel's link is ``../../../devices/...``, resolved by string below ``sys_dir``; any
+    other target lexically, and it must stay under the root."""
     try:
         target = os.readlink(link)
     except OSError as err:
@@ -147,7 +157,7 @@ def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
     if target is not None and target.startswith("../../../devices/"):
         rest = target[9:].rstrip("/")
         if "/." not in rest and "//" not in rest:
-            return fs.path("sys/" + rest), "/sys/" + rest
+            return sys_dir + rest, "/sys/" + rest
     real_host = link if target is None else os.path.normpath(os.path.join(os.path.dirname(link), target))
     if not fs.contains(real_host):
         raise PciError(f"link escapes the root: {link}")
@@ -160,7 +170,8 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
 
     Optional attributes that the listing lacks are not looked for, and callers reuse the
     listing (class views) instead of listing again."""
-    real_host, real = _real_dir(fs, f"{fs.path(PCI_DEVICES)}/{bdf}")
+    bus_dir, sys_dir = _dirs(fs)
+    real_host, real = _real_dir(fs, f"{bus_dir}/{bdf}", sys_dir)
     try:  # held open while the function is read: its files are looked up by one name each
         dir_fd = fs.open_dir(real_host)
     except AttrError as err:
@@ -181,11 +192,12 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     except AttrError:
         d = Dir(real_host)
     problems: list[Problem] = []
-    values: dict = {}
-    if d.has("uevent"):  # unreadable or not a PCI uevent: the attribute files say it all
-        text = fs.attrs(d, ("uevent",), dir_fd).get("uevent")
-        values = parse_uevent(text) if isinstance(text, str) else {}
-    for name, text in fs.attrs(d, [n for n in _ATTRS if n not in values], dir_fd).items():
+    read = fs.attrs(d, _FIRST_PASS, dir_fd)
+    text = read.pop("uevent", None)
+    values = parse_uevent(text) if isinstance(text, str) else {}
+    if not values.keys() >= _ID_SET:  # no uevent, unreadable or not a PCI one: the id files say it
+        read.update(fs.attrs(d, [n for n in _IDS if n not in values], dir_fd))
+    for name, text in read.items():
         try:
             values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
         except ValueError as err:
@@ -211,7 +223,7 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
         if not d.has(name):
             return None
         try:
-            return fs.link_name(f"{real_host}/{name}", dir_fd)
+            return fs.link_name(f"{real_host}/{name}") if dir_fd is None else fs.link_name_at(real_host, name, dir_fd)
         except AttrError as err:
             if err.reason != "missing":
                 problems.append(Problem(what=name, reason=err.reason))

@@ -69,6 +69,23 @@ def _read_regular(path: str, limit: int) -> bytes:
     return data
 
 
+def _refused(data: bytes) -> str:
+    """Why the bytes read from an attribute are no value (as :func:`_attr_text` says it)."""
+    if len(data) > MAX_ATTR_BYTES:
+        return f"larger than {MAX_ATTR_BYTES} bytes"
+    try:
+        text = data.decode().strip()
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    return "contains NUL bytes" if text else "empty"
+
+
+def _target_name(target: str) -> str | None:
+    """The last component of a link's target (what it links to); None for none or a dot."""
+    name = target.rstrip("/").rpartition("/")[2]
+    return name if name and name != "." and name != ".." else None
+
+
 def _attr_text(path: str, data: bytes) -> str:
     try:
         text = data.decode("utf-8").strip()
@@ -190,12 +207,11 @@ class HostFS(msgspec.Struct, frozen=True):
             entry = None
             if entries is not None and (entry := entries.get(name)) is None:
                 continue  # the listing lacks it
-            path = f"{base}/{name}"
-            try:
+            try:  # the path is put together only for a read by path or an error
                 if entry is None or not entry.is_file(follow_symlinks=False):  # type unknown: the checked read
-                    out[name] = self.read_attr(path)
+                    out[name] = self.read_attr(f"{base}/{name}")
                     continue
-                fd = _open(path, _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
+                fd = _open(f"{base}/{name}", _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
                 try:
                     data = _read(fd, MAX_ATTR_BYTES + 1)
                 finally:
@@ -204,17 +220,17 @@ class HostFS(msgspec.Struct, frozen=True):
                 out[name] = err
                 continue
             except OSError as err:
-                out[name] = AttrError(path, os_reason(err))
+                out[name] = AttrError(f"{base}/{name}", os_reason(err))
                 continue
-            if len(data) > MAX_ATTR_BYTES:
-                out[name] = AttrError(path, f"larger than {MAX_ATTR_BYTES} bytes")
-                continue
-            try:
-                text = data.decode().strip()
-            except UnicodeDecodeError:
-                out[name] = AttrError(path, "not UTF-8")
-                continue
-            out[name] = text if text and "\x00" not in text else AttrError(path, "contains NUL bytes" if text else "empty")
+            if len(data) <= MAX_ATTR_BYTES:
+                try:
+                    text = data.decode().strip()
+                except UnicodeDecodeError:
+                    text = ""
+                if text and "\x00" not in text:
+                    out[name] = text
+                    continue
+            out[name] = AttrError(f"{base}/{name}", _refused(data))
         return out
 
     def read_int(self, path: str, base: int = 10) -> int:
@@ -228,14 +244,27 @@ class HostFS(msgspec.Struct, frozen=True):
     def link_name(self, path: str, dir_fd: int | None = None) -> str:
         """Basename of a symlink's target (``driver``, ``iommu_group``, ``physfn``); with
         ``dir_fd``, the link is read relative to its directory, held open by the caller."""
+        if dir_fd is not None:
+            base, _, name = path.rpartition("/")
+            return self.link_name_at(base, name, dir_fd)
         try:
-            target = os.readlink(path) if dir_fd is None else os.readlink(path.rpartition("/")[2], dir_fd=dir_fd)
+            target = os.readlink(path)
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
-        name = target.rstrip("/").rpartition("/")[2]
-        if not name or name in (".", ".."):
+        if (name := _target_name(target)) is None:
             raise AttrError(path, f"odd link target {target!r}")
         return name
+
+    def link_name_at(self, base: str, name: str, dir_fd: int) -> str:
+        """:meth:`link_name` of ``base/name``, read as ``name`` relative to ``dir_fd`` (``base``
+        held open by the caller); the path is put together for an error only."""
+        try:
+            target = os.readlink(name, dir_fd=dir_fd)
+        except OSError as err:
+            raise AttrError(f"{base}/{name}", os_reason(err)) from err
+        if (last := _target_name(target)) is None:
+            raise AttrError(f"{base}/{name}", f"odd link target {target!r}")
+        return last
 
     def resolve_link(self, path: str) -> str:
         """Resolve one symlink (relative to its directory), lexically, no recursion."""

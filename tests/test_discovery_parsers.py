@@ -114,6 +114,31 @@ def test_read_primitive_errors(tmp_path):
     with pytest.raises(AttrError) as exc:  # a path through a file: ENOTDIR is no absence
         fs.read_optional(str(tmp_path / "file" / "speed"))
     assert exc.value.reason == "not a directory"
+    # several of a listed directory at once, by path and through the held directory: the same
+    # text or the same error (its path the file's), and what the listing lacks left out
+    names = ("ok", "huge", "latin1", "empty", "nul", "fifo", "loop", "missing")
+    d = fs.list_dir(str(tmp_path))
+    fd = fs.open_dir(str(tmp_path))
+    try:
+        for got in (fs.attrs(d, names), fs.attrs(fs.list_dir(str(tmp_path), fd), names, fd)):
+            assert got.pop("ok") == "0x10de" and "missing" not in got
+            assert {name: err.reason for name, err in got.items()} == {k: v for k, v in reasons.items() if k != "missing"}
+            assert all(err.path == str(tmp_path / name) for name, err in got.items())
+    finally:
+        os.close(fd)
+    assert fs.link_name(str(tmp_path / "loop")) == "loop"
+    fd = fs.open_dir(str(tmp_path))
+    try:
+        assert fs.link_name_at(str(tmp_path), "loop", fd) == "loop"
+        for name, reason in (("ok", "invalid (EINVAL)"), ("missing", "missing")):
+            with pytest.raises(AttrError) as exc:
+                fs.link_name_at(str(tmp_path), name, fd)
+            assert (exc.value.path, exc.value.reason) == (str(tmp_path / name), reason)
+        os.symlink("..", tmp_path / "up")
+        with pytest.raises(AttrError, match="odd link target"):
+            fs.link_name_at(str(tmp_path), "up", fd)
+    finally:
+        os.close(fd)
 
 
 def test_contains_rejects_escapes(tmp_path):
