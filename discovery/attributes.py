@@ -93,7 +93,7 @@ SHORT, TEXT, INT = 0, 1, 2
 def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
     """All attributes of a device; documented one by one in docs/attributes.md. Absent values
     (None) are left out; a string longer than 64 bytes is left out with a problem. The entries
-    are listed first and published in one loop, each value found in its table: a helper call
+    are listed first and published by one loop (:func:`_publish`), each value found in its table: a helper call
     and an lru_cache lookup per attribute took 9.0 µs per device of the large node, this 3.6."""
     fn = dev.pci
     entries = [
@@ -118,6 +118,35 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
                     ("switchdevPortName", TEXT, first.phys_port_name))  # fmt: skip
     out = standard_attributes(fn, numa, list_attributes)
     problems: list[Problem] = []
+    _publish(out, problems, entries)
+    later: list = []  # after the NIC's list and bool values, in their order
+    if nic is not None:
+        if list_attributes and len(nic.interfaces) > 1:
+            names = tuple(i.name for i in nic.interfaces if 0 < len(i.name.encode()) <= MAX_STRING)
+            if names:
+                out["interfaceNames"] = _value("strings", names)
+        out["rdma"] = _BOOLS[bool(nic.rdma)]
+        if nic.rdma:
+            later.append(("rdmaDevice", TEXT, nic.rdma[0].name))
+    if dev.fpga is not None:
+        fpga = dev.fpga
+        later += (("fpgaFamily", TEXT, fpga.family), ("afuID", TEXT, fpga.afu_id), ("interfaceID", TEXT, fpga.interface_id),
+                  ("userPciAddress", TEXT, fpga.user_bdf if fpga.user_bdf != fn.bdf else None))  # fmt: skip
+    if dev.accel is not None:
+        later.append(("moduleID", INT, dev.accel.module_id))
+    if later:
+        _publish(out, problems, later)
+    if len(out) + len(dev.capacity) > MAX_ENTRIES:
+        # keep the standard ones and the first driver-local ones, in insertion order
+        keep = list(out)[: MAX_ENTRIES - len(dev.capacity)]
+        problems.append(Problem(what="attributes", reason=f"more than {MAX_ENTRIES} entries, dropped {len(out) - len(keep)}"))
+        out = {k: out[k] for k in keep}
+    return out, problems
+
+
+def _publish(out: dict, problems: list[Problem], entries) -> None:
+    """Each (name, check, value) entry's shared value into ``out``; None values left out, a
+    TEXT one past the limit (or empty) left out with a problem."""
     strings, ints = _STRINGS.get, _INTS.get
     for name, check, v in entries:
         if v is None:
@@ -128,43 +157,6 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
             out[name] = strings(v) or _new(_STRINGS, "string", v)
         else:
             problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
-    if nic is not None:
-        _nic_lists(out, problems, nic, list_attributes)
-    if dev.fpga is not None:
-        fpga = dev.fpga
-        _checked(out, problems, (("fpgaFamily", fpga.family), ("afuID", fpga.afu_id), ("interfaceID", fpga.interface_id),
-                                 ("userPciAddress", fpga.user_bdf if fpga.user_bdf != fn.bdf else None)))  # fmt: skip
-    if dev.accel is not None and dev.accel.module_id is not None:
-        out["moduleID"] = int_value(dev.accel.module_id)
-    if len(out) + len(dev.capacity) > MAX_ENTRIES:
-        # keep the standard ones and the first driver-local ones, in insertion order
-        keep = list(out)[: MAX_ENTRIES - len(dev.capacity)]
-        problems.append(Problem(what="attributes", reason=f"more than {MAX_ENTRIES} entries, dropped {len(out) - len(keep)}"))
-        out = {k: out[k] for k in keep}
-    return out, problems
-
-
-def _nic_lists(out: dict, problems: list[Problem], nic, list_attributes: bool) -> None:
-    """A NIC's interface names (listed attributes only) and its RDMA device."""
-    ifaces = nic.interfaces
-    if list_attributes and len(ifaces) > 1:
-        names = tuple(i.name for i in ifaces if 0 < len(i.name.encode()) <= MAX_STRING)
-        if names:
-            out["interfaceNames"] = _value("strings", names)
-    out["rdma"] = _BOOLS[bool(nic.rdma)]
-    if nic.rdma:
-        _checked(out, problems, (("rdmaDevice", nic.rdma[0].name),))
-
-
-def _checked(out: dict, problems: list[Problem], entries) -> None:
-    """TEXT entries of the rarer device kinds."""
-    for name, v in entries:
-        if v is None:
-            continue
-        if not v or len(v) > MAX_STRING or (not v.isascii() and len(v.encode()) > MAX_STRING):
-            problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
-        else:
-            out[name] = string_value(v)
 
 
 def quantity(n_bytes: int) -> str:

@@ -70,9 +70,7 @@ def _read_regular(path: str, limit: int) -> bytes:
 
 
 def _refused(data: bytes) -> str:
-    """Why the bytes read from an attribute are no value (as :func:`_attr_text` says it)."""
-    if len(data) > MAX_ATTR_BYTES:
-        return f"larger than {MAX_ATTR_BYTES} bytes"
+    """Why an attribute's bytes (within its size limit) are no value."""
     try:
         text = data.decode().strip()
     except UnicodeDecodeError:
@@ -88,12 +86,12 @@ def _target_name(target: str) -> str | None:
 
 def _attr_text(path: str, data: bytes) -> str:
     try:
-        text = data.decode("utf-8").strip()
-    except UnicodeDecodeError as err:
-        raise AttrError(path, "not UTF-8") from err
-    if not text or "\x00" in text:
-        raise AttrError(path, "contains NUL bytes" if text else "empty")
-    return text
+        text = data.decode().strip()
+    except UnicodeDecodeError:
+        text = ""
+    if text and "\x00" not in text:
+        return text
+    raise AttrError(path, _refused(data))
 
 
 class Dir(msgspec.Struct, frozen=True, gc=False):
@@ -230,7 +228,8 @@ class HostFS(msgspec.Struct, frozen=True):
                 if text and "\x00" not in text:
                     out[name] = text
                     continue
-            out[name] = AttrError(f"{base}/{name}", _refused(data))
+            out[name] = AttrError(f"{base}/{name}", f"larger than {MAX_ATTR_BYTES} bytes" if len(data) > MAX_ATTR_BYTES
+                                  else _refused(data))  # fmt: skip
         return out
 
     def read_int(self, path: str, base: int = 10) -> int:
@@ -241,12 +240,8 @@ class HostFS(msgspec.Struct, frozen=True):
             raise AttrError(path, f"not an integer: {text[:40]!r}") from err
 
     # --- links and listings ------------------------------------------------------
-    def link_name(self, path: str, dir_fd: int | None = None) -> str:
-        """Basename of a symlink's target (``driver``, ``iommu_group``, ``physfn``); with
-        ``dir_fd``, the link is read relative to its directory, held open by the caller."""
-        if dir_fd is not None:
-            base, _, name = path.rpartition("/")
-            return self.link_name_at(base, name, dir_fd)
+    def link_name(self, path: str) -> str:
+        """Basename of a symlink's target (``driver``, ``iommu_group``, ``physfn``)."""
         try:
             target = os.readlink(path)
         except OSError as err:
@@ -293,7 +288,7 @@ class HostFS(msgspec.Struct, frozen=True):
 
     def open_dir(self, path: str) -> int:
         """A real directory (not a symlink to one) opened, for :meth:`list_dir`,
-        :meth:`attrs` and :meth:`link_name` relative to it: each of those then looks one name
+        :meth:`attrs` and :meth:`link_name_at` relative to it: each of those then looks one name
         up instead of walking the whole path again (a PCI function's directory is ~10
         components deep). The caller closes it."""
         try:
