@@ -104,12 +104,32 @@ _UEVENT_CLASS = re.compile(r"^[0-9A-Fa-f]{1,6}$")
 _UEVENT_DRIVER = re.compile(r"^[^/\s]+$")
 
 
+_H4 = "([0-9A-Fa-f]{4})"
+# What the kernel prints for a PCI function (drivers/pci/pci-driver.c pci_uevent, after the
+# driver core's DRIVER= line), each key once and in this order: one match instead of a loop
+# over the lines. \S* also rules out every character splitlines() splits on, so a text that
+# matches says exactly what the line-by-line reading below would.
+_KERNEL_UEVENT = re.compile(
+    rf"(?:DRIVER=([^/\s]+)\n)?PCI_CLASS=([0-9A-Fa-f]{{1,6}})\nPCI_ID={_H4}:{_H4}\n"
+    rf"PCI_SUBSYS_ID={_H4}:{_H4}\nPCI_SLOT_NAME=\S*\nMODALIAS=\S*"
+)
+
+
 def parse_uevent(text: str) -> dict:
     """What a PCI function's ``uevent`` says of it: the kernel prints the same ``pci_dev``
     fields as the ``vendor``, ``device``, ``class`` and ``subsystem_*`` files, and the
     driver's name (no ``DRIVER=`` line: none bound). One file instead of five and a link.
     Only well-formed fields are returned, with the attribute files' names; ``driver`` only
     when the text is a PCI uevent (has ``PCI_ID``), else the caller asks the files."""
+    if (m := _KERNEL_UEVENT.fullmatch(text)) is not None:
+        driver, pci_class, vendor, device, sub_vendor, sub_device = m.groups()
+        return {"class": int(pci_class, 16), "vendor": vendor.lower(), "device": device.lower(),
+                "subsystem_vendor": sub_vendor.lower(), "subsystem_device": sub_device.lower(), "driver": driver}  # fmt: skip
+    return uevent_lines(text)
+
+
+def uevent_lines(text: str) -> dict:
+    """:func:`parse_uevent` line by line, for any order, repeated keys and other lines."""
     out: dict = {}
     driver = None
     for line in text.splitlines():

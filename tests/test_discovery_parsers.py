@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -10,7 +11,7 @@ from discovery.devnodes import parse_dev, parse_proc_devices
 from discovery.gpu import parse_nvidia_information
 from discovery.models import NumaNode
 from discovery.numa import close_nodes, parse_cpulist
-from discovery.pci import parse_bdf, parse_id, split_sysfs_path
+from discovery.pci import _KERNEL_UEVENT, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
 from discovery.sysfs import AttrError, HostFS
 
 
@@ -27,6 +28,43 @@ def test_parse_id():
     for bad in ("10de", "0x10de0", "0xzzzz", ""):
         with pytest.raises(ValueError):
             parse_id(bad)
+
+
+def _uevent_texts() -> list[str]:
+    """This machine's PCI uevents and the fixtures', as ``attrs`` hands them over (stripped)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    texts = []
+    for pattern in ("/sys/bus/pci/devices/*/uevent", os.path.join(here, "fixtures/sysfs/*/sys/bus/pci/devices/*/uevent")):
+        for path in sorted(glob.glob(pattern)):
+            with open(path, errors="replace") as f:
+                if "PCI_ID=" in (text := f.read().strip()):
+                    texts.append(text)
+    return texts
+
+
+def test_parse_uevent_reads_the_kernels_form_in_one_match():
+    """The kernel's own text is taken by one match; it says what reading line by line says."""
+    texts = _uevent_texts()
+    assert len(texts) > 20
+    for text in texts:
+        assert _KERNEL_UEVENT.fullmatch(text), text
+        assert list(parse_uevent(text).items()) == list(uevent_lines(text).items())
+    assert parse_uevent(texts[0].partition("\n")[2] if texts[0].startswith("DRIVER=") else texts[0])["driver"] is None
+
+
+@pytest.mark.parametrize("change", [
+    ("PCI_ID=", "PCI_ID=zz"), ("PCI_CLASS=", "PCI_CLASS=1234567"), ("\nPCI_SLOT_NAME=", "\nPCI_ID=1111:2222\nPCI_SLOT_NAME="),
+    ("MODALIAS=pci:", "MODALIAS=x\x1ePCI_ID=3333:4444\x1e"), ("MODALIAS=pci:", "MODALIAS=x\u2028DRIVER=late\u2028"),
+    ("\n", "\r\n"), ("PCI_SUBSYS_ID=", "PCI_SUBSYS_ID=0x"), ("DRIVER=", "DRIVER=a/b\nX="), ("DRIVER=", "DRIVER=a b\nX="),
+    ("MODALIAS=", "OF_NAME=x\nMODALIAS="), ("PCI_SLOT_NAME", "pci_slot_name"),
+])  # fmt: skip
+def test_parse_uevent_any_other_text_is_read_line_by_line(change):
+    """Texts off the kernel's form (repeated keys, other separators, lines the kernel does not
+    print, values that are no ids) give what the line-by-line reading gives."""
+    text = next(t for t in _uevent_texts() if t.startswith("DRIVER="))
+    changed = text.replace(*change)
+    assert changed != text
+    assert list(parse_uevent(changed).items()) == list(uevent_lines(changed).items())
 
 
 def test_split_sysfs_path_chain_and_vmd():
