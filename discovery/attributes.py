@@ -41,35 +41,43 @@ def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attrib
 
 # Frozen values are shared: most attributes (type, vendorID, driver, ...) repeat across
 # devices, and one object per device and attribute made a large node's inventory 2x bigger.
-# Strings and integers, nearly all of them, are looked up by their value in a plain dict
-# rather than through an lru_cache and its (field, value) key tuple; the room is for every
-# value of a large node (~5 per device are unique: addresses, MACs, IOMMU groups), so that a
-# full rescan finds them all again, and a table that fills up (an agent that has seen ever new
+# Strings and integers, nearly all of them, are looked up by their value in one plain dict
+# (a string never equals an integer) rather than through an lru_cache and its (field, value)
+# key tuple. It holds only values that can be published as they are (a string of 1 to 64
+# bytes, an integer), so a value found there needs no check. The room is for every value of
+# a large node (~5 per device are unique: addresses, MACs, IOMMU groups), so that a full
+# rescan finds them all again, and a table that fills up (an agent that has seen ever new
 # VFs) starts over.
 _TABLE_LIMIT = 65536
-_STRINGS: dict[str, AttributeValue] = {}
-_INTS: dict[int, AttributeValue] = {}  # ints only: True == 1, so bools have their own two values
+_VALUES: dict[str | int, AttributeValue] = {}  # no bools: True == 1, so they have their own two values
 _BOOLS = {True: AttributeValue.trusted("bool_", True), False: AttributeValue.trusted("bool_", False)}
 
 
-def _new(table: dict, field: str, value) -> AttributeValue:
-    if len(table) >= _TABLE_LIMIT:
-        table.clear()
-    made = table[value] = AttributeValue.trusted(field, value)
+def _publishable(v: str) -> bool:
+    return bool(v) and len(v) <= MAX_STRING and (v.isascii() or len(v.encode()) <= MAX_STRING)
+
+
+def _new(field: str, value) -> AttributeValue:
+    """A value not met before, kept in the table when it can be published as it is."""
+    made = AttributeValue.trusted(field, value)
+    if field == "int_" or _publishable(value):
+        if len(_VALUES) >= _TABLE_LIMIT:
+            _VALUES.clear()
+        _VALUES[value] = made
     return made
 
 
 def string_value(v: str) -> AttributeValue:
-    return _STRINGS.get(v) or _new(_STRINGS, "string", v)
+    return _VALUES.get(v) or _new("string", v)
 
 
 def int_value(v: int) -> AttributeValue:
-    return _INTS.get(v) or _new(_INTS, "int_", v)
+    return _VALUES.get(v) or _new("int_", v)
 
 
 def _value(field: str, value) -> AttributeValue:
     """The shared value of any field (``trusted``: discovery built it, of the field's type)."""
-    if field == "string":
+    if field == "string" and type(value) is str:
         return string_value(value)
     if field == "int_" and type(value) is int:
         return int_value(value)
@@ -83,41 +91,30 @@ def _other_value(field: str, value) -> AttributeValue:
     return AttributeValue.trusted(field, value)
 
 
-# How an entry's value is checked before it is published. SHORT: a string whose format
-# discovery checked when it parsed it (PCI ids, MAC addresses, interface names: at most 15
-# bytes), within the limit by construction; TEXT: a string as read (driver names, models):
-# its length is checked; INT: an integer.
-SHORT, TEXT, INT = 0, 1, 2
-
-
 def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
     """All attributes of a device; documented one by one in docs/attributes.md. Absent values
     (None) are left out; a string longer than 64 bytes is left out with a problem. The entries
-    are listed first and published by one loop (:func:`_publish`), each value found in its table: a helper call
-    and an lru_cache lookup per attribute took 9.0 µs per device of the large node, this 3.6."""
+    (name, string or integer) are listed first and published by one loop (:func:`_publish`)."""
     fn = dev.pci
+    out = standard_attributes(fn, numa, list_attributes)
+    problems: list[Problem] = []
+    out.update(_identity(dev.kind, fn, problems))
     entries = [
-        ("type", SHORT, dev.kind), ("vendorID", SHORT, fn.vendor_id), ("deviceID", SHORT, fn.device_id),
-        ("subsystemVendorID", SHORT, fn.subsystem_vendor_id), ("subsystemDeviceID", SHORT, fn.subsystem_device_id),
-        ("pciClass", SHORT, f"{fn.class_code:06x}"),
-        ("pciAddress", TEXT, fn.bdf),  # also for 5-digit domains, where pciBusID is not published
-        ("driver", TEXT, fn.driver), ("iommuGroup", INT, fn.iommu_group),
-        ("pcieLinkSpeed", TEXT, fn.link.max_speed), ("pcieLinkWidth", INT, fn.link.max_width),
+        ("pciAddress", fn.bdf),  # also for 5-digit domains, where pciBusID is not published
+        ("driver", fn.driver), ("iommuGroup", fn.iommu_group),
+        ("pcieLinkSpeed", fn.link.max_speed), ("pcieLinkWidth", fn.link.max_width),
     ]  # fmt: skip
     if fn.physfn is not None:
-        entries += (("sriovRole", SHORT, "vf"), ("pfPciAddress", TEXT, fn.physfn))
+        entries += (("sriovRole", "vf"), ("pfPciAddress", fn.physfn))
     elif fn.sriov is not None:
-        entries += (("sriovRole", SHORT, "pf"), ("sriovTotalVFs", INT, fn.sriov.total_vfs),
-                    ("sriovNumVFs", INT, fn.sriov.num_vfs))  # fmt: skip
+        entries += (("sriovRole", "pf"), ("sriovTotalVFs", fn.sriov.total_vfs), ("sriovNumVFs", fn.sriov.num_vfs))
     if dev.gpu is not None:
-        entries += (("gpuVendor", TEXT, dev.gpu.vendor), ("model", TEXT, dev.gpu.model), ("uuid", TEXT, dev.gpu.nvidia_uuid))
+        entries += (("gpuVendor", dev.gpu.vendor), ("model", dev.gpu.model), ("uuid", dev.gpu.nvidia_uuid))
     nic = dev.nic
     if nic is not None and nic.interfaces:
         first = nic.interfaces[0]
-        entries += (("interfaceName", SHORT, first.name), ("macAddress", SHORT, first.mac), ("mtu", INT, first.mtu),
-                    ("switchdevPortName", TEXT, first.phys_port_name))  # fmt: skip
-    out = standard_attributes(fn, numa, list_attributes)
-    problems: list[Problem] = []
+        entries += (("interfaceName", first.name), ("macAddress", first.mac), ("mtu", first.mtu),
+                    ("switchdevPortName", first.phys_port_name))  # fmt: skip
     _publish(out, problems, entries)
     later: list = []  # after the NIC's list and bool values, in their order
     if nic is not None:
@@ -127,13 +124,13 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
                 out["interfaceNames"] = _value("strings", names)
         out["rdma"] = _BOOLS[bool(nic.rdma)]
         if nic.rdma:
-            later.append(("rdmaDevice", TEXT, nic.rdma[0].name))
+            later.append(("rdmaDevice", nic.rdma[0].name))
     if dev.fpga is not None:
         fpga = dev.fpga
-        later += (("fpgaFamily", TEXT, fpga.family), ("afuID", TEXT, fpga.afu_id), ("interfaceID", TEXT, fpga.interface_id),
-                  ("userPciAddress", TEXT, fpga.user_bdf if fpga.user_bdf != fn.bdf else None))  # fmt: skip
+        later += (("fpgaFamily", fpga.family), ("afuID", fpga.afu_id), ("interfaceID", fpga.interface_id),
+                  ("userPciAddress", fpga.user_bdf if fpga.user_bdf != fn.bdf else None))  # fmt: skip
     if dev.accel is not None:
-        later.append(("moduleID", INT, dev.accel.module_id))
+        later.append(("moduleID", dev.accel.module_id))
     if later:
         _publish(out, problems, later)
     if len(out) + len(dev.capacity) > MAX_ENTRIES:
@@ -144,19 +141,42 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
     return out, problems
 
 
+# A device's first entries, the same for every function of one model: published once per
+# distinct set of values (a large node has a handful), then copied.
+_IDENTITY_NAMES = ("type", "vendorID", "deviceID", "subsystemVendorID", "subsystemDeviceID", "pciClass")
+_IDENTITIES: dict[tuple, dict[str, AttributeValue]] = {}
+
+
+def _identity(kind: str, fn: PciFunction, problems: list[Problem]) -> dict[str, AttributeValue]:
+    key = (kind, fn.vendor_id, fn.device_id, fn.subsystem_vendor_id, fn.subsystem_device_id, fn.class_code)
+    if (known := _IDENTITIES.get(key)) is not None:
+        return known
+    made: dict[str, AttributeValue] = {}
+    refused: list[Problem] = []
+    _publish(made, refused, zip(_IDENTITY_NAMES, (*key[:5], f"{fn.class_code:06x}")))
+    if refused:  # not kept: every device with these values reports its problems
+        problems += refused
+    else:
+        if len(_IDENTITIES) >= 4096:
+            _IDENTITIES.clear()
+        _IDENTITIES[key] = made
+    return made
+
+
 def _publish(out: dict, problems: list[Problem], entries) -> None:
-    """Each (name, check, value) entry's shared value into ``out``; None values left out, a
-    TEXT one past the limit (or empty) left out with a problem."""
-    strings, ints = _STRINGS.get, _INTS.get
-    for name, check, v in entries:
+    """Each (name, value) entry's shared value into ``out``; None values left out, a string
+    past the limit (or empty) left out with a problem. A value in the table is published as
+    found; only a new one is checked (a string's length; an integer is one by its field)."""
+    get = _VALUES.get
+    for name, v in entries:
         if v is None:
             continue
-        if check == INT:
-            out[name] = ints(v) or _new(_INTS, "int_", v)
-        elif check == SHORT or (v and len(v) <= MAX_STRING and (v.isascii() or len(v.encode()) <= MAX_STRING)):
-            out[name] = strings(v) or _new(_STRINGS, "string", v)
-        else:
-            problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
+        if (value := get(v)) is None:
+            if type(v) is not int and not _publishable(v):
+                problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
+                continue
+            value = _new("int_" if type(v) is int else "string", v)
+        out[name] = value
 
 
 def quantity(n_bytes: int) -> str:

@@ -74,14 +74,13 @@ def test_values_are_shared_between_devices():
 def test_a_full_value_table_starts_over_and_stays_right(monkeypatch):
     """An agent that has met ever new values (MACs of recreated VFs) keeps its tables bounded."""
     monkeypatch.setattr(attributes, "_TABLE_LIMIT", 4)
-    monkeypatch.setattr(attributes, "_STRINGS", {})
-    monkeypatch.setattr(attributes, "_INTS", {})
+    monkeypatch.setattr(attributes, "_VALUES", {})
     for i in range(20):
         fn = _fn(f"0000:3b:{i:02x}.0", iommu_group=100 + i)
         attrs, _ = device_attributes(_nic(fn, mac=f"0c:42:a1:00:00:{i:02x}"), (), False)
         assert attrs["macAddress"].api == {"string": f"0c:42:a1:00:00:{i:02x}"}
         assert attrs["iommuGroup"].api == {"int": 100 + i}
-        assert len(attributes._STRINGS) <= 4 and len(attributes._INTS) <= 4
+        assert len(attributes._VALUES) <= 4
 
 
 def test_more_than_32_entries_keep_the_first_ones():
@@ -91,3 +90,21 @@ def test_more_than_32_entries_keep_the_first_ones():
     assert list(attrs)[:3] == ["resource.kubernetes.io/pciBusID", "resource.kubernetes.io/pcieRoot",
                                "resource.kubernetes.io/numaNode"]  # fmt: skip
     assert [p.what for p in problems] == ["attributes"] and "dropped 5" in problems[0].reason
+
+
+def test_a_string_and_an_integer_of_the_same_digits_stay_apart():
+    """One table holds both kinds of values: 3 and "3" are different keys."""
+    attrs, problems = device_attributes(_nic(_fn(driver="3", iommu_group=3)), (), False)
+    assert problems == []
+    assert attrs["driver"].api == {"string": "3"} and attrs["iommuGroup"].api == {"int": 3}
+
+
+def test_a_value_past_the_limit_made_elsewhere_is_not_published_from_the_table():
+    """The table holds only publishable values: a long string another part of discovery made
+    (a partition's name) is not kept, so a device's entry of the same text is still refused."""
+    long = "p" * 65
+    assert attributes._value("string", long).api == {"string": long}
+    assert long not in attributes._VALUES
+    gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200), gpu=GpuInfo(vendor="nvidia", model=long))
+    attrs, problems = device_attributes(gpu, (), False)
+    assert "model" not in attrs and [p.what for p in problems] == ["model"]
