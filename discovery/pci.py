@@ -217,27 +217,23 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     values = parse_uevent(text) if isinstance(text, str) else {}
     if not values.keys() >= _ID_SET:  # no uevent, unreadable or not a PCI one: the id files say it
         read.update(fs.attrs(d, [n for n in _IDS if n not in values], dir_fd))
+    failed: dict[str, AttrError] = {}  # by name; the optional ones are the record's problems
     for name, text in read.items():
+        if isinstance(text, AttrError):
+            failed[name] = text
+            continue
         try:
-            values[name] = text if isinstance(text, AttrError) else _PARSE[name](text)
+            values[name] = _PARSE[name](text)
         except ValueError as err:
-            values[name] = AttrError(f"{real_host}/{name}", str(err))
+            failed[name] = AttrError(f"{real_host}/{name}", str(err))
     for name in ("vendor", "device", "class"):
-        v = values.get(name)
-        if v is None or isinstance(v, AttrError):
-            raise PciError(f"{name}: {v.reason if v is not None else 'missing'}")
+        if name not in values:
+            raise PciError(f"{name}: {failed[name].reason if name in failed else 'missing'}")
     class_code = values["class"]
     if not 0 <= class_code <= 0xFFFFFF:
         raise PciError(f"class: out of range {class_code:#x}")
-
-    def opt(name: str):
-        """An optional value: None when absent; a failure other than missing is a problem."""
-        v = values.get(name)
-        if isinstance(v, AttrError):
-            if v.reason != "missing":
-                problems.append(Problem(what=name, reason=v.reason))
-            return None
-        return v
+    if failed:  # an optional value is None then; one that is there but unreadable is a problem
+        problems += [Problem(what=n, reason=e.reason) for n, e in failed.items() if e.reason != "missing"]
 
     def link(name: str) -> str | None:
         if not d.has(name):
@@ -253,7 +249,7 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     if d.names is not None and "sriov_totalvfs" in d.names:
         # the VFs themselves are not read from the PF's virtfnN links: each VF's physfn link
         # says the same (2,048 readlinks of the large node's scan; nothing asked the list)
-        sriov = Sriov(total_vfs=opt("sriov_totalvfs"), num_vfs=opt("sriov_numvfs"))
+        sriov = Sriov(total_vfs=values.get("sriov_totalvfs"), num_vfs=values.get("sriov_numvfs"))
     physfn = link("physfn") if d.names is not None and "physfn" in d.names else None
     if physfn is not None and not BDF_RE.match(physfn):
         problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
@@ -267,13 +263,13 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
         bridges=bridges,
         vendor_id=values["vendor"],
         device_id=values["device"],
-        subsystem_vendor_id=opt("subsystem_vendor"),
-        subsystem_device_id=opt("subsystem_device"),
+        subsystem_vendor_id=values.get("subsystem_vendor"),
+        subsystem_device_id=values.get("subsystem_device"),
         class_code=class_code,
         driver=values["driver"] if "driver" in values else link("driver"),
-        numa_node=opt("numa_node"),
+        numa_node=values.get("numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
-        link=_link(opt("max_link_speed"), opt("max_link_width")),
+        link=_link(values.get("max_link_speed"), values.get("max_link_width")),
         sriov=sriov,
         physfn=physfn,
     )
