@@ -108,3 +108,12 @@ def test_a_value_past_the_limit_made_elsewhere_is_not_published_from_the_table()
     gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200), gpu=GpuInfo(vendor="nvidia", model=long))
     attrs, problems = device_attributes(gpu, (), False)
     assert "model" not in attrs and [p.what for p in problems] == ["model"]
+
+
+def test_identity_values_past_the_limit_are_refused_for_every_device():
+    """A model's identity entries are kept once per set of values, but only when publishable:
+    a refused one is reported by each device that has it, not by the first one alone."""
+    for bdf in ("0000:3b:00.1", "0000:3b:00.2"):
+        attrs, problems = device_attributes(_nic(_fn(bdf, vendor_id="v" * 65)), (), False)
+        assert "vendorID" not in attrs and attrs["deviceID"].api == {"string": "101e"}
+        assert [p.what for p in problems] == ["vendorID"]
