@@ -156,10 +156,10 @@ def _identity(kind: str, fn: PciFunction, problems: list[Problem]) -> dict[str, 
     _publish(made, refused, zip(_IDENTITY_NAMES, (*key[:5], f"{fn.class_code:06x}")))
     if refused:  # not kept: every device with these values reports its problems
         problems += refused
-    else:
-        if len(_IDENTITIES) >= 4096:
-            _IDENTITIES.clear()
-        _IDENTITIES[key] = made
+        return made
+    if len(_IDENTITIES) >= 4096:
+        _IDENTITIES.clear()
+    _IDENTITIES[key] = made
     return made
 
 
@@ -172,10 +172,13 @@ def _publish(out: dict, problems: list[Problem], entries) -> None:
         if v is None:
             continue
         if (value := get(v)) is None:
-            if type(v) is not int and not _publishable(v):
+            if type(v) is int:
+                value = _new("int_", v)
+            elif _publishable(v):
+                value = _new("string", v)
+            else:
                 problems.append(Problem(what=name, reason=f"value longer than {MAX_STRING} bytes"))
                 continue
-            value = _new("int_" if type(v) is int else "string", v)
         out[name] = value
 
 
