@@ -31,34 +31,34 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
     return dirs + [f"{d.path}/{n}/net" for n in sorted(d.names) if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]
 
 
+# A netdev's published files and how each is parsed (``str``: as read).
+_NETDEV_FILES = (("address", str), ("mtu", int), ("phys_port_name", str), ("speed", int))
+
+
 def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) -> NetInterface:
     """The published values of one netdev (its link state is for health to read). Read by
     path, not listed first: four ``stat``s cost less than listing a netdev's ~20 entries."""
-
-    def opt(attr: str, parse=str):
+    values: dict = {}
+    for attr, parse in _NETDEV_FILES:
         try:
-            text = fs.read_optional(f"{path}/{attr}")
-            return None if text is None else parse(text)
+            if (text := fs.read_optional(f"{path}/{attr}")) is not None:
+                values[attr] = parse(text)
         except AttrError as err:
-            # phys_port_name reads EOPNOTSUPP when the driver has no switchdev ops: expected
-            expected = attr.startswith("phys_") and err.reason.startswith("not supported")
+            # speed reads EINVAL while the link is down; phys_port_name EOPNOTSUPP when the
+            # driver has no switchdev ops: both expected, nothing wrong
+            expected = attr == "speed" or (attr == "phys_port_name" and err.reason.startswith("not supported"))
             if err.reason != "missing" and not expected:
                 problems.append(Problem(what=f"{name}/{attr}", reason=err.reason))
         except ValueError:
-            problems.append(Problem(what=f"{name}/{attr}", reason="unparsable"))
-        return None
-
-    mac = opt("address")
-    try:  # EINVAL or -1 while the link is down: no speed, and nothing wrong
-        text = fs.read_optional(f"{path}/speed")
-        speed: int | None = int(text) if text is not None else None
-    except (AttrError, ValueError):
-        speed = None
+            if attr != "speed":  # an unparsable speed is no speed, as a down link's -1 is
+                problems.append(Problem(what=f"{name}/{attr}", reason="unparsable"))
+    mac = values.get("address", "").lower()
+    speed = values.get("speed")
     return NetInterface(
         name=name,
-        mac=mac.lower() if mac and _MAC.match(mac.lower()) else None,
-        mtu=opt("mtu", int),
-        phys_port_name=opt("phys_port_name"),
+        mac=mac if _MAC.match(mac) else None,
+        mtu=values.get("mtu"),
+        phys_port_name=values.get("phys_port_name"),
         speed_mbps=speed if speed is not None and 0 < speed < 10**8 else None,
     )
 

@@ -106,13 +106,28 @@ _UEVENT_DRIVER = re.compile(r"^[^/\s]+$")
 
 _H4 = "([0-9A-Fa-f]{4})"
 # What the kernel prints for a PCI function (drivers/pci/pci-driver.c pci_uevent, after the
-# driver core's DRIVER= line), each key once and in this order: one match instead of a loop
-# over the lines. \S* also rules out every character splitlines() splits on, so a text that
-# matches says exactly what the line-by-line reading below would.
-_KERNEL_UEVENT = re.compile(
-    rf"(?:DRIVER=([^/\s]+)\n)?PCI_CLASS=([0-9A-Fa-f]{{1,6}})\nPCI_ID={_H4}:{_H4}\n"
-    rf"PCI_SUBSYS_ID={_H4}:{_H4}\nPCI_SLOT_NAME=\S*\nMODALIAS=\S*"
+# driver core's DRIVER= line), each key once and in this order, up to the function's own
+# PCI_SLOT_NAME and MODALIAS. That head is the same for every function of one model and
+# driver (the 64 VFs of a PF): it is matched once per distinct text, not once per function.
+_KERNEL_HEAD = re.compile(
+    rf"(?:DRIVER=([^/\s]+)\n)?PCI_CLASS=([0-9A-Fa-f]{{1,6}})\nPCI_ID={_H4}:{_H4}\nPCI_SUBSYS_ID={_H4}:{_H4}"
 )
+_HEADS: dict[str, dict] = {}
+_HEADS_LIMIT = 1024
+
+
+def _kernel_head(head: str) -> dict | None:
+    """The fields of a head in the kernel's form, kept for the next function with the same
+    head; None (nothing kept) for any other text."""
+    if (m := _KERNEL_HEAD.fullmatch(head)) is None:
+        return None
+    driver, pci_class, vendor, device, sub_vendor, sub_device = m.groups()
+    if len(_HEADS) >= _HEADS_LIMIT:
+        _HEADS.clear()
+    _HEADS[head] = fields = {"class": int(pci_class, 16), "vendor": vendor.lower(), "device": device.lower(),
+                             "subsystem_vendor": sub_vendor.lower(), "subsystem_device": sub_device.lower(),
+                             "driver": driver}  # fmt: skip
+    return fields
 
 
 def parse_uevent(text: str) -> dict:
@@ -120,11 +135,16 @@ def parse_uevent(text: str) -> dict:
     fields as the ``vendor``, ``device``, ``class`` and ``subsystem_*`` files, and the
     driver's name (no ``DRIVER=`` line: none bound). One file instead of five and a link.
     Only well-formed fields are returned, with the attribute files' names; ``driver`` only
-    when the text is a PCI uevent (has ``PCI_ID``), else the caller asks the files."""
-    if (m := _KERNEL_UEVENT.fullmatch(text)) is not None:
-        driver, pci_class, vendor, device, sub_vendor, sub_device = m.groups()
-        return {"class": int(pci_class, 16), "vendor": vendor.lower(), "device": device.lower(),
-                "subsystem_vendor": sub_vendor.lower(), "subsystem_device": sub_device.lower(), "driver": driver}  # fmt: skip
+    when the text is a PCI uevent (has ``PCI_ID``), else the caller asks the files.
+
+    A text of the kernel's form is taken by its head (:data:`_KERNEL_HEAD`); its slot name
+    and modalias then only need to be printable, which rules out every line break
+    ``splitlines()`` knows, so the text says exactly what reading it line by line says."""
+    head, _, tail = text.partition("\nPCI_SLOT_NAME=")
+    slot, sep2, modalias = tail.partition("\nMODALIAS=")
+    if sep2 and slot.isprintable() and modalias.isprintable():
+        if (fields := _HEADS.get(head)) is not None or (fields := _kernel_head(head)) is not None:
+            return fields.copy()
     return uevent_lines(text)
 
 

@@ -11,7 +11,7 @@ from discovery.devnodes import parse_dev, parse_proc_devices
 from discovery.gpu import parse_nvidia_information
 from discovery.models import NumaNode
 from discovery.numa import close_nodes, parse_cpulist
-from discovery.pci import _KERNEL_UEVENT, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
+from discovery.pci import _HEADS, _KERNEL_HEAD, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
 from discovery.sysfs import AttrError, HostFS
 
 
@@ -45,12 +45,18 @@ def _uevent_texts(pattern: str = _FIXTURE_UEVENTS) -> list[str]:
 
 
 def test_parse_uevent_reads_the_kernels_form_in_one_match():
-    """The kernel's own text (the fixtures' uevents) is taken by one match, and says what
-    reading line by line says; so does this machine's, whatever form its platform prints."""
+    """The kernel's own text (the fixtures' uevents) is taken by its head, matched once per
+    distinct head, and says what reading line by line says; so does this machine's, whatever
+    form its platform prints."""
     texts = _uevent_texts()
     assert len(texts) > 20
+    _HEADS.clear()
     for text in texts:
-        assert _KERNEL_UEVENT.fullmatch(text), text
+        head = text.partition("\nPCI_SLOT_NAME=")[0]
+        assert _KERNEL_HEAD.fullmatch(head), text
+        parse_uevent(text)
+        assert head in _HEADS
+    assert len(_HEADS) < len(texts)  # functions of one model and driver share a head
     for text in texts + _uevent_texts("/sys/bus/pci/devices/*/uevent"):
         assert list(parse_uevent(text).items()) == list(uevent_lines(text).items())
     assert parse_uevent(texts[0].partition("\n")[2] if texts[0].startswith("DRIVER=") else texts[0])["driver"] is None
@@ -61,11 +67,14 @@ def test_parse_uevent_reads_the_kernels_form_in_one_match():
     ("MODALIAS=pci:", "MODALIAS=x\x1ePCI_ID=3333:4444\x1e"), ("MODALIAS=pci:", "MODALIAS=x\u2028DRIVER=late\u2028"),
     ("\n", "\r\n"), ("PCI_SUBSYS_ID=", "PCI_SUBSYS_ID=0x"), ("DRIVER=", "DRIVER=a/b\nX="), ("DRIVER=", "DRIVER=a b\nX="),
     ("MODALIAS=", "OF_NAME=x\nMODALIAS="), ("PCI_SLOT_NAME", "pci_slot_name"),
+    ("PCI_SLOT_NAME=", "PCI_SLOT_NAME=a b\x85DRIVER=late "), ("PCI_SLOT_NAME=", "PCI_SLOT_NAME=a b "),
+    ("MODALIAS=pci:", "MODALIAS=pci:\tx"),
 ])  # fmt: skip
 def test_parse_uevent_any_other_text_is_read_line_by_line(change):
     """Texts off the kernel's form (repeated keys, other separators, lines the kernel does not
     print, values that are no ids) give what the line-by-line reading gives."""
     text = next(t for t in _uevent_texts() if t.startswith("DRIVER="))
+    parse_uevent(text)  # its head known: a changed tail must still be looked at
     changed = text.replace(*change)
     assert changed != text
     assert list(parse_uevent(changed).items()) == list(uevent_lines(changed).items())
