@@ -62,6 +62,26 @@ def test_parse_uevent_reads_the_kernels_form_in_one_match():
     assert parse_uevent(texts[0].partition("\n")[2] if texts[0].startswith("DRIVER=") else texts[0])["driver"] is None
 
 
+def test_parse_uevent_heads_table_starts_over_when_full(monkeypatch):
+    """The table of heads is bounded (an agent that sees ever new drivers or ids): a full one
+    starts over, and a head read again after that gives the same fields."""
+    import discovery.pci as pci
+
+    monkeypatch.setattr(pci, "_HEADS_LIMIT", 2)
+    _HEADS.clear()
+    texts = [f"DRIVER=d{i}\nPCI_CLASS=20000\nPCI_ID=15B3:101E\nPCI_SUBSYS_ID=15B3:0041\n"
+             f"PCI_SLOT_NAME=0000:4f:01.{i}\nMODALIAS=pci:v000015B3" for i in range(3)]  # fmt: skip
+    first = [parse_uevent(t) for t in texts[:2]]
+    assert len(_HEADS) == 2
+    assert parse_uevent(texts[2])["driver"] == "d2"
+    assert len(_HEADS) == 1
+    assert [parse_uevent(t) for t in texts[:2]] == first == [uevent_lines(t) for t in texts[:2]]
+    assert first[0]["vendor"] == "15b3" and first[0]["class"] == 0x20000
+    first[0]["vendor"] = "changed by the caller"  # the reader adds and replaces fields
+    assert parse_uevent(texts[0])["vendor"] == "15b3"
+    _HEADS.clear()
+
+
 @pytest.mark.parametrize("change", [
     ("PCI_ID=", "PCI_ID=zz"), ("PCI_CLASS=", "PCI_CLASS=1234567"), ("\nPCI_SLOT_NAME=", "\nPCI_ID=1111:2222\nPCI_SLOT_NAME="),
     ("MODALIAS=pci:", "MODALIAS=x\x1ePCI_ID=3333:4444\x1e"), ("MODALIAS=pci:", "MODALIAS=x\u2028DRIVER=late\u2028"),
