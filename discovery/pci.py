@@ -112,22 +112,17 @@ _H4 = "([0-9A-Fa-f]{4})"
 _KERNEL_HEAD = re.compile(
     rf"(?:DRIVER=([^/\s]+)\n)?PCI_CLASS=([0-9A-Fa-f]{{1,6}})\nPCI_ID={_H4}:{_H4}\nPCI_SUBSYS_ID={_H4}:{_H4}"
 )
-_HEADS: dict[str, dict] = {}
-_HEADS_LIMIT = 1024
 
 
+@lru_cache(maxsize=1024)
 def _kernel_head(head: str) -> dict | None:
-    """The fields of a head in the kernel's form, kept for the next function with the same
-    head; None (nothing kept) for any other text."""
+    """The fields of a head in the kernel's form, None for any other text; remembered for the
+    next function with the same head (callers copy the dict before they add to it)."""
     if (m := _KERNEL_HEAD.fullmatch(head)) is None:
         return None
     driver, pci_class, vendor, device, sub_vendor, sub_device = m.groups()
-    if len(_HEADS) >= _HEADS_LIMIT:
-        _HEADS.clear()
-    _HEADS[head] = fields = {"class": int(pci_class, 16), "vendor": vendor.lower(), "device": device.lower(),
-                             "subsystem_vendor": sub_vendor.lower(), "subsystem_device": sub_device.lower(),
-                             "driver": driver}  # fmt: skip
-    return fields
+    return {"class": int(pci_class, 16), "vendor": vendor.lower(), "device": device.lower(),
+            "subsystem_vendor": sub_vendor.lower(), "subsystem_device": sub_device.lower(), "driver": driver}  # fmt: skip
 
 
 def parse_uevent(text: str) -> dict:
@@ -143,7 +138,7 @@ def parse_uevent(text: str) -> dict:
     head, _, tail = text.partition("\nPCI_SLOT_NAME=")
     slot, sep2, modalias = tail.partition("\nMODALIAS=")
     if sep2 and slot.isprintable() and modalias.isprintable():
-        if (fields := _HEADS.get(head)) is not None or (fields := _kernel_head(head)) is not None:
+        if (fields := _kernel_head(head)) is not None:
             return fields.copy()
     return uevent_lines(text)
 

@@ -11,7 +11,7 @@ from discovery.devnodes import parse_dev, parse_proc_devices
 from discovery.gpu import parse_nvidia_information
 from discovery.models import NumaNode
 from discovery.numa import close_nodes, parse_cpulist
-from discovery.pci import _HEADS, _KERNEL_HEAD, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
+from discovery.pci import _KERNEL_HEAD, _kernel_head, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
 from discovery.sysfs import AttrError, HostFS
 
 
@@ -50,36 +50,38 @@ def test_parse_uevent_reads_the_kernels_form_in_one_match():
     form its platform prints."""
     texts = _uevent_texts()
     assert len(texts) > 20
-    _HEADS.clear()
+    _kernel_head.cache_clear()
     for text in texts:
         head = text.partition("\nPCI_SLOT_NAME=")[0]
         assert _KERNEL_HEAD.fullmatch(head), text
+        misses = _kernel_head.cache_info().misses
         parse_uevent(text)
-        assert head in _HEADS
-    assert len(_HEADS) < len(texts)  # functions of one model and driver share a head
+        assert _kernel_head.cache_info().misses <= misses + 1  # the head was asked, once at most
+    assert _kernel_head.cache_info().currsize < len(texts)  # functions of one model and driver share a head
     for text in texts + _uevent_texts("/sys/bus/pci/devices/*/uevent"):
         assert list(parse_uevent(text).items()) == list(uevent_lines(text).items())
     assert parse_uevent(texts[0].partition("\n")[2] if texts[0].startswith("DRIVER=") else texts[0])["driver"] is None
 
 
-def test_parse_uevent_heads_table_starts_over_when_full(monkeypatch):
-    """The table of heads is bounded (an agent that sees ever new drivers or ids): a full one
-    starts over, and a head read again after that gives the same fields."""
-    import discovery.pci as pci
-
-    monkeypatch.setattr(pci, "_HEADS_LIMIT", 2)
-    _HEADS.clear()
+def test_parse_uevent_heads_table_is_bounded():
+    """The table of heads is bounded (an agent that sees ever new drivers or ids): the oldest
+    goes, and a head read again after that gives the same fields."""
+    _kernel_head.cache_clear()
+    size = _kernel_head.cache_info().maxsize
     texts = [f"DRIVER=d{i}\nPCI_CLASS=20000\nPCI_ID=15B3:101E\nPCI_SUBSYS_ID=15B3:0041\n"
-             f"PCI_SLOT_NAME=0000:4f:01.{i}\nMODALIAS=pci:v000015B3" for i in range(3)]  # fmt: skip
+             f"PCI_SLOT_NAME=0000:4f:01.{i % 8}\nMODALIAS=pci:v000015B3" for i in range(size + 1)]  # fmt: skip
     first = [parse_uevent(t) for t in texts[:2]]
-    assert len(_HEADS) == 2
-    assert parse_uevent(texts[2])["driver"] == "d2"
-    assert len(_HEADS) == 1
+    assert _kernel_head.cache_info().currsize == 2
+    assert parse_uevent(texts[-1])["driver"] == f"d{size}"
+    assert [parse_uevent(t)["driver"] for t in texts[2:-1]] == [f"d{i}" for i in range(2, size)]
+    assert _kernel_head.cache_info().currsize == size
+    misses = _kernel_head.cache_info().misses
     assert [parse_uevent(t) for t in texts[:2]] == first == [uevent_lines(t) for t in texts[:2]]
+    assert _kernel_head.cache_info().misses == misses + 2  # both had gone
     assert first[0]["vendor"] == "15b3" and first[0]["class"] == 0x20000
     first[0]["vendor"] = "changed by the caller"  # the reader adds and replaces fields
     assert parse_uevent(texts[0])["vendor"] == "15b3"
-    _HEADS.clear()
+    _kernel_head.cache_clear()
 
 
 @pytest.mark.parametrize("change", [
