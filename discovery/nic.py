@@ -32,23 +32,24 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
 
 
 # A netdev's published files and how each is parsed (``str``: as read).
-_NETDEV_FILES = (("address", str), ("mtu", int), ("phys_port_name", str), ("speed", int))
+_NETDEV_PARSE = {"address": str, "mtu": int, "phys_port_name": str, "speed": int}
+_NETDEV_FILES = tuple(_NETDEV_PARSE)
 
 
 def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) -> NetInterface:
     """The published values of one netdev (its link state is for health to read). Read by
     path, not listed first: four ``stat``s cost less than listing a netdev's ~20 entries."""
     values: dict = {}
-    for attr, parse in _NETDEV_FILES:
-        try:
-            if (text := fs.read_optional(f"{path}/{attr}")) is not None:
-                values[attr] = parse(text)
-        except AttrError as err:
+    for attr, text in fs.attrs(Dir(path), _NETDEV_FILES).items():
+        if isinstance(text, AttrError):
             # speed reads EINVAL while the link is down; phys_port_name EOPNOTSUPP when the
             # driver has no switchdev ops: both expected, nothing wrong
-            expected = attr == "speed" or (attr == "phys_port_name" and err.reason.startswith("not supported"))
-            if err.reason != "missing" and not expected:
-                problems.append(Problem(what=f"{name}/{attr}", reason=err.reason))
+            expected = attr == "speed" or (attr == "phys_port_name" and text.reason.startswith("not supported"))
+            if text.reason != "missing" and not expected:
+                problems.append(Problem(what=f"{name}/{attr}", reason=text.reason))
+            continue
+        try:
+            values[attr] = _NETDEV_PARSE[attr](text)
         except ValueError:
             if attr != "speed":  # an unparsable speed is no speed, as a down link's -1 is
                 problems.append(Problem(what=f"{name}/{attr}", reason="unparsable"))
@@ -78,10 +79,10 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
     interfaces = []
     for net_dir in _net_dirs(fs, fn, d):
         try:
-            listed = fs.list_dir(net_dir)
+            names = fs.subdirs(net_dir)  # real directories only (d_type), as sysfs has them
         except AttrError:
             continue
-        for name in listed.subdirs():  # real directories only (d_type), as sysfs has them
+        for name in names:
             if _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
 

@@ -170,6 +170,9 @@ _IDS = ("vendor", "device", "class", "subsystem_vendor", "subsystem_device")  # 
 _ID_SET = frozenset(_IDS)
 # read in one pass: uevent (which names the ids and the driver) and the files it does not cover
 _FIRST_PASS = ("uevent",) + tuple(n for n in _PARSE if n not in _ID_SET)
+# The links read, in this order: [unlistable][driver named by uevent] (physfn only when the
+# listing shows it: an unlistable function is not taken for a VF).
+_LINKS = ((("physfn", "iommu_group", "driver"), ("physfn", "iommu_group")), (("iommu_group", "driver"), ("iommu_group",)))
 
 
 @lru_cache(maxsize=64)
@@ -250,26 +253,25 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     if failed:  # an optional value is None then; one that is there but unreadable is a problem
         problems += [Problem(what=n, reason=e.reason) for n, e in failed.items() if e.reason != "missing"]
 
-    def link(name: str) -> str | None:
-        if not d.has(name):
-            return None
-        try:
-            return fs.link_name(f"{real_host}/{name}") if dir_fd is None else fs.link_name_at(real_host, name, dir_fd)
-        except AttrError as err:
-            if err.reason != "missing":
-                problems.append(Problem(what=name, reason=err.reason))
-        return None
-
     sriov = None
     if d.names is not None and "sriov_totalvfs" in d.names:
         # the VFs themselves are not read from the PF's virtfnN links: each VF's physfn link
         # says the same (2,048 readlinks of the large node's scan; nothing asked the list)
         sriov = Sriov(total_vfs=values.get("sriov_totalvfs"), num_vfs=values.get("sriov_numvfs"))
-    physfn = link("physfn") if d.names is not None and "physfn" in d.names else None
-    if physfn is not None and not BDF_RE.match(physfn):
-        problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
-        physfn = None
-    iommu = link("iommu_group")
+    # physfn only where the listing shows it; driver only where uevent did not name it
+    physfn = iommu = None
+    driver = values.get("driver")
+    for name, target in fs.link_names(d, _LINKS[d.names is None]["driver" in values], dir_fd).items():
+        if isinstance(target, AttrError):
+            problems.append(Problem(what=name, reason=target.reason))
+        elif name == "iommu_group":
+            iommu = target
+        elif name == "driver":
+            driver = target
+        elif BDF_RE.match(target):
+            physfn = target
+        else:
+            problems.append(Problem(what="physfn", reason=f"odd target {target!r}"))
     pcie_root, bridges = split_sysfs_path(real)
     fn = PciFunction(
         bdf=bdf,
@@ -281,7 +283,7 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
         subsystem_vendor_id=values.get("subsystem_vendor"),
         subsystem_device_id=values.get("subsystem_device"),
         class_code=class_code,
-        driver=values["driver"] if "driver" in values else link("driver"),
+        driver=driver,
         numa_node=values.get("numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
         link=_link(values.get("max_link_speed"), values.get("max_link_width")),

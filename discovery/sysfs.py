@@ -112,18 +112,6 @@ class Dir(msgspec.Struct, frozen=True, gc=False):
         """False only when the listing shows that ``name`` is absent."""
         return self.names is None or name in self.names
 
-    def subdirs(self) -> list[str]:
-        """Names of the real directories (not symlinks), sorted; for a listing made by path
-        (an entry without d_type is then looked up by its path)."""
-        out = []
-        for name, entry in (self.entries or {}).items():
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    out.append(name)
-            except OSError:  # no d_type, and the lstat failed: not known to be a directory
-                pass
-        return sorted(out)
-
 
 class HostFS(msgspec.Struct, frozen=True):
     """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests). A Struct, as
@@ -192,31 +180,38 @@ class HostFS(msgspec.Struct, frozen=True):
         return None if data is None else _attr_text(path, data)
 
     def attrs(self, d: Dir, names: list[str] | tuple[str, ...], dir_fd: int | None = None) -> dict[str, str | AttrError]:
-        """Several attributes of a listed directory in one pass: name -> text as
-        :meth:`read_attr` returns it, or the :class:`AttrError` it would raise. Names the
-        listing lacks are left out (missing, no system call); a file the listing shows as
-        regular is opened straight away (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since
-        the listing from being followed or blocking), relative to ``dir_fd`` when the caller
-        holds the directory open (:meth:`open_dir`). The scan's hot path, so written out."""
+        """Several attributes of a directory in one pass: name -> text as :meth:`read_attr`
+        returns it, or the :class:`AttrError` it would raise; absent ones are left out. Of a
+        listed directory, names the listing lacks cost no system call, and a file the listing
+        shows as regular is opened straight away (O_NOFOLLOW and O_NONBLOCK keep an entry
+        swapped since the listing from being followed or blocking), relative to ``dir_fd``
+        when the caller holds the directory open (:meth:`open_dir`). Any other name (of an
+        unlisted :class:`Dir`, or of no known type) is read by path as :meth:`read_present`
+        reads it: its type asked first. The scan's hot path (every PCI function, every
+        netdev), so written out in one frame."""
         out: dict[str, str | AttrError] = {}
         base, entries = d.path, d.entries
-        _open, _read, _close = os.open, os.read, os.close  # per call, not at import: the tracer patches os
+        _open, _read, _close, _stat = os.open, os.read, os.close, os.stat  # per call: the tracer patches os
         for name in names:
             entry = None
             if entries is not None and (entry := entries.get(name)) is None:
                 continue  # the listing lacks it
             try:  # the path is put together only for a read by path or an error
-                if entry is None or not entry.is_file(follow_symlinks=False):  # type unknown: the checked read
-                    out[name] = self.read_attr(f"{base}/{name}")
-                    continue
-                fd = _open(f"{base}/{name}", _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
+                if entry is not None and entry.is_file(follow_symlinks=False):
+                    fd = _open(f"{base}/{name}", _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
+                else:  # type unknown: the checked read by path
+                    try:
+                        mode = _stat(f"{base}/{name}").st_mode
+                    except FileNotFoundError:
+                        continue
+                    if not S_ISREG(mode):
+                        out[name] = AttrError(f"{base}/{name}", "directory" if stat.S_ISDIR(mode) else "not a regular file")
+                        continue
+                    fd = _open(f"{base}/{name}", _READ_FLAGS)
                 try:
                     data = _read(fd, MAX_ATTR_BYTES + 1)
                 finally:
                     _close(fd)
-            except AttrError as err:
-                out[name] = err
-                continue
             except OSError as err:
                 out[name] = AttrError(f"{base}/{name}", os_reason(err))
                 continue
@@ -250,16 +245,30 @@ class HostFS(msgspec.Struct, frozen=True):
             raise AttrError(path, f"odd link target {target!r}")
         return name
 
-    def link_name_at(self, base: str, name: str, dir_fd: int) -> str:
-        """:meth:`link_name` of ``base/name``, read as ``name`` relative to ``dir_fd`` (``base``
-        held open by the caller); the path is put together for an error only."""
-        try:
-            target = os.readlink(name, dir_fd=dir_fd)
-        except OSError as err:
-            raise AttrError(f"{base}/{name}", os_reason(err)) from err
-        if (last := _target_name(target)) is None:
-            raise AttrError(f"{base}/{name}", f"odd link target {target!r}")
-        return last
+    def link_names(self, d: Dir, names: tuple[str, ...], dir_fd: int | None = None) -> dict[str, str | AttrError]:
+        """:meth:`link_name` of several links of a directory in one pass, as :meth:`attrs`
+        reads files: name -> target's last component, or the :class:`AttrError`; absent
+        links (not listed, or ENOENT) are left out. Read relative to ``dir_fd`` when the
+        caller holds ``d`` open; the path is put together for a read by path or an error only."""
+        out: dict[str, str | AttrError] = {}
+        base, listed = d.path, d.names
+        _readlink = os.readlink  # per call: the tracer patches os
+        for name in names:
+            if listed is not None and name not in listed:
+                continue
+            try:
+                target = _readlink(f"{base}/{name}") if dir_fd is None else _readlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                out[name] = AttrError(f"{base}/{name}", os_reason(err))
+                continue
+            last = target.rstrip("/").rpartition("/")[2]
+            if last and last != "." and last != "..":
+                out[name] = last
+            else:
+                out[name] = AttrError(f"{base}/{name}", f"odd link target {target!r}")
+        return out
 
     def resolve_link(self, path: str) -> str:
         """Resolve one symlink (relative to its directory), lexically, no recursion."""
@@ -288,7 +297,7 @@ class HostFS(msgspec.Struct, frozen=True):
 
     def open_dir(self, path: str) -> int:
         """A real directory (not a symlink to one) opened, for :meth:`list_dir`,
-        :meth:`attrs` and :meth:`link_name_at` relative to it: each of those then looks one name
+        :meth:`attrs` and :meth:`link_names` relative to it: each of those then looks one name
         up instead of walking the whole path again (a PCI function's directory is ~10
         components deep). The caller closes it."""
         try:
@@ -306,6 +315,23 @@ class HostFS(msgspec.Struct, frozen=True):
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
         return Dir(path, entries, entries.keys())
+
+    def subdirs(self, path: str) -> list[str]:
+        """Names of the real directories (not symlinks) in ``path``, sorted, from one listing
+        (d_type; an entry without it is looked up by its path)."""
+        out = []
+        try:
+            with os.scandir(path) as listing:
+                for entry in listing:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            out.append(entry.name)
+                    except OSError:  # no d_type, and the lstat failed: not known to be a directory
+                        pass
+        except OSError as err:
+            raise AttrError(path, os_reason(err)) from err
+        out.sort()
+        return out
 
     def contains(self, host_path: str) -> bool:
         """True if a (normalised) host path lies under the root."""

@@ -12,7 +12,7 @@ from discovery.gpu import parse_nvidia_information
 from discovery.models import NumaNode
 from discovery.numa import close_nodes, parse_cpulist
 from discovery.pci import _KERNEL_HEAD, _kernel_head, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
-from discovery.sysfs import AttrError, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS
 
 
 def test_parse_bdf_accepts_wide_domains():
@@ -193,25 +193,30 @@ def test_read_primitive_errors(tmp_path):
     d = fs.list_dir(str(tmp_path))
     fd = fs.open_dir(str(tmp_path))
     try:
-        for got in (fs.attrs(d, names), fs.attrs(fs.list_dir(str(tmp_path), fd), names, fd)):
+        # by path, listed and through the held directory; unlisted (each name's type asked)
+        for got in (fs.attrs(d, names), fs.attrs(fs.list_dir(str(tmp_path), fd), names, fd),
+                    fs.attrs(Dir(str(tmp_path)), names)):  # fmt: skip
             assert got.pop("ok") == "0x10de" and "missing" not in got
             assert {name: err.reason for name, err in got.items()} == {k: v for k, v in reasons.items() if k != "missing"}
             assert all(err.path == str(tmp_path / name) for name, err in got.items())
     finally:
         os.close(fd)
     assert fs.link_name(str(tmp_path / "loop")) == "loop"
+    # several links at once: the target's last name, or the error; absent ones left out
+    os.symlink("..", tmp_path / "up")
+    os.symlink("../devices/0000:01:00.0", tmp_path / "physfn")
+    links = ("loop", "ok", "missing", "up", "physfn")
+    want = {"loop": "loop", "ok": "invalid (EINVAL)", "up": "odd link target '..'", "physfn": "0000:01:00.0"}
     fd = fs.open_dir(str(tmp_path))
     try:
-        assert fs.link_name_at(str(tmp_path), "loop", fd) == "loop"
-        for name, reason in (("ok", "invalid (EINVAL)"), ("missing", "missing")):
-            with pytest.raises(AttrError) as exc:
-                fs.link_name_at(str(tmp_path), name, fd)
-            assert (exc.value.path, exc.value.reason) == (str(tmp_path / name), reason)
-        os.symlink("..", tmp_path / "up")
-        with pytest.raises(AttrError, match="odd link target"):
-            fs.link_name_at(str(tmp_path), "up", fd)
+        for got in (fs.link_names(fs.list_dir(str(tmp_path)), links), fs.link_names(Dir(str(tmp_path)), links),
+                    fs.link_names(fs.list_dir(str(tmp_path), fd), links, fd)):  # fmt: skip
+            assert {n: v if isinstance(v, str) else v.reason for n, v in got.items()} == want
+            assert all(v.path == str(tmp_path / n) for n, v in got.items() if isinstance(v, AttrError))
     finally:
         os.close(fd)
+    # what the listing lacks is not looked for
+    assert fs.link_names(Dir(str(tmp_path), {}, {}.keys()), links) == {}
 
 
 def test_contains_rejects_escapes(tmp_path):
