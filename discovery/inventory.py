@@ -103,9 +103,6 @@ class _Scanner:
             card = BDF_RE.match(bdf).groups()[:3]
             alveo.setdefault(card, {})[_alveo_role(fn, views)] = (fn, d, problems)
             return ("alveo", card)
-        return self._offered(fn, d, kind, problems)
-
-    def _offered(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> object:
         dev = self._device(fn, d, kind, problems)
         if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
             # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region

@@ -40,19 +40,19 @@ def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) ->
     """The published values of one netdev (its link state is for health to read). Read by
     path, not listed first: four ``stat``s cost less than listing a netdev's ~20 entries."""
     values: dict = {}
-    for attr, text in fs.attrs(Dir(path), _NETDEV_FILES).items():
-        if isinstance(text, AttrError):
-            # speed reads EINVAL while the link is down; phys_port_name EOPNOTSUPP when the
-            # driver has no switchdev ops: both expected, nothing wrong
-            expected = attr == "speed" or (attr == "phys_port_name" and text.reason.startswith("not supported"))
-            if text.reason != "missing" and not expected:
-                problems.append(Problem(what=f"{name}/{attr}", reason=text.reason))
-            continue
+    failed: dict[str, AttrError] = {}
+    for attr, text in fs.attrs(Dir(path), _NETDEV_FILES, failed).items():
         try:
             values[attr] = _NETDEV_PARSE[attr](text)
         except ValueError:
             if attr != "speed":  # an unparsable speed is no speed, as a down link's -1 is
                 problems.append(Problem(what=f"{name}/{attr}", reason="unparsable"))
+    for attr, err in failed.items():
+        # speed reads EINVAL while the link is down; phys_port_name EOPNOTSUPP when the
+        # driver has no switchdev ops: both expected, nothing wrong
+        expected = attr == "speed" or (attr == "phys_port_name" and err.reason.startswith("not supported"))
+        if err.reason != "missing" and not expected:
+            problems.append(Problem(what=f"{name}/{attr}", reason=err.reason))
     mac = values.get("address", "").lower()
     speed = values.get("speed")
     return NetInterface(

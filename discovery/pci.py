@@ -230,16 +230,15 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     except AttrError:
         d = Dir(real_host)
     problems: list[Problem] = []
-    read = fs.attrs(d, _FIRST_PASS, dir_fd)
-    text = read.pop("uevent", None)
-    values = parse_uevent(text) if isinstance(text, str) else {}
-    if not values.keys() >= _ID_SET:  # no uevent, unreadable or not a PCI one: the id files say it
-        read.update(fs.attrs(d, [n for n in _IDS if n not in values], dir_fd))
     failed: dict[str, AttrError] = {}  # by name; the optional ones are the record's problems
+    read = fs.attrs(d, _FIRST_PASS, failed, dir_fd)
+    text = read.pop("uevent", None)
+    values = parse_uevent(text) if text is not None else {}
+    if failed:
+        failed.pop("uevent", None)  # the id files say it then
+    if not values.keys() >= _ID_SET:  # no uevent, unreadable or not a PCI one: the id files say it
+        read.update(fs.attrs(d, [n for n in _IDS if n not in values], failed, dir_fd))
     for name, text in read.items():
-        if isinstance(text, AttrError):
-            failed[name] = text
-            continue
         try:
             values[name] = _PARSE[name](text)
         except ValueError as err:
@@ -259,19 +258,16 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
         # says the same (2,048 readlinks of the large node's scan; nothing asked the list)
         sriov = Sriov(total_vfs=values.get("sriov_totalvfs"), num_vfs=values.get("sriov_numvfs"))
     # physfn only where the listing shows it; driver only where uevent did not name it
-    physfn = iommu = None
-    driver = values.get("driver")
-    for name, target in fs.link_names(d, _LINKS[d.names is None]["driver" in values], dir_fd).items():
-        if isinstance(target, AttrError):
-            problems.append(Problem(what=name, reason=target.reason))
-        elif name == "iommu_group":
-            iommu = target
-        elif name == "driver":
-            driver = target
-        elif BDF_RE.match(target):
-            physfn = target
-        else:
-            problems.append(Problem(what="physfn", reason=f"odd target {target!r}"))
+    bad_links: dict[str, AttrError] = {}
+    links = fs.link_names(d, _LINKS[d.names is None]["driver" in values], bad_links, dir_fd)
+    physfn = links.get("physfn")
+    if physfn is not None and not BDF_RE.match(physfn):
+        problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
+        physfn = None
+    if bad_links:
+        problems += [Problem(what=n, reason=e.reason) for n, e in bad_links.items()]
+    iommu = links.get("iommu_group")
+    driver = values["driver"] if "driver" in values else links.get("driver")
     pcie_root, bridges = split_sysfs_path(real)
     fn = PciFunction(
         bdf=bdf,

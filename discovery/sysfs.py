@@ -78,10 +78,13 @@ def _refused(data: bytes) -> str:
     return "contains NUL bytes" if text else "empty"
 
 
+_NO_NAME = frozenset(("", ".", ".."))  # last components of a link target that name nothing
+
+
 def _target_name(target: str) -> str | None:
     """The last component of a link's target (what it links to); None for none or a dot."""
     name = target.rstrip("/").rpartition("/")[2]
-    return name if name and name != "." and name != ".." else None
+    return None if name in _NO_NAME else name
 
 
 def _attr_text(path: str, data: bytes) -> str:
@@ -179,43 +182,46 @@ class HostFS(msgspec.Struct, frozen=True):
         data = self.read_present(path)
         return None if data is None else _attr_text(path, data)
 
-    def attrs(self, d: Dir, names: list[str] | tuple[str, ...], dir_fd: int | None = None) -> dict[str, str | AttrError]:
+    def attrs(self, d: Dir, names: list[str] | tuple[str, ...], errors: dict[str, AttrError],
+              dir_fd: int | None = None) -> dict[str, str]:  # fmt: skip
         """Several attributes of a directory in one pass: name -> text as :meth:`read_attr`
-        returns it, or the :class:`AttrError` it would raise; absent ones are left out. Of a
-        listed directory, names the listing lacks cost no system call, and a file the listing
-        shows as regular is opened straight away (O_NOFOLLOW and O_NONBLOCK keep an entry
-        swapped since the listing from being followed or blocking), relative to ``dir_fd``
-        when the caller holds the directory open (:meth:`open_dir`). Any other name (of an
-        unlisted :class:`Dir`, or of no known type) is read by path as :meth:`read_present`
-        reads it: its type asked first. The scan's hot path (every PCI function, every
-        netdev), so written out in one frame."""
-        out: dict[str, str | AttrError] = {}
+        returns it; a name it would raise for goes into ``errors`` with that
+        :class:`AttrError`, and absent ones are left out. Of a listed directory, names the
+        listing lacks cost no system call, and a file the listing shows as regular is opened
+        straight away (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since the listing from
+        being followed or blocking), relative to ``dir_fd`` when the caller holds the
+        directory open (:meth:`open_dir`). Any other name (of an unlisted :class:`Dir`, or of
+        no known type) is read by path as :meth:`read_present` reads it: its type asked
+        first. The scan's hot path (every PCI function, every netdev), so written out in one
+        frame, texts and errors apart so that callers need not tell them apart again."""
+        out: dict[str, str] = {}
         base, entries = d.path, d.entries
         _open, _read, _close, _stat = os.open, os.read, os.close, os.stat  # per call: the tracer patches os
+        cap = MAX_ATTR_BYTES + 1
         for name in names:
             entry = None
             if entries is not None and (entry := entries.get(name)) is None:
                 continue  # the listing lacks it
             try:  # the path is put together only for a read by path or an error
                 if entry is not None and entry.is_file(follow_symlinks=False):
-                    fd = _open(f"{base}/{name}", _LISTED_FLAGS) if dir_fd is None else _open(name, _LISTED_FLAGS, dir_fd=dir_fd)
-                else:  # type unknown: the checked read by path
+                    fd = _open(name, _LISTED_FLAGS, dir_fd=dir_fd) if dir_fd is not None else _open(f"{base}/{name}", _LISTED_FLAGS)
+                else:  # not listed, or of no known type: the checked read by path
                     try:
                         mode = _stat(f"{base}/{name}").st_mode
                     except FileNotFoundError:
                         continue
                     if not S_ISREG(mode):
-                        out[name] = AttrError(f"{base}/{name}", "directory" if stat.S_ISDIR(mode) else "not a regular file")
+                        errors[name] = AttrError(f"{base}/{name}", "directory" if stat.S_ISDIR(mode) else "not a regular file")
                         continue
                     fd = _open(f"{base}/{name}", _READ_FLAGS)
                 try:
-                    data = _read(fd, MAX_ATTR_BYTES + 1)
+                    data = _read(fd, cap)
                 finally:
                     _close(fd)
             except OSError as err:
-                out[name] = AttrError(f"{base}/{name}", os_reason(err))
+                errors[name] = AttrError(f"{base}/{name}", os_reason(err))
                 continue
-            if len(data) <= MAX_ATTR_BYTES:
+            if len(data) < cap:
                 try:
                     text = data.decode().strip()
                 except UnicodeDecodeError:
@@ -223,8 +229,8 @@ class HostFS(msgspec.Struct, frozen=True):
                 if text and "\x00" not in text:
                     out[name] = text
                     continue
-            out[name] = AttrError(f"{base}/{name}", f"larger than {MAX_ATTR_BYTES} bytes" if len(data) > MAX_ATTR_BYTES
-                                  else _refused(data))  # fmt: skip
+            errors[name] = AttrError(f"{base}/{name}", f"larger than {MAX_ATTR_BYTES} bytes" if len(data) == cap
+                                     else _refused(data))  # fmt: skip
         return out
 
     def read_int(self, path: str, base: int = 10) -> int:
@@ -245,12 +251,13 @@ class HostFS(msgspec.Struct, frozen=True):
             raise AttrError(path, f"odd link target {target!r}")
         return name
 
-    def link_names(self, d: Dir, names: tuple[str, ...], dir_fd: int | None = None) -> dict[str, str | AttrError]:
+    def link_names(self, d: Dir, names: tuple[str, ...], errors: dict[str, AttrError],
+                   dir_fd: int | None = None) -> dict[str, str]:  # fmt: skip
         """:meth:`link_name` of several links of a directory in one pass, as :meth:`attrs`
-        reads files: name -> target's last component, or the :class:`AttrError`; absent
+        reads files: name -> target's last component, a failed one into ``errors``; absent
         links (not listed, or ENOENT) are left out. Read relative to ``dir_fd`` when the
         caller holds ``d`` open; the path is put together for a read by path or an error only."""
-        out: dict[str, str | AttrError] = {}
+        out: dict[str, str] = {}
         base, listed = d.path, d.names
         _readlink = os.readlink  # per call: the tracer patches os
         for name in names:
@@ -261,13 +268,13 @@ class HostFS(msgspec.Struct, frozen=True):
             except FileNotFoundError:
                 continue
             except OSError as err:
-                out[name] = AttrError(f"{base}/{name}", os_reason(err))
+                errors[name] = AttrError(f"{base}/{name}", os_reason(err))
                 continue
-            last = target.rstrip("/").rpartition("/")[2]
-            if last and last != "." and last != "..":
-                out[name] = last
-            else:
-                out[name] = AttrError(f"{base}/{name}", f"odd link target {target!r}")
+            if (last := target.rpartition("/")[2]) in _NO_NAME:  # a trailing slash, or a dot
+                if (last := target.rstrip("/").rpartition("/")[2]) in _NO_NAME:
+                    errors[name] = AttrError(f"{base}/{name}", f"odd link target {target!r}")
+                    continue
+            out[name] = last
         return out
 
     def resolve_link(self, path: str) -> str:
