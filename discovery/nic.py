@@ -32,27 +32,26 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
 
 
 # A netdev's published files and how each is parsed (``str``: as read).
-_NETDEV_PARSE = {"address": str, "mtu": int, "phys_port_name": str, "speed": int}
-_NETDEV_FILES = tuple(_NETDEV_PARSE)
+_NETDEV_FILES = (("address", str), ("mtu", int), ("phys_port_name", str), ("speed", int))
 
 
 def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) -> NetInterface:
     """The published values of one netdev (its link state is for health to read). Read by
     path, not listed first: four ``stat``s cost less than listing a netdev's ~20 entries."""
     values: dict = {}
-    failed: dict[str, AttrError] = {}
-    for attr, text in fs.attrs(Dir(path), _NETDEV_FILES, failed).items():
+    for attr, parse in _NETDEV_FILES:
         try:
-            values[attr] = _NETDEV_PARSE[attr](text)
+            if (text := fs.read_optional(f"{path}/{attr}")) is not None:
+                values[attr] = parse(text)
+        except AttrError as err:
+            # speed reads EINVAL while the link is down; phys_port_name EOPNOTSUPP when the
+            # driver has no switchdev ops: both expected, nothing wrong
+            expected = attr == "speed" or (attr == "phys_port_name" and err.reason.startswith("not supported"))
+            if err.reason != "missing" and not expected:
+                problems.append(Problem(what=f"{name}/{attr}", reason=err.reason))
         except ValueError:
             if attr != "speed":  # an unparsable speed is no speed, as a down link's -1 is
                 problems.append(Problem(what=f"{name}/{attr}", reason="unparsable"))
-    for attr, err in failed.items():
-        # speed reads EINVAL while the link is down; phys_port_name EOPNOTSUPP when the
-        # driver has no switchdev ops: both expected, nothing wrong
-        expected = attr == "speed" or (attr == "phys_port_name" and err.reason.startswith("not supported"))
-        if err.reason != "missing" and not expected:
-            problems.append(Problem(what=f"{name}/{attr}", reason=err.reason))
     mac = values.get("address", "").lower()
     speed = values.get("speed")
     return NetInterface(
