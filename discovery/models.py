@@ -43,6 +43,7 @@ _API_FIELDS = {
     "ints": ("ints", int, True), "bools": ("bools", bool, True),
     "strings": ("strings", str, True), "versions": ("versions", str, True),
 }
+_API_KEY = {f: f.rstrip("_") for f in _VALUE_FIELDS}  # Python field -> API name
 _set = object.__setattr__  # how a frozen record's own constructor stores its fields
 
 
@@ -95,8 +96,10 @@ class AttributeValue:
     def trusted(cls, field: str, value) -> AttributeValue:
         """A value discovery built itself: ``field`` is a Python field name and ``value`` of its
         type (a non-empty tuple for a list). Nothing is checked."""
-        out = cls.__new__(cls)
-        _fill(out, field, value)
+        out = cls.__new__(cls)  # _fill written out: ~5,850 distinct values per large-node scan
+        _set(out, "field", field)
+        _set(out, "value", value)
+        _set(out, "api", {_API_KEY[field]: list(value) if isinstance(value, tuple) else value})
         return out
 
     @classmethod
@@ -142,7 +145,7 @@ class AttributeValue:
 
 
 def _encode(field: str, value) -> dict:
-    return {field.rstrip("_"): list(value) if isinstance(value, tuple) else value}
+    return {_API_KEY[field]: list(value) if isinstance(value, tuple) else value}
 
 
 def _fill(value_obj: AttributeValue, field: str, value) -> None:
