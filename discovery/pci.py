@@ -90,6 +90,12 @@ def _link(max_speed: str | None, max_width: int | None) -> PciLink:
 
 
 @lru_cache(maxsize=4096)
+def _is_bdf(text: str) -> bool:
+    """``BDF_RE`` remembered: the 64 VFs of a PF name the same PF in their ``physfn`` links."""
+    return BDF_RE.match(text) is not None
+
+
+@lru_cache(maxsize=4096)
 def _bridges_above(parent: str) -> tuple[str | None, tuple[str, ...]]:
     """``split_sysfs_path`` of a function directly below ``parent``: the 64 VFs of a PF
     share one answer."""
@@ -203,8 +209,9 @@ def _real_dir(fs: HostFS, link: str, sys_dir: str) -> tuple[str, str]:
 
 
 def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir]:
-    """Read one function: (record, problems, its directory listed once; ``names`` None if
-    unlistable). Raises :class:`PciError` when it cannot be identified.
+    """Read one function (``bdf``: a PCI address as :func:`list_bdfs` lists them): (record,
+    problems, its directory listed once; ``names`` None if unlistable). Raises
+    :class:`PciError` when it cannot be identified.
 
     Optional attributes that the listing lacks are not looked for, and callers reuse the
     listing (class views) instead of listing again."""
@@ -261,14 +268,15 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     bad_links: dict[str, AttrError] = {}
     links = fs.link_names(d, _LINKS[d.names is None]["driver" in values], bad_links, dir_fd)
     physfn = links.get("physfn")
-    if physfn is not None and not BDF_RE.match(physfn):
+    if physfn is not None and not _is_bdf(physfn):
         problems.append(Problem(what="physfn", reason=f"odd target {physfn!r}"))
         physfn = None
     if bad_links:
         problems += [Problem(what=n, reason=e.reason) for n, e in bad_links.items()]
     iommu = links.get("iommu_group")
     driver = values["driver"] if "driver" in values else links.get("driver")
-    pcie_root, bridges = split_sysfs_path(real)
+    parent, _, last = real.rpartition("/")  # the kernel's form ends in the listed address itself
+    pcie_root, bridges = _bridges_above(parent) if last == bdf else split_sysfs_path(real)
     fn = PciFunction(
         bdf=bdf,
         sysfs_path=real,

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from discovery.inventory import scan
+from discovery.pci import split_sysfs_path
 from tests.conftest import REPO, profile_root, profiles
 
 PROFILE = "server-2s-gpu-nic" if "server-2s-gpu-nic" in profiles() else (profiles() or [None])[0]
@@ -276,3 +277,35 @@ def test_netdevs_are_found_in_real_directories_only(tmp_path):
     os.rename(os.path.join(fn_dir, "virtio12"), os.path.join(elsewhere, "virtio12"))
     os.symlink(os.path.join(elsewhere, "virtio12"), os.path.join(fn_dir, "virtio12"))
     assert scan(root).by_name()[nic.name].nic.interfaces == ()
+
+
+def test_odd_physfn_and_a_directory_not_named_by_its_address(tmp_path):
+    """A VF's ``physfn`` that names no PCI address is a problem, not a PF (the check is
+    remembered per target, so the VF after it is checked again); a function whose directory is
+    not named by its address is split as any other path (no pcieRoot, as upstream)."""
+    root = str(tmp_path / "root")
+    shutil.copytree(profile_root("sriov-nic"), root, symlinks=True)
+    before = scan(root)
+    vfs = [d for d in before.devices if d.pci.physfn is not None][:2]
+    assert len(vfs) == 2 and vfs[0].pci.physfn == vfs[1].pci.physfn
+    for vf in vfs:
+        link = os.path.join(root, vf.pci.sysfs_path.lstrip("/"), "physfn")
+        os.unlink(link)
+        os.symlink("../not-a-bdf", link)
+    other = next(d for d in before.devices if d.pci.physfn is None and d.pci.pcie_root is not None)
+    real = os.path.join(root, other.pci.sysfs_path.lstrip("/"))
+    os.rename(real, real + "-moved")
+    bus_link = os.path.join(root, "sys/bus/pci/devices", other.pci.bdf)
+    os.unlink(bus_link)
+    os.symlink(os.readlink(os.path.join(root, "sys/bus/pci/devices", vfs[0].pci.bdf)).rpartition("/")[0]
+               + "/" + os.path.basename(real) + "-moved", bus_link)  # fmt: skip
+    after = scan(root).by_name()
+    for vf in vfs:
+        dev = after[vf.name]
+        assert dev.pci.physfn is None and "pfPciAddress" not in dev.attributes
+        assert any(p.what == "physfn" and p.reason == "odd target 'not-a-bdf'" for p in dev.problems)
+    moved = after[other.name]
+    assert moved.pci.sysfs_path == other.pci.sysfs_path + "-moved"
+    assert (moved.pci.pcie_root, moved.pci.bridges) == split_sysfs_path(moved.pci.sysfs_path)
+    assert "resource.kubernetes.io/pcieRoot" not in moved.attributes
+    assert moved.attributes["resource.kubernetes.io/pciBusID"] == other.attributes["resource.kubernetes.io/pciBusID"]
