@@ -43,15 +43,17 @@ def parse_id(text: str) -> str:
     return m.group(1)
 
 
-def split_sysfs_path(real: str) -> tuple[str | None, tuple[str, ...]]:
+def split_sysfs_path(real: str, address: str | None = None) -> tuple[str | None, tuple[str, ...]]:
     """``/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0`` -> ("pci0000:00", bridges...).
 
     Returns the root complex and the BDF components above the function. Non-BDF
     components (``virtio1``, VMD's ``pci10000:00``) are not bridges; a nested
-    ``pciDDDD:BB`` (VMD) is not a new root complex for ``pcieRoot`` either.
+    ``pciDDDD:BB`` (VMD) is not a new root complex for ``pcieRoot`` either. ``address``:
+    the function's own PCI address, already checked; a last component equal to it needs
+    no check again (the kernel's form, every function of a scan).
     """
     parent, _, last = real.rpartition("/")
-    if BDF_RE.match(last):
+    if last == address or BDF_RE.match(last):
         return _bridges_above(parent)
     parts = real.split("/")
     if len(parts) < 4 or parts[1] != "sys" or parts[2] != "devices" or not ROOT_BUS_RE.match(parts[3]):
@@ -275,8 +277,7 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
         problems += [Problem(what=n, reason=e.reason) for n, e in bad_links.items()]
     iommu = links.get("iommu_group")
     driver = values["driver"] if "driver" in values else links.get("driver")
-    parent, _, last = real.rpartition("/")  # the kernel's form ends in the listed address itself
-    pcie_root, bridges = _bridges_above(parent) if last == bdf else split_sysfs_path(real)
+    pcie_root, bridges = split_sysfs_path(real, bdf)
     fn = PciFunction(
         bdf=bdf,
         sysfs_path=real,

@@ -83,7 +83,8 @@ _NO_NAME = frozenset(("", ".", ".."))  # last components of a link target that n
 
 def _target_name(target: str) -> str | None:
     """The last component of a link's target (what it links to); None for none or a dot."""
-    name = target.rstrip("/").rpartition("/")[2]
+    if (name := target.rpartition("/")[2]) in _NO_NAME:  # a trailing slash, or a dot
+        name = target.rstrip("/").rpartition("/")[2]
     return None if name in _NO_NAME else name
 
 
@@ -191,12 +192,12 @@ class HostFS(msgspec.Struct, frozen=True):
         straight away (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since the listing from
         being followed or blocking), relative to ``dir_fd`` when the caller holds the
         directory open (:meth:`open_dir`). Any other name (of an unlisted :class:`Dir`, or of
-        no known type) is read by path as :meth:`read_present` reads it: its type asked
-        first. The scan's hot path (every PCI function, every netdev), so written out in one
-        frame, texts and errors apart so that callers need not tell them apart again."""
+        no known type) is read by :meth:`read_present`: its type asked first. The scan's hot
+        path (every PCI function), so written out; texts and errors apart, so that callers
+        need not tell them apart again."""
         out: dict[str, str] = {}
         base, entries = d.path, d.entries
-        _open, _read, _close, _stat = os.open, os.read, os.close, os.stat  # per call: the tracer patches os
+        _open, _read, _close = os.open, os.read, os.close  # per call: the tracer patches os
         cap = MAX_ATTR_BYTES + 1
         for name in names:
             entry = None
@@ -205,19 +206,15 @@ class HostFS(msgspec.Struct, frozen=True):
             try:  # the path is put together only for a read by path or an error
                 if entry is not None and entry.is_file(follow_symlinks=False):
                     fd = _open(name, _LISTED_FLAGS, dir_fd=dir_fd) if dir_fd is not None else _open(f"{base}/{name}", _LISTED_FLAGS)
-                else:  # not listed, or of no known type: the checked read by path
                     try:
-                        mode = _stat(f"{base}/{name}").st_mode
-                    except FileNotFoundError:
-                        continue
-                    if not S_ISREG(mode):
-                        errors[name] = AttrError(f"{base}/{name}", "directory" if stat.S_ISDIR(mode) else "not a regular file")
-                        continue
-                    fd = _open(f"{base}/{name}", _READ_FLAGS)
-                try:
-                    data = _read(fd, cap)
-                finally:
-                    _close(fd)
+                        data = _read(fd, cap)
+                    finally:
+                        _close(fd)
+                elif (data := self.read_present(f"{base}/{name}")) is None:  # not listed, or of no known type
+                    continue
+            except AttrError as err:
+                errors[name] = err
+                continue
             except OSError as err:
                 errors[name] = AttrError(f"{base}/{name}", os_reason(err))
                 continue
@@ -270,11 +267,10 @@ class HostFS(msgspec.Struct, frozen=True):
             except OSError as err:
                 errors[name] = AttrError(f"{base}/{name}", os_reason(err))
                 continue
-            if (last := target.rpartition("/")[2]) in _NO_NAME:  # a trailing slash, or a dot
-                if (last := target.rstrip("/").rpartition("/")[2]) in _NO_NAME:
-                    errors[name] = AttrError(f"{base}/{name}", f"odd link target {target!r}")
-                    continue
-            out[name] = last
+            if (last := _target_name(target)) is None:
+                errors[name] = AttrError(f"{base}/{name}", f"odd link target {target!r}")
+            else:
+                out[name] = last
         return out
 
     def resolve_link(self, path: str) -> str:

@@ -113,6 +113,12 @@ def test_split_sysfs_path_chain_and_vmd():
     # virtio-net is one level deeper but the PCI chain is unchanged
     assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:04.0") == ("pci0000:00", ())
     assert split_sysfs_path("/sys/bus/pci/devices/0000:00:04.0") == (None, ())
+    # the function's own (checked) address as the last component: the same answer
+    for path in ("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0",
+                 "/sys/devices/pci0000:17/0000:17:05.5/pci10000:00/10000:00:02.0/10000:01:00.0"):  # fmt: skip
+        assert split_sysfs_path(path, path.rpartition("/")[2]) == split_sysfs_path(path)
+        assert split_sysfs_path(path, "0000:ff:00.0") == split_sysfs_path(path)
+    assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:04.0/virtio1", "0000:00:04.0") == ("pci0000:00", ())
 
 
 def test_parse_dev_and_proc_devices():
