@@ -54,6 +54,9 @@ def wait_for(predicate, what: str, timeout: float = 30.0, proc: subprocess.Popen
 
 
 def read_slices(cluster: str) -> list[dict]:
+    """The pool as the scheduler takes it: the slices of its newest generation once all
+    ``resourceSliceCount`` of them are there; [] while a publish is under way (the files of a
+    pool are written one by one), so callers wait for it with :func:`wait_for`."""
     out = []
     for path in sorted(glob.glob(os.path.join(cluster, "resourceslices", "*.json"))):
         try:
@@ -61,7 +64,11 @@ def read_slices(cluster: str) -> list[dict]:
                 out.append(json.load(f))
         except (OSError, ValueError):
             return []  # mid-rename: try again
-    return out
+    if not out:
+        return []
+    newest = max(s["spec"]["pool"]["generation"] for s in out)
+    pool = [s for s in out if s["spec"]["pool"]["generation"] == newest]
+    return pool if len(pool) == pool[0]["spec"]["pool"]["resourceSliceCount"] else []
 
 
 def slice_summary(slices: list[dict]) -> tuple[int, int, list[str]]:
@@ -124,7 +131,8 @@ def make_share_claims(cluster: str, gpu: str) -> list[dict]:
 
 
 async def share_session(kubelet, state: str, cluster: str, gpu: str) -> None:
-    shared = next(d for s in read_slices(cluster) for d in s["spec"].get("devices", []) if d["name"] == gpu)
+    slices = wait_for(lambda: read_slices(cluster), "the ResourceSlices")
+    shared = next(d for s in slices for d in s["spec"].get("devices", []) if d["name"] == gpu)
     say(f"sharing: {gpu} is published with allowMultipleAllocations (sysdra run --share gpu)")
     show(f"allowMultipleAllocations: {json.dumps(shared.get('allowMultipleAllocations'))}\n" + "\n".join(
         f"capacity {name}: {json.dumps(cap)}" for name, cap in (shared.get("capacity") or {}).items()))
@@ -171,7 +179,7 @@ async def kubelet_session(state: str, cluster: str, root: str, proc: subprocess.
     show(f"type={info.type} name={info.name}\nendpoint={info.endpoint}\nsupported_versions={list(info.supported_versions)}\n"
          f"kubelet picks {kubelet.service}")
 
-    gen, _, devices = slice_summary(read_slices(cluster))
+    gen, _, devices = slice_summary(wait_for(lambda: read_slices(cluster), "the ResourceSlices"))
     gpus = [d for d in devices if d.startswith("gpu-")]
     nics = [d for d in devices if d.startswith("nic-")]
     say(f"scheduler: allocate {gpus[0]} + {nics[0]} to ResourceClaim demo/train-job")
@@ -201,8 +209,9 @@ async def kubelet_session(state: str, cluster: str, root: str, proc: subprocess.
     say(f"hardware: surprise removal of {victim}")
     t0 = time.monotonic()
     unplug(root, victim)
-    wait_for(lambda: victim not in slice_summary(read_slices(cluster))[2], "the republished slices", proc=proc)
-    new_gen, n_slices, after = slice_summary(read_slices(cluster))
+    republished = wait_for(lambda: (pool := read_slices(cluster)) and victim not in slice_summary(pool)[2] and pool,
+                           "the republished slices", proc=proc)  # fmt: skip
+    new_gen, n_slices, after = slice_summary(republished)
     show(f"republished in {1000 * (time.monotonic() - t0):.0f} ms: {len(devices)} -> {len(after)} devices, "
          f"pool generation {gen} -> {new_gen}, {n_slices} slice(s)")
 
