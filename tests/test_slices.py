@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 
 from agent.publish import slices
-from agent.publish.validation import device_problems, parse_quantity, qualified_name_problem
+from agent.publish.validation import CheckedValues, device_problems, parse_quantity, qualified_name_problem
 from agent.settings import Settings
 from discovery.models import AttributeValue, Inventory
 from tests.conftest import profile_root, profiles
@@ -134,6 +134,23 @@ def test_a_bad_value_shared_by_devices_rejects_each_of_them(case):
     pool = build(Inventory(root="/", devices=(bad[0], good[0], bad[1], good[1], bad[2])))
     assert [d["name"] for d in pool.slices[0]["devices"]] == [d.name for d in good]
     assert [name for name, _ in pool.rejected] == [d.name for d in bad]
+
+
+@pytest.mark.parametrize("list_attributes", [True, False])
+def test_a_pool_memo_finds_what_a_check_of_each_entry_finds(list_attributes):
+    """device_problems settles a device whose names and values are all valid from the ids of
+    values found valid before (CheckedValues); whatever it finds must be exactly what a check
+    without the memo finds, in the same order, for good and bad devices met in any order."""
+    lists = device(60, attributes={"l": AttributeValue(ints=tuple(range(40))), "m": AttributeValue(ints=(1, 2))})
+    cases = [*inventory(3).devices, *(device(50 + i, **kw) for i, kw in enumerate(BAD_DEVICES.values())), lists]
+    entries = [d.to_api() for d in cases]
+    entries.append(dict(entries[0], attributes=dict(entries[0]["attributes"], s={"string": "x" * 65})))
+    expected = [device_problems(e, DRIVER, list_attributes) for e in entries]
+    assert any(expected) and not all(expected)
+    for order in (entries, entries[::-1], entries + entries):
+        memo = CheckedValues()
+        got = {id(e): device_problems(e, DRIVER, list_attributes, memo) for e in order}
+        assert [got[id(e)] for e in entries] == expected
 
 
 def test_limits_exactly_at_the_edge_are_accepted():

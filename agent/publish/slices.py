@@ -15,7 +15,7 @@ from agent.deviceapi import device_api
 from agent.publish import partitions as gpu_partitions
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
 from agent.publish.nodeops import grouped_slices
-from agent.publish.validation import device_problems
+from agent.publish.validation import CheckedValues, device_problems
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
@@ -153,7 +153,7 @@ def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: d
 
 
 def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict | None,
-           share: SharePlan | None = None, checked: dict | None = None) -> tuple[dict, list[str]]:
+           share: SharePlan | None = None, checked: CheckedValues | None = None) -> tuple[dict, list[str]]:
     """The device's API entry and validation problems; ``cache`` reuses them while the
     device object (discovery reuses unchanged ones), its taints and the settings are the same."""
     t = taints.get(device.name) if taints else None
@@ -190,7 +190,7 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
     seen: set[str] = set()
     pf_of: dict[str, str | None] = {}
     bdf_of: dict[str, str] = {}
-    checked: dict = {}  # attribute values checked in this pool (validation.device_problems)
+    checked = CheckedValues()  # attribute values found valid in this pool
     for device in inventory.devices:
         entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share, checked)
         if device.name in seen:

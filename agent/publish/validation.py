@@ -110,13 +110,54 @@ def _attribute_problem(key: str, value: object, list_attributes: bool) -> tuple[
     return problem, 1
 
 
-def device_problems(device: dict, driver: str, list_attributes: bool, checked: dict | None = None) -> list[str]:
+class CheckedValues:
+    """Attribute values found valid while one pool is checked (one ``list_attributes``).
+    Discovery shares value objects between devices (a pool of 2,000 devices has a few
+    thousand distinct ones among ~40,000 entries), so each is checked once, by its id; the
+    value is held, so that its id cannot be reused meanwhile. A value found invalid is not
+    kept: every device holding it is checked in full and reports it."""
+
+    __slots__ = ("valid", "list_counts")
+
+    def __init__(self) -> None:
+        self.valid: dict[int, object] = {}
+        self.list_counts: dict[int, int] = {}  # of the valid list values: how many values each counts
+
+
+@functools.lru_cache(maxsize=1024)  # devices of a kind have the same names: one check per set
+def _names_valid(keys: tuple[str, ...], driver: str) -> bool:
+    return _unique_names(keys, driver) is None and not any(map(qualified_name_problem, keys))
+
+
+def _values_valid(values, checked: CheckedValues, list_attributes: bool) -> int | None:
+    """How many values ``values`` (a device's attribute values) count when every one of them
+    is valid, else None. Values not met before in this pool are checked and remembered."""
+    valid = checked.valid
+    ids = list(map(id, values))
+    if new := set(ids).difference(valid):
+        for value in values:
+            if (i := id(value)) not in new:
+                continue
+            if _value_problem("", value) is not None:
+                return None
+            if next(iter(value)) in _LIST_KEYS:
+                if not list_attributes:
+                    return None
+                checked.list_counts[i] = len(next(iter(value.values())))
+            valid[i] = value
+    if not checked.list_counts:
+        return len(ids)
+    counts = checked.list_counts
+    return sum(counts.get(i, 1) for i in ids)
+
+
+def device_problems(device: dict, driver: str, list_attributes: bool, checked: CheckedValues | None = None) -> list[str]:
     """Everything the API server would reject about one ``spec.devices[]`` entry.
 
-    ``checked``: a dict the caller keeps while it checks one pool (same ``list_attributes``).
-    Discovery shares attribute value objects between devices (a pool of 2,000 devices has a
-    few thousand distinct ones among ~40,000 entries), so each distinct (name, value) is
-    checked once; the memo holds the value, so its id cannot be reused meanwhile."""
+    ``checked``: kept by the caller while it checks one pool (same ``list_attributes``), so
+    that each distinct value is checked once. A device whose names and values are all valid
+    is settled by set operations on their ids; any other is checked entry by entry, which
+    names every problem in the order of its attributes."""
     problems: list[str] = []
     name = device.get("name", "")
     if not is_dns_label(name):
@@ -125,17 +166,18 @@ def device_problems(device: dict, driver: str, list_attributes: bool, checked: d
     capacity = device.get("capacity") or {}
     if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
         problems.append(f"{len(attributes) + len(capacity)} attributes and capacities, at most {MAX_ATTRIBUTES_AND_CAPACITIES}")
-    values = 0
-    memo = checked if checked is not None else {}
-    for key, value in attributes.items():
-        hit = memo.get((key, id(value)))
-        if hit is None:
-            hit = memo[(key, id(value))] = (value, *_attribute_problem(key, value, list_attributes))
-        _, problem, count = hit
-        if problem:
-            problems.append(problem)
-        else:
-            values += count
+    keys = tuple(attributes)
+    values = None
+    if _names_valid(keys, driver):
+        values = _values_valid(attributes.values(), checked if checked is not None else CheckedValues(), list_attributes)
+    if values is None:
+        values = 0
+        for key, value in attributes.items():
+            problem, count = _attribute_problem(key, value, list_attributes)
+            if problem:
+                problems.append(problem)
+            else:
+                values += count
     if values > MAX_ATTRIBUTE_VALUES:
         problems.append(f"{values} attribute values, at most {MAX_ATTRIBUTE_VALUES}")
     multiple = device.get("allowMultipleAllocations") is True
@@ -153,10 +195,11 @@ def device_problems(device: dict, driver: str, list_attributes: bool, checked: d
                 problem = f"capacity {key!r}: requestPolicy: " + "; ".join(found)
         if problem:
             problems.append(problem)
-    for problem in (_unique_names(tuple(attributes), driver), _unique_names(tuple(capacity), driver)):
+    for problem in (_unique_names(keys, driver), _unique_names(tuple(capacity), driver) if capacity else None):
         if problem:
             problems.append(problem)
-    problems.extend(_consumption_problems(device.get("consumesCounters") or []))
+    if consumptions := device.get("consumesCounters"):
+        problems.extend(_consumption_problems(consumptions))
     return problems
 
 
