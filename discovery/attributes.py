@@ -20,13 +20,16 @@ PCI_BUS_ID = STD + "pciBusID"
 PCIE_ROOT = STD + "pcieRoot"
 NUMA_NODE = STD + "numaNode"
 UPSTREAM_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
+# A PciFunction's bdf is an address as discovery lists it (pci.BDF_RE: a domain of 4 or more
+# hex digits, function 0-7); of those, upstream's form is exactly the ones of 12 characters.
+UPSTREAM_BDF_LENGTH = 12
 MAX_STRING = 64
 MAX_ENTRIES = 32
 
 
 def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attributes: bool) -> dict[str, AttributeValue]:
     out: dict[str, AttributeValue] = {}
-    if UPSTREAM_BDF.match(fn.bdf):
+    if len(fn.bdf) == UPSTREAM_BDF_LENGTH:  # UPSTREAM_BDF, for an address BDF_RE took
         out[PCI_BUS_ID] = string_value(fn.bdf)
         # upstream: link target below /sys/devices/pci*, basename == BDF
         if fn.pcie_root is not None and fn.sysfs_path.rsplit("/", 1)[-1] == fn.bdf:

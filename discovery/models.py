@@ -199,7 +199,7 @@ class Sriov(Record, kw_only=True):
 
 
 class PciFunction(Record, kw_only=True):
-    bdf: str  # "0000:1b:00.0"; the domain may have 5+ hex digits (VMD)
+    bdf: str  # "0000:1b:00.0" as pci.BDF_RE takes it; the domain may have 5+ hex digits (VMD)
     sysfs_path: str  # resolved /sys/devices/... path (node view)
     pcie_root: str | None  # "pci0000:00": first component below /sys/devices
     bridges: tuple[str, ...] = ()  # BDFs between the root complex and this function

@@ -117,3 +117,17 @@ def test_identity_values_past_the_limit_are_refused_for_every_device():
         attrs, problems = device_attributes(_nic(_fn(bdf, vendor_id="v" * 65)), (), False)
         assert "vendorID" not in attrs and attrs["deviceID"].api == {"string": "101e"}
         assert [p.what for p in problems] == ["vendorID"]
+
+
+@pytest.mark.parametrize("domain", ["0000", "00ab", "ffff", "10000", "1000a", "abcdef"])
+@pytest.mark.parametrize("function", range(8))
+def test_pci_bus_id_exactly_for_the_addresses_in_upstream_form(domain, function):
+    """pciBusID is published by the address's length (12 characters): for every address that
+    discovery lists (pci.BDF_RE), that is exactly upstream's UPSTREAM_BDF."""
+    from discovery.pci import BDF_RE
+
+    bdf = f"{domain}:3b:1f.{function}"
+    assert BDF_RE.match(bdf)
+    attrs, _ = device_attributes(_nic(_fn(bdf)), (), False)
+    assert (attributes.PCI_BUS_ID in attrs) == bool(attributes.UPSTREAM_BDF.match(bdf)) == (len(domain) == 4)
+    assert attrs["pciAddress"].string == bdf

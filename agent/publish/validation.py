@@ -135,8 +135,8 @@ def _values_valid(values, checked: CheckedValues, list_attributes: bool) -> int 
     valid = checked.valid
     ids = list(map(id, values))
     if new := set(ids).difference(valid):
-        for value in values:
-            if (i := id(value)) not in new:
+        for i, value in zip(ids, values):
+            if i not in new:
                 continue
             if _value_problem("", value) is not None:
                 return None
