@@ -138,9 +138,9 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
         _publish(out, problems, later)
     if len(out) + len(dev.capacity) > MAX_ENTRIES:
         # keep the standard ones and the first driver-local ones, in insertion order
-        keep = list(out)[: MAX_ENTRIES - len(dev.capacity)]
+        keep = list(out.items())[: MAX_ENTRIES - len(dev.capacity)]  # no comprehension: it made ``out`` a cell
         problems.append(Problem(what="attributes", reason=f"more than {MAX_ENTRIES} entries, dropped {len(out) - len(keep)}"))
-        out = {k: out[k] for k in keep}
+        out = dict(keep)
     return out, problems
 
 

@@ -27,8 +27,12 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
             d = fs.list_dir(d.path)
         except AttrError:
             return dirs
-    # by path (the function's directory is no longer held), real directories only
-    return dirs + [f"{d.path}/{n}/net" for n in sorted(d.names) if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]
+    # by path (the function's directory is no longer held), real directories only; a loop: a
+    # comprehension would make ``fs`` and ``d`` cells on every NIC's call
+    for n in sorted(d.names):
+        if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}"):
+            dirs.append(f"{d.path}/{n}/net")
+    return dirs
 
 
 # A netdev's published files and how each is parsed (``str``: as read).
@@ -85,15 +89,19 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
             if _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
 
+    # loops, not comprehensions: a comprehension that reads this function's locals makes them
+    # cells, and a function object of its own, on every call (every NIC, most without RDMA)
     rdma: list[RdmaDevice] = []
     nodes: list[DeviceNode] = []
     verbs_by_ibdev: dict[str, str] = {}
+    verbs: list[tuple[int, str]] = []
     try:
-        verbs = sorted(
-            (int(m.group(1)), n) for n in fs.listdir(f"{pci_dir}/infiniband_verbs") if (m := _UVERBS.match(n))
-        ) if d.has("infiniband_verbs") else []
+        for n in fs.listdir(f"{pci_dir}/infiniband_verbs") if d.has("infiniband_verbs") else ():
+            if m := _UVERBS.match(n):
+                verbs.append((int(m.group(1)), n))
     except AttrError:
         verbs = []
+    verbs.sort()
     for _, uverbs in verbs:
         base = f"{pci_dir}/infiniband_verbs/{uverbs}"
         try:
@@ -107,6 +115,7 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         ibdevs = fs.listdir(f"{pci_dir}/infiniband") if d.has("infiniband") else []
     except AttrError:
         ibdevs = []
-    rdma = [RdmaDevice(name=ib, uverbs=verbs_by_ibdev.get(ib), rate_gbps=_port_rate(fs, f"{pci_dir}/infiniband/{ib}"))
-            for ib in ibdevs]
+    for ib in ibdevs:
+        rate = _port_rate(fs, f"{pci_dir}/infiniband/{ib}")
+        rdma.append(RdmaDevice(name=ib, uverbs=verbs_by_ibdev.get(ib), rate_gbps=rate))
     return NicInfo(interfaces=tuple(interfaces), rdma=tuple(rdma)), nodes

@@ -11,6 +11,7 @@ import errno
 import os
 import re
 from functools import lru_cache
+from itertools import filterfalse
 
 from discovery.models import PciFunction, PciLink, Problem, Sriov
 from discovery.sysfs import AttrError, Dir, HostFS, os_reason
@@ -246,7 +247,7 @@ def _read_listed(fs: HostFS, bdf: str, real_host: str, real: str, dir_fd: int | 
     if failed:
         failed.pop("uevent", None)  # the id files say it then
     if not values.keys() >= _ID_SET:  # no uevent, unreadable or not a PCI one: the id files say it
-        read.update(fs.attrs(d, [n for n in _IDS if n not in values], failed, dir_fd))
+        read.update(fs.attrs(d, list(filterfalse(values.__contains__, _IDS)), failed, dir_fd))  # no comprehension: it made ``values`` a cell
     for name, text in read.items():
         try:
             values[name] = _PARSE[name](text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode, PciFunction, Problem
@@ -33,7 +34,7 @@ def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, prob
             )
         if node is not None:
             nodes.append(node)
-    node = resolver.shared(VFIO_CONTAINER[0], problems, lambda found: _container(fs, resolver, found))
+    node = resolver.shared(VFIO_CONTAINER[0], problems, partial(_container, fs, resolver))  # no closure: no cells
     if node is not None:
         nodes.append(node)
     # iommufd character device (kernel 6.2+), when present

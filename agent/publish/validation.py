@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from itertools import repeat
 from fractions import Fraction
 
 from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
@@ -147,8 +148,7 @@ def _values_valid(values, checked: CheckedValues, list_attributes: bool) -> int 
             valid[i] = value
     if not checked.list_counts:
         return len(ids)
-    counts = checked.list_counts
-    return sum(counts.get(i, 1) for i in ids)
+    return sum(map(checked.list_counts.get, ids, repeat(1)))  # a list value: its count, else 1
 
 
 def device_problems(device: dict, driver: str, list_attributes: bool, checked: CheckedValues | None = None) -> list[str]:
