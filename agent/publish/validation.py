@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import re
-from itertools import repeat
 from fractions import Fraction
+from itertools import repeat
 
 from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
 
