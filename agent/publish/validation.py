@@ -139,7 +139,7 @@ def _values_valid(values, checked: CheckedValues, list_attributes: bool) -> int 
         for i, value in zip(ids, values):
             if i not in new:
                 continue
-            if _value_problem("", value) is not None:
+            if _value_problem("", value) is not None:  # its message, with the key, comes from the full check
                 return None
             if next(iter(value)) in _LIST_KEYS:
                 if not list_attributes:
