@@ -45,15 +45,15 @@ def _cpu(fn) -> float:
     return time.process_time() - t0
 
 
-def _interleaved(a, b, repeat: int) -> tuple[float, float]:
-    """Median CPU time (user + system) of ``a`` and of ``b`` in this process, run in turn
-    (a b a b ...): on a shared machine wall time also counts waiting for a CPU, which
+def _interleaved(fns, repeat: int) -> list[float]:
+    """Median CPU time (user + system) of each of ``fns`` in this process, run in turn
+    (a b c a b c ...): on a shared machine wall time also counts waiting for a CPU, which
     neither the scan nor its floor controls, and the machine's speed drifts."""
-    ta, tb = [], []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        ta.append(_cpu(a))
-        tb.append(_cpu(b))
-    return statistics.median(ta), statistics.median(tb)
+        for fn, spent in zip(fns, times):
+            spent.append(_cpu(fn))
+    return [statistics.median(spent) for spent in times]
 
 
 def _child_cpu(cmd: list[str], repeat: int) -> float:
@@ -95,9 +95,10 @@ def floor_rss_mb() -> float:
 def run(repeat: int = 7) -> list[Figure]:
     from discovery.inventory import scan
 
-    from agent.tools.fstrace import replay_plan
+    from agent.tools.fstrace import replay_plan, traced
 
     from bench.agentproc import large_node
+    from bench.plainscan import plain_scan
 
     progress("generating the large node (shared by all benchmarks of this run)")
     tmp = large_node()
@@ -105,11 +106,20 @@ def run(repeat: int = 7) -> list[Figure]:
         n = len(os.listdir(os.path.join(tmp, "sys/bus/pci/devices")))
         progress(f"{n} PCI functions; recording the scan's file operations")
         ops = record_operations(tmp)
-        progress(f"{len(ops)} operations; timing scan, minimal reader, lspci ({repeat} runs each)")
+        progress(f"{len(ops)} operations; timing scan, minimal reader, plain scan, lspci ({repeat} runs each)")
         scan(tmp)  # warm the dentry cache for everybody
         plan = replay_plan(ops)
-        t_scan, t_min = _interleaved(lambda: scan(tmp), lambda: minimal_reader(plan), repeat)
-        figures = [Figure("scan", t_scan * 1000, "ms", t_min * 1000, "ratio <= 1.3", t_scan <= 1.3 * t_min)]
+        plain_plan = replay_plan(traced(plain_scan, tmp)[1])
+        t_scan, t_min, t_plain, t_plain_min = _interleaved(
+            (lambda: scan(tmp), lambda: minimal_reader(plan), lambda: plain_scan(tmp), lambda: minimal_reader(plain_plan)),
+            repeat,
+        )  # fmt: skip
+        figures = [
+            Figure("scan", t_scan * 1000, "ms", t_min * 1000, "ratio <= 1.3", t_scan <= 1.3 * t_min),
+            Figure("plain_scan", t_plain * 1000, "ms", t_plain_min * 1000,
+                   "informative (bench/plainscan.py vs its replayed file operations: Python's own share)", True),
+            Figure("scan_vs_plain", t_scan * 1000, "ms", t_plain * 1000, "informative", True),
+        ]  # fmt: skip
         lspci = shutil.which("lspci")
         if lspci:
             cmd = [lspci, "-vmm", "-D", "-nn", "-A", "linux-sysfs", "-O", f"sysfs.path={tmp}/sys/bus/pci"]

@@ -26,43 +26,48 @@ def traced_scan(root: str) -> tuple[object, list[tuple[str, str]]]:
     """One discovery scan of ``root`` with its file operations: (inventory, [(op, path)])."""
     from discovery.inventory import scan
 
+    return traced(scan, root)
+
+
+def traced(fn, *args) -> tuple[object, list[tuple[str, str]]]:
+    """``fn(*args)`` with the file operations it makes through ``os``: (its result, [(op, path)])."""
     ops: list[tuple[str, str]] = []
     real = {name: getattr(os, name) for name in TRACED}
     held: dict[int, str] = {}  # directory descriptors the scan holds open -> their paths
 
     def wrap(name):
-        fn = real[name]
+        call = real[name]
 
-        def traced(path, *a, **kw):
+        def recorded(path, *a, **kw):
             if isinstance(path, int):  # close(fd), scandir(fd): only held directories are traced
                 where = held.pop(path, None) if name == "close" else held.get(path)
                 if where is not None:
                     ops.append(("closedir" if name == "close" else name + "@", where))
-                return fn(path, *a, **kw)
+                return call(path, *a, **kw)
             if not isinstance(path, str):
-                return fn(path, *a, **kw)
+                return call(path, *a, **kw)
             dir_fd = kw.get("dir_fd")
             if dir_fd is not None:
                 ops.append((name + "@", f"{held[dir_fd]}/{path}"))
-                return fn(path, *a, **kw)
+                return call(path, *a, **kw)
             if name == "open" and (a[0] if a else kw.get("flags", 0)) & os.O_DIRECTORY:
                 ops.append(("opendir", path))
-                fd = fn(path, *a, **kw)
+                fd = call(path, *a, **kw)
                 held[fd] = path
                 return fd
             ops.append((name, path))
-            return fn(path, *a, **kw)
+            return call(path, *a, **kw)
 
-        return traced
+        return recorded
 
     for name in real:
         setattr(os, name, wrap(name))
     try:
-        inventory = scan(root)
+        result = fn(*args)
     finally:
-        for name, fn in real.items():
-            setattr(os, name, fn)
-    return inventory, ops
+        for name, original in real.items():
+            setattr(os, name, original)
+    return result, ops
 
 
 def replay_plan(ops: list[tuple[str, str]]) -> list[tuple[str, str]]:
