@@ -3,7 +3,7 @@
 ``sysdra scan -o json`` and ``sysdra scan`` (the table) are run as fresh processes, in turn
 with ``lspci -A linux-sysfs -vmm`` on the same tree and with a minimal Python reader of the
 same sysfs files (``bench/minreader.py``) and the plainest Python scan of the scan's own
-files (``bench/plainscan.py``): A B C D E, A B C D E, ... after one warm-up round, so
+files (``bench/plainscan.py``), each once per round after one warm-up round, so
 every ratio compares runs made side by side. Each figure is the median CPU time (user +
 system, from ``wait4``) of the process: all of these commands are single-threaded, so on an
 idle machine it equals the wall time, and on a shared one it leaves out the time spent
