@@ -13,8 +13,9 @@ import pytest
 from agent.tools.fstrace import plain_op, replay, replay_plan, traced, traced_scan
 from bench.plainscan import plain_scan
 from discovery.inventory import scan
+from tests.conftest import REPO
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures"))
+sys.path.insert(0, os.path.join(REPO, "fixtures"))
 from generate import build_tree, large_node_spec  # noqa: E402
 
 
@@ -61,6 +62,6 @@ def test_the_plain_scan_reads_the_files_the_scan_reads(small_node):
 
 def test_the_plain_scan_prints_what_it_finds(small_node):
     """``bench_cli`` times it as a process, printing indented JSON as ``sysdra scan -o json`` does."""
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "plainscan.py")
+    script = os.path.join(REPO, "bench", "plainscan.py")
     out = subprocess.run([sys.executable, script, small_node], check=True, capture_output=True, text=True).stdout
     assert json.loads(out) == json.loads(json.dumps(plain_scan(small_node)))

@@ -33,7 +33,7 @@ def traced(fn, *args) -> tuple[object, list[tuple[str, str]]]:
     """``fn(*args)`` with the file operations it makes through ``os``: (its result, [(op, path)])."""
     ops: list[tuple[str, str]] = []
     real = {name: getattr(os, name) for name in TRACED}
-    held: dict[int, str] = {}  # directory descriptors the scan holds open -> their paths
+    held: dict[int, str] = {}  # directory descriptors the call holds open -> their paths
 
     def wrap(name):
         call = real[name]
