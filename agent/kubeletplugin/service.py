@@ -99,53 +99,23 @@ class SerializeLock:
             os.close(self._fd)
             self._fd = None
 
-    def try_run_now(self, fn: Callable[[Any], Any], arg: Any) -> tuple[bool, Any]:
-        """Run a plain function at once if both locks are free -> (ran, result). Nothing in
-        it awaits, so nothing else on the loop can interleave (the mutex need not be taken)
-        and a cancelled RPC cannot stop it halfway."""
-        if self._mutex.locked():
-            return False, None
-        if self._fd is None:
-            self.open()
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False, None
-        try:
-            return True, fn(arg)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-
     async def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        """``fn(arg)`` holding both locks: a coroutine function is awaited on the loop (it must
+        never block), anything else runs in a worker thread, so health streams, registration,
+        the status socket and the publisher keep running while the driver works."""
         async with self._mutex:
             if self._fd is None:
                 self.open()
-            try:  # uncontended: no thread hop (it shows in prepare latency)
+            try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # another instance (rolling update) holds it
                 await asyncio.to_thread(fcntl.flock, self._fd, fcntl.LOCK_EX)
             try:
-                result = fn(arg)
-                if inspect.isawaitable(result):
-                    return await result
-                return result
+                if inspect.iscoroutinefunction(fn):
+                    return await fn(arg)
+                return await asyncio.to_thread(fn, arg)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-
-INLINE_CLAIMS = 2
-
-
-async def _in_thread_or_await(fn: Callable[[Any], Any], arg: Any) -> Any:
-    """Plain driver methods do blocking file I/O. A call with one or two claims (the
-    kubelet's usual batch) is ~1 ms of small local writes: run on the loop thread, because a
-    worker thread fighting the loop for the GIL made it 30-40 % slower. Bigger batches go
-    to a thread so health streams and status answers keep flowing meanwhile."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(arg)
-    if isinstance(arg, list) and len(arg) <= INLINE_CLAIMS:
-        return fn(arg)
-    return await asyncio.to_thread(fn, arg)
 
 
 class Prepare:
@@ -158,15 +128,8 @@ class Prepare:
         self.status = status  # a StatusWriter: results' status.devices, written in the background
 
     async def _serialized(self, fn: Callable[[Any], Any], arg: Any) -> Any:
-        # The usual call (a plain driver method, one or two claims, no contention) runs right
-        # here: a task and a shield cost two trips through the event loop, ~0.2 ms.
-        if not inspect.iscoroutinefunction(fn) and isinstance(arg, list) and len(arg) <= INLINE_CLAIMS:
-            ran, result = self.lock.try_run_now(fn, arg)
-            if ran:
-                return result
         # Shielded: a kubelet timeout must not release the lock while the driver still runs.
-        task = asyncio.ensure_future(self.lock.run(lambda a: _in_thread_or_await(fn, a), arg))
-        return await asyncio.shield(task)
+        return await asyncio.shield(asyncio.ensure_future(self.lock.run(fn, arg)))
 
     @staticmethod
     def _screen(refs: list[ClaimRef]) -> tuple[dict[str, str], dict[str, ClaimRef]]:
@@ -214,6 +177,8 @@ class Prepare:
                 out[ref.uid] = PrepareResult(error=got)
             else:
                 claims.append(got)
+        for uid, res in out.items():  # the driver logs the outcome of the claims it gets
+            log.warning("prepare claim %s: %s", uid, res.error)
         if claims:
             try:
                 results = await self._serialized(self.driver.prepare_claims, claims)
@@ -225,14 +190,13 @@ class Prepare:
                 out[uid] = res = results.get(uid) or PrepareResult(error="internal error: driver returned no result")
                 if self.status is not None and not res.error and res.status is not None:
                     self.status.submit(ref, res.status)
-        for uid, res in out.items():
-            if res.error:
-                log.warning("prepare claim %s: %s", uid, res.error)
         return out
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
         errors, ok = self._screen(refs)
         out: dict[str, str | None] = dict(errors)
+        for uid, err in errors.items():  # the driver logs the outcome of the claims it gets
+            log.warning("unprepare claim %s: %s", uid, err)
         if ok:
             try:
                 results = await self._serialized(self.driver.unprepare_claims, list(ok.values()))

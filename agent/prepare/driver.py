@@ -14,10 +14,8 @@ deletes. ``fault`` is a test hook called at each of these points.
 Claims and the checkpoint are input: our allocation results are checked before anything is
 recorded (``allocation.py``), names are checked before they become paths, and the only
 files written or removed are our own, at paths derived from the claim UID (a path recorded
-in the checkpoint is removed only if it names one of our files in the CDI dir).
-
-KEP-5304 metadata (``settings.device_metadata``) lives in ``agent/prepare/metadata``; the claim's
-checkpoint entry keeps what is needed to rewrite it, including the last generation.
+in the checkpoint is removed only if it names one of our files in the CDI dir). KEP-5304
+metadata lives in ``agent/prepare/metadata``; the entry keeps what rewriting it needs.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from typing import Callable, Iterable
 
 from agent.fsutil import UnsafePath
@@ -58,8 +57,7 @@ def _device_from_record(d: dict) -> PreparedDevice:
 
 
 def _started(entry: dict) -> dict:
-    """The PrepareStarted entry: just what rolling back needs (the spec paths derive from
-    the UID, the metadata directory from namespace/name), so the first save stays small."""
+    """The PrepareStarted entry: just what rolling back needs (paths derive from UID and names)."""
     started = {"state": STARTED, "namespace": entry["namespace"], "name": entry["name"], "bootID": entry["bootID"],
                "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
     if entry.get("vfio"):  # the intent of a kernel change: what to give back if we crash
@@ -74,6 +72,13 @@ def _record(d: PreparedDevice, env: tuple[str, ...] = ()) -> dict:
     if env:  # a share's or a claim config's environment, for rebuilding the spec (omitted when empty)
         rec["cdiEnv"] = list(env)
     return rec
+
+
+def log_outcome(what: str, namespace: str, name: str, uid: str, devices: list, error: str | None, seconds: float) -> None:
+    """One line per claim and call, for the operator: which claim, its devices, the result."""
+    level, result = (logging.WARNING, f"failed: {error}") if error else (logging.INFO, "ok")
+    log.log(level, "%s claim %s/%s (%s), devices %s: %s in %.1f ms", what, namespace, name, uid,
+            ", ".join(map(str, devices)) or "none", result, seconds * 1e3)
 
 
 class Driver:
@@ -136,6 +141,15 @@ class Driver:
 
     # --- prepare / unprepare ---------------------------------------------------
     def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
+        t0 = time.monotonic()
+        out = self._prepare_claims(claims)
+        for m in (c["metadata"] for c in claims):
+            res = out.get(m["uid"]) or PrepareResult(error="no result")
+            log_outcome("prepare", m["namespace"], m["name"], m["uid"], [d.device for d in res.devices], res.error,
+                        time.monotonic() - t0)
+        return out
+
+    def _prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
         cp = self._cp()
         before = dict(cp.claims)  # what the checkpoint file holds; entries are replaced, not mutated
         out: dict[str, PrepareResult] = {}
@@ -292,7 +306,15 @@ class Driver:
         return None
 
     def unprepare_claims(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        t0 = time.monotonic()
         cp = self._cp()
+        held = {c.uid: [d.get("device") for d in (cp.claims.get(c.uid) or {}).get("devices", ())] for c in claims}
+        out = self._unprepare_claims(cp, claims)
+        for c in claims:
+            log_outcome("unprepare", c.namespace, c.name, c.uid, held[c.uid], out.get(c.uid), time.monotonic() - t0)
+        return out
+
+    def _unprepare_claims(self, cp: Checkpoint, claims: list[ClaimRef]) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
         for ref in claims:  # functions go back before the claim leaves the checkpoint (a crash: retried)
             entry = cp.claims.get(ref.uid)
@@ -358,8 +380,7 @@ class Driver:
         return True
 
     def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
-        """Missing metadata files/specs are rewritten with a higher generation; after a
-        reboot all of them, with device data from the current inventory."""
+        """Missing metadata files are rewritten (higher generation); after a reboot all, from the inventory."""
         if not entry.get("metadata"):
             return False
         if rebuild:

@@ -183,7 +183,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
-        driver = ObservedDriver(core, self.metrics, self.board)
+        driver = ObservedDriver(core, self.metrics, self.board, loop)
         status = (status_writer(self.settings, observer=ClaimStatusObserver(self.metrics, self.board))
                   if self.settings.claim_status else None)
         self.board.claim_status_enabled = self.settings.claim_status

@@ -15,6 +15,17 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps({"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()})
 
 
+class _RequestsAtDebug(logging.Filter):
+    """httpx2 logs every HTTP request at INFO; to an operator they are debug detail (the
+    prepare and publish lines say what happened), so they are shown at debug level only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def setup_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if settings.log_format == "json":
@@ -24,3 +35,6 @@ def setup_logging(settings: Settings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())
+    http = logging.getLogger("httpx2")  # lightkube's HTTP client
+    if not any(isinstance(f, _RequestsAtDebug) for f in http.filters):
+        http.addFilter(_RequestsAtDebug())

@@ -28,10 +28,12 @@ class NullMetrics:
 
 
 class ObservedDriver:
-    """The driver, timed per claim for metrics, refreshing the status board's claim list."""
+    """The driver, timed per claim for metrics, refreshing the status board's claim list.
+    Its methods run in the plugin's worker thread; the board is the loop's, so its update is
+    handed to ``loop`` (None: called on the board's thread already)."""
 
-    def __init__(self, driver, metrics: Metrics, board: StatusBoard):
-        self.driver, self.metrics, self.board = driver, metrics, board
+    def __init__(self, driver, metrics: Metrics, board: StatusBoard, loop=None):
+        self.driver, self.metrics, self.board, self.loop = driver, metrics, board, loop
 
     def __getattr__(self, name):  # recover(), checkpoint, ... pass through
         return getattr(self.driver, name)
@@ -43,7 +45,11 @@ class ObservedDriver:
             observe(not failed, per_claim)
         cp = getattr(self.driver, "checkpoint", None)
         if cp is not None:
-            self.board.set_prepared_claims(cp.claims)
+            claims = dict(cp.claims)
+            if self.loop is None:
+                self.board.set_prepared_claims(claims)
+            else:
+                self.loop.call_soon_threadsafe(self.board.set_prepared_claims, claims)
 
     def prepare_claims(self, claims):
         t0 = time.perf_counter()
