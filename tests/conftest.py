@@ -20,10 +20,9 @@ IN_CI = os.environ.get("CI") == "true"
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from agent.prepare.checkpoint import Checkpoint  # noqa: E402
+from tests import checkpoint_guard  # noqa: E402
 
-# every save(changed=...) in the tests also checks that the caller named every entry it changed
-Checkpoint.verify_changed = True
+checkpoint_guard.install()  # every save(changed=...) also checks that the caller named every entry it changed
 
 
 def _missing(reason: str) -> None:

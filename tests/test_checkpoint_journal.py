@@ -67,8 +67,7 @@ def test_a_full_save_diffs_every_entry(path):
     assert Checkpoint.load(path).claims == cp.claims
 
 
-def test_verify_changed_catches_an_entry_changed_but_not_named(path, monkeypatch):
-    monkeypatch.setattr(Checkpoint, "verify_changed", True)
+def test_the_guard_catches_an_entry_changed_but_not_named(path):
     cp = Checkpoint.load(path)
     cp.claims = {uid(1): entry(1), uid(2): entry(2)}
     cp.save()
@@ -161,19 +160,39 @@ def test_a_bad_record_before_a_good_one_is_corruption(path):
     assert os.path.exists(cp.journal_path + ".corrupt-" + moved.corrupt_path.rsplit("-", 1)[1])
 
 
-@pytest.mark.parametrize("record", [b'{"uid":"u","entry":{"state":"Nope","devices":[]}}', b'{"uid":"u"}', b"[1]",
-                                    b'{"uid":"","entry":{"state":"PrepareCompleted","devices":[]}}'])
-def test_well_checksummed_records_of_a_bad_shape_are_refused(path, record):
-    cp = Checkpoint.load(path)
-    cp.save()
+def _append_records(cp: Checkpoint, record: bytes) -> None:
     import zlib
 
     with open(cp.journal_path, "r+b") as f:
         f.seek(cp._journal_size)
         for _ in range(2):  # not the last line: corruption, not a torn tail
             f.write(b"%08x %s\n" % (zlib.crc32(record), record))
+
+
+@pytest.mark.parametrize("record", [b'{"uid":"u"}', b"[1]", b'{"uid":5,"entry":{"state":"Nope"}}'])
+def test_well_checksummed_records_of_a_bad_shape_are_refused(path, record):
+    cp = Checkpoint.load(path)
+    cp.save()
+    _append_records(cp, record)
     with pytest.raises(ValueError):
         Checkpoint.load(path, move_corrupt=False)
+
+
+@pytest.mark.parametrize("entry_json", [b'{"state":"Nope","devices":[]}', b'{"state":"PrepareCompleted","devices":[{}]}'])
+@pytest.mark.parametrize("key", [b'"u"', b'"%s"' % uid(1).encode()])
+def test_well_checksummed_entries_of_a_bad_shape_are_moved_aside(path, key, entry_json):
+    """An entry that is not a claim's entry as we write them (a bad key, a bad shape) is never
+    used and kept aside for the operator; the other entries stay."""
+    cp = Checkpoint.load(path)
+    cp.claims = {uid(1): entry(1), uid(2): entry(2)}
+    cp.save()
+    _append_records(cp, b'{"uid":%s,"entry":%s}' % (key, entry_json))
+    got = Checkpoint.load(path)
+    assert not got.corrupt_path and got.claims == {u: e for u, e in cp.claims.items() if u.encode() not in key}
+    assert list(got.rejected) == [key.strip(b'"').decode()]
+    assert json.load(open(got.rejected_path))[key.strip(b'"').decode()]["entry"] == json.loads(entry_json)
+    got.save()  # the rejected entry leaves the files for good
+    assert Checkpoint.load(path, move_corrupt=False).rejected == {}
 
 
 def test_compaction_starts_a_new_generation_and_loads_the_same(path):

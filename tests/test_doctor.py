@@ -134,19 +134,30 @@ def test_checkpoint(tmp_path):
     assert levels(doctor_files.check_checkpoint(plugin)) == [("checkpoint", "skip")]
     cp = Checkpoint(os.path.join(plugin, "checkpoint.json"))
     dev = {"requests": ["r"], "pool": "p", "device": "d", "cdiDeviceIDs": [], "shareID": None}
-    cp.claims = {"u1": {"state": COMPLETED, "devices": [dev]}, "u2": {"state": STARTED, "devices": []}}
+
+    def entry(state, *devices):
+        return {"state": state, "namespace": "ns", "name": "c", "devices": list(devices)}
+
+    u1, u2, u3, u4 = (f"0000000{n}-0000-4000-8000-000000000000" for n in range(1, 5))
+    cp.claims = {u1: entry(COMPLETED, dev), u2: entry(STARTED)}
     cp.save()
-    cp.claims["u3"] = {"state": COMPLETED, "devices": []}
-    cp.save(changed=["u3"])
+    cp.claims[u3] = entry(COMPLETED)
+    cp.save(changed=[u3])
     before = sorted(os.listdir(plugin))
     found = doctor_files.check_checkpoint(plugin)
     assert levels(found) == [("checkpoint", "ok")]
     assert "3 claims recorded (1 being prepared), generation 1, 1 journal records" in found[0].message
+    cp.claims["not-a-uid"] = entry(COMPLETED, {})  # checksummed, but no entry we write: not used
+    cp.save(changed=["not-a-uid"])
+    found = doctor_files.check_checkpoint(plugin)
+    assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "ok")] and "not-a-uid" in found[0].message
+    del cp.claims["not-a-uid"]
+    cp.save(changed=["not-a-uid"])
     with open(cp.journal_path, "r+b") as f:  # a flipped byte in a record that is not the last
         f.seek(cp._journal_size - 20)
         f.write(b"X")
-    cp.claims["u4"] = {"state": COMPLETED, "devices": []}
-    cp.save(changed=["u4"])
+    cp.claims[u4] = entry(COMPLETED)
+    cp.save(changed=[u4])
     found = doctor_files.check_checkpoint(plugin)
     assert levels(found) == [("checkpoint", "fail")] and "checksum mismatch" in found[0].message
     assert "CHECKPOINT CORRUPT" in found[0].fix

@@ -155,7 +155,7 @@ def test_recovery_undoes_a_switch_interrupted_before_the_claim_completed(node, p
     uid = c["metadata"]["uid"]
     on_disk = Driver(node.settings, node.inventory)  # a new process: checkpoint from disk
     report = on_disk.recover()
-    assert report.rolled_back == [uid] and report.modes_restored == [f"{gpu_bdf(SPX_GPU)}: restored SPX/NPS1"]
+    assert report.rolled_back == [uid] and report.host_restored == [f"{gpu_bdf(SPX_GPU)}: restored SPX/NPS1"]
     assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "SPX/NPS1" and uid not in on_disk.checkpoint.claims
     pt, problems = on_disk.partitions.read(node.inv.by_name()[SPX_GPU])
     assert pt.compute_mode == "SPX" and len(pt.partitions) == 1 and not problems

@@ -196,9 +196,13 @@ def test_checkpoint_vfio_records_are_checked(node):
     cp = Checkpoint.load(path, move_corrupt=False)
     cp.claims[UID]["vfio"][0]["driver"] = "../../evil"
     cp.save()
-    report = driver().recover()
-    assert report.corrupt_checkpoint  # not a record we wrote: moved aside, nothing written to sysfs from it
-    assert json.load(open(report.corrupt_checkpoint))  # kept for the operator
+    d2 = driver()
+    report = d2.recover()
+    # not a record we wrote: moved aside, nothing written to sysfs from it, the claim adopted from its spec
+    assert report.rejected == [UID] and report.adopted == [UID] and not report.corrupt_checkpoint
+    assert sim.driver(VF_BDF) == "vfio-pci" and "evil" not in " ".join(sim.log)
+    kept = json.load(open(d2.checkpoint.rejected_path))  # kept for the operator
+    assert kept[UID]["entry"]["vfio"][0]["driver"] == "../../evil" and "vfio.0.driver" in kept[UID]["why"]
 
 
 @pytest.mark.slow

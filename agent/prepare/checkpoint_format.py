@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import zlib
 
 from agent.fsutil import json_bytes
-from agent.names import is_label, is_subdomain, is_uid
-
-_BDF = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-_DRIVER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 VERSION = 2
 STARTED = "PrepareStarted"
@@ -42,38 +37,9 @@ def checksum(claims: dict, generation: int = 0, version: int = VERSION) -> str:
     return "sha256:" + hashlib.sha256(text).hexdigest()
 
 
-def check_entry(uid: object, entry: object) -> None:
-    """An entry as we write them. Names become paths (metadata dirs, spec names), so they
-    must have their Kubernetes formats; empty namespace/name is an adopted claim's."""
-    if not is_uid(uid):
-        raise ValueError(f"claim key {str(uid)[:80]!r} is not a UID")
-    if not isinstance(entry, dict) or entry.get("state") not in (STARTED, COMPLETED):
-        raise ValueError(f"claim {uid}: bad entry")
-    if not isinstance(entry.get("devices"), list) or not all(isinstance(d, dict) for d in entry["devices"]):
-        raise ValueError(f"claim {uid}: devices is not a list of objects")
-    ns, name = entry.get("namespace"), entry.get("name")
-    if (ns or name) and not (is_label(ns) and is_subdomain(name)):
-        raise ValueError(f"claim {uid}: namespace/name {str(ns)[:80]!r}/{str(name)[:80]!r} are not Kubernetes names")
-    spec = entry.get("cdiSpec")
-    if spec is not None and not (isinstance(spec, dict) and isinstance(spec.get("path"), str) and isinstance(spec.get("spec"), dict)):
-        raise ValueError(f"claim {uid}: bad cdiSpec")
-    for rec in entry.get("vfio") or ():  # functions we moved to vfio-pci: written back to sysfs
-        if not (isinstance(rec, dict) and isinstance(rec.get("bdf"), str) and _BDF.fullmatch(rec["bdf"])
-                and type(rec.get("group")) is int
-                and all(rec.get(k) is None or (isinstance(rec[k], str) and _DRIVER.fullmatch(rec[k])) for k in ("driver", "override"))):
-            raise ValueError(f"claim {uid}: bad vfio record")
-    status = entry.get("deviceStatus")
-    if status is not None and not (isinstance(status, list) and all(isinstance(e, dict) for e in status)):
-        raise ValueError(f"claim {uid}: deviceStatus is not a list of objects")
-    meta = entry.get("metadata")
-    if meta is not None and not (isinstance(meta, dict) and isinstance(meta.get("requests"), dict)
-                                 and all(is_label(r) for r in meta["requests"])
-                                 and (meta.get("podClaimName") is None or is_label(meta.get("podClaimName")))):
-        raise ValueError(f"claim {uid}: bad metadata record")
-
-
 def check_snapshot(data: object) -> tuple[int, dict]:
-    """-> (generation, claims) of a parsed snapshot, or ValueError."""
+    """-> (generation, claims) of a parsed snapshot, or ValueError. Its entries are checked
+    one by one by the caller (records.entry_problem): a bad one is moved aside, not the file."""
     if not isinstance(data, dict):
         raise ValueError("top level is not an object")
     version = data.get("version")
@@ -87,8 +53,6 @@ def check_snapshot(data: object) -> tuple[int, dict]:
         raise ValueError("claims is not an object")
     if data.get("checksum") != checksum(claims, generation, version):
         raise ValueError("checksum mismatch")
-    for uid, entry in claims.items():
-        check_entry(uid, entry)
     return generation, claims
 
 

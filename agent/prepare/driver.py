@@ -1,77 +1,62 @@
-"""Device logic behind the kubelet plugin: allocation -> inventory devices -> CDI spec.
+"""Device logic behind the kubelet plugin: allocation -> devices, host changes -> CDI spec.
 
-Prepare is two-phase in the checkpoint so a crash at any point is repaired at the
-next start (``recover``):
+Prepare is two-phase in the checkpoint so a crash at any point is repaired at the next start
+(``recover``):
 
-1. small ``PrepareStarted`` entries saved (not durably)       - crash: rolled back at start
-2. CDI specs and metadata files written atomically            - crash: rolled back at start
-3. full ``PrepareCompleted`` entries saved durably            - crash: claim stays prepared
+1. ``PrepareStarted`` entries saved, with each host-change step's record (prepare/steps/);
+   durably when there is one (it is the intent recovery undoes)   - crash: rolled back at start
+2. the steps applied, then CDI specs and metadata files written   - crash: rolled back at start
+3. full ``PrepareCompleted`` entries saved durably                - crash: claim stays prepared
 
-Unprepare saves the checkpoint without the claim first, then removes the specs and
-metadata; a crash in between leaves orphans that ``recover`` (or the kubelet's retry)
-deletes. ``fault`` is a test hook called at each of these points.
+Every claim of a call is planned first (planner.py), against one ownership table of what
+every other claim holds (ownership.py), before anything is written; any failure of one claim,
+expected or not, is that claim's error: what was applied for it is undone in reverse and its
+files removed, and the other claims of the call go on.
 
-Claims and the checkpoint are input: our allocation results are checked before anything is
-recorded (``allocation.py``), names are checked before they become paths, and the only
-files written or removed are our own, at paths derived from the claim UID (a path recorded
-in the checkpoint is removed only if it names one of our files in the CDI dir). KEP-5304
-metadata lives in ``agent/prepare/metadata``; the entry keeps what rewriting it needs.
+Unprepare undoes the steps (VFIO functions given back) while the claim is still recorded,
+then saves the checkpoint without it, then removes the specs and metadata; a crash in between
+leaves orphans that ``recover`` (or the kubelet's retry) deletes. ``fault`` is a test hook
+called at each of these points.
+
+Claims and the checkpoint are input: allocation results are checked before anything is
+recorded (allocation.py), checkpoint entries are typed records checked on load (records.py),
+names are checked before they become paths, and the only files written or removed are ours
+(claimfiles.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from agent.kubeletplugin.types import ClaimRef, PrepareResult
 from agent.fsutil import UnsafePath
-from agent.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
 from agent.names import InvalidName
-from agent.prepare import cdifiles, claimstatus, recovery, shares, vfio
-from agent.prepare.recovery import RecoveryReport
-from agent.prepare.allocation import ClaimFailed, Result, our_results
-from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
+from agent.prepare import cdifiles, claimstatus, planner, recovery
+from agent.prepare.allocation import ClaimFailed, our_results
 from agent.prepare.bootid import read_boot_id
-from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
+from agent.prepare.checkpoint import COMPLETED, Checkpoint
+from agent.prepare.claimconfig import opaque_configs
+from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
+from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.partitions import Partitions
+from agent.prepare.recovery import RecoveryReport
+from agent.prepare.steps import Planned
+from agent.prepare.steps.partition import PartitionStep
+from agent.prepare.steps.vfio import VfioStep
 from agent.prepare.vfio import VfioError
 from agent.prepare.vfio_kernel import KernelError, PciKernel
 from agent.settings import Settings
-from cdi.claim import build_claim_spec, cdi_id
 from cdi.spec import SpecError
-from discovery.models import Device, Inventory
+from discovery.models import Inventory
 
 log = logging.getLogger(__name__)
-
-
-def _fingerprint(results: list[dict]) -> str:
-    return "sha256:" + hashlib.sha256(json.dumps(results, sort_keys=True).encode()).hexdigest()
-
-
-def _device_from_record(d: dict) -> PreparedDevice:
-    return PreparedDevice(d["requests"], d["pool"], d["device"], list(d["cdiDeviceIDs"]), d.get("shareID"))
-
-
-def _started(entry: dict) -> dict:
-    """The PrepareStarted entry: just what rolling back needs (paths derive from UID and names)."""
-    started = {"state": STARTED, "namespace": entry["namespace"], "name": entry["name"], "bootID": entry["bootID"],
-               "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
-    if entry.get("vfio"):  # the intent of a kernel change: what to give back if we crash
-        started["vfio"] = entry["vfio"]
-    if entry.get("partitions"):  # a GPU mode switch's intent (prepare/partitions.py)
-        started["partitions"] = entry["partitions"]
-    return started
-
-
-def _record(d: PreparedDevice, env: tuple[str, ...] = ()) -> dict:
-    rec = {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
-    if env:  # a share's or a claim config's environment, for rebuilding the spec (omitted when empty)
-        rec["cdiEnv"] = list(env)
-    return rec
+# a claim's own error, said as it is; anything else is a bug, logged with its trace
+EXPECTED = (ClaimFailed, VfioError, KernelError, SpecError, InvalidName, UnsafePath, OSError)
 
 
 def log_outcome(what: str, namespace: str, name: str, uid: str, devices: list, error: str | None, seconds: float) -> None:
@@ -79,6 +64,26 @@ def log_outcome(what: str, namespace: str, name: str, uid: str, devices: list, e
     level, result = (logging.WARNING, f"failed: {error}") if error else (logging.INFO, "ok")
     log.log(level, "%s claim %s/%s (%s), devices %s: %s in %.1f ms", what, namespace, name, uid,
             ", ".join(map(str, devices)) or "none", result, seconds * 1e3)
+
+
+def claim_error(uid: str, stage: str, err: Exception) -> str:
+    """The claim's error for ``err`` raised at ``stage`` (a step's or a file's; "" while planning)."""
+    if isinstance(err, EXPECTED):
+        return f"{stage}: {err}" if stage and not isinstance(err, ClaimFailed) else str(err)
+    log.error("claim %s: %s failed", uid, stage or "planning", exc_info=err)
+    return f"internal error{f' ({stage})' if stage else ''}: {err}"
+
+
+@dataclass
+class _Call:
+    """One prepare call's bookkeeping."""
+
+    before: dict[str, dict]  # what the checkpoint files hold
+    out: dict[str, PrepareResult] = field(default_factory=dict)
+    changed: set[str] = field(default_factory=set)  # entries to journal
+    todo: list[str] = field(default_factory=list)  # claims planned, to apply
+    plans: dict[str, tuple[dict, Planned, dict]] = field(default_factory=dict)  # uid -> (entry, planned, records)
+    owners: Ownership | None = None  # built when a claim is planned (a re-prepare reads no inventory)
 
 
 class Driver:
@@ -95,6 +100,10 @@ class Driver:
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
+        # host changes, applied in this order and undone in reverse (prepare/steps/)
+        self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
+        self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
+        self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint)
 
     # --- helpers -------------------------------------------------------------
     def _cp(self) -> Checkpoint:
@@ -106,40 +115,26 @@ class Driver:
         return self.checkpoint
 
     def _spec_path(self, uid: str) -> str:
-        return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
+        return self.files.spec_path(uid)
 
-    def _plan(self, uid: str, results: list[Result], by_name: dict[str, Device],
-              configs: list[OpaqueConfig] = ()) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
-        """Map our allocation results to inventory devices -> (response devices, CDI spec, each
-        device's own environment). One CDI device per result: a share is its own (prepare/shares.py)."""
-        picked: dict[str, shares.ClaimDevice] = {}
-        prepared, envs = [], []
-        for r in results:
-            if r.pool != self.settings.node_name:
-                raise ClaimFailed(f"device {r.device!r} is allocated from pool {r.pool!r}, not this node's pool {self.settings.node_name!r}")
-            dev = by_name.get(r.device)
-            if dev is None:
-                raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
-            cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
-            picked.setdefault(cd.key, cd)
-            ids = [cdi_id(self.settings.driver_name, uid, cd.key)]
-            prepared.append(PreparedDevice([r.request], r.pool, dev.name, ids, r.share_id))
-            envs.append(cd.env)
-        if not picked:
-            return prepared, None, envs
-        return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root), envs
+    def holds(self, uid: str, entry: dict) -> list[Hold]:
+        """What a claim's entry holds: its devices, and what its steps changed."""
+        ways = self.partitions.ways() if self.partitions else {}
+        out = planner.device_holds(entry, self.inventory().by_name(), ways)
+        for step in self.steps:
+            if (rec := step.read(entry)) is not None:
+                out += step.holds(rec)
+        return out
 
-    def _claim_spec(self, uid: str, entry: dict, by_name: dict[str, Device]) -> dict:
-        """The claim's CDI spec from the inventory; VFIO functions get the nodes they have now."""
-        held = {rec["bdf"] for rec in entry.get("vfio") or ()}
-        devs = []
-        for d in entry["devices"]:
-            dev = by_name[d["device"]]
-            devs.append(shares.recorded(vfio.with_vfio_nodes(self.settings.root, dev) if dev.pci.bdf in held else dev, d))
-        devs = list({c.key: c for c in devs}.values())
-        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
+    def _undo(self, entry: dict, others: dict[str, dict], steps=None) -> list[str]:
+        """The entry's host changes undone in reverse -> problems (empty: all undone)."""
+        problems = []
+        for step in reversed(self.steps if steps is None else steps):
+            if (rec := step.read(entry)) is not None:
+                problems += step.undo(rec, others).problems
+        return problems
 
-    # --- prepare / unprepare ---------------------------------------------------
+    # --- prepare ---------------------------------------------------------------
     def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
         t0 = time.monotonic()
         out = self._prepare_claims(claims)
@@ -151,147 +146,122 @@ class Driver:
 
     def _prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
         cp = self._cp()
-        before = dict(cp.claims)  # what the checkpoint file holds; entries are replaced, not mutated
-        out: dict[str, PrepareResult] = {}
-        todo: list[str] = []
-        by_name: dict[str, Device] | None = None
-        changed: set[str] = set()  # entries to journal (Checkpoint.save appends only these)
-        plans: dict[str, dict] = {}  # uid -> the PrepareCompleted entry, in the checkpoint once its files exist
-        planned: dict[str, tuple] = {}  # uid -> (results, devices by name, configs): what a mode switch re-plans from
+        call = _Call(before=dict(cp.claims))  # entries are replaced, not mutated
         for claim in claims:
-            meta = claim["metadata"]  # checked by the plugin: identity equals the request's
-            uid = meta["uid"]
+            uid = claim["metadata"]["uid"]
             try:
-                raw, results = our_results(claim, self.settings.driver_name)
-                configs = opaque_configs(claim, self.settings.driver_name)
-            except ClaimFailed as err:
-                out[uid] = PrepareResult(error=str(err))
-                continue
-            fp = _fingerprint(raw)
-            entry = cp.claims.get(uid)
-            if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
-                # idempotent re-prepare: same answer, files present (a rewrite changes the entry)
-                try:
-                    if entry.get("vfio") and vfio.ensure_bound(self.kernel, entry["vfio"], self.fault):
-                        self.ensure_spec(uid, entry, rebuild=True)  # new group nodes
-                except VfioError as err:
-                    out[uid] = PrepareResult(error=str(err))
-                    continue
-                if self.ensure_spec(uid, entry) | metadata.ensure_claim(self.settings, uid, entry):
-                    changed.add(uid)
-                out[uid] = PrepareResult([_device_from_record(d) for d in entry["devices"]], status=entry.get("deviceStatus"))
-                continue
-            if entry:  # half-prepared or allocation changed: undo before redoing
-                if entry.get("vfio") and (problems := vfio.restore_all(self.kernel, entry["vfio"])):
-                    out[uid] = PrepareResult(error="giving VFIO functions back failed: " + "; ".join(problems))
-                    continue
-                self.remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
-                del cp.claims[uid]
-                changed.add(uid)
-            try:
-                if by_name is None:
-                    by_name = self.inventory().by_name()
-                extra, part_rec = self.partitions.plan(uid, results, cp.claims) if self.partitions else ({}, None)
-                names = {**by_name, **extra} if extra else by_name
-                devices, spec, envs = self._plan(uid, results, names, configs)
-                vfio_recs = vfio.claim_records(self.settings, self.kernel, claim, results, by_name,
-                                               {u: e for u, e in cp.claims.items() if u != uid})
-                meta_rec = metadata.plan(self.settings, claim, devices, names) if self.settings.device_metadata else None
-            except (ClaimFailed, SpecError, InvalidName, UnsafePath, VfioError, KernelError) as err:
-                out[uid] = PrepareResult(error=str(err))
-                continue
-            except Exception as err:  # a bug on one claim's data stays that claim's error
-                log.exception("claim %s: planning failed", uid)
-                out[uid] = PrepareResult(error=f"internal error: {err}")
-                continue
+                self._begin(cp, call, claim)
+            except Exception as err:  # noqa: BLE001 - one claim's failure, whatever it is, stays its own
+                call.out[uid] = PrepareResult(error=claim_error(uid, "", err))
+        if not call.todo:
+            if call.changed and (err := self._save(cp, call.before, call.changed)):
+                call.out = {uid: PrepareResult(error=err) for uid in call.out}
+            return call.out
+        durable = any(planned[2] for planned in call.plans.values())  # a host change's intent
+        if err := self._save(cp, call.before, call.changed, durable=durable):
+            for uid in call.todo:  # nothing written yet; memory is back to what the file says
+                call.out[uid] = PrepareResult(error=err)
+            return call.out
+        self.fault("prepare:started")
+        for uid in call.todo:
+            self._apply(cp, call, uid)
+        self.fault("prepare:specs-written")
+        done = [uid for uid in call.todo if uid in cp.claims]
+        started = {uid: planner.started(call.plans[uid][0], (s.key for s in self.steps)) for uid in done}
+        if err := self._save(cp, {**cp.claims, **started}, call.todo):
+            for uid, entry in started.items():  # the file still says PrepareStarted: a retry starts clean
+                self._undo(call.plans[uid][0], cp.claims)
+                self.files.remove(entry, uid, entry["namespace"], entry["name"])
+                call.out[uid] = PrepareResult(error=err)
+            return call.out
+        self.fault("prepare:completed")
+        return call.out
+
+    def _begin(self, cp: Checkpoint, call: _Call, claim: dict) -> None:
+        """Plan one claim (or answer a re-prepare); its PrepareStarted entry goes into memory."""
+        meta = claim["metadata"]  # checked by the plugin: identity equals the request's
+        uid = meta["uid"]
+        raw, results = our_results(claim, self.settings.driver_name)
+        configs = opaque_configs(claim, self.settings.driver_name)
+        fp = planner.fingerprint(raw)
+        entry = cp.claims.get(uid)
+        if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
+            call.out[uid] = self._again(call, uid, entry)
+            return
+        owners = call.owners = call.owners or Ownership.of(cp.claims, self.holds)
+        if entry:  # half-prepared or allocation changed: undo before redoing
+            if problems := self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid}):
+                raise ClaimFailed("undoing the earlier prepare's host changes failed: " + "; ".join(problems))
+            self.files.remove(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
+            del cp.claims[uid]
+            owners.release(uid)
+            call.changed.add(uid)
+        by_name = self.inventory().by_name()
+        planned = Planned(uid, claim, results, configs, inventory=by_name, names=by_name,
+                          others={u: e for u, e in cp.claims.items() if u != uid})
+        records = {st.key: rec for st in self.steps if (rec := st.plan(planned, owners)) is not None}
+        s = self.settings
+        devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs)
+        entry_plan = {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": self.boot_id,
+                      "allocation": fp, "devices": [planner.device_record(d, e) for d, e in zip(devices, envs)],
+                      "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None, "metadata": None,
+                      **{st.key: st.write(records[st.key]) for st in self.steps if st.key in records}}
+        if why := owners.refusal(uid, holds := self.holds(uid, entry_plan)):
+            raise ClaimFailed(why)
+        if s.device_metadata:
+            entry_plan["metadata"] = meta_rec = metadata.plan(s, claim, devices, planned.names)
             if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
                 for base, rec in meta_rec["requests"].items():
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
-            plans[uid] = {
-                "state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"],
-                "bootID": self.boot_id, "allocation": fp, "devices": [_record(d, e) for d, e in zip(devices, envs)],
-                "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None,
-                "metadata": meta_rec,
-            }
-            if vfio_recs:
-                plans[uid]["vfio"] = vfio_recs
-            if part_rec:
-                plans[uid]["partitions"] = part_rec
-            planned[uid] = (results, names, configs)
-            if self.settings.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
-                plans[uid]["deviceStatus"] = claimstatus.build_for(self.settings, devices, by_name)
-            cp.claims[uid] = _started(plans[uid])
-            out[uid] = PrepareResult(devices, status=plans[uid].get("deviceStatus"))
-            todo.append(uid)
-            changed.add(uid)
-        if not todo:
-            if changed and (err := self._save(cp, before, changed)):
-                for uid in out:
-                    out[uid] = PrepareResult(error=err)
-            return out
-        # PrepareStarted (see Checkpoint.save); durable when it records a kernel change to undo
-        switching = any((plans[uid].get("partitions") or {}).get("switch") for uid in todo)
-        hardware = switching or any(plans[uid].get("vfio") for uid in todo)
-        if err := self._save(cp, before, changed, durable=hardware):
-            # nothing written yet; memory is back to what the file says
-            for uid in todo:
-                out[uid] = PrepareResult(error=err)
-            return out
-        self.fault("prepare:started")
-        for uid in todo:
-            entry = plans[uid]
-            if (entry.get("partitions") or {}).get("switch"):
-                try:
-                    out[uid] = self._switch_mode(uid, entry, *planned[uid])
-                except (ClaimFailed, SpecError) as err:
-                    del cp.claims[uid]
-                    out[uid] = PrepareResult(error=str(err))
-                    continue
-            what = "CDI spec"
-            try:
-                if entry.get("vfio"):
-                    what = "VFIO binding"
-                    vfio.bind_all(self.kernel, entry["vfio"], self.fault)
-                    entry["cdiSpec"]["spec"] = self._claim_spec(uid, entry, by_name)
-                    what = "CDI spec"
-                if entry["cdiSpec"]:  # built by cdi.spec.finish in _plan just now: already valid
-                    cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"], check=False)
-                what = "device metadata"
-                metadata.write_claim(self.settings, uid, entry)
-            except (OSError, SpecError, InvalidName, UnsafePath, VfioError) as err:
-                if entry.get("vfio") and what != "VFIO binding":  # bind_all restores on its own failures
-                    vfio.restore_all(self.kernel, entry["vfio"], self.fault)
-                self.remove_files(entry, uid, entry["namespace"], entry["name"])
-                del cp.claims[uid]
-                out[uid] = PrepareResult(error=f"{what}: {err}")
-                continue
-            cp.claims[uid] = entry
-        if switching:
-            self.hardware_changed()
-        self.fault("prepare:specs-written")
-        started = {uid: _started(plans[uid]) for uid in todo if uid in cp.claims}
-        if err := self._save(cp, {**cp.claims, **started}, todo):
-            # the file still says PrepareStarted: undo the files so a retry starts clean
-            for uid, entry in started.items():
-                if entry.get("vfio"):
-                    vfio.restore_all(self.kernel, entry["vfio"], self.fault)
-                self.remove_files(entry, uid, entry["namespace"], entry["name"])
-                out[uid] = PrepareResult(error=err)
-            return out
-        self.fault("prepare:completed")
-        return out
+        if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
+            entry_plan["deviceStatus"] = claimstatus.build_for(s, devices, by_name)
+        owners.take(uid, holds, f"{meta['namespace']}/{meta['name']}")
+        cp.claims[uid] = planner.started(entry_plan, records)
+        call.plans[uid] = (entry_plan, planned, records)
+        call.out[uid] = PrepareResult(devices, status=entry_plan.get("deviceStatus"))
+        call.todo.append(uid)
+        call.changed.add(uid)
 
-    def _switch_mode(self, uid: str, entry: dict, results: list[Result], names: dict[str, Device],
-                     configs: list[OpaqueConfig]) -> PrepareResult:
-        """The GPU mode switch the entry records (its intent is on disk), then the claim's
-        devices and spec from the partitions the kernel exposes afterwards."""
-        pt = self.partitions.switch(entry["partitions"]["switch"])
-        fresh = {**names, **self.partitions.devices_after(pt, results)}
-        devices, spec, envs = self._plan(uid, results, fresh, configs)
-        entry["devices"] = [_record(d, e) for d, e in zip(devices, envs)]
-        entry["cdiSpec"] = {"path": self._spec_path(uid), "spec": spec} if spec else None
-        entry["partitions"] = {"uses": entry["partitions"]["uses"]}
-        return PrepareResult(devices)
+    def _again(self, call: _Call, uid: str, entry: dict) -> PrepareResult:
+        """Idempotent re-prepare: the same answer; the steps' changes and the files made again
+        where they are gone (a rewrite changes the entry)."""
+        moved = any([st.recover(rec) for st in self.steps if (rec := st.read(entry)) is not None])
+        if self.files.ensure_spec(uid, entry, rebuild=moved) | metadata.ensure_claim(self.settings, uid, entry):
+            call.changed.add(uid)
+        return PrepareResult([planner.device_from_record(d) for d in entry["devices"]], status=entry.get("deviceStatus"))
+
+    def _apply(self, cp: Checkpoint, call: _Call, uid: str) -> None:
+        """Apply the claim's steps, then write its spec and metadata; on any failure undo what
+        was applied, in reverse, and remove its files: the claim's error."""
+        entry, planned, records = call.plans[uid]
+        applied, stage = [], ""
+        try:
+            now = {}
+            for step in self.steps:
+                if step.key in records:
+                    stage = step.what
+                    done, got = step.apply(planned, records[step.key])
+                    applied.append(step)
+                    entry[step.key] = step.write(done)
+                    now.update(got)
+            stage = "CDI spec"
+            if now:  # devices as the host changes left them (new partitions, VFIO group nodes)
+                s = self.settings
+                _, spec, _ = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, planned.results,
+                                                      {**planned.names, **now}, planned.configs)
+                entry["cdiSpec"] = {"path": self._spec_path(uid), "spec": spec} if spec else None
+            if entry["cdiSpec"]:  # built by cdi.spec.finish just now: already valid
+                cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"], check=False)
+            stage = "device metadata"
+            metadata.write_claim(self.settings, uid, entry)
+        except Exception as err:  # noqa: BLE001 - one claim's failure, whatever it is, stays its own
+            started = cp.claims[uid]  # the records as planned: what to undo
+            self._undo(started, {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
+            self.files.remove(entry, uid, entry["namespace"], entry["name"])
+            del cp.claims[uid]
+            call.out[uid] = PrepareResult(error=claim_error(uid, stage, err))
+            return
+        cp.claims[uid] = entry
 
     def _save(self, cp: Checkpoint, fallback: dict[str, dict], changed: Iterable[str], durable: bool = True) -> str | None:
         """Save the ``changed`` entries; on failure put ``fallback`` (what the files still
@@ -305,6 +275,7 @@ class Driver:
             return f"saving checkpoint: {err}"
         return None
 
+    # --- unprepare ---------------------------------------------------------------
     def unprepare_claims(self, claims: list[ClaimRef]) -> dict[str, str | None]:
         t0 = time.monotonic()
         cp = self._cp()
@@ -316,10 +287,13 @@ class Driver:
 
     def _unprepare_claims(self, cp: Checkpoint, claims: list[ClaimRef]) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
-        for ref in claims:  # functions go back before the claim leaves the checkpoint (a crash: retried)
+        for ref in claims:  # host changes undone before the claim leaves the checkpoint (a crash: retried)
             entry = cp.claims.get(ref.uid)
-            if entry and entry.get("vfio") and (problems := vfio.restore_all(self.kernel, entry["vfio"], self.fault)):
-                out[ref.uid] = "giving VFIO functions back to their drivers failed: " + "; ".join(problems)
+            try:
+                if entry and (problems := self._undo(entry, {u: e for u, e in cp.claims.items() if u != ref.uid})):
+                    out[ref.uid] = "undoing the claim's host changes failed: " + "; ".join(problems)
+            except Exception as err:  # noqa: BLE001 - stays this claim's error
+                out[ref.uid] = claim_error(ref.uid, "undoing host changes", err)
         claims = [c for c in claims if c.uid not in out]
         before = dict(cp.claims)
         removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}
@@ -328,73 +302,23 @@ class Driver:
         self.fault("unprepare:saved")
         for ref in claims:
             try:
-                self.remove_files(removed[ref.uid], ref.uid, ref.namespace, ref.name)
+                self.files.remove(removed[ref.uid], ref.uid, ref.namespace, ref.name)
                 out[ref.uid] = None
             except OSError as err:
                 out[ref.uid] = f"removing CDI spec or device metadata: {err}"
         self.fault("unprepare:done")
         return out
 
+    # --- files and start-up --------------------------------------------------------
     def remove_files(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
-        """The claim spec, the metadata specs and the metadata directory (which is keyed by
-        namespace/name: kept if another prepared claim, a recreated one, uses it)."""
-        self._remove_spec(entry, uid)
-        cp = self.checkpoint
-        shared = cp is not None and any(
-            u != uid and (e.get("namespace"), e.get("name")) == (namespace, name) for u, e in cp.claims.items())
-        metadata.remove_claim(self.settings, uid, namespace, name, keep_dir=shared)
-
-    def _remove_spec(self, entry: dict | None, uid: str) -> None:
-        # The uid's own spec path, also for unknown claims (e.g. adopted after a corrupt checkpoint).
-        cdifiles.remove_spec(self._spec_path(uid))
-        recorded = ((entry or {}).get("cdiSpec") or {}).get("path")
-        if recorded and recorded != self._spec_path(uid):
-            if cdifiles.is_ours(self.settings.cdi_dir, self.settings.driver_name, recorded):
-                cdifiles.remove_spec(recorded)
-            else:  # another CDI dir, or a checkpoint we did not write: not ours to delete
-                log.warning("claim %s: leaving %s (recorded in the checkpoint, not our file in %s)",
-                            uid, recorded, self.settings.cdi_dir)
+        self.files.remove(entry, uid, namespace, name)
 
     def ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
-        """Write a completed claim's spec if missing, unreadable or ``rebuild``; True if written."""
-        spec = entry.get("cdiSpec")
-        if not spec:
-            return False
-        if spec["path"] != self._spec_path(uid):  # never write where the checkpoint says: derive it
-            self._remove_spec(entry, uid)
-            spec["path"] = self._spec_path(uid)
-            rebuild = True
-        if not rebuild:
-            try:
-                cdifiles.read_spec(spec["path"])
-                return False
-            except SpecError:
-                pass
-        content = spec["spec"]
-        try:  # rebuild from the current inventory: device numbers can change across reboots
-            content = self._claim_spec(uid, entry, self.inventory().by_name())
-        except (KeyError, SpecError, ValueError, VfioError, KernelError) as err:
-            log.warning("claim %s: rebuilding CDI spec from the recorded one (%s)", uid, err)
-        cdifiles.write_spec(spec["path"], content)
-        spec["spec"] = content
-        return True
+        return self.files.ensure_spec(uid, entry, rebuild)
 
     def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
-        """Missing metadata files are rewritten (higher generation); after a reboot all, from the inventory."""
-        if not entry.get("metadata"):
-            return False
-        if rebuild:
-            try:
-                metadata.refresh_devices(self.settings, entry, self.inventory().by_name())
-            except Exception as err:  # keep the recorded device data
-                log.warning("claim %s: metadata keeps the recorded device data (%s)", uid, err)
-        try:
-            return metadata.ensure_claim(self.settings, uid, entry, rebuild=rebuild)
-        except (OSError, SpecError, InvalidName, UnsafePath) as err:
-            log.error("claim %s: cannot rewrite device metadata: %s", uid, err)
-            return False
+        return self.files.ensure_metadata(uid, entry, rebuild)
 
-    # --- start-up reconciliation ----------------------------------------------
-    def recover(self) -> "RecoveryReport":
+    def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir (and the kernel) match it. Call before serving."""
         return recovery.recover(self)

@@ -1,30 +1,27 @@
-"""Partition devices at prepare (``--partitions``), and AMD compute/memory mode switches as
-transactions (docs/partitions.md).
+"""Partition devices at prepare (``--partitions``), and AMD compute/memory mode switches: the
+mechanics (docs/partitions.md); prepare/steps/partition.py runs them as a step.
 
 ``plan`` maps a claim's partition devices (discovery/gpuways.py) to devices for its CDI spec
-and says which GPU must switch mode first. The claim's checkpoint entry records
-``partitions: {"uses": {gpu: mode}, "switch": intent}``; the PrepareStarted entry holding the
-intent is saved durably before the first kernel write. ``switch`` writes the kernel's
-attributes (an order whose intermediate mode is valid), waits until the kernel exposes every
-partition of the new mode, and reads them afresh for the spec; any failure writes the
-previous mode back and fails the claim with what went wrong. ``recover`` undoes the switch of
-a claim that was still PrepareStarted at a crash (the claim is rolled back; the kubelet's
-retry switches again). A mode that differs from the one another prepared claim uses on the
-same GPU is refused.
+and says which GPU must switch mode first (a ``PartitionUse`` record: the modes the claim
+uses, the switch's intent). ``switch`` writes the kernel's attributes (an order whose
+intermediate mode is valid), waits until the kernel exposes every partition of the new mode,
+and reads them afresh for the spec; any failure writes the previous mode back and fails the
+claim with what went wrong. ``undo`` puts back the mode a switch left (an interrupted or
+failed prepare), unless a prepared claim runs the GPU in the new mode. A mode that differs
+from the one another prepared claim uses on the same GPU is refused.
 
-The checkpoint is input: ``uses`` and ``switch`` are shape-checked before they are used,
-and a GPU is named by its PCI address and found in the inventory, never used as a path."""
+A GPU is named by its PCI address (checked in the typed record) and found in the inventory,
+never used as a path."""
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from typing import Callable
 
 from agent.prepare.allocation import ClaimFailed, Result
-from agent.prepare.checkpoint import COMPLETED
+from agent.prepare.records import ModeSwitch, PartitionUse
 from discovery import gpuways
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Inventory, Partitioning
@@ -34,36 +31,21 @@ from discovery.sysfs import AttrError, Dir, HostFS
 
 log = logging.getLogger(__name__)
 ATTRS = {"compute": "current_compute_partition", "memory": "current_memory_partition"}
-_BDF = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 POLL = 0.02
 KFD_GENERATION = "sys/class/kfd/kfd/topology/generation_id"
 
 
-def _mode(text: object) -> tuple[str, str] | None:
-    """``"CPX/NPS1"`` -> ("CPX", "NPS1"); None unless both are known modes."""
-    if not isinstance(text, str):
-        return None
+def _mode(text: str) -> tuple[str, str]:
+    """``"CPX/NPS1"`` (checked by the record) -> ("CPX", "NPS1")."""
     compute, _, memory = text.partition("/")
-    return (compute, memory) if compute in COMPUTE_PARTS and memory in MEMORY_PARTS else None
-
-
-def uses(entry: dict) -> dict[str, str]:
-    """The GPUs (PCI address -> mode) a checkpoint entry says its claim runs in; bad items ignored."""
-    rec = entry.get("partitions")
-    got = rec.get("uses") if isinstance(rec, dict) else None
-    if not isinstance(got, dict):
-        return {}
-    return {k: v for k, v in got.items() if isinstance(k, str) and _BDF.match(k) and _mode(v)}
+    return compute, memory
 
 
 def intent(entry: dict) -> dict | None:
-    """A checked switch intent ``{"gpu", "from", "to"}`` of an entry, or None."""
+    """The switch intent ``{"gpu", "from", "to"}`` of a checkpoint entry, or None."""
     rec = entry.get("partitions")
-    sw = rec.get("switch") if isinstance(rec, dict) else None
-    if not (isinstance(sw, dict) and isinstance(sw.get("gpu"), str) and _BDF.match(sw["gpu"])
-            and _mode(sw.get("from")) and _mode(sw.get("to"))):
-        return None
-    return sw
+    sw = PartitionUse.model_validate(rec).switch if rec else None
+    return sw.dump() if sw else None
 
 
 class Partitions:
@@ -82,9 +64,11 @@ class Partitions:
         return self._ways[1]
 
     # --- planning ----------------------------------------------------------------
-    def plan(self, uid: str, results: list[Result], claims: dict[str, dict]) -> tuple[dict[str, Device], dict | None]:
-        """-> (device name -> device, for the partition ways among ``results``; the record for
-        the claim's checkpoint entry, or None). ClaimFailed on a conflict."""
+    def plan(self, uid: str, results: list[Result], others: dict[str, tuple[str, PartitionUse]]
+             ) -> tuple[dict[str, Device], PartitionUse | None]:
+        """-> (device name -> device, for the partition ways among ``results``; the claim's
+        record, or None). ``others``: the other claims' records (uid -> (name, record)).
+        ClaimFailed on a conflict."""
         table = self.ways()
         picked = [table[r.device] for r in results if r.device in table]
         if not picked:
@@ -100,29 +84,25 @@ class Partitions:
         fresh: dict[str, Partitioning | None] = {}
         for bdf, mode in need.items():
             text = "/".join(mode)
-            others = {u: e for u, e in claims.items() if u != uid and bdf in uses(e)}
-            for other, e in others.items():
-                if uses(e)[bdf] != text:
-                    raise ClaimFailed(f"GPU {bdf} runs in {uses(e)[bdf]} for prepared claim {e.get('namespace')}/{e.get('name')} "
-                                      f"({other}); this claim needs {text}")
+            users = {u: (name, rec) for u, (name, rec) in others.items() if u != uid and bdf in rec.uses}
+            for other, (name, rec) in users.items():
+                if rec.uses[bdf] != text:
+                    raise ClaimFailed(f"GPU {bdf} runs in {rec.uses[bdf]} for prepared claim {name} ({other}); this claim needs {text}")
             parent = next(w.parent for w in picked if w.parent.pci.bdf == bdf)
             fresh[bdf], _ = self.read(parent)  # the kernel's mode now: the inventory may predate a switch
             now = f"{fresh[bdf].compute_mode}/{fresh[bdf].memory_mode or 'NPS1'}" if fresh[bdf] else "unknown"
-            pending = any((intent(e) or {}).get("gpu") == bdf for e in others.values())
-            if now != text and others and not pending:
+            pending = any(rec.switch is not None and rec.switch.gpu == bdf for _, rec in users.values())
+            if now != text and users and not pending:
                 raise ClaimFailed(f"GPU {bdf} is in {now} and used by prepared claims; this claim needs {text}")
             if now != text or pending:
                 if switch is not None:
                     raise ClaimFailed("one claim can switch the mode of one GPU at a time")
                 # behind another claim's pending switch to the same mode: nothing to undo
-                switch = {"gpu": bdf, "from": text if pending else now, "to": text}
+                switch = ModeSwitch(gpu=bdf, from_=text if pending else now, to=text)
         devices = {w.name: gpuways.way_device(w, now=fresh.get(w.parent.pci.bdf)) for w in picked if w.kind != "whole"}
         if not need:  # MIG instances, a GPU that cannot switch: nothing to record
             return devices, None
-        record: dict = {"uses": {bdf: "/".join(m) for bdf, m in need.items()}}
-        if switch:
-            record["switch"] = switch
-        return devices, record
+        return devices, PartitionUse(uses={bdf: "/".join(m) for bdf, m in need.items()}, switch=switch)
 
     # --- the kernel's side ---------------------------------------------------------
     def _gpu(self, bdf: str) -> Device:
@@ -183,24 +163,24 @@ class Partitions:
             self._wait(gpu, (now[0], now[1]), since)
         return self._wait(gpu, target)
 
-    def switch(self, sw: dict) -> Partitioning:
-        """Put the GPU in ``sw["to"]`` (the intent is in the checkpoint already) -> its
+    def switch(self, sw: ModeSwitch) -> Partitioning:
+        """Put the GPU in ``sw.to`` (the intent is in the checkpoint already) -> its
         partitions then. On failure the previous mode is restored and ClaimFailed says why."""
-        gpu = self._gpu(sw["gpu"])
-        target, before = _mode(sw["to"]), _mode(sw["from"])
+        gpu = self._gpu(sw.gpu)
+        target, before = _mode(sw.to), _mode(sw.from_)
         pt, _ = self.read(gpu)
         start = (pt.compute_mode, pt.memory_mode or "NPS1") if pt and pt.compute_mode else before
         if before == target and start != target:  # it waited for another claim's switch, which did not happen
-            raise ClaimFailed(f"GPU {sw['gpu']} is in {'/'.join(start)}, not {sw['to']}: the switch this claim waited for failed")
+            raise ClaimFailed(f"GPU {sw.gpu} is in {'/'.join(start)}, not {sw.to}: the switch this claim waited for failed")
         try:
             got = self._apply(gpu, start, target, pt.xcds if pt else None)
             self.fault("partition:exposed")
-            log.info("GPU %s switched from %s to %s", sw["gpu"], "/".join(start), sw["to"])
+            log.info("GPU %s switched from %s to %s", sw.gpu, "/".join(start), sw.to)
             return got
         except (OSError, TimeoutError) as err:
             why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             restored = self.restore(gpu, before)
-            raise ClaimFailed(f"switching GPU {sw['gpu']} from {sw['from']} to {sw['to']} failed: {why}; {restored}") from None
+            raise ClaimFailed(f"switching GPU {sw.gpu} from {sw.from_} to {sw.to} failed: {why}; {restored}") from None
 
     def restore(self, gpu: Device, mode: tuple[str, str]) -> str:
         """Back to ``mode`` -> what happened, for the claim's error or the log."""
@@ -219,23 +199,19 @@ class Partitions:
         return {r.device: gpuways.way_device(table[r.device], now=pt) for r in results
                 if r.device in table and table[r.device].kind != "whole"}
 
-    # --- start-up ------------------------------------------------------------------
-    def recover(self, entry: dict, claims: dict[str, dict]) -> str | None:
-        """A PrepareStarted entry about to be rolled back: undo its switch, unless a prepared
-        claim runs the GPU in the new mode. -> what was done, for the recovery report."""
-        sw = intent(entry)
-        if sw is None or sw["from"] == sw["to"]:
-            return None
-        if any(uses(e).get(sw["gpu"]) == sw["to"] for e in claims.values() if e.get("state") == COMPLETED):
+    def undo(self, sw: ModeSwitch, others: dict[str, PartitionUse]) -> str | None:
+        """A switch of a prepare that did not complete: the GPU back in ``sw.from_``, unless a
+        prepared claim (``others``) runs it in the new mode. -> what was done, for the report."""
+        if sw.from_ == sw.to or any(rec.uses.get(sw.gpu) == sw.to for rec in others.values()):
             return None
         try:
-            gpu = self._gpu(sw["gpu"])
+            gpu = self._gpu(sw.gpu)
         except ClaimFailed as err:
             return str(err)
         pt, _ = self.read(gpu)
-        if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == _mode(sw["from"]) \
+        if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == _mode(sw.from_) \
                 and len(pt.partitions) == COMPUTE_PARTS[pt.compute_mode]:
             return None
-        result = self.restore(gpu, _mode(sw["from"]))
-        log.warning("GPU %s: interrupted switch to %s undone: %s", sw["gpu"], sw["to"], result)
-        return f"{sw['gpu']}: {result}"
+        result = self.restore(gpu, _mode(sw.from_))
+        log.warning("GPU %s: interrupted switch to %s undone: %s", sw.gpu, sw.to, result)
+        return f"{sw.gpu}: {result}"

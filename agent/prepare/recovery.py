@@ -1,10 +1,12 @@
 """Start-up reconciliation of the driver's state: the checkpoint is the truth about what we
-created; make the CDI dir, the metadata files and the kernel (VFIO bindings) match it.
+created; make the CDI dir, the metadata files and the host (the steps' changes: VFIO
+bindings, GPU modes) match it.
 
-Prepared-but-interrupted claims (PrepareStarted) are rolled back, including giving VFIO
-functions back; prepared claims get their files rebuilt after a reboot (device numbers
-change) and their VFIO functions re-bound; orphans are removed; after a corrupt checkpoint,
-claims whose spec files exist are adopted."""
+Prepared-but-interrupted claims (PrepareStarted) are rolled back, their steps undone in
+reverse (VFIO functions given back, a GPU's mode switch undone); prepared claims get their
+files rebuilt after a reboot (device numbers change) and their steps' changes made again
+(VFIO functions re-bound); orphans are removed; after a corrupt checkpoint, or for entries
+rejected as invalid, claims whose spec files exist are adopted."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from agent.fsutil import clean_stale_temps
-from agent.prepare import cdifiles, shares, vfio
+from agent.prepare import cdifiles, shares
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
-from agent.prepare.vfio import VfioError
+from agent.prepare.steps import Undone
 from cdi.claim import cdi_device_name
 from cdi.spec import SpecError, claim_kind
 
@@ -31,9 +33,10 @@ class RecoveryReport:
     metadata_orphans_removed: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
     corrupt_checkpoint: str | None = None
+    rejected: list[str] = field(default_factory=list)  # entries not valid records, moved aside
     boot_changed: bool = False
-    kernel_changed: bool = False  # VFIO functions moved: the inventory read before recovery is stale
-    modes_restored: list[str] = field(default_factory=list)  # GPU mode switches undone (prepare/partitions.py)
+    kernel_changed: bool = False  # host changes undone or redone: the inventory read before recovery is stale
+    host_restored: list[str] = field(default_factory=list)  # what undoing interrupted prepares put back
 
 
 def recover(driver) -> RecoveryReport:
@@ -42,33 +45,27 @@ def recover(driver) -> RecoveryReport:
     clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json")
     cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
     cp = driver.checkpoint = Checkpoint.load(driver.checkpoint_path)
-    report = driver.recovery = RecoveryReport(corrupt_checkpoint=cp.corrupt_path)
+    report = driver.recovery = RecoveryReport(corrupt_checkpoint=cp.corrupt_path, rejected=sorted(map(str, cp.rejected)))
     specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
-    if cp.corrupt_path:
-        report.adopted = adopt(driver, cp, specs)
+    if cp.corrupt_path or cp.rejected:
+        report.adopted = adopt(driver, cp, {u: p for u, p in specs.items() if cp.corrupt_path or u in cp.rejected})
     for uid, entry in list(cp.claims.items()):
         if entry["state"] == STARTED:
-            if entry.get("vfio"):
-                report.kernel_changed = True
-                if vfio.restore_all(driver.kernel, entry["vfio"]):
-                    log.error("claim %s: VFIO functions not given back yet; retried at the next start", uid)
-                    continue  # keep the intent: the next start tries again
-            if driver.partitions and (undone := driver.partitions.recover(entry, cp.claims)):
-                report.modes_restored.append(undone)
-                report.kernel_changed = True
-            del cp.claims[uid]
-            driver.remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
+            if not _roll_back(driver, cp, uid, entry, report):
+                continue  # keep the intent: the next start tries again
             report.rolled_back.append(uid)
             continue
         rebooted = entry.get("bootID") != driver.boot_id
         report.boot_changed |= rebooted
-        if entry.get("vfio"):
-            try:  # a reboot (or someone) gave the functions back: the claim is still prepared
-                moved = vfio.ensure_bound(driver.kernel, entry["vfio"])
+        for step in driver.steps:
+            if (rec := step.read(entry)) is None:
+                continue
+            try:  # a reboot (or someone) undid the change: the claim is still prepared
+                moved = step.recover(rec)
                 report.kernel_changed |= moved
                 rebooted |= moved
-            except VfioError as err:
-                log.error("claim %s: VFIO functions not on vfio-pci: %s", uid, err)
+            except Exception as err:  # noqa: BLE001 - logged; the claim stays prepared, the kubelet's re-prepare retries
+                log.error("claim %s: %s not made again: %s", uid, step.what, err)
         if driver.ensure_spec(uid, entry, rebuild=rebooted):
             report.rebuilt.append(uid)
         if driver.ensure_metadata(uid, entry, rebuild=rebooted):
@@ -79,7 +76,7 @@ def recover(driver) -> RecoveryReport:
             cdifiles.remove_spec(path)
             report.orphans_removed.append(uid)
     report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
-    if cp.corrupt_path or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
+    if cp.corrupt_path or cp.rejected or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
         cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
     counts = {k: len(v) for k, v in asdict(report).items() if isinstance(v, list) and v}
     log.info("kubelet plugin state recovered: %d claims prepared%s%s%s", len(cp.claims),
@@ -88,6 +85,27 @@ def recover(driver) -> RecoveryReport:
              f", corrupt checkpoint moved to {report.corrupt_checkpoint}" if report.corrupt_checkpoint else "")
     log.debug("recovery details: %s", asdict(report))
     return report
+
+def _roll_back(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryReport) -> bool:
+    """An interrupted prepare: its steps undone in reverse, its files removed. False (the entry
+    kept) when a step could not put the host back."""
+    others = {u: e for u, e in cp.claims.items() if u != uid}
+    for step in reversed(driver.steps):
+        if (rec := step.read(entry)) is None:
+            continue
+        try:
+            undone = step.undo(rec, others)
+        except Exception as err:  # noqa: BLE001 - logged; retried at the next start
+            undone = Undone(problems=[str(err)])
+        report.kernel_changed |= bool(undone.problems or undone.notes)
+        if undone.problems:
+            log.error("claim %s: %s not undone yet (%s); retried at the next start", uid, step.what, "; ".join(undone.problems))
+            return False
+        report.host_restored += undone.notes
+    del cp.claims[uid]
+    driver.remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
+    return True
+
 
 def adopt(driver, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
     """After a corrupt checkpoint, keep claims whose valid spec files exist as prepared:

@@ -1,13 +1,6 @@
-"""VFIO passthrough at prepare: a claim asks (``VfioConfig``), the agent moves the allocated
-PCI functions to vfio-pci and gives them back on unprepare (docs/vfio.md).
-
-A transaction in the checkpoint: the claim's PrepareStarted entry records, durably and
-before the first kernel write, each function's original driver and ``driver_override``
-(``vfio`` records); a failure at any step gives every function of the claim back to its
-original driver; start-up recovery gives back the functions of a claim that was being
-prepared, and re-binds those of a prepared claim after a reboot (the kernel forgets
-bindings). Unprepare gives the functions back *before* the claim leaves the checkpoint, so
-a crash in between is repaired by the kubelet's retry.
+"""VFIO passthrough's mechanics: which functions a claim asks for (``VfioConfig``), the
+refusal checks, moving functions to vfio-pci and giving them back (docs/vfio.md). The step
+that runs them as a transaction (records, undo, recovery) is prepare/steps/vfio.py.
 
 Refused, with the reason, before anything is written: the IOMMU is off; the function's
 IOMMU group holds another function that is in use and not allocated to this claim (bridges
@@ -21,6 +14,7 @@ import os
 from typing import Callable
 
 from agent.prepare import claimconfig
+from agent.prepare.records import VfioFunction
 from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Problem
@@ -30,7 +24,6 @@ from discovery.sysfs import AttrError, HostFS
 from discovery.vfio import vfio_nodes
 
 log = logging.getLogger(__name__)
-
 
 
 class VfioError(Exception):
@@ -62,8 +55,8 @@ def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
     return None
 
 
-def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: set[str]) -> list[dict]:
-    """The ``vfio`` records for ``functions`` (this claim's), after every refusal check."""
+def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: set[str]) -> list[VfioFunction]:
+    """The records for ``functions`` (this claim's), after every refusal check."""
     mine = set(functions)
     records = []
     for bdf in functions:
@@ -84,15 +77,15 @@ def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: s
             if other in in_use_elsewhere or (drv is not None and drv != VFIO_DRIVER):
                 raise VfioError(f"{bdf}: IOMMU group {group} also holds {other} (driver {drv or 'none'}), "
                                 "which this claim is not allocated; a VM would get both")
-        records.append({"bdf": bdf, "group": group, "driver": kernel.driver(bdf), "override": kernel.override(bdf)})
+        records.append(VfioFunction(bdf=bdf, group=group, driver=kernel.driver(bdf), override=kernel.override(bdf)))
     return records
 
 
-def bind_all(kernel: PciKernel, records: list[dict], fault: Callable[[str], None]) -> None:
+def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None]) -> None:
     """Move every function to vfio-pci; on any failure give all of them back and raise."""
     try:
         for rec in records:
-            bdf = rec["bdf"]
+            bdf = rec.bdf
             kernel.set_override(bdf, VFIO_DRIVER)
             fault("vfio:override-set")
             if kernel.driver(bdf) != VFIO_DRIVER:
@@ -100,19 +93,19 @@ def bind_all(kernel: PciKernel, records: list[dict], fault: Callable[[str], None
                 fault("vfio:unbound")
                 kernel.bind(bdf, VFIO_DRIVER)
                 fault("vfio:bound")
-            kernel.wait_group_node(bdf, rec["group"])
+            kernel.wait_group_node(bdf, rec.group)
     except KernelError as err:
         problems = restore_all(kernel, records, fault)
         msg = f"binding to vfio-pci failed: {err}; original drivers restored"
         raise VfioError(msg if not problems else f"{msg} except: {'; '.join(problems)}") from None
 
 
-def restore(kernel: PciKernel, rec: dict, fault: Callable[[str], None] = lambda p: None) -> None:
+def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] = lambda p: None) -> None:
     """Give one function back to its original driver (idempotent)."""
-    bdf, original = rec["bdf"], rec.get("driver")
-    if original == VFIO_DRIVER or (kernel.driver(bdf) == original and kernel.override(bdf) == rec.get("override")):
+    bdf, original = rec.bdf, rec.driver
+    if original == VFIO_DRIVER or (kernel.driver(bdf) == original and kernel.override(bdf) == rec.override):
         return  # it came to us on vfio-pci, or it is back already
-    kernel.set_override(bdf, rec.get("override"))
+    kernel.set_override(bdf, rec.override)
     fault("vfio:override-restored")
     if kernel.driver(bdf) not in (None, original):
         kernel.unbind(bdf)
@@ -122,36 +115,24 @@ def restore(kernel: PciKernel, rec: dict, fault: Callable[[str], None] = lambda 
         fault("vfio:restored")
 
 
-def restore_all(kernel: PciKernel, records: list[dict], fault: Callable[[str], None] = lambda p: None) -> list[str]:
+def restore_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None) -> list[str]:
     """Give every function back; -> problems (empty when all are back)."""
     problems = []
     for rec in records:
         try:
             restore(kernel, rec, fault)
         except KernelError as err:
-            log.error("VFIO: %s could not be given back to %s: %s", rec["bdf"], rec.get("driver"), err)
+            log.error("VFIO: %s could not be given back to %s: %s", rec.bdf, rec.driver, err)
             problems.append(str(err))
     return problems
 
 
-def ensure_bound(kernel: PciKernel, records: list[dict], fault: Callable[[str], None] = lambda p: None) -> bool:
+def ensure_bound(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None) -> bool:
     """A prepared claim's functions on vfio-pci again (after a reboot); True if any was moved."""
-    moved = [r for r in records if kernel.driver(r["bdf"]) != VFIO_DRIVER]
+    moved = [r for r in records if kernel.driver(r.bdf) != VFIO_DRIVER]
     if moved:
         bind_all(kernel, moved, fault)
     return bool(moved)
-
-
-def claim_records(settings, kernel: PciKernel, claim: dict, results, by_name: dict[str, Device],
-                  others: dict[str, dict]) -> list[dict]:
-    """The ``vfio`` records of a claim whose config asks for VFIO (checked, nothing written);
-    ``others``: the other prepared claims, whose functions are in use."""
-    bdfs = functions(claim, settings.driver_name, results, by_name)
-    if not bdfs:
-        return []
-    in_use = {by_name[d["device"]].pci.bdf for e in others.values() for d in e["devices"] if d["device"] in by_name}
-    in_use |= {rec["bdf"] for e in others.values() for rec in e.get("vfio") or ()}
-    return plan(settings.root, kernel, bdfs, in_use)
 
 
 def with_vfio_nodes(root: str, device: Device) -> Device:

@@ -7,40 +7,7 @@ Publish attempts, failures and change-to-slice latency live in agent.service.met
 
 from __future__ import annotations
 
-
-class Count:
-    """A counter (``inc``) or gauge (``set``), optionally per label values (``labels(...)``)."""
-
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (), kind: str = "counter"):
-        self.name, self.documentation, self.labelnames, self.kind = name, documentation, labelnames, kind
-        self.values: dict[tuple[str, ...], float] = {}  # label values -> value
-
-    def labels(self, *values: str) -> "_Labelled":
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        return _Labelled(self, tuple(str(v) for v in values))
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._add((), amount)
-
-    def set(self, value: float) -> None:
-        self.values[()] = float(value)
-
-    def _add(self, key: tuple[str, ...], amount: float) -> None:
-        if amount < 0 and self.kind == "counter":
-            raise ValueError("counters only go up")
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-
-class _Labelled:
-    __slots__ = ("count", "key")
-
-    def __init__(self, count: Count, key: tuple[str, ...]):
-        self.count, self.key = count, key
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.count._add(self.key, amount)
-
+from agent.counts import Count
 
 SLICE_WRITES = Count("sysdra_resourceslice_writes_total", "ResourceSlice writes", ("op",))
 INVALID_DEVICES = Count("sysdra_invalid_devices_total", "Devices left out of a slice because they would not validate")

@@ -44,10 +44,13 @@ _SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class _PublishBridge:
-    """Exports the publisher's process-wide counts (``agent.publish.metrics.ALL``)."""
+    """Exports the process-wide counts of the wings (``agent.counts.Count``): the publisher's,
+    the checkpoint's rejected entries."""
 
     def collect(self):
-        for count in publish_metrics.ALL:
+        from agent.prepare.checkpoint import REJECTED_ENTRIES
+
+        for count in (*publish_metrics.ALL, REJECTED_ENTRIES):
             family_of = CounterMetricFamily if count.kind == "counter" else GaugeMetricFamily
             family = family_of(count.name, count.documentation, labels=list(count.labelnames))
             for labels, value in sorted(count.values.items()):

@@ -211,14 +211,15 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
     path = os.path.join(plugin_dir, "checkpoint.json")
     found: list[Finding] = []
     try:
-        aside = sorted(n for n in os.listdir(plugin_dir) if n.startswith("checkpoint.json") and ".corrupt-" in n)
+        aside = sorted(n for n in os.listdir(plugin_dir) if n.startswith("checkpoint.json")
+                       and (".corrupt-" in n or ".rejected-" in n))
     except OSError:
         aside = []
     if aside:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(aside[-1].rsplit("-", 1)[1]))) \
             if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
         found.append(Finding("checkpoint:aside", "warn",
-                             f"a corrupt checkpoint was moved aside (last at {when}): {', '.join(aside)}",
+                             f"a corrupt checkpoint or invalid entries were moved aside (last at {when}): {', '.join(aside)}",
                              f"inspect them (the agent adopted the claims it found CDI specs for), then remove them from {plugin_dir}"))
     if not os.path.exists(path) and not os.path.exists(path + ".journal"):
         return found + [Finding("checkpoint", "skip", f"{path} does not exist (no claim prepared yet)")]
@@ -230,6 +231,12 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
         return found + [Finding("checkpoint", "fail", f"does not load: {err}",
                                 "restart the agent: it moves the files aside, logs CHECKPOINT CORRUPT and "
                                 "adopts the claims whose CDI specs exist")]
+    if cp.rejected:
+        found.append(Finding("checkpoint:rejected", "warn",
+                             f"{len(cp.rejected)} entries are not valid records and are not used: "
+                             + "; ".join(f"{str(u)[:80]}: {why}" for u, (_, why) in list(cp.rejected.items())[:3]),
+                             "restart the agent: it moves them aside (checkpoint.json.rejected-<time>) and adopts "
+                             "the claims whose CDI specs exist"))
     started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
     found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
                                   f"generation {cp.generation}, {cp.journal_records} journal records"))

@@ -10,7 +10,7 @@ armed at one chosen point. Test-only; production code is not changed.
 - ``SYSDRA_FAULT_KILL_NTH``: kill at the n-th hit (default 1).
 
 The checkpoint compacts every 3 journal records here (every 1 MiB in production), so
-crashes also land in compactions; ``Checkpoint.verify_changed`` is on, as in the other tests.
+crashes also land in compactions; tests/checkpoint_guard.py checks every save, as in the other tests.
 
 Hits are only counted once the test sends SIGUSR1 (after start-up and the checks), so
 start-up writes do not use up the point. The process kills itself with SIGKILL: no
@@ -71,7 +71,9 @@ def install() -> None:
 
     Checkpoint.compact_bytes = 4096
     Checkpoint._due_for_compaction = lambda self, updates: self.journal_records + len(updates) > 3
-    Checkpoint.verify_changed = True
+    from tests import checkpoint_guard
+
+    checkpoint_guard.install()
     if not POINT:
         return
     if POINT.startswith("driver:"):

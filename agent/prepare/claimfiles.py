@@ -1,0 +1,100 @@
+"""A prepared claim's files, driven by its checkpoint entry: the CDI spec (rebuilt from the
+current inventory and the steps' view of the host when missing or after a reboot), the
+KEP-5304 metadata files, and their removal. Paths derive from the claim's UID and checked
+names; a path recorded in the checkpoint is removed only when it names one of our files
+directly in the CDI dir."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from agent.fsutil import UnsafePath
+from agent.names import InvalidName
+from agent.prepare import cdifiles, shares
+from agent.prepare.checkpoint import Checkpoint
+from agent.prepare.metadata import store as metadata
+from agent.settings import Settings
+from cdi.claim import build_claim_spec
+from cdi.spec import SpecError
+from discovery.models import Device, Inventory
+
+log = logging.getLogger("agent.prepare.driver")
+
+
+class ClaimFiles:
+    def __init__(self, settings: Settings, inventory: Callable[[], Inventory], steps: list,
+                 checkpoint: Callable[[], Checkpoint | None]):
+        self.settings, self.inventory, self.steps, self.checkpoint = settings, inventory, steps, checkpoint
+
+    def spec_path(self, uid: str) -> str:
+        return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
+
+    def claim_spec(self, uid: str, entry: dict, by_name: dict[str, Device]) -> dict:
+        """The claim's CDI spec from the inventory, each device as the steps' host changes show
+        it now (VFIO functions: their group nodes). KeyError for a device no longer there."""
+        devices = {d["device"]: by_name[d["device"]] for d in entry["devices"]}
+        for step in self.steps:
+            if (rec := step.read(entry)) is not None:
+                devices.update(step.devices_now(rec, devices))
+        devs = list({c.key: c for c in (shares.recorded(devices[d["device"]], d) for d in entry["devices"])}.values())
+        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
+
+    def remove(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
+        """The claim spec, the metadata specs and the metadata directory (which is keyed by
+        namespace/name: kept if another prepared claim, a recreated one, uses it)."""
+        self._remove_spec(entry, uid)
+        cp = self.checkpoint()
+        shared = cp is not None and any(
+            u != uid and (e.get("namespace"), e.get("name")) == (namespace, name) for u, e in cp.claims.items())
+        metadata.remove_claim(self.settings, uid, namespace, name, keep_dir=shared)
+
+    def _remove_spec(self, entry: dict | None, uid: str) -> None:
+        # The uid's own spec path, also for unknown claims (e.g. adopted after a corrupt checkpoint).
+        cdifiles.remove_spec(self.spec_path(uid))
+        recorded = ((entry or {}).get("cdiSpec") or {}).get("path")
+        if recorded and recorded != self.spec_path(uid):
+            if cdifiles.is_ours(self.settings.cdi_dir, self.settings.driver_name, recorded):
+                cdifiles.remove_spec(recorded)
+            else:  # another CDI dir, or a checkpoint we did not write: not ours to delete
+                log.warning("claim %s: leaving %s (recorded in the checkpoint, not our file in %s)",
+                            uid, recorded, self.settings.cdi_dir)
+
+    def ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
+        """Write a completed claim's spec if missing, unreadable or ``rebuild``; True if written."""
+        spec = entry.get("cdiSpec")
+        if not spec:
+            return False
+        if spec["path"] != self.spec_path(uid):  # never write where the checkpoint says: derive it
+            self._remove_spec(entry, uid)
+            spec["path"] = self.spec_path(uid)
+            rebuild = True
+        if not rebuild:
+            try:
+                cdifiles.read_spec(spec["path"])
+                return False
+            except SpecError:
+                pass
+        content = spec["spec"]
+        try:  # rebuild from the current inventory: device numbers can change across reboots
+            content = self.claim_spec(uid, entry, self.inventory().by_name())
+        except Exception as err:  # a device gone, a step's view unreadable: the recorded spec
+            log.warning("claim %s: rebuilding CDI spec from the recorded one (%s)", uid, err)
+        cdifiles.write_spec(spec["path"], content)
+        spec["spec"] = content
+        return True
+
+    def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
+        """Missing metadata files are rewritten (higher generation); after a reboot all, from the inventory."""
+        if not entry.get("metadata"):
+            return False
+        if rebuild:
+            try:
+                metadata.refresh_devices(self.settings, entry, self.inventory().by_name())
+            except Exception as err:  # keep the recorded device data
+                log.warning("claim %s: metadata keeps the recorded device data (%s)", uid, err)
+        try:
+            return metadata.ensure_claim(self.settings, uid, entry, rebuild=rebuild)
+        except (OSError, SpecError, InvalidName, UnsafePath) as err:
+            log.error("claim %s: cannot rewrite device metadata: %s", uid, err)
+            return False

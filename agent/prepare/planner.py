@@ -1,0 +1,78 @@
+"""Planning one claim, before anything is written: its allocation results mapped to devices,
+its CDI spec, its checkpoint entry, and what it holds (prepare/ownership.py). Pure: reads the
+inventory and the checkpoint's entries, writes nothing; a refusal is ``ClaimFailed``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterable
+
+from agent.kubeletplugin.types import PreparedDevice
+from agent.prepare import shares
+from agent.prepare.allocation import ClaimFailed, Result
+from agent.prepare.claimconfig import OpaqueConfig, config_for
+from agent.prepare.checkpoint import STARTED
+from agent.prepare.ownership import Hold
+from cdi.claim import build_claim_spec, cdi_id
+from discovery import gpuways
+from discovery.models import Device
+
+
+def fingerprint(results: list[dict]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(results, sort_keys=True).encode()).hexdigest()
+
+
+def device_from_record(d: dict) -> PreparedDevice:
+    return PreparedDevice(d["requests"], d["pool"], d["device"], list(d["cdiDeviceIDs"]), d.get("shareID"))
+
+
+def device_record(d: PreparedDevice, env: tuple[str, ...] = ()) -> dict:
+    rec = {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
+    if env:  # a share's or a claim config's environment, for rebuilding the spec (omitted when empty)
+        rec["cdiEnv"] = list(env)
+    return rec
+
+
+def started(entry: dict, step_keys: Iterable[str]) -> dict:
+    """The PrepareStarted entry: what rolling back needs (paths derive from UID and names) and
+    the steps' records, the intents of host changes, so the first save stays small."""
+    out = {"state": STARTED, "namespace": entry["namespace"], "name": entry["name"], "bootID": entry["bootID"],
+           "allocation": entry["allocation"], "devices": [], "cdiSpec": None, "metadata": None}
+    out.update({k: entry[k] for k in step_keys if entry.get(k)})
+    return out
+
+
+def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[Result], names: dict[str, Device],
+                     configs: list[OpaqueConfig] = ()) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
+    """Map allocation results to devices -> (response devices, CDI spec, each device's own
+    environment). One CDI device per result: a share is its own (prepare/shares.py)."""
+    picked: dict[str, shares.ClaimDevice] = {}
+    prepared, envs = [], []
+    for r in results:
+        if r.pool != node:
+            raise ClaimFailed(f"device {r.device!r} is allocated from pool {r.pool!r}, not this node's pool {node!r}")
+        dev = names.get(r.device)
+        if dev is None:
+            raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
+        cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
+        picked.setdefault(cd.key, cd)
+        prepared.append(PreparedDevice([r.request], r.pool, dev.name, [cdi_id(driver, uid, cd.key)], r.share_id))
+        envs.append(cd.env)
+    if not picked:
+        return prepared, None, envs
+    return prepared, build_claim_spec(driver, uid, list(picked.values()), root), envs
+
+
+def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way]) -> list[Hold]:
+    """What an entry's devices hold: whole devices, shares, partitions and MIG instances (by
+    their GPU). Devices no longer on the node hold nothing."""
+    out = []
+    for d in entry.get("devices") or ():
+        name = d.get("device")
+        way = ways.get(name)
+        if way is not None and way.kind != "whole":
+            out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode))
+        elif (dev := by_name.get(name)) is not None and dev.pci is not None:
+            out.append(Hold(dev.pci.bdf, "shared" if d.get("shareID") else "exclusive"))
+    return out

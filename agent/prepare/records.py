@@ -1,0 +1,136 @@
+"""The checkpoint's records as typed models (pydantic v2, strict): a claim's entry and the
+record of each host-change step (prepare/steps/). What is read back from disk is untrusted:
+every entry is validated against these models when it is loaded (a snapshot or a journal
+record), and one that does not fit is moved aside and never used (checkpoint.py).
+
+On disk the records keep their JSON names (``cdiDeviceIDs``, ``from``, ...); the steps read
+and write them through these models, never as loose dict keys."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from agent.names import is_label, is_subdomain, is_uid
+from agent.prepare.checkpoint_format import COMPLETED, STARTED
+from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
+
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "PartitionUse", "VfioFunction", "check_entry", "entry_problem"]
+
+Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
+KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+Name = Annotated[str, StringConstraints(max_length=253)]
+
+
+def _mode(text: str) -> str:
+    compute, _, memory = text.partition("/")
+    if compute not in COMPUTE_PARTS or memory not in MEMORY_PARTS:
+        raise ValueError(f"{text[:40]!r} is not a GPU mode such as CPX/NPS1")
+    return text
+
+
+def _label(text: str) -> str:
+    if not is_label(text):
+        raise ValueError(f"{text[:80]!r} is not a DNS label")
+    return text
+
+
+Mode = Annotated[str, AfterValidator(_mode)]
+Label = Annotated[str, AfterValidator(_label)]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
+
+    def dump(self) -> dict:
+        """The JSON form written to the checkpoint (names as on disk)."""
+        return self.model_dump(by_alias=True)
+
+
+# --- step records ---------------------------------------------------------------------------
+class VfioFunction(Record):
+    """A function moved to vfio-pci: what to give it back to."""
+
+    bdf: Bdf
+    group: int
+    driver: KernelDriver | None = None
+    override: KernelDriver | None = None
+
+
+class ModeSwitch(Record):
+    """A GPU mode switch under way (its intent, durable before the first kernel write)."""
+
+    gpu: Bdf
+    from_: Mode = Field(alias="from")
+    to: Mode
+
+
+class PartitionUse(Record):
+    """The GPUs (PCI address -> mode) a claim's partitions run in, and a pending switch."""
+
+    uses: dict[Bdf, Mode]
+    switch: ModeSwitch | None = None
+
+    def dump(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)  # no switch once it is done
+
+
+# --- the claim's entry ------------------------------------------------------------------------
+class DeviceRecord(Record):
+    requests: list[Name]
+    pool: Name
+    device: Name
+    cdiDeviceIDs: list[str]
+    shareID: Name | None = None
+    cdiEnv: list[str] | None = None
+
+
+class CdiSpecRecord(Record):
+    path: str
+    spec: dict
+
+
+class MetadataRecord(Record):
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    podClaimName: Label | None = None
+    requests: dict[Label, dict]
+
+
+class ClaimEntry(Record):
+    """One claim's entry, as written by the driver (adopted claims have empty names)."""
+
+    state: Literal["PrepareStarted", "PrepareCompleted"]
+    namespace: str
+    name: str
+    bootID: str | None = None
+    allocation: str = ""
+    devices: list[DeviceRecord]
+    cdiSpec: CdiSpecRecord | None = None
+    metadata: MetadataRecord | None = None
+    deviceStatus: list[dict] | None = None
+    vfio: list[VfioFunction] | None = None
+    partitions: PartitionUse | None = None
+
+
+def check_entry(uid: object, entry: object) -> ClaimEntry:
+    """``entry`` checked as a claim's entry -> its typed form; ValueError (pydantic's
+    ValidationError is one) naming what is wrong. Names become paths, so they must have their
+    Kubernetes formats; empty namespace/name is an adopted claim's."""
+    if not isinstance(uid, str) or not is_uid(uid):
+        raise ValueError(f"claim key {str(uid)[:80]!r} is not a UID")
+    typed = ClaimEntry.model_validate(entry)
+    if (typed.namespace or typed.name) and not (is_label(typed.namespace) and is_subdomain(typed.name)):
+        raise ValueError(f"claim {uid}: namespace/name {typed.namespace[:80]!r}/{typed.name[:80]!r} are not Kubernetes names")
+    return typed
+
+
+def entry_problem(uid: object, entry: object) -> str | None:
+    """Why ``entry`` is not a claim's entry as we write them (one line), or None."""
+    try:
+        check_entry(uid, entry)
+    except ValidationError as err:
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())[:500]
+    except ValueError as err:
+        return " ".join(str(err).split())[:500]
+    return None

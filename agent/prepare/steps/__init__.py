@@ -1,0 +1,69 @@
+"""Host changes at prepare, one step per kind (docs/architecture.md, "Prepare"): a step is a
+module here with a class of five methods and a typed record (prepare/records.py) kept in the
+claim's checkpoint entry under the step's ``key``:
+
+- ``plan(planned, owners)`` -> its record, or None when the claim needs no such change; checks
+  only (``ClaimFailed``/its own error for a refusal), nothing written. The record is saved
+  durably (in the PrepareStarted entry) before ``apply`` runs.
+- ``holds(record)`` -> what the change holds (prepare/ownership.py), refused on conflict.
+- ``apply(planned, record)`` -> (the record to keep once prepared, devices as they are after
+  the change); on its own failure it puts the host back as it was and raises.
+- ``undo(record, others)`` -> ``Undone``: on a later failure, on unprepare, and at start for an
+  interrupted prepare. ``others``: the other claims' entries. With problems the host is not
+  as before: the claim keeps its entry and the undo is retried.
+- ``recover(record)`` -> True if the host had to be changed again: a prepared claim's change
+  made again (after a reboot the kernel forgot it), at start and on the kubelet's re-prepare.
+- ``devices_now(record, devices)`` -> the claim's devices the change gives other nodes, as the
+  kernel shows them now (a spec rebuilt after a reboot).
+
+A new kind of host change (MIG instances, MPS daemons, netdev moves) is one module and one
+record type; ``Driver`` runs every step in ``STEPS`` order and undoes them in reverse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent.prepare.allocation import Result
+from agent.prepare.ownership import Hold, Ownership
+from discovery.models import Device
+
+
+@dataclass
+class Planned:
+    """One claim as the driver planned it; what the steps plan from."""
+
+    uid: str
+    claim: dict
+    results: list[Result]
+    configs: list
+    inventory: dict[str, Device]  # device name -> device, of the inventory
+    names: dict[str, Device]  # the inventory's devices and those a step plans (partition ways)
+    others: dict[str, dict]  # the other claims' checkpoint entries
+
+
+@dataclass
+class Undone:
+    problems: list[str] = field(default_factory=list)  # what could not be put back
+    notes: list[str] = field(default_factory=list)  # what was put back, for the recovery report
+
+
+class Step(Protocol):
+    key: str  # the record's key in the checkpoint entry
+    what: str  # the stage a claim's error names when applying it fails
+
+    def read(self, entry: dict) -> Any | None: ...  # the typed record of an entry, or None
+
+    def write(self, record: Any) -> object: ...  # the record's JSON form for the entry
+
+    def plan(self, planned: Planned, owners: Ownership) -> Any | None: ...
+
+    def holds(self, record: Any) -> list[Hold]: ...
+
+    def apply(self, planned: Planned, record: Any) -> tuple[Any, dict[str, Device]]: ...
+
+    def undo(self, record: Any, others: dict[str, dict]) -> Undone: ...
+
+    def recover(self, record: Any) -> bool: ...
+
+    def devices_now(self, record: Any, devices: dict[str, Device]) -> dict[str, Device]: ...

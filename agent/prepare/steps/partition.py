@@ -1,0 +1,69 @@
+"""GPU partitions as a step (``--partitions``, docs/partitions.md): the claim's partition and
+MIG devices for its spec, and an AMD compute/memory mode switch when its partitions need one.
+
+Record (``partitions``): a ``PartitionUse``, the mode each GPU runs in for this claim and,
+until the prepare completes, the switch's intent (GPU, from, to), saved durably before the
+first kernel write. ``apply`` switches and reads the new mode's partitions afresh; a failure
+writes the previous mode back. ``undo`` (a later failure, or an interrupted prepare at start)
+puts the previous mode back unless a prepared claim runs the GPU in the new one. A prepared
+claim needs nothing made again after a reboot: the spec is rebuilt from what the kernel shows."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.partitions import Partitions
+from agent.prepare.records import COMPLETED, PartitionUse
+from agent.prepare.steps import Planned, Undone
+from discovery.models import Device
+
+
+class PartitionStep:
+    key = "partitions"
+    what = "GPU mode switch"  # the stage named in a claim error
+
+    def __init__(self, partitions: Partitions, changed: Callable[[], None]):
+        self.partitions = partitions
+        self.changed = changed  # the hardware changed: the daemon rescans and republishes
+
+    def read(self, entry: dict) -> PartitionUse | None:
+        rec = entry.get(self.key)
+        return PartitionUse.model_validate(rec) if rec else None
+
+    def write(self, record: PartitionUse) -> dict:
+        return record.dump()
+
+    def _others(self, claims: dict[str, dict], but: str = "") -> dict[str, tuple[str, PartitionUse]]:
+        return {u: (f"{e.get('namespace')}/{e.get('name')}", rec) for u, e in claims.items()
+                if u != but and (rec := self.read(e)) is not None}
+
+    def plan(self, planned: Planned, owners: Ownership) -> PartitionUse | None:
+        devices, record = self.partitions.plan(planned.uid, planned.results, self._others(planned.others, planned.uid))
+        planned.names = {**planned.names, **devices} if devices else planned.names
+        return record
+
+    def holds(self, record: PartitionUse) -> list[Hold]:
+        return []  # each partition device is held as such (Driver.holds), with the mode it needs
+
+    def apply(self, planned: Planned, record: PartitionUse) -> tuple[PartitionUse, dict[str, Device]]:
+        if record.switch is None:
+            return record, {}
+        try:
+            pt = self.partitions.switch(record.switch)
+        finally:
+            self.changed()
+        return PartitionUse(uses=record.uses), self.partitions.devices_after(pt, planned.results)
+
+    def undo(self, record: PartitionUse, others: dict[str, dict]) -> Undone:
+        if record.switch is None:
+            return Undone()
+        prepared = {u: rec for u, (_, rec) in self._others(others).items() if others[u].get("state") == COMPLETED}
+        note = self.partitions.undo(record.switch, prepared)
+        return Undone(notes=[note] if note else [])
+
+    def recover(self, record: PartitionUse) -> bool:
+        return False
+
+    def devices_now(self, record: PartitionUse, devices: dict[str, Device]) -> dict[str, Device]:
+        return {}

@@ -1,0 +1,66 @@
+"""VFIO passthrough as a step (docs/vfio.md): a claim whose config asks for it (``VfioConfig``)
+gets its PCI functions moved to vfio-pci and given back on unprepare.
+
+Record (``vfio``): one ``VfioFunction`` per function, its original driver and
+``driver_override``, in the PrepareStarted entry, durably, before the first kernel write. A
+failure at any point gives every function of the claim back; start-up recovery gives back the
+functions of a claim that was being prepared and re-binds those of a prepared claim after a
+reboot (the kernel forgets bindings). Unprepare gives the functions back *before* the claim
+leaves the checkpoint, so a crash in between is repaired by the kubelet's retry. A function
+held by another claim in any way, or one of its IOMMU group's, is refused (ownership.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from agent.prepare import vfio
+from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.records import VfioFunction
+from agent.prepare.steps import Planned, Undone
+from agent.prepare.vfio_kernel import PciKernel
+from discovery.models import Device
+
+Record = tuple[VfioFunction, ...]
+
+
+class VfioStep:
+    key = "vfio"
+    what = "VFIO binding"  # the stage named in a claim error
+
+    def __init__(self, root: str, driver_name: str, kernel: PciKernel, fault: Callable[[str], None]):
+        self.root, self.driver_name, self.kernel, self.fault = root, driver_name, kernel, fault
+
+    def read(self, entry: dict) -> Record | None:
+        recs = entry.get(self.key)
+        return tuple(VfioFunction.model_validate(r) for r in recs) if recs else None
+
+    def write(self, record: Record) -> list[dict]:
+        return [r.dump() for r in record]
+
+    def plan(self, planned: Planned, owners: Ownership) -> Record | None:
+        bdfs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory)
+        if not bdfs:
+            return None
+        in_use = {bdf for bdf in owners.held() if owners.holders(bdf, but=planned.uid)}
+        return tuple(vfio.plan(self.root, self.kernel, bdfs, in_use))
+
+    def holds(self, record: Record) -> list[Hold]:
+        return [Hold(r.bdf, "vfio") for r in record]
+
+    def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
+        vfio.bind_all(self.kernel, list(record), self.fault)
+        return record, self.devices_now(record, {r.device: planned.inventory[r.device] for r in planned.results
+                                                 if r.device in planned.inventory})
+
+    def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
+        """The claim's ``devices`` that are bound, with the nodes a VFIO user opens, as the kernel
+        shows them now."""
+        held = {r.bdf for r in record}
+        return {name: vfio.with_vfio_nodes(self.root, dev) for name, dev in devices.items() if dev.pci.bdf in held}
+
+    def undo(self, record: Record, others: dict[str, dict]) -> Undone:
+        problems = vfio.restore_all(self.kernel, list(record), self.fault)
+        return Undone(problems=problems, notes=[] if problems else [f"{r.bdf} given back to {r.driver or 'no driver'}" for r in record])
+
+    def recover(self, record: Record) -> bool:
+        return vfio.ensure_bound(self.kernel, list(record), self.fault)

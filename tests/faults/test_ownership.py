@@ -1,0 +1,124 @@
+"""One claim never reaches another's hardware, on the real agent (issue 42, defects 2, 3, 5):
+a function bound to vfio-pci for one claim is refused to any other claim, and the other way
+round; a GPU is never unbound while another claim holds one of its MIG instances, whatever the
+order; a checkpoint entry that passes its checksum but is no entry the agent writes is moved
+aside and never used, so it cannot fail later claims."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from agent.prepare import cdifiles
+from agent.prepare.checkpoint import Checkpoint
+from tests.faults.harness import DRIVER, Node, run
+from tests.faults.test_hostile import errors_of
+from tests.simkernel import SimPciKernel
+
+pytestmark = pytest.mark.slow
+VF, VF_BDF = "nic-0000-06-00-2", "0000:06:00.2"
+GPU, GPU_BDF, MIG = "gpu-0000-18-00-0", "0000:18:00.0", "gpu-0000-18-00-0-mig-gi1-ci0"
+UID_A = "00000000-0000-4000-8000-00000000a0a0"
+UID_B = "00000000-0000-4000-8000-00000000b0b0"
+SHARE_A = "5a4e0000-0000-4000-8000-00000000000a"
+SHARE_B = "5a4e0000-0000-4000-8000-00000000000b"
+
+
+def _claim(node: Node, name: str, device: str, uid: str, vfio: bool = False, share: str | None = None) -> dict:
+    c = node.write_claim(name, [("r", device)], uid=uid)
+    if share:
+        c["status"]["allocation"]["devices"]["results"][0]["shareID"] = share
+    if vfio:
+        c["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", "opaque": {
+            "driver": DRIVER, "parameters": {"apiVersion": "sysdra.io/v1alpha1", "kind": "VfioConfig"}}}]
+    with open(os.path.join(node.cluster, "resourceclaims", "default", name + ".json"), "w") as f:
+        json.dump(c, f)
+    return c
+
+
+def _spec(node: Node, uid: str) -> bool:
+    return os.path.exists(cdifiles.claim_spec_path(node.cdi_dir, DRIVER, uid))
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["whole", "shares"])
+def test_a_vfio_bound_function_goes_to_no_other_claim_in_either_order(tmp_path, faults, share):
+    node = Node(tmp_path, profile="sriov-nic")
+    sim = SimPciKernel(node.root).start()
+    try:
+        node.start(env={"SYSDRA_SHARE": "nic"} if share else None)
+        vm = _claim(node, "vm", VF, UID_A, vfio=True, share=SHARE_A if share else None)
+        other = _claim(node, "other", VF, UID_B, share=SHARE_B if share else None)
+        for first, second in ((vm, other), (other, vm)):
+            assert not errors_of(run(node.prepare(first)))[first["metadata"]["uid"]]
+            err = errors_of(run(node.prepare(second)))[second["metadata"]["uid"]]
+            assert err and VF_BDF in err, f"{second['metadata']['name']} after {first['metadata']['name']}: {err!r}"
+            assert not _spec(node, second["metadata"]["uid"]), "the refused claim got a CDI spec"
+            assert sim.driver(VF_BDF) == ("vfio-pci" if first is vm else "mlx5_core")
+            assert not errors_of(run(node.unprepare(first)))[first["metadata"]["uid"]]
+            assert sim.driver(VF_BDF) == "mlx5_core"
+        node.check_clean()
+    finally:
+        node.stop()
+        sim.stop()
+    faults.add("Hostile input", f"a VF bound to vfio-pci for one claim, allocated to another ({'shares' if share else 'whole'}), "
+               "both orders", 2, "the second claim is refused before anything is written; the VM's group reaches no container")
+
+
+def test_a_gpu_is_never_unbound_under_another_claims_mig_instance(tmp_path, faults):
+    node = Node(tmp_path, profile="h100-mig")
+    sim = SimPciKernel(node.root).start()
+    try:
+        node.start(env={"SYSDRA_PARTITIONS": "true"})
+        mig = _claim(node, "mig", MIG, UID_A)
+        vm = _claim(node, "vm", GPU, UID_B, vfio=True)
+        for first, second in ((mig, vm), (vm, mig)):
+            assert not errors_of(run(node.prepare(first)))[first["metadata"]["uid"]]
+            err = errors_of(run(node.prepare(second)))[second["metadata"]["uid"]]
+            assert err and GPU_BDF in err, f"{second['metadata']['name']} after {first['metadata']['name']}: {err!r}"
+            assert sim.driver(GPU_BDF) == ("vfio-pci" if first is vm else "nvidia")
+            assert not errors_of(run(node.unprepare(first)))[first["metadata"]["uid"]]
+            assert sim.driver(GPU_BDF) == "nvidia"
+    finally:
+        node.stop()
+        sim.stop()
+    faults.add("Hostile input", "VFIO for a whole GPU while another claim holds one of its MIG instances, both orders", 2,
+               "refused; the GPU stays on its driver under the MIG claim")
+
+
+BAD_ENTRIES = {
+    "devices: [{}]": {"state": "PrepareCompleted", "namespace": "default", "name": "x", "devices": [{}]},
+    "a device name that is a list": {"state": "PrepareCompleted", "namespace": "default", "name": "x", "devices": [
+        {"requests": ["r"], "pool": "node-1", "device": ["nic-0000-06-00-3"], "cdiDeviceIDs": []}]},
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_ENTRIES))
+def test_a_checksummed_bad_checkpoint_entry_is_moved_aside_and_never_used(tmp_path, faults, what):
+    node = Node(tmp_path, profile="sriov-nic")
+    sim = SimPciKernel(node.root).start()
+    try:
+        node.start()
+        vm = _claim(node, "vm", VF, UID_B, vfio=True)
+        node.stop()
+        cp = Checkpoint.load(os.path.join(node.plugin_dir, "checkpoint.json"), move_corrupt=False)
+        cp.claims[UID_A] = BAD_ENTRIES[what]
+        cp.save(changed=[UID_A])  # a journal record with a good CRC: only root writes there
+        node.start()
+        # neither a VFIO claim nor a claim with the rejected entry's UID is failed by it
+        assert not errors_of(run(node.prepare(vm)))[UID_B]
+        again = _claim(node, "x", "nic-0000-06-00-3", UID_A)
+        assert not errors_of(run(node.prepare(again)))[UID_A]
+        log = node.log_tail(200)
+        assert "CHECKPOINT ENTRY REJECTED" in log and UID_A in log and "CHECKPOINT CORRUPT" not in log
+        assert glob.glob(os.path.join(node.plugin_dir, "checkpoint.json.rejected-*"))
+        assert not errors_of(run(node.unprepare(vm, again)))[UID_B]
+        node.stop()
+        assert UID_A not in Checkpoint.load(os.path.join(node.plugin_dir, "checkpoint.json"), move_corrupt=False).rejected
+    finally:
+        node.stop()
+        sim.stop()
+    faults.add("Hostile input", f"checkpoint entry with a good checksum: {what}", 1,
+               "moved aside (CHECKPOINT ENTRY REJECTED, a metric), never used; VFIO claims and that UID prepare")
