@@ -215,10 +215,6 @@ class PciFunction(Record, kw_only=True):
     sriov: Sriov | None = None  # set on SR-IOV capable PFs
     physfn: str | None = None  # PF's BDF when this function is a VF
 
-    @property
-    def is_vf(self) -> bool:
-        return self.physfn is not None
-
 
 class NetInterface(Record, kw_only=True):
     """What is published of a netdev; its link state is health's (agent/health/checks.py)."""

@@ -102,16 +102,6 @@ def build_for(settings, prepared: list[PreparedDevice], by_name: dict[str, Devic
         return []
 
 
-def with_network(entries: list[dict], device: str, net: dict) -> list[dict]:
-    """``entries`` with ``device``'s networkData replaced by the merged ``net`` (deferred update)."""
-    out = []
-    for e in entries:
-        if e.get("device") == device:
-            e = dict(e, networkData={**(e.get("networkData") or {}), **net})
-        out.append(e)
-    return out
-
-
 class RecordedStatus:
     """``DriverProtocol.recorded_status``: a prepared claim's entries as its checkpoint entry holds
     them now, asked by the status writer right before it writes (on the loop, without the
