@@ -187,7 +187,11 @@ def test_well_checksummed_entries_of_a_bad_shape_are_moved_aside(path, key, entr
     cp.claims = {uid(1): entry(1), uid(2): entry(2)}
     cp.save()
     _append_records(cp, b'{"uid":%s,"entry":%s}' % (key, entry_json))
+    from agent.prepare.checkpoint import REJECTED_ENTRIES
+
+    counted = REJECTED_ENTRIES.values.get((), 0)
     got = Checkpoint.load(path)
+    assert REJECTED_ENTRIES.values[()] == counted + 1  # sysdra_checkpoint_entries_rejected_total
     assert not got.corrupt_path and got.claims == {u: e for u, e in cp.claims.items() if u.encode() not in key}
     assert list(got.rejected) == [key.strip(b'"').decode()]
     assert json.load(open(got.rejected_path))[key.strip(b'"').decode()]["entry"] == json.loads(entry_json)
