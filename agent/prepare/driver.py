@@ -83,6 +83,7 @@ class _Call:
     changed: set[str] = field(default_factory=set)  # entries to journal
     todo: list[str] = field(default_factory=list)  # claims planned, to apply
     plans: dict[str, tuple[dict, Planned, dict]] = field(default_factory=dict)  # uid -> (entry, planned, records)
+    started: dict[str, dict] = field(default_factory=dict)  # uid -> its PrepareStarted entry, as saved
     owners: Ownership | None = None  # built when a claim is planned (a re-prepare reads no inventory)
 
 
@@ -166,11 +167,10 @@ class Driver:
         for uid in call.todo:
             self._apply(cp, call, uid)
         self.fault("prepare:specs-written")
-        done = [uid for uid in call.todo if uid in cp.claims]
-        started = {uid: planner.started(call.plans[uid][0], (s.key for s in self.steps)) for uid in done}
+        started = {uid: call.started[uid] for uid in call.todo if uid in cp.claims}
         if err := self._save(cp, {**cp.claims, **started}, call.todo):
             for uid, entry in started.items():  # the file still says PrepareStarted: a retry starts clean
-                self._undo(call.plans[uid][0], cp.claims)
+                self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid})
                 self.files.remove(entry, uid, entry["namespace"], entry["name"])
                 call.out[uid] = PrepareResult(error=err)
             return call.out
@@ -216,7 +216,7 @@ class Driver:
         if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
             entry_plan["deviceStatus"] = claimstatus.build_for(s, devices, by_name)
         owners.take(uid, holds, f"{meta['namespace']}/{meta['name']}")
-        cp.claims[uid] = planner.started(entry_plan, records)
+        cp.claims[uid] = call.started[uid] = planner.started(entry_plan, records)
         call.plans[uid] = (entry_plan, planned, records)
         call.out[uid] = PrepareResult(devices, status=entry_plan.get("deviceStatus"))
         call.todo.append(uid)
@@ -255,8 +255,7 @@ class Driver:
             stage = "device metadata"
             metadata.write_claim(self.settings, uid, entry)
         except Exception as err:  # noqa: BLE001 - one claim's failure, whatever it is, stays its own
-            started = cp.claims[uid]  # the records as planned: what to undo
-            self._undo(started, {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
+            self._undo(call.started[uid], {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
             self.files.remove(entry, uid, entry["namespace"], entry["name"])
             del cp.claims[uid]
             call.out[uid] = PrepareResult(error=claim_error(uid, stage, err))
