@@ -252,7 +252,7 @@ class Checkpoint:
             self.rejected_path = None
         for uid, (_, why) in self.rejected.items():
             REJECTED_ENTRIES.inc()
-            log.error("CHECKPOINT ENTRY REJECTED: claim %s in %s: %s; moved aside to %s, not used",
+            log.error("CHECKPOINT CORRUPT ENTRY: claim %s in %s: %s; moved aside to %s, not used",
                       str(uid)[:80], self.path, why, self.rejected_path)
 
     def _move_aside(self, err: Exception) -> None:

@@ -77,7 +77,9 @@ def test_a_gpu_is_never_unbound_under_another_claims_mig_instance(tmp_path, faul
         for first, second in ((mig, vm), (vm, mig)):
             assert not errors_of(run(node.prepare(first)))[first["metadata"]["uid"]]
             err = errors_of(run(node.prepare(second)))[second["metadata"]["uid"]]
-            assert err and GPU_BDF in err, f"{second['metadata']['name']} after {first['metadata']['name']}: {err!r}"
+            # refused: the GPU is held (or, bound to vfio-pci, shows no MIG instance at all)
+            assert err and (GPU_BDF in err or MIG in err), f"{second['metadata']['name']} after {first['metadata']['name']}: {err!r}"
+            assert not _spec(node, second["metadata"]["uid"]), "the refused claim got a CDI spec"
             assert sim.driver(GPU_BDF) == ("vfio-pci" if first is vm else "nvidia")
             assert not errors_of(run(node.unprepare(first)))[first["metadata"]["uid"]]
             assert sim.driver(GPU_BDF) == "nvidia"
@@ -112,8 +114,10 @@ def test_a_checksummed_bad_checkpoint_entry_is_moved_aside_and_never_used(tmp_pa
         again = _claim(node, "x", "nic-0000-06-00-3", UID_A)
         assert not errors_of(run(node.prepare(again)))[UID_A]
         log = node.log_tail(200)
-        assert "CHECKPOINT ENTRY REJECTED" in log and UID_A in log and "CHECKPOINT CORRUPT" not in log
+        assert "CHECKPOINT CORRUPT ENTRY" in log and UID_A in log
+        # the entry alone is moved aside: the file, and the other claims in it, stay
         assert glob.glob(os.path.join(node.plugin_dir, "checkpoint.json.rejected-*"))
+        assert not glob.glob(os.path.join(node.plugin_dir, "checkpoint.json*.corrupt-*"))
         assert not errors_of(run(node.unprepare(vm, again)))[UID_B]
         node.stop()
         assert UID_A not in Checkpoint.load(os.path.join(node.plugin_dir, "checkpoint.json"), move_corrupt=False).rejected
@@ -121,4 +125,4 @@ def test_a_checksummed_bad_checkpoint_entry_is_moved_aside_and_never_used(tmp_pa
         node.stop()
         sim.stop()
     faults.add("Hostile input", f"checkpoint entry with a good checksum: {what}", 1,
-               "moved aside (CHECKPOINT ENTRY REJECTED, a metric), never used; VFIO claims and that UID prepare")
+               "moved aside (CHECKPOINT CORRUPT ENTRY, a metric), never used; VFIO claims and that UID prepare")
