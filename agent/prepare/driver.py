@@ -196,9 +196,11 @@ class Driver:
             del cp.claims[uid]
             owners.release(uid)
             call.changed.add(uid)
-        by_name = self.inventory().by_name()
+        inv = self.inventory()  # the daemon may rescan meanwhile: one inventory for the claim
+        by_name = inv.by_name()
         planned = Planned(uid, claim, results, configs, inventory=by_name, names=by_name,
-                          others={u: e for u, e in cp.claims.items() if u != uid})
+                          others={u: e for u, e in cp.claims.items() if u != uid},
+                          ways=self.partitions.ways(inv) if self.partitions else {})
         records = {st.key: rec for st in self.steps if (rec := st.plan(planned, owners)) is not None}
         s = self.settings
         devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs)

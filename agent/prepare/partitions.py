@@ -57,19 +57,18 @@ class Partitions:
         self.fault = fault
         self._ways: tuple[object, dict] = (None, {})
 
-    def ways(self) -> dict[str, gpuways.Way]:
-        inv = self.inventory()
+    def ways(self, inv: Inventory | None = None) -> dict[str, gpuways.Way]:
+        inv = inv if inv is not None else self.inventory()
         if self._ways[0] is not inv:  # one table per inventory
             self._ways = (inv, gpuways.by_name(inv.devices))
         return self._ways[1]
 
     # --- planning ----------------------------------------------------------------
-    def plan(self, uid: str, results: list[Result], others: dict[str, tuple[str, PartitionUse]]
-             ) -> tuple[dict[str, Device], PartitionUse | None]:
+    def plan(self, uid: str, results: list[Result], others: dict[str, tuple[str, PartitionUse]],
+             table: dict[str, gpuways.Way]) -> tuple[dict[str, Device], PartitionUse | None]:
         """-> (device name -> device, for the partition ways among ``results``; the claim's
-        record, or None). ``others``: the other claims' records (uid -> (name, record)).
-        ClaimFailed on a conflict."""
-        table = self.ways()
+        record, or None). ``others``: the other claims' records (uid -> (name, record));
+        ``table``: the ways of the inventory planned against. ClaimFailed on a conflict."""
         picked = [table[r.device] for r in results if r.device in table]
         if not picked:
             return {}, None
@@ -193,9 +192,9 @@ class Partitions:
             return f"restoring {'/'.join(mode)} failed too: {err}"
         return f"restored {'/'.join(mode)}"
 
-    def devices_after(self, pt: Partitioning, results: list[Result]) -> dict[str, Device]:
-        """Devices of the claim's partition ways with the nodes the kernel exposes now."""
-        table = self.ways()
+    def devices_after(self, pt: Partitioning, results: list[Result], table: dict[str, gpuways.Way]) -> dict[str, Device]:
+        """Devices of the claim's partition ways (of ``table``, the ways planned with: a rescan
+        during the switch may not show them) with the nodes the kernel exposes now."""
         return {r.device: gpuways.way_device(table[r.device], now=pt) for r in results
                 if r.device in table and table[r.device].kind != "whole"}
 

@@ -235,16 +235,17 @@ class Node:
         return found
 
     def assert_no_temps(self, settle: float = 5.0) -> None:
-        """No temp file is left. The claim-status writer rewrites claim files in the background
-        (after a pause in the kubelet's calls), so its temps may exist for a moment: those get
-        ``settle`` seconds to go; any other temp fails at once."""
-        claims = os.path.join(self.cluster, "resourceclaims") + "/"
+        """No temp file is left. The claim-status writer rewrites claim files and the publisher
+        slice files in the background (after a pause in the kubelet's calls; after the rescans a
+        GPU mode switch causes, which run beside the prepare), so their temps may exist for a
+        moment: those get ``settle`` seconds to go; any other temp fails at once."""
+        background = (os.path.join(self.cluster, "resourceclaims") + "/", os.path.join(self.cluster, "resourceslices") + "/")
         deadline = time.monotonic() + settle
         while True:
             left = self.temp_files()
             if not left:
                 return
-            if any(not p.startswith(claims) for p in left) or time.monotonic() > deadline:
+            if any(not p.startswith(background) for p in left) or time.monotonic() > deadline:
                 raise AssertionError(f"temp files left: {left}")
             time.sleep(0.02)
 

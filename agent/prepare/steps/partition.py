@@ -39,7 +39,8 @@ class PartitionStep:
                 if u != but and (rec := self.read(e)) is not None}
 
     def plan(self, planned: Planned, owners: Ownership) -> PartitionUse | None:
-        devices, record = self.partitions.plan(planned.uid, planned.results, self._others(planned.others, planned.uid))
+        devices, record = self.partitions.plan(planned.uid, planned.results, self._others(planned.others, planned.uid),
+                                               planned.ways)
         planned.names = {**planned.names, **devices} if devices else planned.names
         return record
 
@@ -53,7 +54,7 @@ class PartitionStep:
             pt = self.partitions.switch(record.switch)
         finally:
             self.changed()
-        return PartitionUse(uses=record.uses), self.partitions.devices_after(pt, planned.results)
+        return PartitionUse(uses=record.uses), self.partitions.devices_after(pt, planned.results, planned.ways)
 
     def undo(self, record: PartitionUse, others: dict[str, dict]) -> Undone:
         if record.switch is None:
