@@ -17,7 +17,7 @@ claim's checkpoint entry under the step's ``key``:
   kernel shows them now (a spec rebuilt after a reboot).
 
 A new kind of host change (MIG instances, MPS daemons, netdev moves) is one module and one
-record type; ``Driver`` runs every step in ``STEPS`` order and undoes them in reverse."""
+record type, added to ``Driver.steps``; the driver applies them in that order and undoes them in reverse."""
 
 from __future__ import annotations
 
