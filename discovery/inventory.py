@@ -21,6 +21,7 @@ from discovery.gpu import read_gpu
 from discovery.models import Device, Inventory, PciFunction, Problem, Skipped
 from discovery.nic import read_nic
 from discovery.numa import read_numa_nodes
+from discovery.nvidia import NvidiaNode
 from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
@@ -74,9 +75,11 @@ class _Scanner:
     or the function's half of an Alveo card (both halves become one device). ``_results``
     keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
 
-    def __init__(self, root: str, list_attributes: bool):
+    def __init__(self, root: str, list_attributes: bool, nvml=None):
         self.fs = HostFS(root)
         self.list_attributes = list_attributes
+        self.nvml = nvml
+        self._nvidia: NvidiaNode | None = None  # read when the scan meets its first NVIDIA GPU
         self.numa_problems: list[Problem] = []
         self.numa = read_numa_nodes(self.fs, self.numa_problems)
         self.resolver = NodeResolver(self.fs)
@@ -202,7 +205,7 @@ class _Scanner:
             if fn.driver == "vfio-pci":
                 nodes = vfio_nodes(fs, res, fn, d, problems)
             elif kind == "gpu":
-                info["gpu"], nodes, capacity = read_gpu(fs, res, fn, d, problems)
+                info["gpu"], nodes, capacity = read_gpu(fs, res, fn, d, problems, self._nvidia_node)
             elif kind == "nic":
                 info["nic"], nodes = read_nic(fs, res, fn, d, problems)
             elif kind == "fpga":
@@ -214,6 +217,11 @@ class _Scanner:
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
             nodes, capacity, info = [], {}, {}
         return self._finish(name, kind, fn, nodes, capacity, problems, **info)
+
+    def _nvidia_node(self) -> NvidiaNode:
+        if self._nvidia is None:
+            self._nvidia = NvidiaNode(self.fs, self.nvml)
+        return self._nvidia
 
     def _alveo_device(self, card: dict) -> Device:
         mgmt, user = card.get("mgmt"), card.get("user")
@@ -231,11 +239,12 @@ class _Scanner:
         return self._finish(device_name("fpga", fn.bdf), "fpga", fn, nodes, {}, problems, fpga=info)
 
 
-def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False) -> Inventory:
-    """Discover the node under ``root``. Read-only; never raises for bad sysfs content."""
+def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None) -> Inventory:
+    """Discover the node under ``root``. Read-only; never raises for bad sysfs content.
+    ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only)."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
-    return _Scanner(os.path.abspath(root), list_attributes).run()
+    return _Scanner(os.path.abspath(root), list_attributes, nvml).run()
 
 
 class IncrementalScanner:
@@ -249,16 +258,17 @@ class IncrementalScanner:
     equals a full scan whenever ``changed`` names every function whose sysfs files changed.
     """
 
-    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False):
+    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"scan root {root!r} is not a directory")
         self.root = os.path.abspath(root)
         self.list_attributes = list_attributes
+        self.nvml = nvml
         self._scanner: _Scanner | None = None
         self.inventory: Inventory | None = None
 
     def full(self) -> Inventory:
-        self._scanner = _Scanner(self.root, self.list_attributes)
+        self._scanner = _Scanner(self.root, self.list_attributes, self.nvml)
         self.inventory = self._scanner.run()
         return self.inventory
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from discovery.nvidia import NvidiaFacts
+
 Kind = Literal["gpu", "nic", "fpga", "accelerator"]
 KINDS: tuple[str, ...] = ("gpu", "nic", "fpga", "accelerator")
 
@@ -271,6 +273,7 @@ class GpuInfo(Record, kw_only=True):
     nvidia_uuid: str | None = None
     model: str | None = None
     partitioning: Partitioning | None = None
+    nvidia: NvidiaFacts | None = None  # NVML / PCI ID table facts (discovery/nvidia.py)
 
 
 class NicInfo(Record, kw_only=True):

@@ -9,7 +9,7 @@ naming the setting (exit 78).
 
 from __future__ import annotations
 
-VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share")
+VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml")
 SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups")
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
@@ -20,6 +20,8 @@ HELP = {
     "taint-unhealthy": "publish unhealthy devices with a NoSchedule device taint sysdra.io/unhealthy",
     "partitions": "publish GPU partitions (AMD compute partitions, NVIDIA MIG instances) with shared counters",
     "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
+    "nvidia-driver-root": "host directory holding the NVIDIA user-space driver (default /; e.g. /run/nvidia/driver, /usr/local/nvidia)",
+    "nvml": "ask NVML (the driver's libnvidia-ml) for GPU memory, architecture and versions: true or false (default true)",
     "share": "device kinds shared by several claims (consumable capacity), e.g. gpu,nic; policies: share_policies in the config file",
 }
 

@@ -163,4 +163,5 @@ def with_vfio_nodes(root: str, device: Device) -> Device:
     nodes = vfio_nodes(fs, NodeResolver(fs), fn, d, found)
     if not any(n.path.startswith("/dev/vfio/") and n.path != "/dev/vfio/vfio" for n in nodes):
         raise VfioError(f"{device.pci.bdf}: no VFIO group node after binding ({'; '.join(p.reason for p in found)})")
-    return device.replace(device_nodes=tuple(nodes))
+    # bound to vfio-pci now: the spec gets no driver files of the device's own driver
+    return device.replace(device_nodes=tuple(nodes), pci=device.pci.replace(driver=fn.driver))

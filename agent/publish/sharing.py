@@ -8,15 +8,15 @@ merged with ``share_policies`` of the config file (one capacity's entry replaces
 would check it (``validation.policy_problems``), so a bad policy stops the agent with exit 78
 instead of costing every device later.
 
-Capacity values: ``value`` of the policy when given; else GPU ``memory`` from discovery (VRAM
-``mem_info_vram_total``) or, for NVIDIA, the size in the model name the driver's information
-file gives ("NVIDIA H100 80GB HBM3" -> 80Gi); NIC ``bandwidth`` from the RDMA port rate or, without
-RDMA, the netdev's link speed. A capacity whose value is unknown on a device is left out there.
+Capacity values: ``value`` of the policy when given; else GPU ``memory`` from discovery (AMD VRAM
+``mem_info_vram_total``; NVIDIA: NVML, or the PCI ID table of data-center GPUs); NIC ``bandwidth``
+from the RDMA port rate or, without RDMA, the netdev's link speed. A capacity whose value is
+unknown on a device is left out there (logged once per device): never a guessed size.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
@@ -38,7 +38,8 @@ DEFAULT_POLICIES: dict[str, dict[str, dict]] = {
         "slots": {"value": "32", "default": "1", "validRange": {"min": "1", "step": "1"}},
     },
 }
-_NVIDIA_MODEL_SIZE = re.compile(r"\b(\d{1,4})\s?GB\b")
+log = logging.getLogger(__name__)
+_UNKNOWN_LOGGED: set[tuple[str, str]] = set()  # (device, capacity) already logged as unknown
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,6 @@ def discovered_value(device, capacity: str) -> str | None:
     if capacity == "memory" and device.kind == "gpu":
         if device.capacity.get("memory"):
             return device.capacity["memory"]
-        model = device.gpu.model if device.gpu else None
-        if device.gpu and device.gpu.vendor == "nvidia" and model and (m := _NVIDIA_MODEL_SIZE.search(model)):
-            return f"{int(m.group(1))}Gi"
     if capacity == "bandwidth" and device.kind == "nic" and device.nic:
         rates = [Fraction(r.rate_gbps).limit_denominator(1000) * 1000 for r in device.nic.rdma if r.rate_gbps]
         rates = rates or [Fraction(i.speed_mbps) for i in device.nic.interfaces if i.speed_mbps]
@@ -164,6 +162,7 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
         value = policy.get("value") or discovered_value(device, name)
         if value is None:
             capacity.pop(name, None)  # unknown here: not accounted on this device
+            _log_unknown(device.name, name)
             continue
         request_policy = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
                           for k, v in policy.items() if k != "value"}
@@ -172,3 +171,13 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     if capacity:
         out["capacity"] = dict(sorted(capacity.items()))
     return out
+
+
+def _log_unknown(device: str, capacity: str) -> None:
+    if (device, capacity) in _UNKNOWN_LOGGED:
+        return
+    if len(_UNKNOWN_LOGGED) > 10000:
+        _UNKNOWN_LOGGED.clear()
+    _UNKNOWN_LOGGED.add((device, capacity))
+    log.warning("sharing: %s has no known %s; shares of it do not offer %s (set share-policies value to publish one)",
+                device, capacity, capacity)

@@ -30,10 +30,19 @@ from agent.settings import ConfigError, Settings
 log = logging.getLogger("sysdra.daemon")
 
 
+def open_nvml(settings: Settings):
+    """NVML for GPU facts, or None (``nvml: false``, or the node has none): blocks, call in a thread."""
+    if not settings.nvml:
+        return None
+    from discovery.nvml import Nvml
+
+    return Nvml.open(settings.root, settings.nvidia_driver_root)
+
+
 def default_scan(settings: Settings):
     from discovery.inventory import scan
 
-    return scan(settings.root, list_attributes=settings.list_attributes)
+    return scan(settings.root, list_attributes=settings.list_attributes, nvml=open_nvml(settings))
 
 
 def make_store(settings: Settings):
@@ -107,7 +116,7 @@ class Agent:
         s = self.settings
         sc = self._scanner
         if sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes:
-            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes)
+            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes, nvml=open_nvml(s))
             changed = None
         return sc.update(changed)
 
