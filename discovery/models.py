@@ -18,8 +18,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from discovery.nvidia import NvidiaFacts
-
 Kind = Literal["gpu", "nic", "fpga", "accelerator"]
 KINDS: tuple[str, ...] = ("gpu", "nic", "fpga", "accelerator")
 
@@ -263,6 +261,20 @@ class Partitioning(Record, kw_only=True):
     @property
     def switchable(self) -> bool:
         return bool(self.compute_modes)
+
+
+class NvidiaFacts(Record, kw_only=True):
+    """What a scheduler selects an NVIDIA GPU on (discovery/nvidia.py), each None when neither
+    NVML nor the PCI ID table knows it. Versions are semantic versions ("580.159.4")."""
+
+    product_name: str | None = None
+    brand: str | None = None
+    architecture: str | None = None
+    compute_capability: str | None = None  # "9.0.0"
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None  # "13.0.0"
+    memory_bytes: int | None = None
+    source: str = "table"  # "nvml" when NVML answered for this GPU
 
 
 class GpuInfo(Record, kw_only=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from discovery.models import NvidiaFacts
 from discovery.sysfs import AttrError, HostFS
 
 # NVML's nvmlDeviceArchitecture_t -> the name NVIDIA's own DRA driver publishes.
@@ -79,20 +80,6 @@ class NvmlDevice:
     brand: int | None = None
 
 
-@dataclass(frozen=True)
-class NvidiaFacts:
-    """The facts published for one NVIDIA GPU, each None when no source knows it."""
-
-    product_name: str | None = None
-    brand: str | None = None
-    architecture: str | None = None
-    compute_capability: str | None = None  # a semantic version: "9.0.0"
-    driver_version: str | None = None  # semantic version: "580.159.4"
-    cuda_driver_version: str | None = None  # "13.0.0"
-    memory_bytes: int | None = None
-    source: str = "table"  # "nvml" when NVML answered for this GPU
-
-
 _VERSION = re.compile(r"\b(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?\b")
 
 
@@ -133,9 +120,9 @@ def facts(device_id: str, nvml: NvmlDevice | None, driver_version: str | None,
     cc = nv.compute_capability
     return NvidiaFacts(
         product_name=_printable(nv.name),
-        brand=BRANDS.get(nv.brand) if nv.brand is not None else None,
-        architecture=ARCHITECTURES.get(nv.architecture) if nv.architecture is not None else (row and row.architecture),
-        compute_capability=semver(f"{cc[0]}.{cc[1]}") if cc else (row and semver(row.compute_capability)),
+        brand=BRANDS.get(nv.brand),
+        architecture=ARCHITECTURES.get(nv.architecture) or (row.architecture if row else None),
+        compute_capability=semver(f"{cc[0]}.{cc[1]}") if cc else (semver(row.compute_capability) if row else None),
         driver_version=semver(driver_version),
         cuda_driver_version=cuda_version(cuda_driver),
         memory_bytes=nv.memory_bytes if nv.memory_bytes else (row.memory_gb * GB if row else None),

@@ -79,23 +79,27 @@ class Nvml:
         self._devices: dict[str, NvmlDevice | None] = {}
 
     @classmethod
-    def open(cls, root: str, driver_root: str = "/", timeout: float = 5.0) -> Nvml | None:
+    def open(cls, root: str, driver_root: str = "/", timeout: float = 5.0, pynvml=None,
+             load: Callable[[str], object] | None = None) -> Nvml | None:
         """NVML loaded from the driver root, initialised; None (and one log line) when the node
-        has no NVML or it fails."""
+        has no NVML or it fails. ``pynvml`` and ``load`` (the library loader) are for a simulated
+        NVML in tests."""
         path = find_library(root, driver_root)
         if path is None:
             log.info("NVML: no %s under %s (driver root %s): GPU facts from the PCI ID table",
                      LIBRARY, root, driver_root)
             return None
-        try:
-            import pynvml
-        except ImportError as err:
-            log.warning("NVML: nvidia-ml-py is not installed (%s): GPU facts from the PCI ID table", err)
-            return None
+        if pynvml is None:
+            try:
+                import pynvml
+            except ImportError as err:
+                log.warning("NVML: nvidia-ml-py is not installed (%s): GPU facts from the PCI ID table", err)
+                return None
+        load = load or (lambda p: ctypes.CDLL(p, mode=os.RTLD_GLOBAL | os.RTLD_NOW))
         worker = _Worker(timeout)
 
         def init():
-            ctypes.CDLL(path, mode=getattr(os, "RTLD_GLOBAL", 0) | getattr(os, "RTLD_NOW", 2))
+            load(path)  # pynvml then finds it by its soname, already loaded
             pynvml.nvmlInit()
 
         try:

@@ -158,6 +158,10 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     if plan is None or device.kind not in plan.kinds:
         return entry
     capacity = dict(entry.get("capacity") or {})
+    kept = {name for name, _ in plan.policies[device.kind]}
+    for name in set(DEFAULT_POLICIES.get(device.kind, {})) - kept:
+        # dropped by the operator: without a policy every share would consume all of it
+        capacity.pop(name, None)
     for name, policy in plan.policies[device.kind]:
         value = policy.get("value") or discovered_value(device, name)
         if value is None:
