@@ -137,7 +137,7 @@ class NvidiaNode:
     def __init__(self, fs: HostFS, nvml=None):
         self.nvml = nvml  # a discovery.nvml.NvmlSource, or None
         version, cuda = nvml.system() if nvml is not None else (None, None)
-        self.driver_version = version or kernel_module_version(fs)
+        self.driver_version = version if semver(version) else kernel_module_version(fs)
         self.cuda_driver = cuda
 
     def facts(self, bdf: str, device_id: str) -> NvidiaFacts:
