@@ -28,6 +28,7 @@ from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, trunc
 from agent.health.linkwatch import LinkWatch
 from agent.settings import Settings
 from discovery.models import Device, Inventory
+from discovery.nvidia_driver import DriverFilesCache
 from discovery.sysfs import HostFS
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Subscriber:
 class HealthMonitor:
     def __init__(self, settings: Settings, inventory_fn: Callable[[], Inventory | None]):
         self.fs = HostFS(settings.root)
+        self.nvidia_files = DriverFilesCache(settings.root, settings.nvidia_driver_root)
         self.pool = settings.node_name
         self.interval = settings.health_interval
         self._inventory_fn = inventory_fn
@@ -216,7 +218,7 @@ class HealthMonitor:
         return present
 
     def _verdict(self, name: str, present: set[str], now: float) -> Verdict:
-        verdict = check(self.fs, self._known[name], self._memory[name], now)
+        verdict = check(self.fs, self._known[name], self._memory[name], now, self.nvidia_files.get)
         if name not in present and verdict.health != UNHEALTHY:
             verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
                               "not-discovered")
