@@ -220,7 +220,11 @@ def main(argv: list[str]) -> int:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv"],
                          capture_output=True, text=True)
     log(f"nvidia-smi: {smi.stdout.strip()}")
-    gpu = step_scan(log, args.out, args.driver_root)
+    try:
+        gpu = step_scan(log, args.out, args.driver_root)
+    except Exception as err:  # noqa: BLE001 - the later steps still run and report
+        log.check(False, f"scan step: {type(err).__name__}: {err}")
+        gpu = None
     tmp = tempfile.mkdtemp(prefix="sysdra-gpu-")
     program = os.path.join(tmp, "cuda_check")
     build = subprocess.run(["nvcc", "-O2", "-gencode", "arch=compute_90,code=compute_90", "-o", program,
@@ -230,7 +234,10 @@ def main(argv: list[str]) -> int:
     try:
         sock = wait_for(lambda: glob.glob(os.path.join(tmp, "kubelet", "plugins_registry", "*.sock")))
         if log.check(bool(sock), "the agent registered its socket") and gpu and build.returncode == 0:
-            asyncio.run(step_prepare(log, args.out, tmp, gpu, program))
+            try:
+                asyncio.run(step_prepare(log, args.out, tmp, gpu, program))
+            except Exception as err:  # noqa: BLE001
+                log.check(False, f"prepare step: {type(err).__name__}: {err}")
     finally:
         os.killpg(agent.pid, signal.SIGTERM)
         code = agent.wait(timeout=30)
