@@ -136,7 +136,7 @@ class Nvml:
 
     def _query(self, bdf: str) -> NvmlDevice:
         nv = self.pynvml
-        h = nv.nvmlDeviceGetHandleByPciBusId_v2(bdf)
+        h = nv.nvmlDeviceGetHandleByPciBusId(bdf)  # the bindings call NVML's _v2 entry point
 
         def optional(fn, *args):  # a query the GPU does not support leaves its fact out
             try:

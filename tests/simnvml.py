@@ -56,7 +56,7 @@ class SimNvml:
     def nvmlSystemGetCudaDriverVersion_v2(self):
         return self.cuda
 
-    def nvmlDeviceGetHandleByPciBusId_v2(self, bus_id: str):
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str):
         self.calls.append(bus_id)
         if self.hang is not None:
             self.hang.wait()

@@ -111,7 +111,7 @@ def step_scan(log: Log, out: str, driver_root: str) -> dict | None:
     log.check(gpu.get("capacity", {}).get("memory", {}).get("value") is not None, "memory capacity published")
     log.check(attrs.get("cudaComputeCapability") == "{}.{}.0".format(*nv["cudaComputeCapability"]),
               "cudaComputeCapability equals NVML's")
-    shared = json.loads(slices.stdout) if slices.returncode == 0 else []
+    shared = json.loads(slices.stdout)["items"] if slices.returncode == 0 else []
     caps = [d.get("capacity", {}) for s in shared for d in s["spec"].get("devices", []) if d["name"] == gpu["name"]]
     log(f"--share gpu capacity: {json.dumps(caps)}")
     log.check(bool(caps) and "memory" in caps[0] and "compute" in caps[0], "--share gpu offers memory and compute")
