@@ -35,6 +35,7 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE, DRIVER = "gpu-check", "sysdra.io"
+GLIBC = ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1")
 
 
 class Log:
@@ -158,8 +159,11 @@ def build_rootfs(tmp: str, program: str) -> str:
         os.makedirs(os.path.join(rootfs, d), exist_ok=True)
     shutil.copy(program, os.path.join(rootfs, "usr/bin/cuda_check"))
     ldd = subprocess.run(["ldd", program], capture_output=True, text=True, check=True).stdout
-    for line in ldd.splitlines():
-        path = next((p for p in line.split() if p.startswith("/")), None)
+    paths = [next((p for p in line.split() if p.startswith("/")), None) for line in ldd.splitlines()]
+    libc = next(p for p in paths if p and os.path.basename(p) == "libc.so.6")
+    # the rest of glibc, which any image has and libcuda links (libdl, libpthread, librt)
+    paths += [os.path.join(os.path.dirname(libc), n) for n in GLIBC]
+    for path in paths:
         if path and os.path.exists(path):
             dest = os.path.join(rootfs, path.lstrip("/"))
             os.makedirs(os.path.dirname(dest), exist_ok=True)
