@@ -17,7 +17,7 @@ unknown on a device is left out there (logged once per device): never a guessed 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
 
@@ -39,7 +39,6 @@ DEFAULT_POLICIES: dict[str, dict[str, dict]] = {
     },
 }
 log = logging.getLogger(__name__)
-_UNKNOWN_LOGGED: set[tuple[str, str]] = set()  # (device, capacity) already logged as unknown
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,18 @@ class SharePlan:
 
     kinds: frozenset[str]
     policies: MappingProxyType  # kind -> ((capacity, policy dict), ...)
+    # (device, capacity) pairs already logged as unknown: once per device while this plan holds
+    unknown_logged: set = field(default_factory=set, compare=False, repr=False)
 
     def __hash__(self) -> int:  # a cache key of build_pool
         return hash((self.kinds, tuple(sorted((k, repr(v)) for k, v in self.policies.items()))))
+
+    def log_unknown(self, device: str, capacity: str) -> None:
+        if (device, capacity) in self.unknown_logged or len(self.unknown_logged) > 10000:
+            return
+        self.unknown_logged.add((device, capacity))
+        log.warning("sharing: %s has no known %s; its shares do not offer %s (a share-policies value would)",
+                    device, capacity, capacity)
 
 
 def _quantity_text(v: object, where: str) -> str:
@@ -166,7 +174,7 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
         value = policy.get("value") or discovered_value(device, name)
         if value is None:
             capacity.pop(name, None)  # unknown here: not accounted on this device
-            _log_unknown(device.name, name)
+            plan.log_unknown(device.name, name)
             continue
         request_policy = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
                           for k, v in policy.items() if k != "value"}
@@ -176,12 +184,3 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
         out["capacity"] = dict(sorted(capacity.items()))
     return out
 
-
-def _log_unknown(device: str, capacity: str) -> None:
-    if (device, capacity) in _UNKNOWN_LOGGED:
-        return
-    if len(_UNKNOWN_LOGGED) > 10000:
-        _UNKNOWN_LOGGED.clear()
-    _UNKNOWN_LOGGED.add((device, capacity))
-    log.warning("sharing: %s has no known %s; shares of it do not offer %s (set share-policies value to publish one)",
-                device, capacity, capacity)
