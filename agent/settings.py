@@ -75,6 +75,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # NVIDIA (docs/nvidia.md): where the user-space driver is installed on the host (a host path,
     # read under root), whether to ask NVML for GPU facts, and whether to use the node's own
     # NVIDIA CDI spec (nvidia-ctk cdi generate) instead of putting the driver in our specs.
+    # Publish the NICs of the host's default routes (and their bonds' slaves, bridges' ports, VFs)
+    # too; off: the node's uplink is never allocatable (docs/networking.md).
+    publish_uplink: bool = False
     nvidia_driver_root: str = "/"
     # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
     # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path

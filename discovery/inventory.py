@@ -23,6 +23,7 @@ from discovery.nic import read_nic
 from discovery.numa import read_numa_nodes
 from discovery.nvidia import NvidiaNode
 from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
+from discovery.routes import uplink
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
@@ -75,9 +76,11 @@ class _Scanner:
     or the function's half of an Alveo card (both halves become one device). ``_results``
     keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
 
-    def __init__(self, root: str, list_attributes: bool, nvml=None):
+    def __init__(self, root: str, list_attributes: bool, nvml=None, publish_uplink: bool = False):
         self.fs = HostFS(root)
         self.list_attributes = list_attributes
+        self.publish_uplink = publish_uplink
+        self.uplink: dict[str, str] = {}  # bdf -> why it is the host's uplink (read by full scans)
         self.nvml = nvml
         self._nvidia: NvidiaNode | None = None  # read when the scan meets its first NVIDIA GPU
         self.numa_problems: list[Problem] = []
@@ -99,6 +102,9 @@ class _Scanner:
             return Skipped(bdf=bdf, reason=f"cannot identify: {err}")
         views = d.names or frozenset()
         kind, why = classify(fn, views)
+        if (held := self.uplink.get(bdf) or self.uplink.get(fn.physfn or "")) is not None:
+            return Skipped(bdf=bdf, reason=f"the host's uplink: {held}", class_code=fn.class_code,
+                           vendor_id=fn.vendor_id, device_id=fn.device_id)
         if kind is None or fn.driver is None:
             reason = f"not offered: {why}" if kind is None else f"no driver bound ({why})"
             return Skipped(bdf=bdf, reason=reason, class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
@@ -133,6 +139,7 @@ class _Scanner:
         if changed is None:
             todo = present
             self._results, self._cards, self._node_problems = {}, {}, []
+            self.uplink = {} if self.publish_uplink else uplink(fs.root).functions
         else:
             todo = self._expand(set(changed) | (present ^ set(self._results)), present)
         results, cards = self._results, self._cards
@@ -239,12 +246,13 @@ class _Scanner:
         return self._finish(device_name("fpga", fn.bdf), "fpga", fn, nodes, {}, problems, fpga=info)
 
 
-def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None) -> Inventory:
+def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False) -> Inventory:
     """Discover the node under ``root``. Read-only; never raises for bad sysfs content.
-    ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only)."""
+    ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only).
+    The host's uplink (discovery/routes.py) is skipped unless ``publish_uplink``."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
-    return _Scanner(os.path.abspath(root), list_attributes, nvml).run()
+    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink).run()
 
 
 class IncrementalScanner:
@@ -258,17 +266,18 @@ class IncrementalScanner:
     equals a full scan whenever ``changed`` names every function whose sysfs files changed.
     """
 
-    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None):
+    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"scan root {root!r} is not a directory")
         self.root = os.path.abspath(root)
         self.list_attributes = list_attributes
         self.nvml = nvml
+        self.publish_uplink = publish_uplink
         self._scanner: _Scanner | None = None
         self.inventory: Inventory | None = None
 
     def full(self) -> Inventory:
-        self._scanner = _Scanner(self.root, self.list_attributes, self.nvml)
+        self._scanner = _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink)
         self.inventory = self._scanner.run()
         return self.inventory
 

@@ -89,7 +89,8 @@ def _run(args) -> int:
     settings = _settings(args) if args.output == "slices" else None
     list_attributes = settings.list_attributes if settings is not None else bool(args.list_attributes)
     try:
-        inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings))
+        uplink = settings.publish_uplink if settings is not None else bool(args.publish_uplink)
+        inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink)
     except FileNotFoundError as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2

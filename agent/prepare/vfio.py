@@ -53,7 +53,7 @@ def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
     """Why the function is the host's own, or None."""
     routes = default_route_functions(root)
     if bdf in routes:
-        return f"it carries the host's default route ({routes[bdf]})"
+        return f"it is the host's uplink ({routes[bdf]})"
     try:
         if kernel.fs.read_attr(os.path.join(kernel.dev(bdf), "boot_vga")) == "1":
             return "it is the boot VGA device (the host's console)"

@@ -24,6 +24,7 @@ from agent.service.logs import setup_logging
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
+from agent.service.routewatch import follow_default_routes
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
 
@@ -42,7 +43,8 @@ def open_nvml(settings: Settings):
 def default_scan(settings: Settings):
     from discovery.inventory import scan
 
-    return scan(settings.root, list_attributes=settings.list_attributes, nvml=open_nvml(settings))
+    return scan(settings.root, list_attributes=settings.list_attributes, nvml=open_nvml(settings),
+                publish_uplink=settings.publish_uplink)
 
 
 def make_store(settings: Settings):
@@ -115,8 +117,10 @@ class Agent:
 
         s = self.settings
         sc = self._scanner
-        if sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes:
-            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes, nvml=open_nvml(s))
+        if (sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes
+                or sc.publish_uplink != s.publish_uplink):
+            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes, nvml=open_nvml(s),
+                                                    publish_uplink=s.publish_uplink)
             changed = None
         return sc.update(changed)
 
@@ -320,6 +324,8 @@ class Agent:
         watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         watcher.start(loop)
         started.callback(watcher.stop)
+        if (routes := follow_default_routes(self.settings, lambda: debouncer.trigger(None))) is not None:
+            started.callback(routes.stop)
         started.push_async_callback(self._stop_kubelet_side)
         # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
         if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):
