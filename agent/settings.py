@@ -84,6 +84,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # when a runtime runs containers "on" that tree (tests, demos).
     cdi_host_root: str = "/"
     nvml: bool = True
+    # XIDs of an application's own errors: an NVML XID event with one of them is not a GPU fault.
+    nvidia_ignored_xids: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
     nvidia_cdi_spec: bool = False
 
     @classmethod

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 LIBRARY = "libnvidia-ml.so.1"
 
 
+_SHARED: dict[tuple[str, str], "Nvml | None"] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 class NvmlSource(Protocol):
     """What discovery asks NVML (a simulated one in tests)."""
 
@@ -109,6 +113,20 @@ class Nvml:
             return None
         log.info("NVML: loaded %s", path)
         return cls(pynvml, worker, path)
+
+    @classmethod
+    def shared(cls, root: str, driver_root: str = "/") -> Nvml | None:
+        """One NVML per host root and driver root for the whole process (the scans and the health
+        events use the same); opened on first use. Blocks: call it in a thread."""
+        key = (os.path.abspath(root), driver_root)
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls.open(root, driver_root)
+            return _SHARED[key]
+
+    def call(self, what: str, fn: Callable):
+        """``fn()`` on the NVML thread: its result, or None (logged) when it fails or times out."""
+        return self._ask(what, fn)
 
     def _ask(self, what: str, fn: Callable):
         if self.failed:

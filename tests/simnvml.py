@@ -94,3 +94,66 @@ def open_sim(root: str, sim: SimNvml, driver_root: str = "/usr/local/nvidia", ti
     from discovery.nvml import Nvml
 
     return Nvml.open(root, driver_root, timeout=timeout, pynvml=sim, load=lambda path: None)
+
+
+class _Handle:
+    def __init__(self, gpu: SimGpu):
+        self.gpu = gpu
+
+
+@dataclass
+class _PciInfo:
+    busId: str
+
+
+@dataclass
+class SimEvent:
+    device: object
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+class SimNvmlEvents(SimNvml):
+    """With NVML's event API: ``emit(bus_id, type, data)`` delivers an event to the waiting set;
+    a wait with nothing to deliver ends in NVML_ERROR_TIMEOUT, as the real one does."""
+
+    NVML_ERROR_TIMEOUT = 10
+    nvmlEventTypeSingleBitEccError, nvmlEventTypeDoubleBitEccError, nvmlEventTypeXidCriticalError = 0x1, 0x2, 0x8
+
+    def __init__(self, *args, refuse: set[str] = frozenset(), **kw):
+        super().__init__(*args, **kw)
+        import queue
+
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.refuse = refuse  # bus IDs whose registration NVML refuses
+        self.registered: list[tuple[str, int]] = []
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int):
+        return _Handle(list(self.gpus.values())[i])
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return _PciInfo("0000" + h.gpu.bus_id.upper())  # NVML's 8-digit domain
+
+    def nvmlEventSetCreate(self):
+        return object()
+
+    def nvmlDeviceRegisterEvents(self, h, mask: int, event_set):
+        if h.gpu.bus_id in self.refuse:
+            raise NVMLError()
+        self.registered.append((h.gpu.bus_id, mask))
+
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms: int):
+        import queue
+
+        try:
+            return self.queue.get(timeout=timeout_ms / 1000)
+        except queue.Empty:
+            raise NVMLError(self.NVML_ERROR_TIMEOUT) from None
+
+    def emit(self, bus_id: str, event_type: int, data: int = 0) -> None:
+        self.queue.put(SimEvent(_Handle(self.gpus[bus_id]), event_type, data))

@@ -52,6 +52,7 @@ class Memory:
     aer_fatal: int | None = None  # last TOTAL_ERR_FATAL
     aer_until: float = 0.0
     aer_message: str = ""
+    event_fault: tuple[str, str] | None = None  # (code, message) of an NVML XID/ECC event: held
 
 
 class _Findings:
@@ -228,6 +229,8 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None,
         elif dev.device_nodes:
             f.good.append("device nodes present")
     _check_aer(fs, pci_dir, mem, now, f)
+    if mem.event_fault is not None:
+        f.faults.append(mem.event_fault)
     if dev.kind == "nic":
         _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == VIRTIO_VENDOR,
                    known=dev.nic.interfaces if dev.nic else ())

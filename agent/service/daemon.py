@@ -37,7 +37,7 @@ def open_nvml(settings: Settings):
         return None
     from discovery.nvml import Nvml
 
-    return Nvml.open(settings.root, settings.nvidia_driver_root)
+    return Nvml.shared(settings.root, settings.nvidia_driver_root)
 
 
 def default_scan(settings: Settings):
@@ -204,8 +204,9 @@ class Agent:
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         await self.health.start()
-        if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
+        if os.path.realpath(self.settings.root) == "/":  # kernel link and NVML events are about this host only
             self.health.watch_links()
+            await self.health.watch_gpu_events()
         if self.watcher is not None:  # timer rounds need not poll what its events report
             self.health.events_report(self.watcher.reports)
         async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them

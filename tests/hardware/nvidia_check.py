@@ -248,6 +248,7 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(tmp, "agent.log")) as f:
             agent_log = f.read()
         write(args.out, "agent.log", agent_log[-200_000:])
+        log.check("NVML XID/ECC events watched on" in agent_log, "the agent watches the GPU's XID/ECC events")
         log.check(code == 0, f"the agent stopped cleanly (exit {code})")
         subprocess.run(["umount", "-R", os.path.join(tmp, "rootfs")], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
