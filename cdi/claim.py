@@ -65,11 +65,12 @@ def capacity_keys(capacities: Iterable[str]) -> dict[str, str]:
     ``example.com/memory``), the whole name (``EXAMPLE_COM_MEMORY``). ValueError when even the
     whole names clash (``id``, ``Memory`` beside ``memory``, ``x`` beside ``x_value``)."""
     keys = {n: _env_key(n.rsplit("/", 1)[-1]) for n in capacities}
-    for n in _clashes(keys):
-        keys[n] = _env_key(n)
-    if clash := _clashes(keys):
-        raise ValueError(f"capacities {', '.join(sorted(clash))} would set the same environment variable "
-                         f"(the share's own are {', '.join(SHARE_KEYS + DEVICE_SHARE_KEYS)})")
+    while clash := _clashes(keys):  # each round gives at least one more capacity its whole name
+        if all(keys[n] == _env_key(n) for n in clash):
+            raise ValueError(f"capacities {', '.join(sorted(clash))} would set the same environment variable "
+                             f"(the share's own are {', '.join(SHARE_KEYS + DEVICE_SHARE_KEYS)})")
+        for n in clash:
+            keys[n] = _env_key(n)
     return keys
 
 
