@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 
 from agent import nodeops
-from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_RESULTS
-from agent.names import InvalidName, check_label, check_request, is_uid
+from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_POOL, MAX_RESULTS
+from agent.names import InvalidName, check_label, check_request, is_subdomain, is_uid
 from agent.quantity import parse_quantity
 
 
@@ -93,8 +93,9 @@ def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]
         try:
             request = check_request(r.get("request"))
             pool, device = r.get("pool"), r.get("device")
-            if not isinstance(pool, str) or not pool:
-                raise ClaimFailed(f"allocation result {i}: pool {pool!r} is not a name")
+            if not isinstance(pool, str) or len(pool) > MAX_POOL or not all(map(is_subdomain, pool.split("/"))):
+                raise ClaimFailed(f"allocation result {i}: pool {str(pool)[:80]!r} is not DNS subdomains "
+                                  f"separated by '/', at most {MAX_POOL} characters")
             check_label(f"allocation result {i}: device", device)
         except InvalidName as err:
             raise ClaimFailed(f"allocation result {i}: {err}") from None
