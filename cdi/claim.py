@@ -10,17 +10,16 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
   ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``.
 
 No variable is set twice in what one device brings to a container (its own edits and the
-spec-level ones): runtimes keep one of two values silently, so ``finish_claim_spec`` refuses
+spec-level ones): runtimes keep one of two values silently, so ``build_claim_spec`` refuses
 such a spec, and ``capacity_keys`` names a share's capacities so that it never happens.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from cdi.spec import SpecError, claim_kind, finish, qualified_name
 from discovery.models import Device
@@ -40,12 +39,12 @@ class ClaimDevice:
     env: tuple[str, ...] = ()
 
 
-def env_name(device_name: str) -> str:
-    return "SYSDRA_DEVICE_" + re.sub(r"[^A-Z0-9]", "_", device_name.upper())
-
-
 def _env_key(text: str) -> str:
     return re.sub(r"[^A-Z0-9]", "_", text.upper())
+
+
+def env_name(device_name: str) -> str:
+    return "SYSDRA_DEVICE_" + _env_key(device_name)
 
 
 def _clashes(keys: dict[str, str]) -> set[str]:
