@@ -39,9 +39,10 @@ def _exponent(suffix: str) -> int:
 def parse_quantity(text: str) -> Fraction:
     """Value of a Kubernetes quantity string; QuantityError (a ValueError) when the syntax
     is wrong or the value is out of bounds."""
-    if not isinstance(text, str) or len(text) > QUANTITY_MAX_CHARS:
-        shown = text[:QUANTITY_MAX_CHARS] + "..." if isinstance(text, str) else text
-        raise QuantityError(f"not a quantity of at most {QUANTITY_MAX_CHARS} characters: {shown!r}")
+    if not isinstance(text, str):
+        raise QuantityError(f"not a quantity: {type(text).__name__} is not a string")
+    if len(text) > QUANTITY_MAX_CHARS:
+        raise QuantityError(f"not a quantity of at most {QUANTITY_MAX_CHARS} characters: {text[:QUANTITY_MAX_CHARS]!r}...")
     m = _QUANTITY.fullmatch(text)
     if m is None:
         raise QuantityError(f"not a quantity: {text!r}")
