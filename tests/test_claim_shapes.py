@@ -17,11 +17,13 @@ from agent.prepare.claimconfig import config_for, opaque_configs
 from agent.prepare.shares import claim_device
 from cdi.claim import build_claim_spec
 from tests.inventory_factory import inventory
+from tests.test_quantity import within_memory
 
 DRIVER, NODE = "sysdra.io", "node-1"
 DEVICES = inventory(2, "gpu").by_name()
 GPU = sorted(DEVICES)[0]
 SHARE = "11111111-2222-4333-8444-555555555555"
+PEAK_BYTES = 4 << 20  # what preparing one small claim may take at its peak, whatever its values
 
 
 def good_claim() -> dict:
@@ -97,7 +99,7 @@ def test_any_value_anywhere_is_prepared_or_the_claims_error(changes):
         except (KeyError, IndexError, TypeError):
             continue  # an earlier change replaced what this path runs through
     try:
-        prepare_pure(claim)
+        within_memory(PEAK_BYTES, prepare_pure, claim)
     except ClaimFailed as err:
         assert str(err) and len(str(err)) < 1000
 

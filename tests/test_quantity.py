@@ -53,18 +53,25 @@ def test_refused_with_the_reason(text):
     assert isinstance(err.value, ValueError) and ("not a quantity" in str(err.value) or "larger than" in str(err.value))
 
 
-def _parse_within_bounds(text: object) -> Fraction | None:
-    """Parse ``text`` -> its value or None when refused; fails on any other exception and on
-    a parse that needs more than PEAK_BYTES, and checks every bound of an accepted value."""
+def within_memory(limit: int, fn, *args):
+    """``fn(*args)``, failing when it needs more than ``limit`` bytes at its peak: a bound on
+    the work that holds on any machine, unlike a clock."""
     tracemalloc.start()
     try:
-        value = parse_quantity(text)
-    except QuantityError:
-        value = None
+        return fn(*args)
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert peak <= PEAK_BYTES, (text, peak)
+        assert peak <= limit, (args, peak)
+
+
+def _parse_within_bounds(text: object) -> Fraction | None:
+    """Parse ``text`` -> its value or None when refused; fails on any other exception and on
+    a parse that needs more than PEAK_BYTES, and checks every bound of an accepted value."""
+    try:
+        value = within_memory(PEAK_BYTES, parse_quantity, text)
+    except QuantityError:
+        value = None
     if value is not None:
         assert isinstance(text, str) and len(text) <= QUANTITY_MAX_CHARS
         assert abs(value) <= QUANTITY_MAX and (value / NANO).denominator == 1, (text, value)
