@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 from agent.publish.validation import policy_problems, qualified_name_problem
 from agent.quantity import parse_quantity, plain
+from cdi.claim import capacity_keys
 
 SHAREABLE = ("gpu", "nic")
 MAX_SHARED_CAPACITIES = 8
@@ -140,6 +141,10 @@ def share_plan(share: tuple[str, ...] | list[str], share_policies: dict | None) 
             caps.append((str(name), MappingProxyType(p)))
         if len(caps) > MAX_SHARED_CAPACITIES:
             raise ValueError(f"share-policies.{kind}: {len(caps)} capacities, at most {MAX_SHARED_CAPACITIES}")
+        try:  # each share's environment names every capacity (prepare/shares.py)
+            capacity_keys(name for name, _ in caps)
+        except ValueError as err:
+            raise ValueError(f"share-policies.{kind}: {err}") from None
         policies[kind] = tuple(caps)
     return SharePlan(frozenset(kinds), MappingProxyType(policies))
 
