@@ -2,6 +2,7 @@
 // that has only glibc and what the claim's CDI spec brings. Built as PTX only, so the driver
 // must JIT-compile it: that needs libnvidia-ptxjitcompiler besides libcuda.
 #include <cstdio>
+#include <cstdlib>
 #include <cuda_runtime.h>
 
 __global__ void twice(int *out, int n) {
@@ -12,7 +13,14 @@ __global__ void twice(int *out, int n) {
 #define CHECK(call) do { cudaError_t e = (call); if (e != cudaSuccess) { \
     printf("FAIL %s: %s\n", #call, cudaGetErrorString(e)); return 1; } } while (0)
 
-int main() {
+int main(int argc, char **argv) {
+    if (argc > 1) {  // "cuda_check GIB": one allocation of that size, for the MPS memory limit
+        size_t gib = strtoull(argv[1], nullptr, 10);
+        void *p = nullptr;
+        cudaError_t e = cudaMalloc(&p, gib << 30);
+        printf("alloc %zu GiB: %s\n", gib, e == cudaSuccess ? "ok" : cudaGetErrorString(e));
+        return e == cudaSuccess ? 0 : 2;
+    }
     int count = 0, driver = 0;
     CHECK(cudaGetDeviceCount(&count));
     CHECK(cudaDriverGetVersion(&driver));

@@ -171,12 +171,42 @@ def build_rootfs(tmp: str, program: str) -> str:
     return rootfs
 
 
-def run_in_spec(spec_path: str, device: str, rootfs: str) -> subprocess.CompletedProcess:
+def run_in_spec(spec_path: str, device: str, rootfs: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, os.path.join(HERE, "cdirun.py"), "--spec", spec_path, "--device", device,
-                           "--rootfs", rootfs, "--", "/usr/bin/cuda_check"], capture_output=True, text=True, timeout=180)
+                           "--rootfs", rootfs, "--", "/usr/bin/cuda_check", *args], capture_output=True, text=True,
+                          timeout=180)
 
 
-async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str) -> None:
+def step_mps(log: Log, tmp: str, spec: dict, device: str, rootfs: str, uuid: str, driver_root: str) -> None:
+    """The share's limits enforced by an MPS control daemon the agent's code runs (agent/prepare/mps.py):
+    under a 20 GiB limit, 10 GiB is allocated and 30 GiB is not; without the daemon, 30 GiB is."""
+    from agent.prepare.mps import MpsDaemons
+
+    binary = os.path.join(driver_root, "bin", "nvidia-cuda-mps-control")
+    daemons = MpsDaemons(os.path.join(tmp, "mps-plugin"), binary)
+    errors = daemons.reconcile({uuid})
+    if not log.check(not errors, f"MPS control daemon started for {uuid} {errors or ''}"):
+        return
+    try:
+        limited = json.loads(json.dumps(spec))
+        (dev,) = [d for d in limited["devices"] if d["name"] == device]
+        edits = daemons.container_edits(uuid)
+        dev["containerEdits"]["env"] = [e for e in dev["containerEdits"]["env"] if not e.startswith("CUDA_MPS_")]
+        dev["containerEdits"]["env"] += edits["env"] + ["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"]
+        dev["containerEdits"].setdefault("mounts", []).extend(edits["mounts"])
+        path = os.path.join(tmp, "mps-spec.json")
+        with open(path, "w") as f:
+            json.dump(limited, f)
+        small, big = run_in_spec(path, device, rootfs, "10"), run_in_spec(path, device, rootfs, "30")
+        log(f"MPS client, limit 20480M: {small.stdout.strip()} / {big.stdout.strip()} {big.stderr[-300:]}")
+        log.check(small.returncode == 0 and big.returncode == 2, "MPS enforces the share's memory limit (10 GiB ok, 30 GiB refused)")
+    finally:
+        daemons.reconcile(set())
+    rec_gone = not daemons.state.daemons
+    log.check(rec_gone, "the MPS control daemon stopped when no share needed it")
+
+
+async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, driver_root: str) -> None:
     from agent.kubeletplugin.kubelet_client import KubeletClient
 
     kubelet = KubeletClient(os.path.join(tmp, "kubelet", "plugins_registry"))
@@ -197,6 +227,7 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str) ->
     mounts = [m["containerPath"] for m in spec.get("containerEdits", {}).get("mounts", [])]
     log(f"CDI {ids}: {len(mounts)} driver mounts, spec env {spec['containerEdits'].get('env')}")
     device = ids[0].split("=", 1)[1]
+    gpu_uuid = next(iter(gpu["attributes"]["uuid"].values()))
     rootfs = build_rootfs(tmp, program)
     run = run_in_spec(spec_path, device, rootfs)
     log(f"cuda_check from the spec (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}")
@@ -208,6 +239,9 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str) ->
     run = run_in_spec(bare_path, device, build_rootfs(os.path.join(tmp, "bare"), program))
     log(f"cuda_check with the device nodes only (exit {run.returncode}):\n{run.stdout}{run.stderr[-1000:]}")
     log.check(run.returncode != 0, "without the spec's driver mounts the same program fails")
+    free = run_in_spec(spec_path, device, rootfs, "30")
+    log(f"without MPS: {free.stdout.strip()}")
+    step_mps(log, tmp, spec, device, rootfs, gpu_uuid, driver_root)
     resp = await kubelet.unprepare(claim)
     log(f"NodeUnprepareResources: {resp}")
     log.check(not os.path.exists(spec_path), "the claim's CDI spec is gone after unprepare")
@@ -239,7 +273,7 @@ def main(argv: list[str]) -> int:
         sock = wait_for(lambda: glob.glob(os.path.join(tmp, "kubelet", "plugins_registry", "*.sock")))
         if log.check(bool(sock), "the agent registered its socket") and gpu and build.returncode == 0:
             try:
-                asyncio.run(step_prepare(log, args.out, tmp, gpu, program))
+                asyncio.run(step_prepare(log, args.out, tmp, gpu, program, args.driver_root))
             except Exception as err:  # noqa: BLE001
                 log.check(False, f"prepare step: {type(err).__name__}: {err}")
     finally:
