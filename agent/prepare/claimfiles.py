@@ -24,8 +24,9 @@ log = logging.getLogger("agent.prepare.driver")
 
 class ClaimFiles:
     def __init__(self, settings: Settings, inventory: Callable[[], Inventory], steps: list,
-                 checkpoint: Callable[[], Checkpoint | None]):
+                 checkpoint: Callable[[], Checkpoint | None], nvidia=None):
         self.settings, self.inventory, self.steps, self.checkpoint = settings, inventory, steps, checkpoint
+        self.nvidia = nvidia  # prepare/nvidia.py: the NVIDIA user-space driver's claim-wide edits
 
     def spec_path(self, uid: str) -> str:
         return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
@@ -38,7 +39,8 @@ class ClaimFiles:
             if (rec := step.read(entry)) is not None:
                 devices.update(step.devices_now(rec, devices))
         devs = list({c.key: c for c in (shares.recorded(devices[d["device"]], d) for d in entry["devices"])}.values())
-        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
+        edits = self.nvidia.claim_edits([c.device for c in devs]) if self.nvidia else None
+        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root, edits)
 
     def remove(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
         """The claim spec, the metadata specs and the metadata directory (which is keyed by

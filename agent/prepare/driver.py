@@ -43,6 +43,7 @@ from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
 from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import Planned
@@ -99,12 +100,14 @@ class Driver:
         self.fault: Callable[[str], None] = lambda point: None
         self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
+        self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
+                                   settings.cdi_host_root)
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)
         self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
-        self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint)
+        self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)
 
     # --- helpers -------------------------------------------------------------
     def _cp(self) -> Checkpoint:
@@ -203,7 +206,8 @@ class Driver:
                           ways=self.partitions.ways(inv) if self.partitions else {})
         records = {st.key: rec for st in self.steps if (rec := st.plan(planned, owners)) is not None}
         s = self.settings
-        devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs)
+        devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs,
+                                                         self.nvidia)
         entry_plan = {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": self.boot_id,
                       "allocation": fp, "devices": [planner.device_record(d, e) for d, e in zip(devices, envs)],
                       "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None, "metadata": None,
@@ -250,7 +254,7 @@ class Driver:
             if now:  # devices as the host changes left them (new partitions, VFIO group nodes)
                 s = self.settings
                 _, spec, _ = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, planned.results,
-                                                      {**planned.names, **now}, planned.configs)
+                                                      {**planned.names, **now}, planned.configs, self.nvidia)
                 entry["cdiSpec"] = {"path": self._spec_path(uid), "spec": spec} if spec else None
             if entry["cdiSpec"]:  # built by cdi.spec.finish just now: already valid
                 cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"], check=False)

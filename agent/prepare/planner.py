@@ -44,9 +44,10 @@ def started(entry: dict, step_keys: Iterable[str]) -> dict:
 
 
 def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[Result], names: dict[str, Device],
-                     configs: list[OpaqueConfig] = ()) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
+                     configs: list[OpaqueConfig] = (), nvidia=None) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
     """Map allocation results to devices -> (response devices, CDI spec, each device's own
-    environment). One CDI device per result: a share is its own (prepare/shares.py)."""
+    environment). One CDI device per result: a share is its own (prepare/shares.py).
+    ``nvidia`` (prepare/nvidia.py): the user-space driver's edits, or NVIDIA's own CDI IDs."""
     picked: dict[str, shares.ClaimDevice] = {}
     prepared, envs = [], []
     for r in results:
@@ -57,11 +58,14 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
             raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
         cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
         picked.setdefault(cd.key, cd)
-        prepared.append(PreparedDevice([r.request], r.pool, dev.name, [cdi_id(driver, uid, cd.key)], r.share_id))
+        ids = [cdi_id(driver, uid, cd.key), *(nvidia.cdi_ids(dev) if nvidia else ())]
+        prepared.append(PreparedDevice([r.request], r.pool, dev.name, ids, r.share_id))
         envs.append(cd.env)
     if not picked:
         return prepared, None, envs
-    return prepared, build_claim_spec(driver, uid, list(picked.values()), root), envs
+    cds = list(picked.values())
+    edits = nvidia.claim_edits([c.device for c in cds]) if nvidia else None
+    return prepared, build_claim_spec(driver, uid, cds, root, edits), envs
 
 
 def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way]) -> list[Hold]:

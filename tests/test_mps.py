@@ -1,0 +1,106 @@
+"""CUDA MPS control daemons (agent/prepare/mps.py) on a stand-in control binary
+(tests/fake_mps_control.py): one per GPU that shares need, recorded before it starts, adopted
+after an agent restart, restarted when it died, stopped when no share needs it; bad records are
+moved aside. The real daemon's enforcement is checked on a real GPU (tests/hardware)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import psutil
+import pytest
+
+from agent.prepare.mps import MpsDaemons
+from tests.conftest import REPO
+
+UUID, OTHER = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-2222-3333-444444444444"
+
+
+@pytest.fixture
+def binary(tmp_path) -> str:
+    path = tmp_path / "nvidia-cuda-mps-control"
+    path.write_text(f"#!{sys.executable}\n" + open(os.path.join(REPO, "tests", "fake_mps_control.py")).read())
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture
+def daemons(tmp_path, binary):
+    made = []
+
+    def make(**kw) -> MpsDaemons:
+        d = MpsDaemons(str(tmp_path / "plugin"), kw.pop("binary", binary), **kw)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:  # nothing outlives the test
+        for rec in list(d.state.daemons.values()):
+            if d.alive(rec):
+                os.kill(rec.pid, signal.SIGKILL)
+
+
+def test_one_daemon_per_needed_gpu_started_adopted_and_stopped(daemons):
+    d = daemons()
+    assert d.reconcile({UUID}) == {}
+    rec = d.state.daemons[UUID]
+    assert d.alive(rec) and os.path.exists(os.path.join(d.dirs(UUID)["pipe"], "control"))
+    with open(os.path.join(d.dirs(UUID)["log"], "control.log")) as f:
+        assert f.read() == f"started pid {rec.pid} CUDA_VISIBLE_DEVICES={UUID}\n"
+    with open(d.path) as f:
+        assert json.load(f)["daemons"][UUID]["pid"] == rec.pid
+    d.reconcile({UUID})
+    assert d.state.daemons[UUID] == rec  # running: kept
+    restarted = daemons()  # the agent restarted: found again from its records
+    assert restarted.reconcile({UUID}) == {} and restarted.state.daemons[UUID] == rec
+    restarted.reconcile(set())
+    assert not psutil.pid_exists(rec.pid) or psutil.Process(rec.pid).status() == psutil.STATUS_ZOMBIE
+    assert restarted.state.daemons == {} and not os.path.exists(os.path.join(restarted.base, UUID))
+
+
+def test_a_dead_daemon_is_started_again(daemons):
+    d = daemons()
+    d.reconcile({UUID, OTHER})
+    old = d.state.daemons[UUID]
+    os.kill(old.pid, signal.SIGKILL)
+    psutil.Process(old.pid).wait(5)
+    assert d.reconcile({UUID, OTHER}) == {}
+    new = d.state.daemons[UUID]
+    assert new.pid != old.pid and d.alive(new) and d.state.daemons[OTHER].pid == d.state.daemons[OTHER].pid
+
+
+def test_a_record_of_another_boot_is_not_trusted(daemons):
+    d = daemons()
+    d.reconcile({UUID})
+    live = d.state.daemons[UUID]
+    # the same PID with another start time: the process after a reboot that got that number
+    d.state.daemons[UUID] = live.model_copy(update={"started": live.started - 3600})
+    assert not d.alive(d.state.daemons[UUID])
+
+
+def test_bad_records_are_moved_aside_and_never_used(tmp_path, daemons):
+    os.makedirs(tmp_path / "plugin" / "mps")
+    (tmp_path / "plugin" / "mps" / "daemons.json").write_text(json.dumps({"daemons": {UUID: {"uuid": "x; rm -rf /", "pid": -4}}}))
+    d = daemons()
+    assert d.state.daemons == {}
+    assert [n for n in os.listdir(d.base) if n.startswith("daemons.json.invalid.")]
+    assert d.reconcile({UUID}) == {}
+
+
+def test_no_binary_or_a_failed_start_is_the_claims_error(daemons, monkeypatch):
+    assert "no nvidia-cuda-mps-control on this node" in daemons(binary=None).reconcile({UUID})[UUID]
+    monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.5)
+    d = daemons(env={"FAKE_MPS_NO_PIPE": "1"})
+    err = d.reconcile({UUID})[UUID]
+    assert "did not start" in err and UUID not in d.state.daemons
+
+
+def test_a_share_container_is_a_client_of_its_gpus_daemon(daemons):
+    d = daemons()
+    edits = d.container_edits(UUID)
+    assert edits["env"] == ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]
+    assert edits["mounts"] == [{"hostPath": d.dirs(UUID)["pipe"], "containerPath": "/tmp/nvidia-mps",
+                                "options": ["rw", "nosuid", "nodev", "bind"]}]
