@@ -87,6 +87,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # XIDs of an application's own errors: an NVML XID event with one of them is not a GPU fault.
     nvidia_ignored_xids: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
     nvidia_cdi_spec: bool = False
+    # With --share gpu: the shares of an NVIDIA GPU are clients of an MPS control daemon the agent
+    # runs for that GPU, so their limits are enforced (docs/sharing.md); false: accounting only.
+    nvidia_mps: bool = True
 
     @classmethod
     def of(cls, values: dict[str, Any]) -> Settings:

@@ -38,6 +38,7 @@ class ClaimDevice:
     device: Device
     key: str
     env: tuple[str, ...] = ()
+    mounts: tuple[dict, ...] = ()  # e.g. an MPS control daemon's pipe directory (prepare/mps.py)
 
 
 def _env_key(text: str) -> str:
@@ -95,7 +96,7 @@ def cdi_id(driver_name: str, claim_uid: str, device_name: str) -> str:
     return qualified_name(claim_kind(driver_name), cdi_device_name(claim_uid, device_name))
 
 
-def _device_edits(dev: Device, with_host_path: bool, extra_env: tuple[str, ...] = ()) -> dict:
+def _device_edits(dev: Device, with_host_path: bool, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = ()) -> dict:
     nodes = []
     for n in dev.device_nodes:
         node = {"path": n.path}
@@ -106,6 +107,8 @@ def _device_edits(dev: Device, with_host_path: bool, extra_env: tuple[str, ...] 
     edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env]}
     if nodes:
         edits["deviceNodes"] = nodes
+    if mounts:
+        edits["mounts"] = [dict(m) for m in mounts]
     return edits
 
 
@@ -129,7 +132,7 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
     spec = {
         "kind": claim_kind(driver_name),
         "devices": [
-            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, with_host_path, c.env)}
+            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, with_host_path, c.env, c.mounts)}
             for c in cdi_devices
         ],
         "containerEdits": {"env": env},

@@ -82,3 +82,20 @@ def apiserver(tmp_path_factory):
     plane = ControlPlane(dir=str(tmp_path_factory.mktemp("controlplane"))).start()
     yield plane
     plane.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_simulated_mps_daemon_left():
+    """The fixture nodes' simulated MPS control daemon (tests/fake_mps_control.py) runs for shared
+    NVIDIA GPUs; a test that ends with claims prepared leaves one waiting on its pipe: stopped here."""
+    yield
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if len(cmd) >= 3 and "python" in os.path.basename(cmd[0]) and cmd[1].endswith("nvidia-cuda-mps-control") \
+                and cmd[2] == "-f":
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

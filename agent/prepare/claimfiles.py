@@ -38,7 +38,10 @@ class ClaimFiles:
         for step in self.steps:
             if (rec := step.read(entry)) is not None:
                 devices.update(step.devices_now(rec, devices))
-        devs = list({c.key: c for c in (shares.recorded(devices[d["device"]], d) for d in entry["devices"])}.values())
+        recorded = [(shares.recorded(devices[d["device"]], d), d.get("shareID")) for d in entry["devices"]]
+        if self.nvidia:
+            recorded = [(self.nvidia.with_mps(c, share), share) for c, share in recorded]
+        devs = list({c.key: c for c, _ in recorded}.values())
         edits = self.nvidia.claim_edits([c.device for c in devs]) if self.nvidia else None
         return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root, edits)
 

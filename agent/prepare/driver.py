@@ -47,6 +47,7 @@ from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import Planned
+from agent.prepare.steps.mps import MpsStep
 from agent.prepare.steps.partition import PartitionStep
 from agent.prepare.steps.vfio import VfioStep
 from agent.prepare.vfio import VfioError
@@ -100,13 +101,16 @@ class Driver:
         self.fault: Callable[[str], None] = lambda point: None
         self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
+        mps = settings.plugin_dir if "gpu" in settings.share and settings.nvidia_mps else None
         self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
-                                   settings.cdi_host_root)
+                                   settings.cdi_host_root, mps)
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)
         self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
+        if self.nvidia.mps is not None:
+            self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
         self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)
 
     # --- helpers -------------------------------------------------------------

@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import time
+from typing import Callable
 
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -57,12 +58,22 @@ class MpsState(BaseModel):
 
 
 class MpsDaemons:
-    def __init__(self, plugin_dir: str, binary: str | None, env: dict[str, str] | None = None):
+    def __init__(self, plugin_dir: str, binary: str | None | Callable[[], str | None],
+                 env: dict[str, str] | Callable[[], dict[str, str]] | None = None):
         self.base = os.path.join(plugin_dir, "mps")
         self.path = os.path.join(self.base, "daemons.json")
-        self.binary = binary  # as the agent runs it (under --root); None: the node has none
-        self.env = env or {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
+        # as the agent runs it (under --root), or how to find it when needed; None: the node has none
+        self._binary = binary
+        self._env = env or {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
         self.state = self._load()
+
+    @property
+    def binary(self) -> str | None:
+        return self._binary() if callable(self._binary) else self._binary
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self._env() if callable(self._env) else self._env
 
     # --- records ---------------------------------------------------------------------------
     def _load(self) -> MpsState:

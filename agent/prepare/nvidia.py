@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 
 from agent.prepare.allocation import ClaimFailed
+from agent.prepare.mps import BINARY as MPS_BINARY
+from agent.prepare.mps import MpsDaemons
+from cdi.claim import ClaimDevice
 from cdi.nvidia import driver_edits
 from discovery.models import Device
 from discovery.nvidia_driver import DriverFilesCache
@@ -33,13 +37,36 @@ def needs_driver(dev: Device) -> bool:
 
 class NvidiaDriver:
     def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
-                 host_root: str = "/"):
+                 host_root: str = "/", mps_dir: str | None = None):
         self.root, self.host_root = root, host_root
         self.files = DriverFilesCache(root, driver_root)
         self.use_nvidia_spec = use_nvidia_spec
         # as the agent sees them: the host's CDI dirs under the root, and the agent's own CDI dir
         seen = [os.path.join(root, d.lstrip("/")) for d in SPEC_DIRS] + ([cdi_dir] if cdi_dir else [])
         self.spec_dirs = tuple(dict.fromkeys(os.path.normpath(d) for d in seen))
+        # shares of NVIDIA GPUs are clients of one MPS control daemon per GPU (prepare/mps.py)
+        self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env) if mps_dir else None
+
+    def _mps_binary(self) -> str | None:
+        """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""
+        files = self.files.get()
+        found = [b for b in files.binaries if os.path.basename(b) == MPS_BINARY]
+        return os.path.join(self.root, found[0].lstrip("/")) if found and not files.errors else None
+
+    def _mps_env(self) -> dict[str, str]:
+        libs = sorted({os.path.dirname(os.path.join(self.root, lib.host_path.lstrip("/")))
+                       for lib in self.files.get().libraries})
+        return {"LD_LIBRARY_PATH": ":".join(libs)} if libs else {}
+
+    def with_mps(self, cd: ClaimDevice, share_id: str | None) -> ClaimDevice:
+        """A share of an NVIDIA GPU as a client of the GPU's MPS daemon (its pipe directory and
+        ``CUDA_MPS_PIPE_DIRECTORY``); anything else as it is."""
+        uuid = cd.device.gpu.nvidia_uuid if cd.device.gpu else None
+        if self.mps is None or not share_id or not needs_driver(cd.device) or not uuid:
+            return cd
+        edits = self.mps.container_edits(uuid)
+        env = tuple(e for e in cd.env if not e.startswith("CUDA_MPS_PIPE_DIRECTORY="))
+        return replace(cd, env=env + tuple(edits["env"]), mounts=tuple(edits["mounts"]))
 
     def claim_edits(self, devices: list[Device]) -> dict | None:
         """The claim-wide edits for ``devices`` (None: no NVIDIA GPU, or NVIDIA's spec serves)."""

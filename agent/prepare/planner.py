@@ -57,6 +57,8 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
         if dev is None:
             raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
         cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
+        if nvidia:
+            cd = nvidia.with_mps(cd, r.share_id)
         picked.setdefault(cd.key, cd)
         ids = [cdi_id(driver, uid, cd.key), *(nvidia.cdi_ids(dev) if nvidia else ())]
         prepared.append(PreparedDevice([r.request], r.pool, dev.name, ids, r.share_id))

@@ -16,7 +16,7 @@ from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
-__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "PartitionUse", "VfioFunction", "check_entry", "entry_problem"]
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "PartitionUse", "VfioFunction", "check_entry", "entry_problem"]
 
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -76,6 +76,15 @@ class PartitionUse(Record):
         return self.model_dump(by_alias=True, exclude_none=True)  # no switch once it is done
 
 
+GpuUuid = Annotated[str, StringConstraints(pattern=r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$")]
+
+
+class MpsUse(Record):
+    """The NVIDIA GPUs (UUIDs) whose MPS control daemon this claim's shares are clients of."""
+
+    gpus: list[GpuUuid]
+
+
 # --- the claim's entry ------------------------------------------------------------------------
 class DeviceRecord(Record):
     requests: list[Name]
@@ -111,6 +120,7 @@ class ClaimEntry(Record):
     deviceStatus: list[dict] | None = None
     vfio: list[VfioFunction] | None = None
     partitions: PartitionUse | None = None
+    mps: MpsUse | None = None
 
 
 def check_entry(uid: object, entry: object) -> ClaimEntry:

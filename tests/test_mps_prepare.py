@@ -1,0 +1,88 @@
+"""MPS as a prepare step (agent/prepare/steps/mps.py): with --share gpu, the shares of an NVIDIA GPU
+are clients of one MPS control daemon per GPU (the fixture node's simulated
+nvidia-cuda-mps-control): started with the first share, kept while any share holds the GPU,
+stopped with the last, found again after the agent restarts; a share's CDI device mounts the
+daemon's pipe directory at /tmp/nvidia-mps."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from agent.prepare.driver import Driver
+from agent.publish.sharing import share_plan
+from discovery.inventory import scan
+from tests.conftest import profile_root
+from tests.kubelet_standin import settings_for
+from tests.test_allocator import NODE, published
+from tests.test_sharing_allocator import one_gpu
+from tests.test_sharing_prepare import _allocated, memory_claim
+
+PROFILE = "server-2s-gpu-nic"
+
+
+def _driver(tmp_path, **kw) -> Driver:
+    s = settings_for(str(tmp_path), root=profile_root(PROFILE), node_name=NODE, share=("gpu",), **kw)
+    inv = scan(profile_root(PROFILE))
+    return Driver(s, lambda: inv)
+
+
+def _running(d: Driver) -> dict[str, int]:
+    return {u: r.pid for u, r in d.nvidia.mps.state.daemons.items() if d.nvidia.mps.alive(r)}
+
+
+def test_shares_of_a_gpu_run_under_its_mps_daemon(tmp_path):
+    slices, gpu = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    a, b = _allocated(slices, memory_claim("a", "8Gi"), memory_claim("b", "8Gi"))
+    d = _driver(tmp_path)
+    uuid = scan(profile_root(PROFILE)).by_name()[gpu].gpu.nvidia_uuid
+    assert all(r.error is None for r in d.prepare_claims([a]).values())
+    (pid,) = _running(d).values()
+    assert list(_running(d)) == [uuid]
+    spec = d.checkpoint.claims[a["metadata"]["uid"]]["cdiSpec"]["spec"]
+    edits = spec["devices"][0]["containerEdits"]
+    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in edits["env"]
+    assert edits["mounts"] == [{"hostPath": d.nvidia.mps.dirs(uuid)["pipe"], "containerPath": "/tmp/nvidia-mps",
+                                "options": ["rw", "nosuid", "nodev", "bind"]}]
+    assert d.checkpoint.claims[a["metadata"]["uid"]]["mps"] == {"gpus": [uuid]}
+    d.prepare_claims([b])
+    assert _running(d) == {uuid: pid}  # one daemon per GPU
+    restarted = _driver(tmp_path)  # the agent restarts: recovery finds the daemon again
+    restarted.recover()
+    assert _running(restarted) == {uuid: pid}
+    restarted.unprepare_claims([_ref(a)])
+    assert _running(restarted) == {uuid: pid}  # b still holds a share
+    restarted.unprepare_claims([_ref(b)])
+    assert _running(restarted) == {}
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_daemon_that_died_is_started_again_by_recovery(tmp_path):
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    d = _driver(tmp_path)
+    d.prepare_claims([a])
+    (pid,) = _running(d).values()
+    psutil.Process(pid).kill()
+    psutil.Process(pid).wait(5)
+    restarted = _driver(tmp_path)
+    restarted.recover()
+    (new,) = _running(restarted).values()
+    assert new != pid
+
+
+def test_without_mps_shares_are_accounted_only(tmp_path):
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    d = _driver(tmp_path, nvidia_mps=False)
+    assert d.prepare_claims([a])[a["metadata"]["uid"]].error is None
+    assert d.nvidia.mps is None and "mps" not in d.checkpoint.claims[a["metadata"]["uid"]]
+    assert not os.path.exists(os.path.join(str(tmp_path), "kubelet", "plugins", "sysdra.io", "mps"))
+
+
+def _ref(c: dict):
+    from agent.kubeletplugin.types import ClaimRef
+
+    m = c["metadata"]
+    return ClaimRef(m["namespace"], m["name"], m["uid"])
