@@ -48,12 +48,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class TimeSlicing(_Strict):
+    interval: Literal["Default", "Short", "Medium", "Long"] = "Default"
+
+
 class GpuSharing(_Strict):
     """How a share of a GPU (consumable capacity, docs/sharing.md) is handed to the container."""
 
     # NVIDIA: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from the share;
     # they bind a process only when the node runs an MPS control daemon the container reaches
     mpsLimits: bool = True
+    # NVIDIA, a whole GPU that several pods of one claim share: the driver's time slice for its
+    # processes (nvidia-smi compute-policy --set-timeslice; docs/sharing.md, "Time-slicing")
+    strategy: Literal["TimeSlicing"] | None = None
+    timeSlicingConfig: TimeSlicing | None = None
 
 
 class _Kind(_Strict):

@@ -49,6 +49,7 @@ from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import Planned
 from agent.prepare.steps.mps import MpsStep
 from agent.prepare.steps.partition import PartitionStep
+from agent.prepare.steps.timeslice import TimeSliceStep
 from agent.prepare.steps.vfio import VfioStep
 from agent.prepare.vfio import VfioError
 from agent.prepare.vfio_kernel import KernelError, PciKernel
@@ -109,6 +110,7 @@ class Driver:
         # host changes, applied in this order and undone in reverse (prepare/steps/)
         self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
+        self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
         self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)

@@ -49,9 +49,16 @@ class NvidiaDriver:
 
     def _mps_binary(self) -> str | None:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""
+        return self.tool(MPS_BINARY)[0]
+
+    def tool(self, name: str) -> tuple[str | None, dict[str, str]]:
+        """A driver tool (``nvidia-smi``) as the agent runs it, under the root, and its environment;
+        (None, {}) when the driver root has none or the driver does not match the module."""
         files = self.files.get()
-        found = [b for b in files.binaries if os.path.basename(b) == MPS_BINARY]
-        return os.path.join(self.root, found[0].lstrip("/")) if found and not files.errors else None
+        found = [b for b in files.binaries if os.path.basename(b) == name]
+        if not found or files.errors:
+            return None, {}
+        return os.path.join(self.root, found[0].lstrip("/")), self._mps_env()
 
     def _mps_env(self) -> dict[str, str]:
         libs = sorted({os.path.dirname(os.path.join(self.root, lib.host_path.lstrip("/")))

@@ -16,7 +16,7 @@ from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
-__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "PartitionUse", "VfioFunction", "check_entry", "entry_problem"]
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "PartitionUse", "TimeSlice", "VfioFunction", "check_entry", "entry_problem"]
 
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -85,6 +85,13 @@ class MpsUse(Record):
     gpus: list[GpuUuid]
 
 
+class TimeSlice(Record):
+    """A GPU whose time slice this claim set (and set back to Default when it goes)."""
+
+    gpu: GpuUuid
+    interval: Literal["Default", "Short", "Medium", "Long"]
+
+
 # --- the claim's entry ------------------------------------------------------------------------
 class DeviceRecord(Record):
     requests: list[Name]
@@ -121,6 +128,7 @@ class ClaimEntry(Record):
     vfio: list[VfioFunction] | None = None
     partitions: PartitionUse | None = None
     mps: MpsUse | None = None
+    timeslice: list[TimeSlice] | None = None
 
 
 def check_entry(uid: object, entry: object) -> ClaimEntry:

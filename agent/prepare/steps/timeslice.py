@@ -1,0 +1,111 @@
+"""NVIDIA time-slicing as a step (docs/sharing.md, "Time-slicing"): a claim whose ``GpuConfig``
+asks for ``sharing.strategy: TimeSlicing`` gets the driver's time slice of each of its whole
+NVIDIA GPUs set (``nvidia-smi compute-policy -i <uuid> --set-timeslice <n>``: Default 0, Short 1,
+Medium 2, Long 3), for the pods of the claim that share the GPU.
+
+Record (``timeslice``): the GPUs and intervals, saved before the first ``nvidia-smi`` call. A
+failure sets the GPUs already changed back to Default; ``undo`` sets them back when the claim
+goes; ``recover`` sets them again after a reboot (the driver forgets its policy). Never run on a
+GPU whose settings must stay as they are: a claim has to ask for it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from typing import Callable
+
+from agent.prepare.allocation import ClaimFailed
+from agent.prepare.claimconfig import GpuConfig, config_for, opaque_configs
+from agent.prepare.nvidia import needs_driver
+from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.records import TimeSlice
+from agent.prepare.steps import Planned, Undone
+from discovery.models import Device
+
+log = logging.getLogger(__name__)
+
+SLICES = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+TIMEOUT = 30.0
+Record = tuple[TimeSlice, ...]
+
+
+class TimeSliceStep:
+    key = "timeslice"
+    what = "GPU time-slice"  # the stage named in a claim error
+
+    def __init__(self, driver_name: str, smi: Callable[[], tuple[str | None, dict[str, str]]]):
+        self.driver_name = driver_name
+        self.smi = smi  # -> (nvidia-smi as the agent runs it, its environment), None: the node has none
+
+    def read(self, entry: dict) -> Record | None:
+        recs = entry.get(self.key)
+        return tuple(TimeSlice.model_validate(r) for r in recs) if recs else None
+
+    def write(self, record: Record) -> list[dict]:
+        return [r.dump() for r in record]
+
+    def plan(self, planned: Planned, owners: Ownership) -> Record | None:
+        configs = opaque_configs(planned.claim, self.driver_name)
+        out: dict[str, TimeSlice] = {}
+        for r in planned.results:
+            dev = planned.names.get(r.device)
+            cfg = config_for(configs, r.request, dev.kind, dev.name) if dev is not None else None
+            if not isinstance(cfg, GpuConfig) or cfg.sharing.strategy != "TimeSlicing":
+                continue
+            if r.share_id or not needs_driver(dev) or not dev.gpu.nvidia_uuid:
+                raise ClaimFailed(f"request {r.request!r}: time-slicing is for whole NVIDIA GPUs, not {dev.name}"
+                                  + (" (a share)" if r.share_id else ""))
+            interval = (cfg.sharing.timeSlicingConfig.interval if cfg.sharing.timeSlicingConfig else "Default")
+            out[dev.gpu.nvidia_uuid] = TimeSlice(gpu=dev.gpu.nvidia_uuid, interval=interval)
+        return tuple(out.values()) or None
+
+    def holds(self, record: Record) -> list[Hold]:
+        return []  # the whole GPU is held as such (planner.device_holds)
+
+    def _set(self, gpu: str, interval: str) -> None:
+        smi, env = self.smi()
+        if smi is None:
+            raise ClaimFailed(f"GPU {gpu}: no nvidia-smi in the driver root: its time slice cannot be set")
+        argv = [smi, "compute-policy", "-i", gpu, "--set-timeslice", str(SLICES[interval])]
+        try:
+            out = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise ClaimFailed(f"GPU {gpu}: nvidia-smi compute-policy: {err}") from err
+        if out.returncode != 0:
+            raise ClaimFailed(f"GPU {gpu}: nvidia-smi compute-policy --set-timeslice {SLICES[interval]} failed: "
+                              f"{(out.stderr or out.stdout).strip()[:300]}")
+        log.info("GPU %s: time slice %s", gpu, interval)
+
+    def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
+        done = []
+        try:
+            for ts in record:
+                self._set(ts.gpu, ts.interval)
+                done.append(ts)
+        except ClaimFailed:
+            self.undo(tuple(done), {})
+            raise
+        return record, {}
+
+    def undo(self, record: Record, others: dict[str, dict]) -> Undone:
+        problems = []
+        for ts in record:
+            if ts.interval == "Default":
+                continue
+            try:
+                self._set(ts.gpu, "Default")
+            except ClaimFailed as err:
+                problems.append(str(err))
+        return Undone(problems=problems)
+
+    def recover(self, record: Record) -> bool:
+        for ts in record:
+            try:
+                self._set(ts.gpu, ts.interval)
+            except ClaimFailed as err:
+                log.error("%s (set again at start)", err)
+        return False
+
+    def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
+        return {}

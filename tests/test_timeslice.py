@@ -1,0 +1,101 @@
+"""NVIDIA time-slicing as a prepare step (agent/prepare/steps/timeslice.py) on a simulated
+nvidia-smi (it logs its arguments; a marker file makes it fail): set at prepare from the claim's
+GpuConfig, set back to Default at unprepare and after a failure, set again at start, refused for
+shares; never run unless a claim asks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from agent.kubeletplugin.types import ClaimRef
+from agent.prepare.driver import Driver
+from discovery.inventory import scan
+from tests.conftest import profile_root
+from tests.kubelet_standin import settings_for
+
+GPU, GPU2 = "gpu-0000-18-00-0", "gpu-0000-19-00-0"
+UID = "00000000-0000-4000-8000-00000000000a"
+FAKE_SMI = """import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "smi.log"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+sys.exit(3 if os.path.exists(os.path.join(here, "fail-" + sys.argv[-1])) else 0)
+"""
+
+
+def node(tmp_path) -> str:
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    smi = os.path.join(root, "usr/bin/nvidia-smi")
+    with open(smi, "w") as f:
+        f.write(f"#!{sys.executable}\n" + FAKE_SMI)
+    os.chmod(smi, 0o755)
+    return root
+
+
+def calls(root: str) -> list[str]:
+    try:
+        with open(os.path.join(root, "usr/bin/smi.log")) as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def claim(devices: list[str], interval: str | None = "Long", share: bool = False) -> dict:
+    sharing = {"strategy": "TimeSlicing", **({"timeSlicingConfig": {"interval": interval}} if interval else {})}
+    results = [{"request": "gpu", "driver": "sysdra.io", "pool": "node-a", "device": d,
+                **({"shareID": "11111111-2222-4333-8444-555555555555", "consumedCapacity": {"compute": "10"}} if share else {})}
+               for d in devices]
+    return {"metadata": {"namespace": "ns", "name": "ts", "uid": UID},
+            "status": {"allocation": {"devices": {"results": results, "config": [
+                {"source": "FromClaim", "requests": [], "opaque": {"driver": "sysdra.io", "parameters": {
+                    "apiVersion": "sysdra.io/v1alpha1", "kind": "GpuConfig", "sharing": sharing}}}]}}}}
+
+
+def driver(tmp_path, root: str, **kw) -> Driver:
+    inv = scan(root)
+    return Driver(settings_for(str(tmp_path / "agent"), root=root, node_name="node-a", **kw), lambda: inv)
+
+
+def uuid(root: str, name: str) -> str:
+    return scan(root).by_name()[name].gpu.nvidia_uuid
+
+
+def test_set_at_prepare_and_back_at_unprepare(tmp_path):
+    root = node(tmp_path)
+    d = driver(tmp_path, root)
+    res = d.prepare_claims([claim([GPU, GPU2])])[UID]
+    assert res.error is None, res.error
+    a, b = uuid(root, GPU), uuid(root, GPU2)
+    assert calls(root) == [f"compute-policy -i {a} --set-timeslice 3", f"compute-policy -i {b} --set-timeslice 3"]
+    assert d.checkpoint.claims[UID]["timeslice"] == [{"gpu": a, "interval": "Long"}, {"gpu": b, "interval": "Long"}]
+    driver(tmp_path, root).recover()  # after a reboot the driver forgot it: set again at start
+    assert calls(root)[2:] == calls(root)[:2]
+    d.unprepare_claims([ClaimRef("ns", "ts", UID)])
+    assert calls(root)[4:] == [f"compute-policy -i {a} --set-timeslice 0", f"compute-policy -i {b} --set-timeslice 0"]
+
+
+def test_a_failure_sets_the_changed_gpus_back_and_fails_the_claim(tmp_path):
+    root = node(tmp_path)
+    open(os.path.join(root, "usr/bin", "fail-3"), "w").close()  # every --set-timeslice 3 fails
+    res = driver(tmp_path, root).prepare_claims([claim([GPU])])[UID]
+    assert "nvidia-smi compute-policy --set-timeslice 3 failed" in res.error
+    assert calls(root) == [f"compute-policy -i {uuid(root, GPU)} --set-timeslice 3"]  # nothing changed, nothing to undo
+
+
+def test_default_interval_and_refusals(tmp_path):
+    root = node(tmp_path)
+    res = driver(tmp_path, root).prepare_claims([claim([GPU], interval=None)])[UID]
+    assert res.error is None and calls(root) == [f"compute-policy -i {uuid(root, GPU)} --set-timeslice 0"]
+    res = driver(tmp_path / "b", root, share=("gpu",)).prepare_claims([claim([GPU], share=True)])[UID]
+    assert "time-slicing is for whole NVIDIA GPUs" in res.error
+
+
+def test_nothing_runs_unless_a_claim_asks(tmp_path):
+    root = node(tmp_path)
+    c = claim([GPU])
+    del c["status"]["allocation"]["devices"]["config"]
+    assert driver(tmp_path, root).prepare_claims([c])[UID].error is None
+    assert calls(root) == []
