@@ -32,6 +32,8 @@ import tempfile
 import time
 import uuid
 
+import psutil
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE, DRIVER = "gpu-check", "sysdra.io"
@@ -177,33 +179,17 @@ def run_in_spec(spec_path: str, device: str, rootfs: str, *args: str) -> subproc
                           timeout=180)
 
 
-def step_mps(log: Log, tmp: str, spec: dict, device: str, rootfs: str, uuid: str, driver_root: str) -> None:
-    """The share's limits enforced by an MPS control daemon the agent's code runs (agent/prepare/mps.py):
-    under a 20 GiB limit, 10 GiB is allocated and 30 GiB is not; without the daemon, 30 GiB is."""
-    from agent.prepare.mps import MpsDaemons
-
-    binary = os.path.join(driver_root, "bin", "nvidia-cuda-mps-control")
-    daemons = MpsDaemons(os.path.join(tmp, "mps-plugin"), binary)
-    errors = daemons.reconcile({uuid})
-    if not log.check(not errors, f"MPS control daemon started for {uuid} {errors or ''}"):
+def check_mps(log: Log, spec: dict, spec_path: str, device: str, rootfs: str) -> None:
+    """The share's limits enforced by the MPS control daemon the agent started at prepare
+    (agent/prepare/steps/mps.py): the claim asked for 20Gi, so 10 GiB is allocated, 30 GiB is not."""
+    (dev,) = [d for d in spec["devices"] if d["name"] == device]
+    env = dev["containerEdits"]["env"]
+    log(f"share env: {[e for e in env if e.startswith('CUDA_MPS')]}, mounts {dev['containerEdits'].get('mounts')}")
+    if not log.check("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in env, "the share is a client of the agent's MPS daemon"):
         return
-    try:
-        limited = json.loads(json.dumps(spec))
-        (dev,) = [d for d in limited["devices"] if d["name"] == device]
-        edits = daemons.container_edits(uuid)
-        dev["containerEdits"]["env"] = [e for e in dev["containerEdits"]["env"] if not e.startswith("CUDA_MPS_")]
-        dev["containerEdits"]["env"] += edits["env"] + ["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"]
-        dev["containerEdits"].setdefault("mounts", []).extend(edits["mounts"])
-        path = os.path.join(tmp, "mps-spec.json")
-        with open(path, "w") as f:
-            json.dump(limited, f)
-        small, big = run_in_spec(path, device, rootfs, "10"), run_in_spec(path, device, rootfs, "30")
-        log(f"MPS client, limit 20480M: {small.stdout.strip()} / {big.stdout.strip()} {big.stderr[-300:]}")
-        log.check(small.returncode == 0 and big.returncode == 2, "MPS enforces the share's memory limit (10 GiB ok, 30 GiB refused)")
-    finally:
-        daemons.reconcile(set())
-    rec_gone = not daemons.state.daemons
-    log.check(rec_gone, "the MPS control daemon stopped when no share needed it")
+    small, big = run_in_spec(spec_path, device, rootfs, "10"), run_in_spec(spec_path, device, rootfs, "30")
+    log(f"MPS client of a 20Gi share: {small.stdout.strip()} / {big.stdout.strip()} {big.stderr[-300:]}")
+    log.check(small.returncode == 0 and big.returncode == 2, "MPS enforces the share's memory limit (10 GiB ok, 30 GiB refused)")
 
 
 async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, driver_root: str) -> None:
@@ -227,7 +213,6 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, dr
     mounts = [m["containerPath"] for m in spec.get("containerEdits", {}).get("mounts", [])]
     log(f"CDI {ids}: {len(mounts)} driver mounts, spec env {spec['containerEdits'].get('env')}")
     device = ids[0].split("=", 1)[1]
-    gpu_uuid = next(iter(gpu["attributes"]["uuid"].values()))
     rootfs = build_rootfs(tmp, program)
     run = run_in_spec(spec_path, device, rootfs)
     log(f"cuda_check from the spec (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}")
@@ -239,12 +224,14 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, dr
     run = run_in_spec(bare_path, device, build_rootfs(os.path.join(tmp, "bare"), program))
     log(f"cuda_check with the device nodes only (exit {run.returncode}):\n{run.stdout}{run.stderr[-1000:]}")
     log.check(run.returncode != 0, "without the spec's driver mounts the same program fails")
-    free = run_in_spec(spec_path, device, rootfs, "30")
-    log(f"without MPS: {free.stdout.strip()}")
-    step_mps(log, tmp, spec, device, rootfs, gpu_uuid, driver_root)
+    check_mps(log, spec, spec_path, device, rootfs)
+    pids = [p.pid for p in psutil.process_iter(["cmdline"]) if "nvidia-cuda-mps-control" in " ".join(p.info["cmdline"] or [])]
+    log(f"MPS control daemons running: {pids}")
     resp = await kubelet.unprepare(claim)
     log(f"NodeUnprepareResources: {resp}")
     log.check(not os.path.exists(spec_path), "the claim's CDI spec is gone after unprepare")
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if "nvidia-cuda-mps-control" in " ".join(p.info["cmdline"] or [])]
+    log.check(not left, f"the MPS control daemon stopped with the last share {left or ''}")
 
 
 def main(argv: list[str]) -> int:
