@@ -1,8 +1,9 @@
-"""One claim never reaches another's hardware, on the real agent (issue 42, defects 2, 3, 5):
-a function bound to vfio-pci for one claim is refused to any other claim, and the other way
-round; a GPU is never unbound while another claim holds one of its MIG instances, whatever the
-order; a checkpoint entry that passes its checksum but is no entry the agent writes is moved
-aside and never used, so it cannot fail later claims."""
+"""One claim never reaches another's hardware nor fails its neighbours, on the real agent
+(issue 42, defects 2-5): a function bound to vfio-pci for one claim is refused to any other
+claim, and the other way round; a GPU is never unbound while another claim holds one of its
+MIG instances, whatever the order; a claim whose config breaks the decoder fails alone; a
+checkpoint entry that passes its checksum but is no entry the agent writes is moved aside and
+never used, so it cannot fail later claims."""
 
 from __future__ import annotations
 
@@ -126,3 +127,30 @@ def test_a_checksummed_bad_checkpoint_entry_is_moved_aside_and_never_used(tmp_pa
         sim.stop()
     faults.add("Hostile input", f"checkpoint entry with a good checksum: {what}", 1,
                "moved aside (CHECKPOINT CORRUPT ENTRY, a metric), never used; VFIO claims and that UID prepare")
+
+
+def test_a_claim_whose_config_breaks_the_decoder_fails_alone(tmp_path, faults):
+    """Defect 4: a config of a shape no decoder expected (``kind`` a list, ``source`` a list)
+    is that claim's error; the good claim of the same call is prepared."""
+    node = Node(tmp_path)
+    node.start()
+    try:
+        gpus = [d for d in node.devices() if d.startswith("gpu-")]
+        good = node.write_claim("good", [("r", gpus[0])], uid=UID_A)
+        bad = []
+        for i, config in enumerate(({"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+                                         "apiVersion": "sysdra.io/v1alpha1", "kind": ["GpuConfig"]}}},
+                                     {"source": ["FromClaim"], "opaque": {"driver": DRIVER, "parameters": {}}})):
+            c = node.write_claim(f"bad{i}", [("r", gpus[1 + i])], uid=f"00000000-0000-4000-8000-00000000b0b{i}")
+            c["status"]["allocation"]["devices"]["config"] = [config]
+            with open(os.path.join(node.cluster, "resourceclaims", "default", f"bad{i}.json"), "w") as f:
+                json.dump(c, f)
+            bad.append(c)
+        errors = errors_of(run(node.prepare(good, *bad)))
+        assert not errors[UID_A], errors[UID_A]
+        assert all(errors[c["metadata"]["uid"]] for c in bad), errors
+        assert not _spec(node, bad[0]["metadata"]["uid"]) and _spec(node, UID_A)
+    finally:
+        node.stop()
+    faults.add("Hostile input", "claim config of an unexpected shape (kind or source a list) beside a good claim", 2,
+               "that claim's error; the good claim of the same call is prepared")
