@@ -41,9 +41,12 @@ def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attrib
 
 
 @lru_cache(maxsize=65536)
-def _value(field: str, value) -> AttributeValue:
-    """Values are shared: most attributes (type, vendorID, driver, ...) repeat across devices,
+def _value(field: str, value) -> AttributeValue | None:
+    """The shared value, None for a string that cannot be published (empty, or longer than
+    64 bytes). Shared: most attributes (type, vendorID, driver, ...) repeat across devices,
     and one object per device and attribute made a large node's inventory twice as big."""
+    if field == "string" and not _fits(value):
+        return None
     return AttributeValue(**{field: value})
 
 
@@ -115,12 +118,11 @@ def _publish(out: dict, problems: list[Problem], entries: list[tuple[str, object
     for name, v in entries:
         if v is None:
             continue
-        if isinstance(v, tuple):
-            out[name] = _value("strings", v)
-        elif type(v) is str and not _fits(v):
+        value = _value("strings" if isinstance(v, tuple) else _FIELD_OF[type(v)], v)
+        if value is None:
             problems.append(Problem(what=name, reason=f"value longer than {MAX_VALUE_LENGTH} bytes"))
         else:
-            out[name] = _value(_FIELD_OF[type(v)], v)
+            out[name] = value
 
 
 def quantity(n_bytes: int) -> str:

@@ -156,12 +156,10 @@ class _Scanner:
         return out & present
 
     def _finish(self, name: str, kind: str, fn: PciFunction, nodes, capacity: dict, problems, **info) -> Device:
-        draft = Device(
-            name=name, kind=kind, pci=fn, device_nodes=tuple(nodes),
-            capacity={k: quantity(v) for k, v in capacity.items()} if capacity else {}, **info,
-        )  # fmt: skip
-        attrs, attr_problems = device_attributes(draft, self.numa, self.list_attributes)
-        return draft.replace(attributes=attrs, problems=tuple(problems + attr_problems))
+        values = dict(name=name, kind=kind, pci=fn, device_nodes=tuple(nodes),
+                      capacity={k: quantity(v) for k, v in capacity.items()} if capacity else {}, **info)  # fmt: skip
+        attrs, attr_problems = device_attributes(Device(**values), self.numa, self.list_attributes)
+        return Device(**values, attributes=attrs, problems=tuple(problems + attr_problems))
 
     def _device(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> Device:
         fs, res = self.fs, self.resolver

@@ -40,6 +40,7 @@ _API_FIELDS = {
     "ints": ("ints", int, True), "bools": ("bools", bool, True),
     "strings": ("strings", str, True), "versions": ("versions", str, True),
 }  # fmt: skip
+_API_NAME = {python: api for api, (python, _, _) in _API_FIELDS.items()}
 
 
 @record
@@ -55,6 +56,8 @@ class AttributeValue(Record):
     bools: tuple[bool, ...] | None = None
     strings: tuple[str, ...] | None = None
     versions: tuple[str, ...] | None = None
+    # the Python name of the one field set (``int_``, ``strings``, ...), found once
+    field: str = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_fields = [name for name in _VALUE_FIELDS if getattr(self, name) is not None]
@@ -62,11 +65,7 @@ class AttributeValue(Record):
             raise ValueError(f"exactly one value field must be set, got {set_fields}")
         if set_fields[0] in _LIST_FIELDS and not getattr(self, set_fields[0]):
             raise ValueError(f"list attribute {set_fields[0]} must not be empty")
-
-    @property
-    def field(self) -> str:
-        """The Python name of the one field set (``int_``, ``strings``, ...)."""
-        return next(name for name in _VALUE_FIELDS if getattr(self, name) is not None)
+        object.__setattr__(self, "field", set_fields[0])  # how a frozen dataclass sets a derived field
 
     @property
     def value(self) -> Any:
@@ -102,9 +101,8 @@ class AttributeValue(Record):
 
     def to_api(self) -> dict:
         """The API encoding, a new dict: ``{"int": 3}``, ``{"strings": ["a"]}``."""
-        name = self.field
-        value = getattr(self, name)
-        return {name.rstrip("_"): list(value) if name in _LIST_FIELDS else value}
+        value = getattr(self, self.field)
+        return {_API_NAME[self.field]: list(value) if self.field in _LIST_FIELDS else value}
 
     @property
     def value_count(self) -> int:

@@ -65,6 +65,20 @@ def _read_file(path: str, limit: int, flags: int = _READ_FLAGS) -> bytes:
     return data
 
 
+def _read_present(path: str, limit: int) -> bytes | None:
+    """:meth:`HostFS.read_bytes`, None when the file is missing (an absent optional file is
+    common: a VF's netdev has no ``speed``), so that no error is raised for it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise AttrError(path, os_reason(err)) from err
+    if not stat.S_ISREG(mode):
+        raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
+    return _read_file(path, limit)
+
+
 def _attr_text(path: str, data: bytes) -> str:
     """A one-value attribute's text, stripped; empty, NUL bytes or not UTF-8 is no value."""
     try:
@@ -123,6 +137,9 @@ class HostFS:
 
     def rel(self, host_path: str) -> str:
         """Host path under the root -> path as seen on the node (``/sys/...``)."""
+        root = self.root.rstrip("/")
+        if host_path.startswith(root + "/") and os.path.normpath(host_path) == host_path:
+            return host_path[len(root):]
         r = os.path.relpath(host_path, self.root)
         return "/" + ("" if r == "." else r)
 
@@ -132,13 +149,10 @@ class HostFS:
 
         FIFOs, sockets and devices are refused before opening (opening a FIFO blocks, opening
         a device can have side effects)."""
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as err:
-            raise AttrError(path, os_reason(err)) from err
-        if not stat.S_ISREG(mode):
-            raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
-        return _read_file(path, limit)
+        data = _read_present(path, limit)
+        if data is None:
+            raise AttrError(path, "missing")
+        return data
 
     def read_text(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
         """A whole text file (several lines: ``/proc/devices``, a GPU's ``information``)."""
@@ -157,12 +171,8 @@ class HostFS:
 
     def read_optional(self, path: str) -> str | None:
         """:meth:`read_attr` of an attribute that may be absent: None when it is missing."""
-        try:
-            return self.read_attr(path)
-        except AttrError as err:
-            if err.reason == "missing":
-                return None
-            raise
+        data = _read_present(path, MAX_ATTR_BYTES)
+        return None if data is None else _attr_text(path, data)
 
     def read_attrs(self, d: Dir, names: tuple[str, ...]) -> tuple[dict[str, str], dict[str, AttrError]]:
         """Several attributes of a directory: (name -> text as :meth:`read_attr` returns it,
