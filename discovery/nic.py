@@ -27,7 +27,8 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
             d = fs.list_dir(d.path)
         except AttrError:
             return dirs
-    return dirs + [f"{d.path}/{n}/net" for n in sorted(d.names) if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]
+    virtio = [n for n in sorted(d.names) if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]  # real directories only
+    return dirs + [f"{d.path}/{n}/net" for n in virtio]
 
 
 # A netdev's published files and how each is parsed (``str``: as read).
