@@ -104,16 +104,6 @@ class AttributeValue(Record):
         value = getattr(self, self.field)
         return {_API_NAME[self.field]: list(value) if self.field in _LIST_FIELDS else value}
 
-    @property
-    def value_count(self) -> int:
-        """How many values this attribute counts for against the 48-value limit."""
-        return len(self.value) if self.is_list else 1
-
-    @property
-    def is_list(self) -> bool:
-        return self.field in _LIST_FIELDS
-
-
 @record
 class DeviceNode(Record):
     """A device node a container needs.

@@ -23,14 +23,6 @@ class PciError(Exception):
     """The function cannot be identified (reason is shown under ``skipped``)."""
 
 
-def parse_bdf(text: str) -> tuple[str, int, int, int]:
-    """``"0000:1b:00.0"`` -> (domain hex string, bus, device, function)."""
-    m = BDF_RE.match(text)
-    if not m:
-        raise ValueError(f"not a PCI address: {text!r}")
-    return m.group(1), int(m.group(2), 16), int(m.group(3), 16), int(m.group(4))
-
-
 def parse_id(text: str) -> str:
     """``"0x10DE"`` -> ``"10de"`` (4 lower-case hex digits)."""
     t = text.strip().lower()
