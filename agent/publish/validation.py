@@ -30,7 +30,6 @@ _SEMVER = re.compile(
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
 _SCALAR_KEYS = ("int", "bool", "string", "version")
-_LIST_KEYS = ("ints", "bools", "strings", "versions")
 
 
 # Cached: a pool of thousands of devices repeats the same few dozen names, and building the
@@ -48,19 +47,34 @@ def qualified_name_problem(key: str) -> str | None:
     return None
 
 
-def _item_problem(key: str, kind: str, item: object) -> str | None:
-    if kind in ("string", "strings", "version", "versions"):
-        if not isinstance(item, str):
-            return f"attribute {key!r}: {kind} value must be a string"
-        if len(item.encode()) > MAX_VALUE_LENGTH:
-            return f"attribute {key!r}: value longer than {MAX_VALUE_LENGTH} bytes"
-        if kind.startswith("version") and not _SEMVER.match(item):
-            return f"attribute {key!r}: {item!r} is not a semantic version"
-    elif kind in ("int", "ints") and (isinstance(item, bool) or not isinstance(item, int) or not -2**63 <= item < 2**63):
-        return f"attribute {key!r}: not a 64-bit integer"
-    elif kind in ("bool", "bools") and not isinstance(item, bool):
-        return f"attribute {key!r}: not a boolean"
+def _string_problem(key: str, kind: str, item: object) -> str | None:
+    if not isinstance(item, str):
+        return f"attribute {key!r}: {kind} value must be a string"
+    if len(item.encode()) > MAX_VALUE_LENGTH:
+        return f"attribute {key!r}: value longer than {MAX_VALUE_LENGTH} bytes"
     return None
+
+
+def _version_problem(key: str, kind: str, item: object) -> str | None:
+    if problem := _string_problem(key, kind, item):
+        return problem
+    return None if _SEMVER.match(item) else f"attribute {key!r}: {item!r} is not a semantic version"
+
+
+def _int_problem(key: str, kind: str, item: object) -> str | None:
+    if type(item) is not int or not -2**63 <= item < 2**63:  # a bool is no integer here
+        return f"attribute {key!r}: not a 64-bit integer"
+    return None
+
+
+def _bool_problem(key: str, kind: str, item: object) -> str | None:
+    return None if type(item) is bool else f"attribute {key!r}: not a boolean"
+
+
+# each value field -> the check of one value (of a list: of each item)
+_ITEM_PROBLEM = {"string": _string_problem, "version": _version_problem, "strings": _string_problem,
+                 "versions": _version_problem, "int": _int_problem, "ints": _int_problem,
+                 "bool": _bool_problem, "bools": _bool_problem}  # fmt: skip
 
 
 def _attribute_problem(key: str, value: object, list_attributes: bool) -> tuple[str | None, int]:
@@ -70,14 +84,15 @@ def _attribute_problem(key: str, value: object, list_attributes: bool) -> tuple[
     if not isinstance(value, dict) or len(value) != 1:
         return f"attribute {key!r} must have exactly one value field", 1
     (kind, v), = value.items()
-    if kind not in _SCALAR_KEYS + _LIST_KEYS:
+    item_problem = _ITEM_PROBLEM.get(kind)
+    if item_problem is None:
         return f"attribute {key!r}: unknown value field {kind!r}", 1
     if kind in _SCALAR_KEYS:
-        return _item_problem(key, kind, v), 1
+        return item_problem(key, kind, v), 1
     if not isinstance(v, list) or not v:
         return f"attribute {key!r}: list must not be empty", 1
     for item in v:
-        if problem := _item_problem(key, kind, item):
+        if problem := item_problem(key, kind, item):
             return problem, 1
     if not list_attributes:
         return f"attribute {key!r} is a list but --list-attributes is off (the API would drop it)", 1
