@@ -9,6 +9,10 @@ on input from the claim files, the config file and the checkpoint as well.
 
 from __future__ import annotations
 
+# defined where discovery holds its attributes to them (discovery imports nothing of agent/):
+# a device's attributes and capacities together, and the bytes of a string/version value
+from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_VALUE_LENGTH  # noqa: F401
+
 # --- resource.Quantity (apimachinery pkg/api/resource) ---------------------------------------
 # ParseQuantity caps a binary quantity at the largest int64 (maxAllowed), the range of
 # Quantity.Value(); a decimal one is held to it here too: no device capacity comes near it.
@@ -35,11 +39,9 @@ MAX_DRIVER = 63  # DriverNameMaxLength
 MAX_POOL = 253  # PoolNameMaxLength
 
 # --- ResourceSlice -----------------------------------------------------------------------------
-# a device's attributes and capacities together (ResourceSliceMaxAttributesAndCapacitiesPerDevice);
-# a share's consumedCapacity lists at most the device's capacities
-MAX_ATTRIBUTES_AND_CAPACITIES = 32
+# (MAX_ATTRIBUTES_AND_CAPACITIES: ResourceSliceMaxAttributesAndCapacitiesPerDevice; a share's
+# consumedCapacity lists at most the device's capacities)
 MAX_ATTRIBUTE_VALUES = 48  # ResourceSliceMaxAttributeValuesPerDevice
-MAX_VALUE_LENGTH = 64  # bytes, for string/version values and list elements (DeviceAttributeMaxValueLength)
 MAX_ID_LENGTH = 32  # DeviceMaxIDLength
 MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength
 MAX_COUNTER_CONSUMPTIONS = 2  # ResourceSliceMaxDeviceCounterConsumptionsPerDevice

@@ -2,9 +2,9 @@
 
 ``sysdra scan -o json`` and ``sysdra scan`` (the table) are run as fresh processes, in turn
 with ``lspci -A linux-sysfs -vmm`` on the same tree and with a minimal Python reader of the
-same sysfs files (``bench/minreader.py``) and the plainest Python scan of the scan's own
-files (``bench/plainscan.py``), each once per round after one warm-up round, so
-every ratio compares runs made side by side. Each figure is the median CPU time (user +
+same sysfs files (``bench/minreader.py``), each once per round after one warm-up round, so
+every ratio compares runs made side by side. The budget: ``sysdra scan -o json`` takes at
+most 0.5 s of CPU. Each figure is the median CPU time (user +
 system, from ``wait4``) of the process: all of these commands are single-threaded, so on an
 idle machine it equals the wall time, and on a shared one it leaves out the time spent
 waiting for a CPU (the wall times are in the progress output).
@@ -51,7 +51,6 @@ def commands(root: str) -> dict[str, list[str]]:
         "scan_json": [py, "-m", "agent", "scan", "--root", root, "-o", "json"],
         "scan_table": [py, "-m", "agent", "scan", "--root", root],
         "reader": [py, os.path.join(REPO, "bench", "minreader.py"), root],
-        "plain": [py, os.path.join(REPO, "bench", "plainscan.py"), root],
         "python": [py, "-c", "pass"],
     }
     lspci = shutil.which("lspci")
@@ -98,19 +97,16 @@ def first_publish(root: str, starts: int = 3) -> float:
 
 def run(rounds: int = ROUNDS) -> list[Figure]:
     root = large_node()
-    progress(f"whole processes: sysdra scan -o json, sysdra scan, lspci, minimal reader, plain scan ({rounds} rounds, interleaved)")
+    progress(f"whole processes: sysdra scan -o json, sysdra scan, lspci, minimal reader ({rounds} rounds, interleaved)")
     t = measure(root, rounds)
     for name, (wall, cpu) in t.items():
         progress(f"  {name:<10} wall {wall * 1000:7.1f} ms  cpu {cpu * 1000:7.1f} ms")
     ms = {k: c * 1000 for k, (_, c) in t.items()}
-    figures = []
+    figures = [Figure("cli_scan_json", ms["scan_json"], "ms", None, "value < 500 ms of CPU", ms["scan_json"] < 500)]
     if "lspci" in ms:
         figures += [
-            Figure("cli_scan_json_vs_lspci", ms["scan_json"], "ms", ms["lspci"], "ratio <= 2",
-                   ms["scan_json"] <= 2 * ms["lspci"]),
+            Figure("cli_scan_json_vs_lspci", ms["scan_json"], "ms", ms["lspci"], "informative", True),
             Figure("cli_scan_table_vs_lspci", ms["scan_table"], "ms", ms["lspci"], "informative", True),
-            Figure("cli_plain_vs_lspci", ms["plain"], "ms", ms["lspci"],
-                   "informative (bench/plainscan.py as a process: the plainest Python scan)", True),
         ]
     figures += [
         Figure("cli_scan_json_vs_reader", ms["scan_json"], "ms", ms["reader"], "informative", True),

@@ -8,9 +8,8 @@ class, vendor/device ids and the class views found below the function.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from functools import lru_cache
-
-import msgspec
 
 from discovery.models import PciFunction
 
@@ -29,9 +28,9 @@ ALVEO_MGMT_TO_USER = {
 ALVEO_IDS = frozenset(ALVEO_MGMT_TO_USER) | frozenset(ALVEO_MGMT_TO_USER.values())
 
 
-class Rule(msgspec.Struct, frozen=True):
-    """Matches when every given field matches. ``kind`` None means "not offered". A Struct:
-    the table is built at import, on every ``sysdra`` start (a dataclass decorator ~0.7 ms)."""
+@dataclass(frozen=True)
+class Rule:
+    """Matches when every given field matches. ``kind`` None means "not offered"."""
 
     what: str
     kind: str | None

@@ -6,11 +6,8 @@ a device turns into a ``skipped`` entry or a per-device problem.
 
 from __future__ import annotations
 
-import gc
+import logging
 import os
-from contextlib import contextmanager
-
-from msgspec.structs import force_setattr
 
 from discovery.accel import read_accel
 from discovery.attributes import device_attributes, quantity
@@ -28,10 +25,7 @@ from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
 
-def _warn(msg: str, *args) -> None:
-    import logging  # only on this path: `sysdra scan` loads no logging otherwise (~3 ms of a start)
-
-    logging.getLogger(__name__).warning(msg, *args)
+log = logging.getLogger(__name__)
 
 
 def device_name(kind: str, bdf: str) -> str:
@@ -47,21 +41,6 @@ def _alveo_role(fn: PciFunction, views: frozenset[str]) -> str:
     if "mgmt_pf" in views or "xrt_mgmt" in views or fn.driver == "xclmgmt" or fn.device_id in ALVEO_MGMT_TO_USER:
         return "mgmt"
     return "user"
-
-
-@contextmanager
-def collector_paused():
-    """No cyclic garbage collection while a scan builds its ~50,000 records (and while
-    ``sysdra scan`` encodes them): they hold no cycles, and each collection would walk the
-    whole growing heap again (~8 % of a large node's scan). Reference counting frees as
-    usual; the collector's state is restored."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _slot(bdf: str) -> tuple | None:
@@ -94,7 +73,7 @@ class _Scanner:
     def _read(self, bdf: str, alveo: dict) -> object:
         """A function's result: Skipped, Device, or ("alveo", card) (the half is recorded in
         ``alveo``). Its listing is dropped with it, before the next function is read: a
-        large node's 2,136 listings alive at once were ~10 MB of a scan's peak."""
+        node's listings all alive at once would be most of a scan's peak memory."""
         fs = self.fs
         try:
             fn, problems, d = read_function(fs, bdf)
@@ -123,10 +102,6 @@ class _Scanner:
         """``changed=None``: read every function. Else re-read only the functions in
         ``changed`` (plus their slot siblings, their PFs, and functions that appeared)
         and reuse the previous results for the others."""
-        with collector_paused():
-            return self._run(changed)
-
-    def _run(self, changed: set[str] | None) -> Inventory:
         fs = self.fs
         self.problems = []
         self.resolver.shared_nodes.clear()
@@ -191,16 +166,10 @@ class _Scanner:
         return out & present
 
     def _finish(self, name: str, kind: str, fn: PciFunction, nodes, capacity: dict, problems, **info) -> Device:
-        draft = Device(
-            name=name, kind=kind, pci=fn, device_nodes=tuple(nodes),
-            capacity={k: quantity(v) for k, v in capacity.items()} if capacity else {}, **info,
-        )  # fmt: skip
-        attrs, attr_problems = device_attributes(draft, self.numa, self.list_attributes)
-        # the draft has not escaped yet: completed in place, as a record's own constructor
-        # stores its fields (a copy of every device cost ~3 % of a scan)
-        force_setattr(draft, "attributes", attrs)
-        force_setattr(draft, "problems", tuple(problems + attr_problems))
-        return draft
+        values = dict(name=name, kind=kind, pci=fn, device_nodes=tuple(nodes),
+                      capacity={k: quantity(v) for k, v in capacity.items()} if capacity else {}, **info)  # fmt: skip
+        attrs, attr_problems = device_attributes(Device(**values), self.numa, self.list_attributes)
+        return Device(**values, attributes=attrs, problems=tuple(problems + attr_problems))
 
     def _device(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> Device:
         fs, res = self.fs, self.resolver
@@ -220,7 +189,7 @@ class _Scanner:
             elif kind == "accelerator":
                 info["accel"], nodes = read_accel(fs, res, fn, d, problems)
         except Exception as err:  # noqa: BLE001 - one device must never cost the inventory
-            _warn("device %s: unexpected error while reading details: %r", fn.bdf, err)
+            log.warning("device %s: unexpected error while reading details: %r", fn.bdf, err)
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
             nodes, capacity, info = [], {}, {}
         return self._finish(name, kind, fn, nodes, capacity, problems, **info)

@@ -3,104 +3,73 @@
 Absent values are ``None`` (never -1 or ""); why a value is absent is kept in
 ``Device.problems`` so an operator can see it in ``sysdra scan``.
 
-Records are msgspec Structs, frozen and keyword-only: discovery builds every value itself,
-with the types already right, so nothing is validated on construction (pydantic cost a
-whole-process scan ~100 ms of imports and ~13 MB of the agent's memory), and a Struct is
-built in C (~6x faster than a frozen dataclass; its class ~20x faster, which was ~12 ms of
-every start). What comes from outside goes through a checking constructor
-(:meth:`AttributeValue.from_api`).
+Records are frozen, slotted, keyword-only dataclasses: discovery builds every value itself,
+with the types already right, so nothing is validated on construction. What comes from
+outside goes through a checking constructor (:meth:`AttributeValue.from_api`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import msgspec
 
 Kind = Literal["gpu", "nic", "fpga", "accelerator"]
 KINDS: tuple[str, ...] = ("gpu", "nic", "fpga", "accelerator")
 
+# Frozen (assignment raises), keyword-only (every constructor names its fields), equal by value.
+record = dataclass(frozen=True, slots=True, kw_only=True)
 
 
-class Record(msgspec.Struct, frozen=True, gc=False):
-    """Frozen (assignment raises AttributeError) and, each record declared ``kw_only``
-    (msgspec applies it to a class's own fields), keyword-only, so every constructor names
-    its fields; equality and hashing by value. Not tracked by the cyclic collector (``gc``):
-    records hold only values and other records, never a cycle."""
+class Record:
+    """What every record can do besides its fields."""
+
+    __slots__ = ()
 
     def replace(self, **changes: Any):
         """A copy with ``changes``."""
-        return msgspec.structs.replace(self, **changes)
+        return dataclasses.replace(self, **changes)
 
 
 _VALUE_FIELDS = ("int_", "bool_", "string", "version", "ints", "bools", "strings", "versions")
-_LIST_FIELDS = ("ints", "bools", "strings", "versions")
+_LIST_FIELDS = frozenset(("ints", "bools", "strings", "versions"))
 # API name -> (Python field, exact type of the value or of each list item, is a list)
 _API_FIELDS = {
     "int": ("int_", int, False), "bool": ("bool_", bool, False),
     "string": ("string", str, False), "version": ("version", str, False),
     "ints": ("ints", int, True), "bools": ("bools", bool, True),
     "strings": ("strings", str, True), "versions": ("versions", str, True),
-}
-_API_KEY = {f: f.rstrip("_") for f in _VALUE_FIELDS}  # Python field -> API name
-_set = object.__setattr__  # how a frozen record's own constructor stores its fields
+}  # fmt: skip
+_API_NAME = {python: api for api, (python, _, _) in _API_FIELDS.items()}
 
 
-def _value_of(name: str) -> property:
-    return property(lambda self: self.value if self.field == name else None,
-                    doc=f"The value if the field set is {name}, else None.")
+@record
+class AttributeValue(Record):
+    """One ResourceSlice DeviceAttribute: exactly one field is set. Python names end in ``_``
+    where the API name is a builtin (``int_``); :meth:`to_api` uses the API names."""
 
+    int_: int | None = None
+    bool_: bool | None = None
+    string: str | None = None
+    version: str | None = None
+    ints: tuple[int, ...] | None = None
+    bools: tuple[bool, ...] | None = None
+    strings: tuple[str, ...] | None = None
+    versions: tuple[str, ...] | None = None
+    # the Python name of the one field set (``int_``, ``strings``, ...), found once
+    field: str = dataclasses.field(init=False, repr=False, compare=False)
 
-@dataclass(frozen=True, slots=True, init=False)
-class AttributeValue:
-    """One ResourceSlice DeviceAttribute: exactly one field is set.
-
-    Stored as that field's Python name and its value (three slots, so the ~6,000 distinct
-    values of a large node are built in a few µs each); ``int_``, ``string``, ... read it
-    back, None for the others. Python names end in ``_`` where the API name is a builtin; the
-    constructor also takes the API names (``AttributeValue(int=1)``), and ``to_api`` uses them.
-    """
-
-    field: str  # the one field set: "int_", "bool_", "string", "version", "ints", ...
-    value: Any
-    # ``to_api()``, built with the value. Discovery shares value objects between devices, and
-    # so every device's slice entry shares this dict: read-only (entries are encoded, never
-    # modified). A slot, not a property: read ~40,000 times per pool or ``scan -o json``.
-    api: dict = field(repr=False, compare=False)
-
-    int_ = _value_of("int_")
-    bool_ = _value_of("bool_")
-    string = _value_of("string")
-    version = _value_of("version")
-    ints = _value_of("ints")
-    bools = _value_of("bools")
-    strings = _value_of("strings")
-    versions = _value_of("versions")
-
-    def __init__(self, *, int_: int | None = None, bool_: bool | None = None, string: str | None = None,
-                 version: str | None = None, ints: tuple[int, ...] | None = None, bools: tuple[bool, ...] | None = None,
-                 strings: tuple[str, ...] | None = None, versions: tuple[str, ...] | None = None, **api_names):
-        if api_names:
-            int_, bool_ = _api_names(api_names, int_, bool_)
-        values = (int_, bool_, string, version, ints, bools, strings, versions)
-        set_fields = [(name, value) for name, value in zip(_VALUE_FIELDS, values) if value is not None]
+    def __post_init__(self) -> None:
+        set_fields = [name for name in _VALUE_FIELDS if getattr(self, name) is not None]
         if len(set_fields) != 1:
-            raise ValueError(f"exactly one value field must be set, got {[name for name, _ in set_fields]}")
-        (name, value), = set_fields
-        if name in _LIST_FIELDS and not value:
-            raise ValueError(f"list attribute {name} must not be empty")
-        _fill(self, name, value)
+            raise ValueError(f"exactly one value field must be set, got {set_fields}")
+        if set_fields[0] in _LIST_FIELDS and not getattr(self, set_fields[0]):
+            raise ValueError(f"list attribute {set_fields[0]} must not be empty")
+        object.__setattr__(self, "field", set_fields[0])  # how a frozen dataclass sets a derived field
 
-    @classmethod
-    def trusted(cls, field: str, value) -> AttributeValue:
-        """A value discovery built itself: ``field`` is a Python field name and ``value`` of its
-        type (a non-empty tuple for a list). Nothing is checked."""
-        out = cls.__new__(cls)  # _fill written out: ~5,850 distinct values per large-node scan
-        _set(out, "field", field)
-        _set(out, "value", value)
-        _set(out, "api", {_API_KEY[field]: list(value) if isinstance(value, tuple) else value})
-        return out
+    @property
+    def value(self) -> Any:
+        return getattr(self, self.field)
 
     @classmethod
     def from_api(cls, data: dict) -> AttributeValue:
@@ -120,7 +89,7 @@ class AttributeValue:
         if not is_list:
             if type(value) is not item_type:
                 raise ValueError(f"{key}: expected {item_type.__name__}, got {type(value).__name__}")
-            return cls.trusted(name, value)
+            return cls(**{name: value})
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{key}: expected a list, got {type(value).__name__}")
         if not value:
@@ -128,44 +97,15 @@ class AttributeValue:
         for i, item in enumerate(value):
             if type(item) is not item_type:
                 raise ValueError(f"{key}[{i}]: expected {item_type.__name__}, got {type(item).__name__}")
-        return cls.trusted(name, tuple(value))
+        return cls(**{name: tuple(value)})
 
     def to_api(self) -> dict:
-        """The API encoding as a new dict (``api`` is the shared one)."""
-        return _encode(self.field, self.value)
+        """The API encoding, a new dict: ``{"int": 3}``, ``{"strings": ["a"]}``."""
+        value = getattr(self, self.field)
+        return {_API_NAME[self.field]: list(value) if self.field in _LIST_FIELDS else value}
 
-    @property
-    def value_count(self) -> int:
-        """How many values this attribute counts for against the 48-value limit."""
-        return len(self.value) if isinstance(self.value, tuple) else 1
-
-    @property
-    def is_list(self) -> bool:
-        return self.field in _LIST_FIELDS
-
-
-def _encode(field: str, value) -> dict:
-    return {_API_KEY[field]: list(value) if isinstance(value, tuple) else value}
-
-
-def _fill(value_obj: AttributeValue, field: str, value) -> None:
-    """Store a value's three slots, as a frozen record's own constructor does."""
-    _set(value_obj, "field", field)
-    _set(value_obj, "value", value)
-    _set(value_obj, "api", _encode(field, value))
-
-
-def _api_names(api_names: dict, int_, bool_) -> tuple:
-    """``int=``/``bool=``, the API names of ``int_``/``bool_`` (a builtin cannot be a parameter)."""
-    unknown = set(api_names) - {"int", "bool"}
-    if unknown:
-        raise TypeError(f"AttributeValue got unexpected keyword argument(s) {sorted(unknown)}")
-    if ("int" in api_names and int_ is not None) or ("bool" in api_names and bool_ is not None):
-        raise TypeError("AttributeValue got a field under both its names")
-    return api_names.get("int", int_), api_names.get("bool", bool_)
-
-
-class DeviceNode(Record, kw_only=True):
+@record
+class DeviceNode(Record):
     """A device node a container needs.
 
     ``path`` is where the node lives on the node and inside the container
@@ -181,24 +121,28 @@ class DeviceNode(Record, kw_only=True):
     source: str  # where major:minor came from: dev node, sysfs dev file, /proc/devices
 
 
-class Problem(Record, kw_only=True):
+@record
+class Problem(Record):
     """Why an attribute or device node is missing (``what`` names it)."""
 
     what: str
     reason: str
 
 
-class PciLink(Record, kw_only=True):
+@record
+class PciLink(Record):
     max_speed: str | None = None  # max_link_speed, e.g. "16.0 GT/s PCIe"
     max_width: int | None = None  # max_link_width
 
 
-class Sriov(Record, kw_only=True):
+@record
+class Sriov(Record):
     total_vfs: int | None = None  # sriov_totalvfs
     num_vfs: int | None = None  # sriov_numvfs (a VF names its PF: PciFunction.physfn)
 
 
-class PciFunction(Record, kw_only=True):
+@record
+class PciFunction(Record):
     bdf: str  # "0000:1b:00.0" as pci.BDF_RE takes it; the domain may have 5+ hex digits (VMD)
     sysfs_path: str  # resolved /sys/devices/... path (node view)
     pcie_root: str | None  # "pci0000:00": first component below /sys/devices
@@ -216,7 +160,8 @@ class PciFunction(Record, kw_only=True):
     physfn: str | None = None  # PF's BDF when this function is a VF
 
 
-class NetInterface(Record, kw_only=True):
+@record
+class NetInterface(Record):
     """What is published of a netdev; its link state is health's (agent/health/checks.py)."""
 
     name: str
@@ -226,13 +171,15 @@ class NetInterface(Record, kw_only=True):
     speed_mbps: int | None = None  # ``speed`` (None while the link is down): bandwidth of a shared NIC
 
 
-class RdmaDevice(Record, kw_only=True):
+@record
+class RdmaDevice(Record):
     name: str  # mlx5_0
     uverbs: str | None = None  # uverbs0
     rate_gbps: float | None = None  # port 1's ``rate`` ("400 Gb/sec (4X NDR)"): bandwidth of a shared NIC
 
 
-class GpuPartition(Record, kw_only=True):
+@record
+class GpuPartition(Record):
     """One partition the kernel exposes now: an AMD compute partition (``index`` = its KFD
     function number) or an NVIDIA MIG compute instance (``gi``/``ci``)."""
 
@@ -243,7 +190,8 @@ class GpuPartition(Record, kw_only=True):
     ci: int | None = None
 
 
-class Partitioning(Record, kw_only=True):
+@record
+class Partitioning(Record):
     """How a GPU is split now and how it could be (discovery/partitions.py)."""
 
     kind: Literal["amd", "mig"]
@@ -259,7 +207,8 @@ class Partitioning(Record, kw_only=True):
         return bool(self.compute_modes)
 
 
-class NvidiaFacts(Record, kw_only=True):
+@record
+class NvidiaFacts(Record):
     """What a scheduler selects an NVIDIA GPU on (discovery/nvidia.py), each None when neither
     NVML nor the PCI ID table knows it. Versions are semantic versions ("580.159.4")."""
 
@@ -273,7 +222,8 @@ class NvidiaFacts(Record, kw_only=True):
     source: str = "table"  # "nvml" when NVML answered for this GPU
 
 
-class GpuInfo(Record, kw_only=True):
+@record
+class GpuInfo(Record):
     vendor: str  # nvidia | amd | intel | other
     drm_card: str | None = None  # card1
     drm_render: str | None = None  # renderD129
@@ -284,12 +234,14 @@ class GpuInfo(Record, kw_only=True):
     nvidia: NvidiaFacts | None = None  # NVML / PCI ID table facts (discovery/nvidia.py)
 
 
-class NicInfo(Record, kw_only=True):
+@record
+class NicInfo(Record):
     interfaces: tuple[NetInterface, ...] = ()
     rdma: tuple[RdmaDevice, ...] = ()
 
 
-class FpgaInfo(Record, kw_only=True):
+@record
+class FpgaInfo(Record):
     family: Literal["dfl", "alveo", "other"]
     # Intel DFL
     region: str | None = None  # fpga_region/regionN
@@ -305,13 +257,15 @@ class FpgaInfo(Record, kw_only=True):
     ready: bool | None = None
 
 
-class AccelInfo(Record, kw_only=True):
+@record
+class AccelInfo(Record):
     accel: str | None = None  # accel0
     status: str | None = None  # habanalabs status ("operational")
     module_id: int | None = None
 
 
-class Device(Record, kw_only=True):
+@record
+class Device(Record):
     """A device we offer through DRA: one PCI function (an Alveo card: two).
 
     Not hashable (``attributes`` and ``capacity`` are dicts); never modify them: values and
@@ -321,8 +275,8 @@ class Device(Record, kw_only=True):
     kind: Kind
     pci: PciFunction
     device_nodes: tuple[DeviceNode, ...] = ()
-    attributes: dict[str, AttributeValue] = {}
-    capacity: dict[str, str] = {}  # quantities as strings
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+    capacity: dict[str, str] = field(default_factory=dict)  # quantities as strings
     gpu: GpuInfo | None = None
     nic: NicInfo | None = None
     fpga: FpgaInfo | None = None
@@ -339,7 +293,8 @@ class Device(Record, kw_only=True):
         return out
 
 
-class Skipped(Record, kw_only=True):
+@record
+class Skipped(Record):
     """A PCI function we looked at but do not offer, with the reason."""
 
     bdf: str
@@ -349,15 +304,17 @@ class Skipped(Record, kw_only=True):
     device_id: str | None = None
 
 
-class NumaNode(Record, kw_only=True):
+@record
+class NumaNode(Record):
     id: int
     cpulist: str | None = None
     distances: tuple[int, ...] = ()
     socket: int | None = None  # physical_package_id of its first CPU
 
 
-class Inventory(Record, kw_only=True, gc=True, dict=True):
-    """What one scan found. ``dict=True``: room for the ``by_name`` table beside the fields."""
+@dataclass(frozen=True, kw_only=True)  # not slotted: its ``__dict__`` keeps the by_name table
+class Inventory(Record):
+    """What one scan found."""
 
     root: str
     devices: tuple[Device, ...] = ()
@@ -374,13 +331,13 @@ class Inventory(Record, kw_only=True, gc=True, dict=True):
         return table
 
     def to_json(self) -> dict:
-        """``sysdra scan -o json``: devices in ResourceSlice encoding plus device nodes."""
+        """``sysdra scan -o json``: devices in ResourceSlice encoding plus kind, device nodes
+        and problems."""
         devices = []
-        for d in self.devices:  # the shared, read-only ``AttributeValue.api`` dicts: this is only encoded
-            attrs, cap = d.attributes, d.capacity  # keys sorted, not items: no tuple per entry
-            entry = {"name": d.name, "kind": d.kind,
-                     "attributes": {k: attrs[k].api for k in sorted(attrs)},
-                     "capacity": {k: {"value": cap[k]} for k in sorted(cap)} if cap else {},
+        for d in self.devices:
+            api = d.to_api()
+            entry = {"name": d.name, "kind": d.kind, "attributes": api.get("attributes", {}),
+                     "capacity": api.get("capacity", {}),
                      "deviceNodes": [{"path": n.path, "type": n.type, "major": n.major, "minor": n.minor}
                                      for n in d.device_nodes]}  # fmt: skip
             if d.problems:

@@ -27,12 +27,8 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
             d = fs.list_dir(d.path)
         except AttrError:
             return dirs
-    # by path (the function's directory is no longer held), real directories only; a loop: a
-    # comprehension would make ``fs`` and ``d`` cells on every NIC's call
-    for n in sorted(d.names):
-        if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}"):
-            dirs.append(f"{d.path}/{n}/net")
-    return dirs
+    virtio = [n for n in sorted(d.names) if n.startswith("virtio") and fs.is_dir(f"{d.path}/{n}")]  # real directories only
+    return dirs + [f"{d.path}/{n}/net" for n in virtio]
 
 
 # A netdev's published files and how each is parsed (``str``: as read).
@@ -40,8 +36,7 @@ _NETDEV_FILES = (("address", str), ("mtu", int), ("phys_port_name", str), ("spee
 
 
 def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) -> NetInterface:
-    """The published values of one netdev (its link state is for health to read). Read by
-    path, not listed first: four ``stat``s cost less than listing a netdev's ~20 entries."""
+    """The published values of one netdev (its link state is for health to read)."""
     values: dict = {}
     for attr, parse in _NETDEV_FILES:
         try:
@@ -89,8 +84,6 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
             if _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
 
-    # loops, not comprehensions: a comprehension that reads this function's locals makes them
-    # cells, and a function object of its own, on every call (every NIC, most without RDMA)
     rdma: list[RdmaDevice] = []
     nodes: list[DeviceNode] = []
     verbs_by_ibdev: dict[str, str] = {}

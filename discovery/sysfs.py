@@ -11,16 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import KeysView
-
-import msgspec
+from dataclasses import dataclass
 
 DEFAULT_ROOT = "/"
 MAX_ATTR_BYTES = 4096  # sysfs attributes are one page at most
+# O_NONBLOCK: a FIFO swapped in never blocks the scan; O_NOCTTY: a tty never becomes ours
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _LISTED_FLAGS = _READ_FLAGS | os.O_NOFOLLOW  # a listed regular file: a symlink there now was swapped in
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a real directory, no symlink
-S_ISREG = stat.S_ISREG
 
 _REASONS = {
     errno.ENOENT: "missing",
@@ -52,88 +50,96 @@ def os_reason(err: OSError) -> str:
     return _REASONS.get(err.errno or 0, err.strerror or type(err).__name__)
 
 
-def _read_regular(path: str, limit: int) -> bytes:
-    """Open, one read, close: for a path already known to be a regular file."""
+def _read_file(path: str, limit: int, flags: int = _READ_FLAGS) -> bytes:
+    """Open, one read, close; more than ``limit`` bytes is an error, not a truncated value."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, flags)
+        try:
+            data = os.read(fd, limit + 1)
+        finally:
+            os.close(fd)
     except OSError as err:
         raise AttrError(path, os_reason(err)) from err
-    try:
-        data = os.read(fd, limit + 1)
-    except OSError as err:
-        raise AttrError(path, os_reason(err)) from err
-    finally:
-        os.close(fd)
     if len(data) > limit:
         raise AttrError(path, f"larger than {limit} bytes")
     return data
 
 
-def _refused(data: bytes) -> str:
-    """Why an attribute's bytes (within its size limit) are no value."""
+def _read_present(path: str, limit: int) -> bytes | None:
+    """:meth:`HostFS.read_bytes`, None when the file is missing (an absent optional file is
+    common: a VF's netdev has no ``speed``), so that no error is raised for it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise AttrError(path, os_reason(err)) from err
+    if not stat.S_ISREG(mode):
+        raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
+    return _read_file(path, limit)
+
+
+def _attr_text(path: str, data: bytes) -> str:
+    """A one-value attribute's text, stripped; empty, NUL bytes or not UTF-8 is no value."""
     try:
         text = data.decode().strip()
     except UnicodeDecodeError:
-        return "not UTF-8"
-    return "contains NUL bytes" if text else "empty"
-
-
-_NO_NAME = frozenset(("", ".", ".."))  # last components of a link target that name nothing
+        raise AttrError(path, "not UTF-8") from None
+    if not text:
+        raise AttrError(path, "empty")
+    if "\x00" in text:
+        raise AttrError(path, "contains NUL bytes")
+    return text
 
 
 def _target_name(target: str) -> str | None:
     """The last component of a link's target (what it links to); None for none or a dot."""
-    if (name := target.rpartition("/")[2]) in _NO_NAME:  # a trailing slash, or a dot
-        name = target.rstrip("/").rpartition("/")[2]
-    return None if name in _NO_NAME else name
+    name = target.rstrip("/").rpartition("/")[2]
+    return None if name in ("", ".", "..") else name
 
 
-def _attr_text(path: str, data: bytes) -> str:
-    try:
-        text = data.decode().strip()
-    except UnicodeDecodeError:
-        text = ""
-    if text and "\x00" not in text:
-        return text
-    raise AttrError(path, _refused(data))
-
-
-class Dir(msgspec.Struct, frozen=True, gc=False):
+@dataclass(frozen=True, slots=True)
+class Dir:
     """A directory listed once: its host path and its entries by name (``entries`` None: it
-    could not be listed); ``names`` is a view of their names. Readers ask :meth:`has` before
-    looking for an optional entry, so an absent one costs no system call. An entry's type is
-    asked only of the entries read (:meth:`HostFS.attrs`: a file the listing shows as regular
-    is opened without the ``stat`` that otherwise comes first), from the listing's d_type;
-    asking all ~30 entries of a PCI function as they were listed was ~60 M instructions of a
-    large node's scan. A listing made through a held directory (:meth:`HostFS.open_dir`) is
-    asked while that directory is open: an entry without d_type is looked up relative to it."""
+    could not be listed). Readers ask :meth:`has` before looking for an optional entry, so
+    an absent one costs no system call, and the entries' types come from the listing."""
 
     path: str
     entries: dict[str, os.DirEntry] | None = None
-    names: KeysView[str] | None = None  # entries.keys(), a field: read several times per function
+
+    @property
+    def names(self):
+        """The entries' names (a set-like view), None when the directory could not be listed."""
+        return None if self.entries is None else self.entries.keys()
 
     def has(self, name: str) -> bool:
         """False only when the listing shows that ``name`` is absent."""
-        return self.names is None or name in self.names
+        return self.entries is None or name in self.entries
+
+    def is_file(self, name: str) -> bool:
+        """True when the listing shows ``name`` as a regular file (not a symlink)."""
+        entry = None if self.entries is None else self.entries.get(name)
+        try:
+            return entry is not None and entry.is_file(follow_symlinks=False)
+        except OSError:  # no type in the listing, and looking it up failed
+            return False
 
 
-class HostFS(msgspec.Struct, frozen=True):
-    """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests). A Struct, as
-    ``Dir``: a dataclass decorator cost ~0.7 ms of every ``sysdra`` start."""
+@dataclass(frozen=True, slots=True)
+class HostFS:
+    """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests)."""
 
     root: str = DEFAULT_ROOT
 
     def path(self, *parts: str) -> str:
-        rel = (parts[0] if len(parts) == 1 else os.path.join(*parts)).lstrip("/")  # join: an absolute part restarts
-        root = self.root
-        return (root if root.endswith("/") else root + "/") + rel
+        rel = os.path.join(*parts).lstrip("/")  # join: an absolute part restarts
+        return os.path.join(self.root, rel)
 
     def rel(self, host_path: str) -> str:
         """Host path under the root -> path as seen on the node (``/sys/...``)."""
         root = self.root.rstrip("/")
-        tail = host_path[len(root):]
-        if host_path.startswith(root + "/") and "/." not in tail and "//" not in tail:  # normalised, below root
-            return tail.rstrip("/") or "/"
+        if host_path.startswith(root + "/") and os.path.normpath(host_path) == host_path:
+            return host_path[len(root):]
         r = os.path.relpath(host_path, self.root)
         return "/" + ("" if r == "." else r)
 
@@ -142,29 +148,14 @@ class HostFS(msgspec.Struct, frozen=True):
         """Read at most ``limit`` bytes of a regular file in one go.
 
         FIFOs, sockets and devices are refused before opening (opening a FIFO blocks, opening
-        a device can have side effects). Files of a listed :class:`Dir` are read with
-        :meth:`attrs`, which knows their type from the listing and skips the ``stat``.
-        """
-        data = self.read_present(path, limit)
+        a device can have side effects)."""
+        data = _read_present(path, limit)
         if data is None:
             raise AttrError(path, "missing")
         return data
 
-    def read_present(self, path: str, limit: int = MAX_ATTR_BYTES) -> bytes | None:
-        """:meth:`read_bytes`, or None when the file is missing: no error is built, raised
-        and caught for an optional file that is absent, the common case of a by-path read
-        (a VF's netdev has no ``speed`` and no ``phys_port_name``: ~3,000 per large node)."""
-        try:
-            mode = os.stat(path).st_mode
-        except FileNotFoundError:
-            return None
-        except OSError as err:
-            raise AttrError(path, os_reason(err)) from err
-        if not S_ISREG(mode):
-            raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
-        return _read_regular(path, limit)
-
     def read_text(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
+        """A whole text file (several lines: ``/proc/devices``, a GPU's ``information``)."""
         data = self.read_bytes(path, limit)
         try:
             text = data.decode("utf-8")
@@ -180,55 +171,28 @@ class HostFS(msgspec.Struct, frozen=True):
 
     def read_optional(self, path: str) -> str | None:
         """:meth:`read_attr` of an attribute that may be absent: None when it is missing."""
-        data = self.read_present(path)
+        data = _read_present(path, MAX_ATTR_BYTES)
         return None if data is None else _attr_text(path, data)
 
-    def attrs(self, d: Dir, names: list[str] | tuple[str, ...], errors: dict[str, AttrError],
-              dir_fd: int | None = None) -> dict[str, str]:  # fmt: skip
-        """Several attributes of a directory in one pass: name -> text as :meth:`read_attr`
-        returns it; a name it would raise for goes into ``errors`` with that
-        :class:`AttrError`, and absent ones are left out. Of a listed directory, names the
-        listing lacks cost no system call, and a file the listing shows as regular is opened
-        straight away (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since the listing from
-        being followed or blocking), relative to ``dir_fd`` when the caller holds the
-        directory open (:meth:`open_dir`). Any other name (of an unlisted :class:`Dir`, or of
-        no known type) is read by :meth:`read_present`: its type asked first. The scan's hot
-        path (every PCI function), so written out; texts and errors apart, so that callers
-        need not tell them apart again."""
-        out: dict[str, str] = {}
-        base, entries = d.path, d.entries
-        _open, _read, _close = os.open, os.read, os.close  # per call: the tracer patches os
-        cap = MAX_ATTR_BYTES + 1
+    def read_attrs(self, d: Dir, names: tuple[str, ...]) -> tuple[dict[str, str], dict[str, AttrError]]:
+        """Several attributes of a directory: (name -> text as :meth:`read_attr` returns it,
+        name -> error of those present but unreadable); absent ones are in neither. Names the
+        listing lacks cost nothing, and a file the listing shows as regular needs no ``stat``
+        (O_NOFOLLOW and O_NONBLOCK keep an entry swapped since from being followed or
+        blocking)."""
+        values: dict[str, str] = {}
+        errors: dict[str, AttrError] = {}
         for name in names:
-            entry = None
-            if entries is not None and (entry := entries.get(name)) is None:
-                continue  # the listing lacks it
-            try:  # the path is put together only for a read by path or an error
-                if entry is not None and entry.is_file(follow_symlinks=False):
-                    fd = _open(name, _LISTED_FLAGS, dir_fd=dir_fd) if dir_fd is not None else _open(f"{base}/{name}", _LISTED_FLAGS)
-                    try:
-                        data = _read(fd, cap)
-                    finally:
-                        _close(fd)
-                elif (data := self.read_present(f"{base}/{name}")) is None:  # not listed, or of no known type
-                    continue
+            if not d.has(name):
+                continue
+            path = f"{d.path}/{name}"
+            try:
+                data = _read_file(path, MAX_ATTR_BYTES, _LISTED_FLAGS) if d.is_file(name) else self.read_bytes(path)
+                values[name] = _attr_text(path, data)
             except AttrError as err:
-                errors[name] = err
-                continue
-            except OSError as err:
-                errors[name] = AttrError(f"{base}/{name}", os_reason(err))
-                continue
-            if len(data) < cap:
-                try:
-                    text = data.decode().strip()
-                except UnicodeDecodeError:
-                    text = ""
-                if text and "\x00" not in text:
-                    out[name] = text
-                    continue
-            errors[name] = AttrError(f"{base}/{name}", f"larger than {MAX_ATTR_BYTES} bytes" if len(data) == cap
-                                     else _refused(data))  # fmt: skip
-        return out
+                if err.reason != "missing":
+                    errors[name] = err
+        return values, errors
 
     def read_int(self, path: str, base: int = 10) -> int:
         text = self.read_attr(path)
@@ -248,30 +212,20 @@ class HostFS(msgspec.Struct, frozen=True):
             raise AttrError(path, f"odd link target {target!r}")
         return name
 
-    def link_names(self, d: Dir, names: tuple[str, ...], errors: dict[str, AttrError],
-                   dir_fd: int | None = None) -> dict[str, str]:  # fmt: skip
-        """:meth:`link_name` of several links of a directory in one pass, as :meth:`attrs`
-        reads files: name -> target's last component, a failed one into ``errors``; absent
-        links (not listed, or ENOENT) are left out. Read relative to ``dir_fd`` when the
-        caller holds ``d`` open; the path is put together for a read by path or an error only."""
-        out: dict[str, str] = {}
-        base, listed = d.path, d.names
-        _readlink = os.readlink  # per call: the tracer patches os
+    def link_names(self, d: Dir, names: tuple[str, ...]) -> tuple[dict[str, str], dict[str, AttrError]]:
+        """:meth:`link_name` of several links of a directory, as :meth:`read_attrs` reads
+        files: (name -> target's last component, name -> error); absent links in neither."""
+        found: dict[str, str] = {}
+        errors: dict[str, AttrError] = {}
         for name in names:
-            if listed is not None and name not in listed:
+            if not d.has(name):
                 continue
             try:
-                target = _readlink(f"{base}/{name}") if dir_fd is None else _readlink(name, dir_fd=dir_fd)
-            except FileNotFoundError:
-                continue
-            except OSError as err:
-                errors[name] = AttrError(f"{base}/{name}", os_reason(err))
-                continue
-            if (last := _target_name(target)) is None:
-                errors[name] = AttrError(f"{base}/{name}", f"odd link target {target!r}")
-            else:
-                out[name] = last
-        return out
+                found[name] = self.link_name(f"{d.path}/{name}")
+            except AttrError as err:
+                if err.reason != "missing":
+                    errors[name] = err
+        return found, errors
 
     def resolve_link(self, path: str) -> str:
         """Resolve one symlink (relative to its directory), lexically, no recursion."""
@@ -279,18 +233,18 @@ class HostFS(msgspec.Struct, frozen=True):
             target = os.readlink(path)
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
-        return os.path.normpath(os.path.join(os.path.dirname(path), target))
+        return _joined(path, target)
 
     def follow(self, path: str) -> str:
         """Like :meth:`resolve_link`, but a path that is no symlink (or missing) is returned
-        as it is: one ``readlink`` instead of checking first what the path is."""
+        as it is."""
         try:
             target = os.readlink(path)
         except OSError as err:
             if err.errno in (errno.EINVAL, errno.ENOENT):
                 return path
             raise AttrError(path, os_reason(err)) from err
-        return os.path.normpath(os.path.join(os.path.dirname(path), target))
+        return _joined(path, target)
 
     def listdir(self, path: str) -> list[str]:
         try:
@@ -298,43 +252,27 @@ class HostFS(msgspec.Struct, frozen=True):
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
 
-    def open_dir(self, path: str) -> int:
-        """A real directory (not a symlink to one) opened, for :meth:`list_dir`,
-        :meth:`attrs` and :meth:`link_names` relative to it: each of those then looks one name
-        up instead of walking the whole path again (a PCI function's directory is ~10
-        components deep). The caller closes it."""
+    def list_dir(self, path: str) -> Dir:
+        """A real directory (a symlink to one is refused: ``symlink loop``) listed once, its
+        entries kept with the types the listing gave them (d_type: no ``stat`` per entry)."""
         try:
-            return os.open(path, _DIR_FLAGS)
+            fd = os.open(path, _DIR_FLAGS)
+            try:
+                with os.scandir(fd) as listing:
+                    entries = {e.name: e for e in listing}
+            finally:
+                os.close(fd)
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
-
-    def list_dir(self, path: str, dir_fd: int | None = None) -> Dir:
-        """``path`` listed once, its entries kept with the types the listing gave them (d_type:
-        no ``stat`` per entry); through ``dir_fd`` (:meth:`open_dir` of ``path``) when the
-        caller holds it open."""
-        try:
-            with os.scandir(path if dir_fd is None else dir_fd) as listing:
-                entries = {e.name: e for e in listing}
-        except OSError as err:
-            raise AttrError(path, os_reason(err)) from err
-        return Dir(path, entries, entries.keys())
+        return Dir(path, entries)
 
     def subdirs(self, path: str) -> list[str]:
-        """Names of the real directories (not symlinks) in ``path``, sorted, from one listing
-        (d_type; an entry without it is looked up by its path)."""
-        out = []
+        """Names of the real directories (not symlinks) in ``path``, sorted, from one listing."""
         try:
             with os.scandir(path) as listing:
-                for entry in listing:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            out.append(entry.name)
-                    except OSError:  # no d_type, and the lstat failed: not known to be a directory
-                        pass
+                return sorted(entry.name for entry in listing if _is_real_dir(entry))
         except OSError as err:
             raise AttrError(path, os_reason(err)) from err
-        out.sort()
-        return out
 
     def contains(self, host_path: str) -> bool:
         """True if a (normalised) host path lies under the root."""
@@ -351,3 +289,15 @@ class HostFS(msgspec.Struct, frozen=True):
             return stat.S_ISDIR(os.lstat(path).st_mode)
         except OSError:
             return False
+
+
+def _is_real_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:  # no type in the listing, and looking it up failed
+        return False
+
+
+def _joined(link: str, target: str) -> str:
+    """A link's target as a path, lexically (relative targets from the link's directory)."""
+    return os.path.normpath(os.path.join(os.path.dirname(link), target))

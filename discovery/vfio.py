@@ -34,7 +34,7 @@ def vfio_nodes(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, prob
             )
         if node is not None:
             nodes.append(node)
-    node = resolver.shared(VFIO_CONTAINER[0], problems, partial(_container, fs, resolver))  # no closure: no cells
+    node = resolver.shared(VFIO_CONTAINER[0], problems, partial(_container, fs, resolver))
     if node is not None:
         nodes.append(node)
     # iommufd character device (kernel 6.2+), when present

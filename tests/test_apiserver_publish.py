@@ -190,13 +190,10 @@ def test_kubelet_wipe_through_the_api_is_republished_with_a_higher_generation(no
             r.pub.set_pool(node.pool(300))
             await r.pub.wait_synced(lambda p: p.total.created == 3)
             await asyncio.sleep(0.3)  # the watch is established
-            t0 = time.monotonic()
             assert await asyncio.to_thread(node.wipe_as_kubelet) == 3
-            await r.settle(lambda: len(node.slices()) == 3)
-            return time.monotonic() - t0
+            await r.settle(lambda: len(node.slices()) == 3)  # through the watch: no resync runs (interval 0)
 
-    elapsed = run(scenario())
-    assert elapsed < 3.0  # debounce + a watch round trip, not a resync interval
+    run(scenario())
     assert {o["spec"]["pool"]["generation"] for o in node.slices()} == {2}
 
 

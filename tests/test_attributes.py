@@ -1,12 +1,12 @@
-"""Device attributes as discovery publishes them (discovery/attributes.py): limits, shared
-values and their tables."""
+"""Device attributes as discovery publishes them (discovery/attributes.py): order, limits
+and shared values."""
 
 from __future__ import annotations
 
 import pytest
 
-import discovery.attributes as attributes
-from discovery.attributes import MAX_ENTRIES, device_attributes
+from discovery import attributes
+from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, device_attributes
 from discovery.models import Device, GpuInfo, NetInterface, NicInfo, PciFunction, PciLink, RdmaDevice, Sriov
 
 
@@ -33,7 +33,7 @@ def test_a_nic_vf_in_order_with_the_standard_ones_first():
         "type", "vendorID", "deviceID", "pciClass", "pciAddress", "driver", "iommuGroup", "pcieLinkSpeed",
         "pcieLinkWidth", "sriovRole", "pfPciAddress", "interfaceName", "macAddress", "mtu", "rdma", "rdmaDevice",
     ]  # fmt: skip
-    api = {k: v.api for k, v in attrs.items()}
+    api = {k: v.to_api() for k, v in attrs.items()}
     assert api["iommuGroup"] == {"int": 1} and api["rdma"] == {"bool": True}  # 1 and True stay apart
     assert api["pciClass"] == {"string": "020000"} and api["sriovRole"] == {"string": "vf"}
     assert api["resource.kubernetes.io/numaNode"] == {"int": 1}
@@ -41,7 +41,7 @@ def test_a_nic_vf_in_order_with_the_standard_ones_first():
 
 def test_a_pf_publishes_its_vf_counts():
     attrs, _ = device_attributes(_nic(_fn(sriov=Sriov(total_vfs=8, num_vfs=0)), rdma=False), (), False)
-    assert {k: attrs[k].api for k in ("sriovRole", "sriovTotalVFs", "sriovNumVFs", "rdma")} == {
+    assert {k: attrs[k].to_api() for k in ("sriovRole", "sriovTotalVFs", "sriovNumVFs", "rdma")} == {
         "sriovRole": {"string": "pf"}, "sriovTotalVFs": {"int": 8}, "sriovNumVFs": {"int": 0}, "rdma": {"bool": False}}
 
 
@@ -54,14 +54,14 @@ def test_a_string_past_64_bytes_or_empty_is_left_out_with_a_problem(value):
     assert "driver" not in attrs and "model" not in attrs
     assert [(p.what, p.reason) for p in problems] == [("driver", "value longer than 64 bytes"),
                                                       ("model", "value longer than 64 bytes")]
-    assert attrs["gpuVendor"].api == {"string": "nvidia"}
+    assert attrs["gpuVendor"].to_api() == {"string": "nvidia"}
 
 
 def test_exactly_64_bytes_is_published():
     gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200),
                  gpu=GpuInfo(vendor="nvidia", model="é" * 32))
     attrs, problems = device_attributes(gpu, (), False)
-    assert problems == [] and attrs["model"].api == {"string": "é" * 32}
+    assert problems == [] and attrs["model"].to_api() == {"string": "é" * 32}
 
 
 def test_values_are_shared_between_devices():
@@ -71,59 +71,35 @@ def test_values_are_shared_between_devices():
     assert a["macAddress"] is not b["macAddress"]
 
 
-def test_a_full_value_table_starts_over_and_stays_right(monkeypatch):
-    """An agent that has met ever new values (MACs of recreated VFs) keeps its tables bounded."""
-    monkeypatch.setattr(attributes, "_TABLE_LIMIT", 4)
-    monkeypatch.setattr(attributes, "_VALUES", {})
-    for i in range(20):
-        fn = _fn(f"0000:3b:{i:02x}.0", iommu_group=100 + i)
-        attrs, _ = device_attributes(_nic(fn, mac=f"0c:42:a1:00:00:{i:02x}"), (), False)
-        assert attrs["macAddress"].api == {"string": f"0c:42:a1:00:00:{i:02x}"}
-        assert attrs["iommuGroup"].api == {"int": 100 + i}
-        assert len(attributes._VALUES) <= 4
-
-
 def test_more_than_32_entries_keep_the_first_ones():
     dev = _nic(_fn()).replace(capacity={f"c{i}": "1" for i in range(20)})
     attrs, problems = device_attributes(dev, (), False)
-    assert len(attrs) + len(dev.capacity) == MAX_ENTRIES
+    assert len(attrs) + len(dev.capacity) == MAX_ATTRIBUTES_AND_CAPACITIES
     assert list(attrs)[:3] == ["resource.kubernetes.io/pciBusID", "resource.kubernetes.io/pcieRoot",
                                "resource.kubernetes.io/numaNode"]  # fmt: skip
     assert [p.what for p in problems] == ["attributes"] and "dropped 5" in problems[0].reason
 
 
 def test_a_string_and_an_integer_of_the_same_digits_stay_apart():
-    """One table holds both kinds of values: 3 and "3" are different keys."""
+    """Shared values are looked up by value: 3 and "3" (and 1 and True) stay different."""
     attrs, problems = device_attributes(_nic(_fn(driver="3", iommu_group=3)), (), False)
     assert problems == []
-    assert attrs["driver"].api == {"string": "3"} and attrs["iommuGroup"].api == {"int": 3}
-
-
-def test_a_value_past_the_limit_made_elsewhere_is_not_published_from_the_table():
-    """The table holds only publishable values: a long string another part of discovery made
-    (a partition's name) is not kept, so a device's entry of the same text is still refused."""
-    long = "p" * 65
-    assert attributes._value("string", long).api == {"string": long}
-    assert long not in attributes._VALUES
-    gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200), gpu=GpuInfo(vendor="nvidia", model=long))
-    attrs, problems = device_attributes(gpu, (), False)
-    assert "model" not in attrs and [p.what for p in problems] == ["model"]
+    assert attrs["driver"].to_api() == {"string": "3"} and attrs["iommuGroup"].to_api() == {"int": 3}
 
 
 def test_identity_values_past_the_limit_are_refused_for_every_device():
-    """A model's identity entries are kept once per set of values, but only when publishable:
-    a refused one is reported by each device that has it, not by the first one alone."""
+    """A refused identity value is reported by each device that has it, not by the first one alone."""
     for bdf in ("0000:3b:00.1", "0000:3b:00.2"):
         attrs, problems = device_attributes(_nic(_fn(bdf, vendor_id="v" * 65)), (), False)
-        assert "vendorID" not in attrs and attrs["deviceID"].api == {"string": "101e"}
+        assert "vendorID" not in attrs and attrs["deviceID"].to_api() == {"string": "101e"}
         assert [p.what for p in problems] == ["vendorID"]
 
 
 @pytest.mark.parametrize("domain", ["0000", "00ab", "ffff", "10000", "1000a", "abcdef"])
 @pytest.mark.parametrize("function", range(8))
 def test_pci_bus_id_exactly_for_the_addresses_in_upstream_form(domain, function):
-    """pciBusID is published by the address's length (12 characters): for every address that
-    discovery lists (pci.BDF_RE), that is exactly upstream's UPSTREAM_BDF."""
+    """pciBusID is published exactly for the addresses discovery lists (pci.BDF_RE) that are
+    in upstream's form (a 4-digit domain)."""
     from discovery.pci import BDF_RE
 
     bdf = f"{domain}:3b:1f.{function}"

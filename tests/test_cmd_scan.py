@@ -3,7 +3,6 @@ and prints what run would publish with them."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -87,28 +86,6 @@ def test_taint_unhealthy_shows_the_taint_run_would_publish(tmp_path):
     assert tainted and tainted[0]["key"] == "sysdra.io/unhealthy" and tainted[0]["effect"] == "NoSchedule"
 
 
-def test_scan_pauses_the_collector_and_leaves_it_as_it_found_it(capsys, monkeypatch):
-    """``sysdra scan`` encodes with the cyclic collector off (its objects hold no cycles); run
-    in-process, it must hand the collector back on, and back off when it found it off."""
-    import gc
-
-    from agent.cli import scan as scan_cmd
-
-    seen = []
-    real_scan = scan_cmd.scan
-    monkeypatch.setattr(scan_cmd, "scan", lambda *a, **kw: seen.append(gc.isenabled()) or real_scan(*a, **kw))
-    assert gc.isenabled()
-    assert cli.main(["scan", "--root", profile_root("sriov-nic"), "-o", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["devices"]
-    assert seen == [False] and gc.isenabled()
-    gc.disable()
-    try:
-        assert cli.main(["scan", "--root", profile_root("sriov-nic")]) == 0
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-
-
 def test_the_scan_command_ends_its_process_without_teardown_and_loses_no_output(tmp_path):
     """As a command (``python -m agent``, the ``sysdra`` script), scan leaves by ``os._exit``
     once its output is flushed: the whole output reaches a pipe and a file, the exit status
@@ -159,33 +136,3 @@ def test_a_named_command_parses_as_with_every_command_and_loads_no_other():
     assert helped.returncode == 0 and all(name in helped.stdout for name in cli.COMMANDS)
     wrong = subprocess.run([sys.executable, "-m", "agent", "scna"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "invalid choice: 'scna'" in wrong.stderr and "metadata" in wrong.stderr
-
-
-def test_the_parser_needs_no_shutil_and_formats_help_as_argparse_does(monkeypatch):
-    """argparse asks shutil for the terminal width in every add_argument; sysdra's formatter
-    finds the same width without it ($COLUMNS, else stdout's terminal, else 80)."""
-    with monkeypatch.context() as m:
-        m.setitem(sys.modules, "shutil", None)  # importing it now fails
-        for command in (None, *cli.COMMANDS):
-            cli.build_parser(command)
-    for columns in ("50", "132", None):
-        if columns is None:
-            monkeypatch.delenv("COLUMNS", raising=False)
-        else:
-            monkeypatch.setenv("COLUMNS", columns)
-        ours = _helps()
-        with monkeypatch.context() as m:
-            m.setattr(cli, "_Formatter", argparse.HelpFormatter)
-            theirs = _helps()
-        assert ours == theirs, columns
-    scan_help = subprocess.run([sys.executable, "-m", "agent", "scan", "--help"], cwd=REPO, capture_output=True,
-                               text=True, timeout=60, env={**os.environ, "COLUMNS": "60"})  # fmt: skip
-    assert scan_help.returncode == 0 and "--root ROOT" in scan_help.stdout
-    assert max(len(line) for line in scan_help.stdout.splitlines() if not line.startswith("  -o")) <= 58
-
-
-def _helps() -> list[str]:
-    """The help of sysdra and of each command."""
-    parser = cli.build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    return [parser.format_help()] + [commands[name].format_help() for name in cli.COMMANDS]

@@ -11,16 +11,15 @@ from discovery.devnodes import parse_dev, parse_proc_devices
 from discovery.gpu import parse_nvidia_information
 from discovery.models import NumaNode
 from discovery.numa import close_nodes, parse_cpulist
-from discovery.pci import _KERNEL_HEAD, _kernel_head, parse_bdf, parse_id, parse_uevent, split_sysfs_path, uevent_lines
+from discovery.pci import BDF_RE, parse_id, parse_uevent, split_sysfs_path
 from discovery.sysfs import AttrError, Dir, HostFS
 
 
-def test_parse_bdf_accepts_wide_domains():
-    assert parse_bdf("0000:1b:00.0") == ("0000", 0x1B, 0, 0)
-    assert parse_bdf("10000:02:00.7") == ("10000", 2, 0, 7)
+def test_pci_addresses_may_have_wide_domains():
+    assert BDF_RE.match("0000:1b:00.0").groups() == ("0000", "1b", "00", "0")
+    assert BDF_RE.match("10000:02:00.7").groups() == ("10000", "02", "00", "7")
     for bad in ("0000:1b:00.8", "000:1b:00.0", "0000:1B:00.0", "0000:00:01.0:pcie001", ""):
-        with pytest.raises(ValueError):
-            parse_bdf(bad)
+        assert BDF_RE.match(bad) is None, bad
 
 
 def test_parse_id():
@@ -34,72 +33,60 @@ _FIXTURE_UEVENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "fixtures/sysfs/*/sys/bus/pci/devices/*/uevent")
 
 
-def _uevent_texts(pattern: str = _FIXTURE_UEVENTS) -> list[str]:
-    """The PCI uevents a glob finds, as ``attrs`` hands them over (stripped)."""
-    texts = []
-    for path in sorted(glob.glob(pattern)):
-        with open(path, errors="replace") as f:
-            if "PCI_ID=" in (text := f.read().strip()):
-                texts.append(text)
-    return texts
+def _file(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
-def test_parse_uevent_reads_the_kernels_form_in_one_match():
-    """The kernel's own text (the fixtures' uevents) is taken by its head, matched once per
-    distinct head, and says what reading line by line says; so does this machine's, whatever
-    form its platform prints."""
-    texts = _uevent_texts()
-    assert len(texts) > 20
-    _kernel_head.cache_clear()
-    for text in texts:
-        head = text.partition("\nPCI_SLOT_NAME=")[0]
-        assert _KERNEL_HEAD.fullmatch(head), text
-        misses = _kernel_head.cache_info().misses
-        parse_uevent(text)
-        assert _kernel_head.cache_info().misses <= misses + 1  # the head was asked, once at most
-    assert _kernel_head.cache_info().currsize < len(texts)  # functions of one model and driver share a head
-    for text in texts + _uevent_texts("/sys/bus/pci/devices/*/uevent"):
-        assert list(parse_uevent(text).items()) == list(uevent_lines(text).items())
-    assert parse_uevent(texts[0].partition("\n")[2] if texts[0].startswith("DRIVER=") else texts[0])["driver"] is None
+def test_parse_uevent_says_what_the_attribute_files_say():
+    """Every fixture function's uevent gives the ids and class of its ``vendor``, ``device``,
+    ``class`` and ``subsystem_*`` files, and the driver its ``driver`` link names."""
+    paths = sorted(glob.glob(_FIXTURE_UEVENTS))
+    assert len(paths) > 20
+    for path in paths:
+        fields = parse_uevent(_file(path))
+        if not fields:
+            continue
+        fn_dir = os.path.dirname(path)
+        for name in ("vendor", "device", "subsystem_vendor", "subsystem_device"):
+            if (text := _file(f"{fn_dir}/{name}")) is not None:
+                assert fields[name] == parse_id(text), (path, name)
+        if (text := _file(f"{fn_dir}/class")) is not None:
+            assert fields["class"] == int(text, 16), path
+        link = f"{fn_dir}/driver"
+        assert fields["driver"] == (os.path.basename(os.readlink(link)) if os.path.islink(link) else None), path
 
 
-def test_parse_uevent_heads_table_is_bounded():
-    """The table of heads is bounded (an agent that sees ever new drivers or ids): the oldest
-    goes, and a head read again after that gives the same fields."""
-    _kernel_head.cache_clear()
-    size = _kernel_head.cache_info().maxsize
-    texts = [f"DRIVER=d{i}\nPCI_CLASS=20000\nPCI_ID=15B3:101E\nPCI_SUBSYS_ID=15B3:0041\n"
-             f"PCI_SLOT_NAME=0000:4f:01.{i % 8}\nMODALIAS=pci:v000015B3" for i in range(size + 1)]  # fmt: skip
-    first = [parse_uevent(t) for t in texts[:2]]
-    assert _kernel_head.cache_info().currsize == 2
-    assert parse_uevent(texts[-1])["driver"] == f"d{size}"
-    assert [parse_uevent(t)["driver"] for t in texts[2:-1]] == [f"d{i}" for i in range(2, size)]
-    assert _kernel_head.cache_info().currsize == size
-    misses = _kernel_head.cache_info().misses
-    assert [parse_uevent(t) for t in texts[:2]] == first == [uevent_lines(t) for t in texts[:2]]
-    assert _kernel_head.cache_info().misses == misses + 2  # both had gone
-    assert first[0]["vendor"] == "15b3" and first[0]["class"] == 0x20000
-    first[0]["vendor"] = "changed by the caller"  # the reader adds and replaces fields
-    assert parse_uevent(texts[0])["vendor"] == "15b3"
-    _kernel_head.cache_clear()
+_UEVENT = ("DRIVER=mlx5_core\nPCI_CLASS=20000\nPCI_ID=15B3:101E\nPCI_SUBSYS_ID=15B3:0041\n"
+           "PCI_SLOT_NAME=0000:4f:01.0\nMODALIAS=pci:v000015B3d0000101Esv000015B3sd00000041bc02sc00i00")
+_FIELDS = {"vendor": "15b3", "device": "101e", "subsystem_vendor": "15b3", "subsystem_device": "0041",
+           "class": 0x20000, "driver": "mlx5_core"}  # fmt: skip
 
 
-@pytest.mark.parametrize("change", [
-    ("PCI_ID=", "PCI_ID=zz"), ("PCI_CLASS=", "PCI_CLASS=1234567"), ("\nPCI_SLOT_NAME=", "\nPCI_ID=1111:2222\nPCI_SLOT_NAME="),
-    ("MODALIAS=pci:", "MODALIAS=x\x1ePCI_ID=3333:4444\x1e"), ("MODALIAS=pci:", "MODALIAS=x\u2028DRIVER=late\u2028"),
-    ("\n", "\r\n"), ("PCI_SUBSYS_ID=", "PCI_SUBSYS_ID=0x"), ("DRIVER=", "DRIVER=a/b\nX="), ("DRIVER=", "DRIVER=a b\nX="),
-    ("MODALIAS=", "OF_NAME=x\nMODALIAS="), ("PCI_SLOT_NAME", "pci_slot_name"),
-    ("PCI_SLOT_NAME=", "PCI_SLOT_NAME=a b\x85DRIVER=late "), ("PCI_SLOT_NAME=", "PCI_SLOT_NAME=a b "),
-    ("MODALIAS=pci:", "MODALIAS=pci:\tx"),
+@pytest.mark.parametrize("change,differs", [
+    (("DRIVER=mlx5_core\n", ""), {"driver": None}),  # no driver bound
+    # no ids: not a PCI uevent, so no driver either (the caller reads the files and the link)
+    (("PCI_ID=15B3:101E", "PCI_ID=zz"), {"vendor": ..., "device": ..., "driver": ...}),
+    (("PCI_CLASS=20000", "PCI_CLASS=1234567"), {"class": ...}),
+    (("\nPCI_SLOT_NAME=", "\nPCI_ID=1111:2222\nPCI_SLOT_NAME="), {"vendor": "1111", "device": "2222"}),  # the last wins
+    (("\n", "\r\n"), {}),
+    (("PCI_SUBSYS_ID=15B3:0041", "PCI_SUBSYS_ID=0x"), {"subsystem_vendor": ..., "subsystem_device": ...}),
+    (("DRIVER=mlx5_core", "DRIVER=a/b"), {"driver": None}),
+    (("DRIVER=mlx5_core", "DRIVER=a b"), {"driver": None}),
+    (("MODALIAS=", "OF_NAME=x\nMODALIAS="), {}),
+    (("PCI_SLOT_NAME", "pci_slot_name"), {}),
+    (("MODALIAS=pci:", "MODALIAS=x\nDRIVER=late\nX="), {"driver": "late"}),
 ])  # fmt: skip
-def test_parse_uevent_any_other_text_is_read_line_by_line(change):
-    """Texts off the kernel's form (repeated keys, other separators, lines the kernel does not
-    print, values that are no ids) give what the line-by-line reading gives."""
-    text = next(t for t in _uevent_texts() if t.startswith("DRIVER="))
-    parse_uevent(text)  # its head known: a changed tail must still be looked at
-    changed = text.replace(*change)
-    assert changed != text
-    assert list(parse_uevent(changed).items()) == list(uevent_lines(changed).items())
+def test_parse_uevent_takes_well_formed_fields_only(change, differs):
+    """Repeated keys, other line ends, lines the kernel does not print, values that are no
+    ids: only well-formed fields are taken (``...``: the field is left out), and ``driver``
+    only from a PCI uevent (None: no driver bound)."""
+    want = {k: v for k, v in {**_FIELDS, **differs}.items() if v is not ...}
+    assert parse_uevent(_UEVENT) == _FIELDS
+    assert parse_uevent(_UEVENT.replace(*change)) == want
 
 
 def test_split_sysfs_path_chain_and_vmd():
@@ -113,12 +100,7 @@ def test_split_sysfs_path_chain_and_vmd():
     # virtio-net is one level deeper but the PCI chain is unchanged
     assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:04.0") == ("pci0000:00", ())
     assert split_sysfs_path("/sys/bus/pci/devices/0000:00:04.0") == (None, ())
-    # the function's own (checked) address as the last component: the same answer
-    for path in ("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0",
-                 "/sys/devices/pci0000:17/0000:17:05.5/pci10000:00/10000:00:02.0/10000:01:00.0"):  # fmt: skip
-        assert split_sysfs_path(path, path.rpartition("/")[2]) == split_sysfs_path(path)
-        assert split_sysfs_path(path, "0000:ff:00.0") == split_sysfs_path(path)
-    assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:04.0/virtio1", "0000:00:04.0") == ("pci0000:00", ())
+    assert split_sysfs_path("/sys/devices/pci0000:00/0000:00:04.0/virtio1") == ("pci0000:00", ())
 
 
 def test_parse_dev_and_proc_devices():
@@ -185,7 +167,6 @@ def test_read_primitive_errors(tmp_path):
     (tmp_path / "file").write_text("x\n")
     assert fs.read_optional(str(tmp_path / "ok")) == "0x10de"
     assert fs.read_optional(str(tmp_path / "missing")) is None
-    assert fs.read_present(str(tmp_path / "missing")) is None
     for name in ("huge", "latin1", "empty", "nul", "fifo", "loop"):
         with pytest.raises(AttrError) as exc:
             fs.read_optional(str(tmp_path / name))
@@ -193,39 +174,31 @@ def test_read_primitive_errors(tmp_path):
     with pytest.raises(AttrError) as exc:  # a path through a file: ENOTDIR is no absence
         fs.read_optional(str(tmp_path / "file" / "speed"))
     assert exc.value.reason == "not a directory"
-    # several of a listed directory at once, by path and through the held directory: the same
-    # text or the same error (its path the file's), and what the listing lacks left out
+    # several of a directory at once, listed or not: the same text or the same error (its
+    # path the file's), and absent ones left out
     names = ("ok", "huge", "latin1", "empty", "nul", "fifo", "loop", "missing")
-    d = fs.list_dir(str(tmp_path))
-    fd = fs.open_dir(str(tmp_path))
-    try:
-        # by path, listed and through the held directory; unlisted (each name's type asked)
-        for how in ((d, None), (fs.list_dir(str(tmp_path), fd), fd), (Dir(str(tmp_path)), None)):
-            errors: dict = {}
-            assert fs.attrs(how[0], names, errors, how[1]) == {"ok": "0x10de"}
-            assert {name: err.reason for name, err in errors.items()} == {k: v for k, v in reasons.items() if k != "missing"}
-            assert all(err.path == str(tmp_path / name) for name, err in errors.items())
-    finally:
-        os.close(fd)
+    for d in (fs.list_dir(str(tmp_path)), Dir(str(tmp_path))):
+        values, errors = fs.read_attrs(d, names)
+        assert values == {"ok": "0x10de"}
+        assert {name: err.reason for name, err in errors.items()} == {k: v for k, v in reasons.items() if k != "missing"}
+        assert all(err.path == str(tmp_path / name) for name, err in errors.items())
     assert fs.link_name(str(tmp_path / "loop")) == "loop"
     # several links at once: the target's last name, or the error; absent ones left out
     os.symlink("..", tmp_path / "up")
     os.symlink("../devices/0000:01:00.0", tmp_path / "physfn")
     links = ("loop", "ok", "missing", "up", "physfn")
-    want = {"ok": "invalid (EINVAL)", "up": "odd link target '..'"}
-    fd = fs.open_dir(str(tmp_path))
-    try:
-        for how in ((fs.list_dir(str(tmp_path)), None), (Dir(str(tmp_path)), None), (fs.list_dir(str(tmp_path), fd), fd)):
-            errors = {}
-            got = fs.link_names(how[0], links, errors, how[1])
-            assert got == {"loop": "loop", "physfn": "0000:01:00.0"}
-            assert {n: e.reason for n, e in errors.items()} == want
-            assert all(e.path == str(tmp_path / n) for n, e in errors.items())
-    finally:
-        os.close(fd)
+    for d in (fs.list_dir(str(tmp_path)), Dir(str(tmp_path))):
+        found, errors = fs.link_names(d, links)
+        assert found == {"loop": "loop", "physfn": "0000:01:00.0"}
+        assert {n: e.reason for n, e in errors.items()} == {"ok": "invalid (EINVAL)", "up": "odd link target '..'"}
+        assert all(e.path == str(tmp_path / n) for n, e in errors.items())
     # what the listing lacks is not looked for
-    errors = {}
-    assert fs.link_names(Dir(str(tmp_path), {}, {}.keys()), links, errors) == {} and errors == {}
+    assert fs.link_names(Dir(str(tmp_path), {}), links) == ({}, {})
+    (tmp_path / "real").mkdir()
+    os.symlink("real", tmp_path / "to-real")
+    assert fs.list_dir(str(tmp_path / "real")).names is not None
+    with pytest.raises(AttrError):  # a listing is of a real directory, never through a symlink
+        fs.list_dir(str(tmp_path / "to-real"))
 
 
 def test_contains_rejects_escapes(tmp_path):

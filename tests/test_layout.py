@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 PACKAGES = ("agent", "discovery", "cdi")
 # Top-level agent modules every wing may import; they import no wing themselves.
-NEUTRAL = {"agent.settings", "agent.fsutil", "agent.deviceapi", "agent.protos"}
+NEUTRAL = {"agent.settings", "agent.fsutil", "agent.protos"}
 # Who may import whom among agent's wings (besides neutral modules and discovery/cdi).
 WING_DEPENDS = {
     "cli": {"service", "kubeletplugin", "prepare", "publish", "health", "tools"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import kubernetes_validate
 import pytest
@@ -155,13 +154,11 @@ def test_published_file_removed_by_someone_else_is_republished(tmp_path):
             pub.set_pool(pool_of(5))
             await pub.wait_synced(lambda p: p.total.created == 1)
             (path,) = list((tmp_path / "resourceslices").glob("*.json"))
-            t0 = time.monotonic()
             path.unlink()
-            await pub.wait_synced(lambda p: p.total.created == 2, timeout=5)
-            return time.monotonic() - t0, path.exists()
+            await pub.wait_synced(lambda p: p.total.created == 2, timeout=5)  # through the watch: no resync runs
+            return path.exists()
         finally:
             observer.stop()
             task.cancel()
 
-    elapsed, exists = run(scenario())
-    assert exists and elapsed < 1.0
+    assert run(scenario())

@@ -1,9 +1,8 @@
 """`sysdra run`'s start-up order, seen from inside a real agent process: the first slices are
 written before anything the kubelet side needs is even imported (gRPC, the kubelet plugin,
 health), nor pydantic (only claim configs need it; the settings are msgspec's), the YAML parser
-is not loaded for an empty config file nor prometheus_client without a metrics endpoint, the cyclic collector is
-paused until the first publish and back on once the agent runs, and the kubelet's
-registration socket appears only after the first publish."""
+is not loaded for an empty config file nor prometheus_client without a metrics endpoint, and the
+kubelet's registration socket appears only after the first publish."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import sys
 from tests.conftest import REPO, profile_root
 
 SCENARIO = r"""
-import gc, glob, json, os, signal, sys, threading, time
+import glob, json, os, signal, sys, threading, time
 
 from agent.publish import dirstore
 
@@ -31,7 +30,6 @@ def first_write(self, obj):
             "loaded": sorted(m for m in ("grpc", "yaml", "prometheus_client", "pydantic", "agent.kubeletplugin.plugin",
                                                   "agent.health", "agent.prepare.driver")
                              if m in sys.modules),
-            "gc_enabled": gc.isenabled(),
             "registration_socket": bool(glob.glob(os.path.join(registry, "*.sock"))),
         }
     return write(self, obj)
@@ -45,7 +43,7 @@ def stop_once_registered():
     while not glob.glob(os.path.join(registry, "*.sock")) and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)
-    seen["running"] = {"gc_enabled": gc.isenabled(), "grpc_loaded": "grpc" in sys.modules,
+    seen["running"] = {"grpc_loaded": "grpc" in sys.modules,
                        "prometheus_loaded": "prometheus_client" in sys.modules}
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -72,8 +70,7 @@ def test_first_publish_comes_before_the_kubelet_side_is_loaded(tmp_path):
     first = seen["at_first_slice"]
     assert first["loaded"] == [], f"loaded before the first publish: {first['loaded']}"
     assert first["registration_socket"] is False, "the kubelet could register before the first publish"
-    assert first["gc_enabled"] is False
-    assert seen["running"] == {"gc_enabled": True, "grpc_loaded": True, "prometheus_loaded": False}
+    assert seen["running"] == {"grpc_loaded": True, "prometheus_loaded": False}
 
 
 def test_sigterm_while_the_grpc_servers_start_stops_cleanly(tmp_path, monkeypatch):

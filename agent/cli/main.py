@@ -9,7 +9,6 @@ command build them all. Subcommand modules import what their command needs insid
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import os
 import sys
@@ -18,42 +17,10 @@ import sys
 COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
 
 
-def _help_width() -> int:
-    """The width help is formatted for, as argparse finds it (shutil.get_terminal_size less
-    two): $COLUMNS, else stdout's terminal, else 80."""
-    try:
-        columns = int(os.environ.get("COLUMNS", ""))
-    except ValueError:
-        columns = 0
-    if columns <= 0:
-        try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
-        except (AttributeError, ValueError, OSError):
-            columns = 0
-    return (columns or 80) - 2
-
-
-class _Formatter(argparse.HelpFormatter):
-    """argparse's formatter, the width found without shutil. argparse makes a formatter for
-    every add_argument (to check its metavar) and each asked shutil, whose import brings the
-    compression modules along: ~6.5 M instructions of every start, and an ioctl per flag."""
-
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
-        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
-
-
-class _Parser(argparse.ArgumentParser):
-    """The parser of ``sysdra`` and of its commands (subparsers are of their parent's class)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or of ``command`` alone (it parses that command's
     arguments as the whole parser does)."""
-    parser = _Parser(prog="sysdra", description="Kubernetes DRA node agent for GPUs, NICs, FPGAs and accelerators")
+    parser = argparse.ArgumentParser(prog="sysdra", description="Kubernetes DRA node agent for GPUs, NICs, FPGAs and accelerators")
     # prog given: argparse would otherwise format the main parser's usage line to make one
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="sysdra")
     for name in (command,) if command in COMMANDS else COMMANDS:
@@ -65,13 +32,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Run one command and return its exit status. ``own_process`` (the ``sysdra`` command):
     a command that asks for it (``quick_exit``, e.g. ``scan``) ends the process when done."""
     argv = sys.argv[1:] if argv is None else argv
-    was = gc.isenabled()
-    gc.disable()  # the subcommand modules' imports make no cycles; collecting them cost ~4 %
-    try:
-        parser = build_parser(argv[0] if argv else None)
-    finally:
-        if was:
-            gc.enable()
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         status = int(args.func(args) or 0)
@@ -91,10 +52,10 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 
 def _quick_exit(status: int) -> None:
-    """End a command that has written all it had to, without the interpreter's teardown: that
-    frees every object one by one (the large node's inventory and its JSON: ~35 M instructions,
-    ~14 ms of a ``sysdra scan -o json``) for a process that is about to end anyway. Only for commands
-    with no atexit work and no file left open; their output is flushed here."""
+    """End a command that has written all it had to, without the interpreter's teardown, which
+    would free a large node's inventory and its JSON object by object for a process that is
+    about to end anyway. Only for commands with no atexit work and no file left open; their
+    output is flushed here."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()

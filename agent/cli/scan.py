@@ -9,7 +9,7 @@ import sys
 import orjson
 
 from agent.cli import publishing
-from discovery.inventory import collector_paused, scan
+from discovery.inventory import scan
 from discovery.models import Inventory
 
 
@@ -80,11 +80,6 @@ def _nvml(args, settings):
 
 
 def run(args) -> int:
-    with collector_paused():  # the output's ~20,000 dicts and lists: no cycles either
-        return _run(args)
-
-
-def _run(args) -> int:
     # only -o slices loads the settings (config file and all); the others read no more than the flags
     settings = _settings(args) if args.output == "slices" else None
     list_attributes = settings.list_attributes if settings is not None else bool(args.list_attributes)

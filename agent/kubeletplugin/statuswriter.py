@@ -66,7 +66,7 @@ class _Pending:
 class StatusWriter:
     """Writes in the background, off the kubelet's reply path, in a few drain tasks (``slots``;
     not one task and timer per claim: hundreds of them waking every ``SETTLE`` took a fifth of
-    the loop while the kubelet's calls kept coming, docs/performance.md "Prepare").
+    the loop while the kubelet's calls kept coming).
 
     Per claim, the latest submitted state wins and at most one write is in flight: a later
     state (an unprepare's ``[]``) is written after the earlier one's write finished, never

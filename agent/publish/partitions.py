@@ -17,7 +17,6 @@ instance one. Counters alone keep that correct, so no groups are ever published 
 
 from __future__ import annotations
 
-from agent.deviceapi import device_api
 from agent.publish.validation import device_problems
 from discovery.attributes import quantity
 from discovery.gpuways import Way, current_mode, partitioning, quantity_bytes, way_device, ways
@@ -85,9 +84,9 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
         counter_sets.append({"name": set_name, "counters": {k: {"value": _q(k, v)} for k, v in totals.items()}})
         for way in gpu_ways:
             if way.kind == "whole":
-                e = dict(device_api(way_device(way)), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
+                e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
             else:
-                e = device_api(way_device(way))
+                e = way_device(way).to_api()
                 if problems := device_problems(e, driver_name, list_attributes):
                     rejected.append((way.name, "; ".join(problems)))
                     continue

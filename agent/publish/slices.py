@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from agent.apilimits import MAX_COUNTER_SETS, MAX_DEVICES, MAX_DEVICES_ADVANCED
-from agent.deviceapi import device_api
 from agent.publish import partitions as gpu_partitions
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
 from agent.publish.nodeops import grouped_slices
-from agent.publish.validation import CheckedValues, device_problems
+from agent.publish.validation import device_problems
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
@@ -151,7 +150,7 @@ def _pf_vf_counters(entries: list[dict], pf_of: dict[str, str | None], bdf_of: d
 
 
 def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict | None,
-           share: SharePlan | None = None, checked: CheckedValues | None = None) -> tuple[dict, list[str]]:
+           share: SharePlan | None = None) -> tuple[dict, list[str]]:
     """The device's API entry and validation problems; ``cache`` reuses them while the
     device object (discovery reuses unchanged ones), its taints and the settings are the same."""
     t = taints.get(device.name) if taints else None
@@ -160,12 +159,12 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
         hit = cache.get(device.name)
         if hit is not None and hit[0] is device and hit[1] == t and hit[2] == key:
             return hit[3], list(hit[4])
-    entry = shared_entry(device_api(device), device, share)
+    entry = shared_entry(device.to_api(), device, share)
     if device.pci.physfn:
         entry = _with_pf_attribute(entry, device.pci.physfn)
     if t:
         entry = {**entry, "taints": [dict(x) for x in t]}
-    problems = device_problems(entry, driver_name, list_attributes, checked)
+    problems = device_problems(entry, driver_name, list_attributes)
     if cache is not None:
         cache[device.name] = (device, t, key, entry, tuple(problems))
     return entry, problems
@@ -188,9 +187,8 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
     seen: set[str] = set()
     pf_of: dict[str, str | None] = {}
     bdf_of: dict[str, str] = {}
-    checked = CheckedValues()  # attribute values found valid in this pool
     for device in inventory.devices:
-        entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share, checked)
+        entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share)
         if device.name in seen:
             problems.append("device name used twice in the pool")
         if problems:

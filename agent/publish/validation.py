@@ -10,15 +10,12 @@ from __future__ import annotations
 import functools
 import re
 from fractions import Fraction
-from itertools import repeat
-
-from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
 
 from agent.apilimits import (MAX_ATTRIBUTE_VALUES, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_COUNTER_CONSUMPTIONS,
                              MAX_COUNTERS, MAX_DOMAIN_LENGTH, MAX_ID_LENGTH, MAX_VALID_VALUES, MAX_VALUE_LENGTH)
+from agent.names import is_label, is_subdomain
+from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # semver.org 2.0.0 grammar
 _SEMVER = re.compile(
@@ -27,64 +24,76 @@ _SEMVER = re.compile(
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
 _SCALAR_KEYS = ("int", "bool", "string", "version")
-_LIST_KEYS = ("ints", "bools", "strings", "versions")
 
 
-def is_dns_label(name: str) -> bool:
-    return len(name) <= 63 and bool(_DNS_LABEL.match(name))
-
-
-def is_dns_subdomain(name: str, max_len: int = 253) -> bool:
-    return len(name) <= max_len and bool(_DNS_SUBDOMAIN.match(name))
-
-
-@functools.lru_cache(maxsize=4096)  # a pool repeats the same few dozen names on every device
+# Cached: a pool of thousands of devices repeats the same few dozen names, and building the
+# first pool of a large node is what an agent's start waits for.
+@functools.lru_cache(maxsize=4096)
 def qualified_name_problem(key: str) -> str | None:
     """Why ``key`` is not a valid attribute/capacity name, or None."""
     if key.count("/") > 1:
         return f"name {key!r} has more than one '/'"
     domain, _, ident = key.rpartition("/")
-    if "/" in key and not is_dns_subdomain(domain, MAX_DOMAIN_LENGTH):
+    if "/" in key and not (len(domain) <= MAX_DOMAIN_LENGTH and is_subdomain(domain)):
         return f"name {key!r}: domain must be a DNS subdomain of at most {MAX_DOMAIN_LENGTH} characters"
     if len(ident) > MAX_ID_LENGTH or not _C_IDENTIFIER.match(ident):
         return f"name {key!r}: must be a C identifier of at most {MAX_ID_LENGTH} characters"
     return None
 
 
-def _value_problem(key: str, value: object) -> str | None:
-    if type(value) is dict and len(value) == 1:  # fast path for the common valid scalars
-        (kind, v), = value.items()
-        if kind == "string" and type(v) is str and (len(v) * 4 <= MAX_VALUE_LENGTH or len(v.encode()) <= MAX_VALUE_LENGTH):
-            return None
-        if kind == "int" and type(v) is int and -2**63 <= v < 2**63:
-            return None
-        if kind == "bool" and type(v) is bool:
-            return None
-    if not isinstance(value, dict) or len(value) != 1:
-        return f"attribute {key!r} must have exactly one value field"
-    (kind, v), = value.items()
-    items = v if kind in _LIST_KEYS else [v]
-    if kind in _LIST_KEYS and (not isinstance(v, list) or not v):
-        return f"attribute {key!r}: list must not be empty"
-    if kind not in _SCALAR_KEYS + _LIST_KEYS:
-        return f"attribute {key!r}: unknown value field {kind!r}"
-    for item in items:
-        if kind in ("string", "strings", "version", "versions"):
-            if not isinstance(item, str):
-                return f"attribute {key!r}: {kind} value must be a string"
-            if len(item.encode()) > MAX_VALUE_LENGTH:
-                return f"attribute {key!r}: value longer than {MAX_VALUE_LENGTH} bytes"
-            if kind.startswith("version") and not _SEMVER.match(item):
-                return f"attribute {key!r}: {item!r} is not a semantic version"
-        elif kind in ("int", "ints") and (isinstance(item, bool) or not isinstance(item, int) or not -2**63 <= item < 2**63):
-            return f"attribute {key!r}: not a 64-bit integer"
-        elif kind in ("bool", "bools") and not isinstance(item, bool):
-            return f"attribute {key!r}: not a boolean"
+def _string_problem(key: str, kind: str, item: object) -> str | None:
+    if not isinstance(item, str):
+        return f"attribute {key!r}: {kind} value must be a string"
+    if len(item.encode()) > MAX_VALUE_LENGTH:
+        return f"attribute {key!r}: value longer than {MAX_VALUE_LENGTH} bytes"
     return None
 
 
-@functools.lru_cache(maxsize=1024)  # devices of a kind have the same names: one check per set
-def _unique_names(keys: tuple[str, ...], driver: str) -> str | None:
+def _version_problem(key: str, kind: str, item: object) -> str | None:
+    if problem := _string_problem(key, kind, item):
+        return problem
+    return None if _SEMVER.match(item) else f"attribute {key!r}: {item!r} is not a semantic version"
+
+
+def _int_problem(key: str, kind: str, item: object) -> str | None:
+    if type(item) is not int or not -2**63 <= item < 2**63:  # a bool is no integer here
+        return f"attribute {key!r}: not a 64-bit integer"
+    return None
+
+
+def _bool_problem(key: str, kind: str, item: object) -> str | None:
+    return None if type(item) is bool else f"attribute {key!r}: not a boolean"
+
+
+# each value field -> the check of one value (of a list: of each item)
+_ITEM_PROBLEM = {"string": _string_problem, "version": _version_problem, "strings": _string_problem,
+                 "versions": _version_problem, "int": _int_problem, "ints": _int_problem,
+                 "bool": _bool_problem, "bools": _bool_problem}  # fmt: skip
+
+
+def _attribute_problem(key: str, value: object, list_attributes: bool) -> tuple[str | None, int]:
+    """(why the API server would reject the attribute, or None; how many values it counts)."""
+    if problem := qualified_name_problem(key):
+        return problem, 1
+    if not isinstance(value, dict) or len(value) != 1:
+        return f"attribute {key!r} must have exactly one value field", 1
+    (kind, v), = value.items()
+    item_problem = _ITEM_PROBLEM.get(kind)
+    if item_problem is None:
+        return f"attribute {key!r}: unknown value field {kind!r}", 1
+    if kind in _SCALAR_KEYS:
+        return item_problem(key, kind, v), 1
+    if not isinstance(v, list) or not v:
+        return f"attribute {key!r}: list must not be empty", 1
+    for item in v:
+        if problem := item_problem(key, kind, item):
+            return problem, 1
+    if not list_attributes:
+        return f"attribute {key!r} is a list but --list-attributes is off (the API would drop it)", 1
+    return None, len(v)
+
+
+def _unique_names(keys, driver: str) -> str | None:
     # "foo" is implicitly "<driver>/foo"; both spellings at once name the same thing twice
     seen: set[str] = set()
     for key in keys:
@@ -95,106 +104,52 @@ def _unique_names(keys: tuple[str, ...], driver: str) -> str | None:
     return None
 
 
-def _attribute_problem(key: str, value: object, list_attributes: bool) -> tuple[str | None, int]:
-    """(why the API server would reject the attribute, or None; how many values it counts)."""
-    problem = qualified_name_problem(key) or _value_problem(key, value)
-    if problem is None and not list_attributes and next(iter(value)) in _LIST_KEYS:
-        problem = f"attribute {key!r} is a list but --list-attributes is off (the API would drop it)"
-    if problem is None and next(iter(value)) in _LIST_KEYS:
-        return None, len(next(iter(value.values())))
-    return problem, 1
-
-
-class CheckedValues:
-    """Attribute values found valid while one pool is checked (one ``list_attributes``).
-    Discovery shares value objects between devices (a pool of 2,000 devices has a few
-    thousand distinct ones among ~40,000 entries), so each is checked once, by its id; the
-    value is held, so that its id cannot be reused meanwhile. A value found invalid is not
-    kept: every device holding it is checked in full and reports it."""
-
-    __slots__ = ("valid", "list_counts")
-
-    def __init__(self) -> None:
-        self.valid: dict[int, object] = {}
-        self.list_counts: dict[int, int] = {}  # of the valid list values: how many values each counts
-
-
-@functools.lru_cache(maxsize=1024)  # devices of a kind have the same names: one check per set
-def _names_valid(keys: tuple[str, ...], driver: str) -> bool:
-    return _unique_names(keys, driver) is None and not any(map(qualified_name_problem, keys))
-
-
-def _values_valid(values, checked: CheckedValues, list_attributes: bool) -> int | None:
-    """How many values ``values`` (a device's attribute values) count when every one of them
-    is valid, else None. Values not met before in this pool are checked and remembered."""
-    valid = checked.valid
-    ids = list(map(id, values))
-    if new := set(ids).difference(valid):
-        for i, value in zip(ids, values):
-            if i not in new:
-                continue
-            if _value_problem("", value) is not None:  # its message, with the key, comes from the full check
-                return None
-            if next(iter(value)) in _LIST_KEYS:
-                if not list_attributes:
-                    return None
-                checked.list_counts[i] = len(next(iter(value.values())))
-            valid[i] = value
-    if not checked.list_counts:
-        return len(ids)
-    return sum(map(checked.list_counts.get, ids, repeat(1)))  # a list value: its count, else 1
-
-
-def device_problems(device: dict, driver: str, list_attributes: bool, checked: CheckedValues | None = None) -> list[str]:
-    """Everything the API server would reject about one ``spec.devices[]`` entry.
-
-    ``checked``: kept by the caller while it checks one pool (same ``list_attributes``), so
-    that each distinct value is checked once. A device whose names and values are all valid
-    is settled by set operations on their ids; any other is checked entry by entry, which
-    names every problem in the order of its attributes."""
+def device_problems(device: dict, driver: str, list_attributes: bool) -> list[str]:
+    """Everything the API server would reject about one ``spec.devices[]`` entry, in the
+    order of its attributes and capacities."""
     problems: list[str] = []
     name = device.get("name", "")
-    if not is_dns_label(name):
+    if not is_label(name):
         problems.append(f"device name {name!r} is not a DNS label (lower-case, <= 63 characters)")
     attributes = device.get("attributes") or {}
     capacity = device.get("capacity") or {}
     if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
         problems.append(f"{len(attributes) + len(capacity)} attributes and capacities, at most {MAX_ATTRIBUTES_AND_CAPACITIES}")
-    keys = tuple(attributes)
-    values = None
-    if _names_valid(keys, driver):
-        values = _values_valid(attributes.values(), checked if checked is not None else CheckedValues(), list_attributes)
-    if values is None:
-        values = 0
-        for key, value in attributes.items():
-            problem, count = _attribute_problem(key, value, list_attributes)
-            if problem:
-                problems.append(problem)
-            else:
-                values += count
+    values = 0
+    for key, value in attributes.items():
+        problem, count = _attribute_problem(key, value, list_attributes)
+        if problem:
+            problems.append(problem)
+        else:
+            values += count
     if values > MAX_ATTRIBUTE_VALUES:
         problems.append(f"{values} attribute values, at most {MAX_ATTRIBUTE_VALUES}")
     multiple = device.get("allowMultipleAllocations") is True
     for key, cap in capacity.items():
-        problem = qualified_name_problem(key)
-        if problem is None:
-            try:
-                value = parse_quantity(cap.get("value") if isinstance(cap, dict) else None)
-            except ValueError:
-                problem = f"capacity {key!r}: {cap!r} is not a quantity"
-        if problem is None and cap.get("requestPolicy") is not None:
-            if not multiple:
-                problem = f"capacity {key!r}: requestPolicy: allowMultipleAllocations must be true"
-            elif found := policy_problems(cap["requestPolicy"], value):
-                problem = f"capacity {key!r}: requestPolicy: " + "; ".join(found)
-        if problem:
+        if problem := _capacity_problem(key, cap, multiple):
             problems.append(problem)
-    for problem in (_unique_names(keys, driver), _unique_names(tuple(capacity), driver) if capacity else None):
+    for problem in (_unique_names(attributes, driver), _unique_names(capacity, driver)):
         if problem:
             problems.append(problem)
     if consumptions := device.get("consumesCounters"):
         problems.extend(_consumption_problems(consumptions))
     return problems
+
+
+def _capacity_problem(key: str, cap: object, multiple: bool) -> str | None:
+    if problem := qualified_name_problem(key):
+        return problem
+    try:
+        value = parse_quantity(cap.get("value") if isinstance(cap, dict) else None)
+    except ValueError:
+        return f"capacity {key!r}: {cap!r} is not a quantity"
+    if cap.get("requestPolicy") is None:
+        return None
+    if not multiple:
+        return f"capacity {key!r}: requestPolicy: allowMultipleAllocations must be true"
+    if found := policy_problems(cap["requestPolicy"], value):
+        return f"capacity {key!r}: requestPolicy: " + "; ".join(found)
+    return None
 
 
 def _milli(q: Fraction) -> bool:
@@ -266,6 +221,6 @@ def _consumption_problems(consumptions: list[dict]) -> list[str]:
         problems.append("consumes the same counter set twice")
     for c in consumptions:
         counters = c.get("counters") or {}
-        if not is_dns_label(c.get("counterSet", "")) or len(counters) > MAX_COUNTERS:
+        if not is_label(c.get("counterSet", "")) or len(counters) > MAX_COUNTERS:
             problems.append(f"bad counter consumption {c!r}")
     return problems

@@ -94,7 +94,6 @@ class Agent:
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
-        self._gc_pause = heap.StartupPause()  # no cyclic collections until the first publish
 
     # --- inventory -> pool ---------------------------------------------------------------
     def _pool_for(self, inventory) -> PoolContent:
@@ -181,7 +180,6 @@ class Agent:
         with contextlib.suppress(asyncio.TimeoutError):
             await self.publisher.wait_synced(timeout=wait)
         heap.trim()
-        self._gc_pause.resume()
 
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
@@ -285,8 +283,6 @@ class Agent:
 
     async def _serve(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> None:
         loop = asyncio.get_running_loop()
-        self._gc_pause.pause()
-        started.callback(self._gc_pause.resume)  # whatever stops the start-up
         status_path = status_socket_path(self.settings)
         status_server = StatusServer(self.board, status_path)
         try:

@@ -1,40 +1,20 @@
-"""The running agent's heap: no cyclic collections while it starts, freed heap handed back.
+"""The running agent's heap: freed memory handed back to the OS.
 
-Start-up builds the whole inventory and pool (~100,000 objects that all live on), so
-Python's generational collector would traverse them again and again (~50 ms on the large
-benchmark node before the first publish) and find almost nothing: the daemon pauses it
-from the start until the first publish, then collects once and trims.
+A full scan and the pool built from it leave most of their objects as garbage once the next
+inventory replaces them; glibc keeps that memory in its arenas, so an idle agent would hold
+its peak for good.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 
 def trim() -> None:
     """Collect, then hand freed heap back to the OS (glibc keeps it in its arenas otherwise)."""
-    import ctypes  # here: the first trim comes after the first publish, ~3 ms of every start before it
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-class StartupPause:
-    """``pause()`` the cyclic collector, ``resume()`` it (idempotent, and only if this pause
-    turned it off: a caller that had disabled it keeps it disabled)."""
-
-    def __init__(self):
-        self._paused = False
-
-    def pause(self) -> None:
-        if gc.isenabled():
-            gc.disable()
-            self._paused = True
-
-    def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            gc.enable()

@@ -4,9 +4,9 @@ Two users: ``sysdra record`` learns from it what to copy into a fixture tree, an
 ``bench/bench_scan.py`` replays exactly these operations as the floor a scan is measured
 against. So every operation discovery uses is traced under its own name: ``open``,
 ``scandir`` (a listing with entry types), ``listdir``, ``readlink``, ``stat``, ``lstat``.
-A directory discovery holds open to work in it (``HostFS.open_dir``) is traced as
-``opendir`` ... ``closedir``; the operations made relative to it carry an ``@`` (``open@``,
-``readlink@``, ``scandir@``). Every traced path is the whole host path.
+A directory opened to work in it (``HostFS.list_dir`` lists a real directory through
+its descriptor) is traced as ``opendir`` ... ``closedir``; the operations made relative to it
+carry an ``@`` (``scandir@``). Every traced path is the whole host path.
 """
 
 from __future__ import annotations

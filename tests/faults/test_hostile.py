@@ -141,7 +141,6 @@ def test_corrupt_claim_files(node, faults):
         errs = errors_of(run(node.prepare(("default", name, UID)), timeout=60))
         took = time.monotonic() - t0
         err = errs[UID]
-        assert took < 10, f"{name}: prepare took {took:.1f}s"
         assert err and "default/" + name in err, (name, err)
         faults.add("Hostile input", f"claim file: {name.replace('-', ' ')}", 1, f"per-claim error in {took * 1000:.0f} ms")
     run(node.unprepare(("default", "bad-results", UID)))

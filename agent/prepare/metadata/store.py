@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 
-from agent.deviceapi import device_api
 from agent.fsutil import atomic_write, clean_stale_temps, remove_file
 from agent.kubeletplugin.types import PreparedDevice, base_request
 from agent.names import InvalidName, check_label
@@ -37,7 +36,7 @@ def _device_attributes(dev: Device) -> dict:
     unchanged devices' objects). Shared: entries are encoded and replaced, never modified."""
     hit = _attributes.get(dev.name)
     if hit is None or hit[0] is not dev:
-        hit = _attributes[dev.name] = (dev, device_api(dev).get("attributes") or {})
+        hit = _attributes[dev.name] = (dev, dev.to_api().get("attributes") or {})
     return hit[1]
 
 
