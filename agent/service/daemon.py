@@ -21,6 +21,7 @@ from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketErro
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, sdnotify, startup
 from agent.service.logs import setup_logging
+from agent.service.reload import REPUBLISH_SETTINGS, changes as setting_changes
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
@@ -48,15 +49,6 @@ def make_store(settings: Settings):
     return KubeStore(client, node_name=settings.node_name, driver_name=settings.driver_name), client
 
 
-# Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
-LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
-                           "skip_node_operations"})
-# Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
-REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
-                                "skip_node_operations"})
-
-
 class Agent:
     def __init__(self, settings: Settings, scan: Callable[[Settings], object] = default_scan, store=None,
                  metrics=None):
@@ -74,12 +66,14 @@ class Agent:
                                    observer=PublishObserver(self))
         self.debouncer: Debouncer | None = None
         self.health = None  # agent.health.HealthMonitor once the kubelet plugin runs
+        self._health_task: asyncio.Task | None = None  # its verdicts to status, metrics and taints
         self.inventory = None
         self.pool: PoolContent | None = None
         self.rescans = 0
         self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
         self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
         self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
+        self._scanning = asyncio.Lock()
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
@@ -115,7 +109,8 @@ class Agent:
         """Scan again (only the ``changed`` PCI functions, None = a full scan); hand the
         publisher a new pool only if what we publish changed."""
         self.rescans += 1
-        inventory = await asyncio.to_thread(self._scan, changed)
+        async with self._scanning:  # one scan at a time: events, resyncs and prepare's mode switches all ask
+            inventory = await asyncio.to_thread(self._scan, changed)
         self.inventory = inventory  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
@@ -140,19 +135,24 @@ class Agent:
         self.publisher.set_pool(pool, changed_at=changed_at if changed_at is not None else time.monotonic())
         return True
 
-    async def _follow_health(self) -> None:
-        """After every health round: status board, metrics, and (with --taint-unhealthy) taints."""
+    def _follow_health(self) -> None:
+        """Subscribe to the health monitor before its first round, so that round's verdicts
+        reach the status board, metrics and (with --taint-unhealthy) the slices at once."""
         sub = self.health.subscribe()
-        try:
-            while not sub.closed:
-                await sub.event.wait()
-                sub.event.clear()
-                if self.inventory is not None:
-                    self.board.set_inventory(self.inventory, health=self.health_states())
-                if self.settings.taint_unhealthy:
-                    self._republish()
-        finally:
-            self.health.unsubscribe(sub)
+
+        async def follow() -> None:
+            try:
+                while not sub.closed:
+                    await sub.event.wait()
+                    sub.event.clear()
+                    if self.inventory is not None:
+                        self.board.set_inventory(self.inventory, health=self.health_states())
+                    if self.settings.taint_unhealthy:
+                        self._republish()
+            finally:
+                self.health.unsubscribe(sub)
+
+        self._health_task = asyncio.get_running_loop().create_task(follow(), name="health-follow")
 
     async def _periodic_rescan(self) -> None:
         while self.settings.resync_interval:
@@ -161,14 +161,21 @@ class Agent:
             self.publisher.request_sync()  # also repair drift nobody told us about
 
     async def _first_publish(self, wait: float = 1.0) -> None:
-        """Let the first slices go out before the watchers and the kubelet side start (on a
-        large node, setting up file watches alone takes ~0.5 s). A store that does not answer
-        within ``wait`` seconds (API server down) does not hold them up. Then the garbage of
-        building and writing the pool goes back to the OS."""
+        """Let the first slices go out before the kubelet side starts. A store that does not
+        answer within ``wait`` seconds (API server down) does not hold it up. Then the garbage
+        of building and writing the pool goes back to the OS."""
         with contextlib.suppress(asyncio.TimeoutError):
             await self.publisher.wait_synced(timeout=wait)
         heap.trim()
         self._gc_pause.resume()
+
+    def _watch_slices(self, started: contextlib.AsyncExitStack, tasks: list[asyncio.Task]) -> None:
+        """Someone else's change to our slices (the kubelet's wipe, another writer) asks the
+        publisher for a sync: file events on the offline dir, a watch on the API."""
+        if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
+            started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
+        elif hasattr(self.store, "watch"):
+            tasks.append(asyncio.get_running_loop().create_task(watch_api(self.store, self.publisher), name="slice-watch"))
 
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
@@ -190,6 +197,7 @@ class Agent:
         self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings), status)
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
+        self._follow_health()
         await self.health.start()
         if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
@@ -235,14 +243,12 @@ class Agent:
     def reload(self, new: Settings) -> None:
         """Apply the settings that can change live; say which ones need a restart."""
         old = self.settings
-        changed = {k for k in Settings.__struct_fields__ if getattr(old, k) != getattr(new, k)}
-        if not changed:
+        live, restart = setting_changes(old, new)
+        if not live and not restart:
             log.info("SIGHUP: configuration unchanged")
             return
-        restart = sorted(changed - LIVE_SETTINGS)
         if restart:
             log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
-        live = {k: getattr(new, k) for k in changed & LIVE_SETTINGS}
         if "skip_node_operations" in live and self._node_operations(new.skip_node_operations) != new.skip_node_operations:
             del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
         if not live:
@@ -293,24 +299,27 @@ class Agent:
             started.push_async_callback(self._client.close)
         if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
             self.settings = self.settings.replace(skip_node_operations=ops)
-        if not await startup.unless_stopped(stop, self.rescan()):
-            return
+        # Every event source is armed before the first scan, so no change between that scan and
+        # the watchers is lost: hardware events wait in the held debouncer until the scan is
+        # done, slice events (the kubelet may wipe our slices right after registering us) only
+        # ask the publisher for a sync.
         tasks: list[asyncio.Task] = []
         started.push_async_callback(startup.cancel_all, tasks)
+        self._watch_slices(started, tasks)
+        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
+                                               with_changes=True, held=True)
+        started.callback(debouncer.cancel)
+        watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
+        started.callback(watcher.stop)
+        if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (a thread arms file watches)
+            return
+        if not await startup.unless_stopped(stop, self.rescan()):
+            return
+        debouncer.release()  # what changed since the watchers were armed is re-read now
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(self._periodic_rescan(), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
             return
-        if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
-            started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
-        elif hasattr(self.store, "watch"):
-            tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
-        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
-                                               with_changes=True)
-        started.callback(debouncer.cancel)
-        watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
-        watcher.start(loop)
-        started.callback(watcher.stop)
         started.push_async_callback(self._stop_kubelet_side)
         # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
         if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):
@@ -318,7 +327,6 @@ class Agent:
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         tasks.append(loop.create_task(self._report_status(), name="sd-status"))
-        tasks.append(loop.create_task(self._follow_health(), name="health-follow"))
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)
@@ -331,6 +339,10 @@ class Agent:
         if self.health is not None:
             with contextlib.suppress(Exception):
                 await self.health.stop()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
         if self.kubelet_plugin is not None:
             with contextlib.suppress(Exception):
                 await self.kubelet_plugin.stop()
