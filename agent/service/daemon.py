@@ -170,8 +170,8 @@ class Agent:
         self._gc_pause.resume()
 
     def _watch_slices(self, started: contextlib.AsyncExitStack, tasks: list[asyncio.Task]) -> None:
-        """Someone else's change to our slices (the kubelet's wipe, another writer) asks the
-        publisher for a sync: file events on the offline dir, a watch on the API."""
+        """Someone else's change to our slices (the kubelet's wipe) asks for a sync: file events
+        on the offline dir, a watch on the API."""
         if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
             started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
         elif hasattr(self.store, "watch"):
@@ -299,10 +299,11 @@ class Agent:
             started.push_async_callback(self._client.close)
         if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
             self.settings = self.settings.replace(skip_node_operations=ops)
-        # Every event source is armed before the first scan, so no change between that scan and
-        # the watchers is lost: hardware events wait in the held debouncer until the scan is
-        # done, slice events (the kubelet may wipe our slices right after registering us) only
-        # ask the publisher for a sync.
+        # No change between the first scan and the watchers is lost (docs/architecture.md, "Start-up
+        # order"): sources that arm at once (uevents, slice watches) are armed before the scan and
+        # their hardware events wait in the held debouncer until it is done; a fixture tree's file
+        # watch (it walks every directory) is armed after the first publish, then one full rescan
+        # covers what changed before it.
         tasks: list[asyncio.Task] = []
         started.push_async_callback(startup.cancel_all, tasks)
         self._watch_slices(started, tasks)
@@ -311,7 +312,7 @@ class Agent:
         started.callback(debouncer.cancel)
         watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         started.callback(watcher.stop)
-        if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (a thread arms file watches)
+        if watcher.arms_at_once and not await startup.unless_stopped(stop, watcher.start(), cancel=False):
             return
         if not await startup.unless_stopped(stop, self.rescan()):
             return
@@ -320,6 +321,10 @@ class Agent:
                   loop.create_task(self._periodic_rescan(), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
             return
+        if not watcher.arms_at_once:
+            if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (in a worker thread)
+                return
+            debouncer.trigger()  # a full rescan: what changed between the first scan and the watch
         started.push_async_callback(self._stop_kubelet_side)
         # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
         if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):

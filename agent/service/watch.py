@@ -145,8 +145,8 @@ class FileWatch:
     ``loop`` for every change, the moved entry's old and new path for a move, the watched root
     itself when the kernel's queue overflowed (events were lost: look at everything).
 
-    Arming walks the tree (~0.5 s on the 10,000-directory benchmark node), so the daemon makes
-    one in a worker thread. ``complete`` is False when a tree could not be watched (the user's
+    Arming walks the tree (one to a few seconds of a core on the 10,000-directory benchmark
+    node), so the daemon makes one in a worker thread. ``complete`` is False when a tree could not be watched (the user's
     inotify watch limit): its changes are then seen only by the periodic rescan."""
 
     def __init__(self, paths: list[str], callback: Callable[[str], None], recursive: bool = True,
@@ -210,11 +210,16 @@ class HardwareWatcher:
         self._udev: UdevSource | None = None
         self._observer = None
 
+    @property
+    def arms_at_once(self) -> bool:
+        """Whether ``start`` is instant (a netlink socket), or walks a tree (a fixture root's
+        file watch: seconds on a 10,000-directory node, in a worker thread)."""
+        return os.path.abspath(self.root) == "/"
+
     async def start(self) -> None:
-        """Arm the event source; from now on every change reaches the debouncer (the tree walk
-        of a file watch runs in a worker thread, the loop goes on meanwhile)."""
+        """Arm the event source; from now on every change reaches the debouncer."""
         loop = asyncio.get_running_loop()
-        if os.path.abspath(self.root) == "/":
+        if self.arms_at_once:
             try:
                 udev = UdevSource(lambda device: self._event(udev.source, _device_bdf(device)))
                 udev.start(loop)
