@@ -163,3 +163,36 @@ def test_the_first_health_round_reaches_status_and_taints(tmp_path, monkeypatch)
 
     by_health = asyncio.run(scenario())
     assert not by_health.get("unknown"), by_health
+
+
+def test_a_wipe_through_the_api_while_held_is_republished(apiserver, tmp_path, monkeypatch):
+    """API mode, held after the first publish: the kubelet's wipe of our slices (as it does on
+    registration) is seen by the slice watch, armed before the first scan, and repaired."""
+    from tests.inventory_factory import inventory
+    from tests.test_apiserver_publish import Node
+
+    node = Node(apiserver, tmp_path)
+    monkeypatch.setenv("KUBECONFIG", node.kubeconfig)
+    settings = Settings(root=str(tmp_path), node_name=node.name, cluster="kube", debounce=0.05, resync_interval=0,
+                        kubelet_dir=str(tmp_path / "kubelet"), cdi_dir=str(tmp_path / "cdi"), metrics_address="")
+
+    async def scenario():
+        hold = Hold(monkeypatch, "_first_publish")
+        agent = Agent(settings, scan=lambda s: inventory(130))
+        agent.start_kubelet_plugin = _no_plugin
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(agent.run(stop))
+        try:
+            await asyncio.wait_for(hold.reached.wait(), PATIENCE)
+            assert await asyncio.to_thread(node.wipe_as_kubelet) == 2
+            hold.released.set()
+            deadline = time.monotonic() + PATIENCE
+            while len(await asyncio.to_thread(node.slices)) != 2:  # (the API is read off the agent's loop)
+                assert time.monotonic() < deadline, "the wiped slices were not created again"
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, PATIENCE)
+
+    asyncio.run(scenario())
+    assert {o["spec"]["pool"]["generation"] for o in node.slices()} == {2}
