@@ -11,155 +11,20 @@ import re
 import socket
 from typing import Any, Literal
 
-import msgspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from agent.names import is_subdomain
 
 EX_CONFIG = 78
 DEFAULT_CONFIG_FILE = "/etc/sysdra/config.yaml"
-# The words a boolean setting may be written as (flags, SYSDRA_*, YAML strings), any case.
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
-class ConfigError(Exception):
+class ConfigError(ValueError):
     """A bad setting; ``str()`` names it. The CLI exits with EX_CONFIG."""
 
 
 def _default_node_name() -> str:
     return os.environ.get("NODE_NAME") or socket.gethostname()
-
-
-class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The agent's settings: typed and checked once, then read-only. :meth:`of` builds them
-    from outside values (strings from flags and the environment, YAML values), converting
-    each to its field's type; every constructor runs the checks in ``__post_init__``.
-
-    msgspec rather than pydantic: this is the first thing ``sysdra run`` loads, and pydantic
-    and the model cost ~100 ms of each start (docs/performance.md, "First publish")."""
-
-    root: str = "/"
-    node_name: str = msgspec.field(default_factory=_default_node_name)
-    driver_name: str = "sysdra.io"
-    kubelet_dir: str = "/var/lib/kubelet"
-    cdi_dir: str = "/var/run/cdi"
-    cluster: str = "kube"  # "kube" or "dir:PATH"
-    list_attributes: bool = False
-    resync_interval: float = 300.0  # seconds between full rescans
-    debounce: float = 0.25  # seconds to wait for a burst of hardware events to settle
-    rolling_update_uid: str | None = None
-    device_metadata: bool = True
-    # Write status.devices (Ready condition, data, networkData) of prepared claims (docs/cluster-integration.md).
-    claim_status: bool = True
-    log_format: Literal["text", "json"] = "text"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    metrics_address: str = "127.0.0.1:9478"  # "" disables
-    status_socket: str | None = None  # default <plugin dir>/status.sock
-    health_interval: float = 10.0  # seconds between health re-checks / resends (<= 10)
-    # Publish per-PF shared counters so a PF and its VFs are never allocated together;
-    # needs the DRAPartitionableDevices feature gate on the cluster (docs/attributes.md "SR-IOV").
-    pf_vf_exclusive: bool = False
-    # Publish unhealthy devices with a NoSchedule DeviceTaint sysdra.io/unhealthy (docs/health.md).
-    taint_unhealthy: bool = False
-    # GPU partitions as devices with shared counters; compatibility groups need the cluster's
-    # DRADeviceCompatibilityGroups gate (docs/partitions.md). Seconds a mode switch may take.
-    partitions: bool = False
-    compatibility_groups: bool = False
-    partition_switch_timeout: float = 60.0
-    # Device kinds published for sharing (consumable capacity) and their capacity policies;
-    # checked by agent.publish.sharing.share_plan at start (docs/sharing.md).
-    share: tuple[Literal["gpu", "nic"], ...] = ()
-    share_policies: dict[str, Any] = msgspec.field(default_factory=dict)
-    # KEP-5945 (alpha): device kind -> node operations the kubelet may skip for its devices,
-    # e.g. {"accelerator": ["*"]} (docs/cluster-integration.md); upstream's rule is enforced.
-    skip_node_operations: dict[str, list[str]] = msgspec.field(default_factory=dict)
-    # NVIDIA (docs/nvidia.md): where the user-space driver is installed on the host (a host path,
-    # read under root), whether to ask NVML for GPU facts, and whether to use the node's own
-    # NVIDIA CDI spec (nvidia-ctk cdi generate) instead of putting the driver in our specs.
-    # Publish the NICs of the host's default routes (and their bonds' slaves, bridges' ports, VFs)
-    # too; off: the node's uplink is never allocatable (docs/networking.md).
-    publish_uplink: bool = False
-    nvidia_driver_root: str = "/"
-    # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
-    # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path
-    # when a runtime runs containers "on" that tree (tests, demos).
-    cdi_host_root: str = "/"
-    nvml: bool = True
-    # XIDs of an application's own errors: an NVML XID event with one of them is not a GPU fault.
-    nvidia_ignored_xids: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
-    nvidia_cdi_spec: bool = False
-    # With --share gpu: the shares of an NVIDIA GPU are clients of an MPS control daemon the agent
-    # runs for that GPU, so their limits are enforced (docs/sharing.md); false: accounting only.
-    nvidia_mps: bool = True
-
-    @classmethod
-    def of(cls, values: dict[str, Any]) -> Settings:
-        """Settings from outside values, each converted to its field's type (``"0.5"`` to a
-        float, ``"true"``/``"no"`` to a bool, ``"gpu,nic"`` to a tuple); ConfigError names
-        the first bad one."""
-        try:
-            return msgspec.convert(_before(values), cls, strict=False)
-        except msgspec.ValidationError as err:
-            raise ConfigError(f"invalid setting {_message(str(err), values)}") from None
-
-    def replace(self, **changes: Any) -> Settings:
-        """A copy with ``changes`` (typed values), checked like a new one."""
-        return msgspec.structs.replace(self, **changes)
-
-    def __post_init__(self) -> None:
-        for name, check in _CHECKS:
-            value = getattr(self, name)
-            try:
-                checked = check(value)
-            except ValueError as err:
-                raise ValueError(f"{name.replace('_', '-')}: {err}") from None
-            if checked is not value:
-                msgspec.structs.force_setattr(self, name, checked)  # normalised: absolute paths
-
-    # --- derived paths ----------------------------------------------------------
-    @property
-    def cluster_dir(self) -> str | None:
-        return self.cluster[4:] if self.cluster.startswith("dir:") else None
-
-    @property
-    def plugin_dir(self) -> str:
-        return os.path.join(self.kubelet_dir, "plugins", self.driver_name)
-
-    @property
-    def registry_dir(self) -> str:
-        return os.path.join(self.kubelet_dir, "plugins_registry")
-
-
-def _before(values: dict[str, Any]) -> dict[str, Any]:
-    """The spellings a field's type does not take as they are: boolean words, a comma
-    list for ``share``, YAML text for ``skip_node_operations`` (from SYSDRA_*)."""
-    out = dict(values)
-    for name, value in values.items():
-        if isinstance(value, str) and name in _BOOLS:
-            word = value.strip().lower()
-            out[name] = True if word in _TRUE else False if word in _FALSE else value
-        elif name == "share" and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
-            out[name] = [x.strip() for x in value.split(",") if x.strip()]
-        elif name == "skip_node_operations" and isinstance(value, str):  # '{accelerator: ["*"]}'
-            import yaml
-
-            try:
-                out[name] = yaml.safe_load(value) or {}
-            except yaml.YAMLError as err:
-                raise ConfigError(f"invalid setting skip-node-operations: not a YAML mapping: {err}") from None
-    return out
-
-
-def _message(text: str, values: dict[str, Any]) -> str:
-    """msgspec's ``Expected `float`, got `str` - at `$.debounce``` -> ``debounce: expected
-    float, got str 'soon'``; a check's own message already starts with the setting's name."""
-    what, sep, where = text.rpartition(" - at `$.")
-    if not sep:
-        if text.startswith("Object contains unknown field"):
-            return text.rpartition(" ")[2].strip("`").replace("_", "-") + ": no such setting"
-        return text
-    name = re.split(r"[.\[`]", where, maxsplit=1)[0]
-    given = f" {values[name]!r}"[:80] if what.startswith("Expected") and isinstance(values.get(name), str) else ""
-    return f"{name.replace('_', '-')}: {what[:1].lower()}{what[1:].replace('`', '')}{given}"
 
 
 def _absolute(v: str) -> str:
@@ -219,13 +84,6 @@ def _uid(v: str | None) -> str | None:
     return v
 
 
-def _host_path(v: str) -> str:
-    """A host path (read under root, not resolved here: it names a directory of the host)."""
-    if not v.startswith("/") or "\x00" in v or len(v) > 4096:
-        raise ValueError(f"{v!r} is not an absolute path")
-    return os.path.normpath(v)
-
-
 def _share(v: tuple[str, ...]) -> tuple[str, ...]:
     if len(set(v)) != len(v):
         raise ValueError("names a kind twice")
@@ -244,17 +102,183 @@ def _skip(v: dict[str, list[str]]) -> dict[str, list[str]]:
     return v
 
 
-_CHECKS = (
-    ("root", _root), ("kubelet_dir", _absolute), ("cdi_dir", _absolute), ("driver_name", _driver),
-    ("node_name", _node), ("cluster", _cluster), ("resync_interval", _non_negative), ("debounce", _non_negative),
-    ("health_interval", _health), ("rolling_update_uid", _uid), ("partition_switch_timeout", _switch_timeout),
-    ("share", _share), ("skip_node_operations", _skip), ("nvidia_driver_root", _host_path), ("cdi_host_root", _host_path),
-)  # fmt: skip
-_BOOLS = frozenset(f.name for f in msgspec.structs.fields(Settings) if f.type is bool)
+def _host_path(v: str) -> str:
+    """A host path (read under root, not resolved here: it names a directory of the host)."""
+    if not v.startswith("/") or "\x00" in v or len(v) > 4096:
+        raise ValueError(f"{v!r} is not an absolute path")
+    return os.path.normpath(v)
+
+
+_CHECKS = {
+    "root": _root, "kubelet_dir": _absolute, "cdi_dir": _absolute, "driver_name": _driver, "node_name": _node,
+    "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health,
+    "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
+    "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
+}
+
+
+class Settings(BaseModel):
+    """The agent's settings: a pydantic model, typed and checked once, then read-only. Every
+    constructor converts outside values (strings from flags and the environment, YAML values)
+    to each field's type (``"0.5"`` to a float, ``"yes"``/``"off"`` to a bool) and runs the
+    checks below; a bad value raises ConfigError naming the setting."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    root: str = "/"
+    node_name: str = Field(default_factory=_default_node_name)
+    driver_name: str = "sysdra.io"
+    kubelet_dir: str = "/var/lib/kubelet"
+    cdi_dir: str = "/var/run/cdi"
+    cluster: str = "kube"  # "kube" or "dir:PATH"
+    list_attributes: bool = False
+    resync_interval: float = 300.0  # seconds between full rescans
+    debounce: float = 0.25  # seconds to wait for a burst of hardware events to settle
+    rolling_update_uid: str | None = None
+    device_metadata: bool = True
+    # Write status.devices (Ready condition, data, networkData) of prepared claims (docs/cluster-integration.md).
+    claim_status: bool = True
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_address: str = "127.0.0.1:9478"  # "" disables
+    status_socket: str | None = None  # default <plugin dir>/status.sock
+    health_interval: float = 10.0  # seconds between health re-checks / resends (<= 10)
+    # Publish per-PF shared counters so a PF and its VFs are never allocated together;
+    # needs the DRAPartitionableDevices feature gate on the cluster (docs/attributes.md "SR-IOV").
+    pf_vf_exclusive: bool = False
+    # Publish unhealthy devices with a NoSchedule DeviceTaint sysdra.io/unhealthy (docs/health.md).
+    taint_unhealthy: bool = False
+    # GPU partitions as devices with shared counters; compatibility groups need the cluster's
+    # DRADeviceCompatibilityGroups gate (docs/partitions.md). Seconds a mode switch may take.
+    partitions: bool = False
+    compatibility_groups: bool = False
+    partition_switch_timeout: float = 60.0
+    # Device kinds published for sharing (consumable capacity) and their capacity policies;
+    # checked by agent.publish.sharing.share_plan at start (docs/sharing.md).
+    share: tuple[Literal["gpu", "nic"], ...] = ()
+    share_policies: dict[str, Any] = Field(default_factory=dict)
+    # KEP-5945 (alpha): device kind -> node operations the kubelet may skip for its devices,
+    # e.g. {"accelerator": ["*"]} (docs/cluster-integration.md); upstream's rule is enforced.
+    skip_node_operations: dict[str, list[str]] = Field(default_factory=dict)
+    # Publish the NICs of the host's default routes (and their bonds' slaves, bridges' ports, VFs)
+    # too; off: the node's uplink is never allocatable (docs/networking.md).
+    publish_uplink: bool = False
+    # NVIDIA (docs/nvidia.md): where the user-space driver is installed on the host (a host path,
+    # read under root), whether to ask NVML for GPU facts, and whether to use the node's own
+    # NVIDIA CDI spec (nvidia-ctk cdi generate) instead of putting the driver in our specs.
+    nvidia_driver_root: str = "/"
+    nvml: bool = True
+    nvidia_cdi_spec: bool = False
+    # XIDs of an application's own errors: an NVML XID event with one of them is not a GPU fault.
+    nvidia_ignored_xids: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
+    # With --share gpu: the shares of an NVIDIA GPU are clients of an MPS control daemon the agent
+    # runs for that GPU, so their limits are enforced (docs/sharing.md); false: accounting only.
+    nvidia_mps: bool = True
+    # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
+    # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path
+    # when a runtime runs containers "on" that tree (tests, demos).
+    cdi_host_root: str = "/"
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise ConfigError(f"invalid setting {_message(err, values)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"settings are read-only ({name}): make a changed copy with replace()")
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> Settings:
+        """Settings from outside values (also ``"gpu,nic"`` for ``share``, YAML text for
+        ``skip_node_operations``); ConfigError names the first bad one."""
+        return cls(**_before(values))
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes``, checked like a new one."""
+        return type(self)(**{**self.__dict__, **changes})
+
+    @field_validator(*_CHECKS)
+    @classmethod
+    def check_value(cls, value: Any, info: ValidationInfo) -> Any:
+        """The checks a value's type cannot express; a returned value replaces the given one."""
+        return _CHECKS[info.field_name](value)
+
+    # --- derived paths ----------------------------------------------------------
+    @property
+    def cluster_dir(self) -> str | None:
+        return self.cluster[4:] if self.cluster.startswith("dir:") else None
+
+    @property
+    def plugin_dir(self) -> str:
+        return os.path.join(self.kubelet_dir, "plugins", self.driver_name)
+
+    @property
+    def registry_dir(self) -> str:
+        return os.path.join(self.kubelet_dir, "plugins_registry")
+
+
+def _before(values: dict[str, Any]) -> dict[str, Any]:
+    """The spellings a field's type does not take as they are: a comma list for ``share``,
+    YAML text for ``skip_node_operations`` (from SYSDRA_*)."""
+    out = dict(values)
+    for name, value in values.items():
+        if name == "share" and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
+            out[name] = [x.strip() for x in value.split(",") if x.strip()]
+        elif name == "skip_node_operations" and isinstance(value, str):  # '{accelerator: ["*"]}'
+            import yaml
+
+            try:
+                out[name] = yaml.safe_load(value) or {}
+            except yaml.YAMLError as err:
+                raise ConfigError(f"invalid setting skip-node-operations: not a YAML mapping: {err}") from None
+    return out
+
+
+# pydantic's error types -> the type they expected, named as in YAML/JSON documents
+_EXPECTED = {"float_parsing": "float", "float_type": "float", "int_parsing": "int", "int_type": "int",
+             "int_from_float": "int", "bool_parsing": "bool", "bool_type": "bool", "string_type": "str",
+             "dict_type": "object", "list_type": "array", "tuple_type": "array"}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    return type(value).__name__
+
+
+def _message(err: ValidationError, values: dict[str, Any]) -> str:
+    """The first error as ``debounce: expected float, got str 'soon'``: the setting's name as
+    flags spell it, then what is wrong with its value."""
+    e = err.errors(include_url=False)[0]
+    name, kind, given = str(e["loc"][0]) if e["loc"] else "", e["type"], e.get("input")
+    setting = name.replace("_", "-")
+    if kind == "extra_forbidden":
+        return f"{setting}: no such setting"
+    if kind == "value_error":  # one of the checks below; its message as it is
+        return f"{setting}: {e['ctx']['error']}"
+    if kind == "literal_error":
+        return f"{setting}: invalid enum value {given!r}"[:200]
+    if kind in _EXPECTED:
+        expected = _EXPECTED[kind]
+        field = Settings.model_fields.get(name)
+        if len(e["loc"]) == 1 and field is not None and not field.is_required() and _nullable(field.annotation):
+            expected += " | null"
+        shown = f" {given!r}"[:80] if isinstance(given, str) else ""
+        return f"{setting}: expected {expected}, got {_json_type(given)}{shown}"
+    return f"{setting}: {e['msg']}"
+
+
+def _nullable(annotation: Any) -> bool:
+    return type(None) in getattr(annotation, "__args__", ())
 
 
 # Names accepted in the config file and as SYSDRA_<NAME> environment variables.
-FIELDS = Settings.__struct_fields__
+FIELDS = tuple(Settings.model_fields)
 
 
 def _env_values(environ: dict[str, str]) -> dict[str, Any]:

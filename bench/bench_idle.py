@@ -25,7 +25,7 @@ DURATION = 60.0
 # discovery, watchers); the floor imports the same and does nothing
 FLOOR_IMPORTS = ("agent.cli.main", "agent.cli.run", "agent.service.daemon", "agent.prepare.driver", "agent.kubeletplugin.claims",
                  "agent.kubeletplugin.plugin", "agent.health", "agent.publish.dirstore", "agent.publish.drift",
-                 "agent.service.metrics", "agent.service.status", "agent.service.inotify", "discovery.inventory", "grpc", "pyudev")
+                 "agent.service.metrics", "agent.service.status", "watchdog.observers", "discovery.inventory", "grpc", "pyudev")
 FLOOR_CODE = ("import asyncio, importlib\n"
               "for m in {mods!r}:\n"
               "    try:\n        importlib.import_module(m)\n    except ImportError:\n        pass\n"

@@ -2,7 +2,7 @@
 cost of building the ResourceSlices of a 4,096-device pool.
 
 ``change_to_slice``: a VF's bus link is removed from a copy of the generated 2,000+-function
-tree while ``sysdra run``'s Agent watches it (inotify file events, debounce D); the figure
+tree while ``sysdra run``'s Agent watches it (watchdog's inotify file events, debounce D); the figure
 is the median time from the unlink until the slice files no longer list the VF. Floor: D
 (the agent waits that long on purpose). Goal: <= D + 100 ms.
 
@@ -63,7 +63,9 @@ async def _measure(root: str, cluster: str, repeat: int) -> tuple[list[float], l
     agent.start_kubelet_plugin = no_plugin
     stop = asyncio.Event()
     task = asyncio.get_running_loop().create_task(agent.run(stop))
-    while not _names(cluster):
+    # the first slices, then the file watch armed (after the first publish: a walk of the whole
+    # tree) and the full rescan that follows it
+    while not (_names(cluster) and agent.watcher is not None and agent.watcher.reports()[0] and agent.rescans >= 2):
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)
     vfs = [d for d in agent.inventory.devices if d.pci.physfn]

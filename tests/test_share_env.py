@@ -9,7 +9,6 @@ import itertools
 import re
 from collections import Counter
 
-import msgspec
 import pytest
 
 from agent.prepare.allocation import ClaimFailed, Result
@@ -31,7 +30,7 @@ def _devices() -> list:
     for d in scan(profile_root("server-2s-gpu-nic")).devices:
         by_kind.setdefault(d.kind, d)
     nvidia, nic = by_kind["gpu"], by_kind["nic"]
-    amd = msgspec.structs.replace(nvidia, name="gpu-amd", pci=msgspec.structs.replace(nvidia.pci, vendor_id="1002"))
+    amd = nvidia.replace(name="gpu-amd", pci=nvidia.pci.replace(vendor_id="1002"))
     return [nvidia, amd, nic]
 
 

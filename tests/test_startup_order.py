@@ -1,8 +1,7 @@
 """`sysdra run`'s start-up order, seen from inside a real agent process: the first slices are
 written before anything the kubelet side needs is even imported (gRPC, the kubelet plugin,
-health), nor pydantic (only claim configs need it; the settings are msgspec's), the YAML parser
-is not loaded for an empty config file nor prometheus_client without a metrics endpoint, and the
-kubelet's registration socket appears only after the first publish."""
+health), the YAML parser is not loaded for an empty config file nor prometheus_client without a
+metrics endpoint, and the kubelet's registration socket appears only after the first publish."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ write = dirstore.DirStore._write
 def first_write(self, obj):
     if "at_first_slice" not in seen:
         seen["at_first_slice"] = {
-            "loaded": sorted(m for m in ("grpc", "yaml", "prometheus_client", "pydantic", "agent.kubeletplugin.plugin",
+            "loaded": sorted(m for m in ("grpc", "yaml", "prometheus_client", "agent.kubeletplugin.plugin",
                                                   "agent.health", "agent.prepare.driver")
                              if m in sys.modules),
             "registration_socket": bool(glob.glob(os.path.join(registry, "*.sock"))),

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import resource
 import socket
 import stat
 import threading
 
+import psutil
 import pytest
 
 from agent.cli.main import main as cli_main
@@ -79,6 +82,12 @@ def test_cli_text_and_json(tmp_path, board, capsys):
     assert "last error:   prepare: claim ns/c2: device gone" in text
     for kind, n in doc["devices"]["byKind"].items():
         assert f"{kind} {n}" in text
+    proc = doc["process"]  # this test process serves the socket: its own figures, as psutil reads them
+    me = psutil.Process()
+    assert proc["startTime"] == me.create_time() and proc["maxFds"] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert proc["rssBytes"] > 0 and proc["threads"] >= 2 and 0 < proc["openFds"] <= proc["maxFds"]
+    assert re.search(rf"process: +[0-9.]+ MB resident, [0-9.]+ s CPU, \d+ threads, \d+ of {proc['maxFds']} file descriptors",
+                     text)  # (an earlier query than the JSON one: the counts may differ)
 
 
 def test_cli_agent_not_running(tmp_path, capsys):

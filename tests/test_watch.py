@@ -56,15 +56,40 @@ def test_debouncer_survives_a_failing_action():
     assert len(asyncio.run(scenario())) == 2
 
 
-def test_a_uevent_monitor_that_fails_to_start_reports_nothing():
-    """A monitor that cannot start (here: the loop it would read on is closed) leaves the agent
-    on periodic rescans, and health must keep polling what events would have reported."""
-    loop = asyncio.new_event_loop()
-    loop.close()
-    watcher = HardwareWatcher("/", Debouncer(1.0, lambda *_: None))
-    watcher.start(loop)
-    assert watcher.reports() == (False, False)
-    watcher.stop()
+def test_a_uevent_monitor_that_fails_to_start_reports_nothing(monkeypatch):
+    """A monitor that cannot start (here: no netlink socket) leaves the agent on periodic
+    rescans, and health must keep polling what events would have reported."""
+    def no_netlink(self, loop):
+        raise OSError("Address family not supported by protocol")
+
+    monkeypatch.setattr(UdevSource, "start", no_netlink)
+
+    async def main():
+        watcher = HardwareWatcher("/", Debouncer(1.0, lambda *_: None))
+        await watcher.start()
+        assert watcher.reports() == (False, False)
+        watcher.stop()
+
+    asyncio.run(main())
+
+
+def test_a_held_debouncer_keeps_events_until_released():
+    async def scenario():
+        runs = []
+        deb = Debouncer(0.01, lambda first, changed: runs.append(changed), with_changes=True, held=True)
+        deb.trigger("0000:18:00.0")
+        deb.trigger("0000:19:00.0")
+        await asyncio.sleep(0.05)
+        held = list(runs)
+        deb.release()
+        for _ in range(500):
+            if runs:
+                break
+            await asyncio.sleep(0.01)
+        return held, runs
+
+    held, runs = asyncio.run(scenario())
+    assert held == [] and runs == [{"0000:18:00.0", "0000:19:00.0"}]
 
 
 # --- fixture tree: file events -------------------------------------------------------------
@@ -183,7 +208,7 @@ def test_real_kernel_uevent_reaches_monitor_and_triggers_rescan(action):
         source = UdevSource(lambda dev: (seen.append(dev), debouncer.trigger()), source="kernel")
         source.start(loop)
         watcher = HardwareWatcher("/", debouncer)  # the daemon's own wiring, on the real root
-        watcher.start(loop)
+        await watcher.start()
         try:
             await asyncio.sleep(0.05)
             with open(f"/sys/bus/pci/devices/{bdf}/uevent", "w") as f:

@@ -75,6 +75,9 @@ def render_text(s: dict) -> str:
     if s.get("claimStatus") is not None:  # (an older agent's document has none)
         lines += _claim_status_lines(now, s["claimStatus"])
     lines.append(f"last error:   {err['where']}: {err['message']} ({_ago(now, err['time'])})" if err else "last error:   none")
+    if proc := s.get("process"):  # (an older agent's document has none)
+        lines.append(f"process:      {proc['rssBytes'] / 2**20:.1f} MB resident, {proc['cpuSeconds']:.1f} s CPU, "
+                     f"{proc['threads']} threads, {proc['openFds']} of {proc['maxFds']} file descriptors")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ served on the DRA socket (docs/health.md).
 Wiring (the daemon)::
 
     monitor = agent.health.attach(plugin, inventory_fn, settings)  # before plugin.start()
+    sub = monitor.subscribe()     # before start(), or its first round's wake-up is missed
     await monitor.start()         # first check round, then every settings.health_interval
     monitor.events_report(fn)     # fn() -> (functions, links) the watchers report: not polled by timer rounds
     await plugin.start()

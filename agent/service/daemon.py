@@ -19,8 +19,10 @@ from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
-from agent.service import heap, sdnotify, startup
+from agent.service import heap, scanning, sdnotify, startup
+from agent.service.scanning import default_scan
 from agent.service.logs import setup_logging
+from agent.service.reload import REPUBLISH_SETTINGS, changes as setting_changes
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
@@ -29,22 +31,6 @@ from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
 
 log = logging.getLogger("sysdra.daemon")
-
-
-def open_nvml(settings: Settings):
-    """NVML for GPU facts, or None (``nvml: false``, or the node has none): blocks, call in a thread."""
-    if not settings.nvml:
-        return None
-    from discovery.nvml import Nvml
-
-    return Nvml.shared(settings.root, settings.nvidia_driver_root)
-
-
-def default_scan(settings: Settings):
-    from discovery.inventory import scan
-
-    return scan(settings.root, list_attributes=settings.list_attributes, nvml=open_nvml(settings),
-                publish_uplink=settings.publish_uplink)
 
 
 def make_store(settings: Settings):
@@ -57,15 +43,6 @@ def make_store(settings: Settings):
 
     client = kube_client(field_manager=settings.driver_name)
     return KubeStore(client, node_name=settings.node_name, driver_name=settings.driver_name), client
-
-
-# Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
-LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
-                           "skip_node_operations"})
-# Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
-REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
-                                "skip_node_operations"})
 
 
 class Agent:
@@ -85,12 +62,14 @@ class Agent:
                                    observer=PublishObserver(self))
         self.debouncer: Debouncer | None = None
         self.health = None  # agent.health.HealthMonitor once the kubelet plugin runs
+        self._health_task: asyncio.Task | None = None  # its verdicts to status, metrics and taints
         self.inventory = None
         self.pool: PoolContent | None = None
         self.rescans = 0
         self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
         self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
         self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
+        self._scanning = asyncio.Lock()
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
@@ -112,22 +91,17 @@ class Agent:
         an injected ``scan`` function (tests) always scans everything."""
         if self.scan is not default_scan:
             return self.scan(self.settings)
-        from discovery.inventory import IncrementalScanner
-
-        s = self.settings
-        sc = self._scanner
-        if (sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes
-                or sc.publish_uplink != s.publish_uplink):
-            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes, nvml=open_nvml(s),
-                                                    publish_uplink=s.publish_uplink)
-            changed = None
+        sc = scanning.scanner_for(self._scanner, self.settings)
+        if sc is not self._scanner:
+            self._scanner, changed = sc, None
         return sc.update(changed)
 
     async def rescan(self, changed_at: float | None = None, changed: set[str] | None = None) -> bool:
         """Scan again (only the ``changed`` PCI functions, None = a full scan); hand the
         publisher a new pool only if what we publish changed."""
         self.rescans += 1
-        inventory = await asyncio.to_thread(self._scan, changed)
+        async with self._scanning:  # one scan at a time: events, resyncs and prepare's mode switches all ask
+            inventory = await asyncio.to_thread(self._scan, changed)
         self.inventory = inventory  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
@@ -152,19 +126,24 @@ class Agent:
         self.publisher.set_pool(pool, changed_at=changed_at if changed_at is not None else time.monotonic())
         return True
 
-    async def _follow_health(self) -> None:
-        """After every health round: status board, metrics, and (with --taint-unhealthy) taints."""
+    def _follow_health(self) -> None:
+        """Subscribe to the health monitor before its first round, so that round's verdicts
+        reach the status board, metrics and (with --taint-unhealthy) the slices at once."""
         sub = self.health.subscribe()
-        try:
-            while not sub.closed:
-                await sub.event.wait()
-                sub.event.clear()
-                if self.inventory is not None:
-                    self.board.set_inventory(self.inventory, health=self.health_states())
-                if self.settings.taint_unhealthy:
-                    self._republish()
-        finally:
-            self.health.unsubscribe(sub)
+
+        async def follow() -> None:
+            try:
+                while not sub.closed:
+                    await sub.event.wait()
+                    sub.event.clear()
+                    if self.inventory is not None:
+                        self.board.set_inventory(self.inventory, health=self.health_states())
+                    if self.settings.taint_unhealthy:
+                        self._republish()
+            finally:
+                self.health.unsubscribe(sub)
+
+        self._health_task = asyncio.get_running_loop().create_task(follow(), name="health-follow")
 
     async def _periodic_rescan(self) -> None:
         while self.settings.resync_interval:
@@ -173,13 +152,20 @@ class Agent:
             self.publisher.request_sync()  # also repair drift nobody told us about
 
     async def _first_publish(self, wait: float = 1.0) -> None:
-        """Let the first slices go out before the watchers and the kubelet side start (on a
-        large node, setting up file watches alone takes ~0.5 s). A store that does not answer
-        within ``wait`` seconds (API server down) does not hold them up. Then the garbage of
-        building and writing the pool goes back to the OS."""
+        """Let the first slices go out before the kubelet side starts. A store that does not
+        answer within ``wait`` seconds (API server down) does not hold it up. Then the garbage
+        of building and writing the pool goes back to the OS."""
         with contextlib.suppress(asyncio.TimeoutError):
             await self.publisher.wait_synced(timeout=wait)
         heap.trim()
+
+    def _watch_slices(self, started: contextlib.AsyncExitStack, tasks: list[asyncio.Task]) -> None:
+        """Someone else's change to our slices (the kubelet's wipe) asks for a sync: file events
+        on the offline dir, a watch on the API."""
+        if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
+            started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
+        elif hasattr(self.store, "watch"):
+            tasks.append(asyncio.get_running_loop().create_task(watch_api(self.store, self.publisher), name="slice-watch"))
 
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
@@ -194,15 +180,16 @@ class Agent:
         loop = asyncio.get_running_loop()
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
-        driver = ObservedDriver(core, self.metrics, self.board, loop)
+        driver = ObservedDriver(core, self.metrics, self.board)
         status = (status_writer(self.settings, observer=ClaimStatusObserver(self.metrics, self.board))
                   if self.settings.claim_status else None)
         self.board.claim_status_enabled = self.settings.claim_status
         self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings), status)
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
+        self._follow_health()
         await self.health.start()
-        if os.path.realpath(self.settings.root) == "/":  # kernel link and NVML events are about this host only
+        if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
             await self.health.watch_gpu_events()
         if self.watcher is not None:  # timer rounds need not poll what its events report
@@ -247,14 +234,12 @@ class Agent:
     def reload(self, new: Settings) -> None:
         """Apply the settings that can change live; say which ones need a restart."""
         old = self.settings
-        changed = {k for k in Settings.__struct_fields__ if getattr(old, k) != getattr(new, k)}
-        if not changed:
+        live, restart = setting_changes(old, new)
+        if not live and not restart:
             log.info("SIGHUP: configuration unchanged")
             return
-        restart = sorted(changed - LIVE_SETTINGS)
         if restart:
             log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
-        live = {k: getattr(new, k) for k in changed & LIVE_SETTINGS}
         if "skip_node_operations" in live and self._node_operations(new.skip_node_operations) != new.skip_node_operations:
             del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
         if not live:
@@ -303,26 +288,34 @@ class Agent:
             started.push_async_callback(self._client.close)
         if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
             self.settings = self.settings.replace(skip_node_operations=ops)
-        if not await startup.unless_stopped(stop, self.rescan()):
-            return
+        # No change between the first scan and the watchers is lost (docs/architecture.md, "Start-up
+        # order"): sources that arm at once (uevents, slice watches) are armed before the scan and
+        # their hardware events wait in the held debouncer until it is done; a fixture tree's file
+        # watch (it walks every directory) is armed after the first publish, then one full rescan
+        # covers what changed before it.
         tasks: list[asyncio.Task] = []
         started.push_async_callback(startup.cancel_all, tasks)
+        self._watch_slices(started, tasks)
+        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
+                                               with_changes=True, held=True)
+        started.callback(debouncer.cancel)
+        watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
+        started.callback(watcher.stop)
+        if (routes := follow_default_routes(self.settings, lambda: debouncer.trigger(None))) is not None:
+            started.callback(routes.stop)  # armed at once, like the uevents: before the first scan
+        if watcher.arms_at_once and not await startup.unless_stopped(stop, watcher.start(), cancel=False):
+            return
+        if not await startup.unless_stopped(stop, self.rescan()):
+            return
+        debouncer.release()  # what changed since the watchers were armed is re-read now
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(self._periodic_rescan(), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
             return
-        if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
-            started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
-        elif hasattr(self.store, "watch"):
-            tasks.append(loop.create_task(watch_api(self.store, self.publisher), name="slice-watch"))
-        debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
-                                               with_changes=True)
-        started.callback(debouncer.cancel)
-        watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
-        watcher.start(loop)
-        started.callback(watcher.stop)
-        if (routes := follow_default_routes(self.settings, lambda: debouncer.trigger(None))) is not None:
-            started.callback(routes.stop)
+        if not watcher.arms_at_once:
+            if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (in a worker thread)
+                return
+            debouncer.trigger()  # a full rescan: what changed between the first scan and the watch
         started.push_async_callback(self._stop_kubelet_side)
         # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
         if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):
@@ -330,7 +323,6 @@ class Agent:
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         tasks.append(loop.create_task(self._report_status(), name="sd-status"))
-        tasks.append(loop.create_task(self._follow_health(), name="health-follow"))
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)
@@ -343,6 +335,10 @@ class Agent:
         if self.health is not None:
             with contextlib.suppress(Exception):
                 await self.health.stop()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
         if self.kubelet_plugin is not None:
             with contextlib.suppress(Exception):
                 await self.kubelet_plugin.stop()

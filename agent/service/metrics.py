@@ -24,12 +24,12 @@ from prometheus_client import (
     GCCollector,
     Histogram,
     PlatformCollector,
-    ProcessCollector,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agent.publish import metrics as publish_metrics
+from agent.service import procstats
 
 log = logging.getLogger("sysdra.metrics")
 
@@ -56,6 +56,26 @@ class _PublishBridge:
             for labels, value in sorted(count.values.items()):
                 family.add_metric(list(labels), value)
             yield family
+
+
+class _ProcessStats:
+    """The standard ``process_*`` metrics, from psutil (``agent.service.procstats``)."""
+
+    def collect(self):
+        u = procstats.usage()
+        if u is None:
+            return
+        yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
+                                  value=u["cpuSeconds"])
+        for name, doc, value in (
+            ("process_resident_memory_bytes", "Resident memory size in bytes.", u["rssBytes"]),
+            ("process_virtual_memory_bytes", "Virtual memory size in bytes.", u["virtualBytes"]),
+            ("process_open_fds", "Number of open file descriptors.", u["openFds"]),
+            ("process_max_fds", "Maximum number of open file descriptors.", u["maxFds"]),
+            ("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", u["startTime"]),
+            ("process_threads", "Number of OS threads in the process.", u["threads"]),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:
@@ -85,7 +105,7 @@ class Metrics:
         for result in CLAIM_STATUS_RESULTS:  # present at 0, so a rate() alert works from the first failure
             self.claim_status_writes.labels(result)
         if process:
-            ProcessCollector(registry=r)
+            r.register(_ProcessStats())
             PlatformCollector(registry=r)
             GCCollector(registry=r)
         if bridge_global:

@@ -16,6 +16,7 @@ import stat
 import time
 from collections import Counter, deque
 
+from agent.service import procstats
 from agent.settings import DEFAULT_CONFIG_FILE, ConfigError, load_config_file
 
 SOCKET_NAME = "status.sock"
@@ -140,6 +141,7 @@ class StatusBoard:
                             "failed": self.claim_status_failed,
                             "recentFailures": [dict(f) for f in reversed(self._claim_status_failures)]},  # newest first
             "lastError": dict(self.last_error) if self.last_error else None,
+            "process": procstats.usage(),
         }
 
     def summary(self) -> str:

@@ -2,7 +2,8 @@
 
 - real root (``/``): pyudev netlink monitor on the subsystems we publish (udev source
   when udevd runs, else raw kernel uevents); inotify cannot see sysfs changes;
-- fixture root: inotify file events below ROOT/sys (tests, demos; ``agent/service/inotify.py``);
+- fixture root: file events below ROOT/sys (tests, demos), from the ``watchdog`` package's
+  inotify observer (``FileWatch``);
 - both: a periodic full rescan as a safety net (netlink drops events under bursts).
 
 Events name the PCI function they are about (uevent DEVPATH, file path -> deepest PCI
@@ -11,11 +12,14 @@ an event naming none (NUMA, /sys/class, dropped uevents) asks for a full rescan.
 
 ``Debouncer`` turns a burst into one rescan: the first event arms a timer of ``debounce``
 seconds, later events within the window ride along, so latency stays <= debounce + scan.
+A debouncer made ``held`` keeps what it is told until ``release``: the daemon arms its event
+sources before its first scan and applies what they saw meanwhile once that scan is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -36,10 +40,12 @@ class Debouncer:
     functions the burst's events named (``trigger(bdf)``), or None when any event named
     none (``trigger()``): then the action must look at everything."""
 
-    def __init__(self, delay: float, action: Callable[..., "asyncio.Future | None"], with_changes: bool = False):
+    def __init__(self, delay: float, action: Callable[..., "asyncio.Future | None"], with_changes: bool = False,
+                 held: bool = False):
         self.delay = delay
         self.action = action
         self.with_changes = with_changes
+        self.held = held  # events are kept, and acted on only after release()
         self.events = 0
         self.runs = 0
         self._first: float | None = None
@@ -54,7 +60,17 @@ class Debouncer:
             self._changed = None
         elif self._changed is not None:
             self._changed.add(bdf)
-        if self._task is None or self._task.done():
+        self._schedule()
+
+    def release(self) -> None:
+        """Act on the events kept while held (at once if their window has passed), and on
+        every later one."""
+        self.held = False
+        if self._first is not None:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        if not self.held and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -117,12 +133,61 @@ class UdevSource:
             self._loop = None
 
 
-def start_file_observer(paths: list[str], callback: Callable[[str], None], recursive: bool = True):
-    """File events: ``callback(path)`` on the running loop for every change below ``paths``
-    (``agent.service.inotify.TreeWatch``; ``.stop()`` ends it). Call on the event loop."""
-    from agent.service.inotify import TreeWatch
+# Only changes: subscribing to opens and reads would make every rescan flood the inotify queue.
+# Parent directories' "modified" events are left out: the entry's own event names the function.
+_CHANGES = ("FileCreatedEvent", "FileDeletedEvent", "FileModifiedEvent", "FileMovedEvent", "FileClosedEvent",
+            "FileAttribEvent", "DirCreatedEvent", "DirDeletedEvent", "DirMovedEvent", "DirAttribEvent", "EventsLostEvent")
 
-    return TreeWatch(paths, callback, recursive=recursive)
+
+class FileWatch:
+    """File events below ``paths`` (each directory below them too when ``recursive``; symlinks
+    not followed), from the ``watchdog`` package's inotify observer: ``callback(path)`` runs on
+    ``loop`` for every change, the moved entry's old and new path for a move, the watched root
+    itself when the kernel's queue overflowed (events were lost: look at everything).
+
+    Arming walks the tree (one to a few seconds of a core on the 10,000-directory benchmark
+    node), so the daemon makes one in a worker thread. ``complete`` is False when a tree could not be watched (the user's
+    inotify watch limit): its changes are then seen only by the periodic rescan."""
+
+    def __init__(self, paths: list[str], callback: Callable[[str], None], recursive: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        from watchdog import events
+        from watchdog.observers import Observer
+
+        self._loop = loop or asyncio.get_running_loop()
+        self._callback = callback
+        self.complete = True
+        handler = events.FileSystemEventHandler()
+        handler.on_any_event = self._deliver
+        self._observer = Observer()
+        self._observer.daemon = True
+        self._observer.start()
+        changes = [getattr(events, name) for name in _CHANGES]
+        for path in paths:
+            if not os.path.isdir(path):
+                continue
+            try:
+                self._observer.schedule(handler, path, recursive=recursive, event_filter=changes)
+            except OSError as err:
+                self.complete = False
+                log.warning("cannot watch %s: %s; changes there are seen by the periodic rescan", path, err)
+
+    def _deliver(self, event) -> None:  # the observer's thread
+        for path in (event.src_path, getattr(event, "dest_path", "")):
+            if path:
+                with contextlib.suppress(RuntimeError):  # the loop closed under a late event
+                    self._loop.call_soon_threadsafe(self._callback, os.fsdecode(path))
+
+    def stop(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=5)
+
+
+def start_file_observer(paths: list[str], callback: Callable[[str], None], recursive: bool = True,
+                        loop: asyncio.AbstractEventLoop | None = None) -> FileWatch:
+    """File events: ``callback(path)`` on ``loop`` (the running one by default) for every
+    change below ``paths``; ``.stop()`` ends them. Blocks while it arms (see ``FileWatch``)."""
+    return FileWatch(paths, callback, recursive=recursive, loop=loop)
 
 
 def _device_bdf(device) -> str | None:
@@ -145,8 +210,16 @@ class HardwareWatcher:
         self._udev: UdevSource | None = None
         self._observer = None
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if os.path.abspath(self.root) == "/":
+    @property
+    def arms_at_once(self) -> bool:
+        """Whether ``start`` is instant (a netlink socket), or walks a tree (a fixture root's
+        file watch: seconds on a 10,000-directory node, in a worker thread)."""
+        return os.path.abspath(self.root) == "/"
+
+    async def start(self) -> None:
+        """Arm the event source; from now on every change reaches the debouncer."""
+        loop = asyncio.get_running_loop()
+        if self.arms_at_once:
             try:
                 udev = UdevSource(lambda device: self._event(udev.source, _device_bdf(device)))
                 udev.start(loop)
@@ -158,8 +231,10 @@ class HardwareWatcher:
         else:
             sys_dir = os.path.join(self.root, "sys")
             root = os.path.abspath(self.root)
-            self._observer = start_file_observer([sys_dir], lambda p: self._event("file", bdf_of_path(os.path.relpath(p, root))))
-            log.info("watching file events below %s (%d directories)", sys_dir, self._observer.watched)
+            self._observer = await asyncio.to_thread(
+                start_file_observer, [sys_dir], lambda p: self._event("file", bdf_of_path(os.path.relpath(p, root))),
+                loop=loop)
+            log.info("watching file events below %s", sys_dir)
 
     def reports(self) -> tuple[bool, bool]:
         """(functions, links): whether this watcher's events report PCI functions added,
