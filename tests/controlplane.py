@@ -245,6 +245,7 @@ class ControlPlane:
     kubeconfig: str = ""
     admin_cert: tuple[str, str] = ("", "")
     extra_args: list[str] = field(default_factory=list)  # more kube-apiserver flags
+    wrap: list[str] = field(default_factory=list)  # a prefix for every peer's command (the real node's nsenter)
     etcd_url: str = ""
     _procs: list = field(default_factory=list)
     _client: httpx2.Client | None = None
@@ -270,7 +271,7 @@ class ControlPlane:
     # -- processes
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([*self.wrap, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent, cwd=self.dir)  # fmt: skip
         log.close()
         proc.name = name  # type: ignore[attr-defined]
