@@ -1,0 +1,194 @@
+"""The agent's real customers: kubelet v1.37.2 and containerd v2.4.2 (tests/realnode.py) run
+the Pods whose claims sysdra prepares, mirroring the kubelet's own DRA node tests. One node
+for the module (it starts in about 10 s warm); tests keep apart by namespace. Root only.
+
+What the stand-ins could not show and this found: the CDI ``hostPath`` was the agent's own
+view (``<root>/dev/...``), which the runtime cannot see, so every device node got runc's
+default mode (test_pod_with_a_claim_gets_its_devices_env_and_metadata checks the mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import require_root, require_tool
+from tests.controlplane import unique
+from tests.realnode import DRIVER, RealNode
+from tests.realnode_leftovers import HostState
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+METADATA = "/var/run/kubernetes.io/dra-device-attributes"
+GPU_REQUEST = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}
+
+
+@pytest.fixture(scope="module")
+def realnode(tmp_path_factory):
+    require_root()
+    for tool in ("unshare", "nsenter", "runc", "busybox"):
+        require_tool(tool)
+    before = HostState.take()
+    node = RealNode(str(tmp_path_factory.mktemp("realnode"))).start()
+    node.before = before
+    yield node
+    node.stop()
+
+
+def wait(predicate, what: str, node: RealNode, timeout: float = 90.0, log: str = "kubelet"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"{what}: not within {timeout:.0f}s\n--- {log}:\n{node.log_tail(log, 30)}\n--- agent:\n{node.log_tail('agent', 20)}")
+
+
+def namespace(node: RealNode) -> str:
+    ns = unique("rn")
+    node.plane.create_namespace(ns)
+    node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
+    return ns
+
+
+def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[dict] = (), limits: dict | None = None) -> dict:
+    container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
+                 "command": ["sh", "-c", f"{script}; echo END; exec sleep 3600"]}  # fmt: skip
+    if claims:
+        container["resources"] = {"claims": [{"name": c["name"]} for c in claims]}
+    if limits:
+        container["resources"] = {"limits": limits}
+    return node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+                              "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
+                                       "resourceClaims": list(claims), "containers": [container]}})  # fmt: skip
+
+
+def running_log(node: RealNode, ns: str, name: str) -> list[str]:
+    """The pod's log through the API (kube-apiserver → kubelet), once the script has ended."""
+    def log():
+        pod = node.plane.get("Pod", name, ns)
+        assert pod["status"].get("phase") not in ("Failed", "Succeeded"), pod["status"]
+        if pod["status"].get("phase") != "Running":
+            return None
+        r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}/log", ok=False)
+        return r.status_code == 200 and "END" in r.text.splitlines() and r.text.splitlines()
+
+    return wait(log, f"pod {ns}/{name} running with its log", node)
+
+
+def delete_pod(node: RealNode, ns: str, name: str) -> None:
+    node.plane.delete("Pod", name, ns)
+    wait(lambda: node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}", ok=False).status_code == 404,
+         f"pod {ns}/{name} gone", node)  # fmt: skip
+
+
+def claim_specs(node: RealNode, uid: str) -> list[str]:
+    return [f for f in os.listdir(node.cdi_dir) if uid in f]
+
+
+def allocated(claim: dict) -> list[str]:
+    return [r["device"] for r in claim["status"]["allocation"]["devices"]["results"]]
+
+
+def device_nodes(node: RealNode, device: str) -> list:
+    from discovery.inventory import scan
+
+    return next(d for d in scan(node.root).devices if d.name == device).device_nodes
+
+
+def test_pod_with_a_claim_gets_its_devices_env_and_metadata(realnode):
+    ns = namespace(realnode)
+    claim = realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                   "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
+    uid = claim["metadata"]["uid"]
+    script = (f"for n in $(ls /dev | grep nvidia); do stat -c '%n %F %t:%T %a' /dev/$n; done; env | grep ^SYSDRA_ | sort; "
+              f"echo METADATA; cat {METADATA}/resourceclaims/gpu/gpu/{DRIVER}-metadata.json; echo")  # fmt: skip
+    create_pod(realnode, ns, "app", script, claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
+    lines = running_log(realnode, ns, "app")
+
+    claim = realnode.plane.get("ResourceClaim", "gpu", ns)
+    (device,) = allocated(claim)
+    for n in device_nodes(realnode, device):
+        # the fixture's nodes are 0640: the runtime stats the host's node (no hostPath of the agent's view)
+        assert f"{n.path} character special file {n.major:x}:{n.minor:x} 640" in lines, lines
+    env = lines[lines.index("METADATA") - 4: lines.index("METADATA")]
+    assert f"SYSDRA_CLAIM_UID={uid}" in env and f"SYSDRA_DEVICES={device}" in env, lines
+    metadata = json.JSONDecoder().raw_decode(lines[lines.index("METADATA") + 1])[0]
+    assert metadata["metadata"]["uid"] == uid
+    assert [d["name"] for r in metadata["requests"] for d in r["devices"]] == [device]
+    (status,) = claim["status"]["devices"]
+    assert (status["driver"], status["pool"], status["device"]) == (DRIVER, realnode.name, device)
+    assert [c["type"] for c in status["conditions"] if c["status"] == "True"] == ["Ready"]
+    for name in claim_specs(realnode, uid):
+        with open(os.path.join(realnode.cdi_dir, name)) as f:
+            assert realnode.host not in f.read()  # the agent's view of the host is no path for the runtime
+
+    delete_pod(realnode, ns, "app")
+    wait(lambda: not claim_specs(realnode, uid), "CDI specs removed by unprepare", realnode)
+    wait(lambda: not realnode.plane.get("ResourceClaim", "gpu", ns)["status"].get("devices"), "status.devices removed", realnode)
+
+
+def test_claims_from_a_template_and_from_an_extended_resource(realnode):
+    ns = namespace(realnode)
+    realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                           "metadata": {"name": "one-gpu", "namespace": ns}, "spec": {"spec": GPU_REQUEST}})  # fmt: skip
+    script = "env | grep ^SYSDRA_GPU_PCI_BUS_IDS="
+    create_pod(realnode, ns, "templated", script, claims=[{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])
+    create_pod(realnode, ns, "extended", script, limits={"sysdra.io/gpu": "1"})
+    got = {}
+    for pod in ("templated", "extended"):
+        lines = running_log(realnode, ns, pod)
+        got[pod] = [line for line in lines if line.startswith("SYSDRA_GPU_PCI_BUS_IDS=")]
+        assert len(got[pod]) == 1, lines
+    assert got["templated"] != got["extended"]  # two claims, two GPUs
+    claims = realnode.plane.list("ResourceClaim", ns)
+    assert len(claims) == 2 and all(c["status"].get("devices") for c in claims)
+    for pod in ("templated", "extended"):
+        delete_pod(realnode, ns, pod)
+
+
+def test_agent_killed_and_gone_past_30s_under_a_running_pod(realnode):
+    """SIGKILL under a running pod; the kubelet wipes the driver's slices after 30 s without a
+    connected plugin; the restarted agent republishes and unprepares the pod's claim."""
+    ns = namespace(realnode)
+    claim = realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                   "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
+    create_pod(realnode, ns, "app", "true", claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
+    running_log(realnode, ns, "app")
+    realnode.stop_process("agent", signal.SIGKILL)
+    wait(lambda: not realnode.slices(), "the kubelet wiping the slices of a driver gone for 30 s", realnode, timeout=75)
+    assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    realnode.start_agent()  # waits for its slices
+    assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    uid = claim["metadata"]["uid"]
+    assert claim_specs(realnode, uid)
+    delete_pod(realnode, ns, "app")
+    wait(lambda: not claim_specs(realnode, uid), "unprepare by the restarted agent", realnode)
+
+
+def test_kubelet_restart_under_a_running_pod(realnode):
+    """At start the kubelet deletes the node's slices; the agent's slice watch republishes."""
+    ns = namespace(realnode)
+    realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                           "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
+    create_pod(realnode, ns, "app", "true", claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
+    running_log(realnode, ns, "app")
+    before = {s["metadata"]["uid"] for s in realnode.slices()}
+    realnode.stop_process("kubelet")
+    realnode.start_kubelet()
+    wait(lambda: (now := {s["metadata"]["uid"] for s in realnode.slices()}) and not now & before,
+         "slices deleted by the kubelet's start and published again", realnode)  # fmt: skip
+    assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    delete_pod(realnode, ns, "app")
+
+
+def test_zz_the_node_leaves_nothing_behind(realnode):
+    """Last in the module: stop the node; no process, mount, socket or file of it is left
+    outside its directory, and the host's sysctls are as they were."""
+    realnode.stop()
+    problems = realnode.before.compare(HostState.take(), node_dir=realnode.dir, cgroup_root=realnode.cgroup_root)
+    assert not problems, "\n".join(problems)
