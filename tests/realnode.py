@@ -87,7 +87,7 @@ class RealNode:
         self.holder = subprocess.Popen(
             ["unshare", "-m", "--propagation", "private", sys.executable, "-m", "tests.realnode_ns", self.dir, self.root, self.name],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            env=dict(os.environ, PYTHONPATH=REPO))  # fmt: skip
+            env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)  # fmt: skip
         log.close()
         self._until(lambda: os.path.exists(ready), "the node's mount namespace", 30, self.holder, "namespace")
 
@@ -119,8 +119,9 @@ class RealNode:
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
+        # a session of its own: Ctrl-C on `make cluster` reaches only the Python process, which stops the node in order
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.dir,
-                                preexec_fn=_die_with_parent, env=env)  # fmt: skip
+                                preexec_fn=_die_with_parent, env=env, start_new_session=True)  # fmt: skip
         log.close()
         self.procs[name] = proc
         return proc

@@ -21,6 +21,7 @@ import yaml
 
 PAUSE = "registry.k8s.io/pause:3.10.2"  # containerd 2.4's pinned sandbox image, by name
 BUSYBOX = "sysdra.test/busybox:1"
+E2E_BUSYBOX = "registry.k8s.io/e2e-test-images/busybox:1.36.1-1"  # deploy/'s examples, the same image here
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 
 
@@ -48,9 +49,10 @@ def real_device_nodes(root: str, mode: int = 0o640) -> list[str]:
 # --- images ---------------------------------------------------------------------------------
 def _blob(out: tarfile.TarFile, data: bytes, media_type: str) -> dict:
     digest = hashlib.sha256(data).hexdigest()
-    info = tarfile.TarInfo(f"blobs/sha256/{digest}")
-    info.size = len(data)
-    out.addfile(info, io.BytesIO(data))
+    if f"blobs/sha256/{digest}" not in out.getnames():
+        info = tarfile.TarInfo(f"blobs/sha256/{digest}")
+        info.size = len(data)
+        out.addfile(info, io.BytesIO(data))
     return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(data)}
 
 
@@ -76,10 +78,11 @@ def _busybox_layer(busybox: str) -> bytes:
 
 
 def write_images(path: str, busybox: str) -> list[str]:
-    """One OCI archive holding the pause and the busybox image (same layer, two configs)."""
+    """One OCI archive holding the pause and the busybox image (one layer), the latter also
+    under the name deploy/'s examples use."""
     layer = _busybox_layer(busybox)
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
-    images = {PAUSE: ["/bin/sleep", "2147483647"], BUSYBOX: ["/bin/sh"]}
+    images = {PAUSE: ["/bin/sleep", "2147483647"], BUSYBOX: ["/bin/sh"], E2E_BUSYBOX: ["/bin/sh"]}
     manifests = []
     with tarfile.open(path, "w") as out:
         layout = json.dumps({"imageLayoutVersion": "1.0.0"}).encode()
