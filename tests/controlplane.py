@@ -194,6 +194,7 @@ _KINDS = {
     "Secret": ("/api/v1", "secrets", True),
     "ConfigMap": ("/api/v1", "configmaps", True),
     "Pod": ("/api/v1", "pods", True),
+    "Event": ("/api/v1", "events", True),
     "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
     "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
