@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import require_root, require_tool
 from tests.faults import harness
-from tests.controlplane import unique
+from tests.cluster import example_pod
+from tests.controlplane import load_yaml, unique
 from tests.realnode import DRIVER, RealNode
 from tests.realnode_leftovers import HostState
 
@@ -72,13 +73,18 @@ def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[
 
 def running_log(node: RealNode, ns: str, name: str) -> list[str]:
     """The pod's log through the API (kube-apiserver → kubelet), once the script has ended."""
+    return running_log_until(node, ns, name, "END")
+
+
+def running_log_until(node: RealNode, ns: str, name: str, marker: str) -> list[str]:
     def log():
         pod = node.plane.get("Pod", name, ns)
         assert pod["status"].get("phase") not in ("Failed", "Succeeded"), pod["status"]
         if pod["status"].get("phase") != "Running":
             return None
         r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}/log", ok=False)
-        return r.status_code == 200 and "END" in r.text.splitlines() and r.text.splitlines()
+        lines = r.text.splitlines() if r.status_code == 200 else []
+        return any(line.startswith(marker) for line in lines) and lines
 
     return wait(log, f"pod {ns}/{name} running with its log", node)
 
@@ -228,6 +234,19 @@ def test_kubelet_restart_under_a_running_pod(realnode):
          "slices deleted by the kubelet's start and published again", realnode)  # fmt: skip
     assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
     delete_pod(realnode, ns, "app")
+
+
+def test_the_deploy_example_runs(realnode, tmp_path):
+    """deploy/example-claim.yaml as `make cluster` offers it (a GPU and a NIC from a template)."""
+    ns = namespace(realnode)
+    docs = load_yaml(example_pod(str(tmp_path / "example.yaml"), realnode.image))
+    for doc in docs:
+        doc["metadata"]["namespace"] = ns
+        realnode.plane.create(doc)
+    lines = running_log_until(realnode, ns, "gpu-nic-demo", "SYSDRA_CLAIM_UID=")
+    devices = next(line for line in lines if line.startswith("SYSDRA_DEVICES=")).split("=", 1)[1].split(",")
+    assert [d.split("-", 1)[0] for d in devices] == ["gpu", "nic"], lines
+    delete_pod(realnode, ns, "gpu-nic-demo")
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):
