@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx2
 import psutil
 
-from tests.controlplane import REPO, ControlPlane, _die_with_parent, free_port, peer
+from tests.controlplane import REPO, ControlPlane, _die_with_parent, free_port, log_tail, peer, wait_until
 from tests.realnode_setup import BUSYBOX, containerd_config, kubelet_config, real_device_nodes, write_images
 
 DRIVER = "sysdra.io"
@@ -202,24 +202,11 @@ class RealNode:
         return self.plane.list("ResourceSlice", fields={"spec.nodeName": self.name, "spec.driver": DRIVER})
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        try:
-            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        """The end of a node process's log, or of a control-plane peer's."""
+        return log_tail(self.dir, name, lines) or (self.plane.log_tail(name, lines) if self.plane else "")
 
     def _until(self, probe, what: str, timeout: float, proc=None, log: str | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{what}: exited with {proc.returncode}:\n{self.log_tail(log or what)}")
-            try:
-                if probe():
-                    return
-            except (httpx2.HTTPError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{self.log_tail(log or what)}")
+        wait_until(probe, timeout, what=what, proc=proc, tail=lambda: self.log_tail(log or what))
 
     # --- stop ------------------------------------------------------------------------------
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-
 import pytest
 
 from tests.conftest import require_root, require_tool
 from tests.faults import harness
 from tests.cluster import example_pod
-from tests.controlplane import load_yaml, unique
+from tests.controlplane import load_yaml, unique, wait_until
 from tests.realnode import DRIVER, RealNode
 from tests.realnode_leftovers import HostState
 
@@ -41,13 +39,8 @@ def realnode(tmp_path_factory):
 
 
 def wait(predicate, what: str, node: RealNode, timeout: float = 90.0, log: str = "kubelet"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s\n--- {log}:\n{node.log_tail(log, 30)}\n--- agent:\n{node.log_tail('agent', 20)}")
+    tail = lambda: f"--- {log}:\n{node.log_tail(log, 30)}\n--- agent:\n{node.log_tail('agent', 20)}"  # noqa: E731
+    return wait_until(predicate, timeout, what=what, tail=tail, interval=0.25)
 
 
 def namespace(node: RealNode) -> str:
