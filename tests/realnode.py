@@ -41,6 +41,7 @@ class RealNode:
     name: str = "sysdra-node"
     profile: str = PROFILE
     agent_args: list[str] = field(default_factory=list)
+    apiserver_args: list[str] = field(default_factory=list)  # more kube-apiserver flags (bench: the audit log)
     plane: ControlPlane | None = None
     image: str = BUSYBOX
     procs: dict = field(default_factory=dict)
@@ -100,7 +101,7 @@ class RealNode:
         pki = os.path.join(self.dir, "controlplane", "pki")
         self.plane = ControlPlane(dir=os.path.join(self.dir, "controlplane"), wrap=self.enter, extra_args=[
             "--kubelet-preferred-address-types=Hostname",
-            f"--kubelet-client-certificate={pki}/admin.crt", f"--kubelet-client-key={pki}/admin.key",
+            f"--kubelet-client-certificate={pki}/admin.crt", f"--kubelet-client-key={pki}/admin.key", *self.apiserver_args,
         ])  # fmt: skip
         os.makedirs(self.plane.dir, exist_ok=True)
         self.plane.start(timeout)
