@@ -14,7 +14,7 @@ import os
 import signal
 import pytest
 
-from tests.conftest import require_root, require_tool
+from tests.conftest import REPO, require_root, require_tool
 from tests.faults import harness
 from tests.cluster import example_pod
 from tests.controlplane import load_yaml, unique, wait_until
@@ -241,6 +241,37 @@ def test_the_deploy_example_runs(realnode, tmp_path):
     assert [d.split("-", 1)[0] for d in devices] == ["gpu", "nic"], lines
     delete_pod(realnode, ns, "gpu-nic-demo")
 
+
+
+def test_two_pods_share_one_gpu(realnode):
+    """``--share gpu``: two pods, each with a claim for a share of the same GPU (deploy/
+    example-sharing.yaml's template pinned to one GPU), run at once with their own share."""
+    ns = namespace(realnode)
+    template = next(d for d in load_yaml(f"{REPO}/deploy/example-sharing.yaml") if d["metadata"]["name"] == "gpu-share-small")
+    template["metadata"]["namespace"] = ns
+    realnode.stop_process("agent")
+    realnode.start_agent("--share", "gpu")
+    try:
+        gpu = min((d for s in realnode.slices() for d in s["spec"].get("devices", []) if d["name"].startswith("gpu-")),
+                  key=lambda d: d["name"])  # fmt: skip
+        assert gpu.get("allowMultipleAllocations"), gpu
+        bdf = gpu["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+        template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+            {"cel": {"expression": f'device.attributes["resource.kubernetes.io"].pciBusID == "{bdf}"'}}]
+        realnode.plane.create(template)
+        for pod in ("one", "two"):
+            create_pod(realnode, ns, pod, "env | grep ^SYSDRA_ | sort", claims=[{"name": "gpu", "resourceClaimTemplateName": "gpu-share-small"}])
+        logs = {pod: running_log(realnode, ns, pod) for pod in ("one", "two")}
+        for lines in logs.values():
+            assert f"SYSDRA_GPU_PCI_BUS_IDS={bdf}" in lines, lines
+        results = [r for c in realnode.plane.list("ResourceClaim", ns) for r in c["status"]["allocation"]["devices"]["results"]]
+        assert len(results) == 2 and {r["device"] for r in results} == {gpu["name"]}
+        assert len({r["shareID"] for r in results}) == 2, results
+        for pod in ("one", "two"):
+            delete_pod(realnode, ns, pod)
+    finally:
+        realnode.stop_process("agent")
+        realnode.start_agent()
 
 def test_zz_the_node_leaves_nothing_behind(realnode):
     """Last in the module: stop the node; no process, mount, socket or file of it is left
