@@ -164,9 +164,10 @@ class RealNode:
         for manifest in ("namespace.yaml", "rbac.yaml", "admission-policy.yaml", "deviceclasses.yaml"):
             self.plane.apply(os.path.join(REPO, "deploy", manifest))
 
-    def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True) -> subprocess.Popen:
+    def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True, name: str = "agent") -> subprocess.Popen:
         """``sysdra run --cluster kube`` as the DaemonSet runs it: the fixture root at ``host``
-        (its own mount namespace), a ServiceAccount token bound to the Node."""
+        (its own mount namespace), a ServiceAccount token bound to the Node. ``name``: its
+        process and log (``<name>.log``), another for the second instance of a rolling update."""
         token = self.plane.token("sysdra", "sysdra", node=self.name, seconds=86400)
         kubeconfig = self.plane.write_kubeconfig(os.path.join(self.dir, "agent.kubeconfig"), token=token, namespace="sysdra")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
@@ -175,18 +176,18 @@ class RealNode:
                  "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, "--metrics-address", "",
                  *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
-        registered = self.registrations()
-        proc = self._spawn("agent", [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
+        registered = self.registrations(name)
+        proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
         if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
-            self._until(lambda: self.slices() and self.registrations() > registered, "the agent published and registered",
-                        timeout, proc, "agent")  # fmt: skip
+            self._until(lambda: self.slices() and self.registrations(name) > registered, "the agent published and registered",
+                        timeout, proc, name)  # fmt: skip
         return proc
 
-    def registrations(self) -> int:
+    def registrations(self, name: str = "agent") -> int:
         """How often the kubelet has registered the agent (its NotifyRegistrationStatus, as the agent logs it)."""
         try:
-            with open(os.path.join(self.dir, "agent.log"), errors="replace") as f:
+            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
                 return f.read().count("registered with the kubelet as DRA driver")
         except OSError:
             return 0
@@ -238,7 +239,7 @@ class RealNode:
         return list(found.values())
 
     def stop(self) -> None:
-        for name in ("agent", "kubelet", "containerd"):
+        for name in [n for n in self.procs if n.startswith("agent")] + ["kubelet", "containerd"]:
             self.stop_process(name, timeout=15)
         for _ in range(3):  # shims ignore SIGTERM; a shim's container may be reparented mid-walk
             procs = self.namespace_processes()

@@ -273,6 +273,36 @@ def test_two_pods_share_one_gpu(realnode):
         realnode.stop_process("agent")
         realnode.start_agent()
 
+
+def test_rolling_update_without_a_failed_prepare(realnode):
+    """Two instances with ``--rolling-update-uid`` (the DaemonSet's surge): pods created before,
+    during and after the switch all run, the kubelet never fails a prepare, and the new instance
+    unprepares what the old one prepared."""
+    ns = namespace(realnode)
+    claims = [realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                     "metadata": {"name": pod, "namespace": ns}, "spec": GPU_REQUEST})
+              for pod in ("before", "during", "after")]  # fmt: skip
+    realnode.stop_process("agent")
+    try:
+        realnode.start_agent("--rolling-update-uid", "old", name="agent-old")
+        create_pod(realnode, ns, "before", "true", claims=[{"name": "gpu", "resourceClaimName": "before"}])
+        running_log(realnode, ns, "before")
+        realnode.start_agent("--rolling-update-uid", "new", name="agent-new")
+        create_pod(realnode, ns, "during", "true", claims=[{"name": "gpu", "resourceClaimName": "during"}])
+        running_log(realnode, ns, "during")
+        realnode.stop_process("agent-old")
+        create_pod(realnode, ns, "after", "true", claims=[{"name": "gpu", "resourceClaimName": "after"}])
+        running_log(realnode, ns, "after")
+        for pod in ("before", "during", "after"):
+            delete_pod(realnode, ns, pod)
+        wait(lambda: not any(claim_specs(realnode, c["metadata"]["uid"]) for c in claims), "unprepared by the new instance", realnode)
+        failed = [e["message"] for e in realnode.plane.list("Event", ns) if e.get("reason") == "FailedPrepareDynamicResources"]
+        assert not failed, failed
+    finally:
+        for name in ("agent-old", "agent-new"):
+            realnode.stop_process(name)
+        realnode.start_agent()
+
 def test_zz_the_node_leaves_nothing_behind(realnode):
     """Last in the module: stop the node; no process, mount, socket or file of it is left
     outside its directory, and the host's sysctls are as they were."""
