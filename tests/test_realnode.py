@@ -214,18 +214,26 @@ def test_prepare_fails_then_succeeds_on_the_kubelets_retry(realnode):
 
 
 def test_kubelet_restart_under_a_running_pod(realnode):
-    """At start the kubelet deletes the node's slices; the agent's slice watch republishes."""
+    """At start the kubelet deletes the node's slices; the agent's slice watch republishes. The
+    pod that kept running keeps its claim; a pod deleted while the kubelet was down is
+    unprepared after it returns."""
     ns = namespace(realnode)
-    realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                           "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
-    create_pod(realnode, ns, "app", "true", claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
-    running_log(realnode, ns, "app")
+    claims = {pod: realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                          "metadata": {"name": pod, "namespace": ns}, "spec": GPU_REQUEST})
+              for pod in ("app", "gone")}  # fmt: skip
+    for pod in claims:
+        create_pod(realnode, ns, pod, "true", claims=[{"name": "gpu", "resourceClaimName": pod}])
+        running_log(realnode, ns, pod)
     before = {s["metadata"]["uid"] for s in realnode.slices()}
     realnode.stop_process("kubelet")
+    # deleted for good while no kubelet runs (grace 0: the API forgets it at once)
+    realnode.plane.request("DELETE", f"/api/v1/namespaces/{ns}/pods/gone", params={"gracePeriodSeconds": "0"})
     realnode.start_kubelet()
     wait(lambda: (now := {s["metadata"]["uid"] for s in realnode.slices()}) and not now & before,
          "slices deleted by the kubelet's start and published again", realnode)  # fmt: skip
+    wait(lambda: not claim_specs(realnode, claims["gone"]["metadata"]["uid"]), "the deleted pod's claim unprepared", realnode)
     assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    assert claim_specs(realnode, claims["app"]["metadata"]["uid"])
     delete_pod(realnode, ns, "app")
 
 
