@@ -325,7 +325,7 @@ def test_the_first_published_slice_already_carries_the_health_taint(realnode):
     events: list[dict] = []
 
     def watch():
-        params = {"watch": "true", "resourceVersion": rv, "timeoutSeconds": "25", "fieldSelector": f"spec.nodeName={realnode.name}"}
+        params = {"watch": "true", "resourceVersion": rv, "timeoutSeconds": "15", "fieldSelector": f"spec.nodeName={realnode.name}"}
         with realnode.plane.http().stream("GET", "/apis/resource.k8s.io/v1/resourceslices", params=params, timeout=40) as r:
             events.extend(json.loads(line) for line in r.iter_lines() if line.strip())
 
@@ -333,7 +333,7 @@ def test_the_first_published_slice_already_carries_the_health_taint(realnode):
     watcher.start()
     try:
         realnode.start_agent("--taint-unhealthy")
-        watcher.join(40)
+        watcher.join(30)
     finally:
         realnode.stop_process("agent")
         realnode.start_agent()
