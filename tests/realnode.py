@@ -13,6 +13,7 @@ SIGTERM, so every process of the namespace and every descendant of one is killed
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -54,7 +55,8 @@ class RealNode:
         self.kubelet_dir = os.path.join(self.dir, "ns", "var-lib", "kubelet")
         self.cdi_dir = os.path.join(self.dir, "cdi")
         self.socket = os.path.join(self.dir, "containerd", "containerd.sock")
-        self.cgroup_root = "/sysdra-" + os.path.basename(self.dir.rstrip("/"))[-20:]
+        # one per node directory: two nodes at once (two test sessions) never share one
+        self.cgroup_root = "/sysdra-node-" + hashlib.sha256(self.dir.encode()).hexdigest()[:12]
 
     # --- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "RealNode":
