@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv peers test test-fast demo demo-partitions run allocate bench reliability protos fixtures install clean
+.PHONY: all venv peers test test-fast demo demo-partitions run cluster allocate bench reliability protos fixtures install clean
 
 all: test
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The Go test peers (kube-apiserver, etcd, the scheduler's allocator) into .peers/bin; cached,
+# The Go test peers (control plane, allocator, the real node's kubelet and containerd) into .peers/bin; cached,
 # a no-op when nothing changed (docs/control-plane.md). Needs Go >= 1.26 and the module proxy.
 peers:
 	tests/peers/build.sh
@@ -26,8 +26,9 @@ peers:
 test: $(STAMP) peers
 	$(VPY) -m pytest -q
 
-# Unit and integration tests only.
-test-fast: $(STAMP) peers
+# Unit and integration tests only (they need the control plane's peers, not the real node's).
+test-fast: $(STAMP)
+	tests/peers/build.sh control-plane
 	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
@@ -48,6 +49,11 @@ run: $(STAMP)
 	mkdir -p .state/run
 	SYSDRA_CONFIG=/dev/null $(VPY) -m agent run --root fixtures/sysfs/$(PROFILE) --node-name demo-node \
 		--cluster dir:.state/run/cluster --kubelet-dir .state/run/kubelet --cdi-dir .state/run/cdi
+
+# A real single-node Kubernetes v1.37.2 cluster: control plane, containerd, the kubelet and the agent
+# on PROFILE, until Ctrl-C; prints a kubeconfig (docs/real-node.md). Needs root.
+cluster: $(STAMP) peers
+	$(VPY) -m tests.cluster --profile $(PROFILE)
 
 bench: $(STAMP)
 	$(VPY) -m bench.run

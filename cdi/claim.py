@@ -3,7 +3,8 @@
 Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
 - kind ``k8s.<driver>/claim``, one CDI device ``<claimUID>-<device>`` per device (per share:
   ``<claimUID>-<device>-<shareID>``, with the share's environment, docs/sharing.md) with
-  its device nodes (``hostPath`` only when the agent's root is not ``/``) and
+  its device nodes (``hostPath`` only where the host's path differs from the container's: the
+  agent's ``--root`` is its own view of the host, never part of a path the runtime reads) and
   ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
 - spec-level edits (applied once when any device of the claim is injected) carry the
   claim-wide lists: ``SYSDRA_CLAIM_UID``, ``SYSDRA_DEVICES``,
@@ -17,6 +18,7 @@ such a spec, and ``capacity_keys`` names a share's capacities so that it never h
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -96,12 +98,21 @@ def cdi_id(driver_name: str, claim_uid: str, device_name: str) -> str:
     return qualified_name(claim_kind(driver_name), cdi_device_name(claim_uid, device_name))
 
 
-def _device_edits(dev: Device, with_host_path: bool, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = ()) -> dict:
+def host_path(node_host_path: str, root: str) -> str:
+    """A device node's path as the container runtime on the host sees it: the agent's view
+    (under ``--root``, ``/host/dev/...`` in the DaemonSet) without the root. Without a
+    ``hostPath`` the runtime stats the node itself and keeps its mode, owner and group."""
+    rel = os.path.relpath(node_host_path, root)
+    return node_host_path if rel == ".." or rel.startswith("../") else "/" + rel
+
+
+def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = ()) -> dict:
     nodes = []
     for n in dev.device_nodes:
         node = {"path": n.path}
-        if with_host_path and n.host_path != n.path:
-            node["hostPath"] = n.host_path
+        on_host = host_path(n.host_path, root)
+        if on_host != n.path:
+            node["hostPath"] = on_host
         node.update({"type": n.type, "major": n.major, "minor": n.minor})
         nodes.append(node)
     edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env]}
@@ -121,7 +132,6 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
         raise ValueError("a CDI spec needs at least one device")
     cdi_devices = [e if isinstance(e, ClaimDevice) else ClaimDevice(e, e.name) for e in entries]
     devices = list({c.device.name: c.device for c in cdi_devices}.values())
-    with_host_path = root != "/"
     env = [f"SYSDRA_CLAIM_UID={claim_uid}", "SYSDRA_DEVICES=" + ",".join(d.name for d in devices)]
     for kind in sorted({d.kind for d in devices}):
         bdfs = ",".join(d.pci.bdf for d in devices if d.kind == kind)
@@ -132,7 +142,7 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
     spec = {
         "kind": claim_kind(driver_name),
         "devices": [
-            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, with_host_path, c.env, c.mounts)}
+            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, root, c.env, c.mounts)}
             for c in cdi_devices
         ],
         "containerEdits": {"env": env},

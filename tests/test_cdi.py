@@ -50,10 +50,12 @@ def test_claim_spec_versions_follow_content():
     digit_uid = "1" + "0" * 7 + "-0000-4000-8000-000000000000"
     assert build_claim_spec("sysdra.io", letter_uid, [gpu(0)])["cdiVersion"] == "0.3.0"
     assert build_claim_spec("sysdra.io", digit_uid, [gpu(0)])["cdiVersion"] == "0.5.0"
+    # the DaemonSet's --root=/host is the agent's view: the runtime on the host is given the
+    # host's path (none needed), so it stats the node and keeps its mode (found on the real node)
     rooted = build_claim_spec("sysdra.io", letter_uid, [gpu(0, root="/host")], root="/host")
-    assert rooted["cdiVersion"] == "0.5.0"  # hostPath
+    assert rooted["cdiVersion"] == "0.3.0"
     assert rooted["devices"][0]["containerEdits"]["deviceNodes"][0] == {
-        "path": "/dev/dri/renderD128", "hostPath": "/host/dev/dri/renderD128", "type": "c", "major": 226, "minor": 128}
+        "path": "/dev/dri/renderD128", "type": "c", "major": 226, "minor": 128}
 
 
 def test_claim_spec_layout_and_env():

@@ -56,10 +56,21 @@ def _owner_key(obj: dict) -> list[tuple]:
     return [(r.get("kind"), r.get("name"), r.get("uid"), bool(r.get("controller"))) for r in refs]
 
 
+def _as_sent(devices):
+    """Devices without the taints' ``timeAdded``: the agent sends none and the server stamps
+    the time of each write on such a taint, so a slice read back would always differ."""
+    if not isinstance(devices, list):
+        return devices
+    return [{**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]}
+            if isinstance(d, dict) and isinstance(d.get("taints"), list) else d for d in devices]  # fmt: skip
+
+
 def same_slice(existing: dict, desired: dict) -> bool:
     a, b = existing.get("spec", {}), desired.get("spec", {})
     # plain equality first (what we wrote reads back equal); canonical form only if it differs
-    if any(a.get(f) != b.get(f) and _canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS):
+    if any(a.get(f) != b.get(f) and _canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS if f != "devices"):
+        return False
+    if a.get("devices") != b.get("devices") and _canonical(_as_sent(a.get("devices"))) != _canonical(_as_sent(b.get("devices"))):
         return False
     return not _owner_key(desired) or _owner_key(existing) == _owner_key(desired)
 

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Build the Go test peers (tests/peers) into .peers/bin: allocator, etcd, kube-apiserver, kube-scheduler.
+# Build the Go test peers (tests/peers) into .peers/bin: allocator, etcd, kube-apiserver,
+# kube-scheduler, and the real node's kube-controller-manager, kubelet and containerd (+ ctr, shim).
 #
-#   tests/peers/build.sh [allocator|etcd|kube-apiserver|kube-scheduler ...]   # default: all, allocator first
-#   tests/peers/build.sh --gen-replace                         # print go.mod's replace block
+#   tests/peers/build.sh [PEER ...]        # default: all, allocator first
+#   tests/peers/build.sh control-plane     # allocator etcd kube-apiserver kube-scheduler
+#   tests/peers/build.sh node              # kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2
+#   tests/peers/build.sh --gen-replace     # print go.mod's replace block
+#
+# The Kubernetes peers share one module (tests/peers/go.mod); containerd v2 has a module of its
+# own (tests/peers/containerd/go.mod), because its dependencies differ from k8s.io/kubernetes's.
 #
 # Module and build caches live in .peers/ (git-ignored) unless GOMODCACHE / GOCACHE are set, so a
 # second run on the same machine does not download or compile again; a binary newer than every
@@ -13,7 +19,7 @@ repo="$(cd "$here/../.." && pwd)"
 peers="${PEERS_DIR:-$repo/.peers}"
 
 if ! command -v go >/dev/null 2>&1; then
-  echo "tests/peers/build.sh: 'go' is not on PATH; the test peers need Go >= 1.26 (https://go.dev/dl/)" >&2
+  echo "tests/peers/build.sh: 'go' is not on PATH; the test peers need Go >= 1.26.6 (https://go.dev/dl/)" >&2
   exit 1
 fi
 
@@ -36,25 +42,49 @@ export CGO_ENABLED=0 GOTOOLCHAIN=local
 jobs="${PEERS_JOBS:-2}"
 mkdir -p "$peers/bin"
 
-targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(allocator etcd kube-apiserver kube-scheduler)
+control_plane=(allocator etcd kube-apiserver kube-scheduler)
+node=(kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2)
+targets=()
+for t in "$@"; do
+  case "$t" in
+    control-plane) targets+=("${control_plane[@]}") ;;
+    node) targets+=("${node[@]}") ;;
+    *) targets+=("$t") ;;
+  esac
+done
+[ ${#targets[@]} -gt 0 ] || targets=("${control_plane[@]}" "${node[@]}")
 
 for t in "${targets[@]}"; do
-  [ -d "$here/$t" ] || { echo "tests/peers/build.sh: unknown peer '$t'" >&2; exit 2; }
+  tags=""
+  case "$t" in
+    containerd|ctr|containerd-shim-runc-v2)
+      # CGO_ENABLED=0 leaves out the btrfs snapshotter's cgo; no_btrfs says so to the build
+      mod="$here/containerd"; pkg="github.com/containerd/containerd/v2/cmd/$t"; tags="-tags=no_btrfs" ;;
+    *)
+      [ -d "$here/$t" ] && [ "$t" != containerd ] || { echo "tests/peers/build.sh: unknown peer '$t'" >&2; exit 2; }
+      mod="$here"; pkg="./$t" ;;
+  esac
   bin="$peers/bin/$t"
   # up to date: the binary is newer than every input (go.mod, go.sum, this script, its sources) (the Go build cache makes a rebuild cheap anyway)
-  if [ -x "$bin" ] && [ -z "$(find "$here/go.mod" "$here/go.sum" "$here/build.sh" "$here/$t" -newer "$bin" -print -quit)" ]; then
+  sources=("$mod/go.mod" "$mod/go.sum" "$here/build.sh")
+  [ "$mod" = "$here" ] && sources+=("$here/$t")
+  if [ -x "$bin" ] && [ -z "$(find "${sources[@]}" -newer "$bin" -print -quit)" ]; then
     echo "peers: $t up to date ($bin)"
     continue
   fi
   echo "peers: building $t ..."
   start=$(date +%s)
-  # the version the server reports (/version) is the module's, as a release build stamps it
-  kver="$(cd "$here" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
-  minor="${kver#v1.}"; minor="${minor%%.*}"
-  stamp="-X k8s.io/component-base/version.gitVersion=$kver -X k8s.io/component-base/version.gitMajor=1"
-  stamp="$stamp -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
-  (cd "$here" && go build -p "$jobs" -trimpath -ldflags="-s -w $stamp" -o "$bin.tmp" "./$t")
+  if [ "$mod" = "$here" ]; then
+    # the version the server reports (/version) is the module's, as a release build stamps it
+    kver="$(cd "$mod" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+    minor="${kver#v1.}"; minor="${minor%%.*}"
+    stamp="-X k8s.io/component-base/version.gitVersion=$kver -X k8s.io/component-base/version.gitMajor=1"
+    stamp="$stamp -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+  else
+    cver="$(cd "$mod" && go list -m -f '{{.Version}}' github.com/containerd/containerd/v2)"
+    stamp="-X github.com/containerd/containerd/v2/version.Version=${cver#v}"
+  fi
+  (cd "$mod" && go build -p "$jobs" $tags -trimpath -ldflags="-s -w $stamp" -o "$bin.tmp" "$pkg")
   mv -f "$bin.tmp" "$bin"
   echo "peers: built $t in $(( $(date +%s) - start ))s"
 done
