@@ -108,13 +108,19 @@ def test_pod_with_a_claim_gets_its_devices_env_and_metadata(realnode):
     claim = realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                                    "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
     uid = claim["metadata"]["uid"]
-    script = (f"for n in $(ls /dev | grep nvidia); do stat -c '%n %F %t:%T %a' /dev/$n; done; env | grep ^SYSDRA_ | sort; "
+    script = ("cat /usr/local/nvidia/lib64/libcuda.so.1 /usr/local/nvidia/lib64/libnvidia-ptxjitcompiler.so.1; echo; "
+              "echo LD=$LD_LIBRARY_PATH; ls /usr/bin/nvidia-smi /lib/firmware/nvidia/580.159.04; "
+              f"for n in $(ls /dev | grep nvidia); do stat -c '%n %F %t:%T %a' /dev/$n; done; env | grep ^SYSDRA_ | sort; "
               f"echo METADATA; cat {METADATA}/resourceclaims/gpu/gpu/{DRIVER}-metadata.json; echo")  # fmt: skip
     create_pod(realnode, ns, "app", script, claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
     lines = running_log(realnode, ns, "app")
 
     claim = realnode.plane.get("ResourceClaim", "gpu", ns)
     (device,) = allocated(claim)
+    # the NVIDIA user-space driver of the fixture's kernel module, from the claim's CDI spec (docs/nvidia.md)
+    assert lines[:2] == ["fixture: libcuda.so.580.159.04", "fixture: libnvidia-ptxjitcompiler.so.580.159.04"], lines
+    assert "LD=/usr/local/nvidia/lib:/usr/local/nvidia/lib64" in lines and "/usr/bin/nvidia-smi" in lines, lines
+    assert "gsp_ga10x.bin" in lines, lines
     for n in device_nodes(realnode, device):
         # the fixture's nodes are 0640: the runtime stats the host's node (no hostPath of the agent's view)
         assert f"{n.path} character special file {n.major:x}:{n.minor:x} 640" in lines, lines
