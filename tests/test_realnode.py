@@ -319,8 +319,6 @@ def test_rolling_update_without_a_failed_prepare(realnode):
         realnode.start_agent()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 defect 1: the first publish comes before the first health round (still so with "
-                   "issue 44's start order as of pkgs 5cd1d08); remove this mark with the fix")
 def test_the_first_published_slice_already_carries_the_health_taint(realnode):
     """``--taint-unhealthy``: the fixture's NIC with its link down is tainted in every version of
     the slice the server ever holds, the first included (the first health check at start was

@@ -285,6 +285,12 @@ class HealthMonitor:
             for n, s in sorted(self.states.items()) if s.verdict.health == UNHEALTHY
         }
 
+    def check_once(self) -> dict[str, list[dict]]:
+        """One full round now, in the caller's thread (no loop needed) -> ``taints()``: what the
+        first published slices carry with ``--taint-unhealthy``, before the monitor runs."""
+        self.states = self._check_all(full=True)
+        return self.taints()
+
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
         self._subscribers.add(sub)
@@ -292,3 +298,8 @@ class HealthMonitor:
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self._subscribers.discard(sub)
+
+
+def first_taints(settings: Settings, inventory: Inventory) -> dict[str, list[dict]]:
+    """The taints of one round on ``inventory``, for the slices published before the monitor runs."""
+    return HealthMonitor(settings, lambda: inventory).check_once()

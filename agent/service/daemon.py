@@ -73,11 +73,14 @@ class Agent:
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
+        self._first_taints: dict | None = None  # --taint-unhealthy until the health monitor runs
 
     # --- inventory -> pool ---------------------------------------------------------------
     def _pool_for(self, inventory) -> PoolContent:
         s = self.settings
-        taints = self.health.taints() if s.taint_unhealthy and self.health is not None else None
+        taints = None
+        if s.taint_unhealthy:  # before the monitor runs (the first publish): the first scan's round
+            taints = self.health.taints() if self.health is not None else self._first_taints
         pool = build_pool(inventory, **pool_options(s), taints=taints, previous=self.pool, cache=self._slice_cache)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
@@ -102,6 +105,9 @@ class Agent:
         self.rescans += 1
         async with self._scanning:  # one scan at a time: events, resyncs and prepare's mode switches all ask
             inventory = await asyncio.to_thread(self._scan, changed)
+            if self.settings.taint_unhealthy and self.health is None:  # no unhealthy device published untainted
+                from agent.health.monitor import first_taints
+                self._first_taints = await asyncio.to_thread(first_taints, self.settings, inventory)
         self.inventory = inventory  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
