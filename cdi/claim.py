@@ -8,7 +8,8 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
   ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
 - spec-level edits (applied once when any device of the claim is injected) carry the
   claim-wide lists: ``SYSDRA_CLAIM_UID``, ``SYSDRA_DEVICES``,
-  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``.
+  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``, and what a vendor's
+  devices need once per claim (NVIDIA's user-space driver, cdi/nvidia.py).
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = ()) -> di
     return edits
 
 
-def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/") -> dict:
+def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/",
+                     extra_edits: dict | None = None) -> dict:
     """The finished, validated spec dict for ``entries`` (each once, in allocation order; a
-    plain Device is its own key). Claim-wide lists name each device once, however many shares."""
+    plain Device is its own key). Claim-wide lists name each device once, however many shares.
+    ``extra_edits``: claim-wide edits a vendor needs once per claim (cdi/nvidia.py)."""
     if not entries:
         raise ValueError("a CDI spec needs at least one device")
     cdi_devices = [e if isinstance(e, ClaimDevice) else ClaimDevice(e, e.name) for e in entries]
@@ -88,4 +91,6 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
         ],
         "containerEdits": {"env": env},
     }
+    for key, values in (extra_edits or {}).items():
+        spec["containerEdits"].setdefault(key, []).extend(values)
     return finish(spec)
