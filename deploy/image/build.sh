@@ -16,8 +16,13 @@ base="${BASE:-docker.io/library/debian:bookworm-slim}"
 out="${OUT:-$repo/.state/image}"
 command -v podman >/dev/null || { echo "deploy/image/build.sh: podman is missing (apt-get install podman)" >&2; exit 1; }
 podman image exists "$base" || deploy/image/base.sh "$base"
+# pip inside the build trusts what pip here trusts (a TLS-inspecting proxy's CA), as a build secret
+secret=()
+ca="${PIP_CERT:-$(sed -n 's/^cert *= *//p' /etc/pip.conf 2>/dev/null | head -1)}"
+[ -n "$ca" ] && [ -s "$ca" ] && secret=(--secret "id=pip-ca,src=$ca")
 start=$(date +%s)
-podman build --quiet --pull=never --build-arg "BASE=$base" --build-arg "VERSION=$version" -t "$image" -f Containerfile . >/dev/null
+podman build --quiet --pull=never "${secret[@]}" --build-arg "BASE=$base" --build-arg "VERSION=$version" \
+  -t "$image" -f Containerfile . >/dev/null
 built=$(( $(date +%s) - start ))
 mkdir -p "$out"
 archive="$out/sysdra-${TAG:-$version}.oci.tar"
