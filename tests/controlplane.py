@@ -195,6 +195,7 @@ _KINDS = {
     "ConfigMap": ("/api/v1", "configmaps", True),
     "Service": ("/api/v1", "services", True),
     "Pod": ("/api/v1", "pods", True),
+    "Event": ("/api/v1", "events", True),
     "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
     "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),

@@ -174,11 +174,21 @@ class RealNode:
                  "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, "--metrics-address", "",
                  *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
+        registered = self.registrations()
         proc = self._spawn("agent", [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
-        if wait:
-            self._until(lambda: self.slices(), "the agent's ResourceSlices", timeout, proc, "agent")
+        if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
+            self._until(lambda: self.slices() and self.registrations() > registered, "the agent published and registered",
+                        timeout, proc, "agent")  # fmt: skip
         return proc
+
+    def registrations(self) -> int:
+        """How often the kubelet has registered the agent (its NotifyRegistrationStatus, as the agent logs it)."""
+        try:
+            with open(os.path.join(self.dir, "agent.log"), errors="replace") as f:
+                return f.read().count("registered with the kubelet as DRA driver")
+        except OSError:
+            return 0
 
     # --- state -----------------------------------------------------------------------------
     def node_ready(self) -> bool:

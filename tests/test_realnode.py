@@ -17,7 +17,9 @@ import time
 import pytest
 
 from tests.conftest import require_root, require_tool
-from tests.controlplane import unique
+from tests.faults import harness
+from tests.cluster import example_pod
+from tests.controlplane import load_yaml, unique
 from tests.realnode import DRIVER, RealNode
 from tests.realnode_leftovers import HostState
 
@@ -55,7 +57,8 @@ def namespace(node: RealNode) -> str:
     return ns
 
 
-def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[dict] = (), limits: dict | None = None) -> dict:
+def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[dict] = (), limits: dict | None = None,
+               scheduler: str = "default-scheduler") -> dict:  # fmt: skip
     container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
                  "command": ["sh", "-c", f"{script}; echo END; exec sleep 3600"]}  # fmt: skip
     if claims:
@@ -64,18 +67,24 @@ def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[
         container["resources"] = {"limits": limits}
     return node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
                               "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
+                                       "schedulerName": scheduler,
                                        "resourceClaims": list(claims), "containers": [container]}})  # fmt: skip
 
 
 def running_log(node: RealNode, ns: str, name: str) -> list[str]:
     """The pod's log through the API (kube-apiserver → kubelet), once the script has ended."""
+    return running_log_until(node, ns, name, "END")
+
+
+def running_log_until(node: RealNode, ns: str, name: str, marker: str) -> list[str]:
     def log():
         pod = node.plane.get("Pod", name, ns)
         assert pod["status"].get("phase") not in ("Failed", "Succeeded"), pod["status"]
         if pod["status"].get("phase") != "Running":
             return None
         r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}/log", ok=False)
-        return r.status_code == 200 and "END" in r.text.splitlines() and r.text.splitlines()
+        lines = r.text.splitlines() if r.status_code == 200 else []
+        return any(line.startswith(marker) for line in lines) and lines
 
     return wait(log, f"pod {ns}/{name} running with its log", node)
 
@@ -152,22 +161,63 @@ def test_claims_from_a_template_and_from_an_extended_resource(realnode):
 
 
 def test_agent_killed_and_gone_past_30s_under_a_running_pod(realnode):
-    """SIGKILL under a running pod; the kubelet wipes the driver's slices after 30 s without a
-    connected plugin; the restarted agent republishes and unprepares the pod's claim."""
+    """SIGKILL under a running pod; a pod created meanwhile stays pending; the kubelet wipes the
+    driver's slices after 30 s without a connected plugin; the restarted agent republishes,
+    the waiting pod runs, and the first pod's claim is unprepared when it goes."""
     ns = namespace(realnode)
-    claim = realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                                   "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
+    claims = [realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                     "metadata": {"name": name, "namespace": ns}, "spec": GPU_REQUEST})
+              for name in ("gpu", "later")]  # fmt: skip
     create_pod(realnode, ns, "app", "true", claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
     running_log(realnode, ns, "app")
     realnode.stop_process("agent", signal.SIGKILL)
+    create_pod(realnode, ns, "later", "true", claims=[{"name": "gpu", "resourceClaimName": "later"}])
+    wait(lambda: realnode.plane.get("ResourceClaim", "later", ns)["status"].get("reservedFor"), "the later pod scheduled", realnode)
     wait(lambda: not realnode.slices(), "the kubelet wiping the slices of a driver gone for 30 s", realnode, timeout=75)
     assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    assert realnode.plane.get("Pod", "later", ns)["status"]["phase"] == "Pending"  # no plugin to prepare its claim
     realnode.start_agent()  # waits for its slices
+    running_log(realnode, ns, "later")
     assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
-    uid = claim["metadata"]["uid"]
+    uid = claims[0]["metadata"]["uid"]
     assert claim_specs(realnode, uid)
+    for pod in ("app", "later"):
+        delete_pod(realnode, ns, pod)
+    wait(lambda: not any(claim_specs(realnode, c["metadata"]["uid"]) for c in claims), "unprepare by the restarted agent", realnode)
+
+
+def test_prepare_fails_then_succeeds_on_the_kubelets_retry(realnode):
+    """The allocated GPU is gone at prepare time (hot-unplugged after allocation): the prepare
+    fails, the pod waits; the GPU comes back and the kubelet's retry prepares it."""
+    ns = namespace(realnode)
+    claim = realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                   "metadata": {"name": "gpu", "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
+    devices = sorted({d["name"] for s in realnode.slices() for d in s["spec"].get("devices", []) if d["name"].startswith("gpu-")})
+    gone = devices[-1]
+    # bound and allocated as the scheduler would, to a device that goes before the kubelet prepares
+    pod = create_pod(realnode, ns, "app", "env | grep ^SYSDRA_DEVICES=", claims=[{"name": "gpu", "resourceClaimName": "gpu"}],
+                     scheduler="nobody")  # fmt: skip
+    hotplug = harness.Node(realnode.dir, copy_root=False)
+    hotplug.unplug(gone)
+    try:
+        wait(lambda: gone not in {d["name"] for s in realnode.slices() for d in s["spec"].get("devices", [])},
+             "the agent's rescan without the unplugged GPU", realnode, log="agent")  # fmt: skip
+        where = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [realnode.name]}]}]}
+        status = {"allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": realnode.name, "device": gone}]},
+                                 "nodeSelector": where},
+                  "reservedFor": [{"resource": "pods", "name": "app", "uid": pod["metadata"]["uid"]}]}  # fmt: skip
+        realnode.plane.request("PUT", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/gpu/status",
+                               body=dict(claim, status=status))  # fmt: skip
+        realnode.plane.request("POST", f"/api/v1/namespaces/{ns}/pods/app/binding", body={
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "app"}, "target": {"kind": "Node", "name": realnode.name}})  # fmt: skip
+        failed = wait(lambda: [e for e in realnode.plane.list("Event", ns) if e.get("reason") == "FailedPrepareDynamicResources"],
+                      "the kubelet's failed prepare", realnode)  # fmt: skip
+        assert gone in failed[0]["message"], failed[0]["message"]
+        assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Pending"
+    finally:
+        hotplug.replug(gone)
+    assert f"SYSDRA_DEVICES={gone}" in running_log(realnode, ns, "app")
     delete_pod(realnode, ns, "app")
-    wait(lambda: not claim_specs(realnode, uid), "unprepare by the restarted agent", realnode)
 
 
 def test_kubelet_restart_under_a_running_pod(realnode):
@@ -184,6 +234,19 @@ def test_kubelet_restart_under_a_running_pod(realnode):
          "slices deleted by the kubelet's start and published again", realnode)  # fmt: skip
     assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
     delete_pod(realnode, ns, "app")
+
+
+def test_the_deploy_example_runs(realnode, tmp_path):
+    """deploy/example-claim.yaml as `make cluster` offers it (a GPU and a NIC from a template)."""
+    ns = namespace(realnode)
+    docs = load_yaml(example_pod(str(tmp_path / "example.yaml"), realnode.image))
+    for doc in docs:
+        doc["metadata"]["namespace"] = ns
+        realnode.plane.create(doc)
+    lines = running_log_until(realnode, ns, "gpu-nic-demo", "SYSDRA_CLAIM_UID=")
+    devices = next(line for line in lines if line.startswith("SYSDRA_DEVICES=")).split("=", 1)[1].split(",")
+    assert [d.split("-", 1)[0] for d in devices] == ["gpu", "nic"], lines
+    delete_pod(realnode, ns, "gpu-nic-demo")
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):
