@@ -21,9 +21,9 @@ from tests.controlplane import peer
 CHART = os.path.join(REPO, "deploy", "helm", "sysdra")
 KUBE_VERSION = "v1.37.2"  # the control plane's (tests/peers/go.mod)
 RELEASE, NAMESPACE = "sysdra", "sysdra"
-# the templates that deploy/ holds as plain manifests, rendered with the default values
+# the templates that deploy/ holds as plain manifests, rendered with the default values (and the namespace)
 MANIFESTS = ("namespace", "rbac", "admission-policy", "deviceclasses", "configmap", "daemonset")
-HEADER = ("# Generated from deploy/helm/sysdra (helm template, default values) by `make manifests`:\n"
+HEADER = ("# Generated from deploy/helm/sysdra (helm template, default values, namespace.create=true) by `make manifests`:\n"
           "# edit the chart, never this file. `helm install` is the way to install (docs/install.md).\n")  # fmt: skip
 _SOURCE = re.compile(r"^# Source: [^/]+/templates/(?P<name>[^\n]+)\.yaml\n", re.M)
 
@@ -58,7 +58,7 @@ def by_template(stream: str) -> dict[str, str]:
 
 def manifests() -> dict[str, str]:
     """deploy/<name>.yaml -> its content, as `make manifests` writes them."""
-    rendered = by_template(render())
+    rendered = by_template(render(sets=("namespace.create=true",)))
     missing = [name for name in MANIFESTS if name not in rendered]
     if missing:
         raise RuntimeError(f"the chart's default values render no {', '.join(missing)}")
