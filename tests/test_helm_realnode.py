@@ -180,7 +180,7 @@ def test_install_upgrade_uninstall(node):
     seen, i = set(), 0
     while True:
         now = running_agents(node)
-        seen.add(len(now))
+        seen.add(sum(pod["status"].get("phase") == "Running" for pod in agent_pods(node)))
         names = {pod["metadata"]["name"] for pod in agent_pods(node)}
         rolled = any(image.endswith(":" + NEXT) for _, image in now) and old[0] not in names
         i += 1
@@ -189,10 +189,10 @@ def test_install_upgrade_uninstall(node):
         if rolled:
             break
         assert i < 30, f"the rollout did not finish: {agent_pods(node)}"
-    assert 2 in seen or i > 1, "the new agent never ran beside the old one"
+    assert 2 in seen, "the new agent never ran beside the old one"
     uid = claim_pod(node, ns, "after")
     delete_claim_pod(node, ns, "after", uid)
-    assert warnings(node, ns) == []
+    assert warnings(node, ns) == []  # no prepare failed, not even once before a retry
 
     # uninstall: nothing of the driver is left on the node or in the cluster
     run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")
