@@ -172,6 +172,8 @@ class RealNode:
         env.update(KUBECONFIG=kubeconfig, SYSDRA_CONFIG=os.devnull, PYTHONPATH=REPO, NODE_NAME=self.name)
         agent = [sys.executable, "-m", "agent", "run", "--root", self.host, "--node-name", self.name, "--cluster", "kube",
                  "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, "--metrics-address", "",
+                 # the runtime finds the fixture's NVIDIA driver files (CDI mounts) under the root, not at /usr/lib
+                 "--cdi-host-root", self.root,
                  *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
         registered = self.registrations()
