@@ -10,7 +10,8 @@ import sys
 from bench.report import print_table, progress, write_docs, write_results
 
 # module -> what it measures; each has run() -> list[Figure]
-BENCHMARKS = ("bench.bench_scan", "bench.bench_cli", "bench.bench_publish", "bench.bench_prepare", "bench.bench_idle")
+BENCHMARKS = ("bench.bench_scan", "bench.bench_cli", "bench.bench_publish", "bench.bench_prepare", "bench.bench_idle",
+              "bench.bench_realnode")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,32 @@ def free_port() -> int:
 _counter = itertools.count(1)
 
 
+def log_tail(dir_: str, name: str, lines: int = 40) -> str:
+    """The last ``lines`` of ``dir_/<name>.log`` ("" when there is none)."""
+    try:
+        with open(os.path.join(dir_, f"{name}.log"), errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_until(probe, timeout: float, *, what: str, proc: subprocess.Popen | None = None, tail=lambda: "", interval: float = 0.2):
+    """The first true value of ``probe()`` (connection errors count as not yet); RuntimeError
+    with ``tail()`` (a log's end) when ``proc`` exits first or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail()}")
+        try:
+            value = probe()
+            if value:
+                return value
+        except (httpx2.HTTPError, OSError):
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{tail()}")
+
+
 def unique(prefix: str) -> str:
     """A DNS-label name unique within the test session (tests share one server)."""
     return f"{prefix}-{os.getpid() % 10000}-{next(_counter)}"
@@ -281,24 +307,10 @@ class ControlPlane:
         return proc
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        try:
-            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.dir, name, lines)
 
     def _wait(self, proc, name: str, probe, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
-            try:
-                if probe():
-                    return
-            except (httpx2.HTTPError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{self.log_tail(name)}")
+        wait_until(probe, timeout, what=name, proc=proc, tail=lambda: self.log_tail(name))
 
     def _start_etcd(self, etcd_bin: str, timeout: float) -> str:
         client, peer_port = free_port(), free_port()

@@ -13,6 +13,7 @@ SIGTERM, so every process of the namespace and every descendant of one is killed
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx2
 import psutil
 
-from tests.controlplane import REPO, ControlPlane, _die_with_parent, free_port, peer
+from tests.controlplane import REPO, ControlPlane, _die_with_parent, free_port, log_tail, peer, wait_until
 from tests.realnode_setup import BUSYBOX, containerd_config, kubelet_config, real_device_nodes, write_images
 
 DRIVER = "sysdra.io"
@@ -41,6 +42,7 @@ class RealNode:
     name: str = "sysdra-node"
     profile: str = PROFILE
     agent_args: list[str] = field(default_factory=list)
+    apiserver_args: list[str] = field(default_factory=list)  # more kube-apiserver flags (bench: the audit log)
     plane: ControlPlane | None = None
     image: str = BUSYBOX
     procs: dict = field(default_factory=dict)
@@ -53,7 +55,8 @@ class RealNode:
         self.kubelet_dir = os.path.join(self.dir, "ns", "var-lib", "kubelet")
         self.cdi_dir = os.path.join(self.dir, "cdi")
         self.socket = os.path.join(self.dir, "containerd", "containerd.sock")
-        self.cgroup_root = "/sysdra-" + os.path.basename(self.dir.rstrip("/"))[-20:]
+        # one per node directory: two nodes at once (two test sessions) never share one
+        self.cgroup_root = "/sysdra-node-" + hashlib.sha256(self.dir.encode()).hexdigest()[:12]
 
     # --- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "RealNode":
@@ -100,7 +103,7 @@ class RealNode:
         pki = os.path.join(self.dir, "controlplane", "pki")
         self.plane = ControlPlane(dir=os.path.join(self.dir, "controlplane"), wrap=self.enter, extra_args=[
             "--kubelet-preferred-address-types=Hostname",
-            f"--kubelet-client-certificate={pki}/admin.crt", f"--kubelet-client-key={pki}/admin.key",
+            f"--kubelet-client-certificate={pki}/admin.crt", f"--kubelet-client-key={pki}/admin.key", *self.apiserver_args,
         ])  # fmt: skip
         os.makedirs(self.plane.dir, exist_ok=True)
         self.plane.start(timeout)
@@ -163,9 +166,10 @@ class RealNode:
         for manifest in ("namespace.yaml", "rbac.yaml", "admission-policy.yaml", "deviceclasses.yaml"):
             self.plane.apply(os.path.join(REPO, "deploy", manifest))
 
-    def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True) -> subprocess.Popen:
+    def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True, name: str = "agent") -> subprocess.Popen:
         """``sysdra run --cluster kube`` as the DaemonSet runs it: the fixture root at ``host``
-        (its own mount namespace), a ServiceAccount token bound to the Node."""
+        (its own mount namespace), a ServiceAccount token bound to the Node. ``name``: its
+        process and log (``<name>.log``), another for the second instance of a rolling update."""
         token = self.plane.token("sysdra", "sysdra", node=self.name, seconds=86400)
         kubeconfig = self.plane.write_kubeconfig(os.path.join(self.dir, "agent.kubeconfig"), token=token, namespace="sysdra")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
@@ -176,18 +180,18 @@ class RealNode:
                  "--cdi-host-root", self.root,
                  *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
-        registered = self.registrations()
-        proc = self._spawn("agent", [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
+        registered = self.registrations(name)
+        proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
         if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
-            self._until(lambda: self.slices() and self.registrations() > registered, "the agent published and registered",
-                        timeout, proc, "agent")  # fmt: skip
+            self._until(lambda: self.slices() and self.registrations(name) > registered, "the agent published and registered",
+                        timeout, proc, name)  # fmt: skip
         return proc
 
-    def registrations(self) -> int:
+    def registrations(self, name: str = "agent") -> int:
         """How often the kubelet has registered the agent (its NotifyRegistrationStatus, as the agent logs it)."""
         try:
-            with open(os.path.join(self.dir, "agent.log"), errors="replace") as f:
+            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
                 return f.read().count("registered with the kubelet as DRA driver")
         except OSError:
             return 0
@@ -204,24 +208,11 @@ class RealNode:
         return self.plane.list("ResourceSlice", fields={"spec.nodeName": self.name, "spec.driver": DRIVER})
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        try:
-            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        """The end of a node process's log, or of a control-plane peer's."""
+        return log_tail(self.dir, name, lines) or (self.plane.log_tail(name, lines) if self.plane else "")
 
     def _until(self, probe, what: str, timeout: float, proc=None, log: str | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{what}: exited with {proc.returncode}:\n{self.log_tail(log or what)}")
-            try:
-                if probe():
-                    return
-            except (httpx2.HTTPError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{self.log_tail(log or what)}")
+        wait_until(probe, timeout, what=what, proc=proc, tail=lambda: self.log_tail(log or what))
 
     # --- stop ------------------------------------------------------------------------------
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
@@ -252,7 +243,7 @@ class RealNode:
         return list(found.values())
 
     def stop(self) -> None:
-        for name in ("agent", "kubelet", "containerd"):
+        for name in [n for n in self.procs if n.startswith("agent")] + ["kubelet", "containerd"]:
             self.stop_process(name, timeout=15)
         for _ in range(3):  # shims ignore SIGTERM; a shim's container may be reparented mid-walk
             procs = self.namespace_processes()

@@ -14,6 +14,9 @@ from tests.realnode_ns import SYSCTLS
 
 # where the kubelet, containerd, runc, CNI and NRI write by default
 WATCHED = ("/var/lib", "/var/log", "/run", "/etc", "/opt", "/usr/libexec", "/var/run")
+# what the node's processes could mount (other tests on the machine mount other things meanwhile,
+# /run/netns for their own network namespaces, for example)
+NODE_MOUNTS = re.compile(r"kubelet|containerd|/var/log/pods|/var/log/containers|/run/netns/cni-| - overlay |sysdra-dev")
 RELATED = re.compile(r"kube|containerd|cni|cdi|nri|runc|pods|containers|sysdra", re.I)
 
 
@@ -40,7 +43,7 @@ class HostState:
     @classmethod
     def take(cls) -> "HostState":
         with open("/proc/self/mountinfo") as f:
-            mounts = {" ".join(line.split()[3:5]) for line in f}
+            mounts = {line.split(" ", 3)[3].strip() for line in f}  # root, mount point, options, type, source
         sysctls = {}
         for name in SYSCTLS:
             with open(f"/proc/sys/{name}") as f:
@@ -48,10 +51,11 @@ class HostState:
         return cls(mounts, _unix_sockets(), {p: _listing(p) for p in WATCHED}, sysctls, set(psutil.pids()))
 
     def compare(self, after: "HostState", *, node_dir: str, cgroup_root: str) -> list[str]:
-        problems = [f"mount left: {m}" for m in sorted(after.mounts - self.mounts)]
-        # sockets at the fixed paths (other tests' sockets under /tmp come and go meanwhile)
+        problems = [f"mount left: {m}" for m in sorted(after.mounts - self.mounts) if node_dir in m or NODE_MOUNTS.search(m)]
+        # sockets at the fixed paths, on the host (/proc/net/unix also lists those bound in other
+        # mount namespaces, another node's for one; other tests' sockets under /tmp come and go)
         problems += [f"socket left: {s}" for s in sorted(after.sockets - self.sockets)
-                     if s.startswith(tuple(p + "/" for p in WATCHED)) and not s.startswith(node_dir + "/")]  # fmt: skip
+                     if s.startswith(tuple(p + "/" for p in WATCHED)) and not s.startswith(node_dir + "/") and os.path.exists(s)]  # fmt: skip
         for path, names in after.listings.items():
             problems += [f"file left: {os.path.join(path, n)}" for n in sorted(names - self.listings[path])]
         problems += [f"sysctl {k} changed: {self.sysctls[k]!r} -> {v!r}" for k, v in after.sysctls.items() if v != self.sysctls[k]]
