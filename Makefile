@@ -26,9 +26,9 @@ peers:
 test: $(STAMP) peers
 	$(VPY) -m pytest -q
 
-# Unit and integration tests only (they need the control plane's peers, not the real node's).
+# Unit and integration tests only (they need the control plane's peers and helm, not the real node's).
 test-fast: $(STAMP)
-	tests/peers/build.sh control-plane
+	tests/peers/build.sh control-plane helm
 	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
