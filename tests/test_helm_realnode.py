@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from urllib.parse import urlparse
 
@@ -129,6 +130,16 @@ def running_agents(node: RealNode) -> list[tuple[str, str]]:
     return out
 
 
+def count_running(node: RealNode, seen: set, stop: threading.Event) -> None:
+    """How many agent pods run at once, sampled until ``stop``: a surge update runs two."""
+    client = node.plane.http(cert=node.plane.admin_cert)  # a client of its own: the test's is busy meanwhile
+    while not stop.is_set():
+        pods = node.plane.request("GET", "/api/v1/namespaces/sysdra/pods", client=client).json()["items"]
+        seen.add(sum(p["status"].get("phase") == "Running" for p in pods))
+        time.sleep(0.1)
+    client.close()
+
+
 def claim_pod(node: RealNode, ns: str, name: str) -> str:
     """A pod with a GPU claim of its own, running: the claim prepared by the agent. -> the claim's UID."""
     claim = node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
@@ -176,11 +187,13 @@ def test_install_upgrade_uninstall(node):
     # upgrade: surge, two agents side by side, and claims prepared and unprepared throughout
     (old,) = running_agents(node)
     assert old[1].endswith(":" + VERSION)
+    seen, stop = set(), threading.Event()
+    watch = threading.Thread(target=count_running, args=(node, seen, stop), daemon=True)
+    watch.start()
     run_helm(node, "upgrade", "sysdra", CHART, "--namespace", "sysdra", "--values", node.values, "--set", f"image.tag={NEXT}")
-    seen, i = set(), 0
+    i = 0
     while True:
         now = running_agents(node)
-        seen.add(sum(pod["status"].get("phase") == "Running" for pod in agent_pods(node)))
         names = {pod["metadata"]["name"] for pod in agent_pods(node)}
         rolled = any(image.endswith(":" + NEXT) for _, image in now) and old[0] not in names
         i += 1
@@ -189,6 +202,8 @@ def test_install_upgrade_uninstall(node):
         if rolled:
             break
         assert i < 30, f"the rollout did not finish: {agent_pods(node)}"
+    stop.set()
+    watch.join(10)
     assert 2 in seen, "the new agent never ran beside the old one"
     uid = claim_pod(node, ns, "after")
     delete_claim_pod(node, ns, "after", uid)
