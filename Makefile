@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROFILE ?= server-2s-gpu-nic
 
-.PHONY: all venv peers test test-fast demo demo-partitions run cluster allocate bench reliability protos fixtures install clean
+.PHONY: all venv peers test test-fast demo demo-partitions run cluster allocate bench reliability protos fixtures image manifests install clean
 
 all: test
 
@@ -26,9 +26,9 @@ peers:
 test: $(STAMP) peers
 	$(VPY) -m pytest -q
 
-# Unit and integration tests only (they need the control plane's peers, not the real node's).
+# Unit and integration tests only (they need the control plane's peers and helm, not the real node's).
 test-fast: $(STAMP)
-	tests/peers/build.sh control-plane
+	tests/peers/build.sh control-plane helm
 	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
@@ -69,6 +69,16 @@ protos: $(STAMP)
 # Regenerate fixtures/sysfs/* from fixtures/specs/*.yaml.
 fixtures: $(STAMP)
 	$(VPY) fixtures/generate.py
+
+# The agent's image from the Containerfile with podman, saved as an OCI archive under .state/image
+# (docs/install.md); the base is made locally with debootstrap when no registry has it. Needs root.
+image:
+	deploy/image/build.sh
+
+# deploy/*.yaml from the Helm chart's default values (deploy/helm/sysdra; a test fails when stale).
+manifests: $(STAMP)
+	tests/peers/build.sh helm
+	$(VPY) -m tests.helm manifests
 
 # Install the systemd unit, tmpfiles entry and default config (DESTDIR/PREFIX honoured).
 install:

@@ -219,6 +219,7 @@ _KINDS = {
     "ServiceAccount": ("/api/v1", "serviceaccounts", True),
     "Secret": ("/api/v1", "secrets", True),
     "ConfigMap": ("/api/v1", "configmaps", True),
+    "Service": ("/api/v1", "services", True),
     "Pod": ("/api/v1", "pods", True),
     "Event": ("/api/v1", "events", True),
     "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),

@@ -17,10 +17,28 @@ import sys
 COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
 
 
+class _Version(argparse.Action):
+    """``--version``: the installed distribution's version, looked up only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("sysdra")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            found = "unknown"
+        sys.stdout.write(f"sysdra {found}\n")  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or of ``command`` alone (it parses that command's
     arguments as the whole parser does)."""
     parser = argparse.ArgumentParser(prog="sysdra", description="Kubernetes DRA node agent for GPUs, NICs, FPGAs and accelerators")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     # prog given: argparse would otherwise format the main parser's usage line to make one
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="sysdra")
     for name in (command,) if command in COMMANDS else COMMANDS:

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Build the Go test peers (tests/peers) into .peers/bin: allocator, etcd, kube-apiserver,
-# kube-scheduler, and the real node's kube-controller-manager, kubelet and containerd (+ ctr, shim).
+# kube-scheduler, the real node's kube-controller-manager, kubelet and containerd (+ ctr, shim), and
+# helm (the chart's tests, deploy/helm/sysdra).
 #
 #   tests/peers/build.sh [PEER ...]        # default: all, allocator first
 #   tests/peers/build.sh control-plane     # allocator etcd kube-apiserver kube-scheduler
 #   tests/peers/build.sh node              # kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2
+#   tests/peers/build.sh helm              # helm v3 (docs/install.md)
 #   tests/peers/build.sh --gen-replace     # print go.mod's replace block
 #
 # The Kubernetes peers share one module (tests/peers/go.mod); containerd v2 has a module of its
-# own (tests/peers/containerd/go.mod), because its dependencies differ from k8s.io/kubernetes's.
+# own (tests/peers/containerd/go.mod), because its dependencies differ from k8s.io/kubernetes's;
+# so has helm (tests/peers/helm/go.mod), whose client-go is not the control plane's.
 #
 # Module and build caches live in .peers/ (git-ignored) unless GOMODCACHE / GOCACHE are set, so a
 # second run on the same machine does not download or compile again; a binary newer than every
@@ -52,7 +55,7 @@ for t in "$@"; do
     *) targets+=("$t") ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=("${control_plane[@]}" "${node[@]}")
+[ ${#targets[@]} -gt 0 ] || targets=("${control_plane[@]}" "${node[@]}" helm)
 
 for t in "${targets[@]}"; do
   tags=""
@@ -60,6 +63,8 @@ for t in "${targets[@]}"; do
     containerd|ctr|containerd-shim-runc-v2)
       # CGO_ENABLED=0 leaves out the btrfs snapshotter's cgo; no_btrfs says so to the build
       mod="$here/containerd"; pkg="github.com/containerd/containerd/v2/cmd/$t"; tags="-tags=no_btrfs" ;;
+    helm)
+      mod="$here/helm"; pkg="helm.sh/helm/v3/cmd/helm" ;;
     *)
       [ -d "$here/$t" ] && [ "$t" != containerd ] || { echo "tests/peers/build.sh: unknown peer '$t'" >&2; exit 2; }
       mod="$here"; pkg="./$t" ;;
@@ -80,6 +85,9 @@ for t in "${targets[@]}"; do
     minor="${kver#v1.}"; minor="${minor%%.*}"
     stamp="-X k8s.io/component-base/version.gitVersion=$kver -X k8s.io/component-base/version.gitMajor=1"
     stamp="$stamp -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+  elif [ "$t" = helm ]; then
+    hver="$(cd "$mod" && go list -m -f '{{.Version}}' helm.sh/helm/v3)"
+    stamp="-X helm.sh/helm/v3/internal/version.version=$hver"
   else
     cver="$(cd "$mod" && go list -m -f '{{.Version}}' github.com/containerd/containerd/v2)"
     stamp="-X github.com/containerd/containerd/v2/version.Version=${cver#v}"

@@ -1,0 +1,33 @@
+{{/* The release's objects are named after it: "sysdra" for `helm install sysdra`. */}}
+{{- define "sysdra.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sysdra.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "sysdra.labels" -}}
+{{ include "sysdra.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "sysdra.serviceAccountName" -}}
+{{- default (include "sysdra.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "sysdra.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The agent's view of a host directory under --root=/host: "/" is /host itself. */}}
+{{- define "sysdra.underRoot" -}}
+{{- printf "/host/%s" (trimPrefix "/" .) | trimSuffix "/" -}}
+{{- end -}}

@@ -1,0 +1,129 @@
+"""The Helm chart (deploy/helm/sysdra) with the real helm (tests/peers/helm) and the real
+kube-apiserver: lint, the objects of the default values and of every feature on
+(deploy/helm/sysdra/ci/all-values.yaml) accepted by the server's validation (server-side dry run),
+the config file accepted by the agent's own settings, deploy/*.yaml not stale."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from agent.cli import publishing
+from agent.settings import Settings, load_config_file
+from tests.conftest import REPO
+from tests.controlplane import APIError, resource_path
+from tests.helm import CHART, MANIFESTS, render, stale
+from tests.helm import helm as run_helm
+
+ALL = os.path.join(CHART, "ci", "all-values.yaml")
+DRY_RUN_NS = {"default": "sysdra", "all": "sysdra-all"}
+
+
+def _objects(*values: str, namespace: str = "sysdra") -> list[dict]:
+    return [d for d in yaml.safe_load_all(render(*values, namespace=namespace)) if d]
+
+
+def _one(objs: list[dict], kind: str) -> dict:
+    (obj,) = [o for o in objs if o["kind"] == kind]
+    return obj
+
+
+def _config(objs: list[dict], tmp_path) -> Settings:
+    """The ConfigMap's config file through the agent's own loader, as `sysdra run --config` reads it."""
+    path = tmp_path / "config.yaml"
+    path.write_text(_one(objs, "ConfigMap")["data"]["config.yaml"])
+    values = load_config_file(str(path))
+    return publishing.checked(Settings.of({**values, "node_name": "node-a"}))
+
+
+def test_lint():
+    for args in ([CHART], ["--values", ALL, CHART]):
+        result = run_helm("lint", "--strict", *args, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "0 chart(s) failed" in result.stdout
+
+
+def test_deploy_manifests_are_the_charts_output():
+    assert stale() == [], "run `make manifests`"
+    for name in MANIFESTS:
+        assert os.path.exists(os.path.join(REPO, "deploy", f"{name}.yaml"))
+
+
+def test_default_config_is_the_agents_defaults(tmp_path):
+    settings = _config(_objects(), tmp_path)
+    defaults = Settings(node_name="node-a")
+    assert settings == defaults
+
+
+def test_every_feature_reaches_the_agent(tmp_path):
+    objs = _objects(ALL)
+    s = _config(objs, tmp_path)
+    assert s.share == ("nic",) and s.partitions and s.compatibility_groups and s.list_attributes
+    assert s.pf_vf_exclusive and s.taint_unhealthy and s.publish_uplink
+    assert s.skip_node_operations == {"accelerator": ["*"]} and s.nvidia_driver_root == "/run/nvidia/driver"
+    assert (s.log_level, s.log_format, s.resync_interval, s.health_interval) == ("debug", "json", 120, 5)
+    ds = _one(objs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    # the driver root under --root, read-only; /sys writable for vfio and partition switches
+    assert mounts["/host/run/nvidia/driver"]["readOnly"] is True
+    assert volumes[mounts["/host/run/nvidia/driver"]["name"]]["hostPath"]["path"] == "/run/nvidia/driver"
+    assert mounts["/host/sys"]["readOnly"] is False
+    assert "--cdi-dir=/etc/cdi" in c["args"] and "/etc/cdi" in mounts
+    assert "--metrics-address=$(POD_IP):9500" in c["args"]
+    assert c["image"] == "registry.example.com/sysdra/sysdra:0.1.0-rc1"
+    assert pod["serviceAccountName"] == "sysdra-agent"
+    assert pod["nodeSelector"] and pod["tolerations"] and pod["affinity"]
+    classes = {o["metadata"]["name"]: o["spec"].get("extendedResourceName") for o in objs if o["kind"] == "DeviceClass"}
+    assert classes == {"gpu.sysdra.io": "example.com/gpu", "nic.sysdra.io": None, "accelerator.sysdra.io": "sysdra.io/accelerator"}
+    monitor = _one(objs, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics" and monitor["metadata"]["labels"]["release"] == "prometheus"
+    policy = _one(objs, "ValidatingAdmissionPolicy")
+    assert "system:serviceaccount:sysdra:sysdra-agent" in policy["spec"]["matchConditions"][0]["expression"]
+
+
+def test_default_daemonset():
+    objs = _objects()
+    pod = _one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    hostpaths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    for path in ("/host/sys", "/host/proc", "/host/dev"):
+        assert mounts[path]["readOnly"] is True and hostpaths[mounts[path]["name"]] == path.removeprefix("/host")
+    # the kubelet's dirs and the CDI dir at the host's own paths: what the agent writes there names host paths
+    for path in ("/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"):
+        assert hostpaths[mounts[path]["name"]] == path and not mounts[path].get("readOnly")
+    assert not any(m.startswith("/host/run") or m == "/host" for m in mounts)  # no driver root unless asked
+    assert c["image"] == "ghcr.io/sysdra/sysdra:0.1.0" and "ServiceMonitor" not in {o["kind"] for o in objs}
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+
+
+@pytest.mark.parametrize("values", ["default", "all"])
+def test_server_accepts_every_object(apiserver, values):
+    """Each rendered object through the real kube-apiserver's admission and validation
+    (dryRun=All): nothing is stored but the namespace the namespaced objects need."""
+    ns = DRY_RUN_NS[values]
+    objs = _objects(*([ALL] if values == "all" else []), namespace=ns)
+    namespaces = [o for o in objs if o["kind"] == "Namespace"]  # only with namespace.create (all)
+    assert [n["metadata"]["name"] for n in namespaces] == ([ns] if values == "all" else [])
+    # for real: helm keeps its release in the namespace first; a dry-run namespace would not exist for the objects
+    apiserver.apply(namespaces or [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}])
+    checked = set()
+    for obj in objs:
+        if obj["kind"] in ("Namespace", "ServiceMonitor"):  # the ServiceMonitor's CRD is prometheus-operator's
+            continue
+        path = resource_path(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        try:
+            apiserver.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                              params={"fieldManager": "helm-dry-run", "force": "true", "dryRun": "All"})  # fmt: skip
+        except APIError as err:
+            pytest.fail(f"{values} values: {obj['kind']} {obj['metadata']['name']}: {err}")
+        checked.add(obj["kind"])
+    assert checked >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "DeviceClass",
+                       "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+    if values == "all":
+        assert "Service" in checked

@@ -1,0 +1,221 @@
+"""`helm install` on the real node (tests/realnode.py: kubelet v1.37.2, containerd v2.4.2): the
+agent's image (Containerfile) imported into the node's containerd, the chart's DaemonSet pod
+registers with the kubelet, publishes, and prepares a workload pod's claim; `helm upgrade` to
+another tag rolls the agent with surge while pods keep being prepared; `helm uninstall` leaves
+no slice, socket or CDI spec. Root, podman and debootstrap (the image's base) needed.
+
+The node's pods reach the API server only on 127.0.0.1 (no kube-proxy, no CNI but loopback):
+the DaemonSet runs on the host network here, KUBERNETES_SERVICE_HOST pointed at the server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, require_root, require_tool
+from tests.controlplane import peer, unique
+from tests.helm import CHART, helm
+from tests.realnode import DRIVER, RealNode
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+VERSION, NEXT = "0.1.0", "0.1.0-next"
+GPU_REQUEST = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}
+
+
+class HelmNode(RealNode):
+    """The real node without deploy/'s manifests and the agent process: the chart brings both.
+    The runtime's CDI dir is the node's /var/run/cdi (the chart's default), which is ``cdi_dir``
+    outside the node's mount namespace."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.cdi_dir = os.path.join(self.dir, "ns", "run", "cdi")
+
+    def _apply_deploy(self) -> None:
+        pass
+
+    def start_agent(self, *args, **kwargs):
+        return None
+
+
+def build_images(out: str) -> list[str]:
+    archives = []
+    for tag in (VERSION, NEXT):
+        build = subprocess.run([os.path.join(REPO, "deploy", "image", "build.sh")], env=dict(os.environ, OUT=out, TAG=tag),
+                               capture_output=True, text=True, timeout=1800)  # fmt: skip
+        assert build.returncode == 0, build.stdout + build.stderr
+        archives.append(os.path.join(out, f"sysdra-{tag}.oci.tar"))
+    return archives
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    require_root()
+    for tool in ("unshare", "nsenter", "runc", "busybox", "podman", "debootstrap"):
+        require_tool(tool)
+    archives = build_images(str(tmp_path_factory.mktemp("images")))
+    node = HelmNode(str(tmp_path_factory.mktemp("helmnode"))).start()
+    try:
+        for archive in archives:
+            subprocess.run([*node.enter, peer("ctr"), "-a", node.socket, "-n", "k8s.io", "images", "import", archive],
+                           check=True, capture_output=True, timeout=300)  # fmt: skip
+        node.values = write_values(node)
+        yield node
+    finally:
+        node.stop()
+
+
+def write_values(node: RealNode) -> str:
+    """The chart's values for this node: the fixture's sysfs and procfs, its NVIDIA driver (the
+    fixture root is the driver root, and where the runtime finds the driver files), the host
+    network (above)."""
+    values = {
+        "hostPaths": {"sys": os.path.join(node.root, "sys"), "proc": os.path.join(node.root, "proc"), "dev": "/dev"},
+        "nvidia": {"enabled": True, "hostDriverRoot": node.root},
+        "config": {"cdiHostRoot": node.root},
+        "hostNetwork": True,
+        "metrics": {"enabled": False},
+        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(urlparse(node.plane.url).port)}],
+    }  # fmt: skip
+    path = os.path.join(node.dir, "values.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(values, f)
+    return path
+
+
+def run_helm(node: RealNode, *args: str) -> str:
+    result = helm(*args, "--kubeconfig", node.plane.kubeconfig, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def wait(predicate, what: str, node: RealNode, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout:.0f}s\n--- kubelet:\n{node.log_tail('kubelet', 30)}\n"
+                         f"--- agent pods:\n{agent_logs(node)}")  # fmt: skip
+
+
+def agent_pods(node: RealNode) -> list[dict]:
+    return node.plane.list("Pod", "sysdra")
+
+
+def agent_logs(node: RealNode) -> str:
+    out = []
+    for pod in agent_pods(node):
+        name = pod["metadata"]["name"]
+        r = node.plane.request("GET", f"/api/v1/namespaces/sysdra/pods/{name}/log", params={"tailLines": "20"}, ok=False)
+        out.append(f"{name} ({pod['status'].get('phase')}):\n{r.text}")
+    return "\n".join(out)
+
+
+def running_agents(node: RealNode) -> list[tuple[str, str]]:
+    """(pod, image) of the agent pods running and ready."""
+    out = []
+    for pod in agent_pods(node):
+        conds = {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+        if pod["status"].get("phase") == "Running" and conds.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp"):
+            out.append((pod["metadata"]["name"], pod["spec"]["containers"][0]["image"]))
+    return out
+
+
+def count_running(node: RealNode, seen: set, stop: threading.Event) -> None:
+    """How many agent pods run at once, sampled until ``stop``: a surge update runs two."""
+    client = node.plane.http(cert=node.plane.admin_cert)  # a client of its own: the test's is busy meanwhile
+    while not stop.is_set():
+        pods = node.plane.request("GET", "/api/v1/namespaces/sysdra/pods", client=client).json()["items"]
+        seen.add(sum(p["status"].get("phase") == "Running" for p in pods))
+        time.sleep(0.1)
+    client.close()
+
+
+def claim_pod(node: RealNode, ns: str, name: str) -> str:
+    """A pod with a GPU claim of its own, running: the claim prepared by the agent. -> the claim's UID."""
+    claim = node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                               "metadata": {"name": name, "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
+    container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
+                 "command": ["sh", "-c", "env | grep ^SYSDRA_CLAIM_UID=; exec sleep 3600"],
+                 "resources": {"claims": [{"name": "gpu"}]}}  # fmt: skip
+    node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+                       "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
+                                "resourceClaims": [{"name": "gpu", "resourceClaimName": name}], "containers": [container]}})  # fmt: skip
+    wait(lambda: node.plane.get("Pod", name, ns)["status"].get("phase") == "Running", f"pod {ns}/{name} running", node)
+    return claim["metadata"]["uid"]
+
+
+def delete_claim_pod(node: RealNode, ns: str, name: str, uid: str) -> None:
+    node.plane.delete("Pod", name, ns)
+    wait(lambda: node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}", ok=False).status_code == 404,
+         f"pod {ns}/{name} gone", node)  # fmt: skip
+    wait(lambda: not [f for f in os.listdir(node.cdi_dir) if uid in f], f"claim {name} unprepared", node)
+    node.plane.delete("ResourceClaim", name, ns)
+
+
+def warnings(node: RealNode, ns: str) -> list[str]:
+    return [f"{e['reason']}: {e.get('message')}" for e in node.plane.request("GET", f"/api/v1/namespaces/{ns}/events").json()["items"]
+            if e.get("type") == "Warning"]  # fmt: skip
+
+
+def test_install_upgrade_uninstall(node):
+    ns = unique("helm")
+    node.plane.create_namespace(ns)
+    node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
+
+    # install: the DaemonSet's pod publishes, registers, and prepares a claim
+    run_helm(node, "install", "sysdra", CHART, "--namespace", "sysdra", "--create-namespace", "--values", node.values)
+    wait(lambda: running_agents(node), "the agent pod running", node)
+    wait(lambda: node.slices(), "the agent pod's ResourceSlices", node)
+    uid = claim_pod(node, ns, "first")
+    specs = [f for f in os.listdir(node.cdi_dir) if uid in f]
+    assert specs
+    for name in specs:
+        with open(os.path.join(node.cdi_dir, name)) as f:
+            assert '"/host/' not in f.read()  # host paths, never the pod's view under --root
+    delete_claim_pod(node, ns, "first", uid)
+
+    # upgrade: surge, two agents side by side, and claims prepared and unprepared throughout
+    (old,) = running_agents(node)
+    assert old[1].endswith(":" + VERSION)
+    seen, stop = set(), threading.Event()
+    watch = threading.Thread(target=count_running, args=(node, seen, stop), daemon=True)
+    watch.start()
+    run_helm(node, "upgrade", "sysdra", CHART, "--namespace", "sysdra", "--values", node.values, "--set", f"image.tag={NEXT}")
+    i = 0
+    while True:
+        now = running_agents(node)
+        names = {pod["metadata"]["name"] for pod in agent_pods(node)}
+        rolled = any(image.endswith(":" + NEXT) for _, image in now) and old[0] not in names
+        i += 1
+        uid = claim_pod(node, ns, f"during-{i}")
+        delete_claim_pod(node, ns, f"during-{i}", uid)
+        if rolled:
+            break
+        assert i < 30, f"the rollout did not finish: {agent_pods(node)}"
+    stop.set()
+    watch.join(10)
+    assert 2 in seen, "the new agent never ran beside the old one"
+    uid = claim_pod(node, ns, "after")
+    delete_claim_pod(node, ns, "after", uid)
+    assert warnings(node, ns) == []  # no prepare failed, not even once before a retry
+
+    # uninstall: nothing of the driver is left on the node or in the cluster
+    run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")
+    wait(lambda: not agent_pods(node), "the agent pods gone", node)
+    wait(lambda: not node.slices(), "the slices gone (the kubelet wipes a driver gone for 30 s)", node, timeout=90)
+    plugin_dir = os.path.join(node.kubelet_dir, "plugins", DRIVER)
+    sockets = [f for f in os.listdir(plugin_dir) if f.endswith(".sock")] if os.path.isdir(plugin_dir) else []
+    registry = [f for f in os.listdir(os.path.join(node.kubelet_dir, "plugins_registry")) if DRIVER in f]
+    cdi = [f for f in os.listdir(node.cdi_dir) if DRIVER.split(".")[0] in f]
+    assert (sockets, registry, cdi) == ([], [], [])
+    assert not node.plane.list("DeviceClass") and not node.plane.list("ValidatingAdmissionPolicy")
