@@ -72,6 +72,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # KEP-5945 (alpha): device kind -> node operations the kubelet may skip for its devices,
     # e.g. {"accelerator": ["*"]} (docs/cluster-integration.md); upstream's rule is enforced.
     skip_node_operations: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    # NVIDIA (docs/nvidia.md): where the user-space driver is installed on the host (a host path,
+    # read under root), whether to ask NVML for GPU facts, and whether to use the node's own
+    # NVIDIA CDI spec (nvidia-ctk cdi generate) instead of putting the driver in our specs.
+    # Publish the NICs of the host's default routes (and their bonds' slaves, bridges' ports, VFs)
+    # too; off: the node's uplink is never allocatable (docs/networking.md).
+    publish_uplink: bool = False
+    nvidia_driver_root: str = "/"
+    # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
+    # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path
+    # when a runtime runs containers "on" that tree (tests, demos).
+    cdi_host_root: str = "/"
+    nvml: bool = True
+    # XIDs of an application's own errors: an NVML XID event with one of them is not a GPU fault.
+    nvidia_ignored_xids: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
+    nvidia_cdi_spec: bool = False
 
     @classmethod
     def of(cls, values: dict[str, Any]) -> Settings:
@@ -201,6 +216,13 @@ def _uid(v: str | None) -> str | None:
     return v
 
 
+def _host_path(v: str) -> str:
+    """A host path (read under root, not resolved here: it names a directory of the host)."""
+    if not v.startswith("/") or "\x00" in v or len(v) > 4096:
+        raise ValueError(f"{v!r} is not an absolute path")
+    return os.path.normpath(v)
+
+
 def _share(v: tuple[str, ...]) -> tuple[str, ...]:
     if len(set(v)) != len(v):
         raise ValueError("names a kind twice")
@@ -223,7 +245,7 @@ _CHECKS = (
     ("root", _root), ("kubelet_dir", _absolute), ("cdi_dir", _absolute), ("driver_name", _driver),
     ("node_name", _node), ("cluster", _cluster), ("resync_interval", _non_negative), ("debounce", _non_negative),
     ("health_interval", _health), ("rolling_update_uid", _uid), ("partition_switch_timeout", _switch_timeout),
-    ("share", _share), ("skip_node_operations", _skip),
+    ("share", _share), ("skip_node_operations", _skip), ("nvidia_driver_root", _host_path), ("cdi_host_root", _host_path),
 )  # fmt: skip
 _BOOLS = frozenset(f.name for f in msgspec.structs.fields(Settings) if f.type is bool)
 

@@ -8,17 +8,28 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
   ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
 - spec-level edits (applied once when any device of the claim is injected) carry the
   claim-wide lists: ``SYSDRA_CLAIM_UID``, ``SYSDRA_DEVICES``,
-  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``.
+  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``, and what a vendor's
+  devices need once per claim (NVIDIA's user-space driver, cdi/nvidia.py).
+
+No variable is set twice in what one device brings to a container (its own edits and the
+spec-level ones): runtimes keep one of two values silently, so ``build_claim_spec`` refuses
+such a spec, and ``capacity_keys`` names a share's capacities so that it never happens.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cdi.spec import claim_kind, finish, qualified_name
+from cdi.spec import SpecError, claim_kind, finish, qualified_name
 from discovery.models import Device
+
+# what a share sets besides its capacities: SYSDRA_SHARE_<key> and SYSDRA_DEVICE_<NAME>_<key>
+SHARE_KEYS = ("ID", "DEVICE")
+DEVICE_SHARE_KEYS = ("SHARE",)
 
 
 @dataclass(frozen=True)
@@ -31,8 +42,51 @@ class ClaimDevice:
     env: tuple[str, ...] = ()
 
 
+def _env_key(text: str) -> str:
+    return re.sub(r"[^A-Z0-9]", "_", text.upper())
+
+
 def env_name(device_name: str) -> str:
-    return "SYSDRA_DEVICE_" + re.sub(r"[^A-Z0-9]", "_", device_name.upper())
+    return "SYSDRA_DEVICE_" + _env_key(device_name)
+
+
+def _clashes(keys: dict[str, str]) -> set[str]:
+    """The capacities whose variables (``SYSDRA_SHARE_<K>``, ``..._<K>_VALUE``,
+    ``SYSDRA_DEVICE_<NAME>_<K>``) would also be set by another capacity or by the share itself."""
+    share = Counter(SHARE_KEYS)
+    device = Counter(DEVICE_SHARE_KEYS)
+    for k in keys.values():
+        share.update((k, k + "_VALUE"))
+        device[k] += 1
+    return {n for n, k in keys.items() if share[k] > 1 or share[k + "_VALUE"] > 1 or device[k] > 1}
+
+
+def capacity_keys(capacities: Iterable[str]) -> dict[str, str]:
+    """The variable key of each capacity of a share: its name after the domain, upper-case
+    (``example.com/rate`` -> ``RATE``); where that would set a variable twice (``memory`` and
+    ``example.com/memory``), the whole name (``EXAMPLE_COM_MEMORY``). ValueError when even the
+    whole names clash (``id``, ``Memory`` beside ``memory``, ``x`` beside ``x_value``)."""
+    keys = {n: _env_key(n.rsplit("/", 1)[-1]) for n in capacities}
+    while clash := _clashes(keys):  # each round gives at least one more capacity its whole name
+        if all(keys[n] == _env_key(n) for n in clash):
+            raise ValueError(f"capacities {', '.join(sorted(clash))} would set the same environment variable "
+                             f"(the share's own are {', '.join(SHARE_KEYS + DEVICE_SHARE_KEYS)})")
+        for n in clash:
+            keys[n] = _env_key(n)
+    return keys
+
+
+def _names(env: Iterable[str]) -> list[str]:
+    return [e.partition("=")[0] for e in env]
+
+
+def check_unique_env(spec: dict) -> None:
+    """SpecError when a device's edits set a variable twice, or one the spec-level edits set."""
+    common = _names(spec.get("containerEdits", {}).get("env", ()))
+    for dev in spec["devices"]:
+        names = common + _names(dev["containerEdits"].get("env", ()))
+        if twice := sorted(n for n, c in Counter(names).items() if c > 1):
+            raise SpecError(f"device {dev['name']}: environment variable(s) {', '.join(twice)} set twice")
 
 
 def cdi_device_name(claim_uid: str, device_name: str) -> str:
@@ -66,9 +120,11 @@ def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = ()) -> di
     return edits
 
 
-def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/") -> dict:
+def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/",
+                     extra_edits: dict | None = None) -> dict:
     """The finished, validated spec dict for ``entries`` (each once, in allocation order; a
-    plain Device is its own key). Claim-wide lists name each device once, however many shares."""
+    plain Device is its own key). Claim-wide lists name each device once, however many shares.
+    ``extra_edits``: claim-wide edits a vendor needs once per claim (cdi/nvidia.py)."""
     if not entries:
         raise ValueError("a CDI spec needs at least one device")
     cdi_devices = [e if isinstance(e, ClaimDevice) else ClaimDevice(e, e.name) for e in entries]
@@ -88,4 +144,7 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
         ],
         "containerEdits": {"env": env},
     }
+    for key, values in (extra_edits or {}).items():
+        spec["containerEdits"].setdefault(key, []).extend(values)
+    check_unique_env(spec)
     return finish(spec)

@@ -113,6 +113,12 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
         entries += (("sriovRole", "pf"), ("sriovTotalVFs", fn.sriov.total_vfs), ("sriovNumVFs", fn.sriov.num_vfs))
     if dev.gpu is not None:
         entries += (("gpuVendor", dev.gpu.vendor), ("model", dev.gpu.model), ("uuid", dev.gpu.nvidia_uuid))
+        if (nv := dev.gpu.nvidia) is not None:  # NVIDIA's own driver's names (docs/attributes.md)
+            entries += (("productName", nv.product_name), ("brand", nv.brand), ("architecture", nv.architecture))
+            for name, version in (("driverVersion", nv.driver_version), ("cudaDriverVersion", nv.cuda_driver_version),
+                                  ("cudaComputeCapability", nv.compute_capability)):
+                if version is not None:
+                    out[name] = _value("version", version)
     nic = dev.nic
     if nic is not None and nic.interfaces:
         first = nic.interfaces[0]
@@ -186,8 +192,11 @@ def _publish(out: dict, problems: list[Problem], entries) -> None:
 
 
 def quantity(n_bytes: int) -> str:
-    """Bytes as a Kubernetes quantity, in the largest exact binary unit."""
-    for suffix, factor in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if n_bytes % factor == 0:
-            return f"{n_bytes // factor}{suffix}"
-    return str(n_bytes)
+    """Bytes as a Kubernetes quantity: the shortest exact form, binary units first (``143771Mi``,
+    and a datasheet's decimal size as ``80G`` rather than ``78125000Ki``)."""
+    forms = [str(n_bytes)]
+    for suffix, factor in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10),
+                           ("T", 10**12), ("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n_bytes and n_bytes % factor == 0:
+            forms.append(f"{n_bytes // factor}{suffix}")
+    return min(forms, key=len)

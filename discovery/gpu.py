@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, GpuInfo, PciFunction, Problem
+from discovery.nvidia import NvidiaNode
 from discovery.partitions import read_amd, read_mig
 from discovery.sysfs import AttrError, Dir, HostFS
 
@@ -64,17 +66,22 @@ def _vram_bytes(fs: HostFS, d: Dir, problems: list[Problem]) -> int | None:
     return n if n > 0 else None
 
 
-def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]):
-    """-> (GpuInfo, device nodes, capacity)."""
+def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem],
+             nvidia_node: Callable[[], NvidiaNode] | None = None):
+    """-> (GpuInfo, device nodes, capacity). ``nvidia_node`` gives the node's NVIDIA driver
+    (NVML, versions) for the facts of an NVIDIA GPU."""
     vendor = _VENDORS.get(fn.vendor_id, "other")
     card, render = drm_minors(fs, d)
     nodes: list[DeviceNode] = []
     capacity: dict[str, int] = {}
-    minor = uuid = model = partitioning = None
+    minor = uuid = model = partitioning = facts = None
     if vendor == "nvidia" and fn.driver == "nvidia":
         minor, uuid, model, nodes = _nvidia(fs, resolver, fn, problems)
         if minor is not None:
             partitioning = read_mig(fs, resolver, minor, problems)
+        facts = (nvidia_node() if nvidia_node else NvidiaNode(fs)).facts(fn.bdf, fn.device_id)
+        if facts.memory_bytes:
+            capacity["memory"] = facts.memory_bytes
     nodes += drm_nodes(fs, resolver, d.path, card, render, problems)
     if fn.driver == "amdgpu":
         kfd = resolver.resolve("/dev/kfd", problems, sysfs_dev=fs.path("sys/class/kfd/kfd/dev"))
@@ -90,5 +97,5 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
     if model is not None and not re.fullmatch(r"[\x20-\x7e]{1,64}", model):
         model = None
     info = GpuInfo(vendor=vendor, drm_card=card, drm_render=render, nvidia_minor=minor, nvidia_uuid=uuid, model=model,
-                   partitioning=partitioning)
+                   partitioning=partitioning, nvidia=facts)
     return info, nodes, capacity

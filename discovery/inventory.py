@@ -21,7 +21,9 @@ from discovery.gpu import read_gpu
 from discovery.models import Device, Inventory, PciFunction, Problem, Skipped
 from discovery.nic import read_nic
 from discovery.numa import read_numa_nodes
+from discovery.nvidia import NvidiaNode
 from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
+from discovery.routes import uplink
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
 from discovery.vfio import vfio_nodes
 
@@ -74,9 +76,13 @@ class _Scanner:
     or the function's half of an Alveo card (both halves become one device). ``_results``
     keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
 
-    def __init__(self, root: str, list_attributes: bool):
+    def __init__(self, root: str, list_attributes: bool, nvml=None, publish_uplink: bool = False):
         self.fs = HostFS(root)
         self.list_attributes = list_attributes
+        self.publish_uplink = publish_uplink
+        self.uplink: dict[str, str] = {}  # bdf -> why it is the host's uplink (read by full scans)
+        self.nvml = nvml
+        self._nvidia: NvidiaNode | None = None  # read when the scan meets its first NVIDIA GPU
         self.numa_problems: list[Problem] = []
         self.numa = read_numa_nodes(self.fs, self.numa_problems)
         self.resolver = NodeResolver(self.fs)
@@ -96,6 +102,9 @@ class _Scanner:
             return Skipped(bdf=bdf, reason=f"cannot identify: {err}")
         views = d.names or frozenset()
         kind, why = classify(fn, views)
+        if (held := self.uplink.get(bdf) or self.uplink.get(fn.physfn or "")) is not None:
+            return Skipped(bdf=bdf, reason=f"the host's uplink: {held}", class_code=fn.class_code,
+                           vendor_id=fn.vendor_id, device_id=fn.device_id)
         if kind is None or fn.driver is None:
             reason = f"not offered: {why}" if kind is None else f"no driver bound ({why})"
             return Skipped(bdf=bdf, reason=reason, class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
@@ -130,6 +139,7 @@ class _Scanner:
         if changed is None:
             todo = present
             self._results, self._cards, self._node_problems = {}, {}, []
+            self.uplink = {} if self.publish_uplink else uplink(fs.root).functions
         else:
             todo = self._expand(set(changed) | (present ^ set(self._results)), present)
         results, cards = self._results, self._cards
@@ -202,7 +212,7 @@ class _Scanner:
             if fn.driver == "vfio-pci":
                 nodes = vfio_nodes(fs, res, fn, d, problems)
             elif kind == "gpu":
-                info["gpu"], nodes, capacity = read_gpu(fs, res, fn, d, problems)
+                info["gpu"], nodes, capacity = read_gpu(fs, res, fn, d, problems, self._nvidia_node)
             elif kind == "nic":
                 info["nic"], nodes = read_nic(fs, res, fn, d, problems)
             elif kind == "fpga":
@@ -214,6 +224,11 @@ class _Scanner:
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
             nodes, capacity, info = [], {}, {}
         return self._finish(name, kind, fn, nodes, capacity, problems, **info)
+
+    def _nvidia_node(self) -> NvidiaNode:
+        if self._nvidia is None:
+            self._nvidia = NvidiaNode(self.fs, self.nvml)
+        return self._nvidia
 
     def _alveo_device(self, card: dict) -> Device:
         mgmt, user = card.get("mgmt"), card.get("user")
@@ -231,11 +246,13 @@ class _Scanner:
         return self._finish(device_name("fpga", fn.bdf), "fpga", fn, nodes, {}, problems, fpga=info)
 
 
-def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False) -> Inventory:
-    """Discover the node under ``root``. Read-only; never raises for bad sysfs content."""
+def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False) -> Inventory:
+    """Discover the node under ``root``. Read-only; never raises for bad sysfs content.
+    ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only).
+    The host's uplink (discovery/routes.py) is skipped unless ``publish_uplink``."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
-    return _Scanner(os.path.abspath(root), list_attributes).run()
+    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink).run()
 
 
 class IncrementalScanner:
@@ -249,16 +266,18 @@ class IncrementalScanner:
     equals a full scan whenever ``changed`` names every function whose sysfs files changed.
     """
 
-    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False):
+    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"scan root {root!r} is not a directory")
         self.root = os.path.abspath(root)
         self.list_attributes = list_attributes
+        self.nvml = nvml
+        self.publish_uplink = publish_uplink
         self._scanner: _Scanner | None = None
         self.inventory: Inventory | None = None
 
     def full(self) -> Inventory:
-        self._scanner = _Scanner(self.root, self.list_attributes)
+        self._scanner = _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink)
         self.inventory = self._scanner.run()
         return self.inventory
 

@@ -263,6 +263,20 @@ class Partitioning(Record, kw_only=True):
         return bool(self.compute_modes)
 
 
+class NvidiaFacts(Record, kw_only=True):
+    """What a scheduler selects an NVIDIA GPU on (discovery/nvidia.py), each None when neither
+    NVML nor the PCI ID table knows it. Versions are semantic versions ("580.159.4")."""
+
+    product_name: str | None = None
+    brand: str | None = None
+    architecture: str | None = None
+    compute_capability: str | None = None  # "9.0.0"
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None  # "13.0.0"
+    memory_bytes: int | None = None
+    source: str = "table"  # "nvml" when NVML answered for this GPU
+
+
 class GpuInfo(Record, kw_only=True):
     vendor: str  # nvidia | amd | intel | other
     drm_card: str | None = None  # card1
@@ -271,6 +285,7 @@ class GpuInfo(Record, kw_only=True):
     nvidia_uuid: str | None = None
     model: str | None = None
     partitioning: Partitioning | None = None
+    nvidia: NvidiaFacts | None = None  # NVML / PCI ID table facts (discovery/nvidia.py)
 
 
 class NicInfo(Record, kw_only=True):

@@ -10,7 +10,7 @@ from agent.publish.sharing import share_plan
 from tests.controlplane import Unschedulable, allocate, with_allocation
 from tests.test_allocator import CLASSES, NODE, claim, devices, exactly, kind, published
 
-GPU_PROFILE = "server-2s-gpu-nic"  # 8 x NVIDIA H100 80GB, 4 RDMA NICs (three 400G, one 10G)
+GPU_PROFILE = "server-2s-gpu-nic"  # 8 x NVIDIA H100 80GB (memory 80G from the PCI ID table: 74.5Gi), 4 RDMA NICs
 
 
 def shared(profile: str = GPU_PROFILE, kinds=("gpu", "nic"), policies: dict | None = None) -> list[dict]:
@@ -49,23 +49,23 @@ def results(claim_obj: dict) -> list[dict]:
 
 def test_memory_shares_fit_exactly_as_capacity_and_step_allow():
     slices, gpu = one_gpu(shared())
-    # 80Gi, step 1Gi: 20Gi claims fit 4 times; compute defaults to 10 each (well within 100)
-    got = fill(slices, lambda i: gpu_share(f"m{i}", memory="20Gi"))
+    # 80G (74.5Gi), step 1Gi: 18Gi claims fit 4 times; compute defaults to 10 each (well within 100)
+    got = fill(slices, lambda i: gpu_share(f"m{i}", memory="18Gi"))
     assert len(got) == 4
     share_ids = set()
     for c in got:
         (r,) = results(c)
         assert r["device"] == gpu and r["shareID"]
-        assert r["consumedCapacity"] == {"memory": "20Gi", "compute": "10"}  # every capacity, defaults included
+        assert r["consumedCapacity"] == {"memory": "18Gi", "compute": "10"}  # every capacity, defaults included
         share_ids.add(r["shareID"])
     assert len(share_ids) == 4
 
 
 def test_requests_between_steps_are_rounded_up_as_upstream():
     slices, _ = one_gpu(shared())
-    # 15.5Gi rounds up to 16Gi: five fit (80Gi), the sixth does not
+    # 15.5Gi rounds up to 16Gi: four fit (64Gi of 74.5Gi), the fifth does not
     got = fill(slices, lambda i: gpu_share(f"r{i}", memory="15.5Gi"))
-    assert len(got) == 5 and all(results(c)[0]["consumedCapacity"]["memory"] == "16Gi" for c in got)
+    assert len(got) == 4 and all(results(c)[0]["consumedCapacity"]["memory"] == "16Gi" for c in got)
     # below min is raised to min; compute 33 of 100 (step 1): three fit, not four
     got = fill(slices, lambda i: gpu_share(f"c{i}", compute="33", memory="1Mi"))
     assert len(got) == 3 and results(got[0])[0]["consumedCapacity"] == {"compute": "33", "memory": "1Gi"}
@@ -73,7 +73,7 @@ def test_requests_between_steps_are_rounded_up_as_upstream():
 
 def test_requests_outside_the_policy_are_refused():
     slices, _ = one_gpu(shared())
-    for too_much in ({"compute": "101"}, {"memory": "81Gi"}, {"bandwidth": "1G"}):  # over max, over value, not a GPU capacity
+    for too_much in ({"compute": "101"}, {"memory": "75Gi"}, {"bandwidth": "1G"}):  # over max, over value, not a GPU capacity
         with pytest.raises(Unschedulable):
             allocate(slices, CLASSES, gpu_share("no", **too_much), node=NODE)
 
@@ -140,9 +140,11 @@ def test_nic_bandwidth_and_slots_bound_the_shares():
 def test_exclusive_devices_are_unchanged_without_share():
     plain = published(GPU_PROFILE)
     assert not any("allowMultipleAllocations" in d for d in devices(plain).values())
-    c = gpu_share("m", memory="1Gi")  # capacity 'memory' unknown on an unshared NVIDIA GPU: no fit
+    # an unshared GPU is allocated whole: a capacity request only has to fit its capacity
+    (a,) = allocate(plain, CLASSES, gpu_share("m", memory="1Gi"), node=NODE)
+    assert "shareID" not in a["devices"]["results"][0] and "consumedCapacity" not in a["devices"]["results"][0]
     with pytest.raises(Unschedulable):
-        allocate(plain, CLASSES, c, node=NODE)
+        allocate(plain, CLASSES, gpu_share("big", memory="75Gi"), node=NODE)
 
 
 def test_demo_share_claims_get_what_the_demo_hands_out(tmp_path):
@@ -155,7 +157,7 @@ def test_demo_share_claims_get_what_the_demo_hands_out(tmp_path):
     hand = demo.make_share_claims(str(tmp_path), gpus[1])
     allocated: list[dict] = []
     # the demo's first claim takes gpus[0] whole (its default share); the sharing claims then land where the demo says
-    first = claim("train", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "80Gi"}}))
+    first = claim("train", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "74Gi"}}))
     (a,) = allocate(slices, CLASSES, first, node=NODE)
     allocated.append(with_allocation(first, a))
     for c in hand:

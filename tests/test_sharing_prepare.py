@@ -55,7 +55,7 @@ def memory_claim(name: str, memory: str, compute: str | None = None) -> dict:
 
 def test_claims_sharing_one_gpu_each_get_their_own_share(tmp_path):
     slices, gpu = one_gpu(published(PROFILE, share=share_plan(("gpu", "nic"), None)))
-    claims = _allocated(slices, *(memory_claim(f"c{i}", "20Gi", compute="25") for i in range(4)))
+    claims = _allocated(slices, *(memory_claim(f"c{i}", "18Gi", compute="25") for i in range(4)))
     d = _driver(tmp_path)
     out = d.prepare_claims(claims)
     ids = set()
@@ -71,10 +71,10 @@ def test_claims_sharing_one_gpu_each_get_their_own_share(tmp_path):
         ids.add(dev.cdi_ids[0])
         env = _env(_spec(d, uid), cdi_name)
         assert env["SYSDRA_SHARE_ID"] == r["shareID"] and env["SYSDRA_SHARE_DEVICE"] == gpu
-        assert env["SYSDRA_SHARE_MEMORY"] == "20Gi" and env["SYSDRA_SHARE_MEMORY_VALUE"] == str(20 * 2**30)
-        assert env["SYSDRA_SHARE_COMPUTE"] == "25" and env["SYSDRA_DEVICE_GPU_0000_18_00_0_MEMORY"] == "20Gi"
+        assert env["SYSDRA_SHARE_MEMORY"] == "18Gi" and env["SYSDRA_SHARE_MEMORY_VALUE"] == str(18 * 2**30)
+        assert env["SYSDRA_SHARE_COMPUTE"] == "25" and env["SYSDRA_DEVICE_GPU_0000_18_00_0_MEMORY"] == "18Gi"
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # NVIDIA: MPS client limits
-        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=18432M"
         rec = d.checkpoint.claims[uid]["devices"][0]
         assert rec["shareID"] == r["shareID"] and "SYSDRA_SHARE_ID=" + r["shareID"] in rec["cdiEnv"]
     assert len(ids) == 4

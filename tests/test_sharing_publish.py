@@ -31,7 +31,8 @@ def test_capacity_values_come_from_discovery():
     assert amd["memory"]["value"] == "24560Mi" and amd["compute"]["value"] == "100"
     assert "memory" not in by["gpu-0000-0a-00-0"]["capacity"]  # VRAM unknown: not accounted there
     nv = devices(published("server-2s-gpu-nic", share=share_plan(("gpu", "nic"), None)))
-    assert nv["gpu-0000-18-00-0"]["capacity"]["memory"]["value"] == "80Gi"  # "NVIDIA H100 80GB HBM3"
+    # 10de:2330 (H100 SXM5 80GB) from the PCI ID table: the datasheet's 80 GB in decimal units
+    assert nv["gpu-0000-18-00-0"]["capacity"]["memory"]["value"] == "80G"
     assert nv["nic-0000-1a-00-0"]["capacity"]["bandwidth"]["value"] == "400G"  # ports/1/rate "400 Gb/sec (4X NDR)"
     assert nv["nic-0000-bd-00-0"]["capacity"]["bandwidth"]["value"] == "10G"
     assert nv["nic-0000-1a-00-0"]["capacity"]["slots"] == {"value": "32", "requestPolicy": {

@@ -9,8 +9,9 @@ naming the setting (exit 78).
 
 from __future__ import annotations
 
-VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share")
-SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups")
+VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml")
+SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups",
+                                 "publish-uplink")
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
     "node-name": "Kubernetes node name: the pool name and the slices' owner (default $NODE_NAME or the hostname)",
@@ -20,6 +21,9 @@ HELP = {
     "taint-unhealthy": "publish unhealthy devices with a NoSchedule device taint sysdra.io/unhealthy",
     "partitions": "publish GPU partitions (AMD compute partitions, NVIDIA MIG instances) with shared counters",
     "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
+    "nvidia-driver-root": "host directory holding the NVIDIA user-space driver (default /; e.g. /run/nvidia/driver, /usr/local/nvidia)",
+    "nvml": "ask NVML (the driver's libnvidia-ml) for GPU memory, architecture and versions: true or false (default true)",
+    "publish-uplink": "publish the NICs of the host's default routes too (bond slaves, bridge ports, VFs of the PF)",
     "share": "device kinds shared by several claims (consumable capacity), e.g. gpu,nic; policies: share_policies in the config file",
 }
 

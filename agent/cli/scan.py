@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import orjson
@@ -67,6 +68,17 @@ def _write(data: bytes) -> None:
     buf.flush()
 
 
+def _nvml(args, settings):
+    """NVML as ``sysdra run`` would use it (only -o slices reads the config file)."""
+    use = settings.nvml if settings is not None else (args.nvml or "true").strip().lower() not in ("false", "no", "off", "0")
+    if not use or not os.path.isdir(args.root):
+        return None
+    from discovery.nvml import Nvml
+
+    driver_root = settings.nvidia_driver_root if settings is not None else (args.nvidia_driver_root or "/")
+    return Nvml.open(args.root, driver_root)
+
+
 def run(args) -> int:
     with collector_paused():  # the output's ~20,000 dicts and lists: no cycles either
         return _run(args)
@@ -77,7 +89,8 @@ def _run(args) -> int:
     settings = _settings(args) if args.output == "slices" else None
     list_attributes = settings.list_attributes if settings is not None else bool(args.list_attributes)
     try:
-        inv = scan(args.root, list_attributes=list_attributes)
+        uplink = settings.publish_uplink if settings is not None else bool(args.publish_uplink)
+        inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink)
     except FileNotFoundError as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2

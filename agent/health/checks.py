@@ -12,9 +12,11 @@ import re
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 from discovery.models import Device
 from discovery.nic import VIRTIO_VENDOR
+from discovery.nvidia_driver import DriverFiles
 from discovery.sysfs import AttrError, HostFS
 
 HEALTHY, UNHEALTHY, UNKNOWN = "HEALTHY", "UNHEALTHY", "UNKNOWN"
@@ -50,6 +52,7 @@ class Memory:
     aer_fatal: int | None = None  # last TOTAL_ERR_FATAL
     aer_until: float = 0.0
     aer_message: str = ""
+    event_fault: tuple[str, str] | None = None  # (code, message) of an NVML XID/ECC event: held
 
 
 class _Findings:
@@ -192,7 +195,17 @@ def polled(dev: Device, mem: Memory, links_reported: bool) -> bool:
         dev.kind == "nic" and not links_reported)
 
 
-def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Verdict:
+def _check_nvidia_driver(files: DriverFiles, f: _Findings) -> None:
+    """The user-space driver a container of this GPU gets (docs/nvidia.md): without it, or at
+    another version than the kernel module, no CUDA program can run there."""
+    if files.errors:
+        f.faults.append(("nvidia-userspace-driver", "NVIDIA user-space driver: " + "; ".join(files.errors)))
+    else:
+        f.good.append(f"NVIDIA user-space driver {files.version} matches the kernel module")
+
+
+def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None,
+          nvidia_files: Callable[[], DriverFiles] | None = None) -> Verdict:
     now = time.time() if now is None else now
     f = _Findings()
     pci_dir = fs.path(dev.pci.sysfs_path)
@@ -216,6 +229,8 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
         elif dev.device_nodes:
             f.good.append("device nodes present")
     _check_aer(fs, pci_dir, mem, now, f)
+    if mem.event_fault is not None:
+        f.faults.append(mem.event_fault)
     if dev.kind == "nic":
         _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == VIRTIO_VENDOR,
                    known=dev.nic.interfaces if dev.nic else ())
@@ -223,6 +238,8 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None) -> Ver
         _check_habanalabs(fs, pci_dir, f)
     elif dev.kind == "fpga" and dev.fpga and dev.fpga.family == "alveo":
         _check_alveo(fs, dev, f)
+    elif nvidia_files is not None and driver == "nvidia" and dev.kind == "gpu":
+        _check_nvidia_driver(nvidia_files(), f)
     if driver and not f.good and not f.faults:
         f.unknown.append(f"driver {driver} bound; no health signal for this device")
     return f.verdict()

@@ -26,8 +26,11 @@ from typing import Callable
 
 from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, truncate
 from agent.health.linkwatch import LinkWatch
+from agent.health.xid import XidWatch
 from agent.settings import Settings
+from discovery.inventory import device_name
 from discovery.models import Device, Inventory
+from discovery.nvidia_driver import DriverFilesCache
 from discovery.sysfs import HostFS
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,9 @@ class Subscriber:
 class HealthMonitor:
     def __init__(self, settings: Settings, inventory_fn: Callable[[], Inventory | None]):
         self.fs = HostFS(settings.root)
+        self.nvidia_files = DriverFilesCache(settings.root, settings.nvidia_driver_root)
+        self.settings = settings
+        self.xid: XidWatch | None = None
         self.pool = settings.node_name
         self.interval = settings.health_interval
         self._inventory_fn = inventory_fn
@@ -82,6 +88,34 @@ class HealthMonitor:
         self._wake = asyncio.Event()
         await self.check_now()
         self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def watch_gpu_events(self, nvml=None) -> bool:
+        """NVIDIA XID/ECC events from NVML (agent/health/xid.py) mark their GPU unhealthy at
+        once. Call after ``start``; False when NVML is off, absent or refuses."""
+        s = self.settings
+        if nvml is None and s.nvml:
+            from discovery.nvml import Nvml
+
+            nvml = await asyncio.to_thread(Nvml.shared, s.root, s.nvidia_driver_root)
+        if nvml is None:
+            return False
+        xid = XidWatch(nvml, self._on_gpu_fault, ignored=s.nvidia_ignored_xids)
+        if not await asyncio.to_thread(xid.start):
+            return False
+        self.xid = xid
+        return True
+
+    def _on_gpu_fault(self, bdf: str, code: str, message: str) -> None:
+        """From the event thread: the GPU's fault is remembered and the GPU checked now."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._gpu_fault, device_name("gpu", bdf), code, message)
+
+    def _gpu_fault(self, name: str, code: str, message: str) -> None:
+        mem = self._memory.setdefault(name, Memory())
+        mem.event_fault = (code, message)
+        task = asyncio.create_task(self.check_devices([name]))
+        self._link_checks.add(task)
+        task.add_done_callback(self._link_checks.discard)
 
     def watch_links(self) -> bool:
         """Re-check a NIC as soon as the kernel reports a link change on its interface.
@@ -119,6 +153,8 @@ class HealthMonitor:
             task.add_done_callback(self._link_checks.discard)
 
     async def stop(self) -> None:
+        if self.xid is not None:
+            self.xid.stop()
         if self._links is not None:
             self._links.stop()
             self._links = None
@@ -216,7 +252,7 @@ class HealthMonitor:
         return present
 
     def _verdict(self, name: str, present: set[str], now: float) -> Verdict:
-        verdict = check(self.fs, self._known[name], self._memory[name], now)
+        verdict = check(self.fs, self._known[name], self._memory[name], now, self.nvidia_files.get)
         if name not in present and verdict.health != UNHEALTHY:
             verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
                               "not-discovered")

@@ -15,15 +15,8 @@ import orjson
 
 from agent.names import is_label, is_subdomain
 
-MAX_CONDITIONS = 8  # resource.AllocatedDeviceStatusMaxConditions
-MAX_DATA_BYTES = 10 * 1024  # resource.AllocatedDeviceStatusDataMaxLength
-MAX_IPS = 16  # resource.NetworkDeviceDataMaxIPs
-MAX_INTERFACE_NAME = 256  # bytes, resource.NetworkDeviceDataInterfaceNameMaxLength
-MAX_HARDWARE_ADDRESS = 128  # bytes, resource.NetworkDeviceDataHardwareAddressMaxLength
-MAX_REASON = 1024  # metav1 validation maxReasonLen
-MAX_MESSAGE = 32 * 1024  # metav1 validation maxMessageLen
-MAX_DRIVER = 63
-MAX_POOL = 253
+from agent.apilimits import (MAX_CONDITIONS, MAX_DATA_BYTES, MAX_DRIVER, MAX_HARDWARE_ADDRESS, MAX_INTERFACE_NAME,
+                             MAX_IPS, MAX_MESSAGE, MAX_POOL, MAX_REASON)
 
 _REASON = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 
 from agent import nodeops
-from agent.names import InvalidName, check_label, check_request, is_uid
+from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_POOL, MAX_RESULTS
+from agent.names import InvalidName, check_label, check_request, is_subdomain, is_uid
 from agent.quantity import parse_quantity
 
 
@@ -40,27 +41,38 @@ _CAPACITY_NAME = re.compile(r"^(?:[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?/)?[A-Za-z_
 def _consumed(i: int, value: object) -> tuple[tuple[str, str], ...]:
     if value is None:
         return ()
-    if not isinstance(value, dict) or len(value) > 32:
-        raise ClaimFailed(f"allocation result {i}: consumedCapacity is not a map of at most 32 capacities")
+    if not isinstance(value, dict) or len(value) > MAX_ATTRIBUTES_AND_CAPACITIES:
+        raise ClaimFailed(f"allocation result {i}: consumedCapacity is not a map of at most {MAX_ATTRIBUTES_AND_CAPACITIES} capacities")
     out = []
-    for name, q in sorted(value.items()):
+    for name in value:
         if not isinstance(name, str) or not _CAPACITY_NAME.match(name):
             raise ClaimFailed(f"allocation result {i}: consumedCapacity name {str(name)[:80]!r} is not a capacity name")
+    for name, q in sorted(value.items()):
         try:
-            if not isinstance(q, str) or len(q) > 64 or parse_quantity(q) < 0:
-                raise ValueError
-        except ValueError:
-            raise ClaimFailed(f"allocation result {i}: consumedCapacity {name}: {str(q)[:80]!r} is not a quantity") from None
+            if parse_quantity(q) < 0:
+                raise ValueError(f"{q!r} is negative")
+        except ValueError as err:
+            raise ClaimFailed(f"allocation result {i}: consumedCapacity {name}: {err}") from None
         out.append((name, q))
     return tuple(out)
 
 
-def _results(claim: dict) -> list:
-    alloc = (claim.get("status") or {}).get("allocation") or {}
-    results = (alloc.get("devices") or {}).get("results") or []
-    if not isinstance(results, list):
-        raise ClaimFailed("status.allocation.devices.results is not a list")
-    return results
+def allocated(claim: dict, field: str, limit: int) -> list:
+    """``status.allocation.devices.<field>`` of the claim: a list of at most ``limit``
+    entries (none when unallocated), or ClaimFailed naming the level that has the wrong shape."""
+    node, path = claim, ""
+    for key in ("status", "allocation", "devices"):
+        node, path = node.get(key), f"{path}.{key}" if path else key
+        if node is None:
+            return []
+        if not isinstance(node, dict):
+            raise ClaimFailed(f"{path} is not an object")
+    entries = node.get(field)
+    if entries is None:
+        return []
+    if not isinstance(entries, list) or len(entries) > limit:
+        raise ClaimFailed(f"{path}.{field} is not a list of at most {limit} entries (the API server's limit)")
+    return entries
 
 
 def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]]:
@@ -68,7 +80,7 @@ def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]
     raw: list[dict] = []
     checked: list[Result] = []
     seen: set[tuple[str, str, str | None]] = set()
-    for i, r in enumerate(_results(claim)):
+    for i, r in enumerate(allocated(claim, "results", MAX_RESULTS)):
         if not isinstance(r, dict):
             raise ClaimFailed(f"allocation result {i} is not an object")
         if r.get("driver") != driver_name:
@@ -81,8 +93,9 @@ def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]
         try:
             request = check_request(r.get("request"))
             pool, device = r.get("pool"), r.get("device")
-            if not isinstance(pool, str) or not pool:
-                raise ClaimFailed(f"allocation result {i}: pool {pool!r} is not a name")
+            if not isinstance(pool, str) or len(pool) > MAX_POOL or not all(map(is_subdomain, pool.split("/"))):
+                raise ClaimFailed(f"allocation result {i}: pool {str(pool)[:80]!r} is not DNS subdomains "
+                                  f"separated by '/', at most {MAX_POOL} characters")
             check_label(f"allocation result {i}: device", device)
         except InvalidName as err:
             raise ClaimFailed(f"allocation result {i}: {err}") from None

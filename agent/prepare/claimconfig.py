@@ -21,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
+import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from agent.apilimits import MAX_ALLOCATION_CONFIGS, MAX_OPAQUE_PARAMETERS_BYTES
 from agent.kubeletplugin.types import base_request
-from agent.prepare.allocation import ClaimFailed
+from agent.prepare.allocation import ClaimFailed, allocated
 
 API_VERSION = "sysdra.io/v1alpha1"
 MAX_ENV = 32
@@ -103,15 +105,28 @@ def _errors(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _show(value: object) -> str:
+    """A value of the claim in a message: a string quoted, anything else by its JSON type."""
+    if isinstance(value, str):
+        return repr(value[:64])
+    return {dict: "(an object)", list: "(a list)", bool: "(a boolean)", type(None): "(missing)"}.get(type(value), "(a number)")
+
+
 def decode(parameters: object) -> Config:
     """One ``opaque.parameters`` object -> its kind's model; ValueError saying what is wrong."""
     if not isinstance(parameters, dict):
         raise ValueError("parameters must be an object")
+    try:
+        size = len(orjson.dumps(parameters))
+    except orjson.JSONEncodeError as err:  # nested deeper than any config of ours
+        raise ValueError(f"parameters cannot be read: {err}") from None
+    if size > MAX_OPAQUE_PARAMETERS_BYTES:
+        raise ValueError(f"parameters are {size} bytes of JSON, at most {MAX_OPAQUE_PARAMETERS_BYTES}")
     version, kind = parameters.get("apiVersion"), parameters.get("kind")
     if version != API_VERSION:
-        raise ValueError(f"apiVersion {str(version)[:64]!r} is not supported (use {API_VERSION})")
-    if kind not in KINDS:
-        raise ValueError(f"kind {str(kind)[:64]!r} is not one of {', '.join(KINDS)}")
+        raise ValueError(f"apiVersion {_show(version)} is not supported (use {API_VERSION})")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"kind {_show(kind)} is not one of {', '.join(KINDS)}")
     try:
         return KINDS[kind][0].model_validate(parameters)
     except ValidationError as err:
@@ -121,10 +136,7 @@ def decode(parameters: object) -> Config:
 def opaque_configs(claim: dict, driver_name: str) -> list[OpaqueConfig]:
     """Our configs of the claim's allocation in precedence order (class ones first), all
     decoded (a bad one fails the claim even where no result uses it, as upstream's helper)."""
-    alloc = (claim.get("status") or {}).get("allocation") or {}
-    entries = (alloc.get("devices") or {}).get("config") or []
-    if not isinstance(entries, list):
-        raise ClaimFailed("status.allocation.devices.config is not a list")
+    entries = allocated(claim, "config", MAX_ALLOCATION_CONFIGS)
     by_source: dict[str, list[OpaqueConfig]] = {"FromClass": [], "FromClaim": []}
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
@@ -133,8 +145,8 @@ def opaque_configs(claim: dict, driver_name: str) -> list[OpaqueConfig]:
         if not isinstance(opaque, dict) or opaque.get("driver") != driver_name:
             continue  # another driver's, or not opaque
         source = entry.get("source")
-        if source not in by_source:
-            raise ClaimFailed(f"config {i}: source {str(source)[:32]!r} is neither FromClass nor FromClaim")
+        if not isinstance(source, str) or source not in by_source:
+            raise ClaimFailed(f"config {i}: source {_show(source)} is neither FromClass nor FromClaim")
         requests = entry.get("requests") or []
         if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
             raise ClaimFailed(f"config {i}: requests is not a list of names")

@@ -38,6 +38,7 @@ from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
 from agent.prepare.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
+from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
 from agent.prepare.vfio import VfioError
 from agent.prepare.vfio_kernel import KernelError, PciKernel
@@ -88,6 +89,8 @@ class Driver:
         self.fault: Callable[[str], None] = lambda point: None
         self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
+        self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
+                                   settings.cdi_host_root)
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
 
@@ -117,12 +120,14 @@ class Driver:
                 raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
             cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
             picked.setdefault(cd.key, cd)
-            ids = [cdi_id(self.settings.driver_name, uid, cd.key)]
+            ids = [cdi_id(self.settings.driver_name, uid, cd.key), *self.nvidia.cdi_ids(dev)]
             prepared.append(PreparedDevice([r.request], r.pool, dev.name, ids, r.share_id))
             envs.append(cd.env)
         if not picked:
             return prepared, None, envs
-        return prepared, build_claim_spec(self.settings.driver_name, uid, list(picked.values()), self.settings.root), envs
+        cds = list(picked.values())
+        return prepared, build_claim_spec(self.settings.driver_name, uid, cds, self.settings.root,
+                                          self.nvidia.claim_edits([c.device for c in cds])), envs
 
     def _claim_spec(self, uid: str, entry: dict, by_name: dict[str, Device]) -> dict:
         """The claim's CDI spec from the inventory; VFIO functions get the nodes they have now."""
@@ -132,7 +137,8 @@ class Driver:
             dev = by_name[d["device"]]
             devs.append(shares.recorded(vfio.with_vfio_nodes(self.settings.root, dev) if dev.pci.bdf in held else dev, d))
         devs = list({c.key: c for c in devs}.values())
-        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root)
+        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root,
+                                self.nvidia.claim_edits([c.device for c in devs]))
 
     # --- prepare / unprepare ---------------------------------------------------
     def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
@@ -351,7 +357,7 @@ class Driver:
         content = spec["spec"]
         try:  # rebuild from the current inventory: device numbers can change across reboots
             content = self._claim_spec(uid, entry, self.inventory().by_name())
-        except (KeyError, SpecError, ValueError, VfioError, KernelError) as err:
+        except (KeyError, SpecError, ValueError, VfioError, KernelError, ClaimFailed) as err:
             log.warning("claim %s: rebuilding CDI spec from the recorded one (%s)", uid, err)
         cdifiles.write_spec(spec["path"], content)
         spec["spec"] = content

@@ -10,6 +10,9 @@ kubernetes#134519), with the same device nodes and the share's environment:
   plain number) — for the usual one share per container;
 - the same per device, ``SYSDRA_DEVICE_<NAME>_SHARE`` and ``SYSDRA_DEVICE_<NAME>_<CAPACITY>``,
   which stay distinct when one container holds shares of several devices;
+- ``<CAPACITY>`` is the capacity's name after its domain, upper-case, or its whole name where
+  two capacities would set the same variable (``memory`` and ``example.com/memory``:
+  ``MEMORY`` and ``EXAMPLE_COM_MEMORY``; ``cdi.claim.capacity_keys``): no variable is set twice;
 - on NVIDIA GPUs, unless the claim's ``GpuConfig`` says ``sharing.mpsLimits: false``, the CUDA
   MPS client limits: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` from ``compute`` (percent of the
   GPU) and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`` from ``memory`` (device 0: the share's
@@ -23,10 +26,10 @@ from __future__ import annotations
 
 import re
 
-from agent.prepare.allocation import Result
+from agent.prepare.allocation import ClaimFailed, Result
 from agent.prepare.claimconfig import Config, GpuConfig, env_of
 from agent.quantity import parse_quantity, plain
-from cdi.claim import ClaimDevice, env_name
+from cdi.claim import ClaimDevice, capacity_keys, env_name
 from discovery.models import Device
 
 
@@ -44,18 +47,17 @@ def split_key(key: str) -> dict:
     return {"device": m.group(1), "shareID": m.group(2)} if m else {"device": key, "shareID": None}
 
 
-def _capacity_env(name: str) -> str:
-    """``memory`` -> ``MEMORY``; ``example.com/rate`` -> ``RATE`` (the part after the domain)."""
-    return re.sub(r"[^A-Z0-9]", "_", name.rsplit("/", 1)[-1].upper())
-
-
 def share_env(dev: Device, share_id: str, consumed: tuple[tuple[str, str], ...], config: Config | None) -> list[str]:
     per_device = env_name(dev.name)
     env = [f"SYSDRA_SHARE_ID={share_id}", f"SYSDRA_SHARE_DEVICE={dev.name}", f"{per_device}_SHARE={share_id}"]
     values = {}
+    try:
+        keys = capacity_keys(name for name, _ in consumed)
+    except ValueError as err:
+        raise ClaimFailed(f"share {share_id} of {dev.name}: {err}") from None
     for name, quantity in consumed:
-        key = _capacity_env(name)
-        values[name] = parse_quantity(quantity)
+        key = keys[name]
+        values[name] = parse_quantity(quantity)  # checked by allocation.our_results
         env += [f"SYSDRA_SHARE_{key}={quantity}", f"SYSDRA_SHARE_{key}_VALUE={plain(values[name])}",
                 f"{per_device}_{key}={quantity}"]
     mps = not isinstance(config, GpuConfig) or config.sharing.mpsLimits
@@ -76,4 +78,8 @@ def claim_device(dev: Device, result: Result, config: Config | None) -> ClaimDev
 
 def recorded(dev: Device, record: dict) -> ClaimDevice:
     """The CDI device of a checkpointed device record (rebuilding the spec after a reboot)."""
-    return ClaimDevice(dev, device_key(dev.name, record.get("shareID")), tuple(record.get("cdiEnv") or ()))
+    # an older agent may have recorded a variable twice: the first one is what it meant
+    env: dict[str, str] = {}
+    for e in record.get("cdiEnv") or ():
+        env.setdefault(e.partition("=")[0], e)
+    return ClaimDevice(dev, device_key(dev.name, record.get("shareID")), tuple(env.values()))

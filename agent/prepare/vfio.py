@@ -53,7 +53,7 @@ def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
     """Why the function is the host's own, or None."""
     routes = default_route_functions(root)
     if bdf in routes:
-        return f"it carries the host's default route ({routes[bdf]})"
+        return f"it is the host's uplink ({routes[bdf]})"
     try:
         if kernel.fs.read_attr(os.path.join(kernel.dev(bdf), "boot_vga")) == "1":
             return "it is the boot VGA device (the host's console)"
@@ -163,4 +163,5 @@ def with_vfio_nodes(root: str, device: Device) -> Device:
     nodes = vfio_nodes(fs, NodeResolver(fs), fn, d, found)
     if not any(n.path.startswith("/dev/vfio/") and n.path != "/dev/vfio/vfio" for n in nodes):
         raise VfioError(f"{device.pci.bdf}: no VFIO group node after binding ({'; '.join(p.reason for p in found)})")
-    return device.replace(device_nodes=tuple(nodes))
+    # bound to vfio-pci now: the spec gets no driver files of the device's own driver
+    return device.replace(device_nodes=tuple(nodes), pci=device.pci.replace(driver=fn.driver))

@@ -8,21 +8,22 @@ merged with ``share_policies`` of the config file (one capacity's entry replaces
 would check it (``validation.policy_problems``), so a bad policy stops the agent with exit 78
 instead of costing every device later.
 
-Capacity values: ``value`` of the policy when given; else GPU ``memory`` from discovery (VRAM
-``mem_info_vram_total``) or, for NVIDIA, the size in the model name the driver's information
-file gives ("NVIDIA H100 80GB HBM3" -> 80Gi); NIC ``bandwidth`` from the RDMA port rate or, without
-RDMA, the netdev's link speed. A capacity whose value is unknown on a device is left out there.
+Capacity values: ``value`` of the policy when given; else GPU ``memory`` from discovery (AMD VRAM
+``mem_info_vram_total``; NVIDIA: NVML, or the PCI ID table of data-center GPUs); NIC ``bandwidth``
+from the RDMA port rate or, without RDMA, the netdev's link speed. A capacity whose value is
+unknown on a device is left out there (logged once per device): never a guessed size.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
 
 from agent.publish.validation import policy_problems, qualified_name_problem
 from agent.quantity import parse_quantity, plain
+from cdi.claim import capacity_keys
 
 SHAREABLE = ("gpu", "nic")
 MAX_SHARED_CAPACITIES = 8
@@ -38,7 +39,7 @@ DEFAULT_POLICIES: dict[str, dict[str, dict]] = {
         "slots": {"value": "32", "default": "1", "validRange": {"min": "1", "step": "1"}},
     },
 }
-_NVIDIA_MODEL_SIZE = re.compile(r"\b(\d{1,4})\s?GB\b")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,18 @@ class SharePlan:
 
     kinds: frozenset[str]
     policies: MappingProxyType  # kind -> ((capacity, policy dict), ...)
+    # (device, capacity) pairs already logged as unknown: once per device while this plan holds
+    unknown_logged: set = field(default_factory=set, compare=False, repr=False)
 
     def __hash__(self) -> int:  # a cache key of build_pool
         return hash((self.kinds, tuple(sorted((k, repr(v)) for k, v in self.policies.items()))))
+
+    def log_unknown(self, device: str, capacity: str) -> None:
+        if (device, capacity) in self.unknown_logged or len(self.unknown_logged) > 10000:
+            return
+        self.unknown_logged.add((device, capacity))
+        log.warning("sharing: %s has no known %s; its shares do not offer %s (a share-policies value would)",
+                    device, capacity, capacity)
 
 
 def _quantity_text(v: object, where: str) -> str:
@@ -131,6 +141,10 @@ def share_plan(share: tuple[str, ...] | list[str], share_policies: dict | None) 
             caps.append((str(name), MappingProxyType(p)))
         if len(caps) > MAX_SHARED_CAPACITIES:
             raise ValueError(f"share-policies.{kind}: {len(caps)} capacities, at most {MAX_SHARED_CAPACITIES}")
+        try:  # each share's environment names every capacity (prepare/shares.py)
+            capacity_keys(name for name, _ in caps)
+        except ValueError as err:
+            raise ValueError(f"share-policies.{kind}: {err}") from None
         policies[kind] = tuple(caps)
     return SharePlan(frozenset(kinds), MappingProxyType(policies))
 
@@ -144,9 +158,6 @@ def discovered_value(device, capacity: str) -> str | None:
     if capacity == "memory" and device.kind == "gpu":
         if device.capacity.get("memory"):
             return device.capacity["memory"]
-        model = device.gpu.model if device.gpu else None
-        if device.gpu and device.gpu.vendor == "nvidia" and model and (m := _NVIDIA_MODEL_SIZE.search(model)):
-            return f"{int(m.group(1))}Gi"
     if capacity == "bandwidth" and device.kind == "nic" and device.nic:
         rates = [Fraction(r.rate_gbps).limit_denominator(1000) * 1000 for r in device.nic.rdma if r.rate_gbps]
         rates = rates or [Fraction(i.speed_mbps) for i in device.nic.interfaces if i.speed_mbps]
@@ -160,10 +171,15 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     if plan is None or device.kind not in plan.kinds:
         return entry
     capacity = dict(entry.get("capacity") or {})
+    kept = {name for name, _ in plan.policies[device.kind]}
+    for name in set(DEFAULT_POLICIES.get(device.kind, {})) - kept:
+        # dropped by the operator: without a policy every share would consume all of it
+        capacity.pop(name, None)
     for name, policy in plan.policies[device.kind]:
         value = policy.get("value") or discovered_value(device, name)
         if value is None:
             capacity.pop(name, None)  # unknown here: not accounted on this device
+            plan.log_unknown(device.name, name)
             continue
         request_policy = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
                           for k, v in policy.items() if k != "value"}
@@ -172,3 +188,4 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     if capacity:
         out["capacity"] = dict(sorted(capacity.items()))
     return out
+

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 from itertools import chain
 
+from agent.apilimits import MAX_COUNTER_SETS, MAX_DEVICES, MAX_DEVICES_ADVANCED
 from agent.deviceapi import device_api
 from agent.publish import partitions as gpu_partitions
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
@@ -19,10 +20,7 @@ from agent.publish.validation import CheckedValues, device_problems
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
-MAX_DEVICES = 128
-MAX_DEVICES_ADVANCED = 64  # any taint, consumesCounters or list attribute in the slice
 _SCALAR_FIELDS = frozenset(("string", "int", "bool", "version"))  # any other value field is a list
-MAX_COUNTER_SETS = 8
 # generateName: the apiserver keeps 58 characters of the prefix and appends 5 random ones
 MAX_GENERATE_PREFIX = 58
 _NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"

@@ -14,14 +14,8 @@ from itertools import repeat
 
 from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
 
-MAX_ATTRIBUTES_AND_CAPACITIES = 32
-MAX_ATTRIBUTE_VALUES = 48
-MAX_VALUE_LENGTH = 64  # bytes, for string/version values and list elements
-MAX_ID_LENGTH = 32
-MAX_DOMAIN_LENGTH = 63
-MAX_COUNTER_CONSUMPTIONS = 2
-MAX_COUNTERS = 32
-MAX_VALID_VALUES = 10  # CapacityRequestPolicyDiscreteMaxOptions
+from agent.apilimits import (MAX_ATTRIBUTE_VALUES, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_COUNTER_CONSUMPTIONS,
+                             MAX_COUNTERS, MAX_DOMAIN_LENGTH, MAX_ID_LENGTH, MAX_VALID_VALUES, MAX_VALUE_LENGTH)
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

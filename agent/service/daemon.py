@@ -24,16 +24,27 @@ from agent.service.logs import setup_logging
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
+from agent.service.routewatch import follow_default_routes
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
 
 log = logging.getLogger("sysdra.daemon")
 
 
+def open_nvml(settings: Settings):
+    """NVML for GPU facts, or None (``nvml: false``, or the node has none): blocks, call in a thread."""
+    if not settings.nvml:
+        return None
+    from discovery.nvml import Nvml
+
+    return Nvml.shared(settings.root, settings.nvidia_driver_root)
+
+
 def default_scan(settings: Settings):
     from discovery.inventory import scan
 
-    return scan(settings.root, list_attributes=settings.list_attributes)
+    return scan(settings.root, list_attributes=settings.list_attributes, nvml=open_nvml(settings),
+                publish_uplink=settings.publish_uplink)
 
 
 def make_store(settings: Settings):
@@ -106,8 +117,10 @@ class Agent:
 
         s = self.settings
         sc = self._scanner
-        if sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes:
-            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes)
+        if (sc is None or sc.root != os.path.abspath(s.root) or sc.list_attributes != s.list_attributes
+                or sc.publish_uplink != s.publish_uplink):
+            sc = self._scanner = IncrementalScanner(s.root, list_attributes=s.list_attributes, nvml=open_nvml(s),
+                                                    publish_uplink=s.publish_uplink)
             changed = None
         return sc.update(changed)
 
@@ -191,8 +204,9 @@ class Agent:
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         await self.health.start()
-        if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
+        if os.path.realpath(self.settings.root) == "/":  # kernel link and NVML events are about this host only
             self.health.watch_links()
+            await self.health.watch_gpu_events()
         if self.watcher is not None:  # timer rounds need not poll what its events report
             self.health.events_report(self.watcher.reports)
         async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them
@@ -311,6 +325,8 @@ class Agent:
         watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         watcher.start(loop)
         started.callback(watcher.stop)
+        if (routes := follow_default_routes(self.settings, lambda: debouncer.trigger(None))) is not None:
+            started.callback(routes.stop)
         started.push_async_callback(self._stop_kubelet_side)
         # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
         if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):

@@ -189,6 +189,25 @@ def _lightkube_review():
     return review
 
 
+def check_nvidia_driver(root: str, driver_root: str) -> list[Finding]:
+    """Whether a container given an NVIDIA GPU here could run CUDA (docs/nvidia.md)."""
+    from discovery.nvidia import kernel_module_version
+    from discovery.nvidia_driver import find_driver_files
+    from discovery.sysfs import HostFS
+
+    if kernel_module_version(HostFS(root)) is None:
+        return [Finding("nvidia", "skip", "no nvidia kernel module loaded")]
+    files = find_driver_files(root, driver_root)
+    fix = "set nvidia_driver_root to where the driver is installed, or install the user-space driver of the module's version"
+    found = [Finding("nvidia", "fail", err, fix) for err in files.errors]
+    found += [Finding("nvidia", "warn", w, fix) for w in files.warnings]
+    if not files.errors:
+        found.append(Finding("nvidia", "ok", f"user-space driver {files.version} under {driver_root}: "
+                             f"{len(files.libraries)} libraries, {len(files.binaries)} tools, "
+                             f"{'ld-cache hook' if files.ldcache_hook else 'LD_LIBRARY_PATH'}"))
+    return found
+
+
 # --- everything ---------------------------------------------------------------------------------
 def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True) -> list[Finding]:
     found = check_kubelet(settings)
@@ -196,6 +215,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True)
     found += check_cdi_dirs(cdi_dirs)
     found += check_metadata(settings.plugin_dir)
     found += check_checkpoint(settings.plugin_dir)
+    found += check_nvidia_driver(settings.root, settings.nvidia_driver_root)
     if api:
         found += check_api(settings.cluster, settings.node_name, driver_name=settings.driver_name)
     return found

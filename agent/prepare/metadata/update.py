@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from agent.apilimits import MAX_HARDWARE_ADDRESS, MAX_INTERFACE_NAME, MAX_IPS
 from agent.kubeletplugin import devicestatus
 from agent.kubeletplugin.service import check_ref
 from agent.kubeletplugin.types import ClaimRef, base_request
@@ -23,9 +24,6 @@ from agent.prepare.metadata import layout, store
 from agent.settings import Settings
 
 LOCK_TIMEOUT = 60.0  # seconds; prepare must finish within the kubelet's 45 s
-MAX_IPS = 16  # resource.k8s.io NetworkDeviceData limits
-MAX_INTERFACE_NAME = 256
-MAX_HARDWARE_ADDRESS = 128
 
 
 class UpdateError(Exception):

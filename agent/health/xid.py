@@ -1,0 +1,111 @@
+"""NVIDIA XID and ECC events from NVML -> device faults (docs/health.md, "NVIDIA events").
+
+The driver reports a GPU fault as an XID (a numbered error; 79: the GPU fell off the bus, 48: a
+double-bit ECC error, ...) or an ECC event. NVML delivers them to an event set that one thread of
+our own waits on (a blocking call by design, so never the event loop or NVML's query thread).
+Application errors (XIDs 13, 31, 43, 45, 68, 109 by default: a program's own fault, not the
+GPU's) are ignored, as NVIDIA's driver ignores them; a double-bit ECC error is a fault; a
+single-bit one is corrected and only logged. A fault holds until the agent restarts: a GPU
+that raised one needs a reset (and so a restart of what uses it) to be trusted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+WAIT_MS = 5000  # each wait returns at least this often, so stop() is noticed
+DEFAULT_IGNORED = (13, 31, 43, 45, 68, 109)
+
+
+def bus_id(text) -> str | None:
+    """NVML's ``00000000:00:06.0`` as the kernel names the function: ``0000:00:06.0``."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    if not isinstance(text, str):
+        return None
+    parts = text.strip().lower().split(":")
+    if len(parts) != 3 or not all(parts):
+        return None
+    return f"{parts[0][-4:].rjust(4, '0')}:{parts[1]}:{parts[2]}"
+
+
+class XidWatch:
+    """Calls ``on_fault(bdf, code, message)`` (from its own thread) for every fault event."""
+
+    def __init__(self, nvml, on_fault: Callable[[str, str, str], None], ignored=DEFAULT_IGNORED, wait_ms: int = WAIT_MS):
+        self.nvml = nvml  # discovery.nvml.Nvml
+        self.nv = nvml.pynvml
+        self.on_fault = on_fault
+        self.ignored = frozenset(ignored)
+        self.wait_ms = wait_ms
+        self.registered: list[str] = []  # bus IDs of the GPUs whose events are watched
+        self.events = 0
+        self._stop = threading.Event()
+        self._set = None
+
+    def start(self) -> bool:
+        """Register every GPU's fault events; False (logged) when NVML refuses all of them."""
+        nv = self.nv
+        mask = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError | nv.nvmlEventTypeSingleBitEccError
+
+        def register():
+            event_set = nv.nvmlEventSetCreate()
+            done = []
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                try:
+                    nv.nvmlDeviceRegisterEvents(h, mask, event_set)
+                except nv.NVMLError as err:  # e.g. not supported on this GPU
+                    log.warning("NVML events of GPU %d not watched: %s", i, err)
+                    continue
+                done.append(bus_id(nv.nvmlDeviceGetPciInfo(h).busId))
+            return event_set, done
+
+        got = self.nvml.call("registering for XID/ECC events", register)
+        if not got or not got[1]:
+            log.warning("NVML XID/ECC events not watched: GPU faults are seen by the sysfs checks only")
+            return False
+        self._set, self.registered = got
+        threading.Thread(target=self._run, name="nvml-events", daemon=True).start()
+        log.info("NVML XID/ECC events watched on %s (XIDs ignored: %s)", ", ".join(self.registered),
+                 ", ".join(map(str, sorted(self.ignored))) or "none")
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        nv = self.nv
+        while not self._stop.is_set():
+            try:
+                data = nv.nvmlEventSetWait_v2(self._set, self.wait_ms)
+            except nv.NVMLError as err:
+                if getattr(err, "value", None) == nv.NVML_ERROR_TIMEOUT:
+                    continue
+                log.error("NVML event wait failed (%s): XID/ECC events no longer watched", err)
+                return
+            self.events += 1
+            try:
+                self._handle(data)
+            except Exception:  # noqa: BLE001 - one odd event must not end the watch
+                log.exception("NVML event not understood")
+
+    def _handle(self, data) -> None:
+        nv = self.nv
+        bdf = bus_id(nv.nvmlDeviceGetPciInfo(data.device).busId)
+        kind, detail = data.eventType, data.eventData
+        if bdf is None:
+            return
+        if kind == nv.nvmlEventTypeXidCriticalError:
+            if detail in self.ignored:
+                log.info("GPU %s: XID %s (an application's error, ignored)", bdf, detail)
+                return
+            self.on_fault(bdf, f"xid-{detail}", f"NVML: critical XID {detail}")
+        elif kind == nv.nvmlEventTypeDoubleBitEccError:
+            self.on_fault(bdf, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error")
+        elif kind == nv.nvmlEventTypeSingleBitEccError:
+            log.info("GPU %s: a single-bit ECC error (corrected)", bdf)

@@ -1,0 +1,114 @@
+"""What a claim's NVIDIA GPUs need beyond their device nodes (docs/nvidia.md).
+
+By default the claim's own CDI spec carries the host's user-space driver (``cdi/nvidia.py``,
+found by ``discovery/nvidia_driver.py`` under the configured driver root). With
+``nvidia-cdi-spec`` the node's own NVIDIA CDI spec (``nvidia-ctk cdi generate`` output in a CDI
+directory) is used instead: each GPU's CDI device ID there is returned beside ours, and our
+spec leaves the driver out. A driver that does not match the kernel module fails the claim
+with the reason: a spec that cannot run CUDA is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from agent.prepare.allocation import ClaimFailed
+from cdi.nvidia import driver_edits
+from discovery.models import Device
+from discovery.nvidia_driver import DriverFilesCache
+
+log = logging.getLogger(__name__)
+
+NVIDIA_KIND = "nvidia.com/gpu"
+SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+MAX_SPEC_BYTES = 4 << 20
+
+
+def needs_driver(dev: Device) -> bool:
+    """A GPU (or MIG device) the nvidia driver serves; one bound to vfio-pci needs none."""
+    return dev.kind == "gpu" and dev.gpu is not None and dev.gpu.vendor == "nvidia" and dev.pci.driver == "nvidia"
+
+
+class NvidiaDriver:
+    def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
+                 host_root: str = "/"):
+        self.root, self.host_root = root, host_root
+        self.files = DriverFilesCache(root, driver_root)
+        self.use_nvidia_spec = use_nvidia_spec
+        # as the agent sees them: the host's CDI dirs under the root, and the agent's own CDI dir
+        seen = [os.path.join(root, d.lstrip("/")) for d in SPEC_DIRS] + ([cdi_dir] if cdi_dir else [])
+        self.spec_dirs = tuple(dict.fromkeys(os.path.normpath(d) for d in seen))
+
+    def claim_edits(self, devices: list[Device]) -> dict | None:
+        """The claim-wide edits for ``devices`` (None: no NVIDIA GPU, or NVIDIA's spec serves)."""
+        if self.use_nvidia_spec or not any(needs_driver(d) for d in devices):
+            return None
+        files = self.files.get()
+        if files.errors:
+            raise ClaimFailed("NVIDIA user-space driver: " + "; ".join(files.errors))
+        for warning in files.warnings:
+            log.warning("NVIDIA user-space driver: %s", warning)
+        return driver_edits(files, self.host_root)
+
+    def cdi_ids(self, dev: Device) -> list[str]:
+        """NVIDIA's own CDI device ID for ``dev`` when ``nvidia-cdi-spec`` is set."""
+        if not self.use_nvidia_spec or not needs_driver(dev):
+            return []
+        name = _device_in_specs(self._specs(), dev)
+        if name is None:
+            raise ClaimFailed(f"{dev.name}: no {NVIDIA_KIND} device for GPU {dev.gpu.nvidia_uuid or dev.pci.bdf} "
+                              f"in the NVIDIA CDI specs under {', '.join(self.spec_dirs)} (run nvidia-ctk cdi generate)")
+        return [f"{NVIDIA_KIND}={name}"]
+
+    def _specs(self) -> list[dict]:
+        out = []
+        for d in self.spec_dirs:
+            try:
+                names = sorted(os.listdir(d))
+            except OSError:
+                continue
+            for name in names:
+                if name.endswith((".yaml", ".yml", ".json")) and (spec := _load(os.path.join(d, name))):
+                    out.append(spec)
+        return out
+
+
+def _load(path: str) -> dict | None:
+    """A CDI spec file of kind nvidia.com/gpu, or None (other kinds, unreadable, too large)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            return None
+        if path.endswith(".json"):
+            spec = json.loads(data)
+        else:
+            import yaml
+
+            spec = yaml.safe_load(data)
+    except (OSError, ValueError, ImportError) as err:
+        log.warning("CDI spec %s: %s", path, err)
+        return None
+    except Exception as err:  # noqa: BLE001 - yaml.YAMLError and friends: another program's file
+        log.warning("CDI spec %s: %s", path, err)
+        return None
+    return spec if isinstance(spec, dict) and spec.get("kind") == NVIDIA_KIND else None
+
+
+def _device_in_specs(specs: list[dict], dev: Device) -> str | None:
+    """The spec device named by the GPU's UUID, else the one holding its ``/dev/nvidiaN``."""
+    uuid = dev.gpu.nvidia_uuid if dev.gpu else None
+    node = f"/dev/nvidia{dev.gpu.nvidia_minor}" if dev.gpu and dev.gpu.nvidia_minor is not None else None
+    by_node = None
+    for spec in specs:
+        for d in spec.get("devices") or []:
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+                continue
+            if uuid and d["name"] == uuid:
+                return uuid
+            nodes = ((d.get("containerEdits") or {}).get("deviceNodes") or []) if isinstance(d.get("containerEdits"), dict) else []
+            if by_node is None and node and any(isinstance(n, dict) and n.get("path") == node for n in nodes):
+                by_node = d["name"]
+    return by_node

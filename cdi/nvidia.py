@@ -1,0 +1,52 @@
+"""What an NVIDIA GPU's CDI spec adds so a container can run CUDA: the host's user-space driver.
+
+Applied once per claim (spec-level edits), whatever number of NVIDIA devices it holds:
+- the compute libraries of the kernel module's version, each mounted read-only under
+  ``/usr/local/nvidia/lib64`` by its versioned name and by the names programs load it by
+  (``libcuda.so.1``, ``libcuda.so``), so no symlink has to be made inside the container;
+- the loader finds them through NVIDIA's ``nvidia-cdi-hook update-ldcache`` when the host has
+  that hook; otherwise through ``LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64``,
+  the value NVIDIA's CUDA images already set (an image that sets its own is overridden: use the
+  hook there, or NVIDIA's own CDI spec, docs/nvidia.md);
+- ``nvidia-smi`` and the other tools at ``/usr/bin``, GSP firmware at ``/lib/firmware/nvidia/<ver>``,
+  the persistenced and fabricmanager sockets at their own paths, ``/dev/nvidia-modeset``.
+Every ``hostPath`` is the host's path: the runtime opens them, not the agent.
+"""
+
+from __future__ import annotations
+
+import os
+
+from discovery.nvidia_driver import DriverFiles
+
+LIB_DIR = "/usr/local/nvidia/lib64"
+LD_LIBRARY_PATH = "LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+BIN_DIR = "/usr/bin"
+_RO = ["ro", "nosuid", "nodev", "bind"]
+
+
+def driver_edits(files: DriverFiles, host_root: str = "/") -> dict:
+    """The containerEdits for ``files`` (which must have no ``errors``). ``host_root``: the host's
+    ``/`` as the runtime sees it (a fixture tree in tests)."""
+    if files.errors:
+        raise ValueError("; ".join(files.errors))
+
+    def _mount(host_path: str, container_path: str, options: list[str] = _RO) -> dict:
+        return {"hostPath": os.path.join(host_root, host_path.lstrip("/")), "containerPath": container_path,
+                "options": list(options)}
+
+    mounts = [_mount(lib.host_path, f"{LIB_DIR}/{name}") for lib in files.libraries for name in (lib.name, *lib.links)]
+    mounts += [_mount(path, f"{BIN_DIR}/{os.path.basename(path)}") for path in files.binaries]
+    mounts += [_mount(path, f"/lib/firmware/nvidia/{files.version}/{os.path.basename(path)}", _RO + ["noexec"])
+               for path in files.firmware]
+    mounts += [_mount(path, path, _RO + ["noexec"]) for path in files.sockets]
+    edits: dict = {"mounts": mounts}
+    if files.ldcache_hook:
+        edits["hooks"] = [{"hookName": "createContainer", "path": os.path.join(host_root, files.ldcache_hook.lstrip("/")),
+                           "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIB_DIR]}]
+    else:
+        edits["env"] = [LD_LIBRARY_PATH]
+    if files.modeset is not None:
+        m = files.modeset
+        edits["deviceNodes"] = [{"path": m.path, "type": "c", "major": m.major, "minor": m.minor}]
+    return edits

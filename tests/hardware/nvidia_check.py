@@ -1,0 +1,260 @@
+"""The real-GPU check (issue 38): what sysdra publishes for a real NVIDIA GPU, and a CUDA program
+that runs from the claim's CDI spec alone. Not a test CI runs: a developer with a GPU machine runs
+it once, as root, from the repository root (docs/nvidia.md, "Checked on a real GPU"):
+
+    python3 -m tests.hardware.nvidia_check --driver-root /usr/local/nvidia --out DIR
+
+Steps (each logged to DIR/check.log with its result; the files named below land in DIR):
+1. ``sysdra scan`` (table, ``-o json`` -> scan.json, ``-o slices --share gpu`` -> slices.json)
+   and what NVML says of the same GPU (nvml.json), side by side.
+2. ``sysdra run`` offline on ``/`` (its own kubelet, CDI and cluster dirs in a temp dir), a claim for
+   the first NVIDIA GPU prepared over the kubelet's gRPC protocol; the CDI spec -> spec.json.
+3. A plain rootfs holding glibc and the CUDA program (``cuda_check.cu``, PTX only, so the driver
+   JIT-compiles it); the spec's edits applied by ``cdirun.py`` in new namespaces; the program
+   launches a kernel and checks its result. Then the same rootfs with the spec's device nodes but
+   without its driver mounts, which must fail: the spec is what made CUDA work.
+4. Unprepare, the spec gone, the agent stopped.
+Leaves the GPU's settings alone; stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+NODE, DRIVER = "gpu-check", "sysdra.io"
+GLIBC = ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1")
+
+
+class Log:
+    def __init__(self, out: str):
+        self.path = os.path.join(out, "check.log")
+        self.failures: list[str] = []
+
+    def __call__(self, text: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {text}"
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    def check(self, ok: bool, what: str) -> bool:
+        self(("PASS " if ok else "FAIL ") + what)
+        if not ok:
+            self.failures.append(what)
+        return ok
+
+
+def sysdra(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def write(out: str, name: str, data) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        f.write(data if isinstance(data, str) else json.dumps(data, indent=2))
+
+
+def nvml_facts() -> list[dict]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out.append({
+                "pciBusId": pynvml.nvmlDeviceGetPciInfo(h).busId, "name": pynvml.nvmlDeviceGetName(h),
+                "uuid": pynvml.nvmlDeviceGetUUID(h), "memoryTotal": pynvml.nvmlDeviceGetMemoryInfo(h).total,
+                "architecture": pynvml.nvmlDeviceGetArchitecture(h), "brand": pynvml.nvmlDeviceGetBrand(h),
+                "cudaComputeCapability": list(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
+                "driverVersion": pynvml.nvmlSystemGetDriverVersion(),
+                "cudaDriverVersion": pynvml.nvmlSystemGetCudaDriverVersion_v2(),
+            })
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def step_scan(log: Log, out: str, driver_root: str) -> dict | None:
+    flags = ["--nvidia-driver-root", driver_root]
+    table = sysdra("scan", *flags)
+    log(f"sysdra scan (exit {table.returncode}):\n{table.stdout}{table.stderr[-2000:]}")
+    res = sysdra("scan", "-o", "json", *flags)
+    inv = json.loads(res.stdout)
+    gpus = [d for d in inv["devices"] if d["kind"] == "gpu" and d["name"].startswith("gpu-")]
+    write(out, "scan.json", {"gpus": gpus, "problems": inv.get("problems")})
+    slices = sysdra("scan", "-o", "slices", "--share", "gpu", *flags)
+    write(out, "slices.json", slices.stdout)
+    facts = nvml_facts()
+    write(out, "nvml.json", facts)
+    if not log.check(bool(gpus), f"scan found {len(gpus)} GPU(s)"):
+        return None
+    gpu, nv = gpus[0], facts[0]
+    attrs = {k: next(iter(v.values())) for k, v in gpu.get("attributes", {}).items()}
+    log(f"published {gpu['name']}: " + json.dumps({k: attrs.get(k) for k in (
+        "productName", "brand", "architecture", "cudaComputeCapability", "driverVersion", "cudaDriverVersion",
+        "uuid")}) + f" capacity {gpu.get('capacity')}")
+    log(f"NVML: {json.dumps(nv)}")
+    log.check(attrs.get("productName") == nv["name"], "productName equals NVML's name")
+    log.check(attrs.get("uuid") == nv["uuid"], "uuid equals NVML's")
+    log.check(gpu.get("capacity", {}).get("memory", {}).get("value") is not None, "memory capacity published")
+    log.check(attrs.get("cudaComputeCapability") == "{}.{}.0".format(*nv["cudaComputeCapability"]),
+              "cudaComputeCapability equals NVML's")
+    shared = json.loads(slices.stdout)["items"] if slices.returncode == 0 else []
+    caps = [d.get("capacity", {}) for s in shared for d in s["spec"].get("devices", []) if d["name"] == gpu["name"]]
+    log(f"--share gpu capacity: {json.dumps(caps)}")
+    log.check(bool(caps) and "memory" in caps[0] and "compute" in caps[0], "--share gpu offers memory and compute")
+    return gpu
+
+
+def start_agent(tmp: str, driver_root: str) -> subprocess.Popen:
+    args = ["run", "--root", "/", "--node-name", NODE, "--cluster", f"dir:{tmp}/cluster",
+            "--kubelet-dir", f"{tmp}/kubelet", "--cdi-dir", f"{tmp}/cdi", "--metrics-address", "",
+            "--nvidia-driver-root", driver_root, "--share", "gpu"]
+    log_file = open(os.path.join(tmp, "agent.log"), "w")
+    return subprocess.Popen([sys.executable, "-m", "agent", *args], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, SYSDRA_CONFIG="/dev/null"), start_new_session=True)
+
+
+def wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    return None
+
+
+def store_claim(tmp: str, gpu: str, share: dict | None) -> dict:
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": gpu}
+    if share:
+        result.update({"shareID": str(uuid.uuid4()), "consumedCapacity": share})
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": "cuda", "namespace": "check", "uid": str(uuid.uuid4())},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}},
+             "status": {"allocation": {"devices": {"results": [result]}}}}
+    d = os.path.join(tmp, "cluster", "resourceclaims", "check")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "cuda.json"), "w") as f:
+        json.dump(claim, f)
+    return claim
+
+
+def build_rootfs(tmp: str, program: str) -> str:
+    """A rootfs holding the program and the glibc it links: nothing of the NVIDIA driver."""
+    rootfs = os.path.join(tmp, "rootfs")
+    for d in ("dev", "proc", "sys", "tmp", "usr/bin"):
+        os.makedirs(os.path.join(rootfs, d), exist_ok=True)
+    shutil.copy(program, os.path.join(rootfs, "usr/bin/cuda_check"))
+    ldd = subprocess.run(["ldd", program], capture_output=True, text=True, check=True).stdout
+    paths = [next((p for p in line.split() if p.startswith("/")), None) for line in ldd.splitlines()]
+    libc = next(p for p in paths if p and os.path.basename(p) == "libc.so.6")
+    # the rest of glibc, which any image has and libcuda links (libdl, libpthread, librt)
+    paths += [os.path.join(os.path.dirname(libc), n) for n in GLIBC]
+    for path in paths:
+        if path and os.path.exists(path):
+            dest = os.path.join(rootfs, path.lstrip("/"))
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copy(os.path.realpath(path), dest)
+    return rootfs
+
+
+def run_in_spec(spec_path: str, device: str, rootfs: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(HERE, "cdirun.py"), "--spec", spec_path, "--device", device,
+                           "--rootfs", rootfs, "--", "/usr/bin/cuda_check"], capture_output=True, text=True, timeout=180)
+
+
+async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str) -> None:
+    from agent.kubeletplugin.kubelet_client import KubeletClient
+
+    kubelet = KubeletClient(os.path.join(tmp, "kubelet", "plugins_registry"))
+    await kubelet.register()
+    claim = store_claim(tmp, gpu["name"], {"memory": "20Gi", "compute": "30"})
+    started = time.monotonic()
+    result = (await kubelet.prepare(claim)).claims[claim["metadata"]["uid"]]
+    log(f"NodePrepareResources: {(time.monotonic() - started) * 1000:.1f} ms, error {result.error!r}")
+    if not log.check(not result.error, "the claim for the GPU prepared"):
+        return
+    from agent.prepare.cdifiles import claim_spec_path
+
+    ids = [i for d in result.devices for i in d.cdi_device_ids if i.startswith(f"k8s.{DRIVER}/claim=")]
+    spec_path = claim_spec_path(os.path.join(tmp, "cdi"), DRIVER, claim["metadata"]["uid"])
+    with open(spec_path) as f:
+        spec = json.load(f)
+    write(out, "spec.json", spec)
+    mounts = [m["containerPath"] for m in spec.get("containerEdits", {}).get("mounts", [])]
+    log(f"CDI {ids}: {len(mounts)} driver mounts, spec env {spec['containerEdits'].get('env')}")
+    device = ids[0].split("=", 1)[1]
+    rootfs = build_rootfs(tmp, program)
+    run = run_in_spec(spec_path, device, rootfs)
+    log(f"cuda_check from the spec (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}")
+    log.check(run.returncode == 0 and "OK kernel ran" in run.stdout, "a CUDA kernel ran from the claim's CDI spec alone")
+    bare = dict(spec, containerEdits={k: v for k, v in spec["containerEdits"].items() if k not in ("mounts", "hooks")})
+    bare_path = os.path.join(tmp, "bare-spec.json")
+    with open(bare_path, "w") as f:
+        json.dump(bare, f)
+    run = run_in_spec(bare_path, device, build_rootfs(os.path.join(tmp, "bare"), program))
+    log(f"cuda_check with the device nodes only (exit {run.returncode}):\n{run.stdout}{run.stderr[-1000:]}")
+    log.check(run.returncode != 0, "without the spec's driver mounts the same program fails")
+    resp = await kubelet.unprepare(claim)
+    log(f"NodeUnprepareResources: {resp}")
+    log.check(not os.path.exists(spec_path), "the claim's CDI spec is gone after unprepare")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--driver-root", default="/")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    log = Log(args.out)
+    log(f"sysdra real-GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, driver root {args.driver_root}")
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv"],
+                         capture_output=True, text=True)
+    log(f"nvidia-smi: {smi.stdout.strip()}")
+    try:
+        gpu = step_scan(log, args.out, args.driver_root)
+    except Exception as err:  # noqa: BLE001 - the later steps still run and report
+        log.check(False, f"scan step: {type(err).__name__}: {err}")
+        gpu = None
+    tmp = tempfile.mkdtemp(prefix="sysdra-gpu-")
+    program = os.path.join(tmp, "cuda_check")
+    build = subprocess.run(["nvcc", "-O2", "-gencode", "arch=compute_90,code=compute_90", "-o", program,
+                            os.path.join(HERE, "cuda_check.cu")], capture_output=True, text=True)
+    log.check(build.returncode == 0, f"nvcc built cuda_check (PTX only) {build.stderr[-500:]}")
+    agent = start_agent(tmp, args.driver_root)
+    try:
+        sock = wait_for(lambda: glob.glob(os.path.join(tmp, "kubelet", "plugins_registry", "*.sock")))
+        if log.check(bool(sock), "the agent registered its socket") and gpu and build.returncode == 0:
+            try:
+                asyncio.run(step_prepare(log, args.out, tmp, gpu, program))
+            except Exception as err:  # noqa: BLE001
+                log.check(False, f"prepare step: {type(err).__name__}: {err}")
+    finally:
+        os.killpg(agent.pid, signal.SIGTERM)
+        code = agent.wait(timeout=30)
+        with open(os.path.join(tmp, "agent.log")) as f:
+            agent_log = f.read()
+        write(args.out, "agent.log", agent_log[-200_000:])
+        log.check("NVML XID/ECC events watched on" in agent_log, "the agent watches the GPU's XID/ECC events")
+        log.check(code == 0, f"the agent stopped cleanly (exit {code})")
+        subprocess.run(["umount", "-R", os.path.join(tmp, "rootfs")], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"done: {len(log.failures)} failure(s) {log.failures}")
+    return 1 if log.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""A simulated NVML (the ``pynvml`` module's functions discovery calls), built from what NVML
+answered on a real H200 host (../shared/reference/nvidia-h200-facts.md). No NVIDIA driver can run
+here, so this stands in for ``libnvidia-ml``; the real-GPU check (tests/hardware) runs the real one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int = 3):  # NVML_ERROR_NOT_SUPPORTED
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+@dataclass
+class SimGpu:
+    bus_id: str = "0000:00:06.0"
+    name: str = "NVIDIA H200"
+    uuid: str = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70"
+    memory_total: int = 150_754_820_096
+    architecture: int = 9  # Hopper
+    compute_capability: tuple[int, int] = (9, 0)
+    brand: int = 14  # NVML_BRAND_NVIDIA
+    unsupported: set[str] = field(default_factory=set)  # queries answered NOT_SUPPORTED
+
+
+@dataclass
+class _Memory:
+    total: int
+    free: int
+    used: int = 0
+
+
+class SimNvml:
+    """``pynvml`` as far as discovery uses it. ``hang``: an Event every handle lookup waits on
+    (a driver that stops answering)."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, gpus: list[SimGpu] | None = None, driver: str = "580.159.04", cuda: int = 13000):
+        self.gpus = {g.bus_id: g for g in (gpus if gpus is not None else [SimGpu()])}
+        self.driver, self.cuda = driver, cuda
+        self.initialised = False
+        self.hang: threading.Event | None = None
+        self.calls: list[str] = []
+
+    def nvmlInit(self):
+        self.initialised = True
+
+    def nvmlSystemGetDriverVersion(self):
+        return self.driver
+
+    def nvmlSystemGetCudaDriverVersion_v2(self):
+        return self.cuda
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str):
+        self.calls.append(bus_id)
+        if self.hang is not None:
+            self.hang.wait()
+        gpu = self.gpus.get(bus_id.lower().replace("00000000:", "0000:"))
+        if gpu is None:
+            raise NVMLError(13)  # NVML_ERROR_NOT_FOUND
+        return gpu
+
+    def _answer(self, gpu: SimGpu, what: str, value):
+        if what in gpu.unsupported:
+            raise NVMLError()
+        return value
+
+    def nvmlDeviceGetName(self, h):
+        return self._answer(h, "name", h.name)
+
+    def nvmlDeviceGetUUID(self, h):
+        return self._answer(h, "uuid", h.uuid)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return self._answer(h, "memory", _Memory(h.memory_total, h.memory_total))
+
+    def nvmlDeviceGetArchitecture(self, h):
+        return self._answer(h, "architecture", h.architecture)
+
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        return self._answer(h, "cc", h.compute_capability)
+
+    def nvmlDeviceGetBrand(self, h):
+        return self._answer(h, "brand", h.brand)
+
+
+def open_sim(root: str, sim: SimNvml, driver_root: str = "/usr/local/nvidia", timeout: float = 5.0):
+    """discovery.nvml.Nvml over ``sim``, found and 'loaded' from the fixture's driver root."""
+    from discovery.nvml import Nvml
+
+    return Nvml.open(root, driver_root, timeout=timeout, pynvml=sim, load=lambda path: None)
+
+
+class _Handle:
+    def __init__(self, gpu: SimGpu):
+        self.gpu = gpu
+
+
+@dataclass
+class _PciInfo:
+    busId: str
+
+
+@dataclass
+class SimEvent:
+    device: object
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+class SimNvmlEvents(SimNvml):
+    """With NVML's event API: ``emit(bus_id, type, data)`` delivers an event to the waiting set;
+    a wait with nothing to deliver ends in NVML_ERROR_TIMEOUT, as the real one does."""
+
+    NVML_ERROR_TIMEOUT = 10
+    nvmlEventTypeSingleBitEccError, nvmlEventTypeDoubleBitEccError, nvmlEventTypeXidCriticalError = 0x1, 0x2, 0x8
+
+    def __init__(self, *args, refuse: set[str] = frozenset(), **kw):
+        super().__init__(*args, **kw)
+        import queue
+
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.refuse = refuse  # bus IDs whose registration NVML refuses
+        self.registered: list[tuple[str, int]] = []
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int):
+        return _Handle(list(self.gpus.values())[i])
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return _PciInfo("0000" + h.gpu.bus_id.upper())  # NVML's 8-digit domain
+
+    def nvmlEventSetCreate(self):
+        return object()
+
+    def nvmlDeviceRegisterEvents(self, h, mask: int, event_set):
+        if h.gpu.bus_id in self.refuse:
+            raise NVMLError()
+        self.registered.append((h.gpu.bus_id, mask))
+
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms: int):
+        import queue
+
+        try:
+            return self.queue.get(timeout=timeout_ms / 1000)
+        except queue.Empty:
+            raise NVMLError(self.NVML_ERROR_TIMEOUT) from None
+
+    def emit(self, bus_id: str, event_type: int, data: int = 0) -> None:
+        self.queue.put(SimEvent(_Handle(self.gpus[bus_id]), event_type, data))

@@ -1,0 +1,194 @@
+"""The NVIDIA user-space driver in a claim's CDI spec (discovery/nvidia_driver.py, cdi/nvidia.py,
+agent/prepare/nvidia.py): fixture driver roots -> the exact spec; a version mismatch or no libcuda
+fails the claim, marks the GPU unhealthy and is a doctor failure; NVIDIA's own CDI spec on request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+
+import pytest
+
+from agent.health.checks import UNHEALTHY, Memory, check
+from agent.prepare.driver import Driver
+from agent.tools.doctor import check_nvidia_driver
+from discovery.inventory import scan
+from discovery.nvidia_driver import DriverFilesCache, find_driver_files, resolve
+from discovery.sysfs import HostFS
+from tests.conftest import profile_root
+from tests.kubelet_standin import settings_for
+
+VER = "580.159.04"
+LIBS = ["libcuda", "libnvidia-ptxjitcompiler", "libnvidia-ml", "libnvidia-nvvm", "libcudadebugger"]
+NAMES = {"libcuda": ["libcuda.so.1", "libcuda.so"], "libnvidia-ptxjitcompiler": ["libnvidia-ptxjitcompiler.so.1"],
+         "libnvidia-ml": ["libnvidia-ml.so.1"], "libnvidia-nvvm": ["libnvidia-nvvm.so.4"],
+         "libcudadebugger": ["libcudadebugger.so.1"]}
+TOOLS = ["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
+
+
+def copy_profile(tmp_path, profile: str) -> str:
+    root = str(tmp_path / profile)
+    shutil.copytree(profile_root(profile), root, symlinks=True)
+    return root
+
+
+def expected_mounts(lib_dir: str, bin_dir: str, fw_dir: str, prefix: str = "") -> list[dict]:
+    ro = ["ro", "nosuid", "nodev", "bind"]
+    out = [{"hostPath": f"{prefix}{lib_dir}/{lib}.so.{VER}", "containerPath": f"/usr/local/nvidia/lib64/{name}", "options": ro}
+           for lib in LIBS for name in [f"{lib}.so.{VER}", *NAMES[lib]]]
+    out += [{"hostPath": f"{prefix}{bin_dir}/{t}", "containerPath": f"/usr/bin/{t}", "options": ro} for t in TOOLS]
+    out += [{"hostPath": f"{prefix}{fw_dir}/{VER}/{fw}", "containerPath": f"/lib/firmware/nvidia/{VER}/{fw}",
+             "options": ro + ["noexec"]} for fw in ("gsp_ga10x.bin", "gsp_tu10x.bin")]
+    return out
+
+
+def prepare_gpu(tmp_path, root: str, gpu: str, **settings) -> tuple[object, dict | None, object]:
+    s = settings_for(str(tmp_path / "agent"), root=root, node_name="node-a").replace(**settings)
+    inv = scan(root)
+    d = Driver(s, lambda: inv)
+    uid = "0f0e0d0c-0b0a-4908-8706-050403020100"
+    c = {"metadata": {"namespace": "ns", "name": "cuda", "uid": uid},
+         "status": {"allocation": {"devices": {"results": [
+             {"request": "gpu", "driver": "sysdra.io", "pool": "node-a", "device": gpu}]}}}}
+    res = d.prepare_claims([c])[uid]
+    spec = (d.checkpoint.claims.get(uid) or {}).get("cdiSpec")
+    return res, spec["spec"] if spec else None, d
+
+
+def test_a_distribution_layout_gives_the_exact_spec(tmp_path):
+    res, spec, _ = prepare_gpu(tmp_path, profile_root("server-2s-gpu-nic"), "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    edits = spec["containerEdits"]
+    assert edits["mounts"] == expected_mounts("/usr/lib/x86_64-linux-gnu", "/usr/bin", "/lib/firmware/nvidia")
+    assert "LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64" in edits["env"]
+    assert "hooks" not in edits and "deviceNodes" not in edits  # no hook, no nvidia-modeset on this node
+    nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
+    assert [n["path"] for n in nodes] == ["/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def test_the_usr_local_nvidia_layout_of_the_h200_host(tmp_path):
+    root = profile_root("h200-vm")
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-00-06-0", nvidia_driver_root="/usr/local/nvidia")
+    assert res.error is None, res.error
+    assert spec["containerEdits"]["mounts"] == expected_mounts(
+        "/usr/local/nvidia/lib64", "/usr/local/nvidia/bin", "/usr/local/nvidia/firmware/nvidia")
+    # the same files where a runtime sees the tree itself (tests, demos)
+    res, spec, _ = prepare_gpu(tmp_path / "2", root, "gpu-0000-00-06-0", nvidia_driver_root="/usr/local/nvidia",
+                               cdi_host_root=root)
+    assert spec["containerEdits"]["mounts"] == expected_mounts(
+        "/usr/local/nvidia/lib64", "/usr/local/nvidia/bin", "/usr/local/nvidia/firmware/nvidia", prefix=root)
+    for m in spec["containerEdits"]["mounts"]:
+        assert os.path.isfile(m["hostPath"]), m
+
+
+def test_the_wrong_driver_root_fails_the_claim_with_how_to_fix_it(tmp_path):
+    res, spec, _ = prepare_gpu(tmp_path, profile_root("h200-vm"), "gpu-0000-00-06-0")  # driver root /
+    assert spec is None and "has no libcuda.so.580.159.04" in res.error and "nvidia-driver-root" in res.error
+
+
+def _mismatched(tmp_path) -> str:
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    with open(os.path.join(root, "sys/module/nvidia/version"), "w") as f:
+        f.write("590.48.01\n")
+    return root
+
+
+def test_a_version_mismatch_fails_the_claim_marks_the_gpu_and_fails_doctor(tmp_path):
+    root = _mismatched(tmp_path)
+    res, spec, d = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert spec is None
+    assert res.error == ("NVIDIA user-space driver: driver root / has libcuda 580.159.04, the kernel module is "
+                         "590.48.01: the user-space driver does not match the running driver")
+    dev = scan(root).by_name()["gpu-0000-18-00-0"]
+    verdict = check(HostFS(root), dev, Memory(), nvidia_files=DriverFilesCache(root).get)
+    assert verdict.health == UNHEALTHY and verdict.reason == "nvidia-userspace-driver" and "590.48.01" in verdict.message
+    found = check_nvidia_driver(root, "/")
+    assert found[0].level == "fail" and "does not match" in found[0].message and "ok" not in [f.level for f in found]
+
+
+def test_a_good_driver_is_a_positive_health_signal_and_doctor_ok(tmp_path):
+    root = profile_root("server-2s-gpu-nic")
+    dev = scan(root).by_name()["gpu-0000-18-00-0"]
+    verdict = check(HostFS(root), dev, Memory(), nvidia_files=DriverFilesCache(root).get)
+    assert "NVIDIA user-space driver 580.159.04 matches" in verdict.message
+    assert [f.level for f in check_nvidia_driver(root, "/")] == ["ok"]
+
+
+def test_a_missing_ptxjitcompiler_is_a_warning_and_left_out(tmp_path, caplog):
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    lib = os.path.join(root, "usr/lib/x86_64-linux-gnu")
+    for name in os.listdir(lib):
+        if name.startswith("libnvidia-ptxjitcompiler"):
+            os.remove(os.path.join(lib, name))
+    caplog.set_level(logging.WARNING)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None
+    assert not any("ptxjit" in m["containerPath"] for m in spec["containerEdits"]["mounts"])
+    assert "has no libnvidia-ptxjitcompiler.so.580.159.04" in caplog.text
+    assert [f.level for f in check_nvidia_driver(root, "/")] == ["warn", "ok"]
+
+
+def test_links_are_followed_as_the_host_would_and_stay_host_paths(tmp_path):
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    lib = os.path.join(root, "usr/lib/x86_64-linux-gnu")
+    os.makedirs(os.path.join(root, "opt/nvidia"))
+    os.rename(os.path.join(lib, f"libcuda.so.{VER}"), os.path.join(root, f"opt/nvidia/libcuda.so.{VER}"))
+    os.symlink(f"/opt/nvidia/libcuda.so.{VER}", os.path.join(lib, f"libcuda.so.{VER}"))  # absolute: the host's /
+    assert resolve(root, "/usr/lib/x86_64-linux-gnu/libcuda.so.1") == f"/opt/nvidia/libcuda.so.{VER}"
+    files = find_driver_files(root)
+    assert files.libraries[0].host_path == f"/opt/nvidia/libcuda.so.{VER}"
+    os.symlink("loop", os.path.join(root, "loop"))
+    assert resolve(root, "/loop") is None and resolve(root, "/../../usr/../usr/bin/nvidia-smi") == "/usr/bin/nvidia-smi"
+
+
+@pytest.mark.root
+def test_sockets_modeset_and_the_ldcache_hook(tmp_path):
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    for d in ("run/nvidia-persistenced", "run/nvidia-fabricmanager"):
+        os.makedirs(os.path.join(root, d))
+        here = os.getcwd()
+        os.chdir(os.path.join(root, d))  # a unix socket path has at most 107 bytes
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind("socket")
+        finally:
+            os.chdir(here)
+    os.mknod(os.path.join(root, "dev/nvidia-modeset"), stat.S_IFCHR | 0o666, os.makedev(195, 254))
+    with open(os.path.join(root, "usr/bin/nvidia-cdi-hook"), "w") as f:
+        f.write("fixture")
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    edits = spec["containerEdits"]
+    sockets = [m for m in edits["mounts"] if m["containerPath"].endswith("/socket")]
+    assert [m["hostPath"] for m in sockets] == ["/run/nvidia-persistenced/socket", "/run/nvidia-fabricmanager/socket"]
+    assert edits["deviceNodes"] == [{"path": "/dev/nvidia-modeset", "type": "c", "major": 195, "minor": 254}]
+    assert edits["hooks"] == [{"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+                               "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/local/nvidia/lib64"]}]
+    assert not any(e.startswith("LD_LIBRARY_PATH=") for e in edits["env"])
+
+
+def test_a_vfio_bound_or_amd_gpu_gets_no_driver(tmp_path):
+    res, spec, _ = prepare_gpu(tmp_path, profile_root("mi300x-partitions"), "gpu-0000-05-00-0")
+    assert res.error is None and "mounts" not in spec["containerEdits"]
+
+
+def test_nvidias_own_cdi_spec_on_request(tmp_path):
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    os.makedirs(os.path.join(root, "etc/cdi"))
+    uuid = scan(root).by_name()["gpu-0000-18-00-0"].gpu.nvidia_uuid
+    nvidia_spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [
+        {"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}},
+        {"name": uuid, "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia2"}]}}],
+        "containerEdits": {"mounts": [{"hostPath": "/usr/lib/libcuda.so.1", "containerPath": "/usr/lib/libcuda.so.1"}]}}
+    with open(os.path.join(root, "etc/cdi/nvidia.json"), "w") as f:
+        json.dump(nvidia_spec, f)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0", nvidia_cdi_spec=True)
+    assert res.error is None
+    (dev,) = res.devices
+    assert dev.cdi_ids[1] == f"nvidia.com/gpu={uuid}" and dev.cdi_ids[0].startswith("k8s.sysdra.io/claim=")
+    assert "mounts" not in spec["containerEdits"]
+    res, _, _ = prepare_gpu(tmp_path / "b", root, "gpu-0000-19-00-0", nvidia_cdi_spec=True)
+    assert "no nvidia.com/gpu device for GPU" in res.error and "nvidia-ctk cdi generate" in res.error

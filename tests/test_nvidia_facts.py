@@ -1,0 +1,158 @@
+"""NVIDIA GPU facts (discovery/nvidia.py, discovery/nvml.py): NVML's answers on a simulated NVML
+built from the real H200's, the PCI ID table without NVML, nothing for a GPU in neither; the
+published attributes pass the real kube-apiserver, and a shared H200's memory is allocatable by
+the upstream allocator."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from agent.publish.sharing import share_plan
+from agent.publish.slices import build_pool, render
+from discovery.inventory import scan
+from discovery.nvidia import GPU_TABLE, cuda_version, semver
+from tests.conftest import profile_root
+from tests.controlplane import Unschedulable, allocate, unique
+from tests.simnvml import SimGpu, SimNvml, open_sim
+from tests.test_allocator import CLASSES, NODE, claim, exactly
+
+H200 = "gpu-0000-00-06-0"
+DRIVER = "sysdra.io"
+
+
+def _gpu(inv, name: str = H200):
+    return inv.by_name()[name]
+
+
+def _attrs(dev) -> dict:
+    return {k: next(iter(v.to_api().values())) for k, v in dev.attributes.items()}
+
+
+def test_nvml_answers_are_published():
+    sim = SimNvml()
+    root = profile_root("h200-vm")
+    gpu = _gpu(scan(root, nvml=open_sim(root, sim)))
+    a = _attrs(gpu)
+    assert (a["productName"], a["brand"], a["architecture"]) == ("NVIDIA H200", "Nvidia", "Hopper")
+    assert (a["cudaComputeCapability"], a["driverVersion"], a["cudaDriverVersion"]) == ("9.0.0", "580.159.4", "13.0.0")
+    assert gpu.capacity == {"memory": "143771Mi"}  # NVML's 150,754,820,096 bytes
+    assert gpu.gpu.nvidia.source == "nvml" and sim.calls == ["0000:00:06.0"]
+
+
+def test_without_nvml_the_table_and_the_kernel_module_answer():
+    gpu = _gpu(scan(profile_root("h200-vm")))  # no libnvidia-ml under driver root /
+    a = _attrs(gpu)
+    assert (a["architecture"], a["cudaComputeCapability"], a["driverVersion"]) == ("Hopper", "9.0.0", "580.159.4")
+    assert "productName" not in a and "brand" not in a and "cudaDriverVersion" not in a  # NVML only: never guessed
+    assert gpu.capacity == {"memory": "141G"}  # the datasheet's 141 GB
+    assert gpu.gpu.nvidia.source == "table"
+
+
+def test_a_gpu_in_neither_gets_no_memory_and_shares_offer_none(caplog):
+    root = profile_root("vm-numa-none")  # a Tesla P100 (10de:15f8): not in the table
+    gpu = _gpu(scan(root), "gpu-0000-06-00-0")
+    assert "memory" not in gpu.capacity and "architecture" not in gpu.attributes
+    assert _attrs(gpu)["driverVersion"] == "580.159.4"
+    caplog.set_level(logging.WARNING, logger="agent.publish.sharing")
+    pool = build_pool(scan(root), node_name=NODE, driver_name=DRIVER, share=share_plan(("gpu",), None))
+    (entry,) = [d for s in render(pool, driver_name=DRIVER, node_name=NODE, generation=1) for d in s["spec"]["devices"]
+                if d["name"] == "gpu-0000-06-00-0"]
+    assert set(entry["capacity"]) == {"compute"}
+    assert "gpu-0000-06-00-0 has no known memory" in caplog.text
+
+
+def test_an_unsupported_query_leaves_the_table_to_answer():
+    sim = SimNvml([SimGpu(unsupported={"memory", "architecture"})])
+    root = profile_root("h200-vm")
+    gpu = _gpu(scan(root, nvml=open_sim(root, sim)))
+    assert gpu.capacity == {"memory": "141G"} and _attrs(gpu)["architecture"] == "Hopper"
+    assert _attrs(gpu)["productName"] == "NVIDIA H200"
+
+
+def test_nvml_answers_are_input():
+    sim = SimNvml([SimGpu(name="H200\x1b[31m", memory_total=-5, architecture=99, brand=True,
+                          compute_capability=(9, "x"))], driver="not a version", cuda=-1)
+    root = profile_root("h200-vm")
+    a = _attrs(_gpu(scan(root, nvml=open_sim(root, sim))))
+    assert "productName" not in a and "brand" not in a and "cudaDriverVersion" not in a
+    assert a["architecture"] == "Hopper" and a["cudaComputeCapability"] == "9.0.0"  # the table's
+    assert a["driverVersion"] == "580.159.4"  # the kernel module's
+
+
+def test_a_hung_nvml_is_given_up_and_never_asked_again(caplog):
+    sim = SimNvml()
+    sim.hang = threading.Event()
+    root = profile_root("h200-vm")
+    nvml = open_sim(root, sim, timeout=0.2)
+    try:
+        gpu = _gpu(scan(root, nvml=nvml))
+        assert gpu.gpu.nvidia.source == "table" and gpu.capacity == {"memory": "141G"}
+        assert nvml.failed and "timed out" in caplog.text
+        scan(root, nvml=nvml)
+        assert sim.calls == ["0000:00:06.0"]  # not asked again
+    finally:
+        sim.hang.set()
+
+
+def test_no_library_under_the_driver_root_means_no_nvml(caplog):
+    caplog.set_level(logging.INFO, logger="discovery.nvml")
+    assert open_sim(profile_root("h200-vm"), SimNvml(), driver_root="/") is None
+    assert "no libnvidia-ml.so.1" in caplog.text
+
+
+@pytest.mark.parametrize("text,want", [("580.159.04", "580.159.4"), ("550.54", "550.54.0"), ("9.0", "9.0.0"),
+                                       ("", None), ("v1", None), ("1.2.3.4", None), (None, None)])
+def test_semver(text, want):
+    assert semver(text) == want
+
+
+def test_cuda_version():
+    assert (cuda_version(13000), cuda_version(12040), cuda_version(0), cuda_version(True)) == ("13.0.0", "12.4.0", None, None)
+
+
+def test_every_table_row_has_a_source_and_a_valid_version():
+    for device_id, row in GPU_TABLE.items():
+        assert len(device_id) == 4 and int(device_id, 16) >= 0
+        assert row.source and row.memory_gb > 0 and semver(row.compute_capability)
+
+
+def test_nvidia_attributes_pass_the_real_apiserver(apiserver):
+    node = apiserver.create_node(unique("nvidia"))
+    root = profile_root("h200-vm")
+    inv = scan(root, nvml=open_sim(root, SimNvml()))
+    pool = build_pool(inv, node_name=node["metadata"]["name"], driver_name=DRIVER, share=share_plan(("gpu",), None))
+    assert not pool.rejected
+    for obj in render(pool, driver_name=DRIVER, node_name=node["metadata"]["name"], generation=1,
+                      node_uid=node["metadata"]["uid"]):
+        stored = apiserver.create(obj)
+        assert stored["spec"]["devices"] == obj["spec"]["devices"]
+    apiserver.delete("Node", node["metadata"]["name"])
+
+
+def _shared_h200(nvml) -> list[dict]:
+    root = profile_root("h200-vm")
+    inv = scan(root, list_attributes=True, nvml=nvml)
+    pool = build_pool(inv, node_name=NODE, driver_name=DRIVER, list_attributes=True, share=share_plan(("gpu",), None))
+    return render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
+
+
+@pytest.mark.parametrize("source", ["nvml", "table"])
+def test_a_claim_for_20gi_of_a_shared_h200_is_allocated(source):
+    root = profile_root("h200-vm")
+    slices = _shared_h200(open_sim(root, SimNvml()) if source == "nvml" else None)
+    c = claim("infer", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
+    (a,) = allocate(slices, CLASSES, c, node=NODE)
+    (result,) = a["devices"]["results"]
+    assert result["device"] == H200 and result["consumedCapacity"]["memory"] == "20Gi"
+
+
+def test_a_memory_request_cannot_land_on_a_gpu_whose_memory_is_unknown():
+    root = profile_root("vm-numa-none")
+    pool = build_pool(scan(root), node_name=NODE, driver_name=DRIVER, share=share_plan(("gpu",), None))
+    slices = render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
+    c = claim("infer", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, c, node=NODE)

@@ -1,0 +1,89 @@
+"""NVIDIA XID and ECC events (agent/health/xid.py) on a simulated NVML with NVML's event API: a
+critical XID or a double-bit ECC error makes the GPU unhealthy at once (and tainted with
+--taint-unhealthy); an application's XID and a corrected single-bit error do not."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+
+import pytest
+
+from agent.health.checks import HEALTHY, UNHEALTHY
+from agent.health.monitor import HealthMonitor
+from agent.health.xid import XidWatch, bus_id
+from discovery.inventory import scan
+from tests.conftest import profile_root
+from tests.kubelet_standin import settings_for
+from tests.simnvml import SimGpu, SimNvmlEvents, open_sim
+
+BDF, GPU = "0000:00:06.0", "gpu-0000-00-06-0"
+
+
+def test_bus_ids_as_the_kernel_names_them():
+    assert bus_id("00000000:00:06.0") == bus_id(b"0000:00:06.0") == BDF
+    assert bus_id("00000001:AF:00.0") == "0001:af:00.0" and bus_id("nonsense") is None and bus_id(None) is None
+
+
+def _watch(sim, ignored=(13, 31, 43, 45, 68, 109)):
+    faults: queue.SimpleQueue = queue.SimpleQueue()
+    nvml = open_sim(profile_root("h200-vm"), sim)
+    watch = XidWatch(nvml, lambda *f: faults.put(f), ignored=ignored, wait_ms=50)
+    return watch, faults
+
+
+def test_faults_are_reported_and_application_errors_ignored():
+    sim = SimNvmlEvents()
+    watch, faults = _watch(sim)
+    assert watch.start() and watch.registered == [BDF] and sim.registered == [(BDF, 0x8 | 0x2 | 0x1)]
+    try:
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 13)  # an application's page fault
+        sim.emit(BDF, sim.nvmlEventTypeSingleBitEccError)  # corrected
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)  # fell off the bus
+        sim.emit(BDF, sim.nvmlEventTypeDoubleBitEccError)
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+        assert faults.get(timeout=30) == (BDF, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error")
+        assert faults.empty() and watch.events == 4
+    finally:
+        watch.stop()
+
+
+def test_nothing_watched_when_nvml_refuses_every_gpu():
+    watch, _ = _watch(SimNvmlEvents([SimGpu()], refuse={BDF}))
+    assert not watch.start() and watch.registered == []
+
+
+async def _until(predicate, what: str, timeout: float = 30.0):
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("ignored", [(13, 31, 43, 45, 68, 109), (79,)])
+def test_a_critical_xid_makes_the_gpu_unhealthy_and_tainted(tmp_path, ignored):
+    root = profile_root("h200-vm")
+    s = settings_for(str(tmp_path), root=root, nvidia_driver_root="/usr/local/nvidia", taint_unhealthy=True,
+                     nvidia_ignored_xids=ignored)
+    inv = scan(root)
+    sim = SimNvmlEvents()
+
+    async def main():
+        monitor = HealthMonitor(s, lambda: inv)
+        await monitor.start()
+        try:
+            assert monitor.states[GPU].verdict.health == HEALTHY
+            assert await monitor.watch_gpu_events(nvml=open_sim(root, sim))
+            sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+            if 79 in ignored:  # the operator's list: XID 79 is then no fault; a later XID 48 is
+                sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 48)
+            await _until(lambda: monitor.states[GPU].verdict.health == UNHEALTHY, "the fault")
+            verdict = monitor.states[GPU].verdict
+            code = "xid-48" if 79 in ignored else "xid-79"
+            assert verdict.reason == code and "critical XID" in verdict.message
+            assert [t["value"] for t in monitor.taints()[GPU]] == [code]
+            await monitor.check_now()  # held: the next rounds keep it
+            assert monitor.states[GPU].verdict.reason == code
+        finally:
+            await monitor.stop()
+
+    asyncio.run(main())

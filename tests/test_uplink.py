@@ -1,0 +1,155 @@
+"""The host's uplink is never published (discovery/routes.py): the NICs of the lowest-metric
+default routes (IPv4, IPv6, ECMP and multipath), the chain below them (bond slaves, bridge ports,
+a VLAN's parent) and the VFs of an uplink PF; ``publish_uplink`` publishes them anyway. Default
+route changes are followed live over rtnetlink (agent/service/routewatch.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from agent.service.routewatch import RTM_DELROUTE, RTM_NEWROUTE, default_route_changed
+from discovery.inventory import IncrementalScanner, scan
+from discovery.routes import uplink
+from tests.conftest import REPO, profile_root
+
+PF0, PF1, ENO1 = "0000:06:00.0", "0000:06:00.1", "0000:3f:00.0"
+PF0_VFS = {f"0000:06:00.{i}" for i in range(2, 8)} | {"0000:06:01.0", "0000:06:01.1"}
+V4_HEADER = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT"
+
+
+def node(tmp_path, v4: list[tuple[str, int]] = (), v6: list[tuple[str, int]] = ()) -> str:
+    """sriov-nic with default routes: (interface, metric) per family, plus one non-default route."""
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("sriov-nic"), root, symlinks=True)
+    os.makedirs(os.path.join(root, "proc/net"))
+    lines = [V4_HEADER] + [f"{i}\t00000000\t0100A8C0\t0003\t0\t0\t{m}\t00000000\t0\t0\t0" for i, m in v4]
+    lines.append("eno1\t0000A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0")  # 192.168.0.0/24: not default
+    with open(os.path.join(root, "proc/net/route"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    six = [f"{'0' * 32} 00 {'0' * 32} 00 fe800000000000000000000000000001 {m:08x} 00000001 00000000 00000003 {i}"
+           for i, m in v6]
+    six.append(f"{'fd00' + '0' * 28} 40 {'0' * 32} 00 {'0' * 32} 00000100 00000001 00000000 00000001 enp6s0f1")
+    with open(os.path.join(root, "proc/net/ipv6_route"), "w") as f:
+        f.write("\n".join(six) + "\n")
+    return root
+
+
+def skipped(inv) -> dict[str, str]:
+    return {s.bdf: s.reason for s in inv.skipped}
+
+
+def names(inv) -> set[str]:
+    return {d.pci.bdf for d in inv.devices}
+
+
+def test_the_default_routes_nic_and_its_vfs_are_not_published(tmp_path):
+    root = node(tmp_path, v4=[("enp6s0f0", 100)])
+    inv = scan(root)
+    assert PF0 not in names(inv) and not PF0_VFS & names(inv)
+    assert skipped(inv)[PF0] == "the host's uplink: default route via enp6s0f0"
+    assert skipped(inv)["0000:06:00.2"] == f"the host's uplink: a VF of {PF0}, default route via enp6s0f0"
+    assert {PF1, ENO1} <= names(inv)
+    everything = scan(root, publish_uplink=True)
+    assert {PF0, *PF0_VFS} - {"0000:06:01.1"} <= names(everything)  # 06:01.1 is unbound: never offered
+
+
+def test_only_the_lowest_metric_counts_and_ties_are_all_uplinks(tmp_path):
+    inv = scan(node(tmp_path / "a", v4=[("eno1", 100), ("enp6s0f1", 600)]))
+    assert ENO1 not in names(inv) and PF1 in names(inv)
+    inv = scan(node(tmp_path / "b", v4=[("eno1", 100), ("enp6s0f1", 100)]))  # ECMP
+    assert not {ENO1, PF1} & names(inv)
+
+
+def test_ipv6_default_routes_and_multipath_next_hops(tmp_path):
+    root = node(tmp_path, v6=[("eno1", 1024), ("enp6s0f1", 1024), ("enp6s0f0", 2048)])
+    assert uplink(root).interfaces == ("eno1", "enp6s0f1")
+    assert not {ENO1, PF1} & names(scan(root)) and PF0 in names(scan(root))
+
+
+def _upper(root: str, name: str, lowers: list[str], bridge: bool = False) -> None:
+    """A virtual netdev (bond, bridge) in the tree, on top of ``lowers``."""
+    d = os.path.join(root, "sys/devices/virtual/net", name)
+    os.makedirs(d)
+    os.symlink(f"../../devices/virtual/net/{name}", os.path.join(root, "sys/class/net", name))
+    for lower in lowers:
+        if bridge:
+            os.makedirs(os.path.join(d, "brif"), exist_ok=True)
+            os.symlink(f"../../../../class/net/{lower}/brport", os.path.join(d, "brif", lower))
+        else:
+            os.symlink(f"../../../../class/net/{lower}", os.path.join(d, f"lower_{lower}"))
+
+
+def test_the_chain_below_a_bond_and_a_bridge(tmp_path):
+    root = node(tmp_path, v4=[("br0", 0)])
+    _upper(root, "bond0", ["eno1", "enp6s0f1"])
+    _upper(root, "br0", ["bond0"], bridge=True)
+    up = uplink(root)
+    assert up.functions[ENO1] == "default route via br0 (eno1)" and up.functions[PF1] == "default route via br0 (enp6s0f1)"
+    assert not {ENO1, PF1} & names(scan(root)) and PF0 in names(scan(root))
+
+
+def test_incremental_scans_keep_a_new_vf_of_the_uplink_out(tmp_path):
+    root = node(tmp_path, v4=[("enp6s0f0", 0)])
+    sc = IncrementalScanner(root)
+    sc.full()
+    inv = sc.update({"0000:06:00.3"})
+    assert "0000:06:00.3" in skipped(inv) and PF0 in skipped(inv)
+
+
+def test_a_vfio_claim_of_the_uplink_is_refused_with_the_reason(tmp_path):
+    from agent.prepare.vfio import host_own
+    from agent.prepare.vfio_kernel import PciKernel
+
+    root = node(tmp_path, v4=[("enp6s0f0", 0)])
+    assert host_own(root, PciKernel(root), "0000:06:00.4") == f"it is the host's uplink (a VF of {PF0}, default route via enp6s0f0)"
+
+
+def _route_msg(mtype: int, dst_len: int) -> bytes:
+    body = struct.pack("=BBBBBBBBI", 2, dst_len, 0, 0, 254, 3, 0, 1, 0)
+    return struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
+
+
+def test_route_messages_of_default_routes_only():
+    assert default_route_changed(_route_msg(RTM_NEWROUTE, 0)) and default_route_changed(_route_msg(RTM_DELROUTE, 0))
+    assert not default_route_changed(_route_msg(RTM_NEWROUTE, 24))
+    assert default_route_changed(_route_msg(RTM_NEWROUTE, 24) + _route_msg(RTM_DELROUTE, 0))
+    assert not default_route_changed(b"\xff" * 7) and not default_route_changed(_route_msg(RTM_NEWROUTE, 0)[:20])
+
+
+WATCH = r"""
+import asyncio, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from agent.service.routewatch import RouteWatch
+
+async def main():
+    seen = asyncio.Event()
+    watch = RouteWatch(seen.set)
+    watch.start()
+    ip = lambda *a: subprocess.run(["ip", *a], check=True)
+    ip("link", "add", "up0", "type", "veth", "peer", "name", "up1"); ip("link", "set", "up0", "up")
+    ip("addr", "add", "192.0.2.1/24", "dev", "up0")
+    await asyncio.sleep(0.2)
+    print("before default route:", seen.is_set())
+    ip("route", "add", "default", "via", "192.0.2.254", "dev", "up0")
+    await asyncio.wait_for(seen.wait(), 10)
+    print("after default route:", seen.is_set())
+    watch.stop()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.root
+def test_a_default_route_change_is_seen_over_rtnetlink(tmp_path):
+    """In a network namespace of the test's own: a veth interface and a default route over it."""
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        pytest.fail("iproute2 and util-linux (unshare) are required")
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", WATCH, REPO], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["before default route: False", "after default route: True"]
