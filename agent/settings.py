@@ -53,6 +53,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_address: str = "127.0.0.1:9478"  # "" disables
+    # The container runtime's NRI socket; the agent is an NRI plugin there (docs/networking.md). "" disables.
+    nri_socket: str = "/var/run/nri/nri.sock"
     status_socket: str | None = None  # default <plugin dir>/status.sock
     health_interval: float = 10.0  # seconds between health re-checks / resends (<= 10)
     # Publish per-PF shared counters so a PF and its VFs are never allocated together;
@@ -223,6 +225,10 @@ def _host_path(v: str) -> str:
     return os.path.normpath(v)
 
 
+def _optional_path(v: str) -> str:
+    return _absolute(v) if v else v
+
+
 def _share(v: tuple[str, ...]) -> tuple[str, ...]:
     if len(set(v)) != len(v):
         raise ValueError("names a kind twice")
@@ -246,6 +252,7 @@ _CHECKS = (
     ("node_name", _node), ("cluster", _cluster), ("resync_interval", _non_negative), ("debounce", _non_negative),
     ("health_interval", _health), ("rolling_update_uid", _uid), ("partition_switch_timeout", _switch_timeout),
     ("share", _share), ("skip_node_operations", _skip), ("nvidia_driver_root", _host_path), ("cdi_host_root", _host_path),
+    ("nri_socket", _optional_path),
 )  # fmt: skip
 _BOOLS = frozenset(f.name for f in msgspec.structs.fields(Settings) if f.type is bool)
 

@@ -53,6 +53,7 @@ class RealNode:
         self.kubelet_dir = os.path.join(self.dir, "ns", "var-lib", "kubelet")
         self.cdi_dir = os.path.join(self.dir, "cdi")
         self.socket = os.path.join(self.dir, "containerd", "containerd.sock")
+        self.nri_socket = os.path.join(self.dir, "containerd", "nri", "nri.sock")  # containerd_config's
         self.cgroup_root = "/sysdra-" + os.path.basename(self.dir.rstrip("/"))[-20:]
 
     # --- start ---------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class RealNode:
         env.update(KUBECONFIG=kubeconfig, SYSDRA_CONFIG=os.devnull, PYTHONPATH=REPO, NODE_NAME=self.name)
         agent = [sys.executable, "-m", "agent", "run", "--root", self.host, "--node-name", self.name, "--cluster", "kube",
                  "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, "--metrics-address", "",
-                 *self.agent_args, *args]  # fmt: skip
+                 "--nri-socket", self.nri_socket, *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
         registered = self.registrations()
         proc = self._spawn("agent", [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,

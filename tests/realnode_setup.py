@@ -110,7 +110,8 @@ def write_images(path: str, busybox: str) -> list[str]:
 # --- containerd -----------------------------------------------------------------------------
 def containerd_config(dir_: str, cdi_dir: str, socket: str) -> str:
     """containerd 2.x (config version 3): everything under ``dir_``; no plugin that writes to
-    fixed host paths (opt, NRI); CDI from the agent's CDI dir; the sandbox image pinned."""
+    fixed host paths (opt); NRI's socket under ``dir_`` (the agent's NRI plugin connects there,
+    no plugins started by containerd); CDI from the agent's CDI dir; the sandbox image pinned."""
     cni = os.path.join(dir_, "cni")
     os.makedirs(cni, exist_ok=True)
     with open(os.path.join(cni, "10-loopback.conflist"), "w") as f:
@@ -121,7 +122,7 @@ def containerd_config(dir_: str, cdi_dir: str, socket: str) -> str:
 root = '{dir_}/root'
 state = '{dir_}/state'
 imports = []
-disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri', 'io.containerd.internal.v1.tracing']
+disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.internal.v1.tracing']
 
 [grpc]
   address = '{socket}'
@@ -131,6 +132,12 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri',
 
 [metrics]
   address = ''
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = false
+  socket_path = '{dir_}/nri/nri.sock'
+  plugin_path = '{dir_}/nri/plugins'
+  plugin_config_path = '{dir_}/nri/conf.d'
 
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = '{PAUSE}'

@@ -230,6 +230,26 @@ def test_kubelet_restart_under_a_running_pod(realnode):
     delete_pod(realnode, ns, "app")
 
 
+def agent_says(node: RealNode, text: str) -> bool:
+    return text in node.log_tail("agent", 2000)
+
+
+def test_the_agents_nri_plugin_registers_and_sees_pod_sandboxes(realnode):
+    """containerd's NRI calls the agent's plugin (agent/nri/) over its socket: registration,
+    synchronization, and RunPodSandbox/StopPodSandbox/RemovePodSandbox of a kubelet's pod."""
+    wait(lambda: agent_says(realnode, "NRI: synchronized with"), "the agent's NRI plugin registered and synchronized",
+         realnode, log="agent")  # fmt: skip
+    assert agent_says(realnode, "NRI: configured by containerd")
+    ns = namespace(realnode)
+    create_pod(realnode, ns, "nri", "true")
+    running_log(realnode, ns, "nri")
+    assert agent_says(realnode, f"NRI: pod sandbox {ns}/nri started (host network)")
+    delete_pod(realnode, ns, "nri")
+    for event in ("stopped", "removed"):
+        wait(lambda: agent_says(realnode, f"NRI: pod sandbox {ns}/nri {event}"), f"RemovePodSandbox of {ns}/nri", realnode,
+             log="agent")  # fmt: skip
+
+
 def test_zz_the_node_leaves_nothing_behind(realnode):
     """Last in the module: stop the node; no process, mount, socket or file of it is left
     outside its directory, and the host's sysctls are as they were."""
