@@ -119,6 +119,16 @@ def move(src_netns: str, name: str, dst_netns: str, new_name: str) -> None:
             os.close(dst)
 
 
+def rename(netns: str, name: str, new_name: str) -> None:
+    """Rename a link (down: a netdev whose namespace died came back down)."""
+    with netlink_in(netns) as sock:
+        index = link_index(sock, name)
+        if index is None:
+            raise LinkError(errno.ENODEV, f"no link {name} in {netns}")
+        _request(sock, RTM_NEWLINK, NLM_F_ACK,
+                 _IFINFO.pack(socket.AF_UNSPEC, 0, index, 0, 0) + _attr(IFLA_IFNAME, new_name.encode() + b"\0"))
+
+
 def set_up(netns: str, name: str) -> None:
     with netlink_in(netns) as sock:
         index = link_index(sock, name)

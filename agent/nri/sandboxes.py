@@ -3,10 +3,9 @@ has which network namespace (the key for moving a claim's NIC into a pod)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-from agent.nri.plugin import NriPlugin, Pod
+from agent.nri.plugin import Pod
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,3 @@ class Sandboxes:
     async def container_created(self, pod: Pod, container: str) -> None:
         log.debug("NRI: container %s of %s/%s created", container, pod.namespace, pod.name)
 
-
-def follow_pod_sandboxes(socket_path: str) -> list[asyncio.Task]:
-    """The agent's NRI plugin on ``socket_path`` as a task (none when NRI is off)."""
-    if not socket_path:
-        return []
-    plugin = NriPlugin(socket_path, Sandboxes())
-    return [asyncio.get_running_loop().create_task(plugin.run(), name="nri")]

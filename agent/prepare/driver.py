@@ -36,6 +36,7 @@ from agent.prepare.recovery import RecoveryReport
 from agent.prepare.allocation import ClaimFailed, Result, our_results
 from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
 from agent.prepare.bootid import read_boot_id
+from agent.nri.moves import plan_netdevs, reserved_pods
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
 from agent.prepare.nvidia import NvidiaDriver
@@ -207,6 +208,8 @@ class Driver:
             }
             if vfio_recs:
                 plans[uid]["vfio"] = vfio_recs
+            elif netdevs := plan_netdevs(devices, names):  # given to the pod by agent/nri/netdev.py
+                plans[uid].update(netdevs=netdevs, pods=reserved_pods(claim))
             if part_rec:
                 plans[uid]["partitions"] = part_rec
             planned[uid] = (results, names, configs)
