@@ -13,6 +13,7 @@ SIGTERM, so every process of the namespace and every descendant of one is killed
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -55,6 +56,7 @@ class RealNode:
         self.socket = os.path.join(self.dir, "containerd", "containerd.sock")
         self.nri_socket = os.path.join(self.dir, "containerd", "nri", "nri.sock")  # containerd_config's
         self.cgroup_root = "/sysdra-" + os.path.basename(self.dir.rstrip("/"))[-20:]
+        self.bridge = "sdrbr" + hashlib.sha256(self.dir.encode()).hexdigest()[:8]  # the pods' CNI bridge, host network
 
     # --- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "RealNode":
@@ -129,7 +131,7 @@ class RealNode:
 
     def _start_containerd(self, binaries: dict, timeout: float) -> None:
         cdir = os.path.dirname(self.socket)
-        config = containerd_config(cdir, self.cdi_dir, self.socket)
+        config = containerd_config(cdir, self.cdi_dir, self.socket, self.bridge)
         path = os.path.dirname(binaries["containerd-shim-runc-v2"]) + ":" + os.environ.get("PATH", "")
         proc = self._spawn("containerd", [*self.enter, binaries["containerd"], "--config", config],
                            env=dict(os.environ, PATH=path))  # fmt: skip
@@ -270,6 +272,7 @@ class RealNode:
             self.holder.kill()
             self.holder.wait(10)
         self._remove_cgroups()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)  # absent: hostNetwork pods only
 
     def _remove_cgroups(self) -> None:
         """runc's container cgroups under the kubelet's cgroupRoot (cgroupfs is not namespaced)."""

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from agent.nri import rtnl
-from agent.nri.moves import MoveRecords, plan_netdevs, reserved_pods
+from agent.nri.moves import MoveRecords
+from agent.prepare.netdevs import plan_netdevs, reserved_pods
 from agent.nri.netdev import NetdevError, NetdevMover
 from agent.nri.plugin import Pod
 from agent.prepare.checkpoint import Checkpoint

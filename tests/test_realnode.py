@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -57,7 +58,7 @@ def namespace(node: RealNode) -> str:
 
 
 def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[dict] = (), limits: dict | None = None,
-               scheduler: str = "default-scheduler") -> dict:  # fmt: skip
+               scheduler: str = "default-scheduler", host_network: bool = True) -> dict:  # fmt: skip
     container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
                  "command": ["sh", "-c", f"{script}; echo END; exec sleep 3600"]}  # fmt: skip
     if claims:
@@ -65,7 +66,7 @@ def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[
     if limits:
         container["resources"] = {"limits": limits}
     return node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
-                              "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
+                              "spec": {"automountServiceAccountToken": False, "hostNetwork": host_network, "terminationGracePeriodSeconds": 1,
                                        "schedulerName": scheduler,
                                        "resourceClaims": list(claims), "containers": [container]}})  # fmt: skip
 
@@ -248,6 +249,36 @@ def test_the_agents_nri_plugin_registers_and_sees_pod_sandboxes(realnode):
     for event in ("stopped", "removed"):
         wait(lambda: agent_says(realnode, f"NRI: pod sandbox {ns}/nri {event}"), f"RemovePodSandbox of {ns}/nri", realnode,
              log="agent")  # fmt: skip
+
+
+NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
+
+
+def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode):
+    """A real netdev (a veth end made under the fixture NIC's interface name) is moved into the
+    pod's network namespace by the agent's NRI plugin, up, named after the request, and is back
+    on the host under its name once the pod is gone."""
+    from agent.nri import rtnl
+
+    require_tool("ip")
+    host = "/proc/self/ns/net"
+    subprocess.run(["ip", "link", "add", IFNAME, "type", "veth", "peer", "name", "sdrpeer0"], check=True)
+    try:
+        ns = namespace(realnode)
+        selector = f'device.attributes["{DRIVER}"].interfaceName == "{IFNAME}"'
+        realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
+                               "spec": {"devices": {"requests": [{"name": "net1", "exactly": {
+                                   "deviceClassName": "nic.sysdra.io", "selectors": [{"cel": {"expression": selector}}]}}]}}})  # fmt: skip
+        create_pod(realnode, ns, "app", "ip -o link show net1; cat /sys/class/net/net1/operstate",
+                   claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)  # fmt: skip
+        lines = running_log(realnode, ns, "app")
+        assert any(": net1: " in line and ",UP" in line for line in lines), lines
+        assert not rtnl.has_link(host, IFNAME)
+        assert allocated(realnode.plane.get("ResourceClaim", "nic", ns)) == [NIC]
+        delete_pod(realnode, ns, "app")
+        wait(lambda: rtnl.has_link(host, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+    finally:
+        subprocess.run(["ip", "link", "del", IFNAME], check=False)
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):

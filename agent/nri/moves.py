@@ -1,5 +1,5 @@
-"""What the agent plans to do with a claim's netdevs (written at prepare, in the claim's
-checkpoint entry) and what it has done (the move records, a file of their own).
+"""What the agent has done with claims' netdevs (agent/prepare/netdevs.py plans them): the
+move records, a file of their own.
 
 A move record is written before the kernel is touched and rewritten after: after a crash
 the record says which link may be where (agent/nri/netdev.py finishes or undoes it). The
@@ -16,15 +16,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints, T
 
 from agent.fsutil import atomic_write_json
 from agent.names import is_uid
-from agent.nri.rtnl import valid_name
+from agent.prepare.netdevs import IfName
 
 log = logging.getLogger(__name__)
-
-
-def _ifname(v: str) -> str:
-    if not valid_name(v):
-        raise ValueError(f"{v[:40]!r} is not a netdev name")
-    return v
 
 
 def _uid(v: str) -> str:
@@ -33,19 +27,9 @@ def _uid(v: str) -> str:
     return v
 
 
-IfName = Annotated[str, AfterValidator(_ifname)]
 Uid = Annotated[str, AfterValidator(_uid)]
 SandboxId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
 NetnsPath = Annotated[str, StringConstraints(pattern=r"^/[^\x00]{1,4095}$")]
-
-
-class NetdevPlan(BaseModel):
-    """One netdev of a prepared claim: ``host`` is its name on the host, ``pod`` its name
-    inside the pod (the request's name, or the host name when that is no netdev name)."""
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    device: str
-    host: IfName
-    pod: IfName
 
 
 class Move(BaseModel):
@@ -114,35 +98,3 @@ class MoveRecords:
 
     def of_sandbox(self, sandbox: str) -> list[Move]:
         return [m for m in self.moves.values() if m.sandbox == sandbox]
-
-
-def plan_netdevs(devices, by_name: dict) -> list[dict]:
-    """At prepare: the netdevs of a claim's whole NICs and VFs (not shares of one: a shared
-    NIC cannot be in one pod), each named in the pod after its request."""
-    out: list[dict] = []
-    taken: set[str] = set()
-    for d in devices:
-        dev = by_name.get(d.device)
-        nic = getattr(dev, "nic", None)
-        if d.share_id or nic is None or not nic.interfaces or not valid_name(nic.interfaces[0].name):
-            continue
-        host = nic.interfaces[0].name
-        base = d.requests[0].rsplit("/", 1)[-1] if d.requests else host
-        name = base if valid_name(base) else host
-        n = 1
-        while name in taken:
-            name = f"{base[:IFNAME_ROOM]}{n}"
-            n += 1
-        taken.add(name)
-        out.append(NetdevPlan(device=d.device, host=host, pod=name).model_dump())
-    return out
-
-
-IFNAME_ROOM = 12  # a base name's room when a number follows (names are at most 15 bytes)
-
-
-def reserved_pods(claim: dict) -> list[str]:
-    """The UIDs of the pods a claim is reserved for (``status.reservedFor``)."""
-    status = claim.get("status") if isinstance(claim.get("status"), dict) else {}
-    return [r["uid"] for r in status.get("reservedFor") or () if isinstance(r, dict) and r.get("resource") == "pods"
-            and is_uid(r.get("uid"))]

@@ -20,7 +20,8 @@ import os
 from pydantic import ValidationError
 
 from agent.nri import rtnl
-from agent.nri.moves import Move, MoveRecords, NetdevPlan
+from agent.nri.moves import Move, MoveRecords
+from agent.prepare.netdevs import NetdevPlan
 from agent.nri.plugin import NriPlugin, Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.prepare.checkpoint import Checkpoint

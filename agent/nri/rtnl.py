@@ -24,7 +24,6 @@ NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
 IFLA_IFNAME, IFLA_NET_NS_FD = 3, 28
 IFF_UP = 0x1
 CLONE_NEWNET = 0x40000000
-IFNAMSIZ = 16
 _NLMSG = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _RTA = struct.Struct("=HH")
@@ -34,11 +33,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 class LinkError(OSError):
     """A kernel refusal (errno set) or a link that is not there."""
-
-
-def valid_name(name: str) -> bool:
-    """A name the kernel takes for a netdev."""
-    return 0 < len(name.encode()) < IFNAMSIZ and name not in (".", "..") and not any(c in name for c in "/: \t\n\x00")
 
 
 def _setns(fd: int) -> None:

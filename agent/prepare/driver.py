@@ -36,7 +36,7 @@ from agent.prepare.recovery import RecoveryReport
 from agent.prepare.allocation import ClaimFailed, Result, our_results
 from agent.prepare.claimconfig import OpaqueConfig, config_for, opaque_configs
 from agent.prepare.bootid import read_boot_id
-from agent.nri.moves import plan_netdevs, reserved_pods
+from agent.prepare.netdevs import plan_netdevs, reserved_pods
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.metadata import store as metadata
 from agent.prepare.nvidia import NvidiaDriver
