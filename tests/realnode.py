@@ -178,7 +178,7 @@ class RealNode:
                  "--nri-socket", self.nri_socket, *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
         registered = self.registrations()
-        proc = self._spawn("agent", [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
+        proc = self._spawn("agent", [*self.enter, "unshare", "-m", "--propagation", "slave", "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
         if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
             self._until(lambda: self.slices() and self.registrations() > registered, "the agent published and registered",

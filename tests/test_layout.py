@@ -18,7 +18,7 @@ WING_DEPENDS = {
     "cli": {"service", "kubeletplugin", "prepare", "publish", "health", "tools"},
     "tools": {"service", "kubeletplugin", "prepare", "publish"},
     "service": {"kubeletplugin", "prepare", "publish", "health", "nri"},
-    "nri": {"prepare"},
+    "nri": {"prepare", "kubeletplugin"},
     "prepare": {"kubeletplugin"},
     "kubeletplugin": set(),
     "publish": set(),

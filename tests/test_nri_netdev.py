@@ -51,7 +51,7 @@ def write_checkpoint(path, nic: str, pods=(POD_UID,)):
     cp = Checkpoint(str(path))
     cp.claims = {CLAIM: {"state": COMPLETED, "namespace": "ns", "name": "c", "bootID": "b", "allocation": "a",
                          "devices": [], "cdiSpec": None, "metadata": None, "pods": list(pods),
-                         "netdevs": [{"device": "nic-0", "host": nic, "pod": "net1"}]}}
+                         "netdevs": [{"device": "nic-0", "request": "net1", "host": nic, "pod": "net1"}]}}
     cp.save()
 
 
@@ -101,7 +101,7 @@ def test_pods_without_netdev_claims_are_untouched_and_host_network_pods_are_refu
 def test_a_failed_move_is_undone_and_fails_the_sandbox(tmp_path, nets):
     write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
     cp = Checkpoint.load(str(tmp_path / "checkpoint.json"))
-    cp.claims[CLAIM]["netdevs"].append({"device": "nic-1", "host": "absent0", "pod": "net2"})
+    cp.claims[CLAIM]["netdevs"].append({"device": "nic-1", "request": "net1", "host": "absent0", "pod": "net2"})
     cp.save()
     with pytest.raises(NetdevError, match="absent0"):
         run(mover(tmp_path, nets).pod_started(pod(nets)))
@@ -149,8 +149,9 @@ def test_plan_names_netdevs_after_their_requests_and_skips_shares():
                "g": SimpleNamespace(nic=None)}
     devices = [dev("a", "nic"), dev("b", "nic"), dev("c", "x" * 40), dev("d", "shared", share="s1"), dev("g", "gpu")]
     assert plan_netdevs(devices, by_name) == [
-        {"device": "a", "host": "enp1s0f0", "pod": "nic"}, {"device": "b", "host": "enp1s0f1", "pod": "nic1"},
-        {"device": "c", "host": "enp2s0", "pod": "enp2s0"}]
+        {"device": "a", "request": "nic", "host": "enp1s0f0", "pod": "nic"},
+        {"device": "b", "request": "nic", "host": "enp1s0f1", "pod": "nic1"},
+        {"device": "c", "request": "x" * 40, "host": "enp2s0", "pod": "enp2s0"}]
     claim = {"status": {"reservedFor": [{"resource": "pods", "name": "p", "uid": POD_UID}, {"resource": "x", "uid": CLAIM},
                                         {"resource": "pods", "uid": "../etc"}]}}
     assert reserved_pods(claim) == [POD_UID] and reserved_pods({"status": "x"}) == []

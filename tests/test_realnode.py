@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -269,10 +270,14 @@ def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode):
         realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
                                "spec": {"devices": {"requests": [{"name": "net1", "exactly": {
                                    "deviceClassName": "nic.sysdra.io", "selectors": [{"cel": {"expression": selector}}]}}]}}})  # fmt: skip
-        create_pod(realnode, ns, "app", "ip -o link show net1; cat /sys/class/net/net1/operstate",
-                   claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)  # fmt: skip
+        script = f"ip -o link show net1; echo METADATA; cat {METADATA}/resourceclaims/nic/net1/{DRIVER}-metadata.json; echo"
+        create_pod(realnode, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)
         lines = running_log(realnode, ns, "app")
-        assert any(": net1: " in line and ",UP" in line for line in lines), lines
+        assert any(re.match(r"\d+: net1[@:]", line) and ",UP" in line for line in lines), lines
+        metadata = json.JSONDecoder().raw_decode(lines[lines.index("METADATA") + 1])[0]
+        assert metadata["metadata"]["generation"] == 2, metadata  # rewritten by the NRI hook
+        (device,) = [d for r in metadata["requests"] for d in r["devices"]]
+        assert device["networkData"]["interfaceName"] == "net1", metadata
         assert not rtnl.has_link(host, IFNAME)
         assert allocated(realnode.plane.get("ResourceClaim", "nic", ns)) == [NIC]
         delete_pod(realnode, ns, "app")

@@ -19,7 +19,7 @@ import os
 
 from pydantic import ValidationError
 
-from agent.nri import rtnl
+from agent.nri import podmeta, rtnl
 from agent.nri.moves import Move, MoveRecords
 from agent.prepare.netdevs import NetdevPlan
 from agent.nri.plugin import NriPlugin, Pod
@@ -39,8 +39,9 @@ class NetdevMover(Sandboxes):
     (the agent's own; a test's namespace in tests)."""
 
     def __init__(self, checkpoint_path: str, records_path: str, host_netns: str = "/proc/self/ns/net",
-                 fault=lambda point: None):
+                 fault=lambda point: None, moved=lambda claim, plan, netns: None):
         super().__init__()
+        self.moved = moved  # the device metadata's deferred update (agent/nri/podmeta.py)
         self.checkpoint_path, self.host_netns = checkpoint_path, host_netns
         self.records = MoveRecords(records_path)
         self._lock = asyncio.Lock()  # one sandbox's moves at a time: the records file has one writer
@@ -101,6 +102,8 @@ class NetdevMover(Sandboxes):
         except (rtnl.LinkError, OSError) as err:
             self._take_back(pod.id)
             raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}") from None
+        for uid, plan in plans:  # before the pod's containers are created: they read it at start
+            self.moved(uid, plan, pod.netns)
 
     def _move_in(self, move: Move) -> None:
         current = self.records.moves.get(move.key)
@@ -170,5 +173,13 @@ def follow_pod_sandboxes(settings) -> list[asyncio.Task]:
     if not settings.nri_socket:
         return []
     mover = NetdevMover(os.path.join(settings.plugin_dir, "checkpoint.json"),
-                        os.path.join(settings.plugin_dir, "netdev-moves.json"))
+                        os.path.join(settings.plugin_dir, "netdev-moves.json"), host_netns(settings.root),
+                        moved=podmeta.updater(settings))
     return [asyncio.get_running_loop().create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri")]
+
+
+def host_netns(root: str) -> str:
+    """The host's network namespace: its init's under ``root`` (a DaemonSet's ``/host/proc``),
+    else the agent's own (a fixture root: the agent runs in the host's namespace)."""
+    init = os.path.join(root, "proc", "1", "ns", "net")
+    return init if os.path.exists(init) else "/proc/self/ns/net"

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 RTM_NEWLINK, RTM_GETLINK = 16, 18
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
-IFLA_IFNAME, IFLA_NET_NS_FD = 3, 28
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_NET_NS_FD = 1, 3, 28
 IFF_UP = 0x1
 CLONE_NEWNET = 0x40000000
 _NLMSG = struct.Struct("=IHHII")
@@ -134,3 +134,19 @@ def set_up(netns: str, name: str) -> None:
 def has_link(netns: str, name: str) -> bool:
     with netlink_in(netns) as sock:
         return link_index(sock, name) is not None
+
+
+def hardware_address(netns: str, name: str) -> str | None:
+    """Link ``name``'s MAC address (``aa:bb:...``) in ``netns``; None when it has none."""
+    with netlink_in(netns) as sock:
+        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + _attr(IFLA_IFNAME, name.encode() + b"\0")
+        answer = _request(sock, RTM_GETLINK, 0, body)
+    off = _IFINFO.size
+    while off + _RTA.size <= len(answer):
+        length, kind = _RTA.unpack_from(answer, off)
+        if length < _RTA.size:
+            break
+        if kind == IFLA_ADDRESS:
+            return ":".join(f"{b:02x}" for b in answer[off + _RTA.size:off + length]) or None
+        off += (length + 3) & ~3
+    return None

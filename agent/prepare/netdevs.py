@@ -34,6 +34,7 @@ class NetdevPlan(BaseModel):
     inside the pod (the request's name, or the host name when that is no netdev name)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     device: str
+    request: str  # the device's (first) request: its metadata file gets the name in the pod
     host: IfName
     pod: IfName
 
@@ -56,7 +57,7 @@ def plan_netdevs(devices, by_name: dict) -> list[dict]:
             name = f"{base[:IFNAME_ROOM]}{n}"
             n += 1
         taken.add(name)
-        out.append(NetdevPlan(device=d.device, host=host, pod=name).model_dump())
+        out.append(NetdevPlan(device=d.device, request=d.requests[0] if d.requests else "", host=host, pod=name).model_dump())
     return out
 
 
