@@ -253,37 +253,76 @@ def test_the_agents_nri_plugin_registers_and_sees_pod_sandboxes(realnode):
 
 
 NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
+HOST_NET = "/proc/self/ns/net"
 
 
-def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode):
-    """A real netdev (a veth end made under the fixture NIC's interface name) is moved into the
-    pod's network namespace by the agent's NRI plugin, up, named after the request, and is back
-    on the host under its name once the pod is gone."""
+def nic_pod(node: RealNode, script: str) -> str:
+    """A pod with its own network namespace and a claim for the fixture NIC (request ``net1``);
+    its namespace once it runs."""
+    ns = namespace(node)
+    selector = f'device.attributes["{DRIVER}"].interfaceName == "{IFNAME}"'
+    node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
+                       "spec": {"devices": {"requests": [{"name": "net1", "exactly": {
+                           "deviceClassName": "nic.sysdra.io", "selectors": [{"cel": {"expression": selector}}]}}]}}})  # fmt: skip
+    create_pod(node, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)
+    return ns
+
+
+@pytest.fixture
+def veth():
+    """A real netdev under the fixture NIC's interface name, on the host."""
+    require_tool("ip")
+    subprocess.run(["ip", "link", "add", IFNAME, "type", "veth", "peer", "name", "sdrpeer0"], check=True)
+    yield
+    subprocess.run(["ip", "link", "del", IFNAME], check=False)
+
+
+def agent_count(node: RealNode, text: str) -> int:
+    return node.log_tail("agent", 100000).count(text)
+
+
+def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode, veth):
+    """A real netdev is moved into the pod's network namespace by the agent's NRI plugin, up,
+    named after the request, its metadata rewritten (generation 2) before the container starts,
+    and it is back on the host under its name once the pod is gone."""
     from agent.nri import rtnl
 
-    require_tool("ip")
-    host = "/proc/self/ns/net"
-    subprocess.run(["ip", "link", "add", IFNAME, "type", "veth", "peer", "name", "sdrpeer0"], check=True)
-    try:
-        ns = namespace(realnode)
-        selector = f'device.attributes["{DRIVER}"].interfaceName == "{IFNAME}"'
-        realnode.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
-                               "spec": {"devices": {"requests": [{"name": "net1", "exactly": {
-                                   "deviceClassName": "nic.sysdra.io", "selectors": [{"cel": {"expression": selector}}]}}]}}})  # fmt: skip
-        script = f"ip -o link show net1; echo METADATA; cat {METADATA}/resourceclaims/nic/net1/{DRIVER}-metadata.json; echo"
-        create_pod(realnode, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)
-        lines = running_log(realnode, ns, "app")
-        assert any(re.match(r"\d+: net1[@:]", line) and ",UP" in line for line in lines), lines
-        metadata = json.JSONDecoder().raw_decode(lines[lines.index("METADATA") + 1])[0]
-        assert metadata["metadata"]["generation"] == 2, metadata  # rewritten by the NRI hook
-        (device,) = [d for r in metadata["requests"] for d in r["devices"]]
-        assert device["networkData"]["interfaceName"] == "net1", metadata
-        assert not rtnl.has_link(host, IFNAME)
-        assert allocated(realnode.plane.get("ResourceClaim", "nic", ns)) == [NIC]
-        delete_pod(realnode, ns, "app")
-        wait(lambda: rtnl.has_link(host, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
-    finally:
-        subprocess.run(["ip", "link", "del", IFNAME], check=False)
+    ns = nic_pod(realnode, f"ip -o link show net1; echo METADATA; cat {METADATA}/resourceclaims/nic/net1/{DRIVER}-metadata.json; echo")
+    lines = running_log(realnode, ns, "app")
+    assert any(re.match(r"\d+: net1[@:]", line) and ",UP" in line for line in lines), lines
+    metadata = json.JSONDecoder().raw_decode(lines[lines.index("METADATA") + 1])[0]
+    assert metadata["metadata"]["generation"] == 2, metadata  # rewritten by the NRI hook
+    (device,) = [d for r in metadata["requests"] for d in r["devices"]]
+    assert device["networkData"]["interfaceName"] == "net1", metadata
+    assert not rtnl.has_link(HOST_NET, IFNAME)
+    assert allocated(realnode.plane.get("ResourceClaim", "nic", ns)) == [NIC]
+    delete_pod(realnode, ns, "app")
+    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+
+
+def test_the_netdev_stays_in_its_pod_across_agent_sigkill_and_containerd_restart(realnode, veth):
+    """The agent killed and restarted, then containerd restarted: the plugin registers again and
+    is synchronized each time, the running pod keeps its netdev, and its deletion brings it back."""
+    from agent.nri import rtnl
+    from tests.controlplane import peer
+
+    ns = nic_pod(realnode, "true")
+    running_log(realnode, ns, "app")
+    assert not rtnl.has_link(HOST_NET, IFNAME)
+    synced = agent_count(realnode, "NRI: synchronized with")
+    realnode.stop_process("agent", signal.SIGKILL)
+    realnode.start_agent()
+    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the restarted agent's NRI plugin synchronized",
+         realnode, log="agent")  # fmt: skip
+    synced += 1
+    realnode.stop_process("containerd")
+    realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
+    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the NRI plugin synchronized after containerd's restart",
+         realnode, log="agent")  # fmt: skip
+    assert not rtnl.has_link(HOST_NET, IFNAME)
+    assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    delete_pod(realnode, ns, "app")
+    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):
