@@ -23,6 +23,7 @@ from agent.nri import podmeta, rtnl
 from agent.nri.moves import Move, MoveRecords
 from agent.prepare.netdevs import NetdevPlan
 from agent.nri.plugin import NriPlugin, Pod
+from agent.nri.ttrpc import Refusal
 from agent.nri.sandboxes import Sandboxes
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.checkpoint_format import COMPLETED
@@ -30,7 +31,7 @@ from agent.prepare.checkpoint_format import COMPLETED
 log = logging.getLogger(__name__)
 
 
-class NetdevError(Exception):
+class NetdevError(Refusal):
     """A pod cannot get its netdevs: the runtime fails the sandbox with this message."""
 
 

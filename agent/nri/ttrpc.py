@@ -43,6 +43,11 @@ class ProtocolError(Exception):
     """The peer broke the framing or the ttrpc rules: the connection is dropped."""
 
 
+class Refusal(Exception):
+    """A handler's refusal of a request (a pod that cannot get its netdevs): the caller's
+    error, logged without a traceback."""
+
+
 class CallError(Exception):
     """A call answered with a non-OK status."""
 
@@ -178,7 +183,7 @@ class Endpoint:
         except TimeoutError:
             response.status.code, response.status.message = DEADLINE_EXCEEDED, "timed out"
         except Exception as err:  # the handler's failure is the caller's error, not ours
-            log.warning("NRI: %s", err, exc_info=not isinstance(err, (ValueError, OSError, ProtocolError)))
+            log.warning("NRI: %s", err, exc_info=not isinstance(err, (Refusal, ValueError, OSError, ProtocolError)))
             response.status.code, response.status.message = UNKNOWN, str(err) or type(err).__name__
         if self._closed.done():
             return
