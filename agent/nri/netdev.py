@@ -16,6 +16,7 @@ import asyncio
 import errno
 import logging
 import os
+import threading
 
 from pydantic import ValidationError
 
@@ -45,31 +46,33 @@ class NetdevMover(Sandboxes):
         self.moved = moved  # the device metadata's deferred update (agent/nri/podmeta.py)
         self.checkpoint_path, self.host_netns = checkpoint_path, host_netns
         self.records = MoveRecords(records_path)
-        self._lock = asyncio.Lock()  # one sandbox's moves at a time: the records file has one writer
+        # one sandbox's moves at a time (the records file has one writer), held in the worker
+        # thread: a request cancelled when the runtime goes away leaves its thread running
+        self._lock = threading.Lock()
         self.fault = fault  # tests: SIGKILL between steps
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
         await super().synchronized(pods)
-        async with self._lock:
-            await asyncio.to_thread(self._recover, {p.id for p in pods})
+        await asyncio.to_thread(self._locked, self._recover, {p.id for p in pods})
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
-        async with self._lock:
-            await asyncio.to_thread(self._give, pod)
+        await asyncio.to_thread(self._locked, self._give, pod)
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
-        async with self._lock:
-            await asyncio.to_thread(self._take_back, pod.id)
+        await asyncio.to_thread(self._locked, self._take_back, pod.id)
 
     async def pod_removed(self, pod: Pod) -> None:
         await super().pod_removed(pod)
-        async with self._lock:
-            await asyncio.to_thread(self._take_back, pod.id)
+        await asyncio.to_thread(self._locked, self._take_back, pod.id)
 
     # --- work (worker threads) ---------------------------------------------------
+    def _locked(self, work, *args):
+        with self._lock:
+            return work(*args)
+
     def planned(self, pod: Pod) -> list[tuple[str, NetdevPlan]]:
         """(claim UID, netdev) of the prepared claims reserved for ``pod``."""
         try:
