@@ -155,3 +155,16 @@ def test_plan_names_netdevs_after_their_requests_and_skips_shares():
     claim = {"status": {"reservedFor": [{"resource": "pods", "name": "p", "uid": POD_UID}, {"resource": "x", "uid": CLAIM},
                                         {"resource": "pods", "uid": "../etc"}]}}
     assert reserved_pods(claim) == [POD_UID] and reserved_pods({"status": "x"}) == []
+
+
+def test_a_pod_namespace_gone_unannounced_drops_its_records(tmp_path, nets):
+    """containerd forgets its pods' NRI state when it restarts: a pod's namespace can go without
+    StopPodSandbox. A veth dies with it; the record goes at the next look."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets)
+    run(m.pod_started(pod(nets)))
+    m._reconcile()  # still there: kept
+    assert list(MoveRecords(str(tmp_path / "moves.json")).load().moves)
+    subprocess.run(["ip", "netns", "del", nets.pod.rsplit("/", 1)[1]], check=True)
+    m._reconcile()
+    assert MoveRecords(str(tmp_path / "moves.json")).load().moves == {}

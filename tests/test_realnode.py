@@ -300,12 +300,18 @@ def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode, veth):
     wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
 
 
-def test_the_netdev_stays_in_its_pod_across_agent_sigkill_and_containerd_restart(realnode, veth):
-    """The agent killed and restarted, then containerd restarted: the plugin registers again and
-    is synchronized each time, the running pod keeps its netdev, and its deletion brings it back."""
+def test_the_nri_plugin_follows_a_containerd_restart_and_the_netdev_an_agent_sigkill(realnode, veth):
+    """containerd restarted: the plugin registers and is synchronized again and moves the next
+    pod's netdev. The agent killed and restarted under that pod: its netdev stays in the pod
+    (the record says so), and the pod's deletion brings it back."""
     from agent.nri import rtnl
     from tests.controlplane import peer
 
+    synced = agent_count(realnode, "NRI: synchronized with")
+    realnode.stop_process("containerd")
+    realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
+    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the NRI plugin synchronized after containerd's restart",
+         realnode, log="agent")  # fmt: skip
     ns = nic_pod(realnode, "true")
     running_log(realnode, ns, "app")
     assert not rtnl.has_link(HOST_NET, IFNAME)
@@ -314,13 +320,9 @@ def test_the_netdev_stays_in_its_pod_across_agent_sigkill_and_containerd_restart
     realnode.start_agent()
     wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the restarted agent's NRI plugin synchronized",
          realnode, log="agent")  # fmt: skip
-    synced += 1
-    realnode.stop_process("containerd")
-    realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
-    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the NRI plugin synchronized after containerd's restart",
-         realnode, log="agent")  # fmt: skip
     assert not rtnl.has_link(HOST_NET, IFNAME)
-    assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Running"
+    with open(os.path.join(realnode.kubelet_dir, "plugins", DRIVER, "netdev-moves.json")) as f:
+        assert [m["state"] for m in json.load(f).values()] == ["in-pod"]
     delete_pod(realnode, ns, "app")
     wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
 

@@ -30,6 +30,7 @@ from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.checkpoint_format import COMPLETED
 
 log = logging.getLogger(__name__)
+RECONCILE_INTERVAL = 10.0  # seconds between looks for pod namespaces gone unannounced
 
 
 class NetdevError(Refusal):
@@ -150,6 +151,23 @@ class NetdevMover(Sandboxes):
         self.records.drop(returning)
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
+    def _reconcile(self) -> None:
+        """Records of sandboxes whose network namespace is gone, without the runtime telling
+        (containerd forgets its pods' NRI state when it restarts: their Stop/RemovePodSandbox
+        never come): what the kernel gave back is renamed, the records go."""
+        self.records.ensure_loaded()
+        for move in list(self.records.moves.values()):
+            if move.state == "in-pod" and not (os.path.exists(move.netns) and _has(move.netns, move.pod)):
+                try:
+                    self._move_out(move)
+                except (rtnl.LinkError, OSError) as err:
+                    log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
+
+    async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.to_thread(self._locked, self._reconcile)
+
     def _recover(self, running: set[str]) -> None:
         self.records.load()
         for move in list(self.records.moves.values()):
@@ -179,7 +197,9 @@ def follow_pod_sandboxes(settings) -> list[asyncio.Task]:
     mover = NetdevMover(os.path.join(settings.plugin_dir, "checkpoint.json"),
                         os.path.join(settings.plugin_dir, "netdev-moves.json"), host_netns(settings.root),
                         moved=podmeta.updater(settings))
-    return [asyncio.get_running_loop().create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri")]
+    loop = asyncio.get_running_loop()
+    return [loop.create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri"),
+            loop.create_task(mover.watch(), name="nri-netdevs")]
 
 
 def host_netns(root: str) -> str:
