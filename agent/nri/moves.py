@@ -43,6 +43,7 @@ class Move(BaseModel):
     pod: IfName
     netns: NetnsPath
     state: Literal["moving", "in-pod", "returning"]
+    mac: str | None = None  # once in the pod: tells the netdev from a host interface of its pod name
 
     @property
     def key(self) -> str:

@@ -120,7 +120,7 @@ class NetdevMover(Sandboxes):
             rtnl.move(self.host_netns, move.host, move.netns, move.pod)
         self.fault("netdev:moved")
         rtnl.set_up(move.netns, move.pod)
-        self.records.put(move.model_copy(update={"state": "in-pod"}))
+        self.records.put(move.model_copy(update={"state": "in-pod", "mac": rtnl.hardware_address(move.netns, move.pod)}))
         log.info("netdev %s is %s in pod sandbox %s", move.host, move.pod, move.sandbox)
 
     def _take_back(self, sandbox: str) -> None:
@@ -142,8 +142,8 @@ class NetdevMover(Sandboxes):
             pass  # never moved, or already back
         elif os.path.exists(move.netns) and _has(move.netns, move.pod):
             rtnl.move(move.netns, move.pod, self.host_netns, move.host)
-        elif rtnl.has_link(self.host_netns, move.pod):  # its namespace went away: the kernel brought it back
-            rtnl.rename(self.host_netns, move.pod, move.host)
+        elif rtnl.has_link(self.host_netns, move.pod) and move.mac and rtnl.hardware_address(self.host_netns, move.pod) == move.mac:
+            rtnl.rename(self.host_netns, move.pod, move.host)  # its namespace went away: the kernel brought it back
         else:
             log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace",
                         move.host, move.pod, move.sandbox)
