@@ -25,7 +25,6 @@ from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDr
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.routewatch import follow_default_routes
-from agent.nri.netdev import follow_pod_sandboxes
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
 
@@ -334,6 +333,7 @@ class Agent:
             return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
+        from agent.nri.netdev import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
         tasks += [loop.create_task(self._report_status(), name="sd-status"),
                   loop.create_task(self._follow_health(), name="health-follow"), *follow_pod_sandboxes(self.settings)]
         watchdog = sdnotify.start_watchdog(loop)
