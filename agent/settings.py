@@ -114,6 +114,7 @@ _CHECKS = {
     "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health,
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
+    "nri_socket": lambda v: _absolute(v) if v else v,
 }
 
 
@@ -178,6 +179,9 @@ class Settings(BaseModel):
     # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path
     # when a runtime runs containers "on" that tree (tests, demos).
     cdi_host_root: str = "/"
+    # The container runtime's NRI socket: a NIC's netdev goes into its pod's network namespace
+    # (docs/networking.md); "" turns the NRI plugin off.
+    nri_socket: str = "/var/run/nri/nri.sock"
 
     def __init__(self, **values: Any) -> None:
         try:

@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import httpx2
@@ -57,6 +56,8 @@ class RealNode:
         self.socket = os.path.join(self.dir, "containerd", "containerd.sock")
         # one per node directory: two nodes at once (two test sessions) never share one
         self.cgroup_root = "/sysdra-node-" + hashlib.sha256(self.dir.encode()).hexdigest()[:12]
+        self.nri_socket = os.path.join(self.dir, "containerd", "nri", "nri.sock")  # containerd_config's
+        self.bridge = "sdrbr" + hashlib.sha256(self.dir.encode()).hexdigest()[:8]  # the pods' CNI bridge, host network
 
     # --- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "RealNode":
@@ -131,7 +132,7 @@ class RealNode:
 
     def _start_containerd(self, binaries: dict, timeout: float) -> None:
         cdir = os.path.dirname(self.socket)
-        config = containerd_config(cdir, self.cdi_dir, self.socket)
+        config = containerd_config(cdir, self.cdi_dir, self.socket, self.bridge)
         path = os.path.dirname(binaries["containerd-shim-runc-v2"]) + ":" + os.environ.get("PATH", "")
         proc = self._spawn("containerd", [*self.enter, binaries["containerd"], "--config", config],
                            env=dict(os.environ, PATH=path))  # fmt: skip
@@ -178,10 +179,11 @@ class RealNode:
                  "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, "--metrics-address", "",
                  # the runtime sees the host's files (the NVIDIA driver's) in the fixture root, not at /
                  "--cdi-host-root", self.root,
-                 *self.agent_args, *args]  # fmt: skip
+                 "--nri-socket", self.nri_socket, *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
         registered = self.registrations(name)
-        proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", "private", "sh", "-c", inner,
+        # slave: the pods' network namespaces mounted under /run/netns later reach the agent (NRI)
+        proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", "slave", "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
         if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
             self._until(lambda: self.slices() and self.registrations(name) > registered, "the agent published and registered",
@@ -262,6 +264,7 @@ class RealNode:
             self.holder.kill()
             self.holder.wait(10)
         self._remove_cgroups()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)  # absent: hostNetwork pods only
 
     def _remove_cgroups(self) -> None:
         """runc's container cgroups under the kubelet's cgroupRoot (cgroupfs is not namespaced)."""

@@ -42,6 +42,11 @@ def private_dirs(ns: str, node: str) -> None:
     for target, name in DIRS.items():
         os.makedirs(os.path.join(ns, name), exist_ok=True)
         bind(os.path.join(ns, name), target)
+    # containerd mounts pod network namespaces here; shared, so that the agent's own mount
+    # namespace (a slave of this one) sees them, as a DaemonSet's HostToContainer mount does
+    os.makedirs("/run/netns", exist_ok=True)
+    bind("/run/netns", "/run/netns")
+    mount("--make-shared", "/run/netns")
     hosts = os.path.join(ns, "hosts")
     with open(hosts, "w") as f:
         f.write(f"127.0.0.1 localhost {node}\n::1 localhost\n")

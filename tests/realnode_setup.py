@@ -108,20 +108,24 @@ def write_images(path: str, busybox: str) -> list[str]:
 
 
 # --- containerd -----------------------------------------------------------------------------
-def containerd_config(dir_: str, cdi_dir: str, socket: str) -> str:
+def containerd_config(dir_: str, cdi_dir: str, socket: str, bridge: str) -> str:
     """containerd 2.x (config version 3): everything under ``dir_``; no plugin that writes to
-    fixed host paths (opt, NRI); CDI from the agent's CDI dir; the sandbox image pinned."""
+    fixed host paths (opt); NRI's socket under ``dir_`` (the agent's NRI plugin connects there,
+    no plugins started by containerd); CDI from the agent's CDI dir; the sandbox image pinned."""
     cni = os.path.join(dir_, "cni")
     os.makedirs(cni, exist_ok=True)
-    with open(os.path.join(cni, "10-loopback.conflist"), "w") as f:
-        # hostNetwork pods need no CNI; a loopback network makes the runtime report NetworkReady
-        json.dump({"cniVersion": "1.0.0", "name": "loopback", "plugins": [{"type": "loopback"}]}, f)
+    with open(os.path.join(cni, "10-bridge.conflist"), "w") as f:
+        # hostNetwork pods need no CNI; the others get a veth on a bridge of their own (no
+        # gateway, no masquerading, addresses kept under dir_), as the NIC tests need a pod network namespace
+        ipam = {"type": "host-local", "ranges": [[{"subnet": "10.251.7.0/24"}]], "dataDir": os.path.join(dir_, "cni-ipam")}
+        json.dump({"cniVersion": "1.0.0", "name": "sysdra-test",
+                   "plugins": [{"type": "bridge", "bridge": bridge, "isGateway": False, "ipMasq": False, "ipam": ipam}]}, f)
     runc = shutil.which("runc") or "runc"
     text = f"""version = 3
 root = '{dir_}/root'
 state = '{dir_}/state'
 imports = []
-disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri', 'io.containerd.internal.v1.tracing']
+disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.internal.v1.tracing']
 
 [grpc]
   address = '{socket}'
@@ -131,6 +135,12 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri',
 
 [metrics]
   address = ''
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = false
+  socket_path = '{dir_}/nri/nri.sock'
+  plugin_path = '{dir_}/nri/plugins'
+  plugin_config_path = '{dir_}/nri/conf.d'
 
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = '{PAUSE}'

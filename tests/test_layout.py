@@ -17,7 +17,8 @@ NEUTRAL = {"agent.settings", "agent.fsutil", "agent.protos"}
 WING_DEPENDS = {
     "cli": {"service", "kubeletplugin", "prepare", "publish", "health", "tools"},
     "tools": {"service", "kubeletplugin", "prepare", "publish"},
-    "service": {"kubeletplugin", "prepare", "publish", "health"},
+    "service": {"kubeletplugin", "prepare", "publish", "health", "nri"},
+    "nri": {"prepare", "kubeletplugin"},
     "prepare": {"kubeletplugin"},
     "kubeletplugin": set(),
     "publish": set(),

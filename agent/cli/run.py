@@ -8,7 +8,7 @@ from agent.cli import publishing
 # The publishing flags (what goes into the slices) are agent/cli/publishing.py's, shared with `sysdra scan`.
 VALUE_FLAGS = ("root", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
                "log-level", "log-format", "metrics-address", "rolling-update-uid", "device-metadata",
-               "claim-status", "health-interval", "status-socket", "nvidia-cdi-spec", "cdi-host-root")
+               "claim-status", "health-interval", "status-socket", "nvidia-cdi-spec", "cdi-host-root", "nri-socket")
 SWITCH_FLAGS: tuple[str, ...] = ()
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
@@ -27,6 +27,7 @@ HELP = {
     "health-interval": "seconds between device health re-checks, at most 10 (default 10)",
     "nvidia-cdi-spec": "give NVIDIA GPUs the devices of the node's own NVIDIA CDI spec (nvidia-ctk) instead of the driver in ours: true or false",
     "cdi-host-root": "the host's / as the container runtime sees it, for host paths in CDI specs (default /; a fixture tree in tests)",
+    "nri-socket": "the container runtime's NRI socket, where the agent registers as a plugin (default /var/run/nri/nri.sock; empty disables)",
     "status-socket": "unix socket of `sysdra status` (default <plugin dir>/status.sock)",
 }
 

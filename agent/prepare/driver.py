@@ -42,6 +42,7 @@ from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
+from agent.prepare.netdevs import plan_netdevs, reserved_pods
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
@@ -225,6 +226,8 @@ class Driver:
             if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
                 for base, rec in meta_rec["requests"].items():
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
+        if "vfio" not in records and (netdevs := plan_netdevs(devices, planned.names)):
+            entry_plan.update(netdevs=netdevs, pods=reserved_pods(claim))  # given to the pod by agent/nri/netdev.py
         if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
             entry_plan["deviceStatus"] = claimstatus.build_for(s, devices, by_name)
         owners.take(uid, holds, f"{meta['namespace']}/{meta['name']}")

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
+from agent.prepare.netdevs import NetdevPlan
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
 __all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "PartitionUse", "TimeSlice", "VfioFunction", "check_entry", "entry_problem"]
@@ -129,6 +130,8 @@ class ClaimEntry(Record):
     partitions: PartitionUse | None = None
     mps: MpsUse | None = None
     timeslice: list[TimeSlice] | None = None
+    netdevs: list[NetdevPlan] | None = None  # moved into the pod by agent/nri/netdev.py
+    pods: list[str] | None = None  # the pods the claim is reserved for
 
 
 def check_entry(uid: object, entry: object) -> ClaimEntry:

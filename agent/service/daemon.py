@@ -328,7 +328,8 @@ class Agent:
             return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
-        tasks.append(loop.create_task(self._report_status(), name="sd-status"))
+        from agent.nri.netdev import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
+        tasks += [loop.create_task(self._report_status(), name="sd-status"), *follow_pod_sandboxes(self.settings)]
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)

@@ -1,0 +1,235 @@
+"""The NRI plugin's protocol (agent/nri/): ttrpc framing over NRI's multiplexer, registration,
+configuration, synchronization in batches, pod events, failures returned to the runtime, and
+reconnection after the runtime restarts. The runtime side here is agent/nri/ttrpc.Endpoint with
+the runtime's roles swapped; tests/test_realnode.py runs the plugin against containerd's NRI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import pytest
+
+from agent.nri.plugin import PKG, NriPlugin, event_mask
+from agent.nri.ttrpc import MSG_HEADER, MUX_HEADER, PLUGIN_CONN, RUNTIME_CONN, UNIMPLEMENTED, CallError, Endpoint, ProtocolError
+from agent.protos import nri_v1alpha1_pb2 as api
+from agent.protos import ttrpc_wire_pb2 as wire
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+class Recorder:
+    def __init__(self, fail_on: str = ""):
+        self.seen: list[tuple] = []
+        self.fail_on = fail_on
+
+    async def _add(self, what, *args):
+        if what == self.fail_on:
+            raise ValueError(f"{what} refused")
+        self.seen.append((what, *args))
+
+    async def synchronized(self, pods):
+        await self._add("sync", sorted(p.name for p in pods))
+
+    async def pod_started(self, pod):
+        await self._add("run", pod.name, pod.netns)
+
+    async def pod_stopped(self, pod):
+        await self._add("stop", pod.name)
+
+    async def pod_removed(self, pod):
+        await self._add("remove", pod.name)
+
+    async def container_created(self, pod, container):
+        await self._add("create", pod.name, container)
+
+
+def sandbox(name: str, netns: str | None = "/run/netns/cni-1") -> api.PodSandbox:
+    pod = api.PodSandbox(id="id-" + name, name=name, namespace="ns", uid="uid-" + name)
+    if netns:
+        pod.linux.namespaces.add(type="network", path=netns)
+    pod.linux.namespaces.add(type="ipc", path="/proc/1/ns/ipc")
+    return pod
+
+
+class Runtime:
+    """The runtime's side: serves RegisterPlugin on conn 2, then configures, synchronizes
+    (two batches) and calls the plugin on conn 1, like containerd's NRI adaptation."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.registered: asyncio.Queue = asyncio.Queue()
+        self.endpoints: list[Endpoint] = []
+
+    async def start(self):
+        self.server = await asyncio.start_unix_server(self._accept, self.path)
+
+    async def stop(self):
+        self.server.close()
+        for ep in self.endpoints:
+            ep.close()
+        await self.server.wait_closed()
+
+    async def _accept(self, reader, writer):
+        holder: list[Endpoint] = []
+
+        async def register(payload: bytes):
+            req = api.RegisterPluginRequest.FromString(payload)
+            asyncio.get_running_loop().create_task(self._after_register(holder[0], req))
+            return api.Empty()
+
+        ep = Endpoint(reader, writer, {(RUNTIME_CONN, f"{PKG}.Runtime/RegisterPlugin"): register})
+        holder.append(ep)
+        self.endpoints.append(ep)
+        await ep.serve()
+
+    async def _after_register(self, ep: Endpoint, req):
+        cfg = await self.call(ep, "Configure", api.ConfigureRequest(runtime_name="test", runtime_version="1"),
+                              api.ConfigureResponse)
+        first = await self.call(ep, "Synchronize", api.SynchronizeRequest(pods=[sandbox("a")], more=True),
+                                api.SynchronizeResponse)
+        await self.call(ep, "Synchronize", api.SynchronizeRequest(pods=[sandbox("b")]), api.SynchronizeResponse)
+        await self.registered.put((ep, req, cfg, first))
+
+    @staticmethod
+    async def call(ep: Endpoint, method: str, request, answer):
+        return await ep.call(PLUGIN_CONN, f"{PKG}.Plugin", method, request, answer)
+
+
+async def with_plugin(tmp_path, body, events=None):
+    path = str(tmp_path / "nri.sock")
+    runtime = Runtime(path)
+    await runtime.start()
+    events = events or Recorder()
+    plugin = NriPlugin(path, events)
+    task = asyncio.get_running_loop().create_task(plugin.run())
+    try:
+        return await body(runtime, plugin, events)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runtime.stop()
+
+
+def test_registers_subscribes_synchronizes_and_gets_pod_events(tmp_path):
+    async def body(runtime, plugin, events):
+        ep, req, cfg, first = await runtime.registered.get()
+        assert (req.plugin_name, req.plugin_idx) == ("sysdra", "50")
+        assert cfg.events == event_mask([api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX,
+                                         api.CREATE_CONTAINER]) == 0b1111
+        assert cfg.failure_policy.fail_request
+        assert first.more  # batches accepted
+        await plugin.wait_for(lambda s: s.synchronized)
+        for method, request, answer in (
+                ("RunPodSandbox", api.RunPodSandboxRequest(pod=sandbox("p")), api.RunPodSandboxResponse),
+                ("CreateContainer", api.CreateContainerRequest(pod=sandbox("p"), container=api.Container(name="c")),
+                 api.CreateContainerResponse),
+                ("StopPodSandbox", api.StopPodSandboxRequest(pod=sandbox("p")), api.StopPodSandboxResponse),
+                ("RemovePodSandbox", api.RemovePodSandboxRequest(pod=sandbox("p", None)), api.RemovePodSandboxResponse)):
+            await runtime.call(ep, method, request, answer)
+        assert events.seen == [("sync", ["a", "b"]), ("run", "p", "/run/netns/cni-1"), ("create", "p", "c"),
+                               ("stop", "p"), ("remove", "p")]
+        assert plugin.state.runtime == "test 1" and plugin.state.events["RunPodSandbox"] == 1
+
+    run(with_plugin(tmp_path, body))
+
+
+def test_a_failing_event_is_the_runtimes_error_and_unknown_methods_are_unimplemented(tmp_path):
+    async def body(runtime, plugin, events):
+        ep, *_ = await runtime.registered.get()
+        with pytest.raises(CallError, match="status 2: run refused"):
+            await runtime.call(ep, "RunPodSandbox", api.RunPodSandboxRequest(pod=sandbox("p")), api.RunPodSandboxResponse)
+        with pytest.raises(CallError) as err:
+            await runtime.call(ep, "UpdatePodSandbox", api.Empty(), api.Empty)
+        assert err.value.code == UNIMPLEMENTED
+        # the connection stays usable
+        await runtime.call(ep, "StopPodSandbox", api.StopPodSandboxRequest(pod=sandbox("p")), api.StopPodSandboxResponse)
+        assert events.seen[-1] == ("stop", "p")
+
+    events = Recorder(fail_on="run")
+    run(with_plugin(tmp_path, body, events))
+
+
+def test_reconnects_when_the_runtime_restarts(tmp_path):
+    async def body(runtime, plugin, events):
+        await runtime.registered.get()
+        await runtime.stop()
+        await plugin.wait_for(lambda s: not s.connected)
+        os.unlink(runtime.path)
+        await runtime.start()
+        await runtime.registered.get()
+        await plugin.wait_for(lambda s: s.connected and s.synchronized)
+        assert plugin.state.connections == 2
+
+    run(with_plugin(tmp_path, body))
+
+
+def test_a_message_split_over_frames_and_frames_with_two_messages(tmp_path):
+    """The multiplexer carries byte streams: a ttrpc message may span frames."""
+    async def body():
+        got = []
+
+        async def echo(payload):
+            got.append(api.RegisterPluginRequest.FromString(payload).plugin_name)
+            return api.Empty()
+
+        reader = asyncio.StreamReader()
+        sent = bytearray()
+
+        class Writer:
+            def write(self, data):
+                sent.extend(data)
+
+            async def drain(self):
+                pass
+
+            def close(self):
+                pass
+
+        ep = Endpoint(reader, Writer(), {(2, "s/m"): echo})
+        msgs = b""
+        for i, name in enumerate(("x", "y")):
+            env = wire.Request(service="s", method="m", payload=api.RegisterPluginRequest(plugin_name=name).SerializeToString())
+            data = env.SerializeToString()
+            msgs += MSG_HEADER.pack(len(data), 2 * i + 1, 1, 0) + data
+        for chunk in (msgs[:7], msgs[7:]):
+            reader.feed_data(MUX_HEADER.pack(2, len(chunk)) + chunk)
+        reader.feed_data(MUX_HEADER.pack(7, 3) + b"abc")  # a connection nobody serves: buffered, ignored
+        serving = asyncio.get_running_loop().create_task(ep.serve())
+        while len(got) < 2:
+            await asyncio.sleep(0.01)
+        assert got == ["x", "y"]
+        answers = bytes(sent)
+        assert MUX_HEADER.unpack_from(answers)[0] == 2  # answered on the caller's connection
+        reader.feed_eof()
+        await serving
+
+    run(body())
+
+
+def test_oversized_frames_and_streaming_messages_drop_the_connection():
+    async def serve(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+
+        class Writer:
+            def write(self, data):
+                pass
+
+            def close(self):
+                pass
+
+        await Endpoint(reader, Writer(), {}).serve()
+
+    with pytest.raises(ProtocolError, match="maximum"):
+        run(serve(MUX_HEADER.pack(1, (4 << 20) + 11)))
+    with pytest.raises(ProtocolError, match="maximum"):
+        run(serve(MUX_HEADER.pack(1, 10) + MSG_HEADER.pack((4 << 20) + 1, 1, 1, 0)))
+    with pytest.raises(ProtocolError, match="type 3"):
+        run(serve(MUX_HEADER.pack(1, 10) + MSG_HEADER.pack(0, 1, 3, 0)))
+    assert struct.calcsize(">IIBB") == 10
