@@ -54,6 +54,7 @@ def test_a_vfio_bound_function_goes_to_no_other_claim_in_either_order(tmp_path, 
         other = _claim(node, "other", VF, UID_B, share=SHARE_B if share else None)
         for first, second in ((vm, other), (other, vm)):
             assert not errors_of(run(node.prepare(first)))[first["metadata"]["uid"]]
+            node.wait_slices_converge()  # the rebinding's rescans are done: the agent sees the VF again
             err = errors_of(run(node.prepare(second)))[second["metadata"]["uid"]]
             assert err and VF_BDF in err, f"{second['metadata']['name']} after {first['metadata']['name']}: {err!r}"
             assert not _spec(node, second["metadata"]["uid"]), "the refused claim got a CDI spec"
