@@ -247,7 +247,24 @@ def test_kubelet_restart_under_a_running_pod(realnode):
     delete_pod(realnode, ns, "app")
 
 
-def test_the_deploy_example_runs(realnode, tmp_path):
+@pytest.fixture
+def nic_netdevs(realnode):
+    """A real netdev (a veth) under each fixture NIC's interface name, on the host: the NRI plugin
+    moves the claimed one into the pod."""
+    from discovery.inventory import scan
+
+    require_tool("ip")
+    names = [d.nic.interfaces[0].name for d in scan(realnode.root).devices if d.nic and d.nic.interfaces]
+    made = []
+    for i, name in enumerate(names):
+        if subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", f"sdrex{i}"]).returncode == 0:
+            made.append(name)
+    yield
+    for name in made:
+        subprocess.run(["ip", "link", "del", name], check=False)
+
+
+def test_the_deploy_example_runs(realnode, tmp_path, nic_netdevs):
     """deploy/example-claim.yaml as `make cluster` offers it (a GPU and a NIC from a template)."""
     ns = namespace(realnode)
     docs = load_yaml(example_pod(str(tmp_path / "example.yaml"), realnode.image))
