@@ -73,3 +73,28 @@ def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
     refused = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(bad)))
     with pytest.raises(ClaimError, match="default/c: ConnectError"):
         asyncio.run(refused.get_claim("default", "c"))
+
+
+def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver):
+    """Pods come seconds apart: a prepare after longer than httpx's 5 s default idle time still
+    uses the open connection (no new TLS handshake on the pod's path)."""
+    c = _plane_claim(apiserver, unique("c"), "claims-src")
+    src = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig)))
+    connects = []
+
+    async def trace(event, info):
+        if event == "connection.connect_tcp.complete":
+            connects.append(event)
+
+    async def scenario():
+        http = src.api._client()
+        path = f"/apis/resource.k8s.io/v1/namespaces/claims-src/resourceclaims/{c['metadata']['name']}"
+        try:
+            for idle in (0, 6):
+                await asyncio.sleep(idle)
+                assert (await http.get(path, extensions={"trace": trace})).status_code == 200
+        finally:
+            await src.api.close()
+
+    asyncio.run(scenario())
+    assert len(connects) == 1

@@ -14,6 +14,9 @@ import orjson
 from agent.apilimits import MAX_CLAIM_BYTES
 
 TIMEOUT = 10.0
+# An idle connection is kept this long (httpx's default, 5 s, made most prepares of a node
+# whose pods come seconds apart pay a new TLS handshake); client-go keeps its own for 90 s.
+KEEPALIVE = 90.0
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the server takes the body as it is
 
 
@@ -48,7 +51,7 @@ class ClaimApi:
 
             config = (self._lightkube or AsyncClient()).config
             params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(TIMEOUT))
-            self._http = client_adapter.AsyncClient(config, params)
+            self._http = httpx2.AsyncClient(**params.httpx_params(config), limits=httpx2.Limits(keepalive_expiry=KEEPALIVE))
         return self._http
 
     async def get(self, namespace: str, name: str) -> dict:
