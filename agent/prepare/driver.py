@@ -216,7 +216,7 @@ class Driver:
         devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs,
                                                          self.nvidia)
         entry_plan = {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": self.boot_id,
-                      "allocation": fp, "devices": [planner.device_record(d, e) for d, e in zip(devices, envs)],
+                      "allocation": fp, "devices": [planner.device_record(d, e, r.admin) for d, e, r in zip(devices, envs, results)],
                       "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None, "metadata": None,
                       **{st.key: st.write(records[st.key]) for st in self.steps if st.key in records}}
         if why := owners.refusal(uid, holds := self.holds(uid, entry_plan)):

@@ -7,14 +7,20 @@ A hold is on a PCI function (a GPU, a NIC, a VF, ...) and says how the claim hol
 - ``exclusive``: a whole device; ``shared``: a share of a multi-allocatable device;
 - ``partition``: one partition or MIG instance of the GPU (``unit``: the device name,
   ``mode``: the GPU mode it runs in, None for MIG);
-- ``vfio``: the function is bound to vfio-pci and handed to a VM.
+- ``vfio``: the function is bound to vfio-pci and handed to a VM;
+- and ``admin`` marks any of the first three taken with DRA admin access (``adminAccess: true``).
 
 Two claims conflict on one function when either holds it bound to vfio-pci (the VM's group
 must not reach another container, and a GPU must not be unbound under another claim's
-partition or MIG instance), when one holds a partition of a GPU the other holds whole or a
-share of, when their partitions need different modes, or when both hold the same partition.
-Whole devices and shares are the scheduler's to hand out once: two claims holding one device
-whole (a stale allocation the kubelet still asks for) are left to it, as upstream drivers do."""
+partition or MIG instance), when their partitions need different modes (a GPU runs in one),
+and, unless one of them has admin access, when one holds it whole and the other in any way
+(a stale allocation the kubelet still asks for must not hand a device to a second container),
+when one holds a partition of a GPU the other holds whole or a share of, or when both hold
+the same partition. Shares of one device go together (their capacity is the scheduler's to
+account). Admin access is for monitoring and management beside the device's ordinary users
+(upstream: it "ignores all ordinary claims to the device with respect to access modes"), so
+it reaches a device whoever holds it, but never one bound to vfio-pci (the device nodes it
+would watch are gone and the group is the VM's), nor does it let a GPU switch modes."""
 
 from __future__ import annotations
 
@@ -28,24 +34,31 @@ How = Literal["exclusive", "shared", "partition", "vfio"]
 class Hold:
     bdf: str
     how: How
-    unit: str = ""  # the partition's device name
+    unit: str = ""  # the device's name (a partition's: the partition's)
     mode: str | None = None  # the GPU mode a partition needs
+    admin: bool = False  # taken with DRA admin access
 
     def describe(self) -> str:
         if self.how == "vfio":
             return "bound to vfio-pci"
         if self.how == "partition":
-            return f"partition {self.unit}" + (f" in {self.mode}" if self.mode else "")
-        return {"exclusive": "as a whole device", "shared": "as a share"}[self.how]
+            what = f"partition {self.unit}" + (f" in {self.mode}" if self.mode else "")
+        else:
+            what = {"exclusive": "as a whole device", "shared": "as a share"}[self.how]
+        return what + (" with admin access" if self.admin else "")
 
 
 def conflict(a: Hold, b: Hold) -> bool:
     """Two holds of different claims on the same function cannot go together."""
     if "vfio" in (a.how, b.how):
         return True
+    if a.how == b.how == "partition" and a.mode is not None and b.mode is not None and a.mode != b.mode:
+        return True  # one GPU, one mode: admin access or not
+    if a.admin or b.admin:
+        return False
     if a.how == b.how == "partition":
-        return a.unit == b.unit or (a.mode is not None and b.mode is not None and a.mode != b.mode)
-    return "partition" in (a.how, b.how)  # a partition beside the whole device or a share of it
+        return a.unit == b.unit
+    return not a.how == b.how == "shared"  # whole beside anything; a partition beside the whole GPU or a share
 
 
 # a claim's holds from its checkpoint entry: (uid, entry) -> holds
@@ -89,6 +102,7 @@ class Ownership:
             for other, theirs in self.holders(h.bdf, but=uid).items():
                 for t in theirs:
                     if conflict(h, t):
-                        return (f"{h.bdf} is held by prepared claim {self.names.get(other) or other} ({other}) "
+                        what = f"{h.unit} ({h.bdf})" if h.unit and h.how != "partition" else h.bdf
+                        return (f"{what} is held by prepared claim {self.names.get(other) or other} ({other}) "
                                 f"{t.describe()}; this claim needs it {h.describe()}")
         return None

@@ -27,10 +27,12 @@ def device_from_record(d: dict) -> PreparedDevice:
     return PreparedDevice(d["requests"], d["pool"], d["device"], list(d["cdiDeviceIDs"]), d.get("shareID"))
 
 
-def device_record(d: PreparedDevice, env: tuple[str, ...] = ()) -> dict:
+def device_record(d: PreparedDevice, env: tuple[str, ...] = (), admin: bool = False) -> dict:
     rec = {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
     if env:  # a share's or a claim config's environment, for rebuilding the spec (omitted when empty)
         rec["cdiEnv"] = list(env)
+    if admin:  # what the device is held as (ownership.py), also after a restart; omitted when not
+        rec["adminAccess"] = True
     return rec
 
 
@@ -72,13 +74,13 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
 
 def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way]) -> list[Hold]:
     """What an entry's devices hold: whole devices, shares, partitions and MIG instances (by
-    their GPU). Devices no longer on the node hold nothing."""
+    their GPU), with admin access or not. Devices no longer on the node hold nothing."""
     out = []
     for d in entry.get("devices") or ():
-        name = d.get("device")
+        name, admin = d.get("device"), d.get("adminAccess") is True
         way = ways.get(name)
         if way is not None and way.kind != "whole":
-            out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode))
+            out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode, admin=admin))
         elif (dev := by_name.get(name)) is not None and dev.pci is not None:
-            out.append(Hold(dev.pci.bdf, "shared" if d.get("shareID") else "exclusive"))
+            out.append(Hold(dev.pci.bdf, "shared" if d.get("shareID") else "exclusive", unit=name, admin=admin))
     return out

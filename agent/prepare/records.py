@@ -101,6 +101,7 @@ class DeviceRecord(Record):
     cdiDeviceIDs: list[str]
     shareID: Name | None = None
     cdiEnv: list[str] | None = None
+    adminAccess: bool | None = None  # DRA admin access (prepare/ownership.py); omitted when not
 
 
 class CdiSpecRecord(Record):
