@@ -131,7 +131,7 @@ class Driver:
     def holds(self, uid: str, entry: dict) -> list[Hold]:
         """What a claim's entry holds: its devices, and what its steps changed."""
         ways = self.partitions.ways() if self.partitions else {}
-        out = planner.device_holds(entry, self.inventory().by_name(), ways)
+        out = planner.device_holds(entry, self.inventory().by_name(), ways, self.settings.share)
         for step in self.steps:
             if (rec := step.read(entry)) is not None:
                 out += step.holds(rec)

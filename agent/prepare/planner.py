@@ -72,9 +72,12 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
     return prepared, build_claim_spec(driver, uid, cds, root, edits), envs
 
 
-def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way]) -> list[Hold]:
+def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way],
+                 shared: Iterable[str] = ()) -> list[Hold]:
     """What an entry's devices hold: whole devices, shares, partitions and MIG instances (by
-    their GPU), with admin access or not. Devices no longer on the node hold nothing."""
+    their GPU), with admin access or not. A share of a device whose kind is not ``shared``
+    (not published multi-allocatable here) holds it whole. Devices no longer on the node hold
+    nothing."""
     out = []
     for d in entry.get("devices") or ():
         name, admin = d.get("device"), d.get("adminAccess") is True
@@ -82,5 +85,6 @@ def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuway
         if way is not None and way.kind != "whole":
             out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode, admin=admin))
         elif (dev := by_name.get(name)) is not None and dev.pci is not None:
-            out.append(Hold(dev.pci.bdf, "shared" if d.get("shareID") else "exclusive", unit=name, admin=admin))
+            how = "shared" if d.get("shareID") and dev.kind in shared else "exclusive"
+            out.append(Hold(dev.pci.bdf, how, unit=name, admin=admin))
     return out
