@@ -3,6 +3,8 @@ claims on one PCI function go together; the real agent's cases are tests/faults/
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 from agent.prepare.ownership import Hold, Ownership
@@ -55,3 +57,21 @@ def test_a_refusal_names_the_device_and_the_claim_holding_it():
     assert why.startswith("gpu-0000-18-00-0 (0000:18:00.0) is held by prepared claim ns/a (a) as a whole device")
     assert why.endswith("this claim needs it as a share")
     assert table.refusal("b", [Hold(GPU, "exclusive", "gpu-0000-18-00-0", admin=True)]) is None
+
+
+def _share(compute: int, admin: bool = False) -> Hold:
+    return Hold(GPU, "shared", "gpu-0000-18-00-0", admin=admin, consumed=(("compute", Fraction(compute)),),
+                capacity=(("compute", Fraction(100)), ("memory", Fraction(80 << 30))))
+
+
+def test_shares_beyond_the_devices_capacity_are_refused():
+    table = Ownership()
+    table.take("a", [_share(60)], "ns/a")
+    assert table.refusal("b", [_share(40)]) is None  # exactly full
+    why = table.refusal("b", [_share(30), _share(11)])  # two shares of one claim count together
+    assert why == ("gpu-0000-18-00-0 (0000:18:00.0): its shares would consume 101 of compute, more than its 100 "
+                   "(shares held by ns/a (a))")
+    assert table.refusal("b", [_share(41, admin=True)]) is None  # admin access consumes nothing
+    table.take("c", [_share(90, admin=True)], "ns/c")
+    assert table.refusal("b", [_share(40)]) is None
+    assert "more than its 100" in table.refusal("a", [_share(101)])  # also alone

@@ -1,6 +1,6 @@
 """The ownership table on the real driver (agent/prepare/ownership.py, issue 42 item 2): a device
 held whole goes to no second claim, whatever the order and after a restart (the table is
-rebuilt from the checkpoint); shares of a shared device go together, and DRA admin access
+rebuilt from the checkpoint); shares of a shared device go together within its capacity, and DRA admin access
 reaches a device beside its other claims but never one bound to vfio-pci. Real checkpoint,
 spec files and (for VFIO) the simulated PCI kernel; the whole agent: tests/faults/test_ownership.py."""
 
@@ -28,11 +28,15 @@ def _driver(tmp_path, share: tuple[str, ...] = ("gpu",)) -> Driver:
     return d
 
 
-def _claim(name: str, how: str, device: str = GPU) -> dict:
-    """Claim ``name`` holding ``device`` as ``how``: whole, share, admin (whole, adminAccess)."""
+def _claim(name: str, how: str, device: str = GPU, compute: str | None = None) -> dict:
+    """Claim ``name`` holding ``device`` as ``how``: whole, share (consuming ``compute``), admin
+    (whole, adminAccess)."""
     c = claim(name, [("r", device)], uid=UIDS[name], share_ids={device: SHARES[name]} if how == "share" else None)
+    result = c["status"]["allocation"]["devices"]["results"][0]
     if how == "admin":
-        c["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+        result["adminAccess"] = True
+    if compute:
+        result["consumedCapacity"] = {"compute": compute}
     return c
 
 
@@ -90,6 +94,17 @@ def test_shares_of_a_shared_device_and_admin_access_go_together(tmp_path):
     assert _prepare(restarted, admin) == {UIDS["c"]: None}
     _unprepare(restarted, admin)
     assert _prepare(restarted, admin) == {UIDS["c"]: None}  # admin access after the whole device's claim
+
+
+def test_shares_beyond_the_devices_capacity_are_refused_also_after_a_restart(tmp_path):
+    d = _driver(tmp_path)  # compute: 100 per GPU (docs/sharing.md); memory unknown here: not accounted
+    a, b, c = _claim("a", "share", compute="60"), _claim("b", "share", compute="50"), _claim("c", "share", compute="40")
+    assert _prepare(d, a) == {UIDS["a"]: None}
+    for driver in (d, _driver(tmp_path)):  # what a share consumes is read back from the checkpoint
+        err = _prepare(driver, b)[UIDS["b"]]
+        assert err and f"{GPU} ({BDF}): its shares would consume 110 of compute, more than its 100" in err, err
+        assert f"default/a ({UIDS['a']})" in err and UIDS["b"] not in driver.checkpoint.claims
+    assert _prepare(driver, c) == {UIDS["c"]: None}  # 100 of 100
 
 
 def test_a_share_of_a_device_not_published_shared_holds_it_whole(tmp_path):

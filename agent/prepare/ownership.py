@@ -16,16 +16,21 @@ partition or MIG instance), when their partitions need different modes (a GPU ru
 and, unless one of them has admin access, when one holds it whole and the other in any way
 (a stale allocation the kubelet still asks for must not hand a device to a second container),
 when one holds a partition of a GPU the other holds whole or a share of, or when both hold
-the same partition. Shares of one device go together (their capacity is the scheduler's to
-account). Admin access is for monitoring and management beside the device's ordinary users
-(upstream: it "ignores all ordinary claims to the device with respect to access modes"), so
-it reaches a device whoever holds it, but never one bound to vfio-pci (the device nodes it
-would watch are gone and the group is the VM's), nor does it let a GPU switch modes."""
+the same partition. Shares of one device go together as long as what they consume fits the
+capacities the device is published with (a share of a device whose kind is not shared holds
+it whole). Admin access is for monitoring and management beside the device's ordinary users
+(upstream it "ignores all ordinary claims to the device with respect to access modes and any
+resource allocations"), so it reaches a device whoever holds it and consumes nothing, but
+never one bound to vfio-pci (the device nodes it would watch are gone and the group is the
+VM's), nor does it let a GPU switch modes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Iterable, Literal
+
+from agent.quantity import plain
 
 How = Literal["exclusive", "shared", "partition", "vfio"]
 
@@ -37,6 +42,8 @@ class Hold:
     unit: str = ""  # the device's name (a partition's: the partition's)
     mode: str | None = None  # the GPU mode a partition needs
     admin: bool = False  # taken with DRA admin access
+    consumed: tuple[tuple[str, Fraction], ...] = ()  # a share's consumedCapacity
+    capacity: tuple[tuple[str, Fraction], ...] = ()  # a shared device's capacities, as published
 
     def describe(self) -> str:
         if self.how == "vfio":
@@ -103,6 +110,25 @@ class Ownership:
                 for t in theirs:
                     if conflict(h, t):
                         what = f"{h.unit} ({h.bdf})" if h.unit and h.how != "partition" else h.bdf
-                        return (f"{what} is held by prepared claim {self.names.get(other) or other} ({other}) "
+                        return (f"{what} is held by prepared claim {self._name(other)} "
                                 f"{t.describe()}; this claim needs it {h.describe()}")
+        return self._beyond_capacity(uid, list(holds))
+
+    def _name(self, uid: str) -> str:
+        return f"{self.names.get(uid) or uid} ({uid})"
+
+    def _beyond_capacity(self, uid: str, holds: list[Hold]) -> str | None:
+        """Why the shares ``uid`` takes would consume more of a device than it has, or None.
+        Admin access consumes nothing (it ignores resource allocations upstream)."""
+        for h in holds:
+            if h.how != "shared" or h.admin or not h.capacity:
+                continue
+            mine = [t for t in holds if t.bdf == h.bdf and t.how == "shared" and not t.admin]
+            theirs = {u: [t for t in ts if t.how == "shared" and not t.admin] for u, ts in self.holders(h.bdf, but=uid).items()}
+            for name, total in h.capacity:
+                used = sum(dict(t.consumed).get(name, 0) for t in mine + [t for ts in theirs.values() for t in ts])
+                if used > total:
+                    by = ", ".join(self._name(u) for u, ts in theirs.items() if ts) or "no other claim"
+                    return (f"{h.unit} ({h.bdf}): its shares would consume {plain(used)} of {name}, more than its "
+                            f"{plain(total)} (shares held by {by})")
         return None

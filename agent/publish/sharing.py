@@ -166,6 +166,15 @@ def discovered_value(device, capacity: str) -> str | None:
     return None
 
 
+def shared_capacities(device, plan: SharePlan | None) -> dict[str, str] | None:
+    """The capacities ``device`` is published with for its shares, by name (None: its kind is
+    not shared). One with no known value is not among them: it is not accounted there."""
+    if plan is None or device.kind not in plan.kinds:
+        return None
+    values = {name: policy.get("value") or discovered_value(device, name) for name, policy in plan.policies[device.kind]}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     """The device's slice entry, multi-allocatable with policies when its kind is shared."""
     if plan is None or device.kind not in plan.kinds:
@@ -175,8 +184,9 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     for name in set(DEFAULT_POLICIES.get(device.kind, {})) - kept:
         # dropped by the operator: without a policy every share would consume all of it
         capacity.pop(name, None)
+    values = shared_capacities(device, plan)
     for name, policy in plan.policies[device.kind]:
-        value = policy.get("value") or discovered_value(device, name)
+        value = values.get(name)
         if value is None:
             capacity.pop(name, None)  # unknown here: not accounted on this device
             plan.log_unknown(device.name, name)
