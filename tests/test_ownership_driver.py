@@ -21,9 +21,9 @@ UIDS = {n: f"00000000-0000-4000-8000-0000000000{i:02x}" for i, n in enumerate(("
 SHARES = {n: f"5a4e0000-0000-4000-8000-0000000000{i:02x}" for i, n in enumerate(("a", "b", "c", "d"))}
 
 
-def _driver(tmp_path, share: tuple[str, ...] = ("gpu",)) -> Driver:
+def _driver(tmp_path, share: tuple[str, ...] = ("gpu",), **kw) -> Driver:
     inv = inventory(gpu(0), gpu(1))
-    d = Driver(settings_for(str(tmp_path), share=share), lambda: inv)
+    d = Driver(settings_for(str(tmp_path), share=share, **kw), lambda: inv)
     d.recover()
     return d
 
@@ -105,6 +105,14 @@ def test_shares_beyond_the_devices_capacity_are_refused_also_after_a_restart(tmp
         assert err and f"{GPU} ({BDF}): its shares would consume 110 of compute, more than its 100" in err, err
         assert f"default/a ({UIDS['a']})" in err and UIDS["b"] not in driver.checkpoint.claims
     assert _prepare(driver, c) == {UIDS["c"]: None}  # 100 of 100
+
+
+def test_shares_are_accounted_against_the_operators_capacity_values(tmp_path):
+    policy = {"value": "200", "default": "10", "validRange": {"min": "1", "max": "200", "step": "1"}}
+    d = _driver(tmp_path, share_policies={"gpu": {"compute": policy}})  # published as 200 (docs/sharing.md)
+    a, b, c = _claim("a", "share", compute="60"), _claim("b", "share", compute="50"), _claim("c", "share", compute="91")
+    assert _prepare(d, a, b) == {UIDS["a"]: None, UIDS["b"]: None}
+    assert "consume 201 of compute, more than its 200" in _prepare(d, c)[UIDS["c"]]
 
 
 def test_a_share_of_a_device_not_published_shared_holds_it_whole(tmp_path):

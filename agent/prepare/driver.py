@@ -55,9 +55,9 @@ from agent.prepare.steps.timeslice import TimeSliceStep
 from agent.prepare.steps.vfio import VfioStep
 from agent.prepare.vfio import VfioError
 from agent.prepare.vfio_kernel import KernelError, PciKernel
-from agent.publish.sharing import share_plan, shared_capacities
 from agent.quantity import parse_quantity
 from agent.settings import Settings
+from agent.sharecaps import capacity_values, merged_policies
 from cdi.spec import SpecError
 from discovery.models import Device, Inventory
 
@@ -117,7 +117,8 @@ class Driver:
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
-        self.share_plan = share_plan(settings.share, settings.share_policies)  # checked at start (exit 78)
+        # what shared devices offer, as published (the policies are checked at start: exit 78)
+        self.share_policies = {kind: list(merged_policies(kind, settings.share_policies).items()) for kind in settings.share}
         self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)
 
     # --- helpers -------------------------------------------------------------
@@ -143,8 +144,9 @@ class Driver:
 
     def _capacities(self, dev: Device) -> dict[str, Fraction] | None:
         """The capacities ``dev``'s shares are accounted against, as published (None: not shared)."""
-        caps = shared_capacities(dev, self.share_plan)
-        return None if caps is None else {name: parse_quantity(v) for name, v in caps.items()}
+        if dev.kind not in self.share_policies:
+            return None
+        return {name: parse_quantity(v) for name, v in capacity_values(dev, self.share_policies[dev.kind]).items()}
 
     def _undo(self, entry: dict, others: dict[str, dict], steps=None) -> list[str]:
         """The entry's host changes undone in reverse -> problems (empty: all undone)."""
