@@ -2,8 +2,8 @@
 
 The claim object is input: ``status.allocation.devices.results`` may hold anything. Each
 of our results must have the API's types and formats (request and device names, a string
-``shareID``, a boolean ``adminAccess``), and no device (or share of one) may be allocated twice; otherwise the claim
-fails as a whole with a message saying which result is wrong.
+``shareID``, a boolean ``adminAccess``), and no device (or share of one) may be allocated
+twice; otherwise the claim fails as a whole with a message saying which result is wrong.
 
 Results whose ``skipNodeOperations`` (KEP-5945, copied from their slice at allocation) skip
 NodePrepareResources are left out: the kubelet calls us for a claim only when some of our

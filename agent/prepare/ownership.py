@@ -105,6 +105,7 @@ class Ownership:
 
     def refusal(self, uid: str, holds: Iterable[Hold]) -> str | None:
         """Why ``uid`` cannot take ``holds`` (the first conflict), or None."""
+        holds = list(holds)
         for h in holds:
             for other, theirs in self.holders(h.bdf, but=uid).items():
                 for t in theirs:
@@ -112,7 +113,7 @@ class Ownership:
                         what = f"{h.unit} ({h.bdf})" if h.unit and h.how != "partition" else h.bdf
                         return (f"{what} is held by prepared claim {self._name(other)} "
                                 f"{t.describe()}; this claim needs it {h.describe()}")
-        return self._beyond_capacity(uid, list(holds))
+        return self._beyond_capacity(uid, holds)
 
     def _name(self, uid: str) -> str:
         return f"{self.names.get(uid) or uid} ({uid})"
@@ -120,13 +121,17 @@ class Ownership:
     def _beyond_capacity(self, uid: str, holds: list[Hold]) -> str | None:
         """Why the shares ``uid`` takes would consume more of a device than it has, or None.
         Admin access consumes nothing (it ignores resource allocations upstream)."""
+
+        def counted(hs: Iterable[Hold], bdf: str) -> list[Hold]:
+            return [t for t in hs if t.bdf == bdf and t.how == "shared" and not t.admin]
+
         for h in holds:
             if h.how != "shared" or h.admin or not h.capacity:
                 continue
-            mine = [t for t in holds if t.bdf == h.bdf and t.how == "shared" and not t.admin]
-            theirs = {u: [t for t in ts if t.how == "shared" and not t.admin] for u, ts in self.holders(h.bdf, but=uid).items()}
+            theirs = {u: counted(ts, h.bdf) for u, ts in self.holders(h.bdf, but=uid).items()}
+            every = counted(holds, h.bdf) + [t for ts in theirs.values() for t in ts]
             for name, total in h.capacity:
-                used = sum(dict(t.consumed).get(name, 0) for t in mine + [t for ts in theirs.values() for t in ts])
+                used = sum(dict(t.consumed).get(name, 0) for t in every)
                 if used > total:
                     by = ", ".join(self._name(u) for u, ts in theirs.items() if ts) or "no other claim"
                     return (f"{h.unit} ({h.bdf}): its shares would consume {plain(used)} of {name}, more than its "

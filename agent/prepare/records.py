@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
-from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.prepare.netdevs import NetdevPlan
 from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
