@@ -61,6 +61,7 @@ class MpsDaemons:
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
         self._procs: dict[str, subprocess.Popen] = {}  # daemons this process started: reaped when they end
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
+        self.on_change: Callable[[], None] = lambda: None  # the supervisor looks again
         self.state = mps_records.load(self.path)
 
     @property
@@ -223,6 +224,7 @@ class MpsDaemons:
                     self._start(uuid)
                 except MpsError as err:
                     errors[uuid] = str(err)
+        self.on_change()
         return errors
 
     def restart(self, uuid: str) -> MpsRecord | None:

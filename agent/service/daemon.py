@@ -211,6 +211,7 @@ class Agent:
             raise StartupError(str(err), EX_CANTCREAT) from None
         except CheckpointError as err:
             raise StartupError(str(err), EX_DATAERR) from None
+        core.supervise_mps(self.health.gpu_daemon_fault)  # a dead MPS daemon: its GPU unhealthy until back
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)
