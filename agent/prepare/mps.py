@@ -19,6 +19,7 @@ GPU, directories and environment again. Both run in worker threads and block, on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -56,7 +57,7 @@ class MpsDaemons:
         self.path = os.path.join(self.base, "daemons.json")
         # as the agent runs it (under --root), or how to find it when needed; None: the node has none
         self._binary = binary
-        self._env = env or {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
+        self._env = env if env is not None else {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
         self.boot_id = boot_id  # this boot's (prepare/bootid.py): records of another are stale
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
         self._procs: dict[str, subprocess.Popen] = {}  # daemons this process started: reaped when they end
@@ -101,6 +102,9 @@ class MpsDaemons:
         dirs = self.dirs(uuid)
         for d in dirs.values():
             make_dirs(d, 0o755)
+        control = os.path.join(dirs["pipe"], "control")
+        with contextlib.suppress(FileNotFoundError):  # a killed daemon's: its readiness is this appearing
+            os.unlink(control)
         self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # the intent, before the process
         self._save()
         log_file = open(os.path.join(dirs["log"], "agent-started.log"), "ab")
@@ -120,7 +124,7 @@ class MpsDaemons:
         self.state.daemons[uuid] = rec
         self._save()
         deadline = time.monotonic() + START_TIMEOUT
-        while not os.path.exists(os.path.join(dirs["pipe"], "control")):
+        while not os.path.exists(control):
             if proc.poll() is not None or time.monotonic() > deadline:
                 self._stop(rec)
                 raise MpsError(f"GPU {uuid}: {BINARY} did not start (see {dirs['log']})")
@@ -134,9 +138,10 @@ class MpsDaemons:
         log.info("MPS control daemon for GPU %s started (pid %d)", uuid, proc.pid)
         return rec
 
-    def _signal_until_gone(self, rec: MpsRecord) -> None:
-        """SIGTERM, then SIGKILL, each only while the recorded process (checked each time) runs."""
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    def _signal_until_gone(self, rec: MpsRecord, quitting: bool = False) -> None:
+        """SIGTERM, then SIGKILL (after a moment to quit, if asked to), each only while the
+        recorded process (checked each time) runs."""
+        for sig in ((None,) if quitting else ()) + (signal.SIGTERM, signal.SIGKILL):
             if not self.alive(rec):
                 return
             if sig is not None:
@@ -151,13 +156,14 @@ class MpsDaemons:
 
     def _stop(self, rec: MpsRecord) -> None:
         """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories go."""
+        quitting = False
         if self.alive(rec) and self.binary is not None:
             try:
-                subprocess.run([self.binary], input=b"quit\n", env=self._daemon_env(rec.uuid), timeout=STOP_TIMEOUT,
-                               capture_output=True)
+                quitting = subprocess.run([self.binary], input=b"quit\n", env=self._daemon_env(rec.uuid),
+                                          timeout=STOP_TIMEOUT, capture_output=True).returncode == 0
             except (OSError, subprocess.TimeoutExpired) as err:
                 log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
-        self._signal_until_gone(rec)
+        self._signal_until_gone(rec, quitting)
         self._procs.pop(rec.uuid, None)
         self.state.daemons.pop(rec.uuid, None)
         self._save()
