@@ -87,11 +87,11 @@ def test_a_killed_daemon_is_unhealthy_restarted_then_healthy(daemons, supervised
 
 
 def test_restarts_are_bounded(daemons, supervised, monkeypatch):  # noqa: F811
-    monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.3)
     env: dict[str, str] = {}
     d = daemons(env=env)
-    d.reconcile({UUID})
+    assert d.reconcile({UUID}) == {}
     first = d.state.daemons[UUID]
+    monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.3)  # starts that fail, fail fast
     env["FAKE_MPS_NO_PIPE"] = "1"  # from now on every start fails
     failed = _restarts("failed")
     _, health = supervised(d, max_restarts=3)
