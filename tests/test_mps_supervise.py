@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from agent.prepare.mps import MpsDaemons
 from agent.prepare.mps_records import MpsRecord
 from agent.prepare.mps_watch import RESTARTS, MpsSupervisor
 from tests.conftest import REPO, require_root
@@ -207,3 +208,32 @@ def test_unrecorded_dirs_are_removed(daemons):  # noqa: F811
     os.makedirs(os.path.join(d.base, "not-a-gpu"))
     d.reconcile(set())
     assert os.listdir(d.base) == ["not-a-gpu"]  # ours only: named after a GPU
+
+
+PID_NS = r"""
+import sys
+from agent.prepare.mps import MpsDaemons
+d = MpsDaemons(sys.argv[1], sys.argv[2])
+assert d.reconcile({sys.argv[3]}) == {}
+print(d.state.daemons[sys.argv[3]].pid)
+"""  # then it exits: the namespace's init, so the kernel kills the daemon too
+
+
+def test_daemons_of_a_pod_that_ended_are_started_again_from_records(tmp_path, binary):  # noqa: F811
+    """The DaemonSet: the agent and its daemons share the container's PID namespace and end
+    together; the next agent finds records naming PIDs of another namespace and starts anew."""
+    require_root()
+    plugin = str(tmp_path / "plugin")
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", PID_NS, plugin, binary, UUID],
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    inner = int(out.stdout)
+    assert inner < 10  # a PID of the pod's namespace; here it names a kernel thread or nothing
+    d = MpsDaemons(plugin, binary)
+    assert d.state.daemons[UUID].pid == inner and not d.alive(d.state.daemons[UUID])
+    try:
+        assert d.reconcile({UUID}) == {}
+        rec = d.state.daemons[UUID]
+        assert rec.pid != inner and d.alive(rec) and d.answers(UUID)
+    finally:
+        d.reconcile(set())
