@@ -237,3 +237,47 @@ def test_daemons_of_a_pod_that_ended_are_started_again_from_records(tmp_path, bi
         assert rec.pid != inner and d.alive(rec) and d.answers(UUID)
     finally:
         d.reconcile(set())
+
+
+def test_the_health_monitor_holds_a_gpu_unhealthy_while_its_daemon_is_down(tmp_path):
+    """The supervisor's reports (from its thread) as the health monitor takes them: the GPU with
+    that UUID is re-checked at once, Unhealthy (and tainted) while the fault holds, through full
+    rounds too, and its own verdict again once the daemon is back."""
+    import asyncio
+
+    from agent.health.checks import HEALTHY, UNHEALTHY
+    from agent.health.monitor import HealthMonitor
+    from discovery.inventory import scan
+    from tests.conftest import profile_root
+    from tests.kubelet_standin import settings_for
+
+    root = profile_root("h200-vm")
+    inv = scan(root)
+    gpu = next(d for d in inv.devices if d.kind == "gpu")
+    s = settings_for(str(tmp_path), root=root, nvidia_driver_root="/usr/local/nvidia")
+
+    async def until(pred):
+        async with asyncio.timeout(TIMEOUT):
+            while not pred():
+                await asyncio.sleep(0.02)
+
+    async def main():
+        monitor = HealthMonitor(s, lambda: inv)
+        await monitor.start()
+        try:
+            assert monitor.states[gpu.name].verdict.health == HEALTHY
+            report = ("mps-daemon-down", "MPS control daemon (pid 7) died: being restarted")
+            await asyncio.to_thread(monitor.gpu_daemon_fault, gpu.gpu.nvidia_uuid, report)
+            await until(lambda: monitor.states[gpu.name].verdict.health == UNHEALTHY)
+            assert monitor.states[gpu.name].verdict.reason == "mps-daemon-down"
+            assert monitor.taints()[gpu.name][0]["value"] == "mps-daemon-down"
+            await monitor.check_now()  # a full round keeps it
+            assert monitor.states[gpu.name].verdict.reason == "mps-daemon-down"
+            monitor.gpu_daemon_fault("GPU-00000000-0000-0000-0000-000000000000", report)  # another GPU's: not this one's
+            await asyncio.to_thread(monitor.gpu_daemon_fault, gpu.gpu.nvidia_uuid, None)
+            await until(lambda: monitor.states[gpu.name].verdict.health == HEALTHY)
+            assert gpu.name not in monitor.taints()
+        finally:
+            await monitor.stop()
+
+    asyncio.run(main())
