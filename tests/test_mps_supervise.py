@@ -281,3 +281,25 @@ def test_the_health_monitor_holds_a_gpu_unhealthy_while_its_daemon_is_down(tmp_p
             await monitor.stop()
 
     asyncio.run(main())
+
+
+def test_a_daemon_started_but_never_recorded_is_ended_before_another_starts(daemons, binary):  # noqa: F811
+    """The agent was killed between starting a daemon and recording its PID: the record holds
+    the intent only. The next start ends that daemon (its pipe dir is the GPU's) and runs one."""
+    d = daemons()
+    pipe, logs = d.dirs(UUID)["pipe"], d.dirs(UUID)["log"]
+    os.makedirs(pipe)
+    os.makedirs(logs)
+    stray = subprocess.Popen([binary, "-f"], env={**os.environ, "CUDA_VISIBLE_DEVICES": UUID,
+                                                  "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs})
+    try:
+        d.state.daemons = {UUID: MpsRecord(uuid=UUID, boot_id=d.boot_id)}  # intent only
+        assert d.reconcile({UUID}) == {}
+        stray.wait(10)  # ended (and reaped by the agent: psutil waits for its children)
+        assert not psutil.pid_exists(stray.pid)
+        rec = d.state.daemons[UUID]
+        assert rec.pid != stray.pid and d.alive(rec) and d.answers(UUID)
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait()

@@ -85,6 +85,12 @@ class MpsDaemons:
         with self.lock:
             return {u: self.state.daemons.get(u) for u in sorted(self.wanted)}
 
+    def dead(self, uuid: str, rec: MpsRecord | None) -> bool:
+        """Still needed, still recorded as ``rec``, and not running: prepare, which may have just
+        stopped or started it, is done (the supervisor's snapshot may be older)."""
+        with self.lock:
+            return uuid in self.wanted and self.state.daemons.get(uuid) == rec and not self.alive(rec)
+
     # --- processes --------------------------------------------------------------------------
     def alive(self, rec: MpsRecord | None) -> bool:
         if rec is not None and (proc := self._procs.get(rec.uuid)) is not None and proc.pid == rec.pid:
@@ -95,6 +101,24 @@ class MpsDaemons:
         dirs = self.dirs(uuid)
         return {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": uuid,
                 "CUDA_MPS_PIPE_DIRECTORY": dirs["pipe"], "CUDA_MPS_LOG_DIRECTORY": dirs["log"]}
+
+    def _end_strays(self, uuid: str) -> None:
+        """Daemons of this GPU's pipe dir that no record names: an agent killed between starting
+        one and recording its PID. Found by command line, then environment; ended before another
+        starts (only processes this agent can see: in a pod, those of its PID namespace)."""
+        pipe, known = self.dirs(uuid)["pipe"], self.state.daemons.get(uuid)
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd[-1:] != ["-f"] or not any(os.path.basename(a) == BINARY for a in cmd[:-1]):
+                continue
+            try:
+                if p.environ().get("CUDA_MPS_PIPE_DIRECTORY") != pipe or (known is not None and p.pid == known.pid):
+                    continue
+                log.warning("MPS control daemon for GPU %s with no record (pid %d): ended", uuid, p.pid)
+                p.kill()
+                p.wait(STOP_TIMEOUT / 2)
+            except psutil.Error:
+                continue
 
     def _start(self, uuid: str) -> MpsRecord:
         if self.binary is None:
@@ -107,6 +131,7 @@ class MpsDaemons:
             os.unlink(control)
         self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # the intent, before the process
         self._save()
+        self._end_strays(uuid)
         log_file = open(os.path.join(dirs["log"], "agent-started.log"), "ab")
         try:
             proc = subprocess.Popen([self.binary, "-f"], env=self._daemon_env(uuid), stdin=subprocess.DEVNULL,

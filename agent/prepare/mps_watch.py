@@ -106,7 +106,8 @@ class MpsSupervisor:
                 if uuid in self.faulted and self.daemons.answers(uuid):
                     self._healthy(uuid, "answers again")
             elif uuid not in self._due:
-                self._died(uuid, rec, now)
+                if self.daemons.dead(uuid, rec):  # not just stopped or replaced by prepare
+                    self._died(uuid, rec, now)
             elif now >= self._due[uuid]:
                 self._restart(uuid)
         for uuid in list(self._due):
