@@ -59,6 +59,14 @@ def supervised(daemons):  # noqa: F811
         sup.stop()
 
 
+def _rounds(sup: MpsSupervisor, n: int) -> None:
+    """Wait until the supervisor has done ``n`` more rounds."""
+    seen, deadline = sup.rounds, time.monotonic() + TIMEOUT
+    while sup.rounds < seen + n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sup.rounds >= seen + n
+
+
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -95,12 +103,12 @@ def test_restarts_are_bounded(daemons, supervised, monkeypatch):  # noqa: F811
     monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.3)  # starts that fail, fail fast
     env["FAKE_MPS_NO_PIPE"] = "1"  # from now on every start fails
     failed = _restarts("failed")
-    _, health = supervised(d, max_restarts=3)
+    sup, health = supervised(d, max_restarts=3)
     _kill(first.pid)
     events = health.wait(lambda ev: any("gave up after 3 restarts" in f[1] for _, f in ev if f))
     assert all(u == UUID and f is not None for u, f in events)  # never healthy meanwhile
     assert _restarts("failed") == failed + 3
-    time.sleep(1.0)  # past the bound: no more tries
+    _rounds(sup, 3)  # past the bound: no more tries
     assert _restarts("failed") == failed + 3 and UUID not in d.state.daemons
     del env["FAKE_MPS_NO_PIPE"]  # the next prepare (or start) reconciles it
     assert d.reconcile({UUID}) == {}
@@ -115,8 +123,7 @@ def test_a_daemon_prepare_stops_is_not_restarted(daemons, supervised):  # noqa: 
     sup, health = supervised(d)
     d.reconcile(set())  # the last share went
     assert not d.alive(rec)
-    sup.check()
-    time.sleep(0.5)
+    _rounds(sup, 2)  # two whole rounds after the stop
     assert health.events == [] and _restarts("started") == started and d.state.daemons == {}
 
 

@@ -43,6 +43,7 @@ class MpsSupervisor:
         self.interval, self.max_restarts, self.window = interval, max_restarts, window
         self.backoff, self.backoff_max = backoff, backoff_max
         self.faulted: set[str] = set()
+        self.rounds = 0  # rounds done (tests wait for them)
         self._recent: dict[str, deque[float]] = {}  # monotonic times of each GPU's restarts
         self._due: dict[str, float] = {}  # GPUs whose daemon is dead -> when to start it again
         self._pidfds: dict[str, tuple[MpsRecord, int]] = {}
@@ -78,6 +79,7 @@ class MpsSupervisor:
                 self.check()
             except Exception:  # noqa: BLE001 - a bug here must not end supervision
                 log.exception("MPS supervision round failed")
+            self.rounds += 1
             self._wait()
 
     def _wait(self) -> None:
@@ -96,7 +98,8 @@ class MpsSupervisor:
             pass
 
     def check(self) -> None:
-        """One round: every needed GPU's daemon looked at, dead ones started when due."""
+        """One round: every needed GPU's daemon looked at, dead ones started when due (the
+        thread's own: never called beside it)."""
         watched = self.daemons.watched()
         self._track(watched)
         now = time.monotonic()
