@@ -133,8 +133,7 @@ class Agent:
         return True
 
     def _follow_health(self) -> None:
-        """Subscribe to the health monitor before its first round, so that round's verdicts
-        reach the status board, metrics and (with --taint-unhealthy) the slices at once."""
+        """Subscribed before the monitor's first round: its verdicts reach status, metrics and taints at once."""
         sub = self.health.subscribe()
 
         async def follow() -> None:
