@@ -43,6 +43,7 @@ from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
+from agent.prepare.mps_watch import MpsSupervisor
 from agent.prepare.netdevs import plan_netdevs, reserved_pods
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
@@ -108,7 +109,7 @@ class Driver:
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
         mps = settings.plugin_dir if "gpu" in settings.share and settings.nvidia_mps else None
         self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
-                                   settings.cdi_host_root, mps)
+                                   settings.cdi_host_root, mps, self.boot_id)
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)
@@ -119,6 +120,7 @@ class Driver:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
         # what shared devices offer, as published (the policies are checked at start: exit 78)
         self.share_policies = {kind: list(merged_policies(kind, settings.share_policies).items()) for kind in settings.share}
+        self.mps_watch = None  # prepare/mps_watch.MpsSupervisor once supervise_mps is called
         self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)
 
     # --- helpers -------------------------------------------------------------
@@ -343,6 +345,18 @@ class Driver:
 
     def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
         return self.files.ensure_metadata(uid, entry, rebuild)
+
+    def supervise_mps(self, on_health: Callable[[str, tuple[str, str] | None], None]) -> None:
+        """The MPS daemons supervised from now on (prepare/mps_watch.py): ``on_health(GPU UUID,
+        fault or None)`` from its thread. Call after ``recover``; ``close`` ends it."""
+        if self.nvidia.mps is not None and self.mps_watch is None:
+            self.mps_watch = MpsSupervisor(self.nvidia.mps, on_health)
+            self.mps_watch.start()
+
+    def close(self) -> None:
+        if self.mps_watch is not None:
+            self.mps_watch.stop()
+            self.mps_watch = None
 
     def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir (and the kernel) match it. Call before serving."""

@@ -133,8 +133,7 @@ class Agent:
         return True
 
     def _follow_health(self) -> None:
-        """Subscribe to the health monitor before its first round, so that round's verdicts
-        reach the status board, metrics and (with --taint-unhealthy) the slices at once."""
+        """Subscribed before the monitor's first round: its verdicts reach status, metrics and taints at once."""
         sub = self.health.subscribe()
 
         async def follow() -> None:
@@ -213,6 +212,7 @@ class Agent:
             raise StartupError(str(err), EX_CANTCREAT) from None
         except CheckpointError as err:
             raise StartupError(str(err), EX_DATAERR) from None
+        core.supervise_mps(self.health.gpu_daemon_fault)  # a dead MPS daemon: its GPU unhealthy until back
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)
