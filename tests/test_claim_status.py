@@ -504,6 +504,8 @@ def test_a_pod_cycle_costs_one_get_and_one_apply(cluster, tmp_path):
 
     c = cluster.allocated_claim(cluster.name, other=False)
     m = c["metadata"]
+    # a kubelet dir of its own: the module's other claims may hold the same GPU there
+    settings = settings_for(str(tmp_path), root=cluster.settings.root, node_name=cluster.name, cluster="kube")
     proxy = FaultProxy(cluster.plane).start()
     try:
         config = proxy.write_kubeconfig(str(tmp_path / "proxy.kubeconfig"), token=cluster.pod_token)
@@ -512,7 +514,7 @@ def test_a_pod_cycle_costs_one_get_and_one_apply(cluster, tmp_path):
             api = ClaimApi(AsyncClient(config=KubeConfig.from_file(config)), field_manager=DRIVER)
             writer = StatusWriter(KubeStatus(DRIVER, api))
             try:
-                async with registered_plugin(cluster.settings, cluster.inv, KubeClaimSource(api), writer) as kubelet:
+                async with registered_plugin(settings, cluster.inv, KubeClaimSource(api), writer) as kubelet:
                     assert (await kubelet.prepare(c)).claims[m["uid"]].error == ""
                     await writer.idle(30)
                     assert (await kubelet.unprepare(c)).claims[m["uid"]].error == ""
