@@ -140,6 +140,11 @@ class NvidiaNode:
         self.driver_version = version if semver(version) else kernel_module_version(fs)
         self.cuda_driver = cuda
 
+    def mig_profiles(self, bdf: str) -> tuple:
+        """The GPU's MIG profiles from NVML (empty without NVML or MIG): dynamic MIG."""
+        ask = getattr(self.nvml, "mig_profiles", None)
+        return ask(bdf) if ask is not None else ()
+
     def facts(self, bdf: str, device_id: str) -> NvidiaFacts:
         answer = self.nvml.device(bdf) if self.nvml is not None else None
         return facts(device_id, answer, self.driver_version, self.cuda_driver)

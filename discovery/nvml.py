@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Protocol
 
+from discovery import mig
+from discovery.models import MigProfile
 from discovery.nvidia import NvmlDevice
 from discovery.nvidia_driver import LIB_DIRS, resolve
 
@@ -39,6 +41,9 @@ class NvmlSource(Protocol):
 
     def device(self, bdf: str) -> NvmlDevice | None:
         """The GPU at PCI address ``bdf``, None when NVML does not know it."""
+
+    def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
+        """The GPU's MIG GPU-instance profiles (empty: no MIG, or NVML does not say)."""
 
 
 def find_library(root: str, driver_root: str) -> str | None:
@@ -81,6 +86,7 @@ class Nvml:
         self.where = where
         self.failed: str | None = None
         self._devices: dict[str, NvmlDevice | None] = {}
+        self._mig: dict[str, tuple[MigProfile, ...]] = {}
 
     @classmethod
     def open(cls, root: str, driver_root: str = "/", timeout: float = 5.0, pynvml=None,
@@ -127,6 +133,26 @@ class Nvml:
     def call(self, what: str, fn: Callable):
         """``fn()`` on the NVML thread: its result, or None (logged) when it fails or times out."""
         return self._ask(what, fn)
+
+    def run(self, what: str, fn: Callable):
+        """``fn(pynvml)`` on the NVML thread -> its result; its NVMLError (or a timeout, which
+        does not stop NVML asking later) raised to the caller: for changes (prepare/mig.py)."""
+        if self.failed:
+            raise TimeoutError(f"NVML is not answering ({self.failed})")
+        return self.worker.call(lambda: fn(self.pynvml))
+
+    def handle(self, bdf: str):
+        """The GPU's NVML handle; call on the NVML thread (inside ``run``)."""
+        return self.pynvml.nvmlDeviceGetHandleByPciBusId(bdf)
+
+    def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
+        """Static, so asked once per GPU; empty for a GPU without MIG."""
+        if bdf not in self._mig:
+            got = self._ask(f"MIG profiles of {bdf}", lambda: mig.profiles(self.pynvml, self.handle(bdf)))
+            if got is None and self.failed:
+                return ()
+            self._mig[bdf] = got or ()
+        return self._mig[bdf]
 
     def _ask(self, what: str, fn: Callable):
         if self.failed:

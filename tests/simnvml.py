@@ -25,6 +25,8 @@ class SimGpu:
     compute_capability: tuple[int, int] = (9, 0)
     brand: int = 14  # NVML_BRAND_NVIDIA
     unsupported: set[str] = field(default_factory=set)  # queries answered NOT_SUPPORTED
+    minor: int = 0  # /dev/nvidia<minor>
+    mig_capable: bool = False  # MIG: tests/simnvml_mig.py (the H200 is; off here, so no MIG profiles)
 
 
 @dataclass
@@ -87,6 +89,9 @@ class SimNvml:
 
     def nvmlDeviceGetBrand(self, h):
         return self._answer(h, "brand", h.brand)
+
+    def nvmlDeviceGetMigMode(self, h):
+        raise NVMLError()  # NOT_SUPPORTED: a GPU without MIG (tests/simnvml_mig.py has MIG)
 
 
 def open_sim(root: str, sim: SimNvml, driver_root: str = "/usr/local/nvidia", timeout: float = 5.0):
