@@ -27,6 +27,8 @@ class SimGpu:
     unsupported: set[str] = field(default_factory=set)  # queries answered NOT_SUPPORTED
     minor: int = 0  # /dev/nvidia<minor>
     mig_capable: bool = False  # MIG: tests/simnvml_mig.py (the H200 is; off here, so no MIG profiles)
+    mig: list[int] = field(default_factory=lambda: [0, 0])  # MIG mode (current, pending)
+    gis: dict = field(default_factory=dict)  # GPU instances (tests/simnvml_mig.py)
 
 
 @dataclass
