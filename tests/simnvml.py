@@ -9,9 +9,13 @@ import threading
 from dataclasses import dataclass, field
 
 
+_STRINGS = {2: "Invalid Argument", 3: "Not Supported", 6: "Not Found", 10: "Timeout", 13: "Function Not Found",
+            19: "In use by another client", 23: "Insufficient Resources"}  # nvmlErrorString's wording
+
+
 class NVMLError(Exception):
     def __init__(self, value: int = 3):  # NVML_ERROR_NOT_SUPPORTED
-        super().__init__(f"NVML error {value}")
+        super().__init__(_STRINGS.get(value, f"NVML error {value}"))
         self.value = value
 
 

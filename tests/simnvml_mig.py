@@ -276,6 +276,16 @@ class SimMigNvml(SimNvml):
         with self._locked(False):
             return json.loads(json.dumps(self.gpus[bus_id].gis))
 
+    def reboot(self) -> None:
+        """Every GPU and compute instance gone, as after a reboot (MIG mode stays)."""
+        with self._locked(True):
+            for gpu in self.gpus.values():
+                for gid, gi in list(gpu.gis.items()):
+                    for ci in gi["cis"]:
+                        self._cap(gpu, gid, ci, False)
+                    self._cap(gpu, gid, None, False)
+                gpu.gis = {}
+
     def set_mig(self, bus_id: str, mode: int) -> None:
         with self._locked(True):
             self.gpus[bus_id].mig = [mode, mode]
