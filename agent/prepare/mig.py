@@ -119,7 +119,7 @@ class MigDevices:
             now = next((g for g in mig.gpu_instances(nv, h, [rec.profile]) if g.start == rec.start), None)
             if now is None:
                 return False
-            _destroy(nv, h, now.gi)
+            _destroy(nv, h, now.gi, self.fault)
             return True
 
         done = self._run(f"destroying MIG device {rec.device}", gone)
@@ -179,9 +179,10 @@ def _full_ci_profile(nv, gi) -> int:
     return best[0]
 
 
-def _destroy(nv, h, gi: int) -> None:
+def _destroy(nv, h, gi: int, fault: Callable[[str], None] = lambda p: None) -> None:
     """Compute instances first (NVML refuses a GPU instance that has any), then the GI."""
     handle = nv.nvmlDeviceGetGpuInstanceById(h, gi)
     for ci in mig.compute_instances(nv, handle):
         nv.nvmlComputeInstanceDestroy(ci)
+    fault("mig:ci-destroyed")
     nv.nvmlGpuInstanceDestroy(handle)

@@ -94,8 +94,10 @@ class MigStep:
         """A prepared claim's instances made again where they are gone (after a reboot)."""
         moved = False
         for rec in record:
-            if self.devices.find(rec) is None:
-                log.warning("GPU %s: MIG device %s is gone (a reboot?): creating it again", rec.gpu, rec.device)
+            if (now := self.devices.find(rec)) is None or not now.cis:  # a reboot, or a crash halfway through a destroy
+                log.warning("GPU %s: MIG device %s is gone or has no compute instance: creating it again", rec.gpu, rec.device)
+                if now is not None:
+                    self.devices.destroy(rec)
                 self.devices.create(rec)
                 moved = True
         return moved
