@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from discovery.models import NvidiaFacts
+from discovery.models import MigProfile, NvidiaFacts
 from discovery.sysfs import AttrError, HostFS
 
 # NVML's nvmlDeviceArchitecture_t -> the name NVIDIA's own DRA driver publishes.
@@ -78,6 +78,7 @@ class NvmlDevice:
     architecture: int | None = None
     compute_capability: tuple[int, int] | None = None
     brand: int | None = None
+    mig_profiles: tuple[MigProfile, ...] = ()  # MIG GPU-instance profiles (discovery/mig.py); empty: no MIG
 
 
 _VERSION = re.compile(r"\b(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?\b")

@@ -86,7 +86,6 @@ class Nvml:
         self.where = where
         self.failed: str | None = None
         self._devices: dict[str, NvmlDevice | None] = {}
-        self._mig: dict[str, tuple[MigProfile, ...]] = {}
 
     @classmethod
     def open(cls, root: str, driver_root: str = "/", timeout: float = 5.0, pynvml=None,
@@ -146,13 +145,8 @@ class Nvml:
         return self.pynvml.nvmlDeviceGetHandleByPciBusId(bdf)
 
     def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
-        """Static, so asked once per GPU; empty for a GPU without MIG."""
-        if bdf not in self._mig:
-            got = self._ask(f"MIG profiles of {bdf}", lambda: mig.profiles(self.pynvml, self.handle(bdf)))
-            if got is None and self.failed:
-                return ()
-            self._mig[bdf] = got or ()
-        return self._mig[bdf]
+        """Static, so asked with the GPU's other facts, once; empty for a GPU without MIG."""
+        return (self.device(bdf) or NvmlDevice()).mig_profiles
 
     def _ask(self, what: str, fn: Callable):
         if self.failed:
@@ -192,7 +186,12 @@ class Nvml:
         cc = optional(nv.nvmlDeviceGetCudaComputeCapability)
         arch, brand = optional(nv.nvmlDeviceGetArchitecture), optional(nv.nvmlDeviceGetBrand)
         total = getattr(mem, "total", None)
-        return NvmlDevice(
+        try:
+            profiles = mig.profiles(nv, h)
+        except Exception as err:  # noqa: BLE001 - MIG is optional: the GPU's other facts stand
+            log.warning("NVML: MIG profiles of %s: %s", bdf, _why(err))
+            profiles = ()
+        return NvmlDevice(mig_profiles=profiles,
             name=_text(optional(nv.nvmlDeviceGetName)), uuid=_text(optional(nv.nvmlDeviceGetUUID)),
             memory_bytes=total if _is_int(total) and total > 0 else None,
             architecture=arch if _is_int(arch) else None, brand=brand if _is_int(brand) else None,
