@@ -71,10 +71,10 @@ class _Worker:
             except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
                 fut.set_exception(err)
 
-    def call(self, fn: Callable):
+    def call(self, fn: Callable, timeout: float | None = None):
         fut: Future = Future()
         self.calls.put((fn, fut))
-        return fut.result(timeout=self.timeout)
+        return fut.result(timeout=timeout or self.timeout)
 
 
 class Nvml:
@@ -133,12 +133,13 @@ class Nvml:
         """``fn()`` on the NVML thread: its result, or None (logged) when it fails or times out."""
         return self._ask(what, fn)
 
-    def run(self, what: str, fn: Callable):
+    def run(self, what: str, fn: Callable, timeout: float | None = None):
         """``fn(pynvml)`` on the NVML thread -> its result; its NVMLError (or a timeout, which
-        does not stop NVML asking later) raised to the caller: for changes (prepare/mig.py)."""
+        does not stop NVML asking later) raised to the caller: for changes (prepare/mig.py),
+        which may take longer than a query (``timeout``)."""
         if self.failed:
             raise TimeoutError(f"NVML is not answering ({self.failed})")
-        return self.worker.call(lambda: fn(self.pynvml))
+        return self.worker.call(lambda: fn(self.pynvml), timeout)
 
     def handle(self, bdf: str):
         """The GPU's NVML handle; call on the NVML thread (inside ``run``)."""

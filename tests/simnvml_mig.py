@@ -19,6 +19,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -64,6 +65,7 @@ class SimMigNvml(SimNvml):
     def __init__(self, gpus: list[SimGpu] | None = None, state: str | None = None, root: str | None = None, **kw):
         super().__init__(gpus, **kw)
         self.state, self.root = state, root
+        self.threads: set[str] = set()  # the threads that created or destroyed something (NVML's own, in the agent)
         for g in self.gpus.values():
             g.mig = list(getattr(g, "mig", None) or [0, 0])
             g.gis = dict(getattr(g, "gis", None) or {})
@@ -144,6 +146,7 @@ class SimMigNvml(SimNvml):
             return list(gpu.mig)
 
     def nvmlDeviceSetMigMode(self, h, mode: int):
+        self.threads.add(threading.current_thread().name)
         with self._locked(True):
             gpu = self._gpu(h)
             if not gpu.mig_capable:
@@ -183,6 +186,7 @@ class SimMigNvml(SimNvml):
         return INSUFFICIENT_RESOURCES if overlap or slices or same or ofa else None
 
     def nvmlDeviceCreateGpuInstanceWithPlacement(self, h, profile_id: int, placement):
+        self.threads.add(threading.current_thread().name)
         with self._locked(True):
             gpu, row = self._gpu(h), _BY_ID.get(profile_id)
             if not gpu.mig_capable or gpu.mig[0] != 1:
@@ -220,6 +224,7 @@ class SimMigNvml(SimNvml):
             return SimpleNamespace(id=gid, profileId=gi["profile"], placement=SimpleNamespace(start=gi["start"], size=gi["size"]))
 
     def nvmlGpuInstanceDestroy(self, h):
+        self.threads.add(threading.current_thread().name)
         with self._locked(True):
             gpu, gid, gi = self._gi(h)
             if gi["cis"]:
@@ -236,6 +241,7 @@ class SimMigNvml(SimNvml):
         return SimpleNamespace(id=profile, sliceCount=CI_SLICES[profile])
 
     def nvmlGpuInstanceCreateComputeInstance(self, h, profile: int):
+        self.threads.add(threading.current_thread().name)
         with self._locked(True):
             gpu, gid, gi = self._gi(h)
             if CI_SLICES.get(profile, 99) > _BY_ID[gi["profile"]][3]:
@@ -262,6 +268,7 @@ class SimMigNvml(SimNvml):
         return SimpleNamespace(id=(code & 0xFF) - 1)
 
     def nvmlComputeInstanceDestroy(self, h):
+        self.threads.add(threading.current_thread().name)
         with self._locked(True):
             gpu, gid, gi = self._gi(h)
             ci = (_code(h) & 0xFF) - 1

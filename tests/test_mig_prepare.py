@@ -58,6 +58,7 @@ def test_prepare_creates_the_instance_and_unprepare_destroys_it(node):
     assert rec == {"gpu": "0000:00:06.0", "device": dev, "profile": 9, "start": start, "size": 4, "gi": int(gi[0]), "ci": 0}
     assert d.unprepare_claims([ref(c)]) == {c["metadata"]["uid"]: None}
     assert node.sim.instances() == {}
+    assert node.sim.threads == {"nvml"}  # every change on NVML's own thread (discovery/nvml.py)
 
 
 def test_claims_share_the_gpu_at_their_placements(node):

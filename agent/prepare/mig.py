@@ -25,6 +25,9 @@ from discovery.partitions import MIG_MINORS, parse_mig_minors
 from discovery.sysfs import AttrError, HostFS
 
 log = logging.getLogger(__name__)
+# seconds one NVML change may take (enabling MIG mode, creating an instance): longer than a query;
+# one that times out still runs on NVML's thread, before anything queued after it (an undo)
+TIMEOUT = 60.0
 
 
 def shared_nvml(root: str, driver_root: str) -> Callable[[], object]:
@@ -54,7 +57,7 @@ class MigDevices:
         if nvml is None:
             raise ClaimFailed(f"{what}: the node has no NVML (dynamic MIG needs the driver's libnvidia-ml)")
         try:
-            return nvml.run(what, fn)
+            return nvml.run(what, fn, timeout=TIMEOUT)
         except ClaimFailed:
             raise
         except Exception as err:  # noqa: BLE001 - NVMLError, a timeout: this claim's error
@@ -136,11 +139,17 @@ class MigDevices:
                 h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
                 if (mig.mig_mode(nv, h) or (0, 0))[0] != 1:
                     return []
-                strays = [g for g in mig.gpu_instances(nv, h, profiles) if (bdf, g.profile, g.start) not in known]
-                for g in strays:
-                    _destroy(nv, h, g.gi)
-                return [f"{bdf}: MIG GPU instance {g.gi} (profile {g.profile}, placement {g.start}) no claim knows, destroyed"
-                        for g in strays]
+                done = []
+                for g in mig.gpu_instances(nv, h, profiles):
+                    if (bdf, g.profile, g.start) in known:
+                        continue
+                    what = f"{bdf}: MIG GPU instance {g.gi} (profile {g.profile}, placement {g.start}) no claim knows"
+                    try:  # one in use (a process on it) must not keep the others
+                        _destroy(nv, h, g.gi)
+                        done.append(what + ", destroyed")
+                    except nv.NVMLError as err:
+                        log.error("%s, not destroyed: %s", what, err)
+                return done
 
             out += self._run(f"MIG devices of GPU {bdf}", sweep)
         for line in out:
