@@ -174,9 +174,8 @@ class SimMigNvml(SimNvml):
         count_ref._obj.value = len(row[12])
 
     # --- GPU instances -------------------------------------------------------------------
-    def _refusal(self, gpu: SimGpu, row, start: int) -> int | None:
-        size = next((s for st, s in row[12] if st == start), None)
-        if size is None:
+    def _refusal(self, gpu: SimGpu, row, start: int, size: int) -> int | None:
+        if (start, size) not in row[12]:
             return INVALID_ARGUMENT
         taken = [(g["start"], g["size"], _BY_ID[g["profile"]]) for g in gpu.gis.values()]
         overlap = any(s < start + size and start < s + n for s, n, _ in taken)
@@ -187,13 +186,16 @@ class SimMigNvml(SimNvml):
 
     def nvmlDeviceCreateGpuInstanceWithPlacement(self, h, profile_id: int, placement):
         self.threads.add(threading.current_thread().name)
+        if not isinstance(getattr(placement, "_obj", None), self.c_nvmlGpuInstancePlacement_t):
+            raise TypeError("nvmlDeviceCreateGpuInstanceWithPlacement takes a pointer to the placement (ctypes.byref)")
+        placement = placement._obj
         with self._locked(True):
             gpu, row = self._gpu(h), _BY_ID.get(profile_id)
             if not gpu.mig_capable or gpu.mig[0] != 1:
                 raise NVMLError(NOT_SUPPORTED)
             if row is None:
                 raise NVMLError(INVALID_ARGUMENT)
-            if (why := self._refusal(gpu, row, placement.start)) is not None:
+            if (why := self._refusal(gpu, row, placement.start, placement.size)) is not None:
                 raise NVMLError(why)
             gi = next(i for i in range(1, 15) if i not in gpu.gis)
             gpu.gis[gi] = {"profile": profile_id, "start": placement.start, "size": placement.size, "cis": {}}
@@ -296,6 +298,11 @@ class SimMigNvml(SimNvml):
     def set_mig(self, bus_id: str, mode: int) -> None:
         with self._locked(True):
             self.gpus[bus_id].mig = [mode, mode]
+
+
+def placement(start: int, size: int):
+    """A placement as NVML's create takes it: a pointer to the structure."""
+    return ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(start, size))
 
 
 def write_mig_minors(root: str, gpus: int = 1) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.controlplane import Unschedulable, allocate, with_allocation
+from tests.simnvml_mig import placement
 from tests.mig_node import GPU, NODE, MigNode, profile, req, whole
 from tests.test_allocator import CLASSES, claim, devices
 
@@ -91,8 +92,9 @@ def test_what_the_allocator_gives_nvml_creates(node):
         c = claim(f"c{i}", req("m", profile(prof)))
         (a,) = allocate(node.slices(), CLASSES, c, node=NODE, allocated=prepared)
         (name,) = picked(a)["m"]
-        pid = next(p.id for p in profiles if p.name == prof)
-        nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, pid, nv.c_nvmlGpuInstancePlacement_t(_placement(name)[1], 0))
+        p = next(p for p in profiles if p.name == prof)
+        start = _placement(name)[1]
+        nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, p.id, placement(start, dict(p.placements)[start]))
         prepared.append(with_allocation(c, a))
     with pytest.raises(Unschedulable):  # the GPU is full: 2 + 1 + 1 + 1 + 1 compute slices and slice 7 via 1g.35gb
         allocate(node.slices(), CLASSES, claim("more", req("m", profile("1g.18gb"), count=2)), node=NODE, allocated=prepared)

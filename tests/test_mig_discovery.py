@@ -9,7 +9,7 @@ from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.mig_node import MigNode
 from tests.simnvml import NVMLError, SimGpu, SimNvml, open_sim
-from tests.simnvml_mig import H200_PROFILES, SimMigNvml
+from tests.simnvml_mig import H200_PROFILES, SimMigNvml, placement
 
 
 def _gpu(inv):
@@ -48,7 +48,7 @@ def test_a_profile_nvml_names_oddly_is_left_out(tmp_path):
 def test_the_simulator_refuses_as_nvml_does(tmp_path):
     nv = SimMigNvml([SimGpu(mig_capable=True, mig=[1, 1])])
     h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
-    P = nv.c_nvmlGpuInstancePlacement_t
+    P = placement
 
     def refused(code, fn, *args):
         with pytest.raises(NVMLError) as err:

@@ -13,6 +13,7 @@ from agent.kubeletplugin.types import ClaimRef
 from agent.prepare.driver import Driver
 from fixtures.generate import mig_minor
 from tests.kubelet_standin import claim as hand_claim
+from tests.simnvml_mig import placement
 from tests.mig_node import GPU, MigNode, profile, req, whole
 
 
@@ -98,7 +99,7 @@ def test_nvml_refusal_fails_the_claim_and_leaves_nothing(node):
     d.recover()
     nv = node.sim
     h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
-    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 5, nv.c_nvmlGpuInstancePlacement_t(0, 4))  # 4g.71gb by hand
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 5, placement(0, 4))  # 4g.71gb by hand
     c = hand_claim("a", [("m", f"{GPU}-mig-1g-18gb-6"), ("n", f"{GPU}-mig-2g-35gb-2")])
     res = d.prepare_claims([c])[c["metadata"]["uid"]]
     assert res.error and "Insufficient Resources" in res.error and "2g-35gb-2" in res.error
@@ -126,7 +127,7 @@ def test_start_up_destroys_mig_devices_no_checkpoint_knows(node):
     h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
     taken = {g["start"] for g in nv.instances().values()}
     stray = next(s for s in (0, 2, 4, 6) if s not in taken)
-    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 15, nv.c_nvmlGpuInstancePlacement_t(stray, 2))
+    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 15, placement(stray, 2))
     nv.nvmlGpuInstanceCreateComputeInstance(gi, 0)
     assert len(nv.instances()) == 2
     again = driver_for(node)
@@ -145,7 +146,7 @@ def test_instances_made_again_after_a_reboot(node):
     nv = node.sim
     nv.reboot()  # GPU instances do not survive a reboot
     h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
-    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, nv.c_nvmlGpuInstancePlacement_t(6, 1))  # takes GI ID 1
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, placement(6, 1))  # takes GI ID 1
     again = driver_for(node)
     again.boot_id = "another-boot"
     again.recover()

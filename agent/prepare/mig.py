@@ -13,6 +13,7 @@ N from ``/proc/driver/nvidia-caps/mig-minors`` under the root."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Callable
 
@@ -86,7 +87,8 @@ class MigDevices:
         def gpu_instance(nv):
             h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
             self._mig_mode(nv, h, rec.gpu)
-            gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, rec.profile, nv.c_nvmlGpuInstancePlacement_t(rec.start, rec.size))
+            where = nv.c_nvmlGpuInstancePlacement_t(rec.start, rec.size)  # NVML takes a pointer to it
+            gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, rec.profile, ctypes.byref(where))
             return nv.nvmlGpuInstanceGetInfo(gi).id
 
         gi = self._run(what, gpu_instance)

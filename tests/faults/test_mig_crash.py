@@ -17,7 +17,7 @@ import pytest
 from agent.prepare import cdifiles
 from tests.faults.harness import Node, run
 from tests.simnvml import SimGpu
-from tests.simnvml_mig import SimMigNvml, write_mig_minors
+from tests.simnvml_mig import SimMigNvml, placement, write_mig_minors
 
 pytestmark = pytest.mark.slow
 GPU = "gpu-0000-00-06-0"
@@ -115,7 +115,7 @@ def test_start_up_destroys_a_stray_mig_device(tmp_path):
         node.stop()
         nv = node.sim
         h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
-        gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, nv.c_nvmlGpuInstancePlacement_t(4, 4))  # 3g.71gb
+        gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, placement(4, 4))  # 3g.71gb
         nv.nvmlGpuInstanceCreateComputeInstance(gi, 2)
         assert node.instances() == [(9, 4, 1), (14, 2, 1)]
         node.start()
