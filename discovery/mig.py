@@ -19,7 +19,7 @@ from discovery.models import MigProfile
 
 MAX_PLACEMENTS = 32  # more than any GPU has (an H200's 1g profiles have 7)
 MAX_INSTANCES = 32  # GPU instances of one profile, compute instances of one GI
-MAX_SLICES = 16  # memory slices per GPU (8 on A100/H100/H200)
+MAX_SLICES = 16  # memory slices per GPU (8 on A100/H100/H200); with 2 more, within a counter set's 32 counters
 _NAME = re.compile(r"^(?:MIG )?(\d{1,2}g\.\d{1,4}gb(?:\+[a-z0-9]{1,8}){0,3})$")
 
 

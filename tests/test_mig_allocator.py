@@ -44,6 +44,10 @@ def test_every_profile_and_placement_is_a_device_with_its_counters(node):
     w = names[GPU]["consumesCounters"][0]["counters"]
     assert w == counters["counters"]  # the whole GPU takes everything
     assert all(len(x.get("attributes", {})) + len(x.get("capacity", {})) <= 32 for x in names.values())
+    import kubernetes_validate
+
+    for s in slices:  # resource.k8s.io/v1 as the 1.37 API server's schema takes it
+        kubernetes_validate.validate(s, "1.37", strict=True)
 
 
 def test_placements_never_overlap(node):
