@@ -50,6 +50,8 @@ from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import Planned
+from agent.prepare.mig import MigDevices, shared_nvml
+from agent.prepare.steps.mig import MigStep
 from agent.prepare.steps.mps import MpsStep
 from agent.prepare.steps.partition import PartitionStep
 from agent.prepare.steps.timeslice import TimeSliceStep
@@ -114,6 +116,9 @@ class Driver:
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)
         self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
+        if self.partitions and settings.nvml:  # dynamic MIG: devices created through NVML
+            self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
+            self.steps.append(MigStep(self.mig, self.partitions.ways))
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:

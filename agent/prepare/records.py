@@ -19,7 +19,7 @@ from agent.prepare.netdevs import NetdevPlan
 from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
-__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "PartitionUse", "TimeSlice", "VfioFunction", "check_entry", "entry_problem"]
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "ModeSwitch", "MpsUse", "PartitionUse", "TimeSlice", "VfioFunction", "check_entry", "entry_problem"]
 
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -86,6 +86,20 @@ class PartitionUse(Record):
         return self.model_dump(by_alias=True, exclude_none=True)  # no switch once it is done
 
 
+class MigDevice(Record):
+    """A MIG device a claim creates (dynamic MIG): the GPU, profile and placement, durable
+    before NVML is asked; the GPU and compute instance IDs NVML gave, once created. The
+    placement, not the IDs, finds the instance again (placements never overlap)."""
+
+    gpu: Bdf
+    device: Name  # the way's device name (discovery/gpuways.py)
+    profile: Annotated[int, Field(ge=0, lt=256)]  # NVML's GI profile ID
+    start: Annotated[int, Field(ge=0, lt=16)]  # placement, in memory slices
+    size: Annotated[int, Field(ge=1, le=16)]
+    gi: Annotated[int, Field(ge=0, lt=64)] | None = None
+    ci: Annotated[int, Field(ge=0, lt=64)] | None = None
+
+
 GpuUuid = Annotated[str, StringConstraints(pattern=r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$")]
 
 
@@ -140,6 +154,7 @@ class ClaimEntry(Record):
     deviceStatus: list[dict] | None = None
     vfio: list[VfioFunction] | None = None
     partitions: PartitionUse | None = None
+    mig: list[MigDevice] | None = None
     mps: MpsUse | None = None
     timeslice: list[TimeSlice] | None = None
     netdevs: list[NetdevPlan] | None = None  # moved into the pod by agent/nri/netdev.py

@@ -17,6 +17,8 @@ claim's checkpoint entry under the step's ``key``:
   record needs any more is removed (MPS daemons whose last share went while the agent was away).
 - ``devices_now(record, devices)`` -> the claim's devices the change gives other nodes, as the
   kernel shows them now (a spec rebuilt after a reboot).
+- optional ``orphans(entries)`` -> notes: at start, once interrupted prepares are rolled back,
+  changes of its kind that no entry records are undone (MIG devices, prepare/recovery.py).
 
 A new kind of host change (MIG instances, MPS daemons, netdev moves) is one module and one
 record type, added to ``Driver.steps``; the driver applies them in that order and undoes them in reverse."""
