@@ -26,7 +26,7 @@ from agent.prepare.netdevs import NetdevPlan
 from agent.nri.plugin import NriPlugin, Pod
 from agent.nri.ttrpc import Refusal
 from agent.nri.sandboxes import Sandboxes
-from agent.prepare.checkpoint import Checkpoint
+from agent.prepare.checkpoint_view import CheckpointView
 from agent.prepare.checkpoint_format import COMPLETED
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class NetdevMover(Sandboxes):
         # thread: a request cancelled when the runtime goes away leaves its thread running
         self._lock = threading.Lock()
         self.fault = fault  # tests: SIGKILL between steps
-        self._checkpoint: Checkpoint | None = None  # the driver's, as last read (under _lock)
+        self._prepared = CheckpointView(checkpoint_path)  # the driver's claims (read under _lock)
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -78,7 +78,8 @@ class NetdevMover(Sandboxes):
     def planned(self, pod: Pod) -> list[tuple[str, NetdevPlan]]:
         """(claim UID, netdev) of the prepared claims reserved for ``pod``."""
         try:
-            claims = self._prepared_claims()
+            # every pod of the node passes here before it starts: only what was saved since is read
+            claims = self._prepared.claims()
         except (OSError, ValueError) as err:  # failing every pod of the node would be worse
             log.error("pod %s/%s: the prepared claims cannot be read, no netdevs moved: %s", pod.namespace, pod.name, err)
             return []
@@ -92,15 +93,6 @@ class NetdevMover(Sandboxes):
             except (ValidationError, TypeError) as err:  # the checkpoint is input: this claim's error
                 raise NetdevError(f"claim {uid}: bad netdev record: {str(err)[:200]}") from None
         return out
-
-    def _prepared_claims(self) -> dict[str, dict]:
-        """The checkpoint's entries, read again only when a save changed the files: every pod
-        of the node passes here before it starts, most without a claim of ours."""
-        if self._checkpoint is None:
-            self._checkpoint = Checkpoint.load(self.checkpoint_path, move_corrupt=False)
-        else:
-            self._checkpoint.reload_if_changed()
-        return self._checkpoint.claims
 
     def _give(self, pod: Pod) -> None:
         self.records.ensure_loaded()
