@@ -424,7 +424,7 @@ def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode, veth):
     """A real netdev is moved into the pod's network namespace by the agent's NRI plugin, up,
     named after the request, its metadata rewritten (generation 2) before the container starts,
     and it is back on the host under its name once the pod is gone."""
-    from agent.nri import rtnl
+    from agent.prepare import rtnl
 
     ns = nic_pod(realnode, f"ip -o link show net1; echo METADATA; cat {METADATA}/resourceclaims/nic/net1/{DRIVER}-metadata.json; echo")
     lines = running_log(realnode, ns, "app")
@@ -443,7 +443,7 @@ def test_the_nri_plugin_follows_a_containerd_restart_and_the_netdev_an_agent_sig
     """containerd restarted: the plugin registers and is synchronized again and moves the next
     pod's netdev. The agent killed and restarted under that pod: its netdev stays in the pod
     (the record says so), and the pod's deletion brings it back."""
-    from agent.nri import rtnl
+    from agent.prepare import rtnl
     from tests.controlplane import peer
 
     synced = agent_count(realnode, "NRI: synchronized with")

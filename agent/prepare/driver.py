@@ -42,13 +42,15 @@ from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
-from agent.prepare.netdevs import plan_netdevs, reserved_pods
+from agent.prepare.netdevs import reserved_pods
+from agent.prepare.netmove import host_netns
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import Planned
 from agent.prepare.steps.mps import MpsStep
+from agent.prepare.steps.netdev import NetdevStep
 from agent.prepare.steps.partition import PartitionStep
 from agent.prepare.steps.timeslice import TimeSliceStep
 from agent.prepare.steps.vfio import VfioStep
@@ -111,6 +113,7 @@ class Driver:
         # host changes, applied in this order and undone in reverse (prepare/steps/)
         self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
+        self.steps.append(NetdevStep(settings.root, lambda: host_netns(settings.root)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
@@ -226,8 +229,8 @@ class Driver:
             if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
                 for base, rec in meta_rec["requests"].items():
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
-        if "vfio" not in records and (netdevs := plan_netdevs(devices, planned.names)):
-            entry_plan.update(netdevs=netdevs, pods=reserved_pods(claim))  # given to the pod by agent/nri/netdev.py
+        if "netdevs" in records:  # the pods the NRI plugin gives the netdevs to (agent/nri/netdev.py)
+            entry_plan["pods"] = reserved_pods(claim)
         if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
             entry_plan["deviceStatus"] = claimstatus.build_for(s, devices, by_name)
         owners.take(uid, holds, f"{meta['namespace']}/{meta['name']}")

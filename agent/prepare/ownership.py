@@ -7,9 +7,11 @@ A hold is on a PCI function (a GPU, a NIC, a VF, ...) and says how the claim hol
 - ``exclusive``: a whole device; ``shared``: a share of a multi-allocatable device;
 - ``partition``: one partition or MIG instance of the GPU (``unit``: the device name,
   ``mode``: the GPU mode it runs in, None for MIG);
-- ``vfio``: the function is bound to vfio-pci and handed to a VM.
+- ``vfio``: the function is bound to vfio-pci and handed to a VM;
+- ``netdev``: the function's netdev goes into the claim's pod (prepare/steps/netdev.py).
 
-Two claims conflict on one function when either holds it bound to vfio-pci (the VM's group
+Two claims conflict on one function when either holds it bound to vfio-pci or its netdev (a
+share's pod would lose the interface under it) (the VM's group
 must not reach another container, and a GPU must not be unbound under another claim's
 partition or MIG instance), when one holds a partition of a GPU the other holds whole or a
 share of, when their partitions need different modes, or when both hold the same partition.
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
-How = Literal["exclusive", "shared", "partition", "vfio"]
+How = Literal["exclusive", "shared", "partition", "vfio", "netdev"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Hold:
     def describe(self) -> str:
         if self.how == "vfio":
             return "bound to vfio-pci"
+        if self.how == "netdev":
+            return "with its netdev in the claim's pod"
         if self.how == "partition":
             return f"partition {self.unit}" + (f" in {self.mode}" if self.mode else "")
         return {"exclusive": "as a whole device", "shared": "as a share"}[self.how]
@@ -41,7 +45,7 @@ class Hold:
 
 def conflict(a: Hold, b: Hold) -> bool:
     """Two holds of different claims on the same function cannot go together."""
-    if "vfio" in (a.how, b.how):
+    if "vfio" in (a.how, b.how) or "netdev" in (a.how, b.how):
         return True
     if a.how == b.how == "partition":
         return a.unit == b.unit or (a.mode is not None and b.mode is not None and a.mode != b.mode)

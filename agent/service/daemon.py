@@ -329,7 +329,8 @@ class Agent:
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         from agent.nri.netdev import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
-        tasks += [loop.create_task(self._report_status(), name="sd-status"), *follow_pod_sandboxes(self.settings)]
+        status = self.kubelet_plugin.status if self.kubelet_plugin else None  # networkData after a move
+        tasks += [loop.create_task(self._report_status(), name="sd-status"), *follow_pod_sandboxes(self.settings, status)]
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)
