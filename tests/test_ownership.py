@@ -11,6 +11,7 @@ GPU = "0000:18:00.0"
 WHOLE, SHARE, VFIO = Hold(GPU, "exclusive"), Hold(GPU, "shared"), Hold(GPU, "vfio")
 P0, P1 = Hold(GPU, "partition", "p0", "CPX/NPS1"), Hold(GPU, "partition", "p1", "CPX/NPS1")
 P1_DPX, MIG = Hold(GPU, "partition", "p1", "DPX/NPS1"), Hold(GPU, "partition", "mig-gi1-ci0")
+NETDEV = Hold(GPU, "netdev")  # a NIC's function in truth; the rules do not look at kinds
 
 
 @pytest.mark.parametrize("first, second, refused", [
@@ -20,6 +21,8 @@ P1_DPX, MIG = Hold(GPU, "partition", "p1", "DPX/NPS1"), Hold(GPU, "partition", "
     (P0, P1, False), (MIG, Hold(GPU, "partition", "mig-gi2-ci0"), False), (SHARE, SHARE, False),
     (WHOLE, WHOLE, False),  # the scheduler's to hand out once (docs/kubelet-plugin.md)
     (VFIO, Hold("0000:3a:00.0", "exclusive"), False),  # another function
+    (NETDEV, SHARE, True), (SHARE, NETDEV, True), (NETDEV, WHOLE, True), (NETDEV, NETDEV, True),
+    (NETDEV, Hold("0000:3a:00.0", "shared"), False),
 ])
 def test_two_claims_on_one_function(first, second, refused):
     table = Ownership()

@@ -17,14 +17,16 @@ to the host's, as it does with physical netdevs.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import struct
 from typing import Literal
 
 from agent.prepare.rtnl import LinkError, netlink_in_protocol
-from discovery.sysfs import HostFS
+from discovery.sysfs import AttrError, HostFS
 
+log = logging.getLogger(__name__)
 NETLINK_RDMA = 20
 RDMA_NL_NLDEV = 5
 RDMA_NLDEV_CMD_GET, RDMA_NLDEV_CMD_SET = 1, 2
@@ -40,7 +42,12 @@ Mode = Literal["shared", "exclusive"]
 
 def netns_mode(root: str) -> Mode | None:
     """ib_core's RDMA netns mode under ``root``; None without ib_core."""
-    value = HostFS(root).read_optional(NETNS_MODE)
+    fs = HostFS(root)
+    try:
+        value = fs.read_optional(fs.path(NETNS_MODE))
+    except AttrError as err:  # unreadable: no decision to build on, as without ib_core
+        log.warning("RDMA netns mode unknown: %s", err)
+        return None
     if value is None:
         return None
     return "exclusive" if value.strip() in ("N", "n", "0") else "shared"
