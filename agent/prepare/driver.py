@@ -94,6 +94,8 @@ class _Call:
 
 
 class Driver:
+    LATER = frozenset({"netdevs"})  # steps whose apply changes nothing on the host (the NRI plugin does, later)
+
     def __init__(self, settings: Settings, inventory: Callable[[], Inventory]):
         self.settings = settings
         self.inventory = inventory
@@ -171,7 +173,8 @@ class Driver:
             if call.changed and (err := self._save(cp, call.before, call.changed)):
                 call.out = {uid: PrepareResult(error=err) for uid in call.out}
             return call.out
-        durable = any(planned[2] for planned in call.plans.values())  # a host change's intent
+        # a host change's intent; a netdev's waits for its pod (its record needs no fsync yet)
+        durable = any(k not in self.LATER for planned in call.plans.values() for k in planned[2])
         if err := self._save(cp, call.before, call.changed, durable=durable):
             for uid in call.todo:  # nothing written yet; memory is back to what the file says
                 call.out[uid] = PrepareResult(error=err)
