@@ -260,3 +260,22 @@ def test_a_nic_config_name_taken_twice_fails_the_claim(tmp_path):
         "apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "interfaceName": "data0"}}}]
     res = Driver(s, lambda: inv).prepare_claims([c])[CLAIM]
     assert "interfaceName 'data0' is given to two netdevs" in res.error
+
+
+def test_a_prepare_holding_the_lock_delays_only_pods_with_netdevs(tmp_path, nets):
+    """Every pod of the node starts through the plugin: one without a netdev claim never waits for
+    the plugin's lock (a long prepare holds it); one with such a claim fails after the lock's
+    timeout, and the kubelet retries its sandbox."""
+    from agent.prepare.metadata.update import Flock
+
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets, lock_timeout=0.2)
+    other = Pod("sb2", "other", "ns", "11111111-2222-4333-8444-555555555555", nets.pod)
+    with Flock(str(tmp_path / "serialize.lock"), 1.0):
+        run(m.pod_started(other))
+        run(m.pod_stopped(other))
+        with pytest.raises(NetdevError, match="timed out"):
+            run(m.pod_started(pod(nets)))
+    assert where(nets) == (True, False)
+    run(m.pod_started(pod(nets)))
+    assert where(nets) == (False, True)

@@ -92,15 +92,29 @@ class NetdevMover(Sandboxes):
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
-        self._report(await self._run(self._give, pod))
+        if await asyncio.to_thread(self._concerns, lambda uid, entry, m: pod.uid in (entry.get("pods") or ())):
+            self._report(await self._run(self._give, pod))
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
-        self._report(await self._run(self._take_back, pod.id))
+        if await asyncio.to_thread(self._concerns, lambda uid, entry, m: m.away and m.sandbox == pod.id):
+            await self._run(self._take_back, pod.id)
 
     async def pod_removed(self, pod: Pod) -> None:
         await super().pod_removed(pod)
-        self._report(await self._run(self._take_back, pod.id))
+        if await asyncio.to_thread(self._concerns, lambda uid, entry, m: m.away and m.sandbox == pod.id):
+            await self._run(self._take_back, pod.id)
+
+    def _concerns(self, match) -> bool:
+        """Whether a netdev record matches, read without the lock: every pod of the node starts
+        through here, and most have no netdev to wait for a prepare's lock. The kubelet prepares
+        a pod's claims before it asks for its sandbox, so no record of this pod is on its way;
+        an unreadable checkpoint or a rejected entry is the locked path's to report."""
+        try:
+            claims = _Claims(Checkpoint.load(self.checkpoint_path, move_corrupt=False))
+            return bool(claims.cp.rejected) or any(match(uid, claims.cp.claims[uid], m) for uid, _, m in claims.moves())
+        except (CheckpointError, ValueError, OSError):
+            return True
 
     async def _run(self, work, *args):
         try:
@@ -162,7 +176,9 @@ class NetdevMover(Sandboxes):
         claims.save()
         log.info("netdev %s is %s in pod sandbox %s", move.host, move.pod, move.sandbox)
 
-    def _take_back(self, claims: _Claims, sandbox: str) -> dict[str, dict]:
+    def _take_back(self, claims: _Claims, sandbox: str) -> None:
+        """``sandbox``'s netdevs back on the host; ``status.devices`` keeps the pod's view (the claim
+        is the pod's until unprepare)."""
         problems = []
         for uid, i, move in claims.moves():
             if move.away and move.sandbox == sandbox:
@@ -172,7 +188,6 @@ class NetdevMover(Sandboxes):
                     problems.append(f"{move.pod}: {err}")
         if problems:  # the record stays: the next event, unprepare or start tries again
             raise NetdevError("giving netdevs back to the host failed: " + "; ".join(problems))
-        return {}  # status.devices keeps the pod's view: the claim is the pod's until unprepare
 
     def _move_out(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
         claims.put(uid, i, returning := move.model_copy(update={"state": "returning"}))
