@@ -279,3 +279,16 @@ def test_a_prepare_holding_the_lock_delays_only_pods_with_netdevs(tmp_path, nets
     assert where(nets) == (True, False)
     run(m.pod_started(pod(nets)))
     assert where(nets) == (False, True)
+
+
+def test_a_re_prepare_follows_the_pods_the_claim_is_reserved_for(tmp_path):
+    """The kubelet prepares a shared claim again for each new pod: the netdev record's pods follow."""
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    inv = scan(s.root)
+    d = Driver(s, lambda: inv)
+    c = nic_claim()
+    assert d.prepare_claims([c])[CLAIM].error is None
+    second = "22222222-3333-4444-8555-666666666666"
+    c["status"]["reservedFor"].append({"resource": "pods", "name": "b", "uid": second})
+    assert d.prepare_claims([c])[CLAIM].error is None
+    assert Checkpoint.load(d.checkpoint_path).claims[CLAIM]["pods"] == [POD_UID, second]

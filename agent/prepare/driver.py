@@ -202,7 +202,7 @@ class Driver:
         fp = planner.fingerprint(raw)
         entry = cp.claims.get(uid)
         if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
-            call.out[uid] = self._again(call, uid, entry)
+            call.out[uid] = self._again(cp, call, uid, entry, claim)
             return
         owners = call.owners = call.owners or Ownership.of(cp.claims, self.holds)
         if entry:  # half-prepared or allocation changed: undo before redoing
@@ -243,9 +243,13 @@ class Driver:
         call.todo.append(uid)
         call.changed.add(uid)
 
-    def _again(self, call: _Call, uid: str, entry: dict) -> PrepareResult:
+    def _again(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, claim: dict) -> PrepareResult:
         """Idempotent re-prepare: the same answer; the steps' changes and the files made again
-        where they are gone (a rewrite changes the entry)."""
+        where they are gone (a rewrite changes the entry); the pods a claim with netdevs is
+        reserved for followed (the kubelet prepares it again for each new pod of the claim)."""
+        if entry.get("netdevs") and (pods := reserved_pods(claim)) != entry.get("pods"):
+            entry = cp.claims[uid] = {**entry, "pods": pods}  # entries are replaced, never changed in place
+            call.changed.add(uid)
         moved = any([st.recover(rec) for st in self.steps if (rec := st.read(entry)) is not None])
         if self.files.ensure_spec(uid, entry, rebuild=moved) | metadata.ensure_claim(self.settings, uid, entry):
             call.changed.add(uid)
