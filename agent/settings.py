@@ -175,6 +175,9 @@ class Settings(BaseModel):
     # With --share gpu: the shares of an NVIDIA GPU are clients of an MPS control daemon the agent
     # runs for that GPU, so their limits are enforced (docs/sharing.md); false: accounting only.
     nvidia_mps: bool = True
+    # With --partitions, a claim for a MIG device of a GPU not in MIG mode: false fails the claim
+    # (saying so); true lets the agent enable MIG mode through NVML (docs/partitions.md).
+    nvidia_mig_enable: bool = False
     # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
     # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path
     # when a runtime runs containers "on" that tree (tests, demos).

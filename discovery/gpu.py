@@ -7,7 +7,7 @@ from typing import Callable
 
 from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
-from discovery.models import DeviceNode, GpuInfo, PciFunction, Problem
+from discovery.models import DeviceNode, GpuInfo, Partitioning, PciFunction, Problem
 from discovery.nvidia import NvidiaNode
 from discovery.partitions import read_amd, read_mig
 from discovery.sysfs import AttrError, Dir, HostFS
@@ -79,7 +79,10 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         minor, uuid, model, nodes = _nvidia(fs, resolver, fn, problems)
         if minor is not None:
             partitioning = read_mig(fs, resolver, minor, problems)
-        facts = (nvidia_node() if nvidia_node else NvidiaNode(fs)).facts(fn.bdf, fn.device_id)
+        node = nvidia_node() if nvidia_node else NvidiaNode(fs)
+        facts = node.facts(fn.bdf, fn.device_id)
+        if minor is not None and (profiles := node.mig_profiles(fn.bdf)):  # dynamic MIG: every profile and placement
+            partitioning = (partitioning or Partitioning(kind="mig")).replace(profiles=profiles)
         if facts.memory_bytes:
             capacity["memory"] = facts.memory_bytes
     nodes += drm_nodes(fs, resolver, d.path, card, render, problems)

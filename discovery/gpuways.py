@@ -4,30 +4,37 @@ instance. Pure (no I/O): names, the mode a way needs, and the device a way is, s
 publishing (agent/publish/partitions.py) and prepare (agent/prepare/partitions.py).
 
 Names: ``<gpu>-<compute>-<memory>-<index>`` (``gpu-0000-05-00-0-cpx-nps1-3``) and
-``<gpu>-mig-gi<G>-ci<C>``; the whole GPU keeps its own name."""
+``<gpu>-mig-gi<G>-ci<C>``; with NVML's MIG profiles (dynamic MIG) one way per profile and
+placement, ``<gpu>-mig-<profile>-<start>`` (``gpu-0000-00-06-0-mig-1g-18gb-me-3``); the whole
+GPU keeps its own name."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from discovery.attributes import _value, quantity
-from discovery.models import Device, GpuPartition, Partitioning
+from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, _value, quantity
+from discovery.models import Device, GpuPartition, MigProfile, Partitioning
 from discovery.partitions import COMPUTE_PARTS, modes_fit
 
 WHOLE_MODE = ("SPX", "NPS1")  # the whole GPU is its single-partition mode
 _PARENT_ONLY = ("uuid",)  # a MIG instance has its own UUID (NVML's): the GPU's would be wrong
+# parent attributes a dynamic MIG way leaves out first when its own would pass the API's limit
+_LEAST_NEEDED = ("subsystemDeviceID", "subsystemVendorID", "pciClass", "pcieLinkSpeed", "pcieLinkWidth", "brand")
 
 
 @dataclass(frozen=True)
 class Way:
     name: str
     parent: Device
-    kind: str  # "whole" | "amd" | "mig"
+    kind: str  # "whole" | "amd" | "mig" (an existing instance) | "mig-placement" (dynamic MIG)
     compute: str | None = None  # the AMD mode this way runs in (None: any / not AMD)
     memory: str | None = None
     index: int = 0  # partition number in its mode
     parts: int = 1  # partitions of its mode
     instance: GpuPartition | None = None  # MIG: the compute instance
+    profile: MigProfile | None = None  # dynamic MIG: the GI profile, and the placement below
+    start: int = 0
+    size: int = 0
 
     @property
     def mode(self) -> str | None:
@@ -58,6 +65,10 @@ def ways(device: Device) -> list[Way]:
     pt = partitioning(device)
     if pt is None:
         return []
+    if pt.kind == "mig" and pt.profiles:
+        return [Way(device.name, device, "whole")] + [
+            Way(mig_name(device.name, p, start), device, "mig-placement", profile=p, start=start, size=size)
+            for p in pt.profiles for start, size in p.placements]
     if pt.kind == "mig":
         if not pt.partitions:
             return []
@@ -75,6 +86,21 @@ def ways(device: Device) -> list[Way]:
         for i in range(parts):
             out.append(Way(f"{device.name}-{compute.lower()}-{memory.lower()}-{i}", device, "amd", compute, memory, i, parts))
     return out
+
+
+def mig_name(gpu: str, profile: MigProfile, start: int) -> str:
+    """``gpu-0000-00-06-0-mig-1g-18gb-me-3``: a DNS label (profile names are checked in discovery/mig.py)."""
+    return f"{gpu}-mig-{profile.name.replace('.', '-').replace('+', '-')}-{start}"
+
+
+def _placement(way: Way, attrs: dict, capacity: dict) -> None:
+    """A dynamic MIG way's own attributes and capacities: its profile's engines."""
+    p = way.profile
+    attrs["migProfile"] = _value("string", p.name)
+    attrs["migPlacementStart"] = _value("int_", way.start)
+    capacity.update(memory=quantity(p.memory_mb << 20), multiprocessors=str(p.multiprocessors),
+                    copyEngines=str(p.copy_engines), decoders=str(p.decoders), encoders=str(p.encoders),
+                    jpegEngines=str(p.jpeg), ofaEngines=str(p.ofa))
 
 
 def current_mode(device: Device) -> tuple[str | None, str | None]:
@@ -95,9 +121,17 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
         return parent.replace(attributes=attrs)
     attrs = {k: v for k, v in parent.attributes.items() if k not in _PARENT_ONLY}
     attrs["partitionOf"] = _value("string", parent.name)
-    attrs["partitionIndex"] = _value("int_", way.index)
+    if way.kind != "mig-placement":
+        attrs["partitionIndex"] = _value("int_", way.index)
     capacity: dict[str, str] = {}
-    if way.kind == "mig":
+    if way.kind == "mig-placement":
+        _placement(way, attrs, capacity)
+        for name in _LEAST_NEEDED:  # within resource.k8s.io/v1's 32 attributes and capacities
+            if len(attrs) + len(capacity) <= MAX_ATTRIBUTES_AND_CAPACITIES:
+                break
+            attrs.pop(name, None)
+        nodes = parent.device_nodes  # its cap nodes once prepare created the instance (prepare/mig.py)
+    elif way.kind == "mig":
         attrs["migGpuInstance"] = _value("int_", way.instance.gi)
         attrs["migComputeInstance"] = _value("int_", way.instance.ci)
         nodes = tuple(n for n in parent.device_nodes) + way.instance.nodes

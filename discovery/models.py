@@ -191,6 +191,24 @@ class GpuPartition(Record):
 
 
 @record
+class MigProfile(Record):
+    """A MIG GPU-instance profile as NVML lists it (discovery/mig.py): its engines and the
+    placements (start, size in memory slices) an instance of it may take."""
+
+    id: int  # NVML's profile ID (19 for 1g.18gb on an H200), what instances are created with
+    name: str  # "1g.18gb", "1g.18gb+me"
+    slices: int  # compute slices
+    memory_mb: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg: int
+    ofa: int
+    placements: tuple[tuple[int, int], ...]  # (start, size)
+
+
+@record
 class Partitioning(Record):
     """How a GPU is split now and how it could be (discovery/partitions.py)."""
 
@@ -201,6 +219,7 @@ class Partitioning(Record):
     memory_modes: tuple[str, ...] = ()
     partitions: tuple[GpuPartition, ...] = ()
     xcds: int | None = None  # AMD: the GPU's XCCs (sum over its partitions)
+    profiles: tuple[MigProfile, ...] = ()  # MIG through NVML: every profile (dynamic MIG, discovery/mig.py)
 
     @property
     def switchable(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from discovery.models import NvidiaFacts
+from discovery.models import MigProfile, NvidiaFacts
 from discovery.sysfs import AttrError, HostFS
 
 # NVML's nvmlDeviceArchitecture_t -> the name NVIDIA's own DRA driver publishes.
@@ -78,6 +78,7 @@ class NvmlDevice:
     architecture: int | None = None
     compute_capability: tuple[int, int] | None = None
     brand: int | None = None
+    mig_profiles: tuple[MigProfile, ...] = ()  # MIG GPU-instance profiles (discovery/mig.py); empty: no MIG
 
 
 _VERSION = re.compile(r"\b(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?\b")
@@ -139,6 +140,11 @@ class NvidiaNode:
         version, cuda = nvml.system() if nvml is not None else (None, None)
         self.driver_version = version if semver(version) else kernel_module_version(fs)
         self.cuda_driver = cuda
+
+    def mig_profiles(self, bdf: str) -> tuple:
+        """The GPU's MIG profiles from NVML (empty without NVML or MIG): dynamic MIG."""
+        ask = getattr(self.nvml, "mig_profiles", None)
+        return ask(bdf) if ask is not None else ()
 
     def facts(self, bdf: str, device_id: str) -> NvidiaFacts:
         answer = self.nvml.device(bdf) if self.nvml is not None else None

@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Protocol
 
+from discovery import mig
+from discovery.models import MigProfile
 from discovery.nvidia import NvmlDevice
 from discovery.nvidia_driver import LIB_DIRS, resolve
 
@@ -39,6 +41,9 @@ class NvmlSource(Protocol):
 
     def device(self, bdf: str) -> NvmlDevice | None:
         """The GPU at PCI address ``bdf``, None when NVML does not know it."""
+
+    def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
+        """The GPU's MIG GPU-instance profiles (empty: no MIG, or NVML does not say)."""
 
 
 def find_library(root: str, driver_root: str) -> str | None:
@@ -66,10 +71,10 @@ class _Worker:
             except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
                 fut.set_exception(err)
 
-    def call(self, fn: Callable):
+    def call(self, fn: Callable, timeout: float | None = None):
         fut: Future = Future()
         self.calls.put((fn, fut))
-        return fut.result(timeout=self.timeout)
+        return fut.result(timeout=timeout or self.timeout)
 
 
 class Nvml:
@@ -128,6 +133,22 @@ class Nvml:
         """``fn()`` on the NVML thread: its result, or None (logged) when it fails or times out."""
         return self._ask(what, fn)
 
+    def run(self, what: str, fn: Callable, timeout: float | None = None):
+        """``fn(pynvml)`` on the NVML thread -> its result; its NVMLError (or a timeout, which
+        does not stop NVML asking later) raised to the caller: for changes (prepare/mig.py),
+        which may take longer than a query (``timeout``)."""
+        if self.failed:
+            raise TimeoutError(f"NVML is not answering ({self.failed})")
+        return self.worker.call(lambda: fn(self.pynvml), timeout)
+
+    def handle(self, bdf: str):
+        """The GPU's NVML handle; call on the NVML thread (inside ``run``)."""
+        return self.pynvml.nvmlDeviceGetHandleByPciBusId(bdf)
+
+    def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
+        """Static, so asked with the GPU's other facts, once; empty for a GPU without MIG."""
+        return (self.device(bdf) or NvmlDevice()).mig_profiles
+
     def _ask(self, what: str, fn: Callable):
         if self.failed:
             return None
@@ -166,7 +187,12 @@ class Nvml:
         cc = optional(nv.nvmlDeviceGetCudaComputeCapability)
         arch, brand = optional(nv.nvmlDeviceGetArchitecture), optional(nv.nvmlDeviceGetBrand)
         total = getattr(mem, "total", None)
-        return NvmlDevice(
+        try:
+            profiles = mig.profiles(nv, h)
+        except Exception as err:  # noqa: BLE001 - MIG is optional: the GPU's other facts stand
+            log.warning("NVML: MIG profiles of %s: %s", bdf, _why(err))
+            profiles = ()
+        return NvmlDevice(mig_profiles=profiles,
             name=_text(optional(nv.nvmlDeviceGetName)), uuid=_text(optional(nv.nvmlDeviceGetUUID)),
             memory_bytes=total if _is_int(total) and total > 0 else None,
             architecture=arch if _is_int(arch) else None, brand=brand if _is_int(brand) else None,

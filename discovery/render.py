@@ -17,7 +17,7 @@ def _partitions(dev: Device) -> str:
     if pt is None or (pt.kind == "amd" and not pt.switchable and len(pt.partitions) <= 1):
         return ""
     if pt.kind == "mig":
-        return f"  MIG: {len(pt.partitions)} instances"
+        return f"  MIG: {len(pt.partitions)} instances" + (f", {len(pt.profiles)} profiles (NVML)" if pt.profiles else "")
     return f"  {pt.compute_mode}/{pt.memory_mode}: {len(pt.partitions)} partitions"
 
 

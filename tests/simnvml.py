@@ -9,9 +9,13 @@ import threading
 from dataclasses import dataclass, field
 
 
+_STRINGS = {2: "Invalid Argument", 3: "Not Supported", 6: "Not Found", 10: "Timeout", 13: "Function Not Found",
+            19: "In use by another client", 23: "Insufficient Resources"}  # nvmlErrorString's wording
+
+
 class NVMLError(Exception):
     def __init__(self, value: int = 3):  # NVML_ERROR_NOT_SUPPORTED
-        super().__init__(f"NVML error {value}")
+        super().__init__(_STRINGS.get(value, f"NVML error {value}"))
         self.value = value
 
 
@@ -25,6 +29,10 @@ class SimGpu:
     compute_capability: tuple[int, int] = (9, 0)
     brand: int = 14  # NVML_BRAND_NVIDIA
     unsupported: set[str] = field(default_factory=set)  # queries answered NOT_SUPPORTED
+    minor: int = 0  # /dev/nvidia<minor>
+    mig_capable: bool = False  # MIG: tests/simnvml_mig.py (the H200 is; off here, so no MIG profiles)
+    mig: list[int] = field(default_factory=lambda: [0, 0])  # MIG mode (current, pending)
+    gis: dict = field(default_factory=dict)  # GPU instances (tests/simnvml_mig.py)
 
 
 @dataclass
@@ -87,6 +95,9 @@ class SimNvml:
 
     def nvmlDeviceGetBrand(self, h):
         return self._answer(h, "brand", h.brand)
+
+    def nvmlDeviceGetMigMode(self, h):
+        raise NVMLError()  # NOT_SUPPORTED: a GPU without MIG (tests/simnvml_mig.py has MIG)
 
 
 def open_sim(root: str, sim: SimNvml, driver_root: str = "/usr/local/nvidia", timeout: float = 5.0):

@@ -35,7 +35,7 @@ def make_env(tmp, boot="boot-1", **kw):
     with open(bootfile, "w") as f:
         f.write(boot + "\n")
     s = settings_for(str(tmp), root=root, **kw)
-    state = {"inv": inventory(gpu(0, root=root), gpu(1, root=root), nic(0), root=root)}
+    state = {"inv": inventory(*(gpu(n, root=root) for n in range(4)), nic(0), nic(1), root=root)}
     return s, state
 
 
@@ -225,7 +225,8 @@ while True:
         d.unprepare_claims([ClaimRef(c["metadata"]["namespace"], c["metadata"]["name"], c["metadata"]["uid"]) for c in batch])
 """
 
-CLAIMS = [claim(f"c{i}", [("a", "gpu-0000-1b-00-0"), ("b", "nic-0000-40-00-0")][: 1 + i % 2],
+# each claim its own devices: one device is never prepared whole for two claims (ownership.py)
+CLAIMS = [claim(f"c{i}", [("a", f"gpu-0000-{0x1b + i:02x}-00-0"), ("b", f"nic-0000-{0x40 + i // 2:02x}-00-0")][: 1 + i % 2],
                 uid=f"{i}0000000-0000-4000-8000-000000000000") for i in range(4)]
 
 

@@ -178,7 +178,12 @@ def test_well_checksummed_records_of_a_bad_shape_are_refused(path, record):
         Checkpoint.load(path, move_corrupt=False)
 
 
-@pytest.mark.parametrize("entry_json", [b'{"state":"Nope","devices":[]}', b'{"state":"PrepareCompleted","devices":[{}]}'])
+BAD_CONSUMED = (b'{"state":"PrepareCompleted","namespace":"default","name":"x","devices":[{"requests":["r"],"pool":"p",'
+                b'"device":"d","cdiDeviceIDs":[],"shareID":"s","consumedCapacity":{"memory":"1e9999999"}}]}')
+
+
+@pytest.mark.parametrize("entry_json", [b'{"state":"Nope","devices":[]}', b'{"state":"PrepareCompleted","devices":[{}]}',
+                                        BAD_CONSUMED])
 @pytest.mark.parametrize("key", [b'"u"', b'"%s"' % uid(1).encode()])
 def test_well_checksummed_entries_of_a_bad_shape_are_moved_aside(path, key, entry_json):
     """An entry that is not a claim's entry as we write them (a bad key, a bad shape) is never
@@ -445,3 +450,40 @@ def test_our_own_save_under_way_is_not_taken_for_another_process(path):
     other.claims[uid(3)] = entry(3)
     other.save()
     assert cp.saved_by_another()
+
+
+def test_a_readers_view_reads_only_what_was_appended_and_equals_a_full_load(path, monkeypatch):
+    """CheckpointView (the NRI plugin's): after each save of the writer, compactions and torn
+    appends included, it holds what a full load holds, and between compactions it never loads
+    the files whole again."""
+    from agent.prepare.checkpoint_view import CheckpointView
+
+    writer = Checkpoint.load(path)
+    writer.save()
+    view = CheckpointView(path)
+    assert view.claims() == {}
+    loads = []
+    real_load = Checkpoint.load.__func__
+    monkeypatch.setattr(Checkpoint, "load", classmethod(lambda cls, *a, **k: loads.append(a) or real_load(cls, *a, **k)))
+    for n in range(6):
+        writer.claims[uid(n)] = entry(n, STARTED)
+        writer.save(changed=[uid(n)])
+        writer.claims[uid(n)] = entry(n)
+        writer.save(changed=[uid(n)])
+        if n % 2:
+            writer.claims.pop(uid(n - 1))
+            writer.save(changed=[uid(n - 1)])
+        assert view.claims() == writer.claims == real_load(Checkpoint, path).claims
+    assert loads == []  # appends only: read incrementally
+    writer.compact()
+    writer.claims[uid(9)] = entry(9)
+    writer.save(changed=[uid(9)])
+    assert view.claims() == writer.claims and len(loads) == 1  # a new generation: loaded whole once
+    with open(writer.journal_path, "r+b") as f:  # an append under way: no newline yet
+        f.seek(writer._journal_size)
+        f.write(b"0badc0de {\"uid\": ")
+    assert view.claims() == writer.claims and len(loads) == 1  # left for the next look
+    with open(writer.journal_path, "r+b") as f:  # stale bytes of a torn append, a line of them
+        f.seek(writer._journal_size)
+        f.write(b"zz\n")
+    assert view.claims() == writer.claims and len(loads) == 2  # loaded whole: the torn tail dropped

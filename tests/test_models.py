@@ -43,6 +43,11 @@ def test_every_record_is_frozen():
     for name in sorted(os.listdir(FIXTURES)):
         _records(scan(profile_root(name), list_attributes=True), found)
     _records(models.Problem(what="numa_node", reason="unreadable"), found)  # no fixture has one
+    from tests.simnvml import SimGpu, open_sim
+    from tests.simnvml_mig import SimMigNvml
+
+    h200 = profile_root("h200-vm")  # MIG profiles come from NVML only (a simulated one here)
+    _records(scan(h200, nvml=open_sim(h200, SimMigNvml([SimGpu(mig_capable=True)]))), found)
     assert set(found) == RECORDS, f"no fixture has {RECORDS - set(found)}"
     for cls, obj in found.items():
         first = _field_names(obj)[0]

@@ -28,6 +28,7 @@ from agent.nri.ttrpc import Refusal
 from agent.prepare import netmove, rtnl
 from agent.prepare.checkpoint import Checkpoint, CheckpointError
 from agent.prepare.checkpoint_format import COMPLETED
+from agent.prepare.checkpoint_view import CheckpointView
 from agent.prepare.metadata.update import Flock, UpdateError
 from agent.prepare.records import NetdevMove
 
@@ -84,6 +85,8 @@ class NetdevMover(Sandboxes):
         # thread running), then the plugin's flock against prepare and unprepare
         self._lock = threading.Lock()
         self.fault = fault  # tests: a crash between steps
+        self._view = CheckpointView(self.checkpoint_path)  # the lock-free look (one thread at a time)
+        self._view_lock = threading.Lock()
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -92,30 +95,32 @@ class NetdevMover(Sandboxes):
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
-        if await asyncio.to_thread(self._concerns, lambda uid, entry, m: pod.uid in (entry.get("pods") or ())):
+        if await asyncio.to_thread(self._concerns, lambda entry, move: pod.uid in (entry.get("pods") or ())):
             self._report(await self._run(self._give, pod))
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
-        if await asyncio.to_thread(self._concerns, lambda uid, entry, m: m.away and m.sandbox == pod.id):
+        if await asyncio.to_thread(self._concerns, lambda entry, move: _away_in(move, pod.id)):
             await self._run(self._take_back, pod.id)
 
     async def pod_removed(self, pod: Pod) -> None:
         await super().pod_removed(pod)
-        if await asyncio.to_thread(self._concerns, lambda uid, entry, m: m.away and m.sandbox == pod.id):
+        if await asyncio.to_thread(self._concerns, lambda entry, move: _away_in(move, pod.id)):
             await self._run(self._take_back, pod.id)
 
     def _concerns(self, match) -> bool:
-        """Whether a netdev record matches, read without the lock: every pod of the node starts
-        through here, and most have no netdev to wait for a prepare's lock. The kubelet prepares
-        a pod's claims before it asks for its sandbox, so no record of this pod is on its way;
-        an unreadable checkpoint or a rejected entry is the locked path's to report."""
-        try:
-            claims = _Claims(Checkpoint.load(self.checkpoint_path, move_corrupt=False))
-            return bool(claims.cp.rejected) or any(match(uid, claims.cp.claims[uid], m) for uid, _, m in claims.moves())
-        except (CheckpointError, ValueError, OSError):
-            return True
-
+        """Whether a prepared claim's netdev record matches, read without the plugin's lock and
+        only as far as saved since the last look (agent/prepare/checkpoint_view.py): every pod of
+        the node starts through here, and most have no netdev to wait for a prepare's lock. The
+        kubelet prepares a pod's claims before it asks for its sandbox, so no record of this pod
+        is on its way. An unreadable checkpoint or a rejected entry is the locked path's to report."""
+        with self._view_lock:
+            try:
+                claims, rejected = self._view.claims(), self._view.rejected()
+            except (CheckpointError, ValueError, OSError):
+                return True
+        return bool(rejected) or any(match(e, m) for e in claims.values() if e.get("state") == COMPLETED
+                                     for m in e.get("netdevs") or ())
     async def _run(self, work, *args):
         try:
             return await asyncio.to_thread(self._locked, work, *args)
@@ -233,17 +238,23 @@ class NetdevMover(Sandboxes):
         return done
 
 
+def _away_in(raw: dict, sandbox: str) -> bool:
+    """A record (as saved) says its netdev may be in ``sandbox``."""
+    return isinstance(raw, dict) and raw.get("state", "planned") != "planned" and raw.get("sandbox") == sandbox
+
+
 def crash_at(point: str):
     """The mover's fault hook for the real-node tests (``SYSDRA_TEST_CRASH_AT``): SIGKILL at ``point``."""
     return lambda at: os.kill(os.getpid(), signal.SIGKILL) if at == point else None
 
 
-def follow_pod_sandboxes(settings, status=None) -> list[asyncio.Task]:
+def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     """The agent's NRI plugin as a task (none when ``nri_socket`` is empty): it moves the
-    netdevs of the claims the driver prepared (their checkpoint) into their pods; ``status``:
-    the kubelet plugin's claim status writer (None: not written)."""
+    netdevs of the claims the driver prepared (their checkpoint) into their pods; the kubelet
+    plugin's claim status writer (if any) gets the claims' networkData after a move."""
     if not settings.nri_socket:
         return []
+    status = getattr(kubelet_plugin, "status", None)
     point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,

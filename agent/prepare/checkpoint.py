@@ -68,9 +68,7 @@ REJECTED_ENTRIES = Count("sysdra_checkpoint_entries_rejected_total",
 
 
 def _entry_problem(uid: object, entry: object) -> str | None:
-    # the typed records load pydantic: only once a checkpoint is read (the kubelet side),
-    # never before the first publish
-    from agent.prepare.records import entry_problem
+    from agent.prepare.records import entry_problem  # pydantic: never before the first publish
 
     return entry_problem(uid, entry)
 
@@ -218,27 +216,30 @@ class Checkpoint:
                 continue
             if bad_at:  # a good record after a bad one: not a torn tail
                 raise ValueError(f"{self.journal_path} line {bad_at[0]}: {bad_at[1]}")
-            # a record with a good CRC was written whole: a bad shape is corruption, never a tear
-            if not isinstance(rec, dict) or set(rec) != {"uid", "entry"}:
-                raise ValueError(f"{self.journal_path} line {n}: bad record shape")
-            if rec["entry"] is None:
-                if not isinstance(rec["uid"], str):
-                    raise ValueError(f"{self.journal_path} line {n}: bad uid")
-                self.claims.pop(rec["uid"], None)
-                self.rejected.pop(rec["uid"], None)
-            elif (why := _entry_problem(rec["uid"], rec["entry"])) is not None:
-                if not isinstance(rec["uid"], str):
-                    raise ValueError(f"{self.journal_path} line {n}: bad uid")
-                self.claims.pop(rec["uid"], None)  # the record replaced the entry: neither is used
-                self.rejected[rec["uid"]] = (rec["entry"], why)
-            else:
-                self.rejected.pop(rec["uid"], None)
-                self.claims[rec["uid"]] = rec["entry"]
+            self.apply_record(rec, n)
             good, records = offset, records + 1
         if bad_at or tail:
             log.warning("checkpoint journal %s: dropped a torn last record at byte %d (a crash mid-append); "
                         "it will be overwritten", self.journal_path, good)
         self._journal_size, self._journal_records, self._garbage_end = good, records, len(used)
+
+    def apply_record(self, rec: object, n: int) -> None:
+        """One journal record (line ``n``) applied to the claims. A record with a good CRC was
+        written whole: a bad shape is corruption, never a tear."""
+        if not isinstance(rec, dict) or set(rec) != {"uid", "entry"}:
+            raise ValueError(f"{self.journal_path} line {n}: bad record shape")
+        uid, entry = rec["uid"], rec["entry"]
+        why = None if entry is None else _entry_problem(uid, entry)
+        if not isinstance(uid, str) and (entry is None or why is not None):
+            raise ValueError(f"{self.journal_path} line {n}: bad uid")
+        self.rejected.pop(uid, None)
+        if entry is None:
+            self.claims.pop(uid, None)
+        elif why is not None:
+            self.claims.pop(uid, None)  # the record replaced the entry: neither is used
+            self.rejected[uid] = (entry, why)
+        else:
+            self.claims[uid] = entry
 
     def _reject_aside(self) -> None:
         """Keep the rejected entries for the operator in ``<name>.rejected-<unix time>``; they

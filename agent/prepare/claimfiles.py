@@ -34,7 +34,8 @@ class ClaimFiles:
     def claim_spec(self, uid: str, entry: dict, by_name: dict[str, Device]) -> dict:
         """The claim's CDI spec from the inventory, each device as the steps' host changes show
         it now (VFIO functions: their group nodes). KeyError for a device no longer there."""
-        devices = {d["device"]: by_name[d["device"]] for d in entry["devices"]}
+        # a partition way is not in the inventory by name: its step gives it (dynamic MIG)
+        devices = {d["device"]: by_name[d["device"]] for d in entry["devices"] if d["device"] in by_name}
         for step in self.steps:
             if (rec := step.read(entry)) is not None:
                 devices.update(step.devices_now(rec, devices))

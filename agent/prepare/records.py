@@ -12,13 +12,15 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
 from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, Route
+from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
-__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice", "VfioFunction",
-           "check_entry", "entry_problem"]
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice",
+           "VfioFunction", "check_entry", "entry_problem"]
 
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -32,6 +34,12 @@ def _mode(text: str) -> str:
     return text
 
 
+def _quantity(text: str) -> str:
+    if parse_quantity(text) < 0:  # QuantityError (a ValueError) names what is wrong
+        raise ValueError(f"{text!r} is negative")
+    return text
+
+
 def _label(text: str) -> str:
     if not is_label(text):
         raise ValueError(f"{text[:80]!r} is not a DNS label")
@@ -40,6 +48,7 @@ def _label(text: str) -> str:
 
 Mode = Annotated[str, AfterValidator(_mode)]
 Label = Annotated[str, AfterValidator(_label)]
+Quantity = Annotated[str, AfterValidator(_quantity)]
 
 
 class Record(BaseModel):
@@ -76,6 +85,20 @@ class PartitionUse(Record):
 
     def dump(self) -> dict:
         return self.model_dump(by_alias=True, exclude_none=True)  # no switch once it is done
+
+
+class MigDevice(Record):
+    """A MIG device a claim creates (dynamic MIG): the GPU, profile and placement, durable
+    before NVML is asked; the GPU and compute instance IDs NVML gave, once created. The
+    placement, not the IDs, finds the instance again (placements never overlap)."""
+
+    gpu: Bdf
+    device: Name  # the way's device name (discovery/gpuways.py)
+    profile: Annotated[int, Field(ge=0, lt=256)]  # NVML's GI profile ID
+    start: Annotated[int, Field(ge=0, lt=16)]  # placement, in memory slices
+    size: Annotated[int, Field(ge=1, le=16)]
+    gi: Annotated[int, Field(ge=0, lt=64)] | None = None
+    ci: Annotated[int, Field(ge=0, lt=64)] | None = None
 
 
 GpuUuid = Annotated[str, StringConstraints(pattern=r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$")]
@@ -139,6 +162,9 @@ class DeviceRecord(Record):
     cdiDeviceIDs: list[str]
     shareID: Name | None = None
     cdiEnv: list[str] | None = None
+    adminAccess: bool | None = None  # DRA admin access (prepare/ownership.py); omitted when not
+    # a share's consumedCapacity, accounted against the device's capacities (prepare/ownership.py)
+    consumedCapacity: Annotated[dict[Name, Quantity], Field(max_length=MAX_ATTRIBUTES_AND_CAPACITIES)] | None = None
 
 
 class CdiSpecRecord(Record):
@@ -166,6 +192,7 @@ class ClaimEntry(Record):
     deviceStatus: list[dict] | None = None
     vfio: list[VfioFunction] | None = None
     partitions: PartitionUse | None = None
+    mig: list[MigDevice] | None = None
     mps: MpsUse | None = None
     timeslice: list[TimeSlice] | None = None
     netdevs: list[NetdevMove] | None = None  # moved into the pod by agent/nri/netdev.py

@@ -71,6 +71,7 @@ def recover(driver) -> RecoveryReport:
         if driver.ensure_metadata(uid, entry, rebuild=rebooted):
             report.metadata_rebuilt.append(uid)
         entry["bootID"] = driver.boot_id
+    _sweep_steps(driver, cp, report)
     for uid, path in specs.items():
         if uid not in cp.claims:
             cdifiles.remove_spec(path)
@@ -85,6 +86,24 @@ def recover(driver) -> RecoveryReport:
              f", corrupt checkpoint moved to {report.corrupt_checkpoint}" if report.corrupt_checkpoint else "")
     log.debug("recovery details: %s", asdict(report))
     return report
+
+
+def _sweep_steps(driver, cp: Checkpoint, report: RecoveryReport) -> None:
+    """Host changes no entry knows undone: MIG devices left by a crash or by hand (``orphans``),
+    MPS daemons no claim's record names any more (``settle``)."""
+    for step in driver.steps:
+        if (settle := getattr(step, "settle", None)) is not None:
+            settle(cp.claims)
+        if (sweep := getattr(step, "orphans", None)) is None:
+            continue
+        try:
+            found = sweep(cp.claims)
+        except Exception as err:  # noqa: BLE001 - logged; the next start tries again
+            log.error("%s: leftovers not cleaned up: %s", step.what, err)
+            continue
+        report.host_restored += found
+        report.kernel_changed |= bool(found)
+
 
 def _roll_back(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryReport) -> bool:
     """An interrupted prepare: its steps undone in reverse, its files removed. False (the entry

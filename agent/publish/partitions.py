@@ -13,6 +13,11 @@ modes apart (a DPX and a CPX partition fit in the sum). So:
 
 NVIDIA MIG: counter ``compute-instances`` (how many exist); the whole GPU consumes all, each
 instance one. Counters alone keep that correct, so no groups are ever published for MIG.
+
+Dynamic MIG (NVML's profiles): counters ``memory-slice-<i>`` (1 each), ``compute-slices`` and
+``ofa-engines``; a profile's placement consumes the memory slices it covers, its compute slices
+and its OFA, so the allocator never puts two overlapping placements (or two media-extension
+instances) on one GPU, and the whole GPU consumes everything, so it never goes beside one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from discovery.attributes import quantity
 from discovery.gpuways import Way, current_mode, partitioning, quantity_bytes, way_device, ways
 
 XCDS, MEMORY, INSTANCES = "xcds", "memory", "compute-instances"
+SLICE, COMPUTE_SLICES, OFA = "memory-slice-", "compute-slices", "ofa-engines"
 
 
 def counter_set_name(gpu_name: str) -> str:
@@ -33,6 +39,26 @@ def _amd_counters(way: Way) -> dict[str, int]:
     out = {XCDS: pt.xcds} if pt.xcds else {}
     if "memory" in way.parent.capacity:
         out[MEMORY] = quantity_bytes(way.parent.capacity["memory"])
+    return out
+
+
+def _mig_counters(way: Way) -> dict[str, int]:
+    """Dynamic MIG: every memory slice a placement reaches, the profiles' largest compute
+    slice count (the whole GPU's) and OFA count."""
+    profiles = partitioning(way.parent).profiles
+    slices = max(start + size for p in profiles for start, size in p.placements)
+    out = {f"{SLICE}{i}": 1 for i in range(slices)}
+    out[COMPUTE_SLICES] = max(p.slices for p in profiles)
+    if ofa := max(p.ofa for p in profiles):
+        out[OFA] = ofa
+    return out
+
+
+def _placement_share(way: Way) -> dict[str, int]:
+    out = {f"{SLICE}{i}": 1 for i in range(way.start, way.start + way.size)}
+    out[COMPUTE_SLICES] = way.profile.slices
+    if way.profile.ofa:
+        out[OFA] = way.profile.ofa
     return out
 
 
@@ -51,6 +77,8 @@ def _consumption(set_name: str, totals: dict[str, int], way: Way, groups: bool) 
     share = {k: _q(k, v // way.parts) for k, v in totals.items()}
     if way.kind == "mig":
         share = {INSTANCES: "1"}
+    elif way.kind == "mig-placement":
+        share = {k: str(v) for k, v in _placement_share(way).items()}
     elif way.kind == "whole":
         share = {k: _q(k, v) for k, v in totals.items()}
     entry: dict = {"counterSet": set_name, "counters": {k: {"value": v} for k, v in share.items()}}
@@ -72,7 +100,9 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
         if len(gpu_ways) < 2:
             out.append(entry)
             continue
-        if gpu_ways[0].parent.gpu.partitioning.kind == "mig":
+        if gpu_ways[1].kind == "mig-placement":
+            totals = _mig_counters(gpu_ways[1])
+        elif gpu_ways[0].parent.gpu.partitioning.kind == "mig":
             totals = {INSTANCES: len(gpu_ways) - 1}
         else:
             totals = _amd_counters(gpu_ways[0])

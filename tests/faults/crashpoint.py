@@ -74,6 +74,9 @@ def install() -> None:
     from tests import checkpoint_guard
 
     checkpoint_guard.install()
+    from tests import simnvml_mig
+
+    simnvml_mig.install_from_env()  # SYSDRA_SIMNVML: the simulated NVML with MIG as the node's NVML
     if not POINT:
         return
     if POINT.startswith("driver:"):

@@ -14,6 +14,9 @@ Steps (each logged to DIR/check.log with its result; the files named below land 
    launches a kernel and checks its result. Then the same rootfs with the spec's device nodes but
    without its driver mounts, which must fail: the spec is what made CUDA work.
 4. Unprepare, the spec gone, the agent stopped.
+1b. (``mig_check.py``, read-only) the MIG profiles and placements NVML lists through discovery/mig.py
+   against ``nvidia-smi mig -lgip``/``-lgipp`` and the simulator's table -> mig-profiles.json; the
+   MIG mode is not changed (checked before and after) and no instance is created.
 Leaves the GPU's settings alone; stops everything it started.
 """
 
@@ -250,6 +253,13 @@ def main(argv: list[str]) -> int:
     except Exception as err:  # noqa: BLE001 - the later steps still run and report
         log.check(False, f"scan step: {type(err).__name__}: {err}")
         gpu = None
+    if gpu:  # read-only: the MIG profiles NVML lists against nvidia-smi's, MIG mode left as it is
+        from tests.hardware.mig_check import step_mig
+
+        try:
+            step_mig(log, args.out, args.driver_root, gpu["attributes"]["pciAddress"]["string"])
+        except Exception as err:  # noqa: BLE001
+            log.check(False, f"MIG step: {type(err).__name__}: {err}")
     tmp = tempfile.mkdtemp(prefix="sysdra-gpu-")
     program = os.path.join(tmp, "cuda_check")
     build = subprocess.run(["nvcc", "-O2", "-gencode", "arch=compute_90,code=compute_90", "-o", program,

@@ -1,0 +1,199 @@
+"""Dynamic MIG at prepare (docs/partitions.md, "Dynamic MIG"): the mechanics; the step is
+prepare/steps/mig.py.
+
+A MIG device is a GPU instance created with its placement and one compute instance spanning
+it, through NVML (``discovery/nvml.py``: every call on NVML's own thread, so a hung driver
+never blocks the event loop, and calls run in order, so a destroy queued after a create that
+timed out still finds the instance). MIG mode is enabled only with ``nvidia_mig_enable``;
+otherwise a GPU not in MIG mode fails the claim, saying so.
+
+Instances are found again by GPU, profile and placement, never by the IDs alone: placements
+never overlap, IDs are reused. Their container nodes are ``/dev/nvidia-caps/nvidia-cap<N>``,
+N from ``/proc/driver/nvidia-caps/mig-minors`` under the root."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Callable
+
+from agent.prepare.allocation import ClaimFailed
+from agent.prepare.records import MigDevice
+from discovery import mig
+from discovery.devnodes import NodeResolver
+from discovery.models import DeviceNode
+from discovery.partitions import MIG_MINORS, parse_mig_minors
+from discovery.sysfs import AttrError, HostFS
+
+log = logging.getLogger(__name__)
+# seconds one NVML change may take (enabling MIG mode, creating an instance): longer than a query;
+# one that times out still runs on NVML's thread, before anything queued after it (an undo)
+TIMEOUT = 60.0
+
+
+def shared_nvml(root: str, driver_root: str) -> Callable[[], object]:
+    """-> a function giving the process's NVML (opened on first use, in the caller's thread:
+    the driver's worker, never the event loop), or None when the node has none."""
+    def get():
+        from discovery.nvml import Nvml
+
+        return Nvml.shared(root, driver_root)
+
+    return get
+
+
+def _why(err: BaseException) -> str:
+    return "NVML did not answer in time" if isinstance(err, TimeoutError) else str(err) or type(err).__name__
+
+
+class MigDevices:
+    def __init__(self, root: str, nvml: Callable[[], object], enable: bool, fault: Callable[[str], None] = lambda p: None):
+        self.fs = HostFS(root)
+        self.nvml = nvml  # -> discovery.nvml.Nvml, or None (no NVML on the node)
+        self.enable = enable
+        self.fault = fault
+
+    def _run(self, what: str, fn):
+        nvml = self.nvml()
+        if nvml is None:
+            raise ClaimFailed(f"{what}: the node has no NVML (dynamic MIG needs the driver's libnvidia-ml)")
+        try:
+            return nvml.run(what, fn, timeout=TIMEOUT)
+        except ClaimFailed:
+            raise
+        except Exception as err:  # noqa: BLE001 - NVMLError, a timeout: this claim's error
+            raise ClaimFailed(f"{what} failed: {_why(err)}") from None
+
+    def _mig_mode(self, nv, h, bdf: str) -> None:
+        """MIG mode on, or (``enable``) switched on; ClaimFailed when it is not."""
+        mode = mig.mig_mode(nv, h)
+        if mode is None:
+            raise ClaimFailed(f"GPU {bdf} has no MIG mode (NVML)")
+        if mode[0] == 1:
+            return
+        if not self.enable:
+            raise ClaimFailed(f"GPU {bdf} is not in MIG mode (current {mode[0]}, pending {mode[1]}): enable it "
+                              f"(nvidia-smi -i {bdf} -mig 1) or set nvidia_mig_enable to let the agent do it")
+        nv.nvmlDeviceSetMigMode(h, nv.NVML_DEVICE_MIG_ENABLE)
+        log.warning("GPU %s: MIG mode enabled (nvidia_mig_enable)", bdf)
+        if (mode := mig.mig_mode(nv, h)) is None or mode[0] != 1:
+            raise ClaimFailed(f"GPU {bdf}: MIG mode enabled but pending ({mode}): the GPU needs a reset")
+
+    def create(self, rec: MigDevice) -> MigDevice:
+        """The GPU instance at the record's placement, then its compute instance -> the record
+        with their IDs. On failure nothing of this device is left and ClaimFailed says why."""
+        what = f"creating MIG device {rec.device} (profile {rec.profile}, placement {rec.start})"
+
+        def gpu_instance(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
+            self._mig_mode(nv, h, rec.gpu)
+            where = nv.c_nvmlGpuInstancePlacement_t(rec.start, rec.size)  # NVML takes a pointer to it
+            gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, rec.profile, ctypes.byref(where))
+            return nv.nvmlGpuInstanceGetInfo(gi).id
+
+        gi = self._run(what, gpu_instance)
+        self.fault("mig:gi-created")
+
+        def compute_instance(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
+            handle = nv.nvmlDeviceGetGpuInstanceById(h, gi)
+            profile = _full_ci_profile(nv, handle)
+            return nv.nvmlComputeInstanceGetInfo(nv.nvmlGpuInstanceCreateComputeInstance(handle, profile)).id
+
+        try:
+            ci = self._run(what, compute_instance)
+        except ClaimFailed:
+            self.destroy(rec)
+            raise
+        self.fault("mig:ci-created")
+        log.info("GPU %s: MIG device %s created (GPU instance %d, compute instance %d)", rec.gpu, rec.device, gi, ci)
+        return rec.model_copy(update={"gi": gi, "ci": ci})
+
+    def find(self, rec: MigDevice) -> mig.GpuInstanceNow | None:
+        """The record's instance as NVML shows it now (by profile and placement), or None."""
+        def look(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
+            return next((g for g in mig.gpu_instances(nv, h, [rec.profile]) if g.start == rec.start), None)
+
+        return self._run(f"looking up MIG device {rec.device}", look)
+
+    def destroy(self, rec: MigDevice) -> bool:
+        """The record's instance and its compute instances destroyed -> whether one existed."""
+        def gone(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
+            now = next((g for g in mig.gpu_instances(nv, h, [rec.profile]) if g.start == rec.start), None)
+            if now is None:
+                return False
+            _destroy(nv, h, now.gi, self.fault)
+            return True
+
+        done = self._run(f"destroying MIG device {rec.device}", gone)
+        if done:
+            log.info("GPU %s: MIG device %s destroyed", rec.gpu, rec.device)
+        return done
+
+    def orphans(self, gpus: dict[str, tuple[int, ...]], known: set[tuple[str, int, int]]) -> list[str]:
+        """Destroy every GPU instance of ``gpus`` (PCI address -> GI profile IDs) no record
+        knows (``known``: (GPU, profile, start)) -> what was destroyed."""
+        out = []
+        for bdf, profiles in gpus.items():
+            def sweep(nv, bdf=bdf, profiles=profiles):
+                h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
+                if (mig.mig_mode(nv, h) or (0, 0))[0] != 1:
+                    return []
+                done = []
+                for g in mig.gpu_instances(nv, h, profiles):
+                    if (bdf, g.profile, g.start) in known:
+                        continue
+                    what = f"{bdf}: MIG GPU instance {g.gi} (profile {g.profile}, placement {g.start}) no claim knows"
+                    try:  # one in use (a process on it) must not keep the others
+                        _destroy(nv, h, g.gi)
+                        done.append(what + ", destroyed")
+                    except nv.NVMLError as err:
+                        log.error("%s, not destroyed: %s", what, err)
+                return done
+
+            out += self._run(f"MIG devices of GPU {bdf}", sweep)
+        for line in out:
+            log.warning("%s", line)
+        return out
+
+    def cap_nodes(self, minor: int, gi: int, ci: int) -> tuple[DeviceNode, ...]:
+        """The instance's ``/dev/nvidia-caps`` nodes (GI, then CI access)."""
+        try:
+            minors = parse_mig_minors(self.fs.read_text(self.fs.path(MIG_MINORS), limit=1 << 20))
+        except AttrError as err:
+            raise ClaimFailed(f"MIG: {MIG_MINORS}: {err.reason}") from None
+        out, problems = [], []
+        for key in (f"gpu{minor}/gi{gi}/access", f"gpu{minor}/gi{gi}/ci{ci}/access"):
+            cap = minors.get(key)
+            node = NodeResolver(self.fs).resolve(f"/dev/nvidia-caps/nvidia-cap{cap}", problems, proc_name="nvidia-caps",
+                                                 minor=cap) if cap is not None else None
+            if node is None:
+                raise ClaimFailed(f"MIG: no nvidia-caps node for {key}" + (f" ({problems[-1].reason})" if problems else ""))
+            out.append(node)
+        return tuple(out)
+
+
+def _full_ci_profile(nv, gi) -> int:
+    """The compute-instance profile spanning the whole GPU instance (the largest it takes)."""
+    best = None
+    for index in range(getattr(nv, "NVML_COMPUTE_INSTANCE_PROFILE_COUNT", 9)):
+        try:
+            info = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, index, 0)
+        except nv.NVMLError:
+            continue
+        if best is None or info.sliceCount > best[1]:
+            best = (info.id, info.sliceCount)
+    if best is None:
+        raise ClaimFailed("the GPU instance offers no compute-instance profile")
+    return best[0]
+
+
+def _destroy(nv, h, gi: int, fault: Callable[[str], None] = lambda p: None) -> None:
+    """Compute instances first (NVML refuses a GPU instance that has any), then the GI."""
+    handle = nv.nvmlDeviceGetGpuInstanceById(h, gi)
+    for ci in mig.compute_instances(nv, handle):
+        nv.nvmlComputeInstanceDestroy(ci)
+    fault("mig:ci-destroyed")
+    nv.nvmlGpuInstanceDestroy(handle)

@@ -1,0 +1,118 @@
+"""Dynamic MIG as a step (``--partitions`` on a GPU whose NVML lists MIG profiles,
+docs/partitions.md): the claim's MIG devices created at prepare, destroyed at unprepare.
+
+Record (``mig``): one ``MigDevice`` per MIG device of the claim (GPU, profile, placement),
+saved durably in the PrepareStarted entry before NVML is asked; the GPU and compute instance
+IDs are added once created. ``apply`` creates them in order (a failure destroys what this
+claim created); ``undo`` (a later failure, unprepare, an interrupted prepare at start)
+destroys them, found by placement, so a crash between NVML's create and the checkpoint leaves
+nothing behind; ``recover`` creates a prepared claim's instance again after a reboot (GPU
+instances do not survive one), and ``orphans`` destroys, at start, every instance of a
+dynamic-MIG GPU that no checkpoint entry knows.
+
+Holds: each memory slice a placement covers, so two claims whose placements overlap are
+refused before NVML is asked (defence in depth behind the allocator's counters)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from agent.prepare.mig import MigDevices
+from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.records import MigDevice
+from agent.prepare.steps import Planned, Undone
+from discovery import gpuways
+from discovery.attributes import _value
+from discovery.models import Device
+
+log = logging.getLogger(__name__)
+Record = tuple[MigDevice, ...]
+
+
+class MigStep:
+    key = "mig"
+    what = "MIG device"  # the stage named in a claim error
+
+    def __init__(self, devices: MigDevices, ways: Callable[[], dict]):
+        self.devices = devices
+        self.ways = ways  # device name -> discovery.gpuways.Way, of the inventory now
+
+    def read(self, entry: dict) -> Record | None:
+        recs = entry.get(self.key)
+        return tuple(MigDevice.model_validate(r) for r in recs) if recs else None
+
+    def write(self, record: Record) -> list[dict]:
+        return [r.dump() for r in record]
+
+    def plan(self, planned: Planned, owners: Ownership) -> Record | None:
+        out = []
+        for r in planned.results:
+            way = planned.ways.get(r.device)
+            if way is not None and way.kind == "mig-placement":
+                out.append(MigDevice(gpu=way.parent.pci.bdf, device=way.name, profile=way.profile.id, start=way.start,
+                                     size=way.size))
+        return tuple(out) or None
+
+    def holds(self, record: Record) -> list[Hold]:
+        return [Hold(r.gpu, "partition", unit=f"MIG memory slice {i}") for r in record for i in range(r.start, r.start + r.size)]
+
+    def _device(self, rec: MigDevice, base: Device | None, gi: int, ci: int) -> dict[str, Device]:
+        if base is None and (way := self.ways().get(rec.device)) is not None:
+            base = gpuways.way_device(way)
+        if base is None or base.gpu is None or base.gpu.nvidia_minor is None:
+            return {}
+        caps = self.devices.cap_nodes(base.gpu.nvidia_minor, gi, ci)
+        attrs = dict(base.attributes, migGpuInstance=_value("int_", gi), migComputeInstance=_value("int_", ci))
+        nodes = tuple(n for n in base.device_nodes if not n.path.startswith("/dev/nvidia-caps/")) + caps
+        return {rec.device: base.replace(device_nodes=nodes, attributes=attrs)}
+
+    def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
+        done: list[MigDevice] = []
+        devices: dict[str, Device] = {}
+        try:
+            for rec in record:
+                made = self.devices.create(rec)
+                done.append(made)
+                devices.update(self._device(made, planned.names.get(rec.device), made.gi, made.ci))
+        except Exception:
+            self.undo(tuple(done), {})
+            raise
+        return tuple(done) + record[len(done):], devices
+
+    def undo(self, record: Record, others: dict[str, dict]) -> Undone:
+        undone = Undone()
+        for rec in reversed(record):
+            try:
+                if self.devices.destroy(rec):
+                    undone.notes.append(f"{rec.gpu}: MIG device {rec.device} destroyed")
+            except Exception as err:  # noqa: BLE001 - the claim keeps its entry; retried
+                undone.problems.append(str(err))
+        return undone
+
+    def recover(self, record: Record) -> bool:
+        """A prepared claim's instances made again where they are gone (after a reboot)."""
+        moved = False
+        for rec in record:
+            if (now := self.devices.find(rec)) is None or not now.cis:  # a reboot, or a crash halfway through a destroy
+                log.warning("GPU %s: MIG device %s is gone or has no compute instance: creating it again", rec.gpu, rec.device)
+                if now is not None:
+                    self.devices.destroy(rec)
+                self.devices.create(rec)
+                moved = True
+        return moved
+
+    def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
+        out: dict[str, Device] = {}
+        for rec in record:
+            if (now := self.devices.find(rec)) is not None and now.cis:
+                out.update(self._device(rec, devices.get(rec.device), now.gi, now.cis[0]))
+        return out
+
+    def orphans(self, entries: dict[str, dict]) -> list[str]:
+        """At start (after interrupted prepares are rolled back): destroy the instances of every
+        dynamic-MIG GPU that no entry records."""
+        gpus = {w.parent.pci.bdf: tuple(p.id for p in w.parent.gpu.partitioning.profiles)
+                for w in self.ways().values() if w.kind == "mig-placement"}
+        known = {(r.gpu, r.profile, r.start) for e in entries.values() for r in (self.read(e) or ())}
+        return self.devices.orphans(gpus, known) if gpus else []

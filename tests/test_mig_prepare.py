@@ -1,0 +1,163 @@
+"""Dynamic MIG at prepare on the simulated NVML (tests/simnvml_mig.py, the H200's real profile
+table): claims allocated by the scheduler's allocator from the agent's slices, the GPU and
+compute instance created at their placement and destroyed at unprepare, the CDI spec with the
+instance's /dev/nvidia-caps nodes, refusals, rollback, and start-up recovery."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.kubeletplugin.types import ClaimRef
+from agent.prepare.driver import Driver
+from fixtures.generate import mig_minor
+from tests.kubelet_standin import claim as hand_claim
+from tests.simnvml_mig import placement
+from tests.mig_node import GPU, MigNode, profile, req, whole
+
+
+@pytest.fixture
+def node(tmp_path):
+    return MigNode(str(tmp_path))
+
+
+def driver_for(node: MigNode) -> Driver:
+    d = Driver(node.settings, node.inventory)
+    d.mig.nvml = lambda: node.nvml
+    return d
+
+
+def ref(c: dict) -> ClaimRef:
+    m = c["metadata"]
+    return ClaimRef(namespace=m["namespace"], name=m["name"], uid=m["uid"])
+
+
+def spec_of(d: Driver, c: dict) -> dict[str, list[tuple[str, int, int]]]:
+    """Device name -> its nodes (path, major, minor), from the spec file on disk."""
+    uid = c["metadata"]["uid"]
+    with open(d._spec_path(uid)) as f:
+        spec = json.load(f)
+    return {x["name"][len(uid) + 1:]: [(n["path"], n.get("major"), n.get("minor")) for n in x["containerEdits"]["deviceNodes"]]
+            for x in spec["devices"]}
+
+
+def test_prepare_creates_the_instance_and_unprepare_destroys_it(node):
+    d = driver_for(node)
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    res = d.prepare_claims([c])[c["metadata"]["uid"]]
+    assert not res.error, res.error
+    (dev,) = [r.device for r in res.devices]
+    start = int(dev.rsplit("-", 1)[1])
+    (gi,) = node.sim.instances().items()
+    assert gi[1]["profile"] == 9 and gi[1]["start"] == start and list(gi[1]["cis"]) == ["0"]
+    nodes = spec_of(d, c)[dev]
+    assert ("/dev/nvidia-caps/nvidia-cap%d" % mig_minor(0, int(gi[0])), 241, mig_minor(0, int(gi[0]))) in nodes
+    assert ("/dev/nvidia-caps/nvidia-cap%d" % mig_minor(0, int(gi[0]), 0), 241, mig_minor(0, int(gi[0]), 0)) in nodes
+    assert ("/dev/nvidia0", 195, 0) in nodes and ("/dev/nvidiactl", 195, 255) in nodes
+    (rec,) = d.checkpoint.claims[c["metadata"]["uid"]]["mig"]
+    assert rec == {"gpu": "0000:00:06.0", "device": dev, "profile": 9, "start": start, "size": 4, "gi": int(gi[0]), "ci": 0}
+    assert d.unprepare_claims([ref(c)]) == {c["metadata"]["uid"]: None}
+    assert node.sim.instances() == {}
+    assert node.sim.threads == {"nvml"}  # every change on NVML's own thread (discovery/nvml.py)
+
+
+def test_claims_share_the_gpu_at_their_placements(node):
+    d = driver_for(node)
+    done = []
+    for name, prof in (("a", "4g.71gb"), ("b", "2g.35gb"), ("c", "1g.18gb")):
+        c = node.allocated(name, req("m", profile(prof)), prepared=done)
+        res = d.prepare_claims([c])[c["metadata"]["uid"]]
+        assert not res.error, res.error
+        done.append(c)
+    assert sorted((g["profile"], g["start"], g["size"]) for g in node.sim.instances().values()) == [(5, 0, 4), (14, 4, 2), (19, 6, 1)]
+    assert all(len(g["cis"]) == 1 for g in node.sim.instances().values())
+    assert d.unprepare_claims([ref(c) for c in done]) == {c["metadata"]["uid"]: None for c in done}
+    assert node.sim.instances() == {}
+
+
+def test_gpu_not_in_mig_mode_fails_the_claim_unless_enabling_is_configured(tmp_path):
+    node = MigNode(str(tmp_path / "off"), mig=0)
+    d = driver_for(node)
+    c = node.allocated("a", req("m", profile("1g.18gb")))
+    res = d.prepare_claims([c])[c["metadata"]["uid"]]
+    assert res.error and "not in MIG mode" in res.error and "nvidia_mig_enable" in res.error
+    assert node.sim.instances() == {} and d.checkpoint.claims == {}
+    assert not any(call.startswith("set-mig-mode") for call in node.sim.calls)
+    on = MigNode(str(tmp_path / "on"), mig=0, nvidia_mig_enable=True)
+    d = driver_for(on)
+    res = d.prepare_claims([c])[c["metadata"]["uid"]]
+    assert not res.error, res.error
+    assert on.sim.nvmlDeviceGetMigMode(on.sim.gpus["0000:00:06.0"]) == [1, 1] and len(on.sim.instances()) == 1
+
+
+def test_nvml_refusal_fails_the_claim_and_leaves_nothing(node):
+    """An instance made by hand at slices 0-3 after the agent started (not the agent's): the
+    allocator does not know it, NVML refuses the overlapping placement; the claim's first
+    device, created, is destroyed."""
+    d = driver_for(node)
+    d.recover()
+    nv = node.sim
+    h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 5, placement(0, 4))  # 4g.71gb by hand
+    c = hand_claim("a", [("m", f"{GPU}-mig-1g-18gb-6"), ("n", f"{GPU}-mig-2g-35gb-2")])
+    res = d.prepare_claims([c])[c["metadata"]["uid"]]
+    assert res.error and "Insufficient Resources" in res.error and "2g-35gb-2" in res.error
+    assert [(g["profile"], g["start"]) for g in nv.instances().values()] == [(5, 0)]  # only the hand-made one
+    assert d.checkpoint.claims == {}
+
+
+def test_overlapping_placements_of_two_claims_refused_before_nvml(node):
+    d = driver_for(node)
+    a = hand_claim("a", [("m", f"{GPU}-mig-2g-35gb-2")])
+    assert not d.prepare_claims([a])[a["metadata"]["uid"]].error
+    b = hand_claim("b", [("m", f"{GPU}-mig-1g-18gb-3")])
+    err = d.prepare_claims([b])[b["metadata"]["uid"]].error
+    assert err and "memory slice 3" in err
+    assert len(node.sim.instances()) == 1
+    w = hand_claim("w", [("w", GPU)])  # the whole GPU beside a MIG device
+    assert "partition" in (d.prepare_claims([w])[w["metadata"]["uid"]].error or "")
+
+
+def test_start_up_destroys_mig_devices_no_checkpoint_knows(node):
+    d = driver_for(node)
+    c = node.allocated("a", req("m", profile("1g.35gb")))
+    assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
+    nv = node.sim
+    h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
+    taken = {g["start"] for g in nv.instances().values()}
+    stray = next(s for s in (0, 2, 4, 6) if s not in taken)
+    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 15, placement(stray, 2))
+    nv.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    assert len(nv.instances()) == 2
+    again = driver_for(node)
+    report = again.recover()
+    assert [g["start"] for g in nv.instances().values()] == sorted(taken)
+    assert any("no claim knows, destroyed" in line for line in report.host_restored)
+    assert list(again.checkpoint.claims) == [c["metadata"]["uid"]]
+
+
+def test_instances_made_again_after_a_reboot(node):
+    d = driver_for(node)
+    c = node.allocated("a", req("m", profile("2g.35gb")))
+    assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
+    (dev,) = spec_of(d, c)
+    start = int(dev.rsplit("-", 1)[1])
+    nv = node.sim
+    nv.reboot()  # GPU instances do not survive a reboot
+    h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, placement(6, 1))  # takes GI ID 1
+    again = driver_for(node)
+    again.boot_id = "another-boot"
+    again.recover()
+    (gid, g), = nv.instances().items()  # the claim's, made again; the stray one destroyed
+    assert (g["profile"], g["start"], list(g["cis"])) == (14, start, ["0"]) and gid != "1"
+    caps = [n for n in spec_of(again, c)[dev] if n[0].startswith("/dev/nvidia-caps/")]
+    assert caps == [(f"/dev/nvidia-caps/nvidia-cap{m}", 241, m) for m in (mig_minor(0, int(gid)), mig_minor(0, int(gid), 0))]
+
+
+def test_whole_gpu_prepares_without_mig(node):
+    d = driver_for(node)
+    c = node.allocated("w", req("w", whole()))
+    assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
+    assert node.sim.instances() == {} and "mig" not in d.checkpoint.claims[c["metadata"]["uid"]]
