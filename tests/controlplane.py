@@ -428,7 +428,11 @@ class ControlPlane:
                 content_type: str | None = None, ok: bool = True) -> httpx2.Response:  # fmt: skip
         client = client or self.http()
         headers = {"Content-Type": content_type} if content_type else None
-        data = None if body is None else json.dumps(body)
+        # compact with sorted keys, as kubectl sends it (YAML -> Go map -> JSON): the server keeps an
+        # opaque config's bytes as sent, and v1.37.2 refuses every later status update of a claim
+        # whose allocation copied other bytes than its own re-encoding gives ("status.allocation:
+        # Invalid value: null: field cannot be modified once set"; docs/networking.md)
+        data = None if body is None else json.dumps(body, separators=(",", ":"), sort_keys=True)
         response = client.request(method, path, content=data, params=params, headers=headers)
         if ok and response.status_code >= 400:
             raise APIError(response)

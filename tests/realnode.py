@@ -167,14 +167,16 @@ class RealNode:
         for manifest in ("namespace.yaml", "rbac.yaml", "admission-policy.yaml", "deviceclasses.yaml"):
             self.plane.apply(os.path.join(REPO, "deploy", manifest))
 
-    def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True, name: str = "agent") -> subprocess.Popen:
+    def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True, name: str = "agent",
+                    env: dict | None = None) -> subprocess.Popen:
         """``sysdra run --cluster kube`` as the DaemonSet runs it: the fixture root at ``host``
         (its own mount namespace), a ServiceAccount token bound to the Node. ``name``: its
         process and log (``<name>.log``), another for the second instance of a rolling update."""
         token = self.plane.token("sysdra", "sysdra", node=self.name, seconds=86400)
         kubeconfig = self.plane.write_kubeconfig(os.path.join(self.dir, "agent.kubeconfig"), token=token, namespace="sysdra")
+        extra = env or {}  # a test's (SYSDRA_TEST_CRASH_AT)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
-        env.update(KUBECONFIG=kubeconfig, SYSDRA_CONFIG=os.devnull, PYTHONPATH=REPO, NODE_NAME=self.name)
+        env.update(KUBECONFIG=kubeconfig, SYSDRA_CONFIG=os.devnull, PYTHONPATH=REPO, NODE_NAME=self.name, **extra)
         agent = [sys.executable, "-m", "agent", "run", "--root", self.host, "--node-name", self.name, "--cluster", "kube",
                  "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, "--metrics-address", "",
                  # the runtime sees the host's files (the NVIDIA driver's) in the fixture root, not at /

@@ -39,6 +39,15 @@ def bind(src: str, dst: str, recursive: bool = False) -> None:
 
 
 def private_dirs(ns: str, node: str) -> None:
+    # the host's own /run/netns mount (`ip netns` makes one), hidden below the node's /run, would
+    # stay in mountinfo under the same mount point: containerd takes the first of them, private,
+    # and refuses a HostToContainer mount of /var/run/netns (the chart's, for the NRI plugin)
+    # (a bind mount of the same file system: os.path.ismount cannot tell, mountinfo can)
+    for _ in range(16):  # stacked ones too
+        with open("/proc/self/mountinfo") as f:
+            if not any(line.split()[4] == "/run/netns" for line in f):
+                break
+        subprocess.run(["umount", "-l", "/run/netns"], check=True)
     for target, name in DIRS.items():
         os.makedirs(os.path.join(ns, name), exist_ok=True)
         bind(os.path.join(ns, name), target)

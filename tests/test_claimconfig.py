@@ -84,9 +84,9 @@ def test_config_naming_a_request_of_another_kind_is_the_claims_error():
 
 
 def test_unknown_field_fails_the_claim_even_where_no_result_uses_it():
-    nic = {"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "mtu": 9000}  # no NIC in this claim
+    nic = {"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "speed": 9000}  # no NIC in this claim
     got = _allocated([], [opaque(nic)], exactly("a", "gpu.sysdra.io"))
-    with pytest.raises(ClaimFailed, match=r"config 0 \(FromClaim\) for sysdra.io: NicConfig: mtu"):
+    with pytest.raises(ClaimFailed, match=r"config 0 \(FromClaim\) for sysdra.io: NicConfig: speed"):
         opaque_configs(got, "sysdra.io")
 
 
@@ -96,3 +96,34 @@ def test_vfio_config_is_a_known_kind_for_every_device_kind():
     got = _allocated([], [opaque({"apiVersion": "sysdra.io/v1alpha1", "kind": "VfioConfig"})], exactly("a", "gpu.sysdra.io"))
     (only,) = opaque_configs(got, "sysdra.io")
     assert isinstance(only.config, VfioConfig) and isinstance(config_for([only], "a", "gpu"), VfioConfig)
+
+
+NIC = {"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig"}
+
+
+def test_nic_config_takes_the_pods_interface_name_mtu_addresses_and_routes():
+    cfg = decode({**NIC, "interfaceName": "data0", "mtu": 9000, "addresses": ["192.0.2.5/24", "2001:db8::5/64"],
+                  "routes": [{"destination": "default", "gateway": "192.0.2.1"},
+                             {"destination": "198.51.100.0/24", "gateway": "192.0.2.254"},
+                             {"destination": "2001:db8:1::/48"}]})
+    assert isinstance(cfg, NicConfig) and cfg.interfaceName == "data0" and cfg.mtu == 9000
+    assert cfg.addresses == ["192.0.2.5/24", "2001:db8::5/64"] and cfg.routes[0].gateway == "192.0.2.1"
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"interfaceName": "a/b"}, "interfaceName: .*not a netdev name"),
+    ({"interfaceName": "x" * 16}, "interfaceName: .*not a netdev name"),
+    ({"mtu": 67}, "mtu: .*greater than or equal to 68"),
+    ({"mtu": "9000"}, "mtu: .*integer"),
+    ({"mtu": 1000, "addresses": ["2001:db8::5/64"]}, "IPv6 addresses need at least 1280"),
+    ({"addresses": ["192.0.2.5"]}, "not an address with its prefix"),
+    ({"addresses": ["192.0.2.5/24", "192.0.2.5/24"]}, "listed twice"),
+    ({"addresses": ["192.0.2.%d/24" % i for i in range(17)]}, "at most 16"),
+    ({"routes": [{"destination": "default"}]}, "default route needs a gateway"),
+    ({"routes": [{"destination": "198.51.100.1/24", "gateway": "192.0.2.1"}]}, "neither 'default' nor a network"),
+    ({"routes": [{"destination": "198.51.100.0/24", "gateway": "2001:db8::1"}]}, "another IP family"),
+    ({"routes": [{"destination": "default", "gateway": "192.0.2.1", "metric": 5}]}, "metric"),
+])
+def test_nic_config_refuses_bad_network_values(bad, why):
+    with pytest.raises(ValueError, match=why):
+        decode({**NIC, **bad})

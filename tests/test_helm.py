@@ -99,7 +99,25 @@ def test_default_daemonset():
         assert hostpaths[mounts[path]["name"]] == path and not mounts[path].get("readOnly")
     assert not any(m.startswith("/host/run") or m == "/host" for m in mounts)  # no driver root unless asked
     assert c["image"] == "ghcr.io/sysdra/sysdra:0.1.0" and "ServiceMonitor" not in {o["kind"] for o in objs}
+    # netdevs into pods (docs/networking.md): the runtime's NRI socket, the pods' namespaces as they
+    # come (propagated), the host's init for its namespace, and what moving netdevs needs
+    assert "--nri-socket=/var/run/nri/nri.sock" in c["args"] and pod["hostPID"] is True
+    assert hostpaths[mounts["/var/run/nri"]["name"]] == "/var/run/nri" and not mounts["/var/run/nri"].get("readOnly")
+    netns = mounts["/var/run/netns"]
+    assert hostpaths[netns["name"]] == "/var/run/netns" and netns["mountPropagation"] == "HostToContainer"
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN"]}
+
+
+def test_without_nri_the_agent_keeps_dac_override_alone():
+    pod = _one(_objects_set("nri.enabled=false"), "DaemonSet")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "--nri-socket=" in c["args"] and "hostPID" not in pod
+    assert not {"/var/run/nri", "/var/run/netns"} & {m["mountPath"] for m in c["volumeMounts"]}
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+
+
+def _objects_set(*sets: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(render(sets=sets)) if d]
 
 
 @pytest.mark.parametrize("values", ["default", "all"])

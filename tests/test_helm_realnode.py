@@ -1,6 +1,7 @@
 """`helm install` on the real node (tests/realnode.py: kubelet v1.37.2, containerd v2.4.2): the
 agent's image (Containerfile) imported into the node's containerd, the chart's DaemonSet pod
-registers with the kubelet, publishes, and prepares a workload pod's claim; `helm upgrade` to
+registers with the kubelet, publishes, prepares a workload pod's claim and moves a claimed NIC's
+netdev into its pod (NRI, as the chart grants it); `helm upgrade` to
 another tag rolls the agent with surge while pods keep being prepared; `helm uninstall` leaves
 no slice, socket or CDI spec. Root, podman and debootstrap (the image's base) needed.
 
@@ -81,6 +82,7 @@ def write_values(node: RealNode) -> str:
         "config": {"cdiHostRoot": node.root},
         "hostNetwork": True,
         "metrics": {"enabled": False},
+        "nri": {"socket": node.nri_socket},  # the node's containerd's; the pods' namespaces at the default
         "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                      {"name": "KUBERNETES_SERVICE_PORT", "value": str(urlparse(node.plane.url).port)}],
     }  # fmt: skip
@@ -162,6 +164,46 @@ def delete_claim_pod(node: RealNode, ns: str, name: str, uid: str) -> None:
     node.plane.delete("ResourceClaim", name, ns)
 
 
+NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
+
+
+def nic_pod_gets_its_netdev(node: RealNode, ns: str) -> None:
+    """A pod with its own network namespace and a claim for the fixture NIC, whose netdev is a
+    veth made here: the DaemonSet's agent (its capabilities, hostPID, the NRI socket and
+    /var/run/netns as the chart mounts them) moves it in, named by the NicConfig, and back."""
+    from agent.prepare import rtnl
+
+    subprocess.run(["ip", "link", "add", IFNAME, "type", "veth", "peer", "name", "sdrhelm0"], check=True)
+    try:
+        selector = f'device.attributes["{DRIVER}"].interfaceName == "{IFNAME}"'
+        node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
+                           "spec": {"devices": {
+                               "requests": [{"name": "net1", "exactly": {"deviceClassName": "nic.sysdra.io",
+                                                                         "selectors": [{"cel": {"expression": selector}}]}}],
+                               "config": [{"opaque": {"driver": DRIVER, "parameters": {
+                                   "apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "interfaceName": "data0",
+                                   "addresses": ["192.0.2.7/24"]}}}]}}})  # fmt: skip
+        container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
+                     "command": ["sh", "-c", "ip -o addr show data0; exec sleep 3600"], "resources": {"claims": [{"name": "nic"}]}}
+        node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "nic", "namespace": ns},
+                           "spec": {"automountServiceAccountToken": False, "terminationGracePeriodSeconds": 1,
+                                    "dnsPolicy": "Default",  # the node has no cluster DNS: no warning event
+                                    "resourceClaims": [{"name": "nic", "resourceClaimName": "nic"}], "containers": [container]}})  # fmt: skip
+        wait(lambda: node.plane.get("Pod", "nic", ns)["status"].get("phase") == "Running", f"pod {ns}/nic running", node)
+        def log():
+            r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/nic/log", ok=False)
+            return r.status_code == 200 and "inet " in r.text and r.text
+
+        log = wait(log, f"pod {ns}/nic's log", node)
+        assert "data0" in log and "inet 192.0.2.7/24" in log, log
+        assert not rtnl.has_link("/proc/self/ns/net", IFNAME)
+        node.plane.delete("Pod", "nic", ns)
+        wait(lambda: rtnl.has_link("/proc/self/ns/net", IFNAME), f"{IFNAME} back on the host", node)
+        node.plane.delete("ResourceClaim", "nic", ns)
+    finally:
+        subprocess.run(["ip", "link", "del", IFNAME], check=False)
+
+
 def warnings(node: RealNode, ns: str) -> list[str]:
     return [f"{e['reason']}: {e.get('message')}" for e in node.plane.request("GET", f"/api/v1/namespaces/{ns}/events").json()["items"]
             if e.get("type") == "Warning"]  # fmt: skip
@@ -183,6 +225,7 @@ def test_install_upgrade_uninstall(node):
         with open(os.path.join(node.cdi_dir, name)) as f:
             assert '"/host/' not in f.read()  # host paths, never the pod's view under --root
     delete_claim_pod(node, ns, "first", uid)
+    nic_pod_gets_its_netdev(node, ns)
 
     # upgrade: surge, two agents side by side, and claims prepared and unprepared throughout
     (old,) = running_agents(node)

@@ -1,6 +1,7 @@
-"""A claim's netdev into its pod and back (agent/nri/netdev.py), on the real kernel: two network
-namespaces made by the test stand for the host and the pod, a veth end for the NIC. A crash
-(an exception raised at each fault point: nothing after it runs) leaves records that the next
+"""A claim's netdev into its pod and back (agent/nri/netdev.py, prepare/steps/netdev.py), on the
+real kernel: two network namespaces made by the test stand for the host and the pod, a veth end
+for the NIC. The records are the claim's checkpoint entry (the step protocol's ``netdevs``). A
+crash (an exception raised at each fault point: nothing after it runs) leaves records that the next
 synchronization finishes: back to the host, or completed into a pod still running. Root only.
 """
 
@@ -14,18 +15,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.nri import rtnl
-from agent.nri.moves import MoveRecords
-from agent.prepare.netdevs import plan_netdevs, reserved_pods
+from agent.kubeletplugin.types import ClaimRef
 from agent.nri.netdev import NetdevError, NetdevMover
 from agent.nri.plugin import Pod
+from agent.prepare import rtnl
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.checkpoint_format import COMPLETED
-from tests.conftest import require_root, require_tool
+from agent.prepare.driver import Driver
+from agent.prepare.metadata import layout
+from agent.prepare.steps.netdev import NetdevStep
+from discovery.inventory import scan
+from tests.conftest import profile_root, require_root, require_tool
+from tests.kubelet_standin import claim, settings_for
 
 CLAIM = "0b0c7c8e-1111-4222-8333-444455556666"
 POD_UID = "9d3f1c2a-aaaa-4bbb-8ccc-dddddddddddd"
 POINTS = ("netdev:recorded", "netdev:moved", "netdev:returning", "netdev:returned")
+NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # server-2s-gpu-nic's NIC and its netdev
 
 
 class Crash(BaseException):
@@ -42,33 +48,42 @@ def nets():
         subprocess.run(["ip", "netns", "add", n], check=True)
     nic = f"nic{tag}"
     subprocess.run(["ip", "-n", names["host"], "link", "add", nic, "type", "veth", "peer", "name", f"pe{tag}"], check=True)
-    yield SimpleNamespace(host=f"/run/netns/{names['host']}", pod=f"/run/netns/{names['pod']}", nic=nic)
+    yield SimpleNamespace(host=f"/run/netns/{names['host']}", pod=f"/run/netns/{names['pod']}", nic=nic, names=names)
     for n in names.values():
         subprocess.run(["ip", "netns", "del", n], check=False)
 
 
-def write_checkpoint(path, nic: str, pods=(POD_UID,)):
+def write_checkpoint(path, nic: str, pods=(POD_UID,), **move):
     cp = Checkpoint(str(path))
     cp.claims = {CLAIM: {"state": COMPLETED, "namespace": "ns", "name": "c", "bootID": "b", "allocation": "a",
                          "devices": [], "cdiSpec": None, "metadata": None, "pods": list(pods),
-                         "netdevs": [{"device": "nic-0", "request": "net1", "host": nic, "pod": "net1"}]}}
+                         "netdevs": [{"device": "nic-0", "request": "net1", "host": nic, "pod": "net1", **move}]}}
     cp.save()
 
 
-def mover(tmp_path, nets, fault=lambda point: None) -> NetdevMover:
-    return NetdevMover(str(tmp_path / "checkpoint.json"), str(tmp_path / "moves.json"), host_netns=nets.host, fault=fault)
+def records(tmp_path) -> list[dict]:
+    return Checkpoint.load(str(tmp_path / "checkpoint.json")).claims[CLAIM]["netdevs"]
 
 
-def pod(nets, netns="pod") -> Pod:
-    return Pod("sb1", "app", "ns", POD_UID, getattr(nets, netns) if netns else None)
+def mover(tmp_path, nets, fault=lambda point: None, **kw) -> NetdevMover:
+    return NetdevMover(str(tmp_path), host_netns=nets.host, fault=fault, **kw)
+
+
+def pod(nets, netns="pod", sandbox="sb1") -> Pod:
+    return Pod(sandbox, "app", "ns", POD_UID, getattr(nets, netns) if netns else None)
 
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
-def where(nets) -> tuple[bool, bool]:
-    return rtnl.has_link(nets.host, nets.nic), rtnl.has_link(nets.pod, "net1")
+def where(nets, host_name=None) -> tuple[bool, bool]:
+    return rtnl.has_link(nets.host, host_name or nets.nic), rtnl.has_link(nets.pod, "net1")
+
+
+def ip_json(nets, *args):
+    out = subprocess.run(["ip", "-n", nets.names["pod"], "-j", *args], capture_output=True, check=True)
+    return json.loads(out.stdout)
 
 
 def test_the_netdev_goes_into_the_pod_up_under_its_name_and_comes_back(tmp_path, nets):
@@ -77,14 +92,29 @@ def test_the_netdev_goes_into_the_pod_up_under_its_name_and_comes_back(tmp_path,
     run(m.synchronized([]))
     run(m.pod_started(pod(nets)))
     assert where(nets) == (False, True)
-    out = subprocess.run(["ip", "-n", nets.pod.rsplit("/", 1)[1], "-j", "link", "show", "net1"], capture_output=True, check=True)
-    assert "UP" in json.loads(out.stdout)[0]["flags"]
-    assert [m.state for m in MoveRecords(str(tmp_path / "moves.json")).load().moves.values()] == ["in-pod"]
+    assert "UP" in ip_json(nets, "link", "show", "net1")[0]["flags"]
+    (rec,) = records(tmp_path)
+    assert rec["state"] == "in-pod" and rec["sandbox"] == "sb1" and rec["netns"] == nets.pod and rec["mac"]
     run(m.pod_started(pod(nets)))  # a repeated event changes nothing
     run(m.pod_stopped(pod(nets)))
     assert where(nets) == (True, False)
     run(m.pod_removed(pod(nets)))
-    assert MoveRecords(str(tmp_path / "moves.json")).load().moves == {}
+    assert records(tmp_path) == [{"device": "nic-0", "request": "net1", "host": nets.nic, "pod": "net1"}]
+
+
+def test_mtu_addresses_and_routes_are_set_in_the_pod(tmp_path, nets):
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic, mtu=1400, addresses=["192.0.2.5/24", "2001:db8::5/64"],
+                     routes=[{"destination": "default", "gateway": "192.0.2.1"}, {"destination": "198.51.100.0/24"},
+                             {"destination": "2001:db8:1::/48", "gateway": "2001:db8::1"}])
+    run(mover(tmp_path, nets).pod_started(pod(nets)))
+    (link,) = ip_json(nets, "addr", "show", "net1")
+    assert link["mtu"] == 1400
+    assert {f"{a['local']}/{a['prefixlen']}" for a in link["addr_info"] if a.get("scope") == "global"} == {
+        "192.0.2.5/24", "2001:db8::5/64"}
+    v4 = {(r["dst"], r.get("gateway")) for r in ip_json(nets, "route", "show", "dev", "net1")}
+    assert {("default", "192.0.2.1"), ("198.51.100.0/24", None)} <= v4
+    v6 = {(r["dst"], r.get("gateway")) for r in ip_json(nets, "-6", "route", "show", "dev", "net1")}
+    assert ("2001:db8:1::/48", "2001:db8::1") in v6
 
 
 def test_pods_without_netdev_claims_are_untouched_and_host_network_pods_are_refused(tmp_path, nets):
@@ -106,7 +136,16 @@ def test_a_failed_move_is_undone_and_fails_the_sandbox(tmp_path, nets):
     with pytest.raises(NetdevError, match="absent0"):
         run(mover(tmp_path, nets).pod_started(pod(nets)))
     assert where(nets) == (True, False)
-    assert MoveRecords(str(tmp_path / "moves.json")).load().moves == {}
+    assert [r.get("state", "planned") for r in records(tmp_path)] == ["planned", "planned"]
+
+
+def test_a_bad_address_fails_the_sandbox_and_the_netdev_comes_back(tmp_path, nets):
+    """The kernel refuses a route whose gateway is not on any of the link's networks."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic, routes=[{"destination": "default", "gateway": "203.0.113.1"}])
+    with pytest.raises(NetdevError, match="moving its netdevs failed"):
+        run(mover(tmp_path, nets).pod_started(pod(nets)))
+    assert where(nets) == (True, False)
+    assert records(tmp_path)[0].get("state", "planned") == "planned"
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -127,44 +166,129 @@ def test_a_crash_at_each_step_is_finished_at_the_next_synchronization(tmp_path, 
     run(after.synchronized([pod(nets)] if still_running else []))
     expect = (False, True) if still_running and not returning else (True, False)
     assert where(nets) == expect
-    records = MoveRecords(str(tmp_path / "moves.json")).load().moves
-    assert [r.state for r in records.values()] == (["in-pod"] if expect == (False, True) else [])
+    assert [r.get("state", "planned") for r in records(tmp_path)] == ["in-pod" if expect == (False, True) else "planned"]
 
 
-def test_a_bad_records_file_is_moved_aside(tmp_path):
-    path = tmp_path / "moves.json"
-    path.write_text('{"x/y": {"sandbox": "x"}}')
-    assert MoveRecords(str(path)).load().moves == {}
-    assert (tmp_path / "moves.json.bad").exists() and not path.exists()
-
-
-def test_plan_names_netdevs_after_their_requests_and_skips_shares():
-    def nic(name):
-        return SimpleNamespace(nic=SimpleNamespace(interfaces=(SimpleNamespace(name=name),)))
-
-    def dev(name, request, share=None):
-        return SimpleNamespace(device=name, requests=[request], share_id=share)
-
-    by_name = {"a": nic("enp1s0f0"), "b": nic("enp1s0f1"), "c": nic("enp2s0"), "d": nic("enp3s0"),
-               "g": SimpleNamespace(nic=None)}
-    devices = [dev("a", "nic"), dev("b", "nic"), dev("c", "x" * 40), dev("d", "shared", share="s1"), dev("g", "gpu")]
-    assert plan_netdevs(devices, by_name) == [
-        {"device": "a", "request": "nic", "host": "enp1s0f0", "pod": "nic"},
-        {"device": "b", "request": "nic", "host": "enp1s0f1", "pod": "nic1"},
-        {"device": "c", "request": "x" * 40, "host": "enp2s0", "pod": "enp2s0"}]
-    claim = {"status": {"reservedFor": [{"resource": "pods", "name": "p", "uid": POD_UID}, {"resource": "x", "uid": CLAIM},
-                                        {"resource": "pods", "uid": "../etc"}]}}
-    assert reserved_pods(claim) == [POD_UID] and reserved_pods({"status": "x"}) == []
+def test_a_bad_record_refuses_the_pod_without_touching_the_host(tmp_path, nets):
+    """The checkpoint is input: a record that is no NetdevMove is rejected when loaded."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic, mtu=12)
+    with pytest.raises(NetdevError, match="not valid .*mtu"):
+        run(mover(tmp_path, nets).pod_started(pod(nets)))
+    assert where(nets) == (True, False)
 
 
 def test_a_pod_namespace_gone_unannounced_drops_its_records(tmp_path, nets):
     """containerd forgets its pods' NRI state when it restarts: a pod's namespace can go without
-    StopPodSandbox. A veth dies with it; the record goes at the next look."""
+    StopPodSandbox. A veth dies with it; the record goes back to planned at the next look."""
     write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
     m = mover(tmp_path, nets)
     run(m.pod_started(pod(nets)))
-    m._reconcile()  # still there: kept
-    assert list(MoveRecords(str(tmp_path / "moves.json")).load().moves)
-    subprocess.run(["ip", "netns", "del", nets.pod.rsplit("/", 1)[1]], check=True)
-    m._reconcile()
-    assert MoveRecords(str(tmp_path / "moves.json")).load().moves == {}
+    m._locked(m._reconcile)  # still there: kept
+    assert records(tmp_path)[0]["state"] == "in-pod"
+    subprocess.run(["ip", "netns", "del", nets.names["pod"]], check=True)
+    m._locked(m._reconcile)
+    assert records(tmp_path)[0].get("state", "planned") == "planned"
+
+
+def test_a_new_sandbox_of_the_pod_gets_the_netdev_of_a_gone_one(tmp_path, nets):
+    """The kubelet recreates a pod's sandbox (after a reboot, a failed sandbox): the record of the
+    old one, no longer running, is given back first."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets)
+    run(m.pod_started(pod(nets, sandbox="old")))
+    run(m.pod_removed(pod(nets, sandbox="other")))  # not the old one: nothing moves
+    m.pods.pop("old")  # the runtime forgot it (no RemovePodSandbox)
+    run(m.pod_started(pod(nets, sandbox="new")))
+    assert where(nets) == (False, True) and records(tmp_path)[0]["sandbox"] == "new"
+    with pytest.raises(NetdevError, match="still runs"):
+        run(m.pod_started(pod(nets, sandbox="third")))
+
+
+# --- with the driver: prepare plans, the hook moves and writes metadata, unprepare undoes ------
+@pytest.fixture
+def ifname_nets(nets):
+    """``nets`` with the fixture NIC's interface name on the test's host namespace."""
+    subprocess.run(["ip", "-n", nets.names["host"], "link", "set", nets.nic, "name", IFNAME], check=True)
+    return SimpleNamespace(**{**vars(nets), "nic": IFNAME})
+
+
+def nic_claim(config: dict | None = None) -> dict:
+    c = claim("nic", [("net1", NIC)], uid=CLAIM)
+    c["status"]["reservedFor"] = [{"resource": "pods", "name": "app", "uid": POD_UID}]
+    if config:
+        c["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", "opaque": {
+            "driver": "sysdra.io", "parameters": {"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", **config}}}]
+    return c
+
+
+def test_prepare_plans_the_move_and_the_hook_writes_the_pods_view(tmp_path, ifname_nets):
+    nets = ifname_nets
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    inv = scan(s.root)
+    d = Driver(s, lambda: inv)
+    netdev_step = next(st for st in d.steps if isinstance(st, NetdevStep))
+    netdev_step.host_netns = lambda: nets.host
+    config = {"interfaceName": "net1", "mtu": 1400, "addresses": ["192.0.2.5/24"]}
+    assert d.prepare_claims([nic_claim(config)])[CLAIM].error is None
+    entry = d.checkpoint.claims[CLAIM]
+    assert entry["pods"] == [POD_UID] and entry["netdevs"] == [
+        {"device": NIC, "request": "net1", "bdf": "0000:3c:00.0", "host": IFNAME, "pod": "net1", "mtu": 1400,
+         "addresses": ["192.0.2.5/24"]}]  # the fixture has no ib_core: no RDMA link moves
+    written = []
+    m = NetdevMover(s.plugin_dir, host_netns=nets.host, settings=s, status=lambda ref, e: written.append((ref, e)))
+    run(m.pod_started(pod(nets)))
+    assert where(nets) == (False, True)
+    with open(layout.host_file(s.plugin_dir, "default", "nic", "net1")) as f:
+        meta = json.JSONDecoder().raw_decode(f.read())[0]  # a stream: the first object
+    (dev,) = [dev for r in meta["requests"] for dev in r["devices"]]
+    mac = ip_json(nets, "link", "show", "net1")[0]["address"]
+    assert meta["metadata"]["generation"] == 2
+    assert dev["networkData"] == {"interfaceName": "net1", "ips": ["192.0.2.5/24"], "hardwareAddress": mac}
+    ((ref, entries),) = written
+    assert ref == ClaimRef("default", "nic", CLAIM)
+    assert entries[0]["networkData"] == {"interfaceName": "net1", "ips": ["192.0.2.5/24"], "hardwareAddress": mac}
+    # unprepare while the netdev is in the pod (the runtime never said StopPodSandbox): the step undoes it
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert where(nets) == (True, False)
+
+
+def test_a_nic_config_name_taken_twice_fails_the_claim(tmp_path):
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    inv = scan(s.root)
+    c = claim("nic", [("net1", NIC), ("net1", "nic-0000-bd-00-0")], uid=CLAIM)
+    c["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", "opaque": {"driver": "sysdra.io", "parameters": {
+        "apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", "interfaceName": "data0"}}}]
+    res = Driver(s, lambda: inv).prepare_claims([c])[CLAIM]
+    assert "interfaceName 'data0' is given to two netdevs" in res.error
+
+
+def test_a_prepare_holding_the_lock_delays_only_pods_with_netdevs(tmp_path, nets):
+    """Every pod of the node starts through the plugin: one without a netdev claim never waits for
+    the plugin's lock (a long prepare holds it); one with such a claim fails after the lock's
+    timeout, and the kubelet retries its sandbox."""
+    from agent.prepare.metadata.update import Flock
+
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets, lock_timeout=0.2)
+    other = Pod("sb2", "other", "ns", "11111111-2222-4333-8444-555555555555", nets.pod)
+    with Flock(str(tmp_path / "serialize.lock"), 1.0):
+        run(m.pod_started(other))
+        run(m.pod_stopped(other))
+        with pytest.raises(NetdevError, match="timed out"):
+            run(m.pod_started(pod(nets)))
+    assert where(nets) == (True, False)
+    run(m.pod_started(pod(nets)))
+    assert where(nets) == (False, True)
+
+
+def test_a_re_prepare_follows_the_pods_the_claim_is_reserved_for(tmp_path):
+    """The kubelet prepares a shared claim again for each new pod: the netdev record's pods follow."""
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    inv = scan(s.root)
+    d = Driver(s, lambda: inv)
+    c = nic_claim()
+    assert d.prepare_claims([c])[CLAIM].error is None
+    second = "22222222-3333-4444-8555-666666666666"
+    c["status"]["reservedFor"].append({"resource": "pods", "name": "b", "uid": second})
+    assert d.prepare_claims([c])[CLAIM].error is None
+    assert Checkpoint.load(d.checkpoint_path).claims[CLAIM]["pods"] == [POD_UID, second]

@@ -16,6 +16,7 @@ P1_DPX, MIG = Hold(GPU, "partition", "p1", "DPX/NPS1"), Hold(GPU, "partition", "
 # with DRA admin access (adminAccess: true)
 A_WHOLE, A_SHARE = Hold(GPU, "exclusive", admin=True), Hold(GPU, "shared", admin=True)
 A_P0, A_P1_DPX = Hold(GPU, "partition", "p0", "CPX/NPS1", admin=True), Hold(GPU, "partition", "p1", "DPX/NPS1", admin=True)
+NETDEV = Hold(GPU, "netdev")  # a NIC's function in truth; the rules do not look at kinds
 
 
 @pytest.mark.parametrize("first, second, refused", [
@@ -30,6 +31,9 @@ A_P0, A_P1_DPX = Hold(GPU, "partition", "p0", "CPX/NPS1", admin=True), Hold(GPU,
     (VFIO, A_WHOLE, True), (A_WHOLE, VFIO, True), (A_SHARE, VFIO, True), (VFIO, A_P0, True),
     (A_P0, P1_DPX, True), (P0, A_P1_DPX, True),  # one GPU runs in one mode
     (VFIO, Hold("0000:3a:00.0", "exclusive"), False),  # another function
+    (NETDEV, SHARE, True), (SHARE, NETDEV, True), (NETDEV, WHOLE, True), (NETDEV, NETDEV, True),
+    (NETDEV, A_WHOLE, True), (A_SHARE, NETDEV, True),  # admin access would lose the interface too
+    (NETDEV, Hold("0000:3a:00.0", "shared"), False),
 ])
 def test_two_claims_on_one_function(first, second, refused):
     table = Ownership()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -392,81 +391,6 @@ def test_the_agents_nri_plugin_registers_and_sees_pod_sandboxes(realnode):
     for event in ("stopped", "removed"):
         wait(lambda: agent_says(realnode, f"NRI: pod sandbox {ns}/nri {event}"), f"RemovePodSandbox of {ns}/nri", realnode,
              log="agent")  # fmt: skip
-
-
-NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
-HOST_NET = "/proc/self/ns/net"
-
-
-def nic_pod(node: RealNode, script: str) -> str:
-    """A pod with its own network namespace and a claim for the fixture NIC (request ``net1``);
-    its namespace once it runs."""
-    ns = namespace(node)
-    selector = f'device.attributes["{DRIVER}"].interfaceName == "{IFNAME}"'
-    node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
-                       "spec": {"devices": {"requests": [{"name": "net1", "exactly": {
-                           "deviceClassName": "nic.sysdra.io", "selectors": [{"cel": {"expression": selector}}]}}]}}})  # fmt: skip
-    create_pod(node, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)
-    return ns
-
-
-@pytest.fixture
-def veth():
-    """A real netdev under the fixture NIC's interface name, on the host."""
-    require_tool("ip")
-    subprocess.run(["ip", "link", "add", IFNAME, "type", "veth", "peer", "name", "sdrpeer0"], check=True)
-    yield
-    subprocess.run(["ip", "link", "del", IFNAME], check=False)
-
-
-def agent_count(node: RealNode, text: str) -> int:
-    return node.log_tail("agent", 100000).count(text)
-
-
-def test_a_claimed_nics_netdev_goes_into_the_pod_and_back(realnode, veth):
-    """A real netdev is moved into the pod's network namespace by the agent's NRI plugin, up,
-    named after the request, its metadata rewritten (generation 2) before the container starts,
-    and it is back on the host under its name once the pod is gone."""
-    from agent.nri import rtnl
-
-    ns = nic_pod(realnode, f"ip -o link show net1; echo METADATA; cat {METADATA}/resourceclaims/nic/net1/{DRIVER}-metadata.json; echo")
-    lines = running_log(realnode, ns, "app")
-    assert any(re.match(r"\d+: net1[@:]", line) and ",UP" in line for line in lines), lines
-    metadata = json.JSONDecoder().raw_decode(lines[lines.index("METADATA") + 1])[0]
-    assert metadata["metadata"]["generation"] == 2, metadata  # rewritten by the NRI hook
-    (device,) = [d for r in metadata["requests"] for d in r["devices"]]
-    assert device["networkData"]["interfaceName"] == "net1", metadata
-    assert not rtnl.has_link(HOST_NET, IFNAME)
-    assert allocated(realnode.plane.get("ResourceClaim", "nic", ns)) == [NIC]
-    delete_pod(realnode, ns, "app")
-    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
-
-
-def test_the_nri_plugin_follows_a_containerd_restart_and_the_netdev_an_agent_sigkill(realnode, veth):
-    """containerd restarted: the plugin registers and is synchronized again and moves the next
-    pod's netdev. The agent killed and restarted under that pod: its netdev stays in the pod
-    (the record says so), and the pod's deletion brings it back."""
-    from agent.nri import rtnl
-    from tests.controlplane import peer
-
-    synced = agent_count(realnode, "NRI: synchronized with")
-    realnode.stop_process("containerd")
-    realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
-    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the NRI plugin synchronized after containerd's restart",
-         realnode, log="agent")  # fmt: skip
-    ns = nic_pod(realnode, "true")
-    running_log(realnode, ns, "app")
-    assert not rtnl.has_link(HOST_NET, IFNAME)
-    synced = agent_count(realnode, "NRI: synchronized with")
-    realnode.stop_process("agent", signal.SIGKILL)
-    realnode.start_agent()
-    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the restarted agent's NRI plugin synchronized",
-         realnode, log="agent")  # fmt: skip
-    assert not rtnl.has_link(HOST_NET, IFNAME)
-    with open(os.path.join(realnode.kubelet_dir, "plugins", DRIVER, "netdev-moves.json")) as f:
-        assert [m["state"] for m in json.load(f).values()] == ["in-pod"]
-    delete_pod(realnode, ns, "app")
-    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):

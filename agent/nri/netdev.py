@@ -1,211 +1,264 @@
-"""A claim's netdev goes into its pod: at RunPodSandbox the agent moves each netdev planned at
-prepare (agent/nri/moves.py) into the sandbox's network namespace under its pod name and sets
-it up; at StopPodSandbox/RemovePodSandbox it moves it back under its host name.
+"""A claim's netdev goes into its pod: at RunPodSandbox the agent moves each netdev its claims'
+``netdevs`` step planned at prepare (prepare/steps/netdev.py) into the sandbox's network
+namespace under its pod name, configured (prepare/netmove.py); at StopPodSandbox/RemovePodSandbox
+it moves it back under its host name.
 
-Every move is recorded before the kernel is touched (state ``moving``/``returning``) and after
-(``in-pod`` / record dropped). After a crash, :meth:`NetdevMover.synchronized` (the runtime's
-list of running sandboxes, sent on every (re)connection) finishes what the records say:
-a move of a running sandbox is completed, anything else goes back to the host. A physical
-netdev whose namespace was destroyed is back on the host under its pod name (the kernel
-moves it); it is renamed there.
+The records are the claim's checkpoint entry, the step protocol's (prepare/records.py,
+``NetdevMove``): every move is saved there before the kernel is touched (``moving``/``returning``)
+and after (``in-pod``/``planned``), holding the plugin's ``serialize.lock`` as prepare and
+unprepare do, so a move and an unprepare never interleave. After a crash,
+:meth:`NetdevMover.synchronized` (the runtime's list of running sandboxes, sent on every
+(re)connection) finishes what the records say: a move into a running sandbox is completed (its
+metadata written), anything else goes back to the host.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
+import signal
 import threading
 
-from pydantic import ValidationError
-
-from agent.nri import podmeta, rtnl
-from agent.nri.moves import Move, MoveRecords
-from agent.prepare.netdevs import NetdevPlan
+from agent.kubeletplugin.types import ClaimRef
+from agent.nri import podmeta
 from agent.nri.plugin import NriPlugin, Pod
-from agent.nri.ttrpc import Refusal
 from agent.nri.sandboxes import Sandboxes
-from agent.prepare.checkpoint_view import CheckpointView
+from agent.nri.ttrpc import Refusal
+from agent.prepare import netmove, rtnl
+from agent.prepare.checkpoint import Checkpoint, CheckpointError
 from agent.prepare.checkpoint_format import COMPLETED
+from agent.prepare.checkpoint_view import CheckpointView
+from agent.prepare.metadata.update import Flock, UpdateError
+from agent.prepare.records import NetdevMove
 
 log = logging.getLogger(__name__)
 RECONCILE_INTERVAL = 10.0  # seconds between looks for pod namespaces gone unannounced
+LOCK_TIMEOUT = 1.5  # seconds: containerd waits 2 s for a plugin's answer
 
 
 class NetdevError(Refusal):
     """A pod cannot get its netdevs: the runtime fails the sandbox with this message."""
 
 
+class _Claims:
+    """The checkpoint as loaded under the lock, and the netdev records of its prepared claims."""
+
+    def __init__(self, cp: Checkpoint):
+        self.cp = cp
+        self.changed: set[str] = set()
+
+    def moves(self) -> list[tuple[str, int, NetdevMove]]:
+        """(claim UID, index in its ``netdevs``, record) of every prepared claim."""
+        out = []
+        for uid, entry in self.cp.claims.items():
+            if entry.get("state") == COMPLETED:
+                out += [(uid, i, NetdevMove.model_validate(r)) for i, r in enumerate(entry.get("netdevs") or ())]
+        return out
+
+    def put(self, uid: str, index: int, move: NetdevMove) -> None:
+        entry = self.cp.claims[uid] = dict(self.cp.claims[uid])  # entries are replaced, never changed in place
+        netdevs = list(entry["netdevs"])
+        netdevs[index] = move.dump()
+        entry["netdevs"] = netdevs
+        self.changed.add(uid)
+
+    def save(self) -> None:
+        if self.changed:
+            self.cp.save(changed=self.changed)
+            self.changed = set()
+
+
 class NetdevMover(Sandboxes):
     """Sandbox events that move claims' netdevs. ``host_netns``: the host's network namespace
-    (the agent's own; a test's namespace in tests)."""
+    (the agent's own; a test's namespace in tests); ``settings``: for the metadata files (None:
+    none written); ``status``: the claim status writer (its ``submit``), or None."""
 
-    def __init__(self, checkpoint_path: str, records_path: str, host_netns: str = "/proc/self/ns/net",
-                 fault=lambda point: None, moved=lambda claim, plan, netns: None):
+    def __init__(self, plugin_dir: str, host_netns: str = "/proc/self/ns/net", settings=None, status=None,
+                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT):
         super().__init__()
-        self.moved = moved  # the device metadata's deferred update (agent/nri/podmeta.py)
-        self.checkpoint_path, self.host_netns = checkpoint_path, host_netns
-        self.records = MoveRecords(records_path)
-        # one sandbox's moves at a time (the records file has one writer), held in the worker
-        # thread: a request cancelled when the runtime goes away leaves its thread running
+        self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
+        self.lock_path = os.path.join(plugin_dir, "serialize.lock")
+        self.host_netns, self.settings, self.status = host_netns, settings, status
+        self.lock_timeout = lock_timeout
+        # one thread at a time in here (a request cancelled when the runtime goes away leaves its
+        # thread running), then the plugin's flock against prepare and unprepare
         self._lock = threading.Lock()
-        self.fault = fault  # tests: SIGKILL between steps
-        self._prepared = CheckpointView(checkpoint_path)  # the driver's claims (read under _lock)
+        self.fault = fault  # tests: a crash between steps
+        self._view = CheckpointView(self.checkpoint_path)  # the lock-free look (one thread at a time)
+        self._view_lock = threading.Lock()
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
         await super().synchronized(pods)
-        await asyncio.to_thread(self._locked, self._recover, {p.id for p in pods})
+        await self._run(self._recover, {p.id for p in pods})
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
-        await asyncio.to_thread(self._locked, self._give, pod)
+        if await asyncio.to_thread(self._concerns, lambda entry, move: pod.uid in (entry.get("pods") or ())):
+            self._report(await self._run(self._give, pod))
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
-        await asyncio.to_thread(self._locked, self._take_back, pod.id)
+        if await asyncio.to_thread(self._concerns, lambda entry, move: _away_in(move, pod.id)):
+            await self._run(self._take_back, pod.id)
 
     async def pod_removed(self, pod: Pod) -> None:
         await super().pod_removed(pod)
-        await asyncio.to_thread(self._locked, self._take_back, pod.id)
+        if await asyncio.to_thread(self._concerns, lambda entry, move: _away_in(move, pod.id)):
+            await self._run(self._take_back, pod.id)
 
-    # --- work (worker threads) ---------------------------------------------------
-    def _locked(self, work, *args):
-        with self._lock:
-            return work(*args)
-
-    def planned(self, pod: Pod) -> list[tuple[str, NetdevPlan]]:
-        """(claim UID, netdev) of the prepared claims reserved for ``pod``."""
-        try:
-            # every pod of the node passes here before it starts: only what was saved since is read
-            claims = self._prepared.claims()
-        except (OSError, ValueError) as err:  # failing every pod of the node would be worse
-            log.error("pod %s/%s: the prepared claims cannot be read, no netdevs moved: %s", pod.namespace, pod.name, err)
-            return []
-        out = []
-        for uid, entry in claims.items():
-            pods, netdevs = entry.get("pods"), entry.get("netdevs")
-            if entry.get("state") != COMPLETED or not isinstance(pods, list) or pod.uid not in pods:
-                continue
+    def _concerns(self, match) -> bool:
+        """Whether a prepared claim's netdev record matches, read without the plugin's lock and
+        only as far as saved since the last look (agent/prepare/checkpoint_view.py): every pod of
+        the node starts through here, and most have no netdev to wait for a prepare's lock. The
+        kubelet prepares a pod's claims before it asks for its sandbox, so no record of this pod
+        is on its way. An unreadable checkpoint or a rejected entry is the locked path's to report."""
+        with self._view_lock:
             try:
-                out += [(uid, NetdevPlan.model_validate(raw)) for raw in netdevs]
-            except (ValidationError, TypeError) as err:  # the checkpoint is input: this claim's error
-                raise NetdevError(f"claim {uid}: bad netdev record: {str(err)[:200]}") from None
-        return out
+                claims, rejected = self._view.claims(), self._view.rejected()
+            except (CheckpointError, ValueError, OSError):
+                return True
+        return bool(rejected) or any(match(e, m) for e in claims.values() if e.get("state") == COMPLETED
+                                     for m in e.get("netdevs") or ())
+    async def _run(self, work, *args):
+        try:
+            return await asyncio.to_thread(self._locked, work, *args)
+        except (UpdateError, CheckpointError, ValueError) as err:  # the lock or the checkpoint: the pod waits
+            raise NetdevError(f"the claims' netdev records cannot be used now: {err}") from None
 
-    def _give(self, pod: Pod) -> None:
-        self.records.ensure_loaded()
-        plans = self.planned(pod)
-        if not plans:
-            return
+    def _report(self, claims: dict[str, dict] | None) -> None:
+        """The claims' ``status.devices`` entries as the moves left them, to the status writer."""
+        for uid, entry in (claims or {}).items():
+            if self.status is not None and entry.get("deviceStatus") is not None and entry.get("name"):
+                self.status(ClaimRef(entry["namespace"], entry["name"], uid), entry["deviceStatus"])
+
+    # --- work (worker threads, holding the locks) ---------------------------------
+    def _locked(self, work, *args):
+        with self._lock, Flock(self.lock_path, self.lock_timeout):
+            claims = _Claims(Checkpoint.load(self.checkpoint_path, move_corrupt=False))
+            try:
+                return work(claims, *args)
+            finally:
+                claims.save()  # what was done before a failure stays recorded
+
+    def _give(self, claims: _Claims, pod: Pod) -> dict[str, dict]:
+        for uid, (entry, why) in claims.cp.rejected.items():  # input that failed its checks: never half-used
+            if isinstance(entry, dict) and isinstance(entry.get("pods"), list) and pod.uid in entry["pods"]:
+                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} has a checkpoint entry that is not "
+                                  f"valid ({why}): its netdevs are not moved")
+        mine = [(uid, i, m) for uid, i, m in claims.moves() if pod.uid in (claims.cp.claims[uid].get("pods") or ())]
+        if not mine:
+            return {}
         if pod.netns is None:
             raise NetdevError(f"pod {pod.namespace}/{pod.name} uses the host network: the netdevs of its claims "
-                              f"({', '.join(p.host for _, p in plans)}) cannot be given to it")
+                              f"({', '.join(m.host for _, _, m in mine)}) cannot be given to it")
+        for uid, i, m in mine:  # away in another sandbox: back first if that one is gone
+            if m.away and m.sandbox != pod.id:
+                if m.sandbox in self.pods:
+                    raise NetdevError(f"netdev {m.host} of claim {uid} is in pod sandbox {m.sandbox}, which still runs")
+                self._move_out(claims, uid, i, m)
+        mine = [(uid, i, NetdevMove.model_validate(claims.cp.claims[uid]["netdevs"][i])) for uid, i, _ in mine]
         try:
-            for uid, plan in plans:
-                self._move_in(Move(sandbox=pod.id, claim=uid, device=plan.device, host=plan.host, pod=plan.pod,
-                                   netns=pod.netns, state="moving"))
+            for uid, i, m in mine:
+                self._move_in(claims, uid, i, m.model_copy(update={"sandbox": pod.id, "netns": pod.netns}))
         except (rtnl.LinkError, OSError) as err:
-            self._take_back(pod.id)
+            self._take_back(claims, pod.id)
             raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}") from None
-        for uid, plan in plans:  # before the pod's containers are created: they read it at start
-            self.moved(uid, plan, pod.netns)
+        return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
-    def _move_in(self, move: Move) -> None:
-        current = self.records.moves.get(move.key)
-        if current is not None and current.state == "in-pod":
+    def _move_in(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
+        if move.state == "in-pod" and netmove.in_pod(move):
             return  # the runtime repeated the event
-        self.records.put(move)
+        claims.put(uid, i, move := move.model_copy(update={"state": "moving"}))
+        claims.save()
         self.fault("netdev:recorded")
-        if not rtnl.has_link(move.netns, move.pod):
-            rtnl.move(self.host_netns, move.host, move.netns, move.pod)
+        mac = netmove.move_in(move, self.host_netns)
         self.fault("netdev:moved")
-        rtnl.set_up(move.netns, move.pod)
-        self.records.put(move.model_copy(update={"state": "in-pod", "mac": rtnl.hardware_address(move.netns, move.pod)}))
+        claims.put(uid, i, move := move.model_copy(update={"state": "in-pod", "mac": mac}))
+        if self.settings is not None:  # before the pod's containers are created: they read it at start
+            podmeta.record(self.settings, uid, claims.cp.claims[uid], move)
+        claims.save()
         log.info("netdev %s is %s in pod sandbox %s", move.host, move.pod, move.sandbox)
 
-    def _take_back(self, sandbox: str) -> None:
-        self.records.ensure_loaded()
+    def _take_back(self, claims: _Claims, sandbox: str) -> None:
+        """``sandbox``'s netdevs back on the host; ``status.devices`` keeps the pod's view (the claim
+        is the pod's until unprepare)."""
         problems = []
-        for move in self.records.of_sandbox(sandbox):
-            try:
-                self._move_out(move)
-            except (rtnl.LinkError, OSError) as err:
-                problems.append(f"{move.pod}: {err}")
-        if problems:  # the record stays: the next event or start tries again
+        for uid, i, move in claims.moves():
+            if move.away and move.sandbox == sandbox:
+                try:
+                    self._move_out(claims, uid, i, move)
+                except (rtnl.LinkError, OSError) as err:
+                    problems.append(f"{move.pod}: {err}")
+        if problems:  # the record stays: the next event, unprepare or start tries again
             raise NetdevError("giving netdevs back to the host failed: " + "; ".join(problems))
 
-    def _move_out(self, move: Move) -> None:
-        returning = move.model_copy(update={"state": "returning"})
-        self.records.put(returning)
+    def _move_out(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
+        claims.put(uid, i, returning := move.model_copy(update={"state": "returning"}))
+        claims.save()
         self.fault("netdev:returning")
-        if rtnl.has_link(self.host_netns, move.host):
-            pass  # never moved, or already back
-        elif os.path.exists(move.netns) and _has(move.netns, move.pod):
-            rtnl.move(move.netns, move.pod, self.host_netns, move.host)
-        elif rtnl.has_link(self.host_netns, move.pod) and move.mac and rtnl.hardware_address(self.host_netns, move.pod) == move.mac:
-            rtnl.rename(self.host_netns, move.pod, move.host)  # its namespace went away: the kernel brought it back
-        else:
-            log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace",
-                        move.host, move.pod, move.sandbox)
+        netmove.move_out(returning, self.host_netns)
         self.fault("netdev:returned")
-        self.records.drop(returning)
+        claims.put(uid, i, move.model_copy(update={"state": "planned", "sandbox": None, "netns": None, "mac": None}))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
-    def _reconcile(self) -> None:
+    def _reconcile(self, claims: _Claims) -> None:
         """Records of sandboxes whose network namespace is gone, without the runtime telling
         (containerd forgets its pods' NRI state when it restarts: their Stop/RemovePodSandbox
-        never come): what the kernel gave back is renamed, the records go."""
-        self.records.ensure_loaded()
-        for move in list(self.records.moves.values()):
-            if move.state == "in-pod" and not (os.path.exists(move.netns) and _has(move.netns, move.pod)):
+        never come): what the kernel gave back is renamed, the records go back to ``planned``."""
+        for uid, i, move in claims.moves():
+            if move.state == "in-pod" and not netmove.in_pod(move):
                 try:
-                    self._move_out(move)
+                    self._move_out(claims, uid, i, move)
                 except (rtnl.LinkError, OSError) as err:
                     log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
 
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
         while True:
             await asyncio.sleep(interval)
-            await asyncio.to_thread(self._locked, self._reconcile)
+            try:
+                await asyncio.to_thread(self._locked, self._reconcile)
+            except (UpdateError, CheckpointError, ValueError) as err:
+                log.warning("netdev records not looked at: %s", err)
 
-    def _recover(self, running: set[str]) -> None:
-        self.records.load()
-        for move in list(self.records.moves.values()):
+    def _recover(self, claims: _Claims, running: set[str]) -> dict[str, dict]:
+        done = {}
+        for uid, i, move in claims.moves():
+            if not move.away:
+                continue
             try:
                 if move.sandbox in running and move.state != "returning":
-                    self._move_in(move)
+                    self._move_in(claims, uid, i, move)
+                    done[uid] = claims.cp.claims[uid]
                 else:
-                    self._move_out(move)
+                    self._move_out(claims, uid, i, move)
             except (rtnl.LinkError, OSError) as err:
                 log.error("netdev %s of pod sandbox %s: finishing its move failed: %s", move.host, move.sandbox, err)
+        return done
 
 
-def _has(netns: str, name: str) -> bool:
-    try:
-        return rtnl.has_link(netns, name)
-    except OSError as err:  # the namespace's file is gone or is no namespace any more
-        if err.errno in (errno.ENOENT, errno.EINVAL):
-            return False
-        raise
+def _away_in(raw: dict, sandbox: str) -> bool:
+    """A record (as saved) says its netdev may be in ``sandbox``."""
+    return isinstance(raw, dict) and raw.get("state", "planned") != "planned" and raw.get("sandbox") == sandbox
 
 
-def follow_pod_sandboxes(settings) -> list[asyncio.Task]:
+def crash_at(point: str):
+    """The mover's fault hook for the real-node tests (``SYSDRA_TEST_CRASH_AT``): SIGKILL at ``point``."""
+    return lambda at: os.kill(os.getpid(), signal.SIGKILL) if at == point else None
+
+
+def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     """The agent's NRI plugin as a task (none when ``nri_socket`` is empty): it moves the
-    netdevs of the claims the driver prepared (their checkpoint) into their pods."""
+    netdevs of the claims the driver prepared (their checkpoint) into their pods; the kubelet
+    plugin's claim status writer (if any) gets the claims' networkData after a move."""
     if not settings.nri_socket:
         return []
-    mover = NetdevMover(os.path.join(settings.plugin_dir, "checkpoint.json"),
-                        os.path.join(settings.plugin_dir, "netdev-moves.json"), host_netns(settings.root),
-                        moved=podmeta.updater(settings))
+    status = getattr(kubelet_plugin, "status", None)
+    point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
+    mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
+                        status=status.submit if status is not None else None,
+                        fault=crash_at(point) if point else (lambda at: None))
     loop = asyncio.get_running_loop()
     return [loop.create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri"),
             loop.create_task(mover.watch(), name="nri-netdevs")]
-
-
-def host_netns(root: str) -> str:
-    """The host's network namespace: its init's under ``root`` (a DaemonSet's ``/host/proc``),
-    else the agent's own (a fixture root: the agent runs in the host's namespace)."""
-    init = os.path.join(root, "proc", "1", "ns", "net")
-    return init if os.path.exists(init) else "/proc/self/ns/net"

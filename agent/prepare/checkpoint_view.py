@@ -28,6 +28,10 @@ class CheckpointView:
             cp = self._cp = Checkpoint.load(self.path, move_corrupt=False)
         return cp.claims
 
+    def rejected(self) -> dict[str, tuple[object, str]]:
+        """The entries of the last :meth:`claims` that failed their checks (never in it)."""
+        return self._cp.rejected if self._cp is not None else {}
+
     @staticmethod
     def _appended_only(cp: Checkpoint) -> bool:
         """The snapshot and the journal are the files last read: a compaction replaces both."""

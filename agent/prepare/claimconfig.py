@@ -12,7 +12,8 @@ every request (of a device kind it is for, see ``config_for``); ``req`` also cov
 Kinds (docs/claim-config.md documents every field; later issues add theirs to ``KINDS``):
 
 - ``GpuConfig`` — GPUs: ``sharing.mpsLimits`` and extra ``env``.
-- ``NicConfig`` — NICs: extra ``env``.
+- ``NicConfig`` — NICs: extra ``env``; the netdev's name, MTU, addresses and routes in the pod
+  (docs/networking.md).
 - ``VfioConfig`` — any PCI function: hand it to a VM bound to vfio-pci (docs/vfio.md).
 """
 
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from agent.apilimits import MAX_ALLOCATION_CONFIGS, MAX_OPAQUE_PARAMETERS_BYTES
 from agent.kubeletplugin.types import base_request
 from agent.prepare.allocation import ClaimFailed, allocated
+from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, Route
 
 API_VERSION = "sysdra.io/v1alpha1"
 MAX_ENV = 32
@@ -77,6 +79,20 @@ class GpuConfig(_Kind):
 
 class NicConfig(_Kind):
     kind: Literal["NicConfig"]
+    # the netdev inside the pod (docs/networking.md): its name (default: the request's name),
+    # MTU, static addresses and routes, set after the move, before any container starts
+    interfaceName: IfName | None = None
+    mtu: int | None = Field(default=None, ge=68, le=65535)  # IPv4's minimum; IPv6 needs 1280
+    addresses: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)
+    routes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NicConfig:
+        if len(set(self.addresses)) != len(self.addresses):
+            raise ValueError("addresses: an address is listed twice")
+        if self.mtu is not None and self.mtu < 1280 and any(":" in a for a in self.addresses):
+            raise ValueError(f"mtu {self.mtu}: IPv6 addresses need at least 1280")
+        return self
 
 
 class VfioConfig(_Kind):

@@ -44,7 +44,8 @@ from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
 from agent.prepare.mps_watch import MpsSupervisor
-from agent.prepare.netdevs import plan_netdevs, reserved_pods
+from agent.prepare.netdevs import reserved_pods
+from agent.prepare.netmove import host_netns
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
@@ -53,6 +54,7 @@ from agent.prepare.steps import Planned
 from agent.prepare.mig import MigDevices, shared_nvml
 from agent.prepare.steps.mig import MigStep
 from agent.prepare.steps.mps import MpsStep
+from agent.prepare.steps.netdev import NetdevStep
 from agent.prepare.steps.partition import PartitionStep
 from agent.prepare.steps.timeslice import TimeSliceStep
 from agent.prepare.steps.vfio import VfioStep
@@ -98,6 +100,8 @@ class _Call:
 
 
 class Driver:
+    LATER = frozenset({"netdevs"})  # steps whose apply changes nothing on the host (the NRI plugin does, later)
+
     def __init__(self, settings: Settings, inventory: Callable[[], Inventory]):
         self.settings = settings
         self.inventory = inventory
@@ -120,6 +124,7 @@ class Driver:
             self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
             self.steps.append(MigStep(self.mig, self.partitions.ways))
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
+        self.steps.append(NetdevStep(settings.root, lambda: host_netns(settings.root)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
@@ -186,7 +191,8 @@ class Driver:
             if call.changed and (err := self._save(cp, call.before, call.changed)):
                 call.out = {uid: PrepareResult(error=err) for uid in call.out}
             return call.out
-        durable = any(planned[2] for planned in call.plans.values())  # a host change's intent
+        # a host change's intent; a netdev's waits for its pod (its record needs no fsync yet)
+        durable = any(k not in self.LATER for planned in call.plans.values() for k in planned[2])
         if err := self._save(cp, call.before, call.changed, durable=durable):
             for uid in call.todo:  # nothing written yet; memory is back to what the file says
                 call.out[uid] = PrepareResult(error=err)
@@ -214,7 +220,7 @@ class Driver:
         fp = planner.fingerprint(raw)
         entry = cp.claims.get(uid)
         if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
-            call.out[uid] = self._again(call, uid, entry)
+            call.out[uid] = self._again(cp, call, uid, entry, claim)
             return
         owners = call.owners = call.owners or Ownership.of(cp.claims, self.holds)
         if entry:  # half-prepared or allocation changed: undo before redoing
@@ -244,8 +250,8 @@ class Driver:
             if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
                 for base, rec in meta_rec["requests"].items():
                     rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
-        if "vfio" not in records and (netdevs := plan_netdevs(devices, planned.names)):
-            entry_plan.update(netdevs=netdevs, pods=reserved_pods(claim))  # given to the pod by agent/nri/netdev.py
+        if "netdevs" in records:  # the pods the NRI plugin gives the netdevs to (agent/nri/netdev.py)
+            entry_plan["pods"] = reserved_pods(claim)
         if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
             entry_plan["deviceStatus"] = claimstatus.build_for(s, devices, by_name)
         owners.take(uid, holds, f"{meta['namespace']}/{meta['name']}")
@@ -255,9 +261,13 @@ class Driver:
         call.todo.append(uid)
         call.changed.add(uid)
 
-    def _again(self, call: _Call, uid: str, entry: dict) -> PrepareResult:
+    def _again(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, claim: dict) -> PrepareResult:
         """Idempotent re-prepare: the same answer; the steps' changes and the files made again
-        where they are gone (a rewrite changes the entry)."""
+        where they are gone (a rewrite changes the entry); the pods a claim with netdevs is
+        reserved for followed (the kubelet prepares it again for each new pod of the claim)."""
+        if entry.get("netdevs") and (pods := reserved_pods(claim)) != entry.get("pods"):
+            entry = cp.claims[uid] = {**entry, "pods": pods}  # entries are replaced, never changed in place
+            call.changed.add(uid)
         moved = any([st.recover(rec) for st in self.steps if (rec := st.read(entry)) is not None])
         if self.files.ensure_spec(uid, entry, rebuild=moved) | metadata.ensure_claim(self.settings, uid, entry):
             call.changed.add(uid)

@@ -1,18 +1,23 @@
-"""A claim's netdevs as planned at prepare, for the NRI plugin to move into the pod
-(agent/nri/netdev.py): which netdev, its name on the host, its name in the pod, and the pods
-the claim is reserved for. Recorded in the claim's checkpoint entry (``netdevs``, ``pods``).
+"""A claim's netdevs for its pod: the names and network values their records and the claim's
+``NicConfig`` share (checked the same way in both), and the pods a claim is reserved for.
+
+The step that plans them at prepare is agent/prepare/steps/netdev.py; the NRI plugin moves them
+(agent/nri/netdev.py) through agent/prepare/netmove.py.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from agent.names import is_uid
 
 IFNAMSIZ = 16
 IFNAME_ROOM = 12  # a base name's room when a number follows (names are at most 15 bytes)
+MAX_ADDRESSES = 16  # status.devices[].networkData.ips holds at most 16
+MAX_ROUTES = 32
 
 
 def valid_name(name: str) -> bool:
@@ -26,40 +31,54 @@ def _ifname(v: str) -> str:
     return v
 
 
+def _cidr(v: str) -> str:
+    """``ip/prefix`` as the kernel gets it (the host bits kept: 192.0.2.5/24, not a network)."""
+    try:
+        iface = ipaddress.ip_interface(v)
+    except ValueError:
+        iface = None
+    if iface is None or "/" not in v:
+        raise ValueError(f"{v[:64]!r} is not an address with its prefix, e.g. 192.0.2.5/24 or 2001:db8::5/64")
+    return iface.with_prefixlen
+
+
+def _destination(v: str) -> str:
+    if v == "default":
+        return v
+    try:
+        return ipaddress.ip_network(v, strict=True).with_prefixlen
+    except ValueError:
+        raise ValueError(f"{v[:64]!r} is neither 'default' nor a network such as 198.51.100.0/24") from None
+
+
+def _ip(v: str) -> str:
+    try:
+        return str(ipaddress.ip_address(v))
+    except ValueError:
+        raise ValueError(f"{v[:64]!r} is not an IP address") from None
+
+
 IfName = Annotated[str, AfterValidator(_ifname)]
+Cidr = Annotated[str, AfterValidator(_cidr)]
+Destination = Annotated[str, AfterValidator(_destination)]
+Ip = Annotated[str, AfterValidator(_ip)]
 
 
-class NetdevPlan(BaseModel):
-    """One netdev of a prepared claim: ``host`` is its name on the host, ``pod`` its name
-    inside the pod (the request's name, or the host name when that is no netdev name)."""
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    device: str
-    request: str  # the device's (first) request: its metadata file gets the name in the pod
-    host: IfName
-    pod: IfName
+class Route(BaseModel):
+    """A static route in the pod: ``destination`` (a network or ``default``) through ``gateway``,
+    or on the link when there is none. ``default`` needs a gateway (it names the family)."""
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    destination: Destination
+    gateway: Ip | None = None
 
-
-def plan_netdevs(devices, by_name: dict) -> list[dict]:
-    """At prepare: the netdevs of a claim's whole NICs and VFs (not shares of one: a shared
-    NIC cannot be in one pod), each named in the pod after its request."""
-    out: list[dict] = []
-    taken: set[str] = set()
-    for d in devices:
-        dev = by_name.get(d.device)
-        nic = getattr(dev, "nic", None)
-        if d.share_id or nic is None or not nic.interfaces or not valid_name(nic.interfaces[0].name):
-            continue
-        host = nic.interfaces[0].name
-        base = d.requests[0].rsplit("/", 1)[-1] if d.requests else host
-        name = base if valid_name(base) else host
-        n = 1
-        while name in taken:
-            name = f"{base[:IFNAME_ROOM]}{n}"
-            n += 1
-        taken.add(name)
-        out.append(NetdevPlan(device=d.device, request=d.requests[0] if d.requests else "", host=host, pod=name).model_dump())
-    return out
-
+    @model_validator(mode="after")
+    def _families(self) -> Route:
+        if self.destination == "default" and self.gateway is None:
+            raise ValueError("a default route needs a gateway")
+        if self.gateway is not None and self.destination != "default":
+            if ipaddress.ip_network(self.destination).version != ipaddress.ip_address(self.gateway).version:
+                raise ValueError(f"route {self.destination} via {self.gateway}: the gateway is of another IP family")
+        return self
 
 
 def reserved_pods(claim: dict) -> list[str]:

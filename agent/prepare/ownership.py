@@ -8,11 +8,13 @@ A hold is on a PCI function (a GPU, a NIC, a VF, ...) and says how the claim hol
 - ``partition``: one partition or MIG instance of the GPU (``unit``: the device name,
   ``mode``: the GPU mode it runs in, None for MIG);
 - ``vfio``: the function is bound to vfio-pci and handed to a VM;
+- ``netdev``: the function's netdev goes into the claim's pod (prepare/steps/netdev.py);
 - and ``admin`` marks any of the first three taken with DRA admin access (``adminAccess: true``).
 
 Two claims conflict on one function when either holds it bound to vfio-pci (the VM's group
 must not reach another container, and a GPU must not be unbound under another claim's
-partition or MIG instance), when their partitions need different modes (a GPU runs in one),
+partition or MIG instance) or with its netdev in its pod (another claim's users, admin access
+included, would lose the interface under them), when their partitions need different modes (a GPU runs in one),
 and, unless one of them has admin access, when one holds it whole and the other in any way
 (a stale allocation the kubelet still asks for must not hand a device to a second container),
 when one holds a partition of a GPU the other holds whole or a share of, or when both hold
@@ -32,7 +34,7 @@ from typing import Callable, Iterable, Literal
 
 from agent.quantity import plain
 
-How = Literal["exclusive", "shared", "partition", "vfio"]
+How = Literal["exclusive", "shared", "partition", "vfio", "netdev"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class Hold:
     def describe(self) -> str:
         if self.how == "vfio":
             return "bound to vfio-pci"
+        if self.how == "netdev":
+            return "with its netdev in the claim's pod"
         if self.how == "partition":
             what = f"partition {self.unit}" + (f" in {self.mode}" if self.mode else "")
         else:
@@ -57,7 +61,7 @@ class Hold:
 
 def conflict(a: Hold, b: Hold) -> bool:
     """Two holds of different claims on the same function cannot go together."""
-    if "vfio" in (a.how, b.how):
+    if "vfio" in (a.how, b.how) or "netdev" in (a.how, b.how):
         return True
     if a.how == b.how == "partition" and a.mode is not None and b.mode is not None and a.mode != b.mode:
         return True  # one GPU, one mode: admin access or not

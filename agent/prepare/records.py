@@ -15,11 +15,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
-from agent.prepare.netdevs import NetdevPlan
+from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, Route
 from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
-__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "ModeSwitch", "MpsUse", "PartitionUse", "TimeSlice", "VfioFunction", "check_entry", "entry_problem"]
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice",
+           "VfioFunction", "check_entry", "entry_problem"]
 
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -116,6 +117,43 @@ class TimeSlice(Record):
     interval: Literal["Default", "Short", "Medium", "Long"]
 
 
+SandboxId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
+NetnsPath = Annotated[str, StringConstraints(pattern=r"^/[^\x00]{1,4095}$")]
+Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$")]
+RdmaName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,63}$")]
+
+
+class NetdevMove(Record):
+    """One netdev of a claim for its pod (prepare/steps/netdev.py), owned by the claim from
+    prepare to unprepare. ``state``: ``planned`` (on the host under ``host``), ``moving`` (saved
+    before the kernel is touched: it may be in ``netns`` already), ``in-pod`` (in ``netns`` as
+    ``pod``, configured), ``returning`` (saved before it goes back: it may be back). ``mac``
+    tells the netdev from a host interface of its pod name once its namespace is gone; ``rdma``:
+    the RDMA device that moves with it (exclusive RDMA netns mode only)."""
+
+    device: Name
+    request: Name
+    bdf: Bdf | None = None  # the NIC's function, held for the claim (ownership.py)
+    host: IfName
+    pod: IfName
+    mtu: int | None = Field(default=None, ge=68, le=65535)
+    addresses: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)
+    routes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
+    rdma: RdmaName | None = None
+    state: Literal["planned", "moving", "in-pod", "returning"] = "planned"
+    sandbox: SandboxId | None = None
+    netns: NetnsPath | None = None
+    mac: Mac | None = None
+
+    def dump(self) -> dict:
+        return self.model_dump(exclude_defaults=True)
+
+    @property
+    def away(self) -> bool:
+        """The kernel may have it in a pod's namespace."""
+        return self.state != "planned"
+
+
 # --- the claim's entry ------------------------------------------------------------------------
 class DeviceRecord(Record):
     requests: list[Name]
@@ -157,7 +195,7 @@ class ClaimEntry(Record):
     mig: list[MigDevice] | None = None
     mps: MpsUse | None = None
     timeslice: list[TimeSlice] | None = None
-    netdevs: list[NetdevPlan] | None = None  # moved into the pod by agent/nri/netdev.py
+    netdevs: list[NetdevMove] | None = None  # moved into the pod by agent/nri/netdev.py
     pods: list[str] | None = None  # the pods the claim is reserved for
 
 

@@ -331,7 +331,7 @@ class Agent:
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         from agent.nri.netdev import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
-        tasks += [loop.create_task(self._report_status(), name="sd-status"), *follow_pod_sandboxes(self.settings)]
+        tasks += [loop.create_task(self._report_status(), name="sd-status"), *follow_pod_sandboxes(self.settings, self.kubelet_plugin)]
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)

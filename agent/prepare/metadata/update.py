@@ -63,7 +63,9 @@ class NetworkData:
             device["networkData"] = net
 
 
-class _Flock:
+class Flock:
+    """``flock`` on ``path`` waited for up to ``timeout`` seconds (UpdateError after)."""
+
     def __init__(self, path: str, timeout: float):
         self.path, self.timeout = path, timeout
 
@@ -96,7 +98,7 @@ def update_request(settings: Settings, ref: ClaimRef, request: str, net: Network
     base = base_request(request)
     if not os.path.isdir(settings.plugin_dir):
         raise UpdateError(f"request not found in prepared claim: {settings.plugin_dir} does not exist")
-    with _Flock(os.path.join(settings.plugin_dir, "serialize.lock"), lock_timeout):
+    with Flock(os.path.join(settings.plugin_dir, "serialize.lock"), lock_timeout):
         try:
             cp = Checkpoint.load(os.path.join(settings.plugin_dir, "checkpoint.json"), move_corrupt=False)
         except (CheckpointError, ValueError) as err:
@@ -107,24 +109,33 @@ def update_request(settings: Settings, ref: ClaimRef, request: str, net: Network
                 or (entry["namespace"], entry["name"]) != (ref.namespace, ref.name)):
             raise UpdateError(f"request not found in prepared claim: {ref.namespace}/{ref.name} "
                               f"(uid {ref.uid}) request {request!r}")
-        devices = [d for r in rec["requests"] for d in r["devices"]]
-        target = next((d for d in devices if device is None or d["name"] == device), None)
-        if target is None:
-            raise UpdateError(f"device {device!r} is not in request {request!r} of {ref.namespace}/{ref.name}")
-        net.apply(target)
-        for status_entry in entry.get("deviceStatus") or []:  # status.devices follows (write_status)
-            if status_entry.get("device") == target["name"]:
-                net.apply(status_entry)
-                ips = (status_entry.get("networkData") or {}).get("ips", [])
-                canon = [devicestatus.canonical_interface_address(ip) or ip for ip in ips]
-                if canon:
-                    status_entry["networkData"]["ips"] = list(dict.fromkeys(canon))
         try:
-            generation = store.write_file(settings, ref.uid, entry, base)
+            generation = update_entry(settings, ref.uid, entry, base, net, device, request)
             cp.save()
         except OSError as err:
             raise UpdateError(str(err)) from err
     return generation, layout.host_file(settings.plugin_dir, ref.namespace, ref.name, base)
+
+
+def update_entry(settings: Settings, uid: str, entry: dict, base: str, net: NetworkData, device: str | None = None,
+                 request: str = "") -> int:
+    """``net`` into a prepared claim's entry (its metadata record and ``deviceStatus``) and the
+    request's metadata file rewritten -> the new generation; the caller holds the plugin's lock
+    and saves the checkpoint. UpdateError (nothing changed) for an unknown device."""
+    rec = (entry.get("metadata") or {}).get("requests", {}).get(base)
+    devices = [d for r in rec["requests"] for d in r["devices"]] if rec else []
+    target = next((d for d in devices if device is None or d["name"] == device), None)
+    if target is None:
+        raise UpdateError(f"device {device!r} is not in request {request or base!r} of {entry.get('namespace')}/{entry.get('name')}")
+    net.apply(target)
+    for status_entry in entry.get("deviceStatus") or []:  # status.devices follows (write_status)
+        if status_entry.get("device") == target["name"]:
+            net.apply(status_entry)
+            ips = (status_entry.get("networkData") or {}).get("ips", [])
+            canon = [devicestatus.canonical_interface_address(ip) or ip for ip in ips]
+            if canon:
+                status_entry["networkData"]["ips"] = list(dict.fromkeys(canon))
+    return store.write_file(settings, uid, entry, base)
 
 
 def write_status(settings: Settings, ref: ClaimRef, client=None) -> int | None:
@@ -132,7 +143,7 @@ def write_status(settings: Settings, ref: ClaimRef, client=None) -> int | None:
     by server-side apply, or into the ``dir:`` claim file. -> entries written; None when the
     claim records none (prepared with ``claim_status`` off). Raises UpdateError."""
     # under the plugin's lock: an unprepare in between must not find its removal undone by us
-    with _Flock(os.path.join(settings.plugin_dir, "serialize.lock"), LOCK_TIMEOUT):
+    with Flock(os.path.join(settings.plugin_dir, "serialize.lock"), LOCK_TIMEOUT):
         try:
             cp = Checkpoint.load(os.path.join(settings.plugin_dir, "checkpoint.json"), move_corrupt=False)
         except (CheckpointError, ValueError, OSError) as err:

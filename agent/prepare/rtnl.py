@@ -1,5 +1,5 @@
-"""Moving a netdev between network namespaces over rtnetlink: blocking calls, run them in a
-worker thread (agent/nri/netdev.py does).
+"""Moving a netdev between network namespaces over rtnetlink, and configuring it there (MTU,
+addresses, routes): blocking calls, run them in a worker thread (agent/prepare/netmove.py does).
 
 One RTM_NEWLINK with IFLA_NET_NS_FD and IFLA_IFNAME moves a link and renames it in one
 kernel operation (the kernel brings it down first), so a link is never seen in the target
@@ -15,18 +15,26 @@ import ctypes
 import errno
 import os
 import socket
+import ipaddress
 import struct
 from collections.abc import Iterator
 
-RTM_NEWLINK, RTM_GETLINK = 16, 18
+RTM_NEWLINK, RTM_GETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 18, 20, 24
 NLMSG_ERROR = 2
-NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
-IFLA_ADDRESS, IFLA_IFNAME, IFLA_NET_NS_FD = 1, 3, 28
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_NET_NS_FD = 1, 3, 4, 28
+IFA_ADDRESS, IFA_LOCAL = 1, 2
+IFA_F_NODAD = 0x02
+RTA_DST, RTA_OIF, RTA_GATEWAY = 1, 4, 5
+RT_TABLE_MAIN, RTPROT_STATIC, RTN_UNICAST = 254, 4, 1
+RT_SCOPE_UNIVERSE, RT_SCOPE_LINK = 0, 253
 IFF_UP = 0x1
 CLONE_NEWNET = 0x40000000
 _NLMSG = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _RTA = struct.Struct("=HH")
+_IFADDR = struct.Struct("=BBBBI")  # family, prefix length, flags, scope, index
+_RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst/src length, tos, table, protocol, scope, type, flags
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -41,16 +49,21 @@ def _setns(fd: int) -> None:
         raise LinkError(err, f"setns: {os.strerror(err)}")
 
 
-@contextlib.contextmanager
-def netlink_in(netns: str) -> Iterator[socket.socket]:
+def netlink_in(netns: str) -> contextlib.AbstractContextManager[socket.socket]:
     """A NETLINK_ROUTE socket in the network namespace at ``netns`` (a path)."""
+    return netlink_in_protocol(netns, socket.NETLINK_ROUTE)
+
+
+@contextlib.contextmanager
+def netlink_in_protocol(netns: str, protocol: int) -> Iterator[socket.socket]:
+    """A netlink socket of ``protocol`` in the network namespace at ``netns`` (a path)."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
         try:
             _setns(target)
             try:
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
+                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
             finally:
                 _setns(own)  # never leave this worker thread in another namespace
         finally:
@@ -150,3 +163,63 @@ def hardware_address(netns: str, name: str) -> str | None:
             return ":".join(f"{b:02x}" for b in answer[off + _RTA.size:off + length]) or None
         off += (length + 3) & ~3
     return None
+
+
+def _index(sock: socket.socket, name: str, netns: str) -> int:
+    index = link_index(sock, name)
+    if index is None:
+        raise LinkError(errno.ENODEV, f"no link {name} in {netns}")
+    return index
+
+
+def set_mtu(netns: str, name: str, mtu: int) -> None:
+    with netlink_in(netns) as sock:
+        index = _index(sock, name, netns)
+        _request(sock, RTM_NEWLINK, NLM_F_ACK,
+                 _IFINFO.pack(socket.AF_UNSPEC, 0, index, 0, 0) + _attr(IFLA_MTU, struct.pack("=I", mtu)))
+
+
+def address_message(index: int, address: str) -> bytes:
+    """RTM_NEWADDR's body for ``address`` (``ip/prefix``) on link ``index``. IPv6 without
+    duplicate address detection: the pod's application binds it at once."""
+    iface = ipaddress.ip_interface(address)
+    family = socket.AF_INET if iface.version == 4 else socket.AF_INET6
+    flags = IFA_F_NODAD if iface.version == 6 else 0
+    body = _IFADDR.pack(family, iface.network.prefixlen, flags, RT_SCOPE_UNIVERSE, index)
+    packed = iface.ip.packed
+    return body + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed) if iface.version == 4 else body + _attr(IFA_ADDRESS, packed)
+
+
+def route_message(index: int, destination: str, gateway: str | None) -> bytes:
+    """RTM_NEWROUTE's body: ``destination`` (a network, ``default`` for 0.0.0.0/0 or ::/0 of the
+    gateway's family) out of link ``index``, through ``gateway`` or on the link."""
+    if destination == "default":
+        destination = "::/0" if gateway and ipaddress.ip_address(gateway).version == 6 else "0.0.0.0/0"
+    net = ipaddress.ip_network(destination)
+    family = socket.AF_INET if net.version == 4 else socket.AF_INET6
+    scope = RT_SCOPE_UNIVERSE if gateway else RT_SCOPE_LINK
+    body = _RTMSG.pack(family, net.prefixlen, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC, scope, RTN_UNICAST, 0)
+    if net.prefixlen:
+        body += _attr(RTA_DST, net.network_address.packed)
+    if gateway:
+        body += _attr(RTA_GATEWAY, ipaddress.ip_address(gateway).packed)
+    return body + _attr(RTA_OIF, struct.pack("=i", index))
+
+
+def _create(sock: socket.socket, mtype: int, body: bytes) -> None:
+    """Create an address or route; one already there is fine (a move finished twice)."""
+    try:
+        _request(sock, mtype, NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL, body)
+    except LinkError as err:
+        if err.errno != errno.EEXIST:
+            raise
+
+
+def add_address(netns: str, name: str, address: str) -> None:
+    with netlink_in(netns) as sock:
+        _create(sock, RTM_NEWADDR, address_message(_index(sock, name, netns), address))
+
+
+def add_route(netns: str, name: str, destination: str, gateway: str | None) -> None:
+    with netlink_in(netns) as sock:
+        _create(sock, RTM_NEWROUTE, route_message(_index(sock, name, netns), destination, gateway))

@@ -1,0 +1,115 @@
+"""A claim's netdevs as a step (docs/networking.md): a whole NIC's or a VF's netdev is the
+claim's from prepare to unprepare, and goes into the claim's pod while the pod's sandbox runs.
+
+Record (``netdevs``): one ``NetdevMove`` per netdev (prepare/records.py): its host name, its name
+in the pod (the ``NicConfig``'s ``interfaceName``, else the request's), the ``NicConfig``'s MTU,
+addresses and routes, the RDMA device that moves with it in exclusive RDMA netns mode, and where
+it is. Prepare plans and saves it (state ``planned``) and changes nothing on the host: the pod's
+network namespace does not exist yet. The NRI plugin (agent/nri/netdev.py) moves it at
+RunPodSandbox and back at Stop/RemovePodSandbox, saving the record in the claim's entry before
+and after each kernel change. ``undo`` (unprepare, a failed or interrupted prepare) brings back
+whatever a record says may be away, before the claim leaves the checkpoint; the runtime's
+Synchronize after a crash or restart finishes or undoes what records say is under way, and
+``recover`` gives back a netdev whose namespace is gone (a reboot, a runtime that forgot its pods).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from agent.prepare import netmove, rdma, rtnl
+from agent.prepare.allocation import ClaimFailed
+from agent.prepare.claimconfig import NicConfig, VfioConfig, config_for
+from agent.prepare.netdevs import IFNAME_ROOM, valid_name
+from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.records import NetdevMove
+from agent.prepare.steps import Planned, Undone
+from discovery.models import Device
+
+log = logging.getLogger(__name__)
+Record = tuple[NetdevMove, ...]
+
+
+class NetdevStep:
+    key = "netdevs"
+    what = "netdev"  # the stage named in a claim error
+
+    def __init__(self, root: str, host_netns: Callable[[], str]):
+        self.root = root
+        self.host_netns = host_netns  # the host's network namespace (a path), asked when needed
+
+    def read(self, entry: dict) -> Record | None:
+        recs = entry.get(self.key)
+        return tuple(NetdevMove.model_validate(r) for r in recs) if recs else None
+
+    def write(self, record: Record) -> list[dict]:
+        return [r.dump() for r in record]
+
+    def plan(self, planned: Planned, owners: Ownership) -> Record | None:
+        mode = None
+        out: list[NetdevMove] = []
+        for r in planned.results:
+            dev = planned.names.get(r.device)
+            nic = getattr(dev, "nic", None)
+            if r.share_id or nic is None or not nic.interfaces or any(m.device == r.device for m in out):
+                continue  # a share of a NIC cannot be in one pod
+            cfg = config_for(planned.configs, r.request, dev.kind, dev.name)
+            if isinstance(cfg, VfioConfig) or not valid_name(host := nic.interfaces[0].name):
+                continue
+            cfg = cfg if isinstance(cfg, NicConfig) else None
+            if nic.rdma and mode is None:
+                mode = rdma.netns_mode(self.root)
+            out.append(NetdevMove(device=r.device, request=r.request, bdf=dev.pci.bdf, host=host, pod=self._name(r.request, host, cfg, out),
+                                  mtu=cfg.mtu if cfg else None, addresses=list(cfg.addresses) if cfg else [],
+                                  routes=list(cfg.routes) if cfg else [],
+                                  rdma=nic.rdma[0].name if nic.rdma and mode == "exclusive" else None))
+        return tuple(out) or None
+
+    @staticmethod
+    def _name(request: str, host: str, cfg: NicConfig | None, taken: list[NetdevMove]) -> str:
+        """The name in the pod: the config's (two netdevs under one name are the claim's error),
+        else the request's (numbered from the second device of a request), else the host's."""
+        names = {m.pod for m in taken}
+        if cfg is not None and cfg.interfaceName:
+            if cfg.interfaceName in names:
+                raise ClaimFailed(f"request {request!r}: NicConfig interfaceName {cfg.interfaceName!r} is given to two "
+                                  "netdevs of the claim (one name per request's device: give each request its own config)")
+            return cfg.interfaceName
+        base = request.rsplit("/", 1)[-1]
+        name = base if valid_name(base) else host
+        n = 1
+        while name in names:
+            name = f"{base[:IFNAME_ROOM]}{n}"
+            n += 1
+        return name
+
+    def holds(self, record: Record) -> list[Hold]:
+        return [Hold(m.bdf, "netdev") for m in record if m.bdf]
+
+    def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
+        return record, {}  # moved by the NRI plugin when the pod's sandbox exists
+
+    def undo(self, record: Record, others: dict[str, dict]) -> Undone:
+        problems, notes = [], []
+        for move in record:
+            if not move.away:
+                continue
+            try:
+                netmove.move_out(move, self.host_netns())
+                notes.append(f"netdev {move.host} back on the host (from pod sandbox {move.sandbox})")
+            except (rtnl.LinkError, OSError) as err:
+                problems.append(f"netdev {move.host} ({move.pod} in pod sandbox {move.sandbox}): {err}")
+        return Undone(problems=problems, notes=notes)
+
+    def recover(self, record: Record) -> bool:
+        for move in record:
+            if move.away and move.netns and not netmove.in_pod(move):
+                try:  # its namespace is gone (a reboot): the record is the NRI plugin's to finish
+                    netmove.move_out(move, self.host_netns())
+                except (rtnl.LinkError, OSError) as err:
+                    log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
+        return False
+
+    def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
+        return {}

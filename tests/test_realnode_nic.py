@@ -1,0 +1,178 @@
+"""A claimed NIC's netdev in its pod on the real node (tests/realnode.py: kubelet v1.37.2,
+containerd v2 with NRI, the CNI bridge): the agent's NRI plugin moves a real netdev (a veth the
+test creates under the fixture NIC's interface name) into the pod's own network namespace,
+configured from the claim's ``NicConfig``, writes the device metadata (generation 2, with the
+IPs) and ``status.devices[].networkData`` before the app container starts, and gives the netdev
+back when the pod goes. Crashes: the agent SIGKILLed between the move and the metadata write,
+containerd restarted under a running pod. Root only.
+
+A veth is a virtual link: it dies with a namespace the runtime destroys while it is inside, where
+a physical NIC comes back to the host (docs/networking.md). The tests keep to what both do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+
+from tests.conftest import require_root, require_tool
+from tests.controlplane import peer
+from tests.realnode import DRIVER, RealNode
+from tests.realnode_leftovers import HostState
+from tests.test_realnode import allocated, create_pod, delete_pod, namespace, running_log, wait
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+METADATA = "/var/run/kubernetes.io/dra-device-attributes"
+NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
+HOST_NET = "/proc/self/ns/net"
+CONFIG = {"interfaceName": "data0", "mtu": 1400, "addresses": ["192.0.2.5/24", "2001:db8::5/64"],
+          "routes": [{"destination": "198.51.100.0/24", "gateway": "192.0.2.1"}]}
+
+
+@pytest.fixture(scope="module")
+def realnode(tmp_path_factory):
+    require_root()
+    for tool in ("unshare", "nsenter", "runc", "busybox", "ip"):
+        require_tool(tool)
+    before = HostState.take()
+    node = RealNode(str(tmp_path_factory.mktemp("realnode"))).start()
+    node.before = before
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def veth():
+    """A real netdev under the fixture NIC's interface name, on the host."""
+    subprocess.run(["ip", "link", "add", IFNAME, "type", "veth", "peer", "name", "sdrpeer0"], check=True)
+    yield
+    subprocess.run(["ip", "link", "del", IFNAME], check=False)
+
+
+def nic_pod(node: RealNode, script: str, config: dict | None = None) -> str:
+    """A pod with its own network namespace and a claim for the fixture NIC (request ``net1``,
+    ``config`` as its NicConfig); its namespace."""
+    ns = namespace(node)
+    selector = f'device.attributes["{DRIVER}"].interfaceName == "{IFNAME}"'
+    devices = {"requests": [{"name": "net1", "exactly": {"deviceClassName": "nic.sysdra.io",
+                                                         "selectors": [{"cel": {"expression": selector}}]}}]}  # fmt: skip
+    if config:
+        devices["config"] = [{"requests": ["net1"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", **config}}}]
+    node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
+                       "spec": {"devices": devices}})  # fmt: skip
+    create_pod(node, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)
+    return ns
+
+
+def agent_count(node: RealNode, text: str) -> int:
+    return node.log_tail("agent", 100000).count(text)
+
+
+def moves(node: RealNode) -> list[dict]:
+    """The netdev records of the prepared claims (the step's, in the checkpoint)."""
+    from agent.prepare.checkpoint import Checkpoint
+
+    cp = Checkpoint.load(os.path.join(node.kubelet_dir, "plugins", DRIVER, "checkpoint.json"), move_corrupt=False)
+    return [m for e in cp.claims.values() for m in e.get("netdevs") or ()]
+
+
+def host_metadata(node: RealNode, ns: str) -> dict:
+    from agent.prepare.metadata import layout
+
+    with open(layout.host_file(os.path.join(node.kubelet_dir, "plugins", DRIVER), ns, "nic", "net1")) as f:
+        return json.JSONDecoder().raw_decode(f.read())[0]
+
+
+def network_status(node: RealNode, ns: str) -> dict | None:
+    devices = node.plane.get("ResourceClaim", "nic", ns)["status"].get("devices") or []
+    return next((d.get("networkData") for d in devices if d.get("networkData", {}).get("ips")), None)
+
+
+def test_the_netdev_is_in_the_pod_configured_with_its_metadata_and_status(realnode, veth):
+    """Name, MTU, addresses and route from the claim's NicConfig inside the pod (``ip`` in the
+    pod's log), the metadata rewritten (generation 2, IPs) before the container started,
+    ``networkData`` in the claim's status; back on the host under its name once the pod is gone."""
+    from agent.prepare import rtnl
+
+    script = (f"ip -o link show data0; ip -o addr show data0; ip route show dev data0; echo METADATA; "
+              f"cat {METADATA}/resourceclaims/nic/net1/{DRIVER}-metadata.json; echo")
+    ns = nic_pod(realnode, script, CONFIG)
+    lines = running_log(realnode, ns, "app")
+    assert any(re.match(r"\d+: data0[@:].*mtu 1400", line) and ",UP" in line for line in lines), lines
+    assert any("inet 192.0.2.5/24" in line for line in lines) and any("inet6 2001:db8::5/64" in line for line in lines), lines
+    assert any(line.startswith("198.51.100.0/24 via 192.0.2.1") for line in lines), lines
+    metadata = json.JSONDecoder().raw_decode(lines[lines.index("METADATA") + 1])[0]
+    assert metadata["metadata"]["generation"] == 2, metadata  # rewritten by the NRI hook, before the container
+    (device,) = [d for r in metadata["requests"] for d in r["devices"]]
+    net = device["networkData"]
+    assert net["interfaceName"] == "data0" and net["ips"] == ["192.0.2.5/24", "2001:db8::5/64"] and net["hardwareAddress"]
+    status = wait(lambda: network_status(realnode, ns), "status.devices[].networkData with the IPs", realnode, log="agent")
+    assert status["interfaceName"] == "data0" and status["hardwareAddress"] == net["hardwareAddress"]
+    assert sorted(status["ips"]) == ["192.0.2.5/24", "2001:db8::5/64"]
+    assert not rtnl.has_link(HOST_NET, IFNAME) and [m["state"] for m in moves(realnode)] == ["in-pod"]
+    assert allocated(realnode.plane.get("ResourceClaim", "nic", ns)) == [NIC]
+    delete_pod(realnode, ns, "app")
+    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+    assert not rtnl.has_link(HOST_NET, "data0")
+
+
+def test_sigkill_between_the_move_and_the_metadata_write_is_finished_at_restart(realnode, veth):
+    """The agent dies (SIGKILL) right after the kernel moved the netdev, before its record says
+    so and before the metadata is written. containerd closes the dead plugin and runs the pod.
+    The restarted agent's Synchronize finds the record ``moving`` for a running sandbox: it
+    finishes the move (configured, ``in-pod``) and writes the metadata (generation 2)."""
+    from agent.prepare import rtnl
+
+    realnode.stop_process("agent")
+    agent = realnode.start_agent(env={"SYSDRA_TEST_CRASH_AT": "netdev:moved"})
+    ns = nic_pod(realnode, "ip -o link show data0", CONFIG)
+    wait(lambda: agent.poll() is not None, "the agent killed at netdev:moved", realnode, log="agent")
+    assert agent.returncode == -signal.SIGKILL
+    assert [m["state"] for m in moves(realnode)] == ["moving"] and not rtnl.has_link(HOST_NET, IFNAME)
+    assert host_metadata(realnode, ns)["metadata"]["generation"] == 1
+    synced = agent_count(realnode, "NRI: synchronized with")
+    realnode.start_agent()
+    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the restarted agent synchronized",
+         realnode, log="agent")  # fmt: skip
+    wait(lambda: [m["state"] for m in moves(realnode)] == ["in-pod"], "the move finished", realnode, log="agent")
+    assert host_metadata(realnode, ns)["metadata"]["generation"] == 2
+    running_log(realnode, ns, "app")
+    delete_pod(realnode, ns, "app")
+    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+    assert [m.get("state", "planned") for m in moves(realnode)] in ([], ["planned"])
+
+
+def test_containerd_restarted_under_a_running_pod_leaves_nothing_stranded(realnode, veth):
+    """containerd restarted: the plugin is synchronized again and keeps the running pod's netdev
+    where it is. containerd then forgets the pod's NRI state, so its deletion sends no
+    StopPodSandbox: the namespace going is noticed instead, and the record finished (the veth
+    died with the namespace; a physical NIC comes back). The next pod gets a fresh veth."""
+    from agent.prepare import rtnl
+
+    ns = nic_pod(realnode, "true")
+    running_log(realnode, ns, "app")
+    assert [m["state"] for m in moves(realnode)] == ["in-pod"]
+    synced = agent_count(realnode, "NRI: synchronized with")
+    realnode.stop_process("containerd")
+    realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
+    wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the NRI plugin synchronized after containerd's restart",
+         realnode, log="agent")  # fmt: skip
+    assert [m["state"] for m in moves(realnode)] == ["in-pod"] and not rtnl.has_link(HOST_NET, IFNAME)
+    delete_pod(realnode, ns, "app")
+    wait(lambda: not moves(realnode) or [m.get("state", "planned") for m in moves(realnode)] == ["planned"],
+         "the record of the gone sandbox finished", realnode, log="agent")  # fmt: skip
+    assert not rtnl.has_link(HOST_NET, "data0") and not rtnl.has_link(HOST_NET, "net1")
+
+
+def test_zz_the_node_leaves_nothing_behind(realnode):
+    """Last in the module: stop the node; no process, mount, socket or file of it is left
+    outside its directory, and the host's sysctls are as they were."""
+    realnode.stop()
+    problems = realnode.before.compare(HostState.take(), node_dir=realnode.dir, cgroup_root=realnode.cgroup_root)
+    assert not problems, "\n".join(problems)
