@@ -113,11 +113,29 @@ func run(driver, node, kubeconfig, kubeletDir, cdiDir, deviceJSON string) error 
 		return err
 	}
 	klog.InfoS("serving", "driver", driver, "node", node, "device", p.device.Name)
+	go logRegistration(ctx, helper)
 	<-ctx.Done()
 	if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
 	return nil
+}
+
+// logRegistration logs the kubelet's answer to the registration once: tests wait for the line.
+func logRegistration(ctx context.Context, helper *kubeletplugin.Helper) {
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if status := helper.RegistrationStatus(); status != nil {
+			klog.InfoS("registered with the kubelet", "registered", status.PluginRegistered, "error", status.Error)
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
 }
 
 // PrepareResourceClaims gets claims the helper already read from the API server and checked
