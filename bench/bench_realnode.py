@@ -83,7 +83,7 @@ def _idle(node, audit: Audit) -> dict:
     time.sleep(IDLE)
     requests = [r for r in audit.requests() if r.user == AGENT]
     return {"writes": sum(1 for r in requests if r.verb in WRITES), "requests": len(requests),
-            "cpu_ms": (cpu_ns(pid) - cpu0) / 1e6}  # fmt: skip
+            "kinds": sorted(r.kind for r in requests), "cpu_ms": (cpu_ns(pid) - cpu0) / 1e6}  # fmt: skip
 
 
 def _measure(node, audit_log: str) -> dict:

@@ -25,6 +25,7 @@ class Cycle:
     kind: str
     create_to_running: float
     scheduled_to_running: float
+    claim: str | None = None
     prepare: float | None = None  # NodePrepareResources as the kubelet logs it
     unprepare: float | None = None
     prepare_to_sandbox: float | None = None  # prepare done -> sandbox created (the kubelet's log)
@@ -100,7 +101,7 @@ class Runner:
             time.sleep(SETTLE)
             plane.delete("ResourceClaim", claim, NAMESPACE)
             _until(lambda: _gone(self.node, "ResourceClaim", claim), f"claim {claim} deleted")
-        out = Cycle(kind, (times.running - created) * 1000, (times.running - times.scheduled) * 1000, cpu_ms=cpu)
+        out = Cycle(kind, (times.running - created) * 1000, (times.running - times.scheduled) * 1000, claim, cpu_ms=cpu)
         if claim:
             self._trace(out, name, claim, driver, user, (start_audit, mid_audit))
         return out

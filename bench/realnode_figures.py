@@ -44,6 +44,9 @@ def _kind_details(cycles: list[Cycle]) -> dict:
         for window in ("prepare_requests", "unprepare_requests"):
             seen = Counter(r.kind for c in cycles for r in getattr(c, window))
             out[window] = {k: v / n for k, v in sorted(seen.items())}
+        # requests about anything but the cycle's own claim (another pod's late request would land here)
+        out["requests_about_other_objects"] = sum(1 for c in cycles for r in c.prepare_requests + c.unprepare_requests
+                                                  if r.name != c.claim) / n  # fmt: skip
         out["user_agents"] = sorted({r.user_agent for c in cycles for r in c.prepare_requests + c.unprepare_requests})
         landed = [c.status_in_sandbox for c in cycles if c.status_in_sandbox is not None]
         if landed:
