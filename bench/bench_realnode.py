@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 
-from bench.realnode_cycle import NAMESPACE, Cycle, Runner
+from bench.realnode_cycle import NAMESPACE, Runner
 from bench.realnode_figures import details, figures
 from bench.realnode_trace import Audit, KubeletLog, PodWatch, cpu_ns
 from bench.report import REPO, progress, run_info
@@ -48,13 +48,14 @@ DETAILS = os.path.join(REPO, "bench", "results", "realnode.json")
 WRITES = {"create", "update", "patch", "delete", "deletecollection"}
 
 
-def _rounds(runner: Runner, kinds: list[str], n: int, out: dict[str, list[Cycle]], label: str) -> None:
+def _rounds(runner: Runner, kinds: list[str], n: int, out: dict[str, list], label: str) -> None:
     """``n`` rounds of one pod per kind, the order rotated each round (no kind always first
     after the previous pod's teardown)."""
     for i in range(n):
         order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]
         for kind in order:
             out.setdefault(kind, []).append(runner.cycle(kind))
+        out.setdefault("load", []).append(os.getloadavg()[0])  # the VM is shared: the figures move with it
         last = {k: f"{out[k][-1].create_to_running:.0f}" for k in kinds}
         progress(f"real node ({label}): round {i + 1}/{n}: create -> Running ms {last}")
 
@@ -98,14 +99,14 @@ def _measure(node, audit_log: str) -> dict:
         _start_floor(node, runner)
         for kind in ("plain", "floor"):
             runner.cycle(kind)
-        on: dict[str, list[Cycle]] = {}
+        on: dict[str, list] = {}
         _rounds(runner, ["plain", "sysdra", "floor"], PODS, on, "claim status on")
         idle = _idle(node, audit)
         node.stop_process("agent")
         node.start_agent("--claim-status", "false")
         runner.drivers["sysdra"] = ("sysdra.io", node.procs["agent"].pid, AGENT)
         runner.cycle("sysdra")
-        off: dict[str, list[Cycle]] = {}
+        off: dict[str, list] = {}
         _rounds(runner, ["sysdra", "floor"], PODS_OFF, off, "claim status off")
     finally:
         watch.stop()

@@ -54,10 +54,15 @@ def _kind_details(cycles: list[Cycle]) -> dict:
     return out
 
 
+def _phase(cycles: dict[str, list]) -> dict:
+    out = {k: _kind_details(v) for k, v in cycles.items() if k != "load"}
+    load = cycles.get("load") or [0.0]
+    out["load_1min"] = {"min": min(load), "mean": _mean(load), "max": max(load)}  # sampled after each round
+    return out
+
+
 def details(m: dict) -> dict:
-    return {"claim_status_on": {k: _kind_details(v) for k, v in m["on"].items()},
-            "claim_status_off": {k: _kind_details(v) for k, v in m["off"].items()},
-            "idle_minute": m["idle"]}  # fmt: skip
+    return {"claim_status_on": _phase(m["on"]), "claim_status_off": _phase(m["off"]), "idle_minute": m["idle"]}
 
 
 def _ratio_goal(name: str, value: float | None, floor: float | None, unit: str, limit: float | None) -> Figure:
@@ -71,7 +76,7 @@ def _ratio_goal(name: str, value: float | None, floor: float | None, unit: str, 
 def figures(m: dict) -> list[Figure]:
     on, off, idle = m["on"], m["off"], m["idle"]
     plain, sysdra, floor = on["plain"], on["sysdra"], on["floor"]
-    start = {k: _values(v, "create_to_running") for k, v in on.items()}
+    start = {k: _values(on[k], "create_to_running") for k in ("plain", "sysdra", "floor")}
     p50 = {k: _p(v, 50) for k, v in start.items()}
     cost, floor_cost = p50["sysdra"] - p50["plain"], p50["floor"] - p50["plain"]
     sandbox, floor_sandbox = _p(_values(sysdra, "prepare_to_sandbox"), 50), _p(_values(floor, "prepare_to_sandbox"), 50)
