@@ -67,24 +67,11 @@ func main() {
 }
 
 func run(driver, node, kubeconfig, kubeletDir, cdiDir, deviceJSON string) error {
-	data, err := os.ReadFile(deviceJSON)
-	if err != nil {
-		return err
-	}
 	p := &plugin{driver: driver, node: node, cdiDir: cdiDir}
-	if err := json.Unmarshal(data, &p.device); err != nil || p.device.Name == "" {
-		return fmt.Errorf("device file %s: a name and edits are needed (%v)", deviceJSON, err)
-	}
-	p.metadata = make(map[string]resourceapi.DeviceAttribute, len(p.device.Attributes))
-	for k, v := range p.device.Attributes {
-		p.metadata[string(k)] = v
-	}
-	config, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-	if err != nil {
+	if err := p.load(deviceJSON); err != nil {
 		return err
 	}
-	config.UserAgent = "sysdra-floor-draplugin" // the bench counts its requests in the audit log
-	client, err := kubernetes.NewForConfig(config)
+	client, err := newClient(kubeconfig)
 	if err != nil {
 		return err
 	}
@@ -119,6 +106,30 @@ func run(driver, node, kubeconfig, kubeletDir, cdiDir, deviceJSON string) error 
 		return cause
 	}
 	return nil
+}
+
+func (p *plugin) load(path string) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(data, &p.device); err != nil || p.device.Name == "" {
+		return fmt.Errorf("device file %s: a name and edits are needed (%v)", path, err)
+	}
+	p.metadata = make(map[string]resourceapi.DeviceAttribute, len(p.device.Attributes))
+	for k, v := range p.device.Attributes {
+		p.metadata[string(k)] = v
+	}
+	return nil
+}
+
+func newClient(kubeconfig string) (kubernetes.Interface, error) {
+	config, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	config.UserAgent = "sysdra-floor-draplugin" // the bench counts its requests in the audit log
+	return kubernetes.NewForConfig(config)
 }
 
 // logRegistration logs the kubelet's answer to the registration once: tests wait for the line.
