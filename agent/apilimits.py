@@ -35,6 +35,7 @@ MAX_INTERFACE_NAME = 256  # bytes, NetworkDeviceDataInterfaceNameMaxLength
 MAX_HARDWARE_ADDRESS = 128  # bytes, NetworkDeviceDataHardwareAddressMaxLength
 MAX_REASON = 1024  # metav1 validation maxReasonLen
 MAX_MESSAGE = 32 * 1024  # metav1 validation maxMessageLen
+MAX_CLAIM_BYTES = 3 * 1024 * 1024  # etcd's request limit bounds every real ResourceClaim
 MAX_DRIVER = 63  # DriverNameMaxLength
 MAX_POOL = 253  # PoolNameMaxLength
 

@@ -85,17 +85,21 @@ def apiserver(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def no_simulated_mps_daemon_left():
+def no_simulated_mps_daemon_left(tmp_path_factory):
     """The fixture nodes' simulated MPS control daemon (tests/fake_mps_control.py) runs for shared
-    NVIDIA GPUs; a test that ends with claims prepared leaves one waiting on its pipe: stopped here."""
+    NVIDIA GPUs; a test that ends with claims prepared leaves one waiting on its socket: stopped
+    here. Only this session's (its pipe dir below this session's temp dir): other test sessions
+    on the machine have their own."""
     yield
     import psutil
 
+    base = str(tmp_path_factory.getbasetemp()) + os.sep
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if len(cmd) >= 3 and "python" in os.path.basename(cmd[0]) and cmd[1].endswith("nvidia-cuda-mps-control") \
-                and cmd[2] == "-f":
-            try:
+        if not (cmd and cmd[-1] == "-f" and any(a.endswith("nvidia-cuda-mps-control") for a in cmd)):
+            continue
+        try:
+            if p.environ().get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(base):
                 p.kill()
-            except psutil.Error:
-                pass
+        except psutil.Error:
+            pass

@@ -1,26 +1,57 @@
-"""A stand-in for ``nvidia-cuda-mps-control`` (no NVIDIA driver can run here): ``-f`` serves
-as the control daemon in the foreground (its ``control`` FIFO in ``$CUDA_MPS_PIPE_DIRECTORY``,
-what it was started with logged to ``$CUDA_MPS_LOG_DIRECTORY/control.log``) until it reads
-``quit``; without arguments it is the client, sending its stdin to the daemon's FIFO.
-``FAKE_MPS_NO_PIPE=1`` makes a daemon that never opens its pipe (a start that fails)."""
+"""A stand-in for ``nvidia-cuda-mps-control`` (no NVIDIA driver can run here). Like the real one,
+``-f`` serves as the control daemon in the foreground on a unix socket ``control`` in
+``$CUDA_MPS_PIPE_DIRECTORY`` (what it was started with logged to
+``$CUDA_MPS_LOG_DIRECTORY/control.log``) and answers one command per connection:
+``get_server_list`` (no servers: an empty answer), ``quit`` (it removes its socket and exits);
+without arguments it is the client: its stdin to the daemon, the answer to stdout, exit 1 when no
+daemon answers. ``FAKE_MPS_NO_PIPE=1`` makes a daemon that never opens its socket (a start that
+fails); ``FAKE_MPS_MUTE=1`` one that accepts but never answers."""
 
 import os
+import socket
 import sys
 import time
 
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-control = os.path.join(pipe, "control")
-if sys.argv[1:] == ["-f"]:
+os.chdir(os.environ["CUDA_MPS_PIPE_DIRECTORY"])  # a test's path can be longer than a socket address
+control = "control"
+
+
+def serve() -> None:
     with open(os.path.join(os.environ["CUDA_MPS_LOG_DIRECTORY"], "control.log"), "a") as log:
         log.write(f"started pid {os.getpid()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}\n")
     if os.environ.get("FAKE_MPS_NO_PIPE"):
         time.sleep(3600)
-    os.mkfifo(control)
+    if os.path.exists(control):  # a socket left by a killed daemon, as the real one replaces it
+        os.remove(control)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(control)
+    srv.listen(8)
     while True:
-        with open(control) as f:  # blocks until a client writes
-            if "quit" in f.read():
+        conn, _ = srv.accept()
+        with conn:
+            command = conn.recv(4096).decode().strip()
+            if os.environ.get("FAKE_MPS_MUTE"):
+                time.sleep(3600)
+            if command == "quit":
                 os.remove(control)
                 sys.exit(0)
+            conn.sendall(b"" if command == "get_server_list" else f"unknown command {command}\n".encode())
+
+
+def client() -> int:
+    try:
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(control)
+            c.sendall(sys.stdin.read().encode())
+            c.shutdown(socket.SHUT_WR)
+            sys.stdout.write(c.recv(4096).decode())
+    except OSError as err:
+        print(f"Cannot find MPS control daemon process ({err})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if sys.argv[1:] == ["-f"]:
+    serve()
 else:
-    with open(control, "w") as f:
-        f.write(sys.stdin.read())
+    sys.exit(client())

@@ -178,7 +178,12 @@ def test_well_checksummed_records_of_a_bad_shape_are_refused(path, record):
         Checkpoint.load(path, move_corrupt=False)
 
 
-@pytest.mark.parametrize("entry_json", [b'{"state":"Nope","devices":[]}', b'{"state":"PrepareCompleted","devices":[{}]}'])
+BAD_CONSUMED = (b'{"state":"PrepareCompleted","namespace":"default","name":"x","devices":[{"requests":["r"],"pool":"p",'
+                b'"device":"d","cdiDeviceIDs":[],"shareID":"s","consumedCapacity":{"memory":"1e9999999"}}]}')
+
+
+@pytest.mark.parametrize("entry_json", [b'{"state":"Nope","devices":[]}', b'{"state":"PrepareCompleted","devices":[{}]}',
+                                        BAD_CONSUMED])
 @pytest.mark.parametrize("key", [b'"u"', b'"%s"' % uid(1).encode()])
 def test_well_checksummed_entries_of_a_bad_shape_are_moved_aside(path, key, entry_json):
     """An entry that is not a claim's entry as we write them (a bad key, a bad shape) is never

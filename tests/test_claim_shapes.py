@@ -34,7 +34,7 @@ def good_claim() -> dict:
             "results": [
                 {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": GPU, "shareID": SHARE,
                  "consumedCapacity": {"memory": "20Gi", "compute": "25"}},
-                {"request": "gpu/sub", "driver": DRIVER, "pool": NODE, "device": sorted(DEVICES)[1]},
+                {"request": "gpu/sub", "driver": DRIVER, "pool": NODE, "device": sorted(DEVICES)[1], "adminAccess": False},
             ],
             "config": [
                 {"source": "FromClass", "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": params}},
@@ -118,6 +118,7 @@ def test_any_value_anywhere_is_prepared_or_the_claims_error(changes):
     (("allocation", "devices", "results", 0, "pool"), "p" * (1 << 20), "at most 253 characters"),
     (("allocation", "devices", "results", 0, "pool"), "Node_1", "DNS subdomains"),
     (("allocation", "devices", "results", 0, "consumedCapacity", "memory"), ["1"], "not a quantity"),
+    (("allocation", "devices", "results", 1, "adminAccess"), "true", "adminAccess 'true' is not a boolean"),
     (("allocation", "devices", "config", 1, "opaque", "parameters", "env"),
      {f"V{i}": "x" * 4000 for i in range(3)}, f"at most {MAX_OPAQUE_PARAMETERS_BYTES}"),
 ])

@@ -164,7 +164,10 @@ def test_the_daemonset_token_carries_its_node(cluster):
     assert user["extra"]["authentication.kubernetes.io/node-name"] == [cluster.name]
 
 
-def test_prepare_writes_our_entries_unprepare_removes_them_other_drivers_untouched(cluster):
+def test_prepare_writes_our_entries_deallocation_removes_them_other_drivers_untouched(cluster):
+    """Prepare: one apply of our entries (from the claim the prepare read). Unprepare: no request
+    at all; when the claim is deallocated (kube-controller-manager clears the allocation once no
+    pod uses it), the server drops the entries of the devices no longer allocated."""
     c = cluster.allocated_claim(cluster.name)
     results = c["status"]["allocation"]["devices"]["results"]
     other = [r for r in results if r["driver"] == OTHER]
@@ -190,6 +193,7 @@ def test_prepare_writes_our_entries_unprepare_removes_them_other_drivers_untouch
                 assert (await kubelet.unprepare(c)).claims[c["metadata"]["uid"]].error == ""
                 await writer.idle(30)
                 assert writer.failed == 0, writer.last_error
+                assert writer.written == 2  # the prepare's apply, the re-prepare's "unchanged"
                 return prepared, reprepared
         finally:
             await client.close()
@@ -210,9 +214,13 @@ def test_prepare_writes_our_entries_unprepare_removes_them_other_drivers_untouch
     assert reprepared["metadata"]["resourceVersion"] == prepared["metadata"]["resourceVersion"]
     managers = {m["manager"] for m in prepared["metadata"]["managedFields"] if m.get("subresource") == "status"}
     assert {DRIVER, OTHER} <= managers
-    after = cluster.claim(prepared)
-    assert ours(after) == [] and after["status"]["devices"] == theirs
-    assert after["status"]["allocation"] == prepared["status"]["allocation"]
+    after = cluster.claim(prepared)  # the unprepare sent nothing
+    assert after["metadata"]["resourceVersion"] == prepared["metadata"]["resourceVersion"]
+    meta = after["metadata"]
+    path = resource_path("ResourceClaim", meta["namespace"], meta["name"]) + "/status"
+    after["status"].pop("allocation")  # as kube-controller-manager deallocates
+    deallocated = cluster.plane.request("PUT", path, body=after).json()
+    assert "devices" not in deallocated["status"]  # ours and theirs: none of the devices is allocated any more
 
 
 def _write(cluster, token: str | None, c: dict, entries: list[dict]) -> None:
@@ -486,3 +494,38 @@ def test_a_write_over_a_claim_changed_since_it_was_read_is_retried_with_a_fresh_
     assert len(asked) == 2 and asked[0] != asked[1]
     now = [{k: v for k, v in e.items() if v is not None} for e in cluster.claim(c)["status"]["devices"]]  # (conditions: null)
     assert [e for e in now if e["driver"] == DRIVER] == mine and [e for e in now if e["driver"] == OTHER] == theirs
+
+
+def test_a_pod_cycle_costs_one_get_and_one_apply(cluster, tmp_path):
+    """Counted at a proxy in front of the real server: the prepare's GET of the claim, one apply
+    of our entries that reuses that read, and nothing at unprepare (issue 43)."""
+    from agent.kubeletplugin.claimapi import ClaimApi
+    from tests.faultproxy import FaultProxy
+
+    c = cluster.allocated_claim(cluster.name, other=False)
+    m = c["metadata"]
+    # a kubelet dir of its own: the module's other claims may hold the same GPU there
+    settings = settings_for(str(tmp_path), root=cluster.settings.root, node_name=cluster.name, cluster="kube")
+    proxy = FaultProxy(cluster.plane).start()
+    try:
+        config = proxy.write_kubeconfig(str(tmp_path / "proxy.kubeconfig"), token=cluster.pod_token)
+
+        async def scenario():
+            api = ClaimApi(AsyncClient(config=KubeConfig.from_file(config)), field_manager=DRIVER)
+            writer = StatusWriter(KubeStatus(DRIVER, api))
+            try:
+                async with registered_plugin(settings, cluster.inv, KubeClaimSource(api), writer) as kubelet:
+                    assert (await kubelet.prepare(c)).claims[m["uid"]].error == ""
+                    await writer.idle(30)
+                    assert (await kubelet.unprepare(c)).claims[m["uid"]].error == ""
+                    await writer.idle(30)
+                    assert (writer.written, writer.failed) == (1, 0), writer.last_error
+            finally:
+                await api.close()
+
+        run(scenario())
+    finally:
+        proxy.stop()
+    path = resource_path("ResourceClaim", m["namespace"], m["name"])
+    assert [(method, target.split("?")[0]) for method, target in proxy.requests] == [("GET", path), ("PATCH", path + "/status")]
+    assert [e["device"] for e in ours(cluster.claim(c))] == [r["device"] for r in c["status"]["allocation"]["devices"]["results"]]

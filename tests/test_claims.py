@@ -1,13 +1,14 @@
-"""Claim sources: dir store and the API (lightkube AsyncClient, faked)."""
+"""Claim sources: the dir store, and the API (the real kube-apiserver)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from lightkube.resources.resource_v1 import ResourceClaim
+from lightkube import AsyncClient, KubeConfig
 
 from agent.kubeletplugin.claims import ClaimError, DirClaimSource, KubeClaimSource, claim_source
+from tests.controlplane import free_port, unique
 from tests.kubelet_standin import claim, settings_for, store_claim
 
 
@@ -21,26 +22,79 @@ def test_dir_source(tmp_path):
         asyncio.run(src.get_claim("default", "nope"))
 
 
-class FakeClient:
-    def __init__(self, obj=None, err=None):
-        self.obj, self.err, self.calls = obj, err, []
+def _plane_claim(plane, name: str, namespace: str) -> dict:
+    """A ResourceClaim on the real server; allocation is written as the scheduler does (status)."""
+    try:
+        plane.create_namespace(namespace)
+    except Exception:  # noqa: BLE001 - exists from another test of the session
+        pass
+    c = plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                      "metadata": {"name": name, "namespace": namespace},
+                      "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}})
+    return c
 
-    async def get(self, res, name, namespace):
-        self.calls.append((res, name, namespace))
-        if self.err:
-            raise self.err
-        return self.obj
 
+def test_kube_source_returns_the_servers_json(apiserver):
+    """The claim as the real kube-apiserver v1.37.2 sends it, as a dict (no model round trip)."""
+    c = _plane_claim(apiserver, unique("c"), "claims-src")
+    client = AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig))
+    src = KubeClaimSource(client)
 
-def test_kube_source_returns_api_json():
-    c = claim("c", [("r", "d")], share_ids={"d": "s-1"})
-    fake = FakeClient(ResourceClaim.from_dict(c))
-    got = asyncio.run(KubeClaimSource(fake).get_claim("default", "c"))
-    assert fake.calls == [(ResourceClaim, "c", "default")]
+    async def scenario():
+        try:
+            return await src.get_claim("claims-src", c["metadata"]["name"])
+        finally:
+            await src.api.close()
+
+    got = asyncio.run(scenario())
     assert got["metadata"]["uid"] == c["metadata"]["uid"]
-    assert got["status"]["allocation"]["devices"]["results"][0]["shareID"] == "s-1"
+    assert got["metadata"]["resourceVersion"] == c["metadata"]["resourceVersion"]
+    assert got["spec"] == c["spec"]
 
 
-def test_kube_source_errors_are_claim_errors():
-    with pytest.raises(ClaimError, match="default/c: ConnectionError: refused"):
-        asyncio.run(KubeClaimSource(FakeClient(err=ConnectionError("refused"))).get_claim("default", "c"))
+def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
+    client = AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig))
+    src = KubeClaimSource(client)
+
+    async def missing():
+        try:
+            await src.get_claim("claims-src", "nope")
+        finally:
+            await src.api.close()
+
+    with pytest.raises(ClaimError, match="ResourceClaim claims-src/nope not found"):
+        asyncio.run(missing())
+    # nothing listens there: the connection error is the claim's error, not the call's
+    bad = apiserver.write_kubeconfig(str(tmp_path / "bad.kubeconfig"), cert=apiserver.admin_cert)
+    with open(bad) as f:
+        text = f.read().replace(apiserver.url, f"https://127.0.0.1:{free_port()}")
+    with open(bad, "w") as f:
+        f.write(text)
+    refused = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(bad)))
+    with pytest.raises(ClaimError, match="default/c: ConnectError"):
+        asyncio.run(refused.get_claim("default", "c"))
+
+
+def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver):
+    """Pods come seconds apart: a prepare after longer than httpx's 5 s default idle time still
+    uses the open connection (no new TLS handshake on the pod's path)."""
+    c = _plane_claim(apiserver, unique("c"), "claims-src")
+    src = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig)))
+    connects = []
+
+    async def trace(event, info):
+        if event == "connection.connect_tcp.complete":
+            connects.append(event)
+
+    async def scenario():
+        http = src.api._client()
+        path = f"/apis/resource.k8s.io/v1/namespaces/claims-src/resourceclaims/{c['metadata']['name']}"
+        try:
+            for idle in (0, 6):
+                await asyncio.sleep(idle)
+                assert (await http.get(path, extensions={"trace": trace})).status_code == 200
+        finally:
+            await src.api.close()
+
+    asyncio.run(scenario())
+    assert len(connects) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 import shutil
 import socket
 import stat
@@ -320,10 +321,11 @@ def test_restart_over_same_directories(tmp_path):
     run(main())
 
 
-def test_concurrent_prepares_are_serialized(env):
+def test_concurrent_prepares_are_serialized(tmp_path):
     async def main():
-        async with env as e:
-            claims = [store_claim(e.settings, claim(f"c{i}", [("r", "gpu-0000-1b-00-0")])) for i in range(16)]
+        async with Env(tmp_path, share=("gpu",)) as e:  # 16 shares of one GPU: no claim is refused
+            claims = [store_claim(e.settings, claim(f"c{i}", [("r", "gpu-0000-1b-00-0")],
+                                                    share_ids={"gpu-0000-1b-00-0": str(uuid.uuid4())})) for i in range(16)]
             resps = await asyncio.gather(*(e.kubelet.prepare(c) for c in claims))
             assert all(r.claims[c["metadata"]["uid"]].error == "" for r, c in zip(resps, claims))
             assert len(e.driver.checkpoint.claims) == 16

@@ -22,7 +22,7 @@ UUID, OTHER = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-222
 @pytest.fixture
 def binary(tmp_path) -> str:
     path = tmp_path / "nvidia-cuda-mps-control"
-    path.write_text(f"#!{sys.executable}\n" + open(os.path.join(REPO, "tests", "fake_mps_control.py")).read())
+    path.write_text(f"#!{sys.executable} -u\n" + open(os.path.join(REPO, "tests", "fake_mps_control.py")).read())
     path.chmod(0o755)
     return str(path)
 

@@ -86,3 +86,20 @@ def _ref(c: dict):
 
     m = c["metadata"]
     return ClaimRef(m["namespace"], m["name"], m["uid"])
+
+
+def test_a_daemon_no_claim_needs_is_stopped_at_start(tmp_path):
+    """The last share went while the agent was away (here: its entry is gone from the
+    checkpoint): the next start stops the orphaned daemon and removes its directories."""
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    d = _driver(tmp_path)
+    d.prepare_claims([a])
+    ((uuid, pid),) = _running(d).items()
+    del d.checkpoint.claims[a["metadata"]["uid"]]
+    d.checkpoint.save()
+    restarted = _driver(tmp_path)
+    restarted.recover()
+    assert _running(restarted) == {} and restarted.nvidia.mps.state.daemons == {}
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not os.path.exists(os.path.dirname(restarted.nvidia.mps.dirs(uuid)["pipe"]))

@@ -118,7 +118,9 @@ def test_pod_with_a_claim_gets_its_devices_env_and_metadata(realnode):
     create_pod(realnode, ns, "app", script, claims=[{"name": "gpu", "resourceClaimName": "gpu"}])
     lines = running_log(realnode, ns, "app")
 
-    claim = realnode.plane.get("ResourceClaim", "gpu", ns)
+    # written once the pod started (the writer waits for a pause in the kubelet's calls)
+    claim = wait(lambda: (c := realnode.plane.get("ResourceClaim", "gpu", ns))["status"].get("devices") and c,
+                 "the claim's status.devices", realnode, log="agent")
     (device,) = allocated(claim)
     # the NVIDIA user-space driver of the fixture's kernel module, from the claim's CDI spec (docs/nvidia.md)
     assert lines[:2] == ["fixture: libcuda.so.580.159.04", "fixture: libnvidia-ptxjitcompiler.so.580.159.04"], lines
@@ -157,8 +159,9 @@ def test_claims_from_a_template_and_from_an_extended_resource(realnode):
         got[pod] = [line for line in lines if line.startswith("SYSDRA_GPU_PCI_BUS_IDS=")]
         assert len(got[pod]) == 1, lines
     assert got["templated"] != got["extended"]  # two claims, two GPUs
-    claims = realnode.plane.list("ResourceClaim", ns)
-    assert len(claims) == 2 and all(c["status"].get("devices") for c in claims)
+    claims = wait(lambda: (cs := realnode.plane.list("ResourceClaim", ns)) and all(c["status"].get("devices") for c in cs) and cs,
+                  "both claims' status.devices", realnode, log="agent")
+    assert len(claims) == 2
     for pod in ("templated", "extended"):
         delete_pod(realnode, ns, pod)
 

@@ -31,7 +31,7 @@ def test_two_claims_share_one_gpu_in_two_containers(tmp_path):
     host = str(tmp_path / "host")
     os.makedirs(os.path.join(host, "dev", "dri"))
     os.mknod(os.path.join(host, "dev", "dri", "renderD128"), 0o666 | 0o020000, os.makedev(1, 3))  # /dev/null's numbers
-    s = settings_for(str(tmp_path), root=host, node_name=NODE)
+    s = settings_for(str(tmp_path), root=host, node_name=NODE, share=("gpu",), nvidia_mps=False)  # as published
     base = gpu(0, root=host, major=1, minor=3)
     dev = base.replace(attributes={"type": AttributeValue(string="gpu")}, capacity={"memory": "16Gi"},
                       pci=base.pci.replace(vendor_id="10de"))

@@ -21,7 +21,8 @@ PROFILE = "server-2s-gpu-nic"
 
 
 def _driver(tmp_path) -> Driver:
-    s = settings_for(str(tmp_path), root=profile_root(PROFILE), node_name=NODE)
+    # --share as the slices were published (shares of one device go together); MPS: tests/test_mps_prepare.py
+    s = settings_for(str(tmp_path), root=profile_root(PROFILE), node_name=NODE, share=("gpu", "nic"), nvidia_mps=False)
     inv = scan(profile_root(PROFILE))
     return Driver(s, lambda: inv)
 

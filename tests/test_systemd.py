@@ -88,6 +88,11 @@ def test_unit_policy():
     assert {"/run/cdi", "/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry"} <= set(rw)
     assert set(keys["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_NETLINK", "AF_INET", "AF_INET6"}
     assert keys.get("PrivateDevices", "no") == "no"  # stat() of /dev nodes must see the host
+    # the MPS daemons (children in the unit's cgroup) outlive a stop or restart of the agent alone;
+    # "mixed" and "control-group" would kill them
+    assert keys["KillMode"] == "process"
+    assert keys["DevicePolicy"] == "closed"
+    assert [v for k, v in d if k == "DeviceAllow"] == ["char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r"]
     # every ReadWritePaths entry is created by tmpfiles.d (a missing one fails the start with 226)
     tmpfiles = {line.split()[1] for line in open(os.path.join(SYSTEMD, "sysdra.tmpfiles.conf")) if line.startswith("d ")}
     assert set(rw) <= tmpfiles

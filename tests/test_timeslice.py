@@ -91,6 +91,10 @@ def test_default_interval_and_refusals(tmp_path):
     assert res.error is None and calls(root) == [f"compute-policy -i {uuid(root, GPU)} --set-timeslice 0"]
     res = driver(tmp_path / "b", root, share=("gpu",)).prepare_claims([claim([GPU], share=True)])[UID]
     assert "time-slicing is for whole NVIDIA GPUs" in res.error
+    admin = claim([GPU])
+    admin["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    res = driver(tmp_path / "c", root).prepare_claims([admin])[UID]
+    assert "not for one with admin access" in res.error and len(calls(root)) == 1
 
 
 def test_nothing_runs_unless_a_claim_asks(tmp_path):

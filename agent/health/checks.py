@@ -53,6 +53,7 @@ class Memory:
     aer_until: float = 0.0
     aer_message: str = ""
     event_fault: tuple[str, str] | None = None  # (code, message) of an NVML XID/ECC event: held
+    daemon_fault: tuple[str, str] | None = None  # (code, message): its MPS control daemon is down, until back
 
 
 class _Findings:
@@ -231,6 +232,8 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None,
     _check_aer(fs, pci_dir, mem, now, f)
     if mem.event_fault is not None:
         f.faults.append(mem.event_fault)
+    if mem.daemon_fault is not None:
+        f.faults.append(mem.daemon_fault)
     if dev.kind == "nic":
         _check_nic(fs, pci_dir, f, virtio=(driver or mem.driver or "").startswith("virtio") or dev.pci.vendor_id == VIRTIO_VENDOR,
                    known=dev.nic.interfaces if dev.nic else ())

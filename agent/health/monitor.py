@@ -80,6 +80,7 @@ class HealthMonitor:
         self._present_of: Inventory | None = None  # the inventory _present_names was built from
         self._reports: Callable[[], tuple[bool, bool]] = lambda: (False, False)  # see events_report
         self._last_full = float("-inf")  # time.monotonic() of the last full round
+        self._daemon_faults: dict[str, tuple[str, str] | None] = {}  # GPU UUID -> its MPS daemon's fault
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -116,6 +117,22 @@ class HealthMonitor:
         task = asyncio.create_task(self.check_devices([name]))
         self._link_checks.add(task)
         task.add_done_callback(self._link_checks.discard)
+
+    def gpu_daemon_fault(self, uuid: str, fault: tuple[str, str] | None) -> None:
+        """From any thread: the MPS control daemon of the NVIDIA GPU ``uuid`` is down (``fault``:
+        code, message) or back (None); its GPU is checked now, and stays unhealthy until back."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._daemon_fault, uuid, fault)
+
+    def _daemon_fault(self, uuid: str, fault: tuple[str, str] | None) -> None:
+        self._daemon_faults[uuid] = fault
+        names = [n for n, d in self._known.items() if d.gpu is not None and d.gpu.nvidia_uuid == uuid]
+        for name in names:
+            self._memory.setdefault(name, Memory()).daemon_fault = fault
+        if names:
+            task = asyncio.create_task(self.check_devices(names))
+            self._link_checks.add(task)
+            task.add_done_callback(self._link_checks.discard)
 
     def watch_links(self) -> bool:
         """Re-check a NIC as soon as the kernel reports a link change on its interface.
@@ -246,6 +263,8 @@ class HealthMonitor:
             mem = self._memory.get(dev.name)
             if mem is None:
                 mem = self._memory[dev.name] = Memory()
+                if dev.gpu is not None and dev.gpu.nvidia_uuid:  # reported before the GPU was known
+                    mem.daemon_fault = self._daemon_faults.get(dev.gpu.nvidia_uuid)
             if dev.pci.driver:
                 mem.driver = dev.pci.driver
         self._present_names = present

@@ -13,10 +13,11 @@ from typing import Protocol
 
 import orjson
 
+from agent.apilimits import MAX_CLAIM_BYTES
+from agent.kubeletplugin.claimapi import ApiFailure, ClaimApi
 from agent.settings import Settings
 
 
-MAX_CLAIM_BYTES = 3 * 1024 * 1024  # etcd's request limit bounds every real ResourceClaim
 
 
 class ClaimError(Exception):
@@ -73,42 +74,26 @@ class DirClaimSource:
         return self._read(namespace, name)
 
 
-def _claim_resource():
-    try:
-        from lightkube.resources.resource_v1 import ResourceClaim
-    except ImportError:  # older lightkube-models: a generic resource of the same API
-        from lightkube.generic_resource import create_namespaced_resource
-
-        ResourceClaim = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
-    return ResourceClaim
-
-
 class KubeClaimSource:
-    """GET resource.k8s.io/v1 ResourceClaims with lightkube's AsyncClient (created lazily)."""
+    """GET resource.k8s.io/v1 ResourceClaims from the API server (``claimapi.ClaimApi``)."""
 
     def __init__(self, client=None):
-        self._client = client
-        self._resource = _claim_resource()
+        self.api = client if isinstance(client, ClaimApi) else ClaimApi(client)
 
     async def get_claim(self, namespace: str, name: str) -> dict:
-        from lightkube import ApiError, AsyncClient
-
-        if self._client is None:
-            self._client = AsyncClient()
         try:
-            obj = await self._client.get(self._resource, name=name, namespace=namespace)
-        except ApiError as err:
-            code = getattr(err.status, "code", None)
-            if code == 404:
+            return await self.api.get(namespace, name)
+        except ApiFailure as err:
+            if err.code == 404:
                 raise ClaimError(f"ResourceClaim {namespace}/{name} not found") from err
-            raise ClaimError(f"ResourceClaim {namespace}/{name}: API error {code}: {err}") from err
+            raise ClaimError(str(err)) from err
         except Exception as err:  # network, TLS, config: the kubelet retries the claim
             raise ClaimError(f"ResourceClaim {namespace}/{name}: {type(err).__name__}: {err}") from err
-        return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
 
 
-def claim_source(settings: Settings) -> ClaimSource:
-    """The source matching ``--cluster``: ``dir:PATH`` or the API server."""
+def claim_source(settings: Settings, api: ClaimApi | None = None) -> ClaimSource:
+    """The source matching ``--cluster``: ``dir:PATH`` or the API server (through ``api``,
+    shared with the status writer)."""
     if settings.cluster_dir is not None:
         return DirClaimSource(settings.cluster_dir)
-    return KubeClaimSource()
+    return KubeClaimSource(api)

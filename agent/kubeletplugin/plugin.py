@@ -126,6 +126,8 @@ class KubeletPlugin:
         await self._reg.stop(0)
         await self._dra.stop(grace)
         self._lock.close()
+        if callable(close := getattr(self.driver, "close", None)):  # its own threads (MPS supervision)
+            await asyncio.to_thread(close)
         if self.status is not None:  # pending status writes get a moment, then are dropped
             try:
                 await self.status.idle(grace)

@@ -189,7 +189,7 @@ class Prepare:
                 ref = ok[uid := c["metadata"]["uid"]]
                 out[uid] = res = results.get(uid) or PrepareResult(error="internal error: driver returned no result")
                 if self.status is not None and not res.error and res.status is not None:
-                    self.status.submit(ref, res.status)
+                    self.status.submit(ref, res.status, seen=c)
         return out
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
@@ -206,7 +206,7 @@ class Prepare:
             for uid, ref in ok.items():
                 out[uid] = results[uid] if uid in results else "internal error: driver returned no result"
                 if self.status is not None and out[uid] is None:
-                    self.status.submit(ref, [])  # our entries go with the prepared devices
+                    self.status.release(ref)  # our entries go with the prepared devices
         return out
 
 

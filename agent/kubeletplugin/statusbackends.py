@@ -10,7 +10,9 @@ file of the ``dir:`` store.
 - **dir**: ``resourceclaims/<ns>/<name>.json`` rewritten atomically with our entries replaced
   and everyone else's kept.
 
-Both read the claim right before writing and write only if our entries change. What they write
+Both read the claim right before writing (the API backend's first attempt uses the claim its
+prepare just read) and write only if our entries change. An unprepare writes nothing to the API
+server: it drops the entries of devices that are no longer allocated by itself. What they write
 is then asked for (``latest``): the writer's is the checkpoint's record of the claim, which
 ``sysdra metadata update`` (another process) changes before it writes the same entries itself.
 The write is conditional on the claim as read (``metadata.resourceVersion`` in the apply, retried
@@ -27,7 +29,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Protocol
 
 from agent.fsutil import atomic_write, clean_stale_temps, json_bytes
-from agent.kubeletplugin.claims import ClaimError, DirClaimSource, _claim_resource
+from agent.kubeletplugin.claimapi import ApiFailure, ClaimApi
+from agent.kubeletplugin.claims import ClaimError, DirClaimSource
 from agent.kubeletplugin.types import ClaimRef
 
 CONFLICTS = 5  # fresh reads after a 409 before the write counts as one failed attempt
@@ -48,7 +51,8 @@ class StatusConflict(Exception):
 class StatusBackend(Protocol):
     async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool | None:
         """Our entries of the claim := ``latest()`` (called after the claim was read), else
-        ``entries``. Raises StatusRefused, or any error to have it retried; False: nothing had to change."""
+        ``entries``. Raises StatusRefused, or any error to have it retried; False: nothing had to change.
+        A backend may take ``seen=`` (the claim as just read) and ``drops_with_allocation``."""
 
 
 Latest = Callable[[], list[dict]]
@@ -61,52 +65,53 @@ def apply_body(ref: ClaimRef, entries: list[dict]) -> dict:
 
 
 class KubeStatus:
-    """Server-side apply with lightkube's AsyncClient (created lazily)."""
+    """Server-side apply on ``resourceclaims/status`` (``claimapi.ClaimApi``)."""
+
+    # the server drops status.devices entries of devices no longer allocated (its strategy's
+    # dropDeallocatedStatusDevices): an unprepare needs no write
+    drops_with_allocation = True
 
     def __init__(self, driver_name: str, client=None):
         self.driver_name = driver_name
-        self._client = client
-        self._claims = _claim_resource()  # read with `get` on resourceclaims (deploy/rbac.yaml)
-        self._status = self._claims.Status
+        # a ClaimApi to share (the claim source's), or a lightkube client whose configuration to use
+        self.api = client if isinstance(client, ClaimApi) else ClaimApi(client, field_manager=driver_name)
 
-    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
-        from lightkube import ApiError, AsyncClient
-        from lightkube.types import PatchType
-
-        if self._client is None:
-            self._client = AsyncClient(field_manager=self.driver_name)
+    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None,
+                    seen: dict | None = None) -> bool:
         for _ in range(CONFLICTS):
-            try:
-                claim = await self._client.get(self._claims, ref.name, namespace=ref.namespace)
-            except ApiError as err:
-                code = getattr(err.status, "code", None)
-                if code == 404 and not entries:
-                    return False  # claim gone: nothing of ours is left to remove
-                if code in (400, 403, 404, 422):
-                    raise StatusRefused(f"API error {code}: {err}") from err
-                raise
-            claim = claim.to_dict() if hasattr(claim, "to_dict") else dict(claim)
+            claim, seen = seen, None
+            if claim is None:
+                try:
+                    claim = await self.api.get(ref.namespace, ref.name)
+                except ApiFailure as err:
+                    if err.code == 404 and not entries:
+                        return False  # claim gone: nothing of ours is left to remove
+                    if err.code in (400, 403, 404, 422):
+                        raise StatusRefused(str(err)) from err
+                    raise
             meta = claim.get("metadata") or {}
             if meta.get("uid") != ref.uid:
                 raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} has another UID: it was replaced")
             now = latest() if latest is not None else entries
-            ours = [e for e in (claim.get("status") or {}).get("devices") or [] if e.get("driver") == self.driver_name]
+            status = claim.get("status") or {}
+            ours = [e for e in status.get("devices") or [] if e.get("driver") == self.driver_name]
             if ours == now:
                 return False
-            body = apply_body(ref, now)
-            body["metadata"]["resourceVersion"] = meta.get("resourceVersion")  # the apply's precondition
+            if now and not status.get("allocation"):
+                raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated (any more)")
             try:
-                await self._client.patch(self._status, ref.name, body, namespace=ref.namespace,
-                                         patch_type=PatchType.APPLY, field_manager=self.driver_name, force=True)
+                await self.api.apply_status(apply_body(ref, now), meta.get("resourceVersion"))
                 return True
-            except ApiError as err:
-                code = getattr(err.status, "code", None)
-                if code == 409:  # changed since our read (or replaced: the next read tells)
+            except ApiFailure as err:
+                if err.code == 409:  # changed since our read (or replaced: the next read tells)
                     continue
-                if code in (400, 403, 404, 422):
-                    raise StatusRefused(f"API error {code}: {err}") from err
+                if err.code in (400, 403, 404, 422):
+                    raise StatusRefused(str(err)) from err
                 raise
         raise StatusConflict(f"ResourceClaim {ref.namespace}/{ref.name} changed during each of {CONFLICTS} writes")
+
+    async def close(self) -> None:
+        await self.api.close()
 
 
 class DirStatus:

@@ -4,9 +4,16 @@
 Writes run in the background (``submit`` only records the wish), latest state per claim
 wins, retried with backoff: status is what others read about a prepared device, never a
 reason to fail or delay NodePrepareResources. They wait for a pause in the kubelet's calls
-(``SETTLE``, at most ``MAX_DEFER``), so a burst of prepares is not slowed by them. A claim
-prepared and unprepared within that time is written once, with its latest state (a backend
-then finds nothing of ours to change and writes nothing). ``idle()`` waits for the
+(``SETTLE``, at most ``MAX_DEFER``), long enough for the pod the prepare was for to get its
+sandbox and containers first: a write in between competes with the runtime for the node's
+CPUs and delayed the pod's start (issue 43). A claim prepared and unprepared within that time
+is written once, with its latest state, or not at all where the backend's entries go with the
+allocation (``release``).
+
+A prepare hands over the claim it read (``seen``), so the first attempt writes without reading
+it again: one GET and one apply per prepared claim. On the API server our entries need no
+removal at unprepare: the server drops the status of devices that are no longer allocated, and
+the claim is deallocated once no pod uses it (kube-controller-manager). ``idle()`` waits for the
 pending writes (tests, shutdown). What a write puts in the claim is the driver's record of
 it at that moment (``recorded``), so a state queued before a ``sysdra metadata update`` never
 lands over the update's write.
@@ -34,8 +41,9 @@ log = logging.getLogger(__name__)
 ATTEMPTS = 8
 FIRST_DELAY, MAX_DELAY = 0.5, 30.0
 # Writes wait until the kubelet's calls pause this long (at most MAX_DEFER): a burst of
-# prepares is not slowed by the status writes between them, which follow right after it.
-SETTLE, MAX_DEFER = 0.05, 2.0
+# prepares is not slowed by the status writes between them, and a pod's sandbox and containers
+# are created (~0.1-0.2 s after its prepare on a small node) before its claim's write.
+SETTLE, MAX_DEFER = 0.5, 3.0
 
 # How a write ended (the ``result`` label of sysdra_claim_status_writes_total):
 WRITTEN = "written"  # applied (API), or the claim file rewritten
@@ -59,6 +67,7 @@ class _Pending:
     ref: ClaimRef
     entries: list[dict]
     queued: float  # when the claim first waited (kept when a newer state replaces this one)
+    seen: dict | None = None  # the claim as its prepare read it: the first attempt reads it no more
     attempt: int = 0  # failed attempts of this state
     retry_at: float = 0.0
 
@@ -82,6 +91,7 @@ class StatusWriter:
         self.recorded = recorded
         self._pending: dict[str, _Pending] = {}  # by uid, the longest-waiting first
         self._inflight: set[str] = set()
+        self._released: set[str] = set()  # in flight when released: not retried
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._last_submit = 0.0
@@ -89,13 +99,15 @@ class StatusWriter:
         self.failed = 0  # writes that ended in one of FAILURES
         self.last_error: str | None = None
 
-    def submit(self, ref: ClaimRef, entries: list[dict]) -> None:
+    def submit(self, ref: ClaimRef, entries: list[dict], seen: dict | None = None) -> None:
         """Make our entries of ``ref`` equal ``entries`` ([] removes them), in the background.
+        ``seen``: the claim as just read (a prepare's), to write without reading it again.
         Only records the wish: nothing is checked, encoded or written on the caller's time."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         old = self._pending.get(ref.uid)
-        self._pending[ref.uid] = _Pending(ref, entries, old.queued if old else now)  # attempts start over
+        self._released.discard(ref.uid)
+        self._pending[ref.uid] = _Pending(ref, entries, old.queued if old else now, seen)  # attempts start over
         self._last_submit = now
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -104,6 +116,17 @@ class StatusWriter:
             task = loop.create_task(self._drain(), name="claim-status-writer")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def release(self, ref: ClaimRef) -> None:
+        """The claim's devices were unprepared: our entries go. Where the backend's entries go
+        with the claim's allocation (the API server), nothing is written: a write still waiting
+        is dropped and one in flight is not retried."""
+        if not getattr(self.backend, "drops_with_allocation", False):
+            self.submit(ref, [])
+            return
+        self._pending.pop(ref.uid, None)
+        if ref.uid in self._inflight:
+            self._released.add(ref.uid)
 
     def _next_due(self, now: float) -> tuple[str | None, float | None]:
         """-> (the longest-waiting claim to write now, or None; else seconds to its retry or None)."""
@@ -147,8 +170,9 @@ class StatusWriter:
             finally:
                 self._inflight.discard(uid)
                 self._wake.set()  # a newer state of this claim may wait for this write
-            if retry and uid not in self._pending:  # else superseded: the newer state is written next
+            if retry and uid not in self._pending and uid not in self._released:  # else superseded or released
                 self._pending[uid] = p
+            self._released.discard(uid)
             await asyncio.sleep(0)  # a dir write does not yield: let the kubelet's calls in between two
 
     async def _write(self, p: _Pending) -> bool:
@@ -158,11 +182,13 @@ class StatusWriter:
         if bad:  # the builder checks too: a write the server would refuse as a whole is not sent
             self._fail(ref, entries, INVALID, "our entries would not pass validation: " + "; ".join(bad))
             return False
+        kw = {} if p.seen is None else {"seen": p.seen}
+        p.seen = None  # a retry reads the claim afresh
         try:
             if self.recorded is None:
-                changed = await self.backend.write(ref, entries)
+                changed = await self.backend.write(ref, entries, **kw)
             else:
-                changed = await self.backend.write(ref, entries, lambda: self._latest(p))
+                changed = await self.backend.write(ref, entries, lambda: self._latest(p), **kw)
         except EntriesInvalid as err:
             self._fail(ref, entries, INVALID, str(err))
             return False

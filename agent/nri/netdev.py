@@ -51,6 +51,7 @@ class NetdevMover(Sandboxes):
         # thread: a request cancelled when the runtime goes away leaves its thread running
         self._lock = threading.Lock()
         self.fault = fault  # tests: SIGKILL between steps
+        self._checkpoint: Checkpoint | None = None  # the driver's, as last read (under _lock)
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -77,7 +78,7 @@ class NetdevMover(Sandboxes):
     def planned(self, pod: Pod) -> list[tuple[str, NetdevPlan]]:
         """(claim UID, netdev) of the prepared claims reserved for ``pod``."""
         try:
-            claims = Checkpoint.load(self.checkpoint_path, move_corrupt=False).claims
+            claims = self._prepared_claims()
         except (OSError, ValueError) as err:  # failing every pod of the node would be worse
             log.error("pod %s/%s: the prepared claims cannot be read, no netdevs moved: %s", pod.namespace, pod.name, err)
             return []
@@ -91,6 +92,15 @@ class NetdevMover(Sandboxes):
             except (ValidationError, TypeError) as err:  # the checkpoint is input: this claim's error
                 raise NetdevError(f"claim {uid}: bad netdev record: {str(err)[:200]}") from None
         return out
+
+    def _prepared_claims(self) -> dict[str, dict]:
+        """The checkpoint's entries, read again only when a save changed the files: every pod
+        of the node passes here before it starts, most without a claim of ours."""
+        if self._checkpoint is None:
+            self._checkpoint = Checkpoint.load(self.checkpoint_path, move_corrupt=False)
+        else:
+            self._checkpoint.reload_if_changed()
+        return self._checkpoint.claims
 
     def _give(self, pod: Pod) -> None:
         self.records.ensure_loaded()

@@ -2,8 +2,8 @@
 
 The claim object is input: ``status.allocation.devices.results`` may hold anything. Each
 of our results must have the API's types and formats (request and device names, a string
-``shareID``), and no device (or share of one) may be allocated twice; otherwise the claim
-fails as a whole with a message saying which result is wrong.
+``shareID``, a boolean ``adminAccess``), and no device (or share of one) may be allocated
+twice; otherwise the claim fails as a whole with a message saying which result is wrong.
 
 Results whose ``skipNodeOperations`` (KEP-5945, copied from their slice at allocation) skip
 NodePrepareResources are left out: the kubelet calls us for a claim only when some of our
@@ -33,6 +33,7 @@ class Result:
     device: str
     share_id: str | None
     consumed: tuple[tuple[str, str], ...] = ()  # consumedCapacity of a share: (capacity, quantity), by name
+    admin: bool = False  # adminAccess: monitoring beside the device's other claims (prepare/ownership.py)
 
 
 _CAPACITY_NAME = re.compile(r"^(?:[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?/)?[A-Za-z_][A-Za-z0-9_]{0,31}$")
@@ -102,11 +103,14 @@ def our_results(claim: dict, driver_name: str) -> tuple[list[dict], list[Result]
         share = r.get("shareID")
         if share is not None and not is_uid(share):
             raise ClaimFailed(f"allocation result {i}: shareID {str(share)[:80]!r} is not a UID string")
+        admin = r.get("adminAccess")
+        if admin is not None and not isinstance(admin, bool):
+            raise ClaimFailed(f"allocation result {i}: adminAccess {str(admin)[:80]!r} is not a boolean")
         key = (pool, device, share or None)
         if key in seen:
             what = f"share {share} of device" if share else "device"
             raise ClaimFailed(f"allocation result {i}: {what} {pool}/{device} is allocated twice")
         seen.add(key)
         raw.append(r)
-        checked.append(Result(request, pool, device, share or None, _consumed(i, r.get("consumedCapacity"))))
+        checked.append(Result(request, pool, device, share or None, _consumed(i, r.get("consumedCapacity")), bool(admin)))
     return raw, checked

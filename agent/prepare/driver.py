@@ -30,6 +30,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable, Iterable
 
 from agent.kubeletplugin.types import ClaimRef, PrepareResult
@@ -42,6 +43,7 @@ from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
+from agent.prepare.mps_watch import MpsSupervisor
 from agent.prepare.netdevs import plan_netdevs, reserved_pods
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
@@ -54,9 +56,11 @@ from agent.prepare.steps.timeslice import TimeSliceStep
 from agent.prepare.steps.vfio import VfioStep
 from agent.prepare.vfio import VfioError
 from agent.prepare.vfio_kernel import KernelError, PciKernel
+from agent.quantity import parse_quantity
 from agent.settings import Settings
+from agent.sharecaps import capacity_values, merged_policies
 from cdi.spec import SpecError
-from discovery.models import Inventory
+from discovery.models import Device, Inventory
 
 log = logging.getLogger(__name__)
 # a claim's own error, said as it is; anything else is a bug, logged with its trace
@@ -105,7 +109,7 @@ class Driver:
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
         mps = settings.plugin_dir if "gpu" in settings.share and settings.nvidia_mps else None
         self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
-                                   settings.cdi_host_root, mps)
+                                   settings.cdi_host_root, mps, self.boot_id)
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)
@@ -114,6 +118,9 @@ class Driver:
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
+        # what shared devices offer, as published (the policies are checked at start: exit 78)
+        self.share_policies = {kind: list(merged_policies(kind, settings.share_policies).items()) for kind in settings.share}
+        self.mps_watch = None  # prepare/mps_watch.MpsSupervisor once supervise_mps is called
         self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)
 
     # --- helpers -------------------------------------------------------------
@@ -131,11 +138,17 @@ class Driver:
     def holds(self, uid: str, entry: dict) -> list[Hold]:
         """What a claim's entry holds: its devices, and what its steps changed."""
         ways = self.partitions.ways() if self.partitions else {}
-        out = planner.device_holds(entry, self.inventory().by_name(), ways)
+        out = planner.device_holds(entry, self.inventory().by_name(), ways, self._capacities)
         for step in self.steps:
             if (rec := step.read(entry)) is not None:
                 out += step.holds(rec)
         return out
+
+    def _capacities(self, dev: Device) -> dict[str, Fraction] | None:
+        """The capacities ``dev``'s shares are accounted against, as published (None: not shared)."""
+        if dev.kind not in self.share_policies:
+            return None
+        return {name: parse_quantity(v) for name, v in capacity_values(dev, self.share_policies[dev.kind]).items()}
 
     def _undo(self, entry: dict, others: dict[str, dict], steps=None) -> list[str]:
         """The entry's host changes undone in reverse -> problems (empty: all undone)."""
@@ -216,7 +229,7 @@ class Driver:
         devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs,
                                                          self.nvidia)
         entry_plan = {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": self.boot_id,
-                      "allocation": fp, "devices": [planner.device_record(d, e) for d, e in zip(devices, envs)],
+                      "allocation": fp, "devices": [planner.device_record(d, e, r) for d, e, r in zip(devices, envs, results)],
                       "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None, "metadata": None,
                       **{st.key: st.write(records[st.key]) for st in self.steps if st.key in records}}
         if why := owners.refusal(uid, holds := self.holds(uid, entry_plan)):
@@ -332,6 +345,18 @@ class Driver:
 
     def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
         return self.files.ensure_metadata(uid, entry, rebuild)
+
+    def supervise_mps(self, on_health: Callable[[str, tuple[str, str] | None], None]) -> None:
+        """The MPS daemons supervised from now on (prepare/mps_watch.py): ``on_health(GPU UUID,
+        fault or None)`` from its thread. Call after ``recover``; ``close`` ends it."""
+        if self.nvidia.mps is not None and self.mps_watch is None:
+            self.mps_watch = MpsSupervisor(self.nvidia.mps, on_health)
+            self.mps_watch.start()
+
+    def close(self) -> None:
+        if self.mps_watch is not None:
+            self.mps_watch.stop()
+            self.mps_watch = None
 
     def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir (and the kernel) match it. Call before serving."""

@@ -8,27 +8,33 @@ to an MPS control daemon. Measured on an H200: with the daemon's pipe directory 
 
 Each daemon runs ``nvidia-cuda-mps-control -f`` (in the foreground, so its PID is ours to know)
 in a session of its own, with ``CUDA_VISIBLE_DEVICES`` = the GPU's UUID, and its pipe and log
-directories under ``<plugin dir>/mps/<uuid>/``. Its record (a typed, validated model) is written
-before the process starts; ``reconcile`` makes the running daemons equal to the GPUs that shares
-hold: it adopts a live daemon of a record (same PID and start time: not a reused PID), starts
-missing ones, restarts dead ones, and stops those no share needs (after a reboot every record is
-stale and only the needed ones start again). Runs in the prepare worker thread: it blocks.
+directories under ``<plugin dir>/mps/<uuid>/``. Its record (prepare/mps_records.py: PID, start
+time, command line, boot ID) is written before the process starts; ``reconcile`` makes the
+running daemons equal to the GPUs that shares hold: it adopts a live daemon of a record (all
+four match: never a reused PID), starts missing ones, restarts dead ones, stops those no share
+needs and removes the directories of records from another boot (a tmpfs below unmounted) and
+of daemons nobody recorded. ``restart`` is the supervisor's (prepare/mps_watch.py): the same
+GPU, directories and environment again. Both run in worker threads and block, one at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
+import re
 import signal
 import subprocess
+import threading
 import time
 from typing import Callable
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from agent.fsutil import atomic_write_json, make_dirs
+from agent.fsutil import make_dirs
+from agent.prepare import mps_records
+from agent.prepare.mps_records import MpsRecord
 
 log = logging.getLogger(__name__)
 
@@ -36,36 +42,28 @@ BINARY = "nvidia-cuda-mps-control"
 PIPE_IN_CONTAINER = "/tmp/nvidia-mps"
 START_TIMEOUT = 10.0  # seconds for the daemon's pipe to appear
 STOP_TIMEOUT = 10.0
-_UUID = r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$"
+ANSWER_TIMEOUT = 5.0  # seconds for ``get_server_list`` to be answered
+_UUID = re.compile(mps_records.GPU_UUID)
 
 
 class MpsError(Exception):
     """The daemon a claim needs cannot be had; the claim's error."""
 
 
-class MpsRecord(BaseModel):
-    """One daemon, as recorded before it starts (read back from disk: input, checked)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    uuid: str = Field(pattern=_UUID)
-    pid: int | None = Field(default=None, ge=1)  # None: recorded, not (yet) started
-    started: float | None = None  # the process's start time, to tell a reused PID apart
-
-
-class MpsState(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    daemons: dict[str, MpsRecord] = {}
-
-
 class MpsDaemons:
     def __init__(self, plugin_dir: str, binary: str | None | Callable[[], str | None],
-                 env: dict[str, str] | Callable[[], dict[str, str]] | None = None):
+                 env: dict[str, str] | Callable[[], dict[str, str]] | None = None, boot_id: str = ""):
         self.base = os.path.join(plugin_dir, "mps")
         self.path = os.path.join(self.base, "daemons.json")
         # as the agent runs it (under --root), or how to find it when needed; None: the node has none
         self._binary = binary
-        self._env = env or {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
-        self.state = self._load()
+        self._env = env if env is not None else {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
+        self.boot_id = boot_id  # this boot's (prepare/bootid.py): records of another are stale
+        self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
+        self._procs: dict[str, subprocess.Popen] = {}  # daemons this process started: reaped when they end
+        self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
+        self.on_change: Callable[[], None] = lambda: None  # the supervisor looks again
+        self.state = mps_records.load(self.path)
 
     @property
     def binary(self) -> str | None:
@@ -75,44 +73,52 @@ class MpsDaemons:
     def env(self) -> dict[str, str]:
         return self._env() if callable(self._env) else self._env
 
-    # --- records ---------------------------------------------------------------------------
-    def _load(self) -> MpsState:
-        try:
-            with open(self.path, "rb") as f:
-                return MpsState.model_validate_json(f.read())
-        except FileNotFoundError:
-            return MpsState()
-        except (OSError, ValueError, ValidationError) as err:
-            aside = f"{self.path}.invalid.{int(time.time())}"
-            log.error("MPS daemon records %s are invalid (%s): moved to %s; daemons found again", self.path, err, aside)
-            try:
-                os.replace(self.path, aside)
-            except OSError:
-                pass
-            return MpsState()
-
     def _save(self) -> None:
-        make_dirs(self.base, 0o700)
-        atomic_write_json(self.path, self.state.model_dump(mode="json"), mode=0o600)
+        mps_records.save(self.path, self.state)
 
     def dirs(self, uuid: str) -> dict[str, str]:
         d = os.path.join(self.base, uuid)
         return {"pipe": os.path.join(d, "pipe"), "log": os.path.join(d, "log")}
 
+    def watched(self) -> dict[str, MpsRecord | None]:
+        """The GPUs that need a daemon and its record now (None: none started) for the supervisor."""
+        with self.lock:
+            return {u: self.state.daemons.get(u) for u in sorted(self.wanted)}
+
+    def dead(self, uuid: str, rec: MpsRecord | None) -> bool:
+        """Still needed, still recorded as ``rec``, and not running: prepare, which may have just
+        stopped or started it, is done (the supervisor's snapshot may be older)."""
+        with self.lock:
+            return uuid in self.wanted and self.state.daemons.get(uuid) == rec and not self.alive(rec)
+
     # --- processes --------------------------------------------------------------------------
     def alive(self, rec: MpsRecord | None) -> bool:
-        if rec is None or rec.pid is None:
-            return False
-        try:
-            p = psutil.Process(rec.pid)
-            return p.status() != psutil.STATUS_ZOMBIE and abs(p.create_time() - (rec.started or 0)) < 0.5
-        except psutil.Error:
-            return False
+        if rec is not None and (proc := self._procs.get(rec.uuid)) is not None and proc.pid == rec.pid:
+            proc.poll()  # our child: reaped once it ended, so it is no zombie of ours
+        return mps_records.is_process(rec, self.boot_id)
 
     def _daemon_env(self, uuid: str) -> dict[str, str]:
         dirs = self.dirs(uuid)
         return {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": uuid,
                 "CUDA_MPS_PIPE_DIRECTORY": dirs["pipe"], "CUDA_MPS_LOG_DIRECTORY": dirs["log"]}
+
+    def _end_strays(self, uuid: str) -> None:
+        """Daemons of this GPU's pipe dir that no record names: an agent killed between starting
+        one and recording its PID. Found by command line, then environment; ended before another
+        starts (only processes this agent can see: in a pod, those of its PID namespace)."""
+        pipe, known = self.dirs(uuid)["pipe"], self.state.daemons.get(uuid)
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd[-1:] != ["-f"] or not any(os.path.basename(a) == BINARY for a in cmd[:-1]):
+                continue
+            try:
+                if p.environ().get("CUDA_MPS_PIPE_DIRECTORY") != pipe or (known is not None and p.pid == known.pid):
+                    continue
+                log.warning("MPS control daemon for GPU %s with no record (pid %d): ended", uuid, p.pid)
+                p.kill()
+                p.wait(STOP_TIMEOUT / 2)
+            except psutil.Error:
+                continue
 
     def _start(self, uuid: str) -> MpsRecord:
         if self.binary is None:
@@ -120,8 +126,12 @@ class MpsDaemons:
         dirs = self.dirs(uuid)
         for d in dirs.values():
             make_dirs(d, 0o755)
-        self.state.daemons[uuid] = MpsRecord(uuid=uuid)  # the intent, before the process exists
+        control = os.path.join(dirs["pipe"], "control")
+        with contextlib.suppress(FileNotFoundError):  # a killed daemon's: its readiness is this appearing
+            os.unlink(control)
+        self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # the intent, before the process
         self._save()
+        self._end_strays(uuid)
         log_file = open(os.path.join(dirs["log"], "agent-started.log"), "ab")
         try:
             proc = subprocess.Popen([self.binary, "-f"], env=self._daemon_env(uuid), stdin=subprocess.DEVNULL,
@@ -130,59 +140,133 @@ class MpsDaemons:
             raise MpsError(f"GPU {uuid}: starting {BINARY}: {err}") from err
         finally:
             log_file.close()
-        rec = MpsRecord(uuid=uuid, pid=proc.pid, started=psutil.Process(proc.pid).create_time())
+        self._procs[uuid] = proc
+        try:
+            started = psutil.Process(proc.pid).create_time()
+        except psutil.Error:  # it ended at once
+            started = 0.0
+        rec = MpsRecord(uuid=uuid, pid=proc.pid, started=started, boot_id=self.boot_id)
         self.state.daemons[uuid] = rec
         self._save()
         deadline = time.monotonic() + START_TIMEOUT
-        while not os.path.exists(os.path.join(dirs["pipe"], "control")):
+        while not os.path.exists(control):
             if proc.poll() is not None or time.monotonic() > deadline:
                 self._stop(rec)
                 raise MpsError(f"GPU {uuid}: {BINARY} did not start (see {dirs['log']})")
             time.sleep(0.02)
+        try:  # serving: any exec of a wrapper (env, a script's interpreter) is done, the command line final
+            rec = MpsRecord.model_validate({**rec.model_dump(), "cmdline": psutil.Process(proc.pid).cmdline()})
+        except (psutil.Error, ValidationError):  # gone (the supervisor sees it) or an odd command line: not checked
+            pass
+        self.state.daemons[uuid] = rec
+        self._save()
         log.info("MPS control daemon for GPU %s started (pid %d)", uuid, proc.pid)
         return rec
 
-    def _stop(self, rec: MpsRecord) -> None:
-        """``quit`` through its pipe (it stops its servers cleanly), then signals."""
-        if self.alive(rec) and self.binary is not None:
-            try:
-                subprocess.run([self.binary], input=b"quit\n", env=self._daemon_env(rec.uuid), timeout=STOP_TIMEOUT,
-                               capture_output=True)
-            except (OSError, subprocess.TimeoutExpired) as err:
-                log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    def _signal_until_gone(self, rec: MpsRecord, quitting: bool = False) -> None:
+        """SIGTERM, then SIGKILL (after a moment to quit, if asked to), each only while the
+        recorded process (checked each time) runs."""
+        for sig in ((None,) if quitting else ()) + (signal.SIGTERM, signal.SIGKILL):
             if not self.alive(rec):
-                break
+                return
             if sig is not None:
-                os.kill(rec.pid, sig)
+                try:
+                    os.kill(rec.pid, sig)
+                except ProcessLookupError:
+                    return
             try:
                 psutil.Process(rec.pid).wait(timeout=STOP_TIMEOUT / 2)
             except psutil.Error:
                 pass
+
+    def _stop(self, rec: MpsRecord) -> None:
+        """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories go."""
+        quitting = False
+        if self.alive(rec) and self.binary is not None:
+            try:
+                quitting = subprocess.run([self.binary], input=b"quit\n", env=self._daemon_env(rec.uuid),
+                                          timeout=STOP_TIMEOUT, capture_output=True).returncode == 0
+            except (OSError, subprocess.TimeoutExpired) as err:
+                log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
+        self._signal_until_gone(rec, quitting)
+        self._procs.pop(rec.uuid, None)
         self.state.daemons.pop(rec.uuid, None)
         self._save()
-        shutil.rmtree(os.path.join(self.base, rec.uuid), ignore_errors=True)
+        self._remove_dirs(rec.uuid)
         log.info("MPS control daemon for GPU %s stopped", rec.uuid)
 
-    # --- what prepare calls -------------------------------------------------------------------
+    def _remove_dirs(self, uuid: str) -> None:
+        for problem in mps_records.remove_dirs(os.path.join(self.base, uuid)):
+            log.error("MPS directories of GPU %s: %s", uuid, problem)
+
+    def answers(self, uuid: str) -> bool:
+        """The daemon answers a client (``get_server_list``) within ``ANSWER_TIMEOUT``."""
+        if self.binary is None:
+            return False
+        try:
+            done = subprocess.run([self.binary], input=b"get_server_list\n", env=self._daemon_env(uuid),
+                                  timeout=ANSWER_TIMEOUT, capture_output=True)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+
+    # --- what prepare and the supervisor call ---------------------------------------------------
+    def _forget_stale(self) -> None:
+        """Records of another boot: nothing of theirs runs any more (their PIDs are someone
+        else's now, never signalled); their directories go, a tmpfs below them unmounted."""
+        for uuid, rec in list(self.state.daemons.items()):
+            if rec.boot_id is not None and rec.boot_id != self.boot_id:
+                log.info("MPS control daemon for GPU %s was recorded before a reboot: its directories removed", uuid)
+                del self.state.daemons[uuid]
+                self._save()
+                self._remove_dirs(uuid)
+
+    def _remove_unrecorded(self, wanted: set[str]) -> None:
+        """Directories of a daemon no record names (a crash before its record was saved, records
+        moved aside) and no share needs."""
+        try:
+            names = os.listdir(self.base)
+        except OSError:
+            return
+        for name in names:
+            if _UUID.match(name) and name not in self.state.daemons and name not in wanted \
+                    and os.path.isdir(os.path.join(self.base, name)):
+                log.info("MPS directories of GPU %s belong to no recorded daemon: removed", name)
+                self._remove_dirs(name)
+
     def reconcile(self, wanted: set[str]) -> dict[str, str]:
         """Daemons for exactly the GPUs in ``wanted`` (UUIDs); -> {uuid: error} for those that
         could not be started (their claims' errors). Others are stopped."""
         errors = {}
-        for uuid, rec in list(self.state.daemons.items()):
-            if uuid not in wanted:
-                self._stop(rec)
-        for uuid in sorted(wanted):
-            rec = self.state.daemons.get(uuid)
-            if self.alive(rec):
-                continue
-            if rec is not None and rec.pid is not None:
-                log.warning("MPS control daemon for GPU %s (pid %d) is gone: starting it again", uuid, rec.pid)
-            try:
-                self._start(uuid)
-            except MpsError as err:
-                errors[uuid] = str(err)
+        with self.lock:
+            self.wanted = set(wanted)
+            self._forget_stale()
+            for uuid, rec in list(self.state.daemons.items()):
+                if uuid not in wanted:
+                    self._stop(rec)
+            self._remove_unrecorded(wanted)
+            for uuid in sorted(wanted):
+                rec = self.state.daemons.get(uuid)
+                if self.alive(rec):
+                    continue
+                if rec is not None and rec.pid is not None:
+                    log.warning("MPS control daemon for GPU %s (pid %d) is gone: starting it again", uuid, rec.pid)
+                try:
+                    self._start(uuid)
+                except MpsError as err:
+                    errors[uuid] = str(err)
+        self.on_change()
         return errors
+
+    def restart(self, uuid: str) -> MpsRecord | None:
+        """The supervisor's: the GPU's daemon started again (same directories and environment)
+        -> its record; None when there is nothing to do (no share needs it any more, or it runs:
+        prepare started it meanwhile). Raises ``MpsError``."""
+        with self.lock:
+            rec = self.state.daemons.get(uuid)
+            if uuid not in self.wanted or self.alive(rec):
+                return None
+            return self._start(uuid)
 
     def container_edits(self, uuid: str) -> dict:
         """What a share's container needs to be a client of the GPU's daemon."""

@@ -7,19 +7,30 @@ A hold is on a PCI function (a GPU, a NIC, a VF, ...) and says how the claim hol
 - ``exclusive``: a whole device; ``shared``: a share of a multi-allocatable device;
 - ``partition``: one partition or MIG instance of the GPU (``unit``: the device name,
   ``mode``: the GPU mode it runs in, None for MIG);
-- ``vfio``: the function is bound to vfio-pci and handed to a VM.
+- ``vfio``: the function is bound to vfio-pci and handed to a VM;
+- and ``admin`` marks any of the first three taken with DRA admin access (``adminAccess: true``).
 
 Two claims conflict on one function when either holds it bound to vfio-pci (the VM's group
 must not reach another container, and a GPU must not be unbound under another claim's
-partition or MIG instance), when one holds a partition of a GPU the other holds whole or a
-share of, when their partitions need different modes, or when both hold the same partition.
-Whole devices and shares are the scheduler's to hand out once: two claims holding one device
-whole (a stale allocation the kubelet still asks for) are left to it, as upstream drivers do."""
+partition or MIG instance), when their partitions need different modes (a GPU runs in one),
+and, unless one of them has admin access, when one holds it whole and the other in any way
+(a stale allocation the kubelet still asks for must not hand a device to a second container),
+when one holds a partition of a GPU the other holds whole or a share of, or when both hold
+the same partition. Shares of one device go together as long as what they consume fits the
+capacities the device is published with (a share of a device whose kind is not shared holds
+it whole). Admin access is for monitoring and management beside the device's ordinary users
+(upstream it "ignores all ordinary claims to the device with respect to access modes and any
+resource allocations"), so it reaches a device whoever holds it and consumes nothing, but
+never one bound to vfio-pci (the device nodes it would watch are gone and the group is the
+VM's), nor does it let a GPU switch modes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Iterable, Literal
+
+from agent.quantity import plain
 
 How = Literal["exclusive", "shared", "partition", "vfio"]
 
@@ -28,24 +39,33 @@ How = Literal["exclusive", "shared", "partition", "vfio"]
 class Hold:
     bdf: str
     how: How
-    unit: str = ""  # the partition's device name
+    unit: str = ""  # the device's name (a partition's: the partition's)
     mode: str | None = None  # the GPU mode a partition needs
+    admin: bool = False  # taken with DRA admin access
+    consumed: tuple[tuple[str, Fraction], ...] = ()  # a share's consumedCapacity
+    capacity: tuple[tuple[str, Fraction], ...] = ()  # a shared device's capacities, as published
 
     def describe(self) -> str:
         if self.how == "vfio":
             return "bound to vfio-pci"
         if self.how == "partition":
-            return f"partition {self.unit}" + (f" in {self.mode}" if self.mode else "")
-        return {"exclusive": "as a whole device", "shared": "as a share"}[self.how]
+            what = f"partition {self.unit}" + (f" in {self.mode}" if self.mode else "")
+        else:
+            what = {"exclusive": "as a whole device", "shared": "as a share"}[self.how]
+        return what + (" with admin access" if self.admin else "")
 
 
 def conflict(a: Hold, b: Hold) -> bool:
     """Two holds of different claims on the same function cannot go together."""
     if "vfio" in (a.how, b.how):
         return True
+    if a.how == b.how == "partition" and a.mode is not None and b.mode is not None and a.mode != b.mode:
+        return True  # one GPU, one mode: admin access or not
+    if a.admin or b.admin:
+        return False
     if a.how == b.how == "partition":
-        return a.unit == b.unit or (a.mode is not None and b.mode is not None and a.mode != b.mode)
-    return "partition" in (a.how, b.how)  # a partition beside the whole device or a share of it
+        return a.unit == b.unit
+    return not a.how == b.how == "shared"  # whole beside anything; a partition beside the whole GPU or a share
 
 
 # a claim's holds from its checkpoint entry: (uid, entry) -> holds
@@ -85,10 +105,35 @@ class Ownership:
 
     def refusal(self, uid: str, holds: Iterable[Hold]) -> str | None:
         """Why ``uid`` cannot take ``holds`` (the first conflict), or None."""
+        holds = list(holds)
         for h in holds:
             for other, theirs in self.holders(h.bdf, but=uid).items():
                 for t in theirs:
                     if conflict(h, t):
-                        return (f"{h.bdf} is held by prepared claim {self.names.get(other) or other} ({other}) "
+                        what = f"{h.unit} ({h.bdf})" if h.unit and h.how != "partition" else h.bdf
+                        return (f"{what} is held by prepared claim {self._name(other)} "
                                 f"{t.describe()}; this claim needs it {h.describe()}")
+        return self._beyond_capacity(uid, holds)
+
+    def _name(self, uid: str) -> str:
+        return f"{self.names.get(uid) or uid} ({uid})"
+
+    def _beyond_capacity(self, uid: str, holds: list[Hold]) -> str | None:
+        """Why the shares ``uid`` takes would consume more of a device than it has, or None.
+        Admin access consumes nothing (it ignores resource allocations upstream)."""
+
+        def counted(hs: Iterable[Hold], bdf: str) -> list[Hold]:
+            return [t for t in hs if t.bdf == bdf and t.how == "shared" and not t.admin]
+
+        for h in holds:
+            if h.how != "shared" or h.admin or not h.capacity:
+                continue
+            theirs = {u: counted(ts, h.bdf) for u, ts in self.holders(h.bdf, but=uid).items()}
+            every = counted(holds, h.bdf) + [t for ts in theirs.values() for t in ts]
+            for name, total in h.capacity:
+                used = sum(dict(t.consumed).get(name, 0) for t in every)
+                if used > total:
+                    by = ", ".join(self._name(u) for u, ts in theirs.items() if ts) or "no other claim"
+                    return (f"{h.unit} ({h.bdf}): its shares would consume {plain(used)} of {name}, more than its "
+                            f"{plain(total)} (shares held by {by})")
         return None

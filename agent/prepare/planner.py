@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterable
+from fractions import Fraction
+from typing import Callable, Iterable
 
 from agent.kubeletplugin.types import PreparedDevice
 from agent.prepare import shares
@@ -14,6 +15,7 @@ from agent.prepare.allocation import ClaimFailed, Result
 from agent.prepare.claimconfig import OpaqueConfig, config_for
 from agent.prepare.checkpoint import STARTED
 from agent.prepare.ownership import Hold
+from agent.quantity import parse_quantity
 from cdi.claim import build_claim_spec, cdi_id
 from discovery import gpuways
 from discovery.models import Device
@@ -27,10 +29,15 @@ def device_from_record(d: dict) -> PreparedDevice:
     return PreparedDevice(d["requests"], d["pool"], d["device"], list(d["cdiDeviceIDs"]), d.get("shareID"))
 
 
-def device_record(d: PreparedDevice, env: tuple[str, ...] = ()) -> dict:
+def device_record(d: PreparedDevice, env: tuple[str, ...] = (), result: Result | None = None) -> dict:
     rec = {"requests": d.requests, "pool": d.pool, "device": d.device, "cdiDeviceIDs": d.cdi_ids, "shareID": d.share_id}
     if env:  # a share's or a claim config's environment, for rebuilding the spec (omitted when empty)
         rec["cdiEnv"] = list(env)
+    # how the device is held (ownership.py), also after a restart; omitted when not
+    if result is not None and result.admin:
+        rec["adminAccess"] = True
+    if result is not None and result.share_id and result.consumed:
+        rec["consumedCapacity"] = dict(result.consumed)
     return rec
 
 
@@ -70,15 +77,27 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
     return prepared, build_claim_spec(driver, uid, cds, root, edits), envs
 
 
-def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way]) -> list[Hold]:
-    """What an entry's devices hold: whole devices, shares, partitions and MIG instances (by
-    their GPU). Devices no longer on the node hold nothing."""
+# a device -> the capacities its shares are accounted against (None: it is not published shared)
+Capacities = Callable[[Device], "dict[str, Fraction] | None"]
+
+
+def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuways.Way],
+                 capacities: Capacities = lambda dev: None) -> list[Hold]:
+    """What an entry's devices hold: whole devices, shares (with what they consume),
+    partitions and MIG instances (by their GPU), with admin access or not. A share of a device
+    not published shared here holds it whole. Devices no longer on the node hold nothing.
+    The entry passed its typed check (records.py): its quantities parse."""
     out = []
     for d in entry.get("devices") or ():
-        name = d.get("device")
+        name, admin = d.get("device"), d.get("adminAccess") is True
         way = ways.get(name)
         if way is not None and way.kind != "whole":
-            out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode))
+            out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode, admin=admin))
         elif (dev := by_name.get(name)) is not None and dev.pci is not None:
-            out.append(Hold(dev.pci.bdf, "shared" if d.get("shareID") else "exclusive"))
+            caps = capacities(dev) if d.get("shareID") else None
+            if caps is None:
+                out.append(Hold(dev.pci.bdf, "exclusive", unit=name, admin=admin))
+                continue
+            consumed = tuple((k, parse_quantity(q)) for k, q in sorted((d.get("consumedCapacity") or {}).items()))
+            out.append(Hold(dev.pci.bdf, "shared", unit=name, admin=admin, consumed=consumed, capacity=tuple(sorted(caps.items()))))
     return out

@@ -12,9 +12,11 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
 from agent.prepare.netdevs import NetdevPlan
+from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
 __all__ = ["COMPLETED", "STARTED", "ClaimEntry", "ModeSwitch", "MpsUse", "PartitionUse", "TimeSlice", "VfioFunction", "check_entry", "entry_problem"]
@@ -31,6 +33,12 @@ def _mode(text: str) -> str:
     return text
 
 
+def _quantity(text: str) -> str:
+    if parse_quantity(text) < 0:  # QuantityError (a ValueError) names what is wrong
+        raise ValueError(f"{text!r} is negative")
+    return text
+
+
 def _label(text: str) -> str:
     if not is_label(text):
         raise ValueError(f"{text[:80]!r} is not a DNS label")
@@ -39,6 +47,7 @@ def _label(text: str) -> str:
 
 Mode = Annotated[str, AfterValidator(_mode)]
 Label = Annotated[str, AfterValidator(_label)]
+Quantity = Annotated[str, AfterValidator(_quantity)]
 
 
 class Record(BaseModel):
@@ -101,6 +110,9 @@ class DeviceRecord(Record):
     cdiDeviceIDs: list[str]
     shareID: Name | None = None
     cdiEnv: list[str] | None = None
+    adminAccess: bool | None = None  # DRA admin access (prepare/ownership.py); omitted when not
+    # a share's consumedCapacity, accounted against the device's capacities (prepare/ownership.py)
+    consumedCapacity: Annotated[dict[Name, Quantity], Field(max_length=MAX_ATTRIBUTES_AND_CAPACITIES)] | None = None
 
 
 class CdiSpecRecord(Record):

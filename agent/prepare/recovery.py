@@ -71,6 +71,9 @@ def recover(driver) -> RecoveryReport:
         if driver.ensure_metadata(uid, entry, rebuild=rebooted):
             report.metadata_rebuilt.append(uid)
         entry["bootID"] = driver.boot_id
+    for step in driver.steps:  # what no claim's record names any more (orphaned MPS daemons)
+        if (settle := getattr(step, "settle", None)) is not None:
+            settle(cp.claims)
     for uid, path in specs.items():
         if uid not in cp.claims:
             cdifiles.remove_spec(path)

@@ -3,6 +3,7 @@
 With ``--share gpu,nic`` those kinds are published with ``allowMultipleAllocations: true`` and
 capacities that carry a ``requestPolicy``; the scheduler then hands out shares and accounts what
 each consumes. What a kind's shares consume, and the policies, come from ``DEFAULT_POLICIES``
+(agent/sharecaps.py, shared with prepare, which accounts shares against the same values)
 merged with ``share_policies`` of the config file (one capacity's entry replaces its default;
 ``null`` drops that capacity). ``share_plan`` checks all of it at start, as the API server
 would check it (``validation.policy_problems``), so a bad policy stops the agent with exit 78
@@ -18,27 +19,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from fractions import Fraction
 from types import MappingProxyType
 
 from agent.publish.validation import policy_problems, qualified_name_problem
-from agent.quantity import parse_quantity, plain
+from agent.quantity import parse_quantity
+from agent.sharecaps import DEFAULT_POLICIES, SHAREABLE, capacity_values, discovered_value, merged_policies
 from cdi.claim import capacity_keys
 
-SHAREABLE = ("gpu", "nic")
-MAX_SHARED_CAPACITIES = 8
+__all__ = ["DEFAULT_POLICIES", "MAX_SHARED_CAPACITIES", "SHAREABLE", "SharePlan", "discovered_value", "share_plan",
+           "shared_capacities", "shared_entry"]
 
-# kind -> capacity -> policy (API form, plus an optional "value"); docs/sharing.md lists them
-DEFAULT_POLICIES: dict[str, dict[str, dict]] = {
-    "gpu": {
-        "memory": {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}},
-        "compute": {"value": "100", "default": "10", "validRange": {"min": "1", "max": "100", "step": "1"}},
-    },
-    "nic": {
-        "bandwidth": {"default": "1G", "validRange": {"min": "100M", "step": "100M"}},
-        "slots": {"value": "32", "default": "1", "validRange": {"min": "1", "step": "1"}},
-    },
-}
+MAX_SHARED_CAPACITIES = 8
 log = logging.getLogger(__name__)
 
 
@@ -121,16 +112,11 @@ def share_plan(share: tuple[str, ...] | list[str], share_policies: dict | None) 
         return None
     policies = {}
     for kind in kinds:
-        merged: dict[str, dict | None] = dict(DEFAULT_POLICIES[kind])
-        given = overrides.get(kind) or {}
-        if not isinstance(given, dict):
+        if not isinstance(overrides.get(kind) or {}, dict):
             raise ValueError(f"share-policies.{kind}: must be a mapping of capacity name to policy")
-        merged.update(given)
         caps = []
-        for name, policy in merged.items():
+        for name, policy in merged_policies(kind, overrides).items():
             where = f"share-policies.{kind}.{name}"
-            if policy is None:
-                continue
             if problem := qualified_name_problem(str(name)):
                 raise ValueError(f"{where}: {problem}")
             p = _normalize(policy, where)
@@ -149,21 +135,12 @@ def share_plan(share: tuple[str, ...] | list[str], share_policies: dict | None) 
     return SharePlan(frozenset(kinds), MappingProxyType(policies))
 
 
-def _bits(mbps: Fraction) -> str:
-    return f"{plain(mbps / 1000)}G" if (mbps / 1000).denominator == 1 else f"{plain(mbps)}M"
-
-
-def discovered_value(device, capacity: str) -> str | None:
-    """What discovery knows of a shared capacity on ``device`` (None: unknown)."""
-    if capacity == "memory" and device.kind == "gpu":
-        if device.capacity.get("memory"):
-            return device.capacity["memory"]
-    if capacity == "bandwidth" and device.kind == "nic" and device.nic:
-        rates = [Fraction(r.rate_gbps).limit_denominator(1000) * 1000 for r in device.nic.rdma if r.rate_gbps]
-        rates = rates or [Fraction(i.speed_mbps) for i in device.nic.interfaces if i.speed_mbps]
-        if rates:
-            return _bits(max(rates))
-    return None
+def shared_capacities(device, plan: SharePlan | None) -> dict[str, str] | None:
+    """The capacities ``device`` is published with for its shares, by name (None: its kind is
+    not shared). One with no known value is not among them: it is not accounted there."""
+    if plan is None or device.kind not in plan.kinds:
+        return None
+    return capacity_values(device, plan.policies[device.kind])
 
 
 def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
@@ -175,8 +152,9 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     for name in set(DEFAULT_POLICIES.get(device.kind, {})) - kept:
         # dropped by the operator: without a policy every share would consume all of it
         capacity.pop(name, None)
+    values = shared_capacities(device, plan)
     for name, policy in plan.policies[device.kind]:
-        value = policy.get("value") or discovered_value(device, name)
+        value = values.get(name)
         if value is None:
             capacity.pop(name, None)  # unknown here: not accounted on this device
             plan.log_unknown(device.name, name)

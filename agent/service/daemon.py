@@ -133,8 +133,7 @@ class Agent:
         return True
 
     def _follow_health(self) -> None:
-        """Subscribe to the health monitor before its first round, so that round's verdicts
-        reach the status board, metrics and (with --taint-unhealthy) the slices at once."""
+        """Subscribed before the monitor's first round: its verdicts reach status, metrics and taints at once."""
         sub = self.health.subscribe()
 
         async def follow() -> None:
@@ -177,6 +176,7 @@ class Agent:
     async def start_kubelet_plugin(self) -> None:
         """Serve the kubelet (issue 4) next to publishing, when that component is present."""
         from agent import health
+        from agent.kubeletplugin.claimapi import ClaimApi
         from agent.kubeletplugin.claims import claim_source
         from agent.kubeletplugin.plugin import KubeletPlugin
         from agent.kubeletplugin.statuswriter import status_writer
@@ -187,10 +187,11 @@ class Agent:
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
         driver = ObservedDriver(core, self.metrics, self.board)
-        status = (status_writer(self.settings, observer=ClaimStatusObserver(self.metrics, self.board))
+        api = None if self.settings.cluster_dir is not None else ClaimApi(field_manager=self.settings.driver_name)  # reads + writes
+        status = (status_writer(self.settings, api, observer=ClaimStatusObserver(self.metrics, self.board))
                   if self.settings.claim_status else None)
         self.board.claim_status_enabled = self.settings.claim_status
-        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings), status)
+        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings, api), status)
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         self._follow_health()
@@ -211,6 +212,7 @@ class Agent:
             raise StartupError(str(err), EX_CANTCREAT) from None
         except CheckpointError as err:
             raise StartupError(str(err), EX_DATAERR) from None
+        core.supervise_mps(self.health.gpu_daemon_fault)  # a dead MPS daemon: its GPU unhealthy until back
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)

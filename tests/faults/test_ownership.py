@@ -1,6 +1,7 @@
 """One claim never reaches another's hardware nor fails its neighbours, on the real agent
-(issue 42, defects 2-5): a function bound to vfio-pci for one claim is refused to any other
-claim, and the other way round; a GPU is never unbound while another claim holds one of its
+(issue 42, defects 2-5 and item 2): a device held whole goes to no second claim, whole or a
+share, in either order and after a restart; shares and admin access go together; a function
+bound to vfio-pci for one claim is refused to any other claim, and the other way round; a GPU is never unbound while another claim holds one of its
 MIG instances, whatever the order; a claim whose config breaks the decoder fails alone; a
 checkpoint entry that passes its checksum but is no entry the agent writes is moved aside and
 never used, so it cannot fail later claims."""
@@ -28,10 +29,13 @@ SHARE_A = "5a4e0000-0000-4000-8000-00000000000a"
 SHARE_B = "5a4e0000-0000-4000-8000-00000000000b"
 
 
-def _claim(node: Node, name: str, device: str, uid: str, vfio: bool = False, share: str | None = None) -> dict:
+def _claim(node: Node, name: str, device: str, uid: str, vfio: bool = False, share: str | None = None,
+           admin: bool = False) -> dict:
     c = node.write_claim(name, [("r", device)], uid=uid)
     if share:
         c["status"]["allocation"]["devices"]["results"][0]["shareID"] = share
+    if admin:
+        c["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
     if vfio:
         c["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", "opaque": {
             "driver": DRIVER, "parameters": {"apiVersion": "sysdra.io/v1alpha1", "kind": "VfioConfig"}}}]
@@ -42,6 +46,61 @@ def _claim(node: Node, name: str, device: str, uid: str, vfio: bool = False, sha
 
 def _spec(node: Node, uid: str) -> bool:
     return os.path.exists(cdifiles.claim_spec_path(node.cdi_dir, DRIVER, uid))
+
+
+UID_C = "00000000-0000-4000-8000-00000000c0c0"
+SHARED = {"SYSDRA_SHARE": "gpu", "SYSDRA_NVIDIA_MPS": "false"}  # shares accounted only: no MPS daemon here
+
+
+@pytest.mark.parametrize("second", ["whole", "share"])
+def test_a_device_held_whole_goes_to_no_second_claim_in_either_order(tmp_path, faults, second):
+    node = Node(tmp_path)
+    try:
+        node.start(env=SHARED)
+        gpu = next(d for d in node.devices() if d.startswith("gpu-"))
+        whole = _claim(node, "whole", gpu, UID_A)
+        other = _claim(node, "other", gpu, UID_B, share=SHARE_B if second == "share" else None)
+        for first, then in ((whole, other), (other, whole)):
+            holder, refused = first["metadata"], then["metadata"]
+            assert not errors_of(run(node.prepare(first)))[holder["uid"]]
+            for attempt in ("", " after a restart"):  # the table is rebuilt from the checkpoint
+                err = errors_of(run(node.prepare(then)))[refused["uid"]]
+                assert err and gpu in err and f"default/{holder['name']} ({holder['uid']})" in err, (
+                    f"{refused['name']} after {holder['name']}{attempt}: {err!r}")
+                assert not _spec(node, refused["uid"]), "the refused claim got a CDI spec"
+                assert not errors_of(run(node.prepare(first)))[holder["uid"]]  # the holder again: idempotent
+                node.stop()
+                node.start(env=SHARED)
+            assert not errors_of(run(node.unprepare(first)))[holder["uid"]]
+        node.check_clean()
+    finally:
+        node.stop()
+    faults.add("Hostile input", f"one GPU allocated whole to one claim and {'as a share' if second == 'share' else 'whole'} "
+               "to another, both orders, and after a restart", 4,
+               "the second claim is refused before anything is written, naming the claim that holds it")
+
+
+def test_shares_and_admin_access_of_one_device_go_together(tmp_path, faults):
+    node = Node(tmp_path)
+    try:
+        node.start(env=SHARED)
+        gpu = next(d for d in node.devices() if d.startswith("gpu-"))
+        shares = [_claim(node, "share-a", gpu, UID_A, share=SHARE_A), _claim(node, "share-b", gpu, UID_B, share=SHARE_B)]
+        admin = _claim(node, "admin", gpu, UID_C, admin=True)
+        assert not any(errors_of(run(node.prepare(*shares, admin))).values())
+        node.stop()
+        node.start(env=SHARED)  # admin access is read back from the checkpoint
+        whole = _claim(node, "whole", gpu, "00000000-0000-4000-8000-00000000d0d0")
+        err = errors_of(run(node.prepare(whole)))[whole["metadata"]["uid"]]
+        assert err and "default/share-a" in err, err  # the shares hold it, admin access does not
+        assert not errors_of(run(node.unprepare(*shares)))[UID_A]
+        assert not errors_of(run(node.prepare(whole)))[whole["metadata"]["uid"]]
+        assert not any(errors_of(run(node.unprepare(whole, admin))).values())
+        node.check_clean()
+    finally:
+        node.stop()
+    faults.add("Hostile input", "two shares of one GPU and an adminAccess claim of it, then a whole claim", 2,
+               "shares and admin access prepared together; the whole claim waits for the shares, not the admin access")
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["whole", "shares"])

@@ -161,8 +161,8 @@ def _write_status(settings: Settings, ref: ClaimRef, entries: list[dict], client
         try:
             await backend.write(ref, entries)
         finally:
-            if client is None and getattr(backend, "_client", None) is not None:
-                await backend._client.close()
+            if client is None and hasattr(backend, "close"):
+                await backend.close()
 
     try:
         asyncio.run(write())

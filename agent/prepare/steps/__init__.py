@@ -13,6 +13,8 @@ claim's checkpoint entry under the step's ``key``:
   as before: the claim keeps its entry and the undo is retried.
 - ``recover(record)`` -> True if the host had to be changed again: a prepared claim's change
   made again (after a reboot the kernel forgot it), at start and on the kubelet's re-prepare.
+- ``settle(entries)``, optional: at start, after every claim was recovered, what no entry's
+  record needs any more is removed (MPS daemons whose last share went while the agent was away).
 - ``devices_now(record, devices)`` -> the claim's devices the change gives other nodes, as the
   kernel shows them now (a spec rebuilt after a reboot).
 

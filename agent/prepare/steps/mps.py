@@ -5,7 +5,8 @@ Record (``mps``): the GPUs (UUIDs) whose daemon this claim's shares use, saved b
 starts. ``apply`` makes the running daemons equal to what every claim's record needs (this one
 included): a daemon starts with the first share of its GPU and stops with the last. ``undo``
 does the same without this claim; ``recover`` (at start, after a reboot, on the kubelet's
-re-prepare) starts again the daemons the prepared claims need and stops orphans."""
+re-prepare) starts again the daemons the prepared claims need and stops orphans; ``settle`` (at
+start) does so even when no claim has a record (the last share went while the agent was away)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ class MpsStep:
         for err in self.daemons.reconcile(self._needed(prepared) | set(record.gpus)).values():
             log.error("MPS: %s (the shares of that GPU are not enforced until it starts)", err)
         return False
+
+    def settle(self, entries: dict[str, dict]) -> None:
+        """At start: daemons only for the prepared claims' GPUs (orphans stopped, their dirs gone)."""
+        prepared = {u: e for u, e in entries.items() if e.get("state") == COMPLETED}
+        for err in self.daemons.reconcile(self._needed(prepared)).values():
+            log.error("MPS: %s (the shares of that GPU are not enforced until it starts)", err)
 
     def devices_now(self, record: MpsUse, devices: dict[str, Device]) -> dict[str, Device]:
         return {}

@@ -6,7 +6,8 @@ Medium 2, Long 3), for the pods of the claim that share the GPU.
 Record (``timeslice``): the GPUs and intervals, saved before the first ``nvidia-smi`` call. A
 failure sets the GPUs already changed back to Default; ``undo`` sets them back when the claim
 goes; ``recover`` sets them again after a reboot (the driver forgets its policy). Never run on a
-GPU whose settings must stay as they are: a claim has to ask for it."""
+GPU whose settings must stay as they are: a claim has to ask for it, and one with admin access
+(beside the GPU's other claims, prepare/ownership.py) cannot."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ class TimeSliceStep:
             if r.share_id or not needs_driver(dev) or not dev.gpu.nvidia_uuid:
                 raise ClaimFailed(f"request {r.request!r}: time-slicing is for whole NVIDIA GPUs, not {dev.name}"
                                   + (" (a share)" if r.share_id else ""))
+            if r.admin:  # it would set (and at unprepare reset) the slice of the claims holding the GPU
+                raise ClaimFailed(f"request {r.request!r}: time-slicing changes {dev.name} for every claim on it, "
+                                  "not for one with admin access")
             interval = (cfg.sharing.timeSlicingConfig.interval if cfg.sharing.timeSlicingConfig else "Default")
             out[dev.gpu.nvidia_uuid] = TimeSlice(gpu=dev.gpu.nvidia_uuid, interval=interval)
         return tuple(out.values()) or None

@@ -1,0 +1,119 @@
+"""The MPS control daemons' records (``<plugin dir>/mps/daemons.json``) and their directories.
+
+A record is written before its daemon starts and says which process is that daemon: PID, start
+time, command line and the boot it runs in. All four must match a live process before the
+agent adopts, signals or supervises it, so a PID the kernel gave to another process (after the
+daemon died, or after a reboot) is never taken for the daemon. The file is input when read back:
+validated, and moved aside when invalid. Paths are never recorded: a daemon's directories are
+derived from its GPU's UUID under the plugin dir, so a record cannot point the agent elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Annotated
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from agent.fsutil import atomic_write_json, make_dirs
+
+log = logging.getLogger("agent.prepare.mps")
+
+GPU_UUID = r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$"
+MNT_DETACH = 2
+Arg = Annotated[str, StringConstraints(max_length=4096)]
+_ESCAPED = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, backslash as \ooo
+
+
+class MpsRecord(BaseModel):
+    """One daemon. ``boot_id``/``cmdline`` None: written by an agent that did not record them
+    (that check is then skipped: PID and start time still are made)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    uuid: str = Field(pattern=GPU_UUID)
+    pid: int | None = Field(default=None, ge=1)  # None: recorded, not (yet) started
+    started: float | None = None  # the process's start time (psutil), to tell a reused PID apart
+    boot_id: str | None = Field(default=None, max_length=128)
+    cmdline: list[Arg] | None = Field(default=None, max_length=16)
+
+
+class MpsState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    daemons: dict[str, MpsRecord] = {}
+
+
+def load(path: str) -> MpsState:
+    """The records at ``path``; an invalid file is moved aside (logged) and none are known."""
+    try:
+        with open(path, "rb") as f:
+            state = MpsState.model_validate_json(f.read())
+        if any(k != r.uuid for k, r in state.daemons.items()):
+            raise ValueError("a record under another GPU's key")
+        return state
+    except FileNotFoundError:
+        return MpsState()
+    except (OSError, ValueError, ValidationError) as err:
+        aside = f"{path}.invalid.{int(time.time())}"
+        log.error("MPS daemon records %s are invalid (%s): moved to %s; daemons found again", path, err, aside)
+        try:
+            os.replace(path, aside)
+        except OSError:
+            pass
+        return MpsState()
+
+
+def save(path: str, state: MpsState) -> None:
+    make_dirs(os.path.dirname(path), 0o700)
+    atomic_write_json(path, state.model_dump(mode="json"), mode=0o600)
+
+
+def is_process(rec: MpsRecord | None, boot_id: str) -> bool:
+    """The recorded process runs now: same boot, PID, start time and command line, not a zombie."""
+    if rec is None or rec.pid is None or rec.started is None:
+        return False
+    if rec.boot_id is not None and rec.boot_id != boot_id:
+        return False  # its PID and start time mean nothing in this boot
+    try:
+        p = psutil.Process(rec.pid)
+        if p.status() == psutil.STATUS_ZOMBIE or abs(p.create_time() - rec.started) >= 0.5:
+            return False
+        return rec.cmdline is None or p.cmdline() == rec.cmdline
+    except psutil.Error:
+        return False
+
+
+def _mounts_below(path: str) -> list[str]:
+    """Mount points at or below ``path`` (this process's mount namespace), deepest first."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4:  # the mount point, octal-escaped (\040 for a space)
+                    point = _ESCAPED.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+                    if point == path or point.startswith(path + "/"):
+                        found.append(point)
+    except OSError:
+        return []
+    return sorted(set(found), key=len, reverse=True)
+
+
+def remove_dirs(path: str) -> list[str]:
+    """A daemon's directory gone: a tmpfs (or any mount) below it unmounted first, so removing
+    never reaches into a mount. -> problems (a mount that would not go: the tree is kept)."""
+    problems = []
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in _mounts_below(path):
+        if libc.umount2(point.encode(), MNT_DETACH) != 0:
+            problems.append(f"unmounting {point}: {os.strerror(ctypes.get_errno())}")
+        else:
+            log.info("unmounted %s", point)
+    if not problems:
+        shutil.rmtree(path, ignore_errors=True)
+    return problems
