@@ -1,138 +1,120 @@
-"""The real node (tests/realnode.py, docs/real-node.md): what a claim costs a pod, and the API
-requests the agent makes, counted by the real kube-apiserver's audit log (the agent's
-ServiceAccount only). Needs root and the peers (``make peers``).
+"""The real node (tests/realnode.py, docs/real-node.md): sysdra against the floor, a minimal
+plugin on the upstream Go helper (tests/realnode_floor.py), both registered on the same kubelet
+and measured in one run (issues 37 and 43). Needs root and the peers (``make peers``).
 
-``realnode_pod_start_claim_p50`` / ``_p95``: a pod with a one-GPU ResourceClaim, from its create
-to phase Running as the API reports it (polled every 20 ms), against the same pod without a claim
-(the floor), ``PODS`` of each, alternating. Goal: a claim adds <= 100 ms at p50.
-``realnode_prepare_claim_gets`` / ``realnode_prepare_status_writes``: the agent's GETs of the
-claim and its writes of the claim's status between the pod's create and its Running, per pod.
-Goal: one GET and at most one status apply per prepare.
-``realnode_unprepare_requests``: the agent's requests about the claim from the pod's delete until
-it is gone and the agent quiet, per pod. ``realnode_idle_writes``: the agent's writes in an idle
-minute (goal 0); ``realnode_idle_requests`` all its requests in that minute (reported)."""
+Pods one at a time, interleaved ``plain`` (no claim) / ``sysdra`` / ``floor``, ``PODS`` of each
+(``SYSDRA_BENCH_REALNODE_PODS``, default 30) after a warm-up pod of each kind, a fresh claim per
+pod, each pod and claim deleted before the next (bench/realnode_cycle.py). Then an idle minute,
+then the agent again with ``--claim-status false`` and ``PODS_OFF`` more pods of sysdra and the
+floor (``SYSDRA_BENCH_REALNODE_PODS_OFF``, default 10).
+
+Where each figure comes from: pod times from a watch (create -> phase Running, binding ->
+Running); NodePrepareResources / NodeUnprepareResources from the kubelet's own log at ``--v=4``
+(its "Calling ..." and "Done calling ..." lines); the driver's CPU from its threads' schedstat
+between the pod's create and SETTLE after Running (or its claim's status write, if later); API requests from the API server's audit log
+(the agent's and the floor's ServiceAccounts, watches left out); where the claim's status write
+lands, from the audit log's receive time against the kubelet's prepare-done and sandbox-created
+lines. Every figure's floor is the same figure of the floor plugin in the same run (the no-claim
+pod for issue 37's start-time goal). The per-kind details go to bench/results/realnode.json.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 
-from bench.report import Figure, progress
+from bench.realnode_cycle import NAMESPACE, Runner
+from bench.realnode_figures import details, figures
+from bench.realnode_trace import Audit, KubeletLog, PodWatch, cpu_ns
+from bench.report import REPO, progress, run_info
 
-PODS = 10
-IDLE = 60.0
+PODS = int(os.environ.get("SYSDRA_BENCH_REALNODE_PODS", "30"))
+PODS_OFF = int(os.environ.get("SYSDRA_BENCH_REALNODE_PODS_OFF", "10"))
+IDLE = float(os.environ.get("SYSDRA_BENCH_REALNODE_IDLE", "60"))  # s; issue 37 asks for a minute
 AGENT = "system:serviceaccount:sysdra:sysdra"
+FLOOR = "system:serviceaccount:sysdra:floor"
 POLICY = f"""apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived"]
 rules:
 - level: Metadata
-  users: ["{AGENT}"]
+  users: ["{AGENT}", "{FLOOR}"]
 - level: None
 """
+DETAILS = os.path.join(REPO, "bench", "results", "realnode.json")
 WRITES = {"create", "update", "patch", "delete", "deletecollection"}
 
 
-class Audit:
-    """The audit log's events of the agent's requests, one per request (by auditID)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.offset = 0
-
-    def mark(self) -> None:
-        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-
-    def since_mark(self) -> list[dict]:
-        seen: dict[str, dict] = {}
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            for line in f:
-                event = json.loads(line)
-                seen.setdefault(event["auditID"], event)
-        return list(seen.values())
+def _rounds(runner: Runner, kinds: list[str], n: int, out: dict[str, list], label: str) -> None:
+    """``n`` rounds of one pod per kind, the order rotated each round (no kind always first
+    after the previous pod's teardown)."""
+    for i in range(n):
+        order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]
+        for kind in order:
+            out.setdefault(kind, []).append(runner.cycle(kind))
+        out.setdefault("load", []).append(os.getloadavg()[0])  # the VM is shared: the figures move with it
+        last = {k: f"{out[k][-1].create_to_running:.0f}" for k in kinds}
+        progress(f"real node ({label}): round {i + 1}/{n}: create -> Running ms {last}")
 
 
-def _claim_requests(events: list[dict], claim: str) -> tuple[int, int]:
-    """(GETs of the claim, writes of its status)."""
-    mine = [e for e in events if (e.get("objectRef") or {}).get("resource") == "resourceclaims" and e["objectRef"].get("name") == claim]
-    gets = sum(1 for e in mine if e["verb"] == "get" and not e["objectRef"].get("subresource"))
-    writes = sum(1 for e in mine if e["verb"] in WRITES)
-    return gets, writes
+def _start_floor(node, runner: Runner) -> None:
+    """The floor gets the edits sysdra wrote for the warm-up pod's GPU (read while it runs)."""
+    from tests import realnode_floor
+
+    specs = []
+
+    def copy_spec(claim: str) -> None:
+        uid = node.plane.get("ResourceClaim", claim, NAMESPACE)["metadata"]["uid"]
+        with open(os.path.join(node.cdi_dir, f"k8s.sysdra.io-claim_{uid}.json")) as f:
+            specs.append(json.load(f))
+
+    runner.cycle("sysdra", while_running=copy_spec)
+    proc = realnode_floor.start(node, realnode_floor.device_file(specs[0]))
+    runner.drivers["floor"] = (realnode_floor.DRIVER, proc.pid, FLOOR)
 
 
-def _pod(node, ns: str, name: str, claim: str | None) -> dict:
-    container = {"name": "app", "image": node.image, "imagePullPolicy": "Never", "command": ["sleep", "3600"]}
-    spec = {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 0, "containers": [container]}
-    if claim:
-        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
-        container["resources"] = {"claims": [{"name": "gpu"}]}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns}, "spec": spec}
-
-
-def _wait(probe, timeout: float = 60.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if probe():
-            return
-        time.sleep(interval)
-    raise RuntimeError("bench_realnode: timed out")
-
-
-def _start_to_running(node, ns: str, name: str, claim: str | None) -> float:
-    t0 = time.monotonic()
-    node.plane.create(_pod(node, ns, name, claim))
-    _wait(lambda: node.plane.get("Pod", name, ns)["status"].get("phase") == "Running")
-    return (time.monotonic() - t0) * 1000
-
-
-def _delete(node, ns: str, name: str) -> None:
-    node.plane.delete("Pod", name, ns)
-    _wait(lambda: node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}", ok=False).status_code == 404)
-
-
-def _measure(node, audit: Audit) -> dict:
-    ns = "bench"
-    node.plane.create_namespace(ns)
-    node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
-    request = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}
-    out = {"claim": [], "plain": [], "gets": [], "status": [], "unprepare": []}
-    for i in range(PODS):
-        out["plain"].append(_start_to_running(node, ns, f"plain-{i}", None))
-        _delete(node, ns, f"plain-{i}")
-        claim = f"gpu-{i}"
-        node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": claim, "namespace": ns},
-                           "spec": request})  # fmt: skip
-        audit.mark()
-        out["claim"].append(_start_to_running(node, ns, f"claim-{i}", claim))
-        time.sleep(1.0)  # the status writer writes after a pause in the kubelet's calls
-        gets, writes = _claim_requests(audit.since_mark(), claim)
-        out["gets"].append(gets)
-        out["status"].append(writes)
-        audit.mark()
-        _delete(node, ns, f"claim-{i}")
-        time.sleep(1.0)
-        out["unprepare"].append(sum(_claim_requests(audit.since_mark(), claim)))
-        node.plane.delete("ResourceClaim", claim, ns)
-        progress(f"real node: pod {i + 1}/{PODS}: claim {out['claim'][-1]:.0f} ms, plain {out['plain'][-1]:.0f} ms")
+def _idle(node, audit: Audit) -> dict:
     audit.mark()
+    pid = node.procs["agent"].pid
+    cpu0 = cpu_ns(pid)
     progress(f"real node: idle for {IDLE:.0f} s")
     time.sleep(IDLE)
-    idle = audit.since_mark()
-    out["idle_writes"] = sum(1 for e in idle if e["verb"] in WRITES)
-    out["idle_requests"] = len(idle)
-    return out
+    requests = [r for r in audit.requests() if r.user == AGENT]
+    return {"writes": sum(1 for r in requests if r.verb in WRITES), "requests": len(requests),
+            "kinds": sorted(r.kind for r in requests), "cpu_ms": (cpu_ns(pid) - cpu0) / 1e6}  # fmt: skip
 
 
-def _p(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+def _measure(node, audit_log: str) -> dict:
+    plane = node.plane
+    plane.create_namespace(NAMESPACE)
+    plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": NAMESPACE}})
+    watch = PodWatch(plane, NAMESPACE).start()
+    audit = Audit(audit_log)
+    runner = Runner(node, watch, audit, KubeletLog(os.path.join(node.dir, "kubelet.log")),
+                    {"sysdra": ("sysdra.io", node.procs["agent"].pid, AGENT)})  # fmt: skip
+    try:
+        _start_floor(node, runner)
+        for kind in ("plain", "floor"):
+            runner.cycle(kind)
+        on: dict[str, list] = {}
+        _rounds(runner, ["plain", "sysdra", "floor"], PODS, on, "claim status on")
+        idle = _idle(node, audit)
+        node.stop_process("agent")
+        node.start_agent("--claim-status", "false")
+        runner.status_writers.discard("sysdra")
+        runner.drivers["sysdra"] = ("sysdra.io", node.procs["agent"].pid, AGENT)
+        runner.cycle("sysdra")
+        off: dict[str, list] = {}
+        _rounds(runner, ["sysdra", "floor"], PODS_OFF, off, "claim status off")
+    finally:
+        watch.stop()
+    return {"on": on, "off": off, "idle": idle}
 
 
-def run() -> list[Figure]:
+def run() -> list:
     if os.geteuid() != 0:
         progress("bench_realnode: needs root (the real node): not measured")
         return []
@@ -143,22 +125,17 @@ def run() -> list[Figure]:
     with open(policy, "w") as f:
         f.write(POLICY)
     log = os.path.join(tmp, "audit.log")
-    node = RealNode(os.path.join(tmp, "node"), apiserver_args=[f"--audit-policy-file={policy}", f"--audit-log-path={log}"])
+    node = RealNode(os.path.join(tmp, "node"), kubelet_verbosity=4,
+                    apiserver_args=[f"--audit-policy-file={policy}", f"--audit-log-path={log}"])  # fmt: skip
     try:
         node.start()
-        m = _measure(node, Audit(log))
+        m = _measure(node, log)
     finally:
         node.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    p50, p95 = _p(m["claim"], 50), _p(m["claim"], 95)
-    f50, f95 = _p(m["plain"], 50), _p(m["plain"], 95)
-    gets, status = statistics.mean(m["gets"]), statistics.mean(m["status"])
-    return [
-        Figure("realnode_pod_start_claim_p50", p50, "ms", f50, "claim adds <= 100 ms", p50 - f50 <= 100),
-        Figure("realnode_pod_start_claim_p95", p95, "ms", f95, "reported", True),
-        Figure("realnode_prepare_claim_gets", gets, "per prepare", None, "1", max(m["gets"]) <= 1),
-        Figure("realnode_prepare_status_writes", status, "per prepare", None, "<= 1", max(m["status"]) <= 1),
-        Figure("realnode_unprepare_requests", statistics.mean(m["unprepare"]), "per unprepare", None, "reported", True),
-        Figure("realnode_idle_writes", m["idle_writes"], "per minute", None, "0", m["idle_writes"] == 0),
-        Figure("realnode_idle_requests", m["idle_requests"], "per minute", None, "reported", True),
-    ]
+    info = {**run_info(), "pods": PODS, "pods_off": PODS_OFF}
+    os.makedirs(os.path.dirname(DETAILS), exist_ok=True)
+    with open(DETAILS, "w") as f:
+        json.dump({"run": info, **details(m)}, f, indent=2)
+        f.write("\n")
+    return figures(m)

@@ -42,6 +42,7 @@ class RealNode:
     profile: str = PROFILE
     agent_args: list[str] = field(default_factory=list)
     apiserver_args: list[str] = field(default_factory=list)  # more kube-apiserver flags (bench: the audit log)
+    kubelet_verbosity: int = 2  # the bench's 4 logs each NodePrepareResources call and the sandbox's creation
     plane: ControlPlane | None = None
     image: str = BUSYBOX
     procs: dict = field(default_factory=dict)
@@ -158,7 +159,7 @@ class RealNode:
                                 volume_plugins=os.path.join(kdir, "volume-plugins"))  # fmt: skip
         proc = self._spawn("kubelet", [
             *self.enter, peer("kubelet"), f"--config={config}", f"--kubeconfig={kubeconfig}", f"--hostname-override={self.name}",
-            "--v=2",
+            f"--v={self.kubelet_verbosity}",
         ])  # fmt: skip
         self._until(self.node_ready, "the kubelet (Node Ready)", timeout, proc, "kubelet")
         return proc

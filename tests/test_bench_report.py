@@ -44,3 +44,10 @@ def test_a_page_without_markers_is_left_alone(tmp_path):
 def test_the_real_page_has_the_markers_in_order():
     text = open(DOCS, encoding="utf-8").read()
     assert 0 <= text.find(BEGIN) < text.find(END)
+
+
+def test_the_real_node_page_has_the_markers_in_order():
+    from bench.run import REAL_NODE_DOCS
+
+    text = open(REAL_NODE_DOCS, encoding="utf-8").read()
+    assert 0 <= text.find(BEGIN) < text.find(END)

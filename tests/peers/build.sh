@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build the Go test peers (tests/peers) into .peers/bin: allocator, etcd, kube-apiserver,
-# kube-scheduler, the real node's kube-controller-manager, kubelet and containerd (+ ctr, shim), and
-# helm (the chart's tests, deploy/helm/sysdra).
+# kube-scheduler, the real node's kube-controller-manager, kubelet and containerd (+ ctr, shim), the
+# bench's floor DRA plugin (draplugin, on the upstream kubeletplugin helper), and helm (the chart's
+# tests, deploy/helm/sysdra).
 #
 #   tests/peers/build.sh [PEER ...]        # default: all, allocator first
 #   tests/peers/build.sh control-plane     # allocator etcd kube-apiserver kube-scheduler
-#   tests/peers/build.sh node              # kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2
+#   tests/peers/build.sh node              # kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2 draplugin
 #   tests/peers/build.sh helm              # helm v3 (docs/install.md)
 #   tests/peers/build.sh --gen-replace     # print go.mod's replace block
 #
@@ -46,7 +47,7 @@ jobs="${PEERS_JOBS:-2}"
 mkdir -p "$peers/bin"
 
 control_plane=(allocator etcd kube-apiserver kube-scheduler)
-node=(kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2)
+node=(kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2 draplugin)
 targets=()
 for t in "$@"; do
   case "$t" in
