@@ -252,3 +252,42 @@ def test_a_claim_file_another_writer_holds_is_written_once_it_is_free(tmp_path, 
     asyncio.run(go())
     assert json.load(open(os.path.join(ns_dir, "c.json")))["status"]["devices"] == _entries("gpu-0000-1b-00-0")
     assert (writer.written, writer.failed) == (1, 0)
+
+
+class ApiLikeBackend(GatedBackend):
+    """As the API server: our entries go with the claim's allocation, an unprepare writes nothing."""
+
+    drops_with_allocation = True
+
+
+def test_release_drops_a_waiting_write_and_a_failed_one_is_not_retried():
+    async def scenario():
+        backend = ApiLikeBackend()
+        writer = StatusWriter(backend, slots=2)
+        a, b = _ref(1), _ref(2)
+        backend.fail_first.add(a.uid)
+        writer.submit(a, _entries("gpu-0"))
+        await backend.began(a.uid).wait()  # a's write is in flight (and will fail)
+        writer.submit(b, _entries("gpu-1"))
+        writer.release(b)  # unprepared before its write started: dropped
+        writer.release(a)  # in flight: its failure is not retried
+        backend.gate(a.uid).set()
+        backend.gate(b.uid).set()
+        await writer.idle(5)
+        return backend.writes
+
+    assert asyncio.run(scenario()) == [(_ref(1).uid, _entries("gpu-0"))]
+
+
+def test_release_on_a_backend_without_it_removes_our_entries():
+    async def scenario():
+        backend = GatedBackend()
+        backend.gate(_ref(1).uid).set()
+        writer = StatusWriter(backend)
+        writer.submit(_ref(1), _entries("gpu-0"))
+        await writer.idle(5)
+        writer.release(_ref(1))
+        await writer.idle(5)
+        return backend.writes
+
+    assert asyncio.run(scenario()) == [(_ref(1).uid, _entries("gpu-0")), (_ref(1).uid, [])]
