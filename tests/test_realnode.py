@@ -29,16 +29,22 @@ METADATA = "/var/run/kubernetes.io/dra-device-attributes"
 GPU_REQUEST = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}
 
 
-@pytest.fixture(scope="module")
-def realnode(tmp_path_factory):
+def module_node(tmp_path_factory, name: str, *tools: str):
+    """A module fixture's real node: root and the tools required, the host's state taken before
+    it starts (``before``, for the module's leftover test), stopped after the module."""
     require_root()
-    for tool in ("unshare", "nsenter", "runc", "busybox"):
+    for tool in ("unshare", "nsenter", "runc", "busybox", *tools):
         require_tool(tool)
     before = HostState.take()
-    node = RealNode(str(tmp_path_factory.mktemp("realnode"))).start()
+    node = RealNode(str(tmp_path_factory.mktemp(name))).start()
     node.before = before
     yield node
     node.stop()
+
+
+@pytest.fixture(scope="module")
+def realnode(tmp_path_factory):
+    yield from module_node(tmp_path_factory, "realnode")
 
 
 def wait(predicate, what: str, node: RealNode, timeout: float = 90.0, log: str = "kubelet"):

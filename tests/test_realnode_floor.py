@@ -10,10 +10,9 @@ import os
 import pytest
 
 from tests import realnode_floor as floor
-from tests.conftest import require_root, require_tool
 from tests.realnode import RealNode
 from tests.realnode_leftovers import HostState
-from tests.test_realnode import METADATA, create_pod, delete_pod, namespace, running_log, wait
+from tests.test_realnode import METADATA, create_pod, delete_pod, module_node, namespace, running_log, wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 SCRIPT = ("for n in $(ls /dev | grep nvidia); do stat -c '%n %F %t:%T %a' /dev/$n; done; env | grep ^SYSDRA_ | sort; "
@@ -22,14 +21,7 @@ SCRIPT = ("for n in $(ls /dev | grep nvidia); do stat -c '%n %F %t:%T %a' /dev/$
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    require_root()
-    for tool in ("unshare", "nsenter", "runc", "busybox"):
-        require_tool(tool)
-    before = HostState.take()
-    n = RealNode(str(tmp_path_factory.mktemp("floor"))).start()
-    n.before = before
-    yield n
-    n.stop()
+    yield from module_node(tmp_path_factory, "floor")
 
 
 def claim(node: RealNode, ns: str, name: str, device_class: str) -> dict:

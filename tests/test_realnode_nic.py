@@ -20,11 +20,10 @@ import subprocess
 
 import pytest
 
-from tests.conftest import require_root, require_tool
 from tests.controlplane import peer
 from tests.realnode import DRIVER, RealNode
 from tests.realnode_leftovers import HostState
-from tests.test_realnode import allocated, create_pod, delete_pod, namespace, running_log, wait
+from tests.test_realnode import allocated, create_pod, delete_pod, module_node, namespace, running_log, wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 METADATA = "/var/run/kubernetes.io/dra-device-attributes"
@@ -36,14 +35,7 @@ CONFIG = {"interfaceName": "data0", "mtu": 1400, "addresses": ["192.0.2.5/24", "
 
 @pytest.fixture(scope="module")
 def realnode(tmp_path_factory):
-    require_root()
-    for tool in ("unshare", "nsenter", "runc", "busybox", "ip"):
-        require_tool(tool)
-    before = HostState.take()
-    node = RealNode(str(tmp_path_factory.mktemp("realnode"))).start()
-    node.before = before
-    yield node
-    node.stop()
+    yield from module_node(tmp_path_factory, "realnode", "ip")
 
 
 @pytest.fixture
