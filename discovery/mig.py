@@ -7,7 +7,7 @@ thread only, never from the event loop. NVML's answers are input: a profile whos
 ``<n>g.<m>gb[+ext]`` or whose numbers are out of range is left out, never published.
 
 The profile table NVML gives with MIG disabled is the same as with it enabled (measured on an
-H200, ../shared/reference/nvidia-h200-facts.md), so the profiles are read once per GPU."""
+H200; the H200 facts sheet of the shared reference material), so the profiles are read once per GPU."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A simulated NVML (the ``pynvml`` module's functions discovery calls), built from what NVML
-answered on a real H200 host (../shared/reference/nvidia-h200-facts.md). No NVIDIA driver can run
-here, so this stands in for ``libnvidia-ml``; the real-GPU check (tests/hardware) runs the real one.
+answered on a real H200 host (the team's H200 facts sheet in the shared reference material). No
+NVIDIA driver can run here, so this stands in for ``libnvidia-ml``; the real-GPU check
+(tests/hardware) runs the real one.
 """
 
 from __future__ import annotations

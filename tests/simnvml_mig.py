@@ -1,5 +1,5 @@
 """The simulated NVML (tests/simnvml.py) with MIG: MIG mode, the H200's real GPU-instance
-profile table (../shared/reference/nvidia-h200-facts.md: IDs, slices, memory, engines and
+profile table (the H200 facts sheet of the shared reference material: IDs, slices, memory, engines and
 placements as NVML answered them), GPU and compute instances created and destroyed with the
 refusals real NVML gives, and the driver's procfs side (``capabilities/gpu<N>/mig/gi<G>/ci<C>``).
 

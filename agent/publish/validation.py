@@ -2,7 +2,7 @@
 
 One bad device must never cost the whole slice (the API server rejects a slice as a
 whole), so each device is checked on its own and left out with a reason.
-Limits: ../shared/reference/kubelet-plugin-protocol.md §5.
+Limits: the kubelet plugin protocol notes of the shared reference material, §5.
 """
 
 from __future__ import annotations
