@@ -53,6 +53,34 @@ class Undone:
     notes: list[str] = field(default_factory=list)  # what was put back, for the recovery report
 
 
+class RecordsOf:
+    """``read``/``write`` of a step whose record is a tuple of ``model`` (a records.py model)."""
+
+    key: str
+    model: Any
+
+    def read(self, entry: dict) -> tuple | None:
+        recs = entry.get(self.key)
+        return tuple(self.model.model_validate(r) for r in recs) if recs else None
+
+    def write(self, record: tuple) -> list[dict]:
+        return [r.dump() for r in record]
+
+
+class RecordOf:
+    """``read``/``write`` of a step whose record is one ``model``."""
+
+    key: str
+    model: Any
+
+    def read(self, entry: dict) -> Any | None:
+        rec = entry.get(self.key)
+        return self.model.model_validate(rec) if rec else None
+
+    def write(self, record: Any) -> dict:
+        return record.dump()
+
+
 class Step(Protocol):
     key: str  # the record's key in the checkpoint entry
     what: str  # the stage a claim's error names when applying it fails

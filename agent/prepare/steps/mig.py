@@ -21,7 +21,7 @@ from typing import Callable
 from agent.prepare.mig import MigDevices
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import MigDevice
-from agent.prepare.steps import Planned, Undone
+from agent.prepare.steps import Planned, RecordsOf, Undone
 from discovery import gpuways
 from discovery.attributes import _value
 from discovery.models import Device
@@ -30,20 +30,14 @@ log = logging.getLogger(__name__)
 Record = tuple[MigDevice, ...]
 
 
-class MigStep:
+class MigStep(RecordsOf):
+    model = MigDevice
     key = "mig"
     what = "MIG device"  # the stage named in a claim error
 
     def __init__(self, devices: MigDevices, ways: Callable[[], dict]):
         self.devices = devices
         self.ways = ways  # device name -> discovery.gpuways.Way, of the inventory now
-
-    def read(self, entry: dict) -> Record | None:
-        recs = entry.get(self.key)
-        return tuple(MigDevice.model_validate(r) for r in recs) if recs else None
-
-    def write(self, record: Record) -> list[dict]:
-        return [r.dump() for r in record]
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         out = []

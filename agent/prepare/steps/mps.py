@@ -18,26 +18,20 @@ from agent.prepare.mps import MpsDaemons
 from agent.prepare.nvidia import needs_driver
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import COMPLETED, MpsUse
-from agent.prepare.steps import Planned, Undone
+from agent.prepare.steps import Planned, RecordOf, Undone
 from discovery.models import Device
 
 log = logging.getLogger(__name__)
 
 
-class MpsStep:
+class MpsStep(RecordOf):
+    model = MpsUse
     key = "mps"
     what = "MPS control daemon"  # the stage named in a claim error
 
     def __init__(self, daemons: MpsDaemons, claims: Callable[[], dict[str, dict]]):
         self.daemons = daemons
         self.claims = claims  # the checkpoint's entries now
-
-    def read(self, entry: dict) -> MpsUse | None:
-        rec = entry.get(self.key)
-        return MpsUse.model_validate(rec) if rec else None
-
-    def write(self, record: MpsUse) -> dict:
-        return record.dump()
 
     def plan(self, planned: Planned, owners: Ownership) -> MpsUse | None:
         gpus = sorted({dev.gpu.nvidia_uuid for r in planned.results if r.share_id

@@ -24,27 +24,21 @@ from agent.prepare.claimconfig import NicConfig, VfioConfig, config_for
 from agent.prepare.netdevs import IFNAME_ROOM, valid_name
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import NetdevMove
-from agent.prepare.steps import Planned, Undone
+from agent.prepare.steps import Planned, RecordsOf, Undone
 from discovery.models import Device
 
 log = logging.getLogger(__name__)
 Record = tuple[NetdevMove, ...]
 
 
-class NetdevStep:
+class NetdevStep(RecordsOf):
+    model = NetdevMove
     key = "netdevs"
     what = "netdev"  # the stage named in a claim error
 
     def __init__(self, root: str, host_netns: Callable[[], str]):
         self.root = root
         self.host_netns = host_netns  # the host's network namespace (a path), asked when needed
-
-    def read(self, entry: dict) -> Record | None:
-        recs = entry.get(self.key)
-        return tuple(NetdevMove.model_validate(r) for r in recs) if recs else None
-
-    def write(self, record: Record) -> list[dict]:
-        return [r.dump() for r in record]
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         mode = None

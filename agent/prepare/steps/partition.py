@@ -15,24 +15,18 @@ from typing import Callable
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.partitions import Partitions
 from agent.prepare.records import COMPLETED, PartitionUse
-from agent.prepare.steps import Planned, Undone
+from agent.prepare.steps import Planned, RecordOf, Undone
 from discovery.models import Device
 
 
-class PartitionStep:
+class PartitionStep(RecordOf):
+    model = PartitionUse
     key = "partitions"
     what = "GPU mode switch"  # the stage named in a claim error
 
     def __init__(self, partitions: Partitions, changed: Callable[[], None]):
         self.partitions = partitions
         self.changed = changed  # the hardware changed: the daemon rescans and republishes
-
-    def read(self, entry: dict) -> PartitionUse | None:
-        rec = entry.get(self.key)
-        return PartitionUse.model_validate(rec) if rec else None
-
-    def write(self, record: PartitionUse) -> dict:
-        return record.dump()
 
     def _others(self, claims: dict[str, dict], but: str = "") -> dict[str, tuple[str, PartitionUse]]:
         return {u: (f"{e.get('namespace')}/{e.get('name')}", rec) for u, e in claims.items()

@@ -21,7 +21,7 @@ from agent.prepare.claimconfig import GpuConfig, config_for, opaque_configs
 from agent.prepare.nvidia import needs_driver
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import TimeSlice
-from agent.prepare.steps import Planned, Undone
+from agent.prepare.steps import Planned, RecordsOf, Undone
 from discovery.models import Device
 
 log = logging.getLogger(__name__)
@@ -31,20 +31,14 @@ TIMEOUT = 30.0
 Record = tuple[TimeSlice, ...]
 
 
-class TimeSliceStep:
+class TimeSliceStep(RecordsOf):
+    model = TimeSlice
     key = "timeslice"
     what = "GPU time-slice"  # the stage named in a claim error
 
     def __init__(self, driver_name: str, smi: Callable[[], tuple[str | None, dict[str, str]]]):
         self.driver_name = driver_name
         self.smi = smi  # -> (nvidia-smi as the agent runs it, its environment), None: the node has none
-
-    def read(self, entry: dict) -> Record | None:
-        recs = entry.get(self.key)
-        return tuple(TimeSlice.model_validate(r) for r in recs) if recs else None
-
-    def write(self, record: Record) -> list[dict]:
-        return [r.dump() for r in record]
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         configs = opaque_configs(planned.claim, self.driver_name)

@@ -16,26 +16,20 @@ from typing import Callable
 from agent.prepare import vfio
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
-from agent.prepare.steps import Planned, Undone
+from agent.prepare.steps import Planned, RecordsOf, Undone
 from agent.prepare.vfio_kernel import PciKernel
 from discovery.models import Device
 
 Record = tuple[VfioFunction, ...]
 
 
-class VfioStep:
+class VfioStep(RecordsOf):
+    model = VfioFunction
     key = "vfio"
     what = "VFIO binding"  # the stage named in a claim error
 
     def __init__(self, root: str, driver_name: str, kernel: PciKernel, fault: Callable[[str], None]):
         self.root, self.driver_name, self.kernel, self.fault = root, driver_name, kernel, fault
-
-    def read(self, entry: dict) -> Record | None:
-        recs = entry.get(self.key)
-        return tuple(VfioFunction.model_validate(r) for r in recs) if recs else None
-
-    def write(self, record: Record) -> list[dict]:
-        return [r.dump() for r in record]
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         bdfs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory)
