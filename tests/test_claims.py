@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from lightkube import AsyncClient, KubeConfig
 
+from agent.kubeletplugin import apihttp
 from agent.kubeletplugin.claims import ClaimError, DirClaimSource, KubeClaimSource, claim_source
 from tests.controlplane import free_port, unique
 from tests.kubelet_standin import claim, settings_for, store_claim
@@ -71,28 +72,24 @@ def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
     with open(bad, "w") as f:
         f.write(text)
     refused = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(bad)))
-    with pytest.raises(ClaimError, match="default/c: ConnectError"):
+    with pytest.raises(ClaimError, match="default/c: ConnectionRefusedError"):
         asyncio.run(refused.get_claim("default", "c"))
 
 
-def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver):
+def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver, monkeypatch):
     """Pods come seconds apart: a prepare after longer than httpx's 5 s default idle time still
     uses the open connection (no new TLS handshake on the pod's path)."""
     c = _plane_claim(apiserver, unique("c"), "claims-src")
     src = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig)))
     connects = []
-
-    async def trace(event, info):
-        if event == "connection.connect_tcp.complete":
-            connects.append(event)
+    real = apihttp.StdlibTransport._connect
+    monkeypatch.setattr(apihttp.StdlibTransport, "_connect", lambda self: connects.append(1) or real(self))
 
     async def scenario():
-        http = src.api._client()
-        path = f"/apis/resource.k8s.io/v1/namespaces/claims-src/resourceclaims/{c['metadata']['name']}"
         try:
             for idle in (0, 6):
                 await asyncio.sleep(idle)
-                assert (await http.get(path, extensions={"trace": trace})).status_code == 200
+                assert (await src.get_claim("claims-src", c["metadata"]["name"]))["metadata"]["uid"] == c["metadata"]["uid"]
         finally:
             await src.api.close()
 

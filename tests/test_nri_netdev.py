@@ -183,11 +183,15 @@ def test_a_pod_namespace_gone_unannounced_drops_its_records(tmp_path, nets):
     write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
     m = mover(tmp_path, nets)
     run(m.pod_started(pod(nets)))
-    m._locked(m._reconcile)  # still there: kept
+    run(m.reconcile())  # still there: kept
     assert records(tmp_path)[0]["state"] == "in-pod"
     subprocess.run(["ip", "netns", "del", nets.names["pod"]], check=True)
-    m._locked(m._reconcile)
+    run(m.reconcile())
     assert records(tmp_path)[0].get("state", "planned") == "planned"
+    locked = []
+    m._locked = lambda *args: locked.append(args)
+    run(m.reconcile())  # nothing in a pod: no locked look at the whole checkpoint
+    assert locked == []
 
 
 def test_a_new_sandbox_of_the_pod_gets_the_netdev_of_a_gone_one(tmp_path, nets):

@@ -3,20 +3,26 @@
 reads); decoding it into lightkube's models and back cost more CPU than the rest of a prepare.
 
 Connection settings (kubeconfig or the in-cluster service account, TLS, bearer token, timeout)
-come from lightkube's configuration, as for every other request of the agent; one pooled HTTP
-client serves both requests, so a prepare reuses the status writer's connection.
+come from lightkube's configuration, as for every other request of the agent. The requests are
+made by ``apihttp`` in a few worker threads of their own (a slow server never holds the threads
+the driver and the health checks run in), over pooled keep-alive connections that the claim
+reads and the status writes share.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlencode
+
 import orjson
 
 from agent.apilimits import MAX_CLAIM_BYTES
+from agent.kubeletplugin import apihttp
 
 TIMEOUT = 10.0
-# An idle connection is kept this long (httpx's default, 5 s, made most prepares of a node
-# whose pods come seconds apart pay a new TLS handshake); client-go keeps its own for 90 s.
-KEEPALIVE = 90.0
+THREADS = 8  # requests in flight at once: the claims of a few prepares and the status writes
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the server takes the body as it is
 
 
@@ -35,34 +41,42 @@ def _path(namespace: str, name: str) -> str:
 
 class ClaimApi:
     """``client``: a lightkube ``AsyncClient`` whose configuration to use, or None for the
-    default one ($KUBECONFIG, ~/.kube/config or the in-cluster service account). The HTTP
-    client is made at the first request."""
+    default one ($KUBECONFIG, ~/.kube/config or the in-cluster service account). The
+    connection is made at the first request."""
 
     def __init__(self, client=None, field_manager: str = "sysdra.io"):
         self._lightkube = client
         self.field_manager = field_manager
-        self._http = None
+        self._transport = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._made = threading.Lock()  # the first requests, in several threads, make one transport
 
-    def _client(self):
-        if self._http is None:
-            import httpx2
-            from lightkube import AsyncClient
-            from lightkube.config import client_adapter
+    async def _request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="api")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._send, method, path, body, headers)
 
-            config = (self._lightkube or AsyncClient()).config
-            params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(TIMEOUT))
-            self._http = httpx2.AsyncClient(**params.httpx_params(config), limits=httpx2.Limits(keepalive_expiry=KEEPALIVE))
-        return self._http
+    def _send(self, method: str, path: str, body: bytes | None, headers: dict | None) -> apihttp.Response:
+        transport = self._transport
+        if transport is None:  # in the thread: reading the configuration touches files
+            with self._made:
+                if self._transport is None:
+                    from lightkube import AsyncClient
+
+                    config = (self._lightkube or AsyncClient()).config
+                    self._transport = apihttp.transport(config, TIMEOUT, MAX_CLAIM_BYTES)
+                transport = self._transport
+        return transport.request(method, path, body, headers)
 
     async def get(self, namespace: str, name: str) -> dict:
-        resp = await self._client().get(_path(namespace, name), headers={"Accept": "application/json"})
+        resp = await self._request("GET", _path(namespace, name), headers={"Accept": "application/json"})
         what = f"ResourceClaim {namespace}/{name}"
-        if resp.status_code != 200:
-            raise ApiFailure(f"{what}: API error {resp.status_code}: {_reason(resp)}", resp.status_code)
-        if len(resp.content) > MAX_CLAIM_BYTES:
-            raise ApiFailure(f"{what}: the answer is {len(resp.content)} bytes, more than {MAX_CLAIM_BYTES}")
+        if resp.status != 200:
+            raise ApiFailure(f"{what}: API error {resp.status}: {_reason(resp.body)}", resp.status)
+        if len(resp.body) > MAX_CLAIM_BYTES:
+            raise ApiFailure(f"{what}: the answer is more than {MAX_CLAIM_BYTES} bytes")
         try:
-            claim = orjson.loads(resp.content)
+            claim = orjson.loads(resp.body)
         except ValueError as err:
             raise ApiFailure(f"{what}: the answer is not JSON: {err}") from err
         if not isinstance(claim, dict):
@@ -75,26 +89,27 @@ class ClaimApi:
         meta = body["metadata"]
         if resource_version:
             body = {**body, "metadata": {**meta, "resourceVersion": resource_version}}
-        resp = await self._client().patch(
-            _path(meta["namespace"], meta["name"]) + "/status", content=orjson.dumps(body),
-            params={"fieldManager": self.field_manager, "force": "true"},
-            headers={"Content-Type": APPLY, "Accept": "application/json"})
-        if resp.status_code not in (200, 201):
-            raise ApiFailure(f"ResourceClaim {meta['namespace']}/{meta['name']}: API error {resp.status_code}: "
-                             f"{_reason(resp)}", resp.status_code)
+        query = urlencode({"fieldManager": self.field_manager, "force": "true"})
+        resp = await self._request("PATCH", f"{_path(meta['namespace'], meta['name'])}/status?{query}", orjson.dumps(body),
+                                   {"Content-Type": APPLY, "Accept": "application/json"})
+        if resp.status not in (200, 201):
+            raise ApiFailure(f"ResourceClaim {meta['namespace']}/{meta['name']}: API error {resp.status}: "
+                             f"{_reason(resp.body)}", resp.status)
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        transport, pool, self._transport, self._pool = self._transport, self._pool, None, None
+        if transport is not None:
+            transport.close()
+        if pool is not None:
+            pool.shutdown(wait=False)
 
 
-def _reason(resp) -> str:
+def _reason(body: bytes) -> str:
     """The message of the server's Status object, else the start of the body."""
     try:
-        status = orjson.loads(resp.content)
+        status = orjson.loads(body)
         if isinstance(status, dict) and isinstance(status.get("message"), str):
             return status["message"][:1000]
     except ValueError:
         pass
-    return resp.content[:200].decode("utf-8", "replace")
+    return body[:200].decode("utf-8", "replace")

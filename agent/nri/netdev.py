@@ -214,11 +214,17 @@ class NetdevMover(Sandboxes):
                 except (rtnl.LinkError, OSError) as err:
                     log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
 
+    async def reconcile(self) -> None:
+        """One look for records of sandboxes gone unannounced (``_reconcile``). The locked look
+        reads the whole checkpoint, so it is taken only while a record says a netdev is in a pod."""
+        if await asyncio.to_thread(self._concerns, lambda entry, move: _in_pod(move)):
+            await asyncio.to_thread(self._locked, self._reconcile)
+
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
         while True:
             await asyncio.sleep(interval)
             try:
-                await asyncio.to_thread(self._locked, self._reconcile)
+                await self.reconcile()
             except (UpdateError, CheckpointError, ValueError) as err:
                 log.warning("netdev records not looked at: %s", err)
 
@@ -236,6 +242,11 @@ class NetdevMover(Sandboxes):
             except (rtnl.LinkError, OSError) as err:
                 log.error("netdev %s of pod sandbox %s: finishing its move failed: %s", move.host, move.sandbox, err)
         return done
+
+
+def _in_pod(raw: dict) -> bool:
+    """A record (as saved) says its netdev is in a pod's namespace."""
+    return isinstance(raw, dict) and raw.get("state") == "in-pod"
 
 
 def _away_in(raw: dict, sandbox: str) -> bool:

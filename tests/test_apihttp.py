@@ -1,0 +1,154 @@
+"""agent/kubeletplugin/apihttp.py against a local HTTP/1.1 server on 127.0.0.1 (the real API
+server is tests/test_claims.py's and test_claim_status.py's): kept connections the server closed,
+rotated token files, a server behind a path, and which configurations go to lightkube's client."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import yaml
+from lightkube import KubeConfig
+
+from agent.kubeletplugin import apihttp
+
+
+class Server:
+    """Answers 200 with the request's path, or 401 unless the bearer token is ``want``; with
+    ``drop`` it closes each connection after its answer without saying so (a server's idle
+    timeout that struck while the connection sat in our pool)."""
+
+    def __init__(self):
+        self.want: str | None = None
+        self.drop = False
+        self.seen: list[tuple[str, str | None]] = []
+        self.connections = 0
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                owner.connections += 1
+                super().setup()
+
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                auth = self.headers.get("Authorization")
+                owner.seen.append((self.path, auth))
+                ok = owner.want is None or auth == f"Bearer {owner.want}"
+                body = self.path.encode() if ok else b'{"kind":"Status","message":"Unauthorized"}'
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = owner.drop
+
+            do_GET = do_PATCH = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_port}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+def config(tmp_path, server_url: str, **user):
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": server_url}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+    }))  # fmt: skip
+    return KubeConfig.from_file(path).get()
+
+
+def test_a_kept_connection_is_reused_and_one_the_server_closed_is_replaced(server, tmp_path):
+    t = apihttp.StdlibTransport(config(tmp_path, server.url), 5.0, 1000)
+    try:
+        assert t.request("GET", "/a") == (200, b"/a")
+        assert t.request("GET", "/b") == (200, b"/b")
+        assert server.connections == 1
+        server.drop = True
+        assert t.request("PATCH", "/c", b"{}") == (200, b"/c")  # on the kept one: answered, then closed
+        assert t.request("GET", "/d") == (200, b"/d")  # the kept one is dead: a new one, once
+        assert server.connections == 2
+    finally:
+        t.close()
+    assert [p for p, _ in server.seen] == ["/a", "/b", "/c", "/d"]
+
+
+def test_a_rotated_token_file_is_read_again_when_the_server_says_401(server, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    server.want = "first"
+    t = apihttp.StdlibTransport(config(tmp_path, server.url, tokenFile=str(token)), 5.0, 1000)
+    try:
+        assert t.request("GET", "/a").status == 200
+        token.write_text("second\n")  # the kubelet rotated it
+        server.want = "second"
+        assert t.request("GET", "/b").status == 200
+        assert t.request("GET", "/c").status == 200
+        server.want = "third"  # a token the file does not have: the 401 is the answer
+        assert t.request("GET", "/d").status == 401
+    finally:
+        t.close()
+    assert server.seen == [("/a", "Bearer first"), ("/b", "Bearer first"), ("/b", "Bearer second"),
+                           ("/c", "Bearer second"), ("/d", "Bearer second"), ("/d", "Bearer second")]
+
+
+def test_a_server_behind_a_path_gets_the_path_and_a_static_token(server, tmp_path):
+    t = apihttp.StdlibTransport(config(tmp_path, server.url + "/k8s/clusters/one/", token="static"), 5.0, 1000)
+    try:
+        assert t.request("GET", "/apis/x") == (200, b"/k8s/clusters/one/apis/x")
+    finally:
+        t.close()
+    assert server.seen == [("/k8s/clusters/one/apis/x", "Bearer static")]
+
+
+def test_an_answer_over_the_limit_is_cut_and_its_connection_closed(server, tmp_path):
+    t = apihttp.StdlibTransport(config(tmp_path, server.url), 5.0, 4)
+    try:
+        assert t.request("GET", "/long") == (200, b"/long")  # the caller refuses more than 4 bytes
+        assert t.request("GET", "/s") == (200, b"/s")
+    finally:
+        t.close()
+    assert server.connections == 2
+
+
+def test_configurations_it_does_not_speak_go_to_lightkubes_client(tmp_path, monkeypatch):
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    plain = config(tmp_path, "https://127.0.0.1:6443", token="t")
+    assert apihttp.StdlibTransport.speaks(plain)
+    exec_user = config(tmp_path, "https://127.0.0.1:6443", exec={"apiVersion": "client.authentication.k8s.io/v1",
+                                                                 "command": "true"})
+    assert not apihttp.StdlibTransport.speaks(exec_user)
+    assert isinstance(apihttp.transport(exec_user, 5.0, 1000), apihttp.HttpxTransport)
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:3128")
+    assert not apihttp.StdlibTransport.speaks(plain)  # through the proxy, as httpx would go
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    assert apihttp.StdlibTransport.speaks(plain)
+
+
+def test_lightkubes_client_makes_the_same_requests(server, tmp_path):
+    t = apihttp.HttpxTransport(config(tmp_path, server.url, token="static"), 5.0, 1000)
+    try:
+        assert t.request("PATCH", "/a?x=1", b"{}", {"Content-Type": "application/json"}) == (200, b"/a?x=1")
+    finally:
+        t.close()
+    assert server.seen == [("/a?x=1", "Bearer static")]
