@@ -456,8 +456,10 @@ def test_a_readers_view_reads_only_what_was_appended_and_equals_a_full_load(path
     """CheckpointView (the NRI plugin's): after each save of the writer, compactions and torn
     appends included, it holds what a full load holds, and between compactions it never loads
     the files whole again."""
+    from agent.prepare import checkpoint_view
     from agent.prepare.checkpoint_view import CheckpointView
 
+    monkeypatch.setattr(checkpoint_view, "READ", 64)  # records span several reads
     writer = Checkpoint.load(path)
     writer.save()
     view = CheckpointView(path)

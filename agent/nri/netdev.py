@@ -85,8 +85,8 @@ class NetdevMover(Sandboxes):
         # thread running), then the plugin's flock against prepare and unprepare
         self._lock = threading.Lock()
         self.fault = fault  # tests: a crash between steps
-        self._view = CheckpointView(self.checkpoint_path)  # the lock-free look (one thread at a time)
-        self._view_lock = threading.Lock()
+        self._view = CheckpointView(self.checkpoint_path)  # the look without the plugin's lock
+        self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -95,32 +95,38 @@ class NetdevMover(Sandboxes):
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
-        if await asyncio.to_thread(self._concerns, lambda entry, move: pod.uid in (entry.get("pods") or ())):
+        if await self._concerns(lambda entry, move: pod.uid in (entry.get("pods") or ())):
             self._report(await self._run(self._give, pod))
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
-        if await asyncio.to_thread(self._concerns, lambda entry, move: _away_in(move, pod.id)):
+        if await self._concerns(lambda entry, move: _away_in(move, pod.id)):
             await self._run(self._take_back, pod.id)
 
     async def pod_removed(self, pod: Pod) -> None:
         await super().pod_removed(pod)
-        if await asyncio.to_thread(self._concerns, lambda entry, move: _away_in(move, pod.id)):
+        if await self._concerns(lambda entry, move: _away_in(move, pod.id)):
             await self._run(self._take_back, pod.id)
 
-    def _concerns(self, match) -> bool:
+    async def _concerns(self, match) -> bool:
         """Whether a prepared claim's netdev record matches, read without the plugin's lock and
         only as far as saved since the last look (agent/prepare/checkpoint_view.py): every pod of
         the node starts through here, and most have no netdev to wait for a prepare's lock. The
-        kubelet prepares a pod's claims before it asks for its sandbox, so no record of this pod
-        is on its way. An unreadable checkpoint or a rejected entry is the locked path's to report."""
-        with self._view_lock:
+        look is made on the loop when only records were appended (a thread hop cost more than
+        reading them), in a worker thread when the files are read whole. The kubelet prepares a
+        pod's claims before it asks for its sandbox, so no record of this pod is on its way. An
+        unreadable checkpoint or a rejected entry is the locked path's to report."""
+        async with self._view_lock:
             try:
-                claims, rejected = self._view.claims(), self._view.rejected()
+                claims = self._view.appended()
+                if claims is None:
+                    claims = await asyncio.to_thread(self._view.claims)
+                rejected = self._view.rejected()
             except (CheckpointError, ValueError, OSError):
                 return True
         return bool(rejected) or any(match(e, m) for e in claims.values() if e.get("state") == COMPLETED
                                      for m in e.get("netdevs") or ())
+
     async def _run(self, work, *args):
         try:
             return await asyncio.to_thread(self._locked, work, *args)
@@ -217,7 +223,7 @@ class NetdevMover(Sandboxes):
     async def reconcile(self) -> None:
         """One look for records of sandboxes gone unannounced (``_reconcile``). The locked look
         reads the whole checkpoint, so it is taken only while a record says a netdev is in a pod."""
-        if await asyncio.to_thread(self._concerns, lambda entry, move: _in_pod(move)):
+        if await self._concerns(lambda entry, move: _in_pod(move)):
             await asyncio.to_thread(self._locked, self._reconcile)
 
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:

@@ -15,6 +15,26 @@ from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.checkpoint_format import parse_journal_line
 
 
+READ = 16 << 10  # bytes read at a time: the journal is preallocated with zeros up to 1 MiB
+
+
+def _until_zeros(fd: int, offset: int) -> bytes:
+    """The journal's bytes from ``offset`` up to the preallocated zeros after the last record
+    (or the end of the file): what was appended since, not the rest of the preallocation."""
+    parts = []
+    while True:
+        chunk = os.pread(fd, READ, offset)
+        end = chunk.find(b"\0")
+        if end >= 0:
+            parts.append(chunk[:end])
+            break
+        parts.append(chunk)
+        if len(chunk) < READ:
+            break
+        offset += len(chunk)
+    return b"".join(parts)
+
+
 class CheckpointView:
     def __init__(self, path: str):
         self.path = path
@@ -23,9 +43,19 @@ class CheckpointView:
     def claims(self) -> dict[str, dict]:
         """The checkpoint's entries now. Raises ValueError (or OSError) when the files cannot
         be read."""
+        claims = self.appended()
+        if claims is None:
+            claims = (cp := Checkpoint.load(self.path, move_corrupt=False)).claims
+            self._cp = cp
+        return claims
+
+    def appended(self) -> dict[str, dict] | None:
+        """The entries now if only records were appended since the last look (two stats and a
+        read of those records: cheap enough for an event loop), else None: :meth:`claims` reads
+        the files whole."""
         cp = self._cp
         if cp is None or not self._appended_only(cp) or not self._read_appended(cp):
-            cp = self._cp = Checkpoint.load(self.path, move_corrupt=False)
+            return None
         return cp.claims
 
     def rejected(self) -> dict[str, tuple[object, str]]:
@@ -43,9 +73,8 @@ class CheckpointView:
     def _read_appended(cp: Checkpoint) -> bool:
         """False when a record does not parse (torn, or still being written): load it all."""
         with open(cp.journal_path, "rb") as f:
-            raw = os.pread(f.fileno(), os.fstat(f.fileno()).st_size, cp._journal_size)
-        end = raw.find(b"\0")  # the preallocated zeros after the last record
-        lines = (raw if end < 0 else raw[:end]).split(b"\n")
+            raw = _until_zeros(f.fileno(), cp._journal_size)
+        lines = raw.split(b"\n")
         lines.pop()  # b"", or an append not finished yet
         for line in lines:
             try:
