@@ -69,7 +69,13 @@ class ClaimApi:
         return transport.request(method, path, body, headers)
 
     async def get(self, namespace: str, name: str) -> dict:
-        resp = await self._request("GET", _path(namespace, name), headers={"Accept": "application/json"})
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="api")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.read, namespace, name)
+
+    def read(self, namespace: str, name: str) -> dict:
+        """:meth:`get`, blocking: for a worker thread that has more to do (a prepare's)."""
+        resp = self._send("GET", _path(namespace, name), None, {"Accept": "application/json"})
         what = f"ResourceClaim {namespace}/{name}"
         if resp.status != 200:
             raise ApiFailure(f"{what}: API error {resp.status}: {_reason(resp.body)}", resp.status)

@@ -1,7 +1,9 @@
 """Where ResourceClaims are read from at prepare time: the API server or a ``dir:`` store.
 
-``get_claim`` returns the ResourceClaim as a dict (resource.k8s.io/v1 JSON) or raises
-``ClaimError`` with a message fit for the kubelet's per-claim ``error``.
+``read_claim`` (blocking: a prepare calls it in the worker thread it runs the driver in, one
+thread hop for the whole prepare) and ``get_claim`` (the same on an event loop) return the
+ResourceClaim as a dict (resource.k8s.io/v1 JSON) or raise ``ClaimError`` with a message fit
+for the kubelet's per-claim ``error``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class ClaimError(Exception):
 
 
 class ClaimSource(Protocol):
+    def read_claim(self, namespace: str, name: str) -> dict: ...
+
     async def get_claim(self, namespace: str, name: str) -> dict: ...
 
 
@@ -40,7 +44,7 @@ class DirClaimSource:
     def claim_path(self, namespace: str, name: str) -> str:
         return os.path.join(self.path, "resourceclaims", namespace, name + ".json")
 
-    def _read(self, namespace: str, name: str) -> dict:
+    def read_claim(self, namespace: str, name: str) -> dict:
         path = self.claim_path(namespace, name)
         try:
             # O_NONBLOCK: a FIFO put where the file should be must not block a thread forever
@@ -71,7 +75,7 @@ class DirClaimSource:
     async def get_claim(self, namespace: str, name: str) -> dict:
         # A local file of at most MAX_CLAIM_BYTES, opened non-blocking: read on the loop. A
         # thread hop costs more than the read and showed in prepare latency.
-        return self._read(namespace, name)
+        return self.read_claim(namespace, name)
 
 
 class KubeClaimSource:
@@ -80,15 +84,24 @@ class KubeClaimSource:
     def __init__(self, client=None):
         self.api = client if isinstance(client, ClaimApi) else ClaimApi(client)
 
+    def read_claim(self, namespace: str, name: str) -> dict:
+        try:
+            return self.api.read(namespace, name)
+        except Exception as err:
+            raise _claim_error(namespace, name, err) from err
+
     async def get_claim(self, namespace: str, name: str) -> dict:
         try:
             return await self.api.get(namespace, name)
-        except ApiFailure as err:
-            if err.code == 404:
-                raise ClaimError(f"ResourceClaim {namespace}/{name} not found") from err
-            raise ClaimError(str(err)) from err
-        except Exception as err:  # network, TLS, config: the kubelet retries the claim
-            raise ClaimError(f"ResourceClaim {namespace}/{name}: {type(err).__name__}: {err}") from err
+        except Exception as err:
+            raise _claim_error(namespace, name, err) from err
+
+
+def _claim_error(namespace: str, name: str, err: Exception) -> ClaimError:
+    if isinstance(err, ApiFailure):
+        return ClaimError(f"ResourceClaim {namespace}/{name} not found" if err.code == 404 else str(err))
+    # network, TLS, config: the kubelet retries the claim
+    return ClaimError(f"ResourceClaim {namespace}/{name}: {type(err).__name__}: {err}")
 
 
 def claim_source(settings: Settings, api: ClaimApi | None = None) -> ClaimSource:

@@ -77,6 +77,7 @@ class KubeletPlugin:
         self._extra: list[Callable[[grpc.aio.Server], None]] = []
         self._lock = SerializeLock(os.path.join(settings.plugin_dir, "serialize.lock"))
         self._dra = _Server(self.dra_socket)
+        self._core: Prepare | None = None  # made with the DRA server
         self._reg = _Server(self.registration_socket)
         self.started = False
 
@@ -89,7 +90,7 @@ class KubeletPlugin:
         self._extra.append(add_to_server)
 
     def _add_dra(self, server: grpc.aio.Server) -> None:
-        core = Prepare(self.driver, self.claims, self._lock, self.status)
+        core = self._core = Prepare(self.driver, self.claims, self._lock, self.status)
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(core), server)
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1beta1(core), server)
         for add in self._extra:
@@ -126,6 +127,8 @@ class KubeletPlugin:
         await self._reg.stop(0)
         await self._dra.stop(grace)
         self._lock.close()
+        if self._core is not None:
+            self._core.close()
         if callable(close := getattr(self.driver, "close", None)):  # its own threads (MPS supervision)
             await asyncio.to_thread(close)
         if self.status is not None:  # pending status writes get a moment, then are dropped

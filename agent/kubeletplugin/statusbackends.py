@@ -160,7 +160,7 @@ class DirStatus:
 
     def _write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
         try:
-            claim = self.source._read(ref.namespace, ref.name)
+            claim = self.source.read_claim(ref.namespace, ref.name)
         except ClaimError as err:
             if not entries and "not found" in str(err):
                 return False
