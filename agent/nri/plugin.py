@@ -22,7 +22,9 @@ from agent.protos import nri_v1alpha1_pb2 as api
 log = logging.getLogger(__name__)
 
 PKG = "nri.pkg.api.v1alpha1"
-EVENTS = (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX, api.CREATE_CONTAINER)
+# Sandbox events only: the runtime waits for the plugin's answer to each subscribed event, and a
+# container's creation has nothing for us to do (its sandbox's namespace already has the netdevs).
+EVENTS = (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX)
 RETRY_FIRST, RETRY_MAX = 0.5, 10.0
 
 
