@@ -16,12 +16,15 @@ a proxy for the server's address) go through lightkube's own httpx client instea
 from __future__ import annotations
 
 import http.client
+import logging
 import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE = 90.0  # seconds an idle connection is kept (client-go's idle timeout)
 IDLE_KEPT = 4  # connections kept for reuse: the prepares and status writes in flight at once
@@ -77,6 +80,7 @@ class StdlibTransport:
         if resp.status == 401 and self.token_file is not None and not reread:  # rotated since we read it
             self._bearer = headers["Authorization"] = self._read_token()
             resp = self._send(method, self.prefix + path, body, headers)
+        log.debug("HTTP %s %s: %d", method, path, resp.status)  # at debug, as lightkube's httpx logs its requests
         return resp
 
     def _read_token(self) -> str:
