@@ -11,7 +11,8 @@ in a session of its own, with ``CUDA_VISIBLE_DEVICES`` = the GPU's UUID, and its
 shm directories under ``<plugin dir>/mps/<uuid>/``. The shm directory is a sized tmpfs, mounted
 before the daemon starts (unless mountinfo shows it is: a restart never stacks a second one),
 and the daemon's ``/dev/shm`` (a mount namespace of its own, see ``_command``): its MPS servers
-and the clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has them. Its record (prepare/mps_records.py: PID, start
+and the clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has
+them. Its record (prepare/mps_records.py: PID, start
 time, command line, boot ID) is written before the process starts; ``reconcile`` makes the
 running daemons equal to the GPUs that shares hold: it adopts a live daemon of a record (all
 four match: never a reused PID), starts missing ones, restarts dead ones, stops those no share
