@@ -102,6 +102,16 @@ def _skip(v: dict[str, list[str]]) -> dict[str, list[str]]:
     return v
 
 
+def _shm_size(v: str) -> str:
+    """A Kubernetes quantity of whole bytes, at least 1Mi (an MPS daemon's shm tmpfs)."""
+    from agent.quantity import parse_quantity
+
+    n = parse_quantity(v)
+    if n.denominator != 1 or n < 1 << 20:
+        raise ValueError(f"{v!r} is not a size of at least 1Mi in whole bytes")
+    return v
+
+
 def _host_path(v: str) -> str:
     """A host path (read under root, not resolved here: it names a directory of the host)."""
     if not v.startswith("/") or "\x00" in v or len(v) > 4096:
@@ -114,7 +124,7 @@ _CHECKS = {
     "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health,
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
-    "nri_socket": lambda v: _absolute(v) if v else v,
+    "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size,
 }
 
 
@@ -175,6 +185,8 @@ class Settings(BaseModel):
     # With --share gpu: the shares of an NVIDIA GPU are clients of an MPS control daemon the agent
     # runs for that GPU, so their limits are enforced (docs/sharing.md); false: accounting only.
     nvidia_mps: bool = True
+    # The size of each MPS daemon's shm tmpfs (its and its clients' /dev/shm), a quantity (1Gi).
+    nvidia_mps_shm_size: str = "1Gi"
     # With --partitions, a claim for a MIG device of a GPU not in MIG mode: false fails the claim
     # (saying so); true lets the agent enable MIG mode through NVML (docs/partitions.md).
     nvidia_mig_enable: bool = False

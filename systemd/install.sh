@@ -7,7 +7,8 @@
 # Variables: DESTDIR (staging root, default none), PREFIX (default /usr/local),
 # SYSDRA_BIN (the installed `sysdra` executable, default $PREFIX/bin/sysdra; for a
 # virtualenv install e.g. /opt/sysdra/bin/sysdra), UNITDIR (default /etc/systemd/system),
-# TMPFILESDIR (default /etc/tmpfiles.d), CONFDIR (default /etc/sysdra).
+# TMPFILESDIR (default /etc/tmpfiles.d), CONFDIR (default /etc/sysdra), SYSDRA_MPS (1: also the
+# drop-in sysdra.service.d/mps.conf a node that runs CUDA MPS daemons needs, docs/sharing.md).
 # An existing config.yaml is never overwritten; the new example goes to config.yaml.example.
 set -eu
 
@@ -35,6 +36,11 @@ sed "s|^ExecStart=/usr/local/bin/sysdra |ExecStart=$SYSDRA_BIN |" "$here/sysdra.
 chmod 0644 "$DESTDIR$UNITDIR/sysdra.service.tmp"
 mv "$DESTDIR$UNITDIR/sysdra.service.tmp" "$DESTDIR$UNITDIR/sysdra.service"
 install -m 0644 "$here/sysdra.tmpfiles.conf" "$DESTDIR$TMPFILESDIR/sysdra.conf"
+if [ "${SYSDRA_MPS:-0}" = 1 ]; then
+  install -d -m 0755 "$DESTDIR$UNITDIR/sysdra.service.d"
+  install -m 0644 "$here/sysdra-mps.conf" "$DESTDIR$UNITDIR/sysdra.service.d/mps.conf"
+  echo "installed $DESTDIR$UNITDIR/sysdra.service.d/mps.conf (CUDA MPS: CAP_SYS_ADMIN, no file-system sandbox)"
+fi
 if [ -e "$DESTDIR$CONFDIR/config.yaml" ]; then
   install -m 0644 "$here/config.yaml" "$DESTDIR$CONFDIR/config.yaml.example"
   echo "kept existing $DESTDIR$CONFDIR/config.yaml; new example in config.yaml.example"

@@ -89,7 +89,8 @@ def no_simulated_mps_daemon_left(tmp_path_factory):
     """The fixture nodes' simulated MPS control daemon (tests/fake_mps_control.py) runs for shared
     NVIDIA GPUs; a test that ends with claims prepared leaves one waiting on its socket: stopped
     here. Only this session's (its pipe dir below this session's temp dir): other test sessions
-    on the machine have their own."""
+    on the machine have their own. So is a daemon's shm tmpfs (agent/prepare/mps.py mounts one
+    below the test's plugin dir, in the host's mount namespace unless the test made its own)."""
     yield
     import psutil
 
@@ -103,3 +104,17 @@ def no_simulated_mps_daemon_left(tmp_path_factory):
                 p.kill()
         except psutil.Error:
             pass
+    _unmount_mps_shm(base.rstrip(os.sep))
+
+
+def _unmount_mps_shm(path: str) -> None:
+    """The shm tmpfs of MPS daemons below ``path`` (``.../mps/<uuid>/shm``): no other mount."""
+    import ctypes
+
+    from agent.prepare.mps_records import MNT_DETACH, mounts_below
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in mounts_below(path):
+        parts = point.split(os.sep)
+        if parts[-1] == "shm" and parts[-3] == "mps":
+            libc.umount2(point.encode(), MNT_DETACH)

@@ -338,7 +338,9 @@ class ControlPlane:
             f"--service-account-issuer={ISSUER}", f"--service-account-key-file={sa_pub}",
             f"--service-account-signing-key-file={sa_key}", "--service-cluster-ip-range=10.96.0.0/24",
             f"--runtime-config={RUNTIME_CONFIG}", f"--feature-gates={gates}",
-            "--endpoint-reconciler-type=none", "--profiling=false", "--v=1", *self.extra_args,
+            "--endpoint-reconciler-type=none", "--profiling=false", "--v=1",
+            "--allow-privileged=true",  # as kubeadm runs it: the chart's nvidia.mps pod is privileged
+            *self.extra_args,
         ])  # fmt: skip
         self._wait(proc, "kube-apiserver", lambda: self.http().get("/readyz", timeout=5).status_code == 200, timeout)
 

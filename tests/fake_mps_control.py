@@ -4,7 +4,10 @@
 ``$CUDA_MPS_LOG_DIRECTORY/control.log``) and answers one command per connection:
 ``get_server_list`` (no servers: an empty answer), ``quit`` (it removes its socket and exits);
 without arguments it is the client: its stdin to the daemon, the answer to stdout, exit 1 when no
-daemon answers. ``FAKE_MPS_NO_PIPE=1`` makes a daemon that never opens its socket (a start that
+daemon answers. As the daemon it writes ``/dev/shm/fake-mps-<pid>`` (what its servers would
+share with clients), but only where ``/dev/shm`` is the tmpfs the agent mounted at the pipe dir's
+sibling ``shm`` (a run by hand on a host leaves nothing in the host's /dev/shm); control.log says
+which. ``FAKE_MPS_NO_PIPE=1`` makes a daemon that never opens its socket (a start that
 fails); ``FAKE_MPS_MUTE=1`` one that accepts but never answers."""
 
 import os
@@ -19,6 +22,14 @@ control = "control"
 def serve() -> None:
     with open(os.path.join(os.environ["CUDA_MPS_LOG_DIRECTORY"], "control.log"), "a") as log:
         log.write(f"started pid {os.getpid()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}\n")
+        try:
+            ours = os.stat("/dev/shm").st_dev == os.stat(os.path.join("..", "shm")).st_dev
+        except OSError:
+            ours = False
+        if ours:
+            with open(f"/dev/shm/fake-mps-{os.getpid()}", "w") as mark:
+                mark.write(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        log.write(f"/dev/shm is {'the' if ours else 'not the'} shm dir\n")
     if os.environ.get("FAKE_MPS_NO_PIPE"):
         time.sleep(3600)
     if os.path.exists(control):  # a socket left by a killed daemon, as the real one replaces it

@@ -169,10 +169,12 @@ class RealNode:
             self.plane.apply(os.path.join(REPO, "deploy", manifest))
 
     def start_agent(self, *args: str, timeout: float = 60.0, wait: bool = True, name: str = "agent",
-                    env: dict | None = None) -> subprocess.Popen:
+                    env: dict | None = None, propagation: str = "slave") -> subprocess.Popen:
         """``sysdra run --cluster kube`` as the DaemonSet runs it: the fixture root at ``host``
         (its own mount namespace), a ServiceAccount token bound to the Node. ``name``: its
-        process and log (``<name>.log``), another for the second instance of a rolling update."""
+        process and log (``<name>.log``), another for the second instance of a rolling update.
+        ``propagation``: of the agent's namespace; ``shared`` as the chart's ``nvidia.mps`` runs it
+        (the plugins dir Bidirectional: the MPS shm tmpfs reaches containerd)."""
         token = self.plane.token("sysdra", "sysdra", node=self.name, seconds=86400)
         kubeconfig = self.plane.write_kubeconfig(os.path.join(self.dir, "agent.kubeconfig"), token=token, namespace="sysdra")
         extra = env or {}  # a test's (SYSDRA_TEST_CRASH_AT)
@@ -186,7 +188,7 @@ class RealNode:
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
         registered = self.registrations(name)
         # slave: the pods' network namespaces mounted under /run/netns later reach the agent (NRI)
-        proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", "slave", "sh", "-c", inner,
+        proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", propagation, "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
         if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
             self._until(lambda: self.slices() and self.registrations(name) > registered, "the agent published and registered",

@@ -16,6 +16,7 @@ goes away with its last process.
   device nodes made again at their host paths (``/dev/nvidia0`` ...). The agent sees them under
   its root (``<root>/dev/nvidia0``), containerd at ``/dev/nvidia0``, as on a real node where the
   DaemonSet mounts the host at ``/host``.
+- the kubelet's plugins dir (``DIR/ns/var-lib/kubelet/plugins``, the agent's): a shared mount.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def main(argv: list[str]) -> None:
     ns = os.path.join(dir_, "ns")
     private_dirs(ns, node)
     private_dev(ns, root)
+    # the kubelet's plugins dir a shared mount, as on a systemd host: an agent whose namespace
+    # propagates its mounts back (the chart's nvidia.mps, Bidirectional) mounts the MPS daemons'
+    # shm tmpfs there, and containerd, here, binds it into the shares' containers
+    plugins = os.path.join(ns, "var-lib", "kubelet", "plugins")
+    os.makedirs(plugins, exist_ok=True)
+    bind(plugins, plugins)
+    mount("--make-shared", plugins)
     with open(os.path.join(ns, "ready"), "w") as f:
         f.write(str(os.getpid()))
     os.execvp("sleep", ["sleep", "2147483647"])

@@ -73,6 +73,9 @@ def test_every_feature_reaches_the_agent(tmp_path):
     assert mounts["/host/run/nvidia/driver"]["readOnly"] is True
     assert volumes[mounts["/host/run/nvidia/driver"]["name"]]["hostPath"]["path"] == "/run/nvidia/driver"
     assert mounts["/host/sys"]["readOnly"] is False
+    # nvidia.mps: the MPS daemons' shm tmpfs, mounted by a privileged agent, reaches the host
+    assert mounts["/var/lib/kubelet/plugins"]["mountPropagation"] == "Bidirectional"
+    assert c["securityContext"]["privileged"] is True and c["securityContext"]["allowPrivilegeEscalation"] is True
     assert "--cdi-dir=/etc/cdi" in c["args"] and "/etc/cdi" in mounts
     assert "--metrics-address=$(POD_IP):9500" in c["args"]
     assert c["image"] == "registry.example.com/sysdra/sysdra:0.1.0-rc1"
@@ -106,6 +109,9 @@ def test_default_daemonset():
     netns = mounts["/var/run/netns"]
     assert hostpaths[netns["name"]] == "/var/run/netns" and netns["mountPropagation"] == "HostToContainer"
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN"]}
+    # not privileged, no propagation back to the host, unless nvidia.mps asks
+    assert c["securityContext"]["privileged"] is False and c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert "mountPropagation" not in mounts["/var/lib/kubelet/plugins"]
 
 
 def test_without_nri_the_agent_keeps_dac_override_alone():

@@ -49,7 +49,7 @@ def test_one_daemon_per_needed_gpu_started_adopted_and_stopped(daemons):
     rec = d.state.daemons[UUID]
     assert d.alive(rec) and os.path.exists(os.path.join(d.dirs(UUID)["pipe"], "control"))
     with open(os.path.join(d.dirs(UUID)["log"], "control.log")) as f:
-        assert f.read() == f"started pid {rec.pid} CUDA_VISIBLE_DEVICES={UUID}\n"
+        assert f.read() == f"started pid {rec.pid} CUDA_VISIBLE_DEVICES={UUID}\n/dev/shm is the shm dir\n"
     with open(d.path) as f:
         assert json.load(f)["daemons"][UUID]["pid"] == rec.pid
     d.reconcile({UUID})
@@ -103,4 +103,6 @@ def test_a_share_container_is_a_client_of_its_gpus_daemon(daemons):
     edits = d.container_edits(UUID)
     assert edits["env"] == ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]
     assert edits["mounts"] == [{"hostPath": d.dirs(UUID)["pipe"], "containerPath": "/tmp/nvidia-mps",
+                                "options": ["rw", "nosuid", "nodev", "bind"]},
+                               {"hostPath": d.dirs(UUID)["shm"], "containerPath": "/dev/shm",
                                 "options": ["rw", "nosuid", "nodev", "bind"]}]

@@ -91,8 +91,8 @@ def test_a_killed_daemon_is_unhealthy_restarted_then_healthy(daemons, supervised
     assert d.state.daemons[OTHER] == other and d.alive(other)
     assert _restarts("started") == before + 1
     with open(os.path.join(d.dirs(UUID)["log"], "control.log")) as f:  # same dirs, same GPU
-        assert f.read().splitlines() == [f"started pid {old.pid} CUDA_VISIBLE_DEVICES={UUID}",
-                                         f"started pid {new.pid} CUDA_VISIBLE_DEVICES={UUID}"]
+        assert [x for x in f.read().splitlines() if x.startswith("started")] == [
+            f"started pid {old.pid} CUDA_VISIBLE_DEVICES={UUID}", f"started pid {new.pid} CUDA_VISIBLE_DEVICES={UUID}"]
 
 
 def test_restarts_are_bounded(daemons, supervised, monkeypatch):  # noqa: F811
@@ -168,14 +168,13 @@ def test_a_restarted_agent_adopts_the_daemon(daemons):  # noqa: F811
 
 
 SCRIPT = r"""
-import os, subprocess, sys
+import os, sys
 from agent.prepare.mps import MpsDaemons
 plugin, binary, uuid = sys.argv[1:4]
 d = MpsDaemons(plugin, binary, boot_id="boot-1")
 assert d.reconcile({uuid}) == {}
-shm = os.path.join(d.base, uuid, "shm")
-os.makedirs(shm)
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", shm], check=True)
+shm = d.dirs(uuid)["shm"]  # the daemon's tmpfs, mounted by the agent
+assert os.path.ismount(shm)
 open(os.path.join(shm, "left"), "w").close()
 os.kill(d.state.daemons[uuid].pid, 9)  # the reboot ends every process
 d.alive(d.state.daemons[uuid])  # reaped

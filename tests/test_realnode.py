@@ -288,12 +288,14 @@ def test_the_deploy_example_runs(realnode, tmp_path, nic_netdevs):
 
 def test_two_pods_share_one_gpu(realnode):
     """``--share gpu``: two pods, each with a claim for a share of the same GPU (deploy/
-    example-sharing.yaml's template pinned to one GPU), run at once with their own share."""
+    example-sharing.yaml's template pinned to one GPU), run at once with their own share, as
+    clients of the GPU's MPS daemon: their /dev/shm (containerd's CDI mount) is the daemon's shm
+    tmpfs, where the simulated daemon wrote a file through its own /dev/shm."""
     ns = namespace(realnode)
     template = next(d for d in load_yaml(f"{REPO}/deploy/example-sharing.yaml") if d["metadata"]["name"] == "gpu-share-small")
     template["metadata"]["namespace"] = ns
     realnode.stop_process("agent")
-    realnode.start_agent("--share", "gpu")
+    realnode.start_agent("--share", "gpu", propagation="shared")  # the chart's nvidia.mps
     try:
         gpu = min((d for s in realnode.slices() for d in s["spec"].get("devices", []) if d["name"].startswith("gpu-")),
                   key=lambda d: d["name"])  # fmt: skip
@@ -303,10 +305,13 @@ def test_two_pods_share_one_gpu(realnode):
             {"cel": {"expression": f'device.attributes["resource.kubernetes.io"].pciBusID == "{bdf}"'}}]
         realnode.plane.create(template)
         for pod in ("one", "two"):
-            create_pod(realnode, ns, pod, "env | grep ^SYSDRA_ | sort", claims=[{"name": "gpu", "resourceClaimTemplateName": "gpu-share-small"}])
+            create_pod(realnode, ns, pod, "env | grep ^SYSDRA_ | sort; ls /dev/shm; grep ' /dev/shm ' /proc/mounts",
+                       claims=[{"name": "gpu", "resourceClaimTemplateName": "gpu-share-small"}])
         logs = {pod: running_log(realnode, ns, pod) for pod in ("one", "two")}
         for lines in logs.values():
             assert f"SYSDRA_GPU_PCI_BUS_IDS={bdf}" in lines, lines
+            assert len([x for x in lines if x.startswith("fake-mps-")]) == 1, lines  # one daemon for the GPU
+            assert any(x.split()[1:3] == ["/dev/shm", "tmpfs"] and "size=1048576k" in x for x in lines), lines
         results = [r for c in realnode.plane.list("ResourceClaim", ns) for r in c["status"]["allocation"]["devices"]["results"]]
         assert len(results) == 2 and {r["device"] for r in results} == {gpu["name"]}
         assert len({r["shareID"] for r in results}) == 2, results

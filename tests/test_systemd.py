@@ -98,6 +98,39 @@ def test_unit_policy():
     assert set(rw) <= tmpfiles
 
 
+# the options that give the unit a mount namespace of its own (whose mounts never reach the host)
+MOUNT_NAMESPACE = {"ProtectSystem": "no", "ReadWritePaths": "", "ProtectHome": "no", "PrivateTmp": "no",
+                   "ProtectKernelTunables": "no", "ProtectKernelModules": "no", "ProtectKernelLogs": "no",
+                   "ProtectControlGroups": "no", "ProtectProc": "default"}
+
+
+def test_the_mps_drop_in_widens_only_mps_nodes(tmp_path):
+    """The base unit keeps its sandbox; the MPS drop-in (installed on request) adds what the shm
+    tmpfs and the daemon's mount namespace need, and turns off exactly the settings that would
+    keep the agent's mounts from the host (docs/sharing.md "MPS")."""
+    base = dict(_directives(UNIT))
+    assert base["CapabilityBoundingSet"] == "CAP_DAC_OVERRIDE" and base["RestrictNamespaces"] == "yes"
+    assert all(base.get(k, "") != v for k, v in MOUNT_NAMESPACE.items())  # each is on in the base unit
+    binary = os.path.join(os.path.dirname(sys.executable), "sysdra")
+    env = {**os.environ, "DESTDIR": str(tmp_path), "SYSDRA_BIN": binary}
+    subprocess.run(["sh", os.path.join(SYSTEMD, "install.sh")], env=env, check=True, capture_output=True)
+    assert not (tmp_path / "etc/systemd/system/sysdra.service.d").exists()  # not by default
+    subprocess.run(["sh", os.path.join(SYSTEMD, "install.sh")], env={**env, "SYSDRA_MPS": "1"}, check=True, capture_output=True)
+    drop_in = tmp_path / "etc/systemd/system/sysdra.service.d/mps.conf"
+    keys = dict(_directives(str(drop_in)))
+    assert keys == {"CapabilityBoundingSet": "CAP_SYS_ADMIN", "RestrictNamespaces": "mnt", "SystemCallFilter": "@mount",
+                    **MOUNT_NAMESPACE}
+
+
+def test_the_unit_with_the_mps_drop_in_verifies(installed):
+    tool = require_tool("systemd-analyze")
+    root, binary = installed
+    env = {**os.environ, "DESTDIR": str(root), "SYSDRA_BIN": binary, "SYSDRA_MPS": "1"}
+    subprocess.run(["sh", os.path.join(SYSTEMD, "install.sh")], env=env, check=True, capture_output=True)
+    out = subprocess.run([tool, "verify", str(root / "etc/systemd/system/sysdra.service")], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr.strip() and not out.stdout.strip(), out.stdout + out.stderr
+
+
 def test_tmpfiles_create_under_root(tmp_path):
     tool = require_tool("systemd-tmpfiles")
     require_root()  # it chowns to root

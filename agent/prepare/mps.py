@@ -7,8 +7,12 @@ to an MPS control daemon. Measured on an H200: with the daemon's pipe directory 
 20 GiB limit succeeds and a 30 GiB one fails (docs/sharing.md, "MPS").
 
 Each daemon runs ``nvidia-cuda-mps-control -f`` (in the foreground, so its PID is ours to know)
-in a session of its own, with ``CUDA_VISIBLE_DEVICES`` = the GPU's UUID, and its pipe and log
-directories under ``<plugin dir>/mps/<uuid>/``. Its record (prepare/mps_records.py: PID, start
+in a session of its own, with ``CUDA_VISIBLE_DEVICES`` = the GPU's UUID, and its pipe, log and
+shm directories under ``<plugin dir>/mps/<uuid>/``. The shm directory is a sized tmpfs, mounted
+before the daemon starts (unless mountinfo shows it is: a restart never stacks a second one),
+and the daemon's ``/dev/shm`` (a mount namespace of its own, see ``_command``): its MPS servers
+and the clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has
+them. Its record (prepare/mps_records.py: PID, start
 time, command line, boot ID) is written before the process starts; ``reconcile`` makes the
 running daemons equal to the GPUs that shares hold: it adopts a live daemon of a record (all
 four match: never a reused PID), starts missing ones, restarts dead ones, stops those no share
@@ -23,6 +27,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -43,6 +48,10 @@ PIPE_IN_CONTAINER = "/tmp/nvidia-mps"
 START_TIMEOUT = 10.0  # seconds for the daemon's pipe to appear
 STOP_TIMEOUT = 10.0
 ANSWER_TIMEOUT = 5.0  # seconds for ``get_server_list`` to be answered
+SHM_SIZE = 1 << 30  # the shm tmpfs's size unless configured (nvidia_mps_shm_size): NVIDIA's default
+# the daemon's own mount namespace, private (so nothing of it reaches the agent's), with the shm
+# tmpfs bound on /dev/shm; then exec: the PID stays the daemon's, its command line ends as the binary's
+_BIND_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 _UUID = re.compile(mps_records.GPU_UUID)
 
 
@@ -52,13 +61,15 @@ class MpsError(Exception):
 
 class MpsDaemons:
     def __init__(self, plugin_dir: str, binary: str | None | Callable[[], str | None],
-                 env: dict[str, str] | Callable[[], dict[str, str]] | None = None, boot_id: str = ""):
+                 env: dict[str, str] | Callable[[], dict[str, str]] | None = None, boot_id: str = "",
+                 shm_size: int = SHM_SIZE):
         self.base = os.path.join(plugin_dir, "mps")
         self.path = os.path.join(self.base, "daemons.json")
         # as the agent runs it (under --root), or how to find it when needed; None: the node has none
         self._binary = binary
         self._env = env if env is not None else {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
         self.boot_id = boot_id  # this boot's (prepare/bootid.py): records of another are stale
+        self.shm_size = shm_size  # bytes
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
         self._procs: dict[str, subprocess.Popen] = {}  # daemons this process started: reaped when they end
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
@@ -78,7 +89,7 @@ class MpsDaemons:
 
     def dirs(self, uuid: str) -> dict[str, str]:
         d = os.path.join(self.base, uuid)
-        return {"pipe": os.path.join(d, "pipe"), "log": os.path.join(d, "log")}
+        return {"pipe": os.path.join(d, "pipe"), "log": os.path.join(d, "log"), "shm": os.path.join(d, "shm")}
 
     def watched(self) -> dict[str, MpsRecord | None]:
         """The GPUs that need a daemon and its record now (None: none started) for the supervisor."""
@@ -120,6 +131,29 @@ class MpsDaemons:
             except psutil.Error:
                 continue
 
+    def _mount_shm(self, uuid: str) -> None:
+        """The shm tmpfs, unless one is there already (a daemon started again, an agent that
+        restarted): mounted state is read back, never assumed. Raises ``MpsError``."""
+        shm = self.dirs(uuid)["shm"]
+        found = mps_records.mounted_at(shm)
+        if found is not None and found[0] == "tmpfs":
+            return
+        if found is not None:
+            raise MpsError(f"GPU {uuid}: {shm} is a mount of {found[0]}, not the daemon's tmpfs")
+        try:
+            mps_records.mount_tmpfs(shm, self.shm_size)
+        except OSError as err:
+            raise MpsError(f"GPU {uuid}: {err} (MPS needs CAP_SYS_ADMIN: docs/sharing.md)") from err
+        log.info("MPS shm of GPU %s: a tmpfs of %d bytes at %s", uuid, self.shm_size, shm)
+
+    def _command(self, uuid: str) -> list[str]:
+        """The daemon behind ``unshare``: the agent has threads, so no preexec_fn can unshare."""
+        unshare, sh = shutil.which("unshare"), shutil.which("sh")
+        if unshare is None or sh is None:
+            raise MpsError(f"GPU {uuid}: no unshare or sh on the agent's PATH (util-linux): the daemon's /dev/shm cannot be set")
+        return [unshare, "--mount", "--propagation", "private", sh, "-c", _BIND_SHM,
+                self.dirs(uuid)["shm"], str(self.binary), "-f"]
+
     def _start(self, uuid: str) -> MpsRecord:
         if self.binary is None:
             raise MpsError(f"GPU {uuid}: no {BINARY} on this node (the NVIDIA driver's tools): MPS limits cannot be enforced")
@@ -129,12 +163,18 @@ class MpsDaemons:
         control = os.path.join(dirs["pipe"], "control")
         with contextlib.suppress(FileNotFoundError):  # a killed daemon's: its readiness is this appearing
             os.unlink(control)
-        self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # the intent, before the process
+        intent = self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # before the process
         self._save()
         self._end_strays(uuid)
+        try:
+            self._mount_shm(uuid)
+            command = self._command(uuid)
+        except MpsError:
+            self._stop(intent)  # nothing runs: the intent goes, its directories too (a tmpfs unmounted)
+            raise
         log_file = open(os.path.join(dirs["log"], "agent-started.log"), "ab")
         try:
-            proc = subprocess.Popen([self.binary, "-f"], env=self._daemon_env(uuid), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(command, env=self._daemon_env(uuid), stdin=subprocess.DEVNULL,
                                     stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as err:
             raise MpsError(f"GPU {uuid}: starting {BINARY}: {err}") from err
@@ -223,7 +263,7 @@ class MpsDaemons:
 
     def _remove_unrecorded(self, wanted: set[str]) -> None:
         """Directories of a daemon no record names (a crash before its record was saved, records
-        moved aside) and no share needs."""
+        moved aside) and no share needs; a daemon still serving them is ended first."""
         try:
             names = os.listdir(self.base)
         except OSError:
@@ -232,6 +272,7 @@ class MpsDaemons:
             if _UUID.match(name) and name not in self.state.daemons and name not in wanted \
                     and os.path.isdir(os.path.join(self.base, name)):
                 log.info("MPS directories of GPU %s belong to no recorded daemon: removed", name)
+                self._end_strays(name)
                 self._remove_dirs(name)
 
     def reconcile(self, wanted: set[str]) -> dict[str, str]:
@@ -269,7 +310,9 @@ class MpsDaemons:
             return self._start(uuid)
 
     def container_edits(self, uuid: str) -> dict:
-        """What a share's container needs to be a client of the GPU's daemon."""
+        """What a share's container needs to be a client of the GPU's daemon: its pipe directory,
+        and its shm tmpfs as the container's ``/dev/shm`` (replacing the runtime's)."""
+        dirs, options = self.dirs(uuid), ["rw", "nosuid", "nodev", "bind"]
         return {"env": [f"CUDA_MPS_PIPE_DIRECTORY={PIPE_IN_CONTAINER}"],
-                "mounts": [{"hostPath": self.dirs(uuid)["pipe"], "containerPath": PIPE_IN_CONTAINER,
-                            "options": ["rw", "nosuid", "nodev", "bind"]}]}
+                "mounts": [{"hostPath": dirs["pipe"], "containerPath": PIPE_IN_CONTAINER, "options": options},
+                           {"hostPath": dirs["shm"], "containerPath": "/dev/shm", "options": list(options)}]}

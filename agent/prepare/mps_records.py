@@ -27,6 +27,7 @@ log = logging.getLogger("agent.prepare.mps")
 
 GPU_UUID = r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$"
 MNT_DETACH = 2
+MS_NOSUID, MS_NODEV = 2, 4
 Arg = Annotated[str, StringConstraints(max_length=4096)]
 _ESCAPED = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, backslash as \ooo
 
@@ -88,20 +89,42 @@ def is_process(rec: MpsRecord | None, boot_id: str) -> bool:
         return False
 
 
-def _mounts_below(path: str) -> list[str]:
-    """Mount points at or below ``path`` (this process's mount namespace), deepest first."""
-    found = []
+def _mountinfo() -> list[tuple[str, str, str]]:
+    """(mount point, file system type, super options) of this process's mount namespace, in
+    mount order (a later one at the same point is on top)."""
+    out = []
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                fields = line.split()
-                if len(fields) > 4:  # the mount point, octal-escaped (\040 for a space)
+                fields = line.split()  # optional fields, then "-", type, source, super options
+                sep = fields.index("-", 6) if "-" in fields[6:] else len(fields)
+                if len(fields) > sep + 3:  # the point is octal-escaped (\040 for a space)
                     point = _ESCAPED.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
-                    if point == path or point.startswith(path + "/"):
-                        found.append(point)
+                    out.append((point, fields[sep + 1], fields[sep + 3]))
     except OSError:
         return []
-    return sorted(set(found), key=len, reverse=True)
+    return out
+
+
+def mounts_below(path: str) -> list[str]:
+    """Mount points at or below ``path`` (this process's mount namespace), deepest first."""
+    found = {p for p, _, _ in _mountinfo() if p == path or p.startswith(path + "/")}
+    return sorted(found, key=len, reverse=True)
+
+
+def mounted_at(path: str) -> tuple[str, str] | None:
+    """(file system type, super options) of the topmost mount at ``path``; None: nothing is."""
+    found = [(fs, opts) for p, fs, opts in _mountinfo() if p == path]
+    return found[-1] if found else None
+
+
+def mount_tmpfs(path: str, size: int) -> None:
+    """A tmpfs of ``size`` bytes at ``path``, writable by every user (as ``/dev/shm`` is); OSError."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    data = f"size={size},mode=1777".encode()
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting a tmpfs at {path}: {os.strerror(err)}")
 
 
 def remove_dirs(path: str) -> list[str]:
@@ -109,7 +132,7 @@ def remove_dirs(path: str) -> list[str]:
     never reaches into a mount. -> problems (a mount that would not go: the tree is kept)."""
     problems = []
     libc = ctypes.CDLL(None, use_errno=True)
-    for point in _mounts_below(path):
+    for point in mounts_below(path):
         if libc.umount2(point.encode(), MNT_DETACH) != 0:
             problems.append(f"unmounting {point}: {os.strerror(ctypes.get_errno())}")
         else:

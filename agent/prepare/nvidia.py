@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.mps import BINARY as MPS_BINARY
-from agent.prepare.mps import MpsDaemons
+from agent.prepare.mps import SHM_SIZE, MpsDaemons
 from cdi.claim import ClaimDevice
 from cdi.nvidia import driver_edits
 from discovery.models import Device
@@ -37,7 +37,7 @@ def needs_driver(dev: Device) -> bool:
 
 class NvidiaDriver:
     def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
-                 host_root: str = "/", mps_dir: str | None = None, boot_id: str = ""):
+                 host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE):
         self.root, self.host_root = root, host_root
         self.files = DriverFilesCache(root, driver_root)
         self.use_nvidia_spec = use_nvidia_spec
@@ -45,7 +45,7 @@ class NvidiaDriver:
         seen = [os.path.join(root, d.lstrip("/")) for d in SPEC_DIRS] + ([cdi_dir] if cdi_dir else [])
         self.spec_dirs = tuple(dict.fromkeys(os.path.normpath(d) for d in seen))
         # shares of NVIDIA GPUs are clients of one MPS control daemon per GPU (prepare/mps.py)
-        self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id) if mps_dir else None
+        self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id, mps_shm_size) if mps_dir else None
 
     def _mps_binary(self) -> str | None:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""

@@ -190,6 +190,10 @@ def check_mps(log: Log, spec: dict, spec_path: str, device: str, rootfs: str) ->
     log(f"share env: {[e for e in env if e.startswith('CUDA_MPS')]}, mounts {dev['containerEdits'].get('mounts')}")
     if not log.check("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in env, "the share is a client of the agent's MPS daemon"):
         return
+    from agent.prepare.mps_records import mounted_at
+
+    shm = [m["hostPath"] for m in dev["containerEdits"].get("mounts", []) if m["containerPath"] == "/dev/shm"]
+    log.check(len(shm) == 1 and (mounted_at(shm[0]) or ("",))[0] == "tmpfs", f"the share's /dev/shm is the daemon's shm tmpfs {shm}")
     small, big = run_in_spec(spec_path, device, rootfs, "10"), run_in_spec(spec_path, device, rootfs, "30")
     log(f"MPS client of a 20Gi share: {small.stdout.strip()} / {big.stdout.strip()} {big.stderr[-300:]}")
     log.check(small.returncode == 0 and big.returncode == 2, "MPS enforces the share's memory limit (10 GiB ok, 30 GiB refused)")
