@@ -104,9 +104,9 @@ def test_resource_claims_can_be_read_for_prepare(apiserver, agent):
         client = agent.client()
         try:
             source = KubeClaimSource(client)
-            got = await source.get_claim(ns, "c")
+            got = await asyncio.to_thread(source.read_claim, ns, "c")
             with pytest.raises(ClaimError, match="not found"):
-                await source.get_claim(ns, "missing")
+                await asyncio.to_thread(source.read_claim, ns, "missing")
             return got
         finally:
             await client.close()

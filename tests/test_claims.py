@@ -18,9 +18,9 @@ def test_dir_source(tmp_path):
     c = store_claim(s, claim("c", [("r", "d")]))
     src = claim_source(s)
     assert isinstance(src, DirClaimSource)
-    assert asyncio.run(src.get_claim("default", "c")) == c
+    assert src.read_claim("default", "c") == c
     with pytest.raises(ClaimError, match="not found"):
-        asyncio.run(src.get_claim("default", "nope"))
+        src.read_claim("default", "nope")
 
 
 def _plane_claim(plane, name: str, namespace: str) -> dict:
@@ -43,7 +43,7 @@ def test_kube_source_returns_the_servers_json(apiserver):
 
     async def scenario():
         try:
-            return await src.get_claim("claims-src", c["metadata"]["name"])
+            return await asyncio.to_thread(src.read_claim, "claims-src", c["metadata"]["name"])
         finally:
             await src.api.close()
 
@@ -59,7 +59,7 @@ def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
 
     async def missing():
         try:
-            await src.get_claim("claims-src", "nope")
+            await asyncio.to_thread(src.read_claim, "claims-src", "nope")
         finally:
             await src.api.close()
 
@@ -73,7 +73,7 @@ def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
         f.write(text)
     refused = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(bad)))
     with pytest.raises(ClaimError, match="default/c: ConnectionRefusedError"):
-        asyncio.run(refused.get_claim("default", "c"))
+        refused.read_claim("default", "c")
 
 
 def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver, monkeypatch):
@@ -89,7 +89,7 @@ def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver, 
         try:
             for idle in (0, 6):
                 await asyncio.sleep(idle)
-                assert (await src.get_claim("claims-src", c["metadata"]["name"]))["metadata"]["uid"] == c["metadata"]["uid"]
+                assert (await asyncio.to_thread(src.read_claim, "claims-src", c["metadata"]["name"]))["metadata"]["uid"] == c["metadata"]["uid"]
         finally:
             await src.api.close()
 

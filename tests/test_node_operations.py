@@ -198,8 +198,6 @@ def test_our_rule_is_the_servers(apiserver):
 
 
 def test_the_allocator_copies_the_rule_and_prepare_follows_it(apiserver, tmp_path):
-    import asyncio
-
     from agent.kubeletplugin.claims import DirClaimSource
     from agent.prepare.driver import Driver
     from tests.kubelet_standin import settings_for
@@ -230,7 +228,7 @@ def test_the_allocator_copies_the_rule_and_prepare_follows_it(apiserver, tmp_pat
     s = settings_for(str(tmp_path), node_name=name)
     c["status"] = {"allocation": allocation}
     store_claim(s, c)
-    result = Driver(s, lambda: inv).prepare_claims([asyncio.run(DirClaimSource(s.cluster_dir).get_claim("default", "mixed"))])
+    result = Driver(s, lambda: inv).prepare_claims([DirClaimSource(s.cluster_dir).read_claim("default", "mixed")])
     (res,) = result.values()
     assert res.error is None and [d.device for d in res.devices] == [by_request["g"]["device"]]
     assert [e["device"] for e in res.status] == [by_request["g"]["device"]]

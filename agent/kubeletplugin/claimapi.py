@@ -51,10 +51,10 @@ class ClaimApi:
         self._pool: ThreadPoolExecutor | None = None
         self._made = threading.Lock()  # the first requests, in several threads, make one transport
 
-    async def _request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    async def _in_pool(self, fn, *args):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="api")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._send, method, path, body, headers)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _send(self, method: str, path: str, body: bytes | None, headers: dict | None) -> apihttp.Response:
         transport = self._transport
@@ -69,9 +69,7 @@ class ClaimApi:
         return transport.request(method, path, body, headers)
 
     async def get(self, namespace: str, name: str) -> dict:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="api")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.read, namespace, name)
+        return await self._in_pool(self.read, namespace, name)
 
     def read(self, namespace: str, name: str) -> dict:
         """:meth:`get`, blocking: for a worker thread that has more to do (a prepare's)."""
@@ -96,8 +94,8 @@ class ClaimApi:
         if resource_version:
             body = {**body, "metadata": {**meta, "resourceVersion": resource_version}}
         query = urlencode({"fieldManager": self.field_manager, "force": "true"})
-        resp = await self._request("PATCH", f"{_path(meta['namespace'], meta['name'])}/status?{query}", orjson.dumps(body),
-                                   {"Content-Type": APPLY, "Accept": "application/json"})
+        resp = await self._in_pool(self._send, "PATCH", f"{_path(meta['namespace'], meta['name'])}/status?{query}",
+                                   orjson.dumps(body), {"Content-Type": APPLY, "Accept": "application/json"})
         if resp.status not in (200, 201):
             raise ApiFailure(f"ResourceClaim {meta['namespace']}/{meta['name']}: API error {resp.status}: "
                              f"{_reason(resp.body)}", resp.status)

@@ -1,14 +1,12 @@
 """Where ResourceClaims are read from at prepare time: the API server or a ``dir:`` store.
 
 ``read_claim`` (blocking: a prepare calls it in the worker thread it runs the driver in, one
-thread hop for the whole prepare) and ``get_claim`` (the same on an event loop) return the
-ResourceClaim as a dict (resource.k8s.io/v1 JSON) or raise ``ClaimError`` with a message fit
-for the kubelet's per-claim ``error``.
+thread trip for the whole prepare) returns the ResourceClaim as a dict (resource.k8s.io/v1 JSON)
+or raises ``ClaimError`` with a message fit for the kubelet's per-claim ``error``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 from typing import Protocol
@@ -28,8 +26,6 @@ class ClaimError(Exception):
 
 class ClaimSource(Protocol):
     def read_claim(self, namespace: str, name: str) -> dict: ...
-
-    async def get_claim(self, namespace: str, name: str) -> dict: ...
 
 
 class DirClaimSource:
@@ -72,10 +68,6 @@ class DirClaimSource:
             raise ClaimError(f"ResourceClaim {namespace}/{name}: {path} is not a JSON object")
         return data
 
-    async def get_claim(self, namespace: str, name: str) -> dict:
-        # A local file of at most MAX_CLAIM_BYTES, opened non-blocking: read on the loop. A
-        # thread hop costs more than the read and showed in prepare latency.
-        return self.read_claim(namespace, name)
 
 
 class KubeClaimSource:
@@ -87,21 +79,10 @@ class KubeClaimSource:
     def read_claim(self, namespace: str, name: str) -> dict:
         try:
             return self.api.read(namespace, name)
-        except Exception as err:
-            raise _claim_error(namespace, name, err) from err
-
-    async def get_claim(self, namespace: str, name: str) -> dict:
-        try:
-            return await self.api.get(namespace, name)
-        except Exception as err:
-            raise _claim_error(namespace, name, err) from err
-
-
-def _claim_error(namespace: str, name: str, err: Exception) -> ClaimError:
-    if isinstance(err, ApiFailure):
-        return ClaimError(f"ResourceClaim {namespace}/{name} not found" if err.code == 404 else str(err))
-    # network, TLS, config: the kubelet retries the claim
-    return ClaimError(f"ResourceClaim {namespace}/{name}: {type(err).__name__}: {err}")
+        except ApiFailure as err:
+            raise ClaimError(f"ResourceClaim {namespace}/{name} not found" if err.code == 404 else str(err)) from err
+        except Exception as err:  # network, TLS, config: the kubelet retries the claim
+            raise ClaimError(f"ResourceClaim {namespace}/{name}: {type(err).__name__}: {err}") from err
 
 
 def claim_source(settings: Settings, api: ClaimApi | None = None) -> ClaimSource:
