@@ -230,7 +230,7 @@ def _write(cluster, token: str | None, c: dict, entries: list[dict]) -> None:
             config = cluster.plane.write_kubeconfig(os.path.join(os.path.dirname(cluster.kubeconfig), unique("t")), token=token)
         client = AsyncClient(config=KubeConfig.from_file(config), field_manager=DRIVER)
         try:
-            await KubeStatus(DRIVER, client).write(ref(c), entries)
+            await asyncio.to_thread(KubeStatus(DRIVER, client).write, ref(c), entries)
         finally:
             await client.close()
 
@@ -281,7 +281,7 @@ def test_a_replaced_claim_is_not_written(cluster):
     async def go():
         client = cluster.agent_client()
         try:
-            await KubeStatus(DRIVER, client).write(stale, mine)
+            await asyncio.to_thread(KubeStatus(DRIVER, client).write, stale, mine)
         finally:
             await client.close()
 
@@ -486,7 +486,7 @@ def test_a_write_over_a_claim_changed_since_it_was_read_is_retried_with_a_fresh_
     async def go():
         client = cluster.agent_client()
         try:
-            return await KubeStatus(DRIVER, client).write(ref(c), [], latest)
+            return await asyncio.to_thread(KubeStatus(DRIVER, client).write, ref(c), [], latest)
         finally:
             await client.close()
 
@@ -521,7 +521,7 @@ def test_a_pod_cycle_costs_one_get_and_one_apply(cluster, tmp_path):
                     await writer.idle(30)
                     assert (writer.written, writer.failed) == (1, 0), writer.last_error
             finally:
-                await api.close()
+                api.close()
 
         run(scenario())
     finally:

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import struct
+import threading
 
 from agent.kubeletplugin import devicestatus
 from agent.kubeletplugin.statuswriter import StatusWriter, status_writer
@@ -82,7 +83,7 @@ def test_a_write_the_server_would_refuse_is_never_sent(tmp_path):
     class Recorder:
         calls = []
 
-        async def write(self, ref, entries):
+        def write(self, ref, entries):
             self.calls.append(entries)
 
     class Results:
@@ -191,11 +192,11 @@ class HeldBackend:
     """The writer's real backend, whose writes wait until the test opens ``gate``."""
 
     def __init__(self, real):
-        self.real, self.gate = real, asyncio.Event()
+        self.real, self.gate = real, threading.Event()
 
-    async def write(self, *args, **kw):
-        await self.gate.wait()
-        return await self.real.write(*args, **kw)
+    def write(self, *args, **kw):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.real.write(*args, **kw)
 
 
 def test_a_queued_write_keeps_the_network_data_a_metadata_update_wrote_meanwhile(tmp_path):

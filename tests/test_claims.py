@@ -45,7 +45,7 @@ def test_kube_source_returns_the_servers_json(apiserver):
         try:
             return await asyncio.to_thread(src.read_claim, "claims-src", c["metadata"]["name"])
         finally:
-            await src.api.close()
+            src.api.close()
 
     got = asyncio.run(scenario())
     assert got["metadata"]["uid"] == c["metadata"]["uid"]
@@ -61,7 +61,7 @@ def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
         try:
             await asyncio.to_thread(src.read_claim, "claims-src", "nope")
         finally:
-            await src.api.close()
+            src.api.close()
 
     with pytest.raises(ClaimError, match="ResourceClaim claims-src/nope not found"):
         asyncio.run(missing())
@@ -91,7 +91,7 @@ def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver, 
                 await asyncio.sleep(idle)
                 assert (await asyncio.to_thread(src.read_claim, "claims-src", c["metadata"]["name"]))["metadata"]["uid"] == c["metadata"]["uid"]
         finally:
-            await src.api.close()
+            src.api.close()
 
     asyncio.run(scenario())
     assert len(connects) == 1

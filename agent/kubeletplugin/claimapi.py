@@ -4,16 +4,14 @@ reads); decoding it into lightkube's models and back cost more CPU than the rest
 
 Connection settings (kubeconfig or the in-cluster service account, TLS, bearer token, timeout)
 come from lightkube's configuration, as for every other request of the agent. The requests are
-made by ``apihttp`` in a few worker threads of their own (a slow server never holds the threads
-the driver and the health checks run in), over pooled keep-alive connections that the claim
-reads and the status writes share.
+blocking (``apihttp``), made in the threads that need them: a prepare's worker thread reads, the
+status writer's threads apply; the claim reads and the status writes share pooled keep-alive
+connections.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlencode
 
 import orjson
@@ -22,7 +20,6 @@ from agent.apilimits import MAX_CLAIM_BYTES
 from agent.kubeletplugin import apihttp
 
 TIMEOUT = 10.0
-THREADS = 8  # requests in flight at once: the claims of a few prepares and the status writes
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the server takes the body as it is
 
 
@@ -48,13 +45,7 @@ class ClaimApi:
         self._lightkube = client
         self.field_manager = field_manager
         self._transport = None
-        self._pool: ThreadPoolExecutor | None = None
         self._made = threading.Lock()  # the first requests, in several threads, make one transport
-
-    async def _in_pool(self, fn, *args):
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="api")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _send(self, method: str, path: str, body: bytes | None, headers: dict | None) -> apihttp.Response:
         transport = self._transport
@@ -68,11 +59,8 @@ class ClaimApi:
                 transport = self._transport
         return transport.request(method, path, body, headers)
 
-    async def get(self, namespace: str, name: str) -> dict:
-        return await self._in_pool(self.read, namespace, name)
-
     def read(self, namespace: str, name: str) -> dict:
-        """:meth:`get`, blocking: for a worker thread that has more to do (a prepare's)."""
+        """GET the claim, as the JSON object the server sent."""
         resp = self._send("GET", _path(namespace, name), None, {"Accept": "application/json"})
         what = f"ResourceClaim {namespace}/{name}"
         if resp.status != 200:
@@ -87,25 +75,23 @@ class ClaimApi:
             raise ApiFailure(f"{what}: the answer is not a JSON object")
         return claim
 
-    async def apply_status(self, body: dict, resource_version: str | None) -> None:
+    def apply_status(self, body: dict, resource_version: str | None) -> None:
         """Server-side apply of ``body`` (a ResourceClaim with ``status.devices``) on the status
         subresource as our field manager, conditional on ``resource_version`` when given."""
         meta = body["metadata"]
         if resource_version:
             body = {**body, "metadata": {**meta, "resourceVersion": resource_version}}
         query = urlencode({"fieldManager": self.field_manager, "force": "true"})
-        resp = await self._in_pool(self._send, "PATCH", f"{_path(meta['namespace'], meta['name'])}/status?{query}",
-                                   orjson.dumps(body), {"Content-Type": APPLY, "Accept": "application/json"})
+        resp = self._send("PATCH", f"{_path(meta['namespace'], meta['name'])}/status?{query}",
+                          orjson.dumps(body), {"Content-Type": APPLY, "Accept": "application/json"})
         if resp.status not in (200, 201):
             raise ApiFailure(f"ResourceClaim {meta['namespace']}/{meta['name']}: API error {resp.status}: "
                              f"{_reason(resp.body)}", resp.status)
 
-    async def close(self) -> None:
-        transport, pool, self._transport, self._pool = self._transport, self._pool, None, None
+    def close(self) -> None:
+        transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
-        if pool is not None:
-            pool.shutdown(wait=False)
 
 
 def _reason(body: bytes) -> str:

@@ -136,4 +136,5 @@ class KubeletPlugin:
                 await self.status.idle(grace)
             except TimeoutError:
                 log.warning("claim status writes still pending at stop")
+            self.status.close()
         self.started = False

@@ -49,10 +49,11 @@ class StatusConflict(Exception):
 
 
 class StatusBackend(Protocol):
-    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool | None:
+    def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool | None:
         """Our entries of the claim := ``latest()`` (called after the claim was read), else
         ``entries``. Raises StatusRefused, or any error to have it retried; False: nothing had to change.
-        A backend may take ``seen=`` (the claim as just read) and ``drops_with_allocation``."""
+        A backend may take ``seen=`` (the claim as just read) and ``drops_with_allocation``.
+        Blocking: called in the status writer's threads."""
 
 
 Latest = Callable[[], list[dict]]
@@ -76,13 +77,13 @@ class KubeStatus:
         # a ClaimApi to share (the claim source's), or a lightkube client whose configuration to use
         self.api = client if isinstance(client, ClaimApi) else ClaimApi(client, field_manager=driver_name)
 
-    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None,
-                    seen: dict | None = None) -> bool:
+    def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None,
+              seen: dict | None = None) -> bool:
         for _ in range(CONFLICTS):
             claim, seen = seen, None
             if claim is None:
                 try:
-                    claim = await self.api.get(ref.namespace, ref.name)
+                    claim = self.api.read(ref.namespace, ref.name)
                 except ApiFailure as err:
                     if err.code == 404 and not entries:
                         return False  # claim gone: nothing of ours is left to remove
@@ -100,7 +101,7 @@ class KubeStatus:
             if now and not status.get("allocation"):
                 raise StatusRefused(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated (any more)")
             try:
-                await self.api.apply_status(apply_body(ref, now), meta.get("resourceVersion"))
+                self.api.apply_status(apply_body(ref, now), meta.get("resourceVersion"))
                 return True
             except ApiFailure as err:
                 if err.code == 409:  # changed since our read (or replaced: the next read tells)
@@ -110,8 +111,8 @@ class KubeStatus:
                 raise
         raise StatusConflict(f"ResourceClaim {ref.namespace}/{ref.name} changed during each of {CONFLICTS} writes")
 
-    async def close(self) -> None:
-        await self.api.close()
+    def close(self) -> None:
+        self.api.close()
 
 
 class DirStatus:
@@ -120,7 +121,7 @@ class DirStatus:
     def __init__(self, path: str, driver_name: str, lock_timeout: float = 0.0):
         self.source = DirClaimSource(path)
         self.driver_name = driver_name
-        self.lock_timeout = lock_timeout  # 0: the agent, on its loop, never waits (a busy lock is retried later)
+        self.lock_timeout = lock_timeout  # 0: the agent's writer does not wait (a busy lock is retried later)
 
     def clean_temps(self) -> None:
         """At the agent's start: temps of claim-file rewrites a crash interrupted."""
@@ -128,10 +129,7 @@ class DirStatus:
         for ns in os.listdir(claims) if os.path.isdir(claims) else ():
             clean_stale_temps(os.path.join(claims, ns), prefix=".")
 
-    async def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
-        # On the loop, like the claim read at prepare: one small local file, one claim at a
-        # time (the writer yields between claims). In a worker thread it fought the loop
-        # for the GIL on every system call of the prepares running meanwhile.
+    def write(self, ref: ClaimRef, entries: list[dict], latest: Latest | None = None) -> bool:
         with self._locked(ref.namespace):
             return self._write(ref, entries, latest)
 

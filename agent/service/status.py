@@ -139,7 +139,7 @@ class StatusBoard:
             "lastPublish": dict(self.publish),
             "claimStatus": {"enabled": self.claim_status_enabled, "writes": dict(self.claim_status_writes),
                             "failed": self.claim_status_failed,
-                            "recentFailures": [dict(f) for f in reversed(self._claim_status_failures)]},  # newest first
+                            "recentFailures": [dict(f) for f in reversed(list(self._claim_status_failures))]},  # newest first
             "lastError": dict(self.last_error) if self.last_error else None,
             "process": procstats.usage(),
         }

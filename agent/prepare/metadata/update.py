@@ -158,8 +158,6 @@ def write_status(settings: Settings, ref: ClaimRef, client=None) -> int | None:
 
 
 def _write_status(settings: Settings, ref: ClaimRef, entries: list[dict], client) -> int:
-    import asyncio
-
     from agent.kubeletplugin.statusbackends import DirStatus, KubeStatus
 
     if bad := [p for e in entries for p in devicestatus.problems(e)]:
@@ -168,15 +166,11 @@ def _write_status(settings: Settings, ref: ClaimRef, entries: list[dict], client
     backend = (DirStatus(settings.cluster_dir, settings.driver_name, lock_timeout=5.0) if settings.cluster_dir is not None
                else KubeStatus(settings.driver_name, client))
 
-    async def write():
-        try:
-            await backend.write(ref, entries)
-        finally:
-            if client is None and hasattr(backend, "close"):
-                await backend.close()
-
     try:
-        asyncio.run(write())
+        backend.write(ref, entries)
     except Exception as err:
         raise UpdateError(f"status.devices not written: {type(err).__name__}: {err}") from err
+    finally:
+        if client is None and hasattr(backend, "close"):
+            backend.close()
     return len(entries)
