@@ -178,7 +178,8 @@ class Endpoint:
                 response.status.code, response.status.message = UNIMPLEMENTED, f"{name} not served"
             else:
                 timeout = request.timeout_nano / 1e9 if request.timeout_nano > 0 else None
-                answer = await asyncio.wait_for(handler(request.payload), timeout)
+                async with asyncio.timeout(timeout):  # the handler runs in this task (wait_for made another per request)
+                    answer = await handler(request.payload)
                 response.payload = answer.SerializeToString()
         except TimeoutError:
             response.status.code, response.status.message = DEADLINE_EXCEEDED, "timed out"

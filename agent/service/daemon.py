@@ -353,8 +353,8 @@ class Agent:
                 await self.kubelet_plugin.stop()
 
     async def _report_status(self) -> None:
-        """STATUS= for `systemctl status`: one line, refreshed while running."""
-        while True:
+        """STATUS= for `systemctl status`: one line, refreshed while running under systemd."""
+        while sdnotify.enabled():
             await asyncio.sleep(5)
             sdnotify.status(self.board.summary())
 

@@ -25,6 +25,11 @@ def _address(environ=None) -> str | None:
     return path
 
 
+def enabled(environ=None) -> bool:
+    """Whether systemd listens (``$NOTIFY_SOCKET`` is set)."""
+    return _address(environ) is not None
+
+
 def notify(*lines: str, environ=None) -> bool:
     """Send ``KEY=VALUE`` lines in one datagram; True if it was sent."""
     address = _address(environ)
