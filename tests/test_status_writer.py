@@ -307,3 +307,19 @@ def test_idle_on_the_event_loop_and_close_drops_what_waits(monkeypatch):
 
     asyncio.run(go())
     assert backend.writes == [(a.uid, _entries("gpu-0"))] and writer.written == 0
+
+
+def test_after_close_nothing_is_queued():
+    """A submit after ``close()`` (an NRI event while the agent stops) is dropped, and a failed
+    write in flight at close is not queued for a retry: ``idle`` never waits for them."""
+    backend = GatedBackend()
+    writer = StatusWriter(backend)
+    a, b = _ref(1), _ref(2)
+    backend.fail_first.add(a.uid)
+    writer.submit(a, _entries("gpu-0"))
+    backend.wait_began(a.uid)  # in flight, and will fail
+    writer.close()
+    writer.submit(b, _entries("gpu-1"))
+    backend.gate(a.uid).set()
+    assert writer.wait_idle(5)
+    assert backend.writes == [(a.uid, _entries("gpu-0"))] and writer._pending == {}

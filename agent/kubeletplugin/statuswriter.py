@@ -115,6 +115,8 @@ class StatusWriter:
         ``seen``: the claim as just read (a prepare's), to write without reading it again.
         Only records the wish: nothing is checked, encoded or written on the caller's time."""
         with self._lock:
+            if self._closed:  # stopping: what comes now would be dropped anyway
+                return
             now = time.monotonic()
             old = self._pending.get(ref.uid)
             self._released.discard(ref.uid)
@@ -122,7 +124,7 @@ class StatusWriter:
             self._last_submit = now
             if self._waiting:
                 self._work.notify()
-            elif self._threads < self.slots and not self._closed:
+            elif self._threads < self.slots:
                 self._threads += 1
                 threading.Thread(target=self._run, name="claim-status-writer", daemon=True).start()
 
@@ -189,7 +191,8 @@ class StatusWriter:
                 with self._lock:
                     uid = p.ref.uid
                     self._inflight.discard(uid)
-                    if retry and uid not in self._pending and uid not in self._released:  # else superseded or released
+                    superseded = uid in self._pending or uid in self._released  # a newer state, or unprepared
+                    if retry and not superseded and not self._closed:
                         self._pending[uid] = p
                     self._released.discard(uid)
                     if uid in self._pending:  # a newer state of this claim may wait for this write
@@ -270,8 +273,6 @@ class StatusWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._pending or self._inflight:
-                if self._closed and not self._inflight:
-                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -284,7 +285,8 @@ class StatusWriter:
             raise TimeoutError("claim status writes still pending")
 
     def close(self) -> None:
-        """Drop what is still waiting; a write in flight finishes in its thread."""
+        """Drop what is still waiting and what is submitted from now on; a write in flight
+        finishes in its thread."""
         with self._lock:
             self._closed = True
             self._pending.clear()

@@ -47,8 +47,8 @@ class DriverProtocol(Protocol):
         """Returns ``{uid: error or None}``; unknown claims succeed."""
 
     # optional: recorded_status(ref: ClaimRef) -> list[dict] | None, a prepared claim's
-    # status.devices entries as recorded now (cheap, called on the loop right before each status
-    # write; None: nothing recorded, the entries the prepare returned are written)
+    # status.devices entries as recorded now (cheap, called in the status writer's thread right before
+    # each write; None: nothing recorded, the entries the prepare returned are written)
 
 
 def base_request(name: str) -> str:

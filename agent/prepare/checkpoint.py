@@ -118,8 +118,8 @@ class Checkpoint:
         return stamp[0] is not None and (stamp != self.stamp or self._foreign_append())
 
     def saved_by_another(self) -> bool:
-        """``changed_on_disk`` asked from another thread than the saver's (the status writer's
-        loop): False while a save of ours is under way. Its half-written state would look like
+        """``changed_on_disk`` asked from another thread than the saver's (a status writer
+        thread): False while a save of ours is under way. Its half-written state would look like
         another process's append, and memory is then the newest state anyway: the saver holds
         the serialize lock, so no other process saves meanwhile."""
         if not self._saving.acquire(blocking=False):

@@ -104,8 +104,8 @@ def build_for(settings, prepared: list[PreparedDevice], by_name: dict[str, Devic
 
 class RecordedStatus:
     """``DriverProtocol.recorded_status``: a prepared claim's entries as its checkpoint entry holds
-    them now, asked by the status writer right before it writes (on the loop, without the
-    serialize lock: entries are replaced, never changed in place). After another process saved
+    them now, asked by the status writer right before it writes (in a writer thread, without
+    the serialize lock: entries are replaced, never changed in place). After another process saved
     (``sysdra metadata update``), the file is what counts until the driver reloads it itself."""
 
     def __init__(self, checkpoint: Callable[[], Checkpoint | None]):
