@@ -78,7 +78,7 @@ def config(tmp_path, server_url: str, **user):
 
 
 def test_a_kept_connection_is_reused_and_one_the_server_closed_is_replaced(server, tmp_path):
-    t = apihttp.StdlibTransport(config(tmp_path, server.url), 5.0, 1000)
+    t = apihttp.CurlTransport(config(tmp_path, server.url), 5.0, 1000)
     try:
         assert t.request("GET", "/a") == (200, b"/a")
         assert t.request("GET", "/b") == (200, b"/b")
@@ -96,7 +96,7 @@ def test_a_rotated_token_file_is_read_again_when_the_server_says_401(server, tmp
     token = tmp_path / "token"
     token.write_text("first\n")
     server.want = "first"
-    t = apihttp.StdlibTransport(config(tmp_path, server.url, tokenFile=str(token)), 5.0, 1000)
+    t = apihttp.CurlTransport(config(tmp_path, server.url, tokenFile=str(token)), 5.0, 1000)
     try:
         assert t.request("GET", "/a").status == 200
         token.write_text("second\n")  # the kubelet rotated it
@@ -112,7 +112,7 @@ def test_a_rotated_token_file_is_read_again_when_the_server_says_401(server, tmp
 
 
 def test_a_server_behind_a_path_gets_the_path_and_a_static_token(server, tmp_path):
-    t = apihttp.StdlibTransport(config(tmp_path, server.url + "/k8s/clusters/one/", token="static"), 5.0, 1000)
+    t = apihttp.CurlTransport(config(tmp_path, server.url + "/k8s/clusters/one/", token="static"), 5.0, 1000)
     try:
         assert t.request("GET", "/apis/x") == (200, b"/k8s/clusters/one/apis/x")
     finally:
@@ -121,7 +121,7 @@ def test_a_server_behind_a_path_gets_the_path_and_a_static_token(server, tmp_pat
 
 
 def test_an_answer_over_the_limit_is_cut_and_its_connection_closed(server, tmp_path):
-    t = apihttp.StdlibTransport(config(tmp_path, server.url), 5.0, 4)
+    t = apihttp.CurlTransport(config(tmp_path, server.url), 5.0, 4)
     try:
         assert t.request("GET", "/long") == (200, b"/long")  # the caller refuses more than 4 bytes
         assert t.request("GET", "/s") == (200, b"/s")
@@ -134,15 +134,15 @@ def test_configurations_it_does_not_speak_go_to_lightkubes_client(tmp_path, monk
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     monkeypatch.delenv("https_proxy", raising=False)
     plain = config(tmp_path, "https://127.0.0.1:6443", token="t")
-    assert apihttp.StdlibTransport.speaks(plain)
+    assert apihttp.CurlTransport.speaks(plain)
     exec_user = config(tmp_path, "https://127.0.0.1:6443", exec={"apiVersion": "client.authentication.k8s.io/v1",
                                                                  "command": "true"})
-    assert not apihttp.StdlibTransport.speaks(exec_user)
+    assert not apihttp.CurlTransport.speaks(exec_user)
     assert isinstance(apihttp.transport(exec_user, 5.0, 1000), apihttp.HttpxTransport)
     monkeypatch.setenv("https_proxy", "http://127.0.0.1:3128")
-    assert not apihttp.StdlibTransport.speaks(plain)  # through the proxy, as httpx would go
+    assert not apihttp.CurlTransport.speaks(plain)  # through the proxy, as httpx would go
     monkeypatch.setenv("no_proxy", "127.0.0.1")
-    assert apihttp.StdlibTransport.speaks(plain)
+    assert apihttp.CurlTransport.speaks(plain)
 
 
 def test_lightkubes_client_makes_the_same_requests(server, tmp_path):

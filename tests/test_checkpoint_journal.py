@@ -373,7 +373,7 @@ def test_an_append_by_another_process_is_seen_even_with_the_same_size_and_mtime(
     other.claims[uid(2)] = entry(2)
     other.save(changed=[uid(2)])
     os.utime(ours.journal_path, ns=(st.st_atime_ns, st.st_mtime_ns))  # a coarse clock: same tick
-    assert ours._disk_stamp() == ours.stamp
+    assert ours.disk_stamp(ours.path) == ours.stamp
     assert ours.reload_if_changed() and ours.claims == other.claims
     ours.claims[uid(3)] = entry(3)
     ours.save(changed=[uid(3)])  # after the other record, not over it
@@ -489,3 +489,46 @@ def test_a_readers_view_reads_only_what_was_appended_and_equals_a_full_load(path
         f.seek(writer._journal_size)
         f.write(b"zz\n")
     assert view.claims() == writer.claims and len(loads) == 2  # loaded whole: the torn tail dropped
+
+
+def test_a_view_takes_the_in_process_savers_entries_while_the_files_are_as_it_saved_them(path, monkeypatch):
+    """With the driver's last save (``Saved``, the NRI plugin's case) the view reads no records
+    while the files are as that save left them; another writer's append, an append under way and
+    a compaction by another are read from the files; rejected entries count while in the files."""
+    from agent.prepare.checkpoint_view import CheckpointView, Saved
+
+    writer = Checkpoint.load(path)
+    writer.save()
+    saved = [Saved.of(writer)]
+    view = CheckpointView(path, lambda: saved[0])
+    reads = []
+    real_read = CheckpointView._read_appended
+    monkeypatch.setattr(CheckpointView, "_read_appended", staticmethod(lambda cp: reads.append(1) or real_read(cp)))
+    assert view.claims() == {}
+    for n in range(3):
+        writer.claims[uid(n)] = entry(n)
+        writer.save(changed=[uid(n)])
+        saved[0] = Saved.of(writer)
+        writer.claims[uid(n)] = entry(n, STARTED)  # memory moves on unsaved: the view keeps what the files hold
+        assert view.appended() == {**{uid(i): entry(i) for i in range(n)}, uid(n): entry(n)}
+        writer.claims[uid(n)] = entry(n)
+    assert reads == [] and view.rejected() == {}
+    other = Checkpoint.load(path)  # another process (sysdra metadata update) appends
+    other.claims[uid(7)] = entry(7)
+    other.save(changed=[uid(7)])
+    assert view.claims() == other.claims and uid(7) in view.claims()  # read from the files
+    with open(other.journal_path, "r+b") as f:  # an append of the saver's under way
+        f.seek(other._journal_size)
+        f.write(b"0badc0de {\"uid\": ")
+    assert Saved.of(other).on_disk(path) is False
+    other.compact()
+    saved[0] = Saved.of(writer)  # the saver's last save, the files replaced since
+    assert view.claims() == Checkpoint.load(path, move_corrupt=False).claims
+    _append_records(other, b'{"uid":"u","entry":{"state":"Nope","devices":[]}}')
+    mine = Checkpoint.load(path)  # moves the bad entry aside; the files keep it until a save
+    saved[0], before = Saved.of(mine), len(reads)
+    assert view.appended() == mine.claims and list(view.rejected()) == ["u"]
+    mine.save()
+    saved[0] = Saved.of(mine)
+    assert view.appended() == mine.claims and view.rejected() == {} and list(mine.rejected) == ["u"]
+    assert len(reads) == before  # both from the saver's entries

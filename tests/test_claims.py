@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import datetime
+import json
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from lightkube import AsyncClient, KubeConfig
 
 from agent.kubeletplugin import apihttp
@@ -76,22 +82,63 @@ def test_kube_source_errors_are_claim_errors(apiserver, tmp_path):
         refused.read_claim("default", "c")
 
 
-def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver, monkeypatch):
+def test_kube_source_keeps_its_connection_between_pods_seconds_apart(apiserver):
     """Pods come seconds apart: a prepare after longer than httpx's 5 s default idle time still
     uses the open connection (no new TLS handshake on the pod's path)."""
     c = _plane_claim(apiserver, unique("c"), "claims-src")
     src = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig)))
-    connects = []
-    real = apihttp.StdlibTransport._connect
-    monkeypatch.setattr(apihttp.StdlibTransport, "_connect", lambda self: connects.append(1) or real(self))
+    transports = []
 
     async def scenario():
         try:
             for idle in (0, 6):
                 await asyncio.sleep(idle)
                 assert (await asyncio.to_thread(src.read_claim, "claims-src", c["metadata"]["name"]))["metadata"]["uid"] == c["metadata"]["uid"]
+                transports.append(src.api._transport)
         finally:
             src.api.close()
 
     asyncio.run(scenario())
-    assert len(connects) == 1
+    assert isinstance(transports[0], apihttp.CurlTransport) and transports[0] is transports[1]
+    assert transports[0].connects == 1
+
+
+def test_kube_source_speaks_tls_settings_given_inline(apiserver, tmp_path):
+    """A kubeconfig with the CA, client certificate and key inline (base64 data, as `kind` and
+    most installers write them) reaches the real server; a CA that did not sign its certificate
+    is the claim's error, never a request sent unverified."""
+    def data(path: str) -> str:
+        with open(path, "rb") as f:
+            return base64.b64encode(f.read()).decode()
+
+    def kubeconfig(name: str, ca: str) -> str:
+        with open(apiserver.kubeconfig) as f:
+            config = json.load(f)
+        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+        cluster["certificate-authority-data"] = ca
+        del cluster["certificate-authority"]
+        user["client-certificate-data"] = data(user.pop("client-certificate"))
+        user["client-key-data"] = data(user.pop("client-key"))
+        path = tmp_path / name
+        path.write_text(json.dumps(config))
+        return str(path)
+
+    c = _plane_claim(apiserver, unique("c"), "claims-src")
+    src = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(kubeconfig("inline", data(apiserver.ca_path)))))
+    try:
+        assert src.read_claim("claims-src", c["metadata"]["name"])["metadata"]["uid"] == c["metadata"]["uid"]
+    finally:
+        src.api.close()
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "another CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    other = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+             .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    pem = base64.b64encode(other.public_bytes(serialization.Encoding.PEM)).decode()
+    wrong = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(kubeconfig("wrong-ca", pem))))
+    try:
+        with pytest.raises(ClaimError, match="certificate"):
+            wrong.read_claim("claims-src", c["metadata"]["name"])
+    finally:
+        wrong.api.close()

@@ -72,10 +72,11 @@ class _Claims:
 class NetdevMover(Sandboxes):
     """Sandbox events that move claims' netdevs. ``host_netns``: the host's network namespace
     (the agent's own; a test's namespace in tests); ``settings``: for the metadata files (None:
-    none written); ``status``: the claim status writer (its ``submit``), or None."""
+    none written); ``status``: the claim status writer (its ``submit``), or None; ``saved``: the
+    in-process driver's last save (``Driver.saved``), which spares a look reading the files."""
 
     def __init__(self, plugin_dir: str, host_netns: str = "/proc/self/ns/net", settings=None, status=None,
-                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT):
+                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None):
         super().__init__()
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
         self.lock_path = os.path.join(plugin_dir, "serialize.lock")
@@ -85,7 +86,7 @@ class NetdevMover(Sandboxes):
         # thread running), then the plugin's flock against prepare and unprepare
         self._lock = threading.Lock()
         self.fault = fault  # tests: a crash between steps
-        self._view = CheckpointView(self.checkpoint_path)  # the look without the plugin's lock
+        self._view = CheckpointView(self.checkpoint_path, saved)  # the look without the plugin's lock
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
 
     # --- events --------------------------------------------------------------
@@ -272,10 +273,12 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     if not settings.nri_socket:
         return []
     status = getattr(kubelet_plugin, "status", None)
+    driver = getattr(kubelet_plugin, "driver", None)
     point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,
-                        fault=crash_at(point) if point else (lambda at: None))
+                        fault=crash_at(point) if point else (lambda at: None),
+                        saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None)
     loop = asyncio.get_running_loop()
     return [loop.create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri"),
             loop.create_task(mover.watch(), name="nri-netdevs")]

@@ -57,7 +57,7 @@ from typing import Iterable
 from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, make_dirs
 from agent.counts import Count
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
-                                             check_snapshot, checksum, journal_line, parse_journal_line)
+                                             check_snapshot, checksum, disk_stamp, journal_line, parse_journal_line)
 
 log = logging.getLogger(__name__)
 
@@ -99,22 +99,14 @@ class Checkpoint:
         self._encoded: dict[str, bytes] = {}  # uid -> canonical JSON of the entry as the files hold it
 
     # --- reading ----------------------------------------------------------------------
-    def _disk_stamp(self) -> tuple:
-        out = []
-        for p in (self.path, self.journal_path):
-            try:
-                st = os.stat(p)
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-            except FileNotFoundError:
-                out.append(None)
-        return tuple(out)
+    disk_stamp = staticmethod(disk_stamp)
 
     def changed_on_disk(self) -> bool:
         """Another process holding the serialize lock saved (``sysdra metadata update``, the
         other instance of a rolling update): a compaction changes the snapshot's inode, an
         append makes the byte after our last record non-zero (in the preallocated journal
         neither size nor mtime need change)."""
-        stamp = self._disk_stamp()
+        stamp = self.disk_stamp(self.path)
         return stamp[0] is not None and (stamp != self.stamp or self._foreign_append())
 
     def saved_by_another(self) -> bool:
@@ -148,7 +140,7 @@ class Checkpoint:
     def load(cls, path: str, move_corrupt: bool = True) -> "Checkpoint":
         """``move_corrupt=False`` (other processes than the agent): raise ValueError instead."""
         cp = cls(path)
-        cp.stamp = cp._disk_stamp()
+        cp.stamp = cp.disk_stamp(path)
         try:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -265,7 +257,7 @@ class Checkpoint:
                 moved.append(f"{p}.corrupt-{stamp}")
         self.corrupt_path = moved[0] if moved else None
         self.claims, self.generation, self._journal_size = {}, 0, None
-        self.stamp = self._disk_stamp()
+        self.stamp = self.disk_stamp(self.path)
         log.error(
             "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. Prepared claims are recovered "
             "from the CDI spec files; inspect the saved files.", self.path, err, " and ".join(moved),
@@ -304,7 +296,7 @@ class Checkpoint:
                         self._encoded[uid] = enc
             elif durable and self._unsynced:
                 self._append(b"", durable=True)
-            self.stamp = self._disk_stamp()
+            self.stamp = self.disk_stamp(self.path)
 
     def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
@@ -397,4 +389,4 @@ class Checkpoint:
                 self._journal_size, self._garbage_end = len(header), 0
             except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
                 log.warning("checkpoint saved as a snapshot only; %s", err)
-            self.stamp = self._disk_stamp()
+            self.stamp = self.disk_stamp(self.path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import zlib
 
 from agent.fsutil import json_bytes
@@ -54,6 +55,18 @@ def check_snapshot(data: object) -> tuple[int, dict]:
     if data.get("checksum") != checksum(claims, generation, version):
         raise ValueError("checksum mismatch")
     return generation, claims
+
+
+def disk_stamp(path: str) -> tuple:
+    """(inode, mtime, size) of the snapshot at ``path`` and of its journal (None: missing)."""
+    out = []
+    for p in (path, path + JOURNAL_SUFFIX):
+        try:
+            st = os.stat(p)
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            out.append(None)
+    return tuple(out)
 
 
 def journal_line(body: bytes) -> bytes:

@@ -40,6 +40,7 @@ from agent.prepare import cdifiles, claimstatus, planner, recovery
 from agent.prepare.allocation import ClaimFailed, our_results
 from agent.prepare.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
+from agent.prepare.checkpoint_view import Saved
 from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
 from agent.prepare.metadata import store as metadata
@@ -107,6 +108,7 @@ class Driver:
         self.inventory = inventory
         self.checkpoint_path = os.path.join(settings.plugin_dir, "checkpoint.json")
         self.checkpoint: Checkpoint | None = None
+        self.saved: Saved | None = None  # the files as our last save left them, for the NRI plugin's look
         self.boot_id = read_boot_id(settings.root)
         self.kernel = PciKernel(settings.root)
         self.recovery: RecoveryReport | None = None  # of the last recover()
@@ -315,6 +317,7 @@ class Driver:
             cp.claims = fallback
             log.error("checkpoint %s not saved: %s", cp.path, err)
             return f"saving checkpoint: {err}"
+        self.saved = Saved.of(cp)
         return None
 
     # --- unprepare ---------------------------------------------------------------

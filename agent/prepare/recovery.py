@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from agent.fsutil import clean_stale_temps
 from agent.prepare import cdifiles, shares
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
+from agent.prepare.checkpoint_view import Saved
 from agent.prepare.metadata import store as metadata
 from agent.prepare.steps import Undone
 from cdi.claim import cdi_device_name
@@ -79,6 +80,7 @@ def recover(driver) -> RecoveryReport:
     report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
     if cp.corrupt_path or cp.rejected or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
         cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
+        driver.saved = Saved.of(cp)
     counts = {k: len(v) for k, v in asdict(report).items() if isinstance(v, list) and v}
     log.info("kubelet plugin state recovered: %d claims prepared%s%s%s", len(cp.claims),
              "".join(f", {n} {k.replace('_', ' ')}" for k, n in counts.items()),
