@@ -132,6 +132,34 @@ def test_a_missing_ptxjitcompiler_is_a_warning_and_left_out(tmp_path, caplog):
     assert [f.level for f in check_nvidia_driver(root, "/")] == ["warn", "ok"]
 
 
+def test_claims_after_a_driver_change_get_the_files_found_then(tmp_path):
+    """The driver's edits are built once per set of files found: a second claim gets the same
+    mounts; after the files change (a library removed) the next claim's spec has what is there
+    now, and the earlier claim's recorded spec stays as it was written."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    _, first, d = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    uid2 = "1f0e0d0c-0b0a-4908-8706-050403020100"
+
+    def claim(uid: str, gpu: str) -> dict:
+        return {"metadata": {"namespace": "ns", "name": f"cuda-{uid[:2]}", "uid": uid},
+                "status": {"allocation": {"devices": {"results": [
+                    {"request": "gpu", "driver": "sysdra.io", "pool": "node-a", "device": gpu}]}}}}
+
+    assert d.prepare_claims([claim(uid2, "gpu-0000-19-00-0")])[uid2].error is None
+    second = d.checkpoint.claims[uid2]["cdiSpec"]["spec"]
+    assert second["containerEdits"]["mounts"] == first["containerEdits"]["mounts"]
+    assert second["containerEdits"]["mounts"] is not first["containerEdits"]["mounts"]
+    lib = os.path.join(root, "usr/lib/x86_64-linux-gnu")
+    for name in os.listdir(lib):
+        if name.startswith("libnvidia-ptxjitcompiler"):
+            os.remove(os.path.join(lib, name))
+    uid3 = "2f0e0d0c-0b0a-4908-8706-050403020100"
+    assert d.prepare_claims([claim(uid3, "gpu-0000-3a-00-0")])[uid3].error is None
+    third = d.checkpoint.claims[uid3]["cdiSpec"]["spec"]["containerEdits"]["mounts"]
+    assert third == [m for m in first["containerEdits"]["mounts"] if "ptxjit" not in m["containerPath"]] != first["containerEdits"]["mounts"]
+    assert d.checkpoint.claims[uid2]["cdiSpec"]["spec"] == second
+
+
 def test_links_are_followed_as_the_host_would_and_stay_host_paths(tmp_path):
     root = copy_profile(tmp_path, "server-2s-gpu-nic")
     lib = os.path.join(root, "usr/lib/x86_64-linux-gnu")

@@ -19,6 +19,7 @@ seconds, so even a lost event is caught within a minute.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -270,8 +271,8 @@ class HealthMonitor:
         self._present_names = present
         return present
 
-    def _verdict(self, name: str, present: set[str], now: float) -> Verdict:
-        verdict = check(self.fs, self._known[name], self._memory[name], now, self.nvidia_files.get)
+    def _verdict(self, name: str, present: set[str], now: float, nvidia_files=None) -> Verdict:
+        verdict = check(self.fs, self._known[name], self._memory[name], now, nvidia_files or self.nvidia_files.get)
         if name not in present and verdict.health != UNHEALTHY:
             verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
                               "not-discovered")
@@ -280,13 +281,14 @@ class HealthMonitor:
     def _check_all(self, full: bool = True) -> dict[str, DeviceState]:
         present = self._present()
         now = time.time()
+        files = functools.cache(self.nvidia_files.get)  # the driver's files looked up once a round, not once a GPU
         if full:
-            return {name: DeviceState(self._verdict(name, present, now), now) for name in list(self._known)}
+            return {name: DeviceState(self._verdict(name, present, now, files), now) for name in list(self._known)}
         states, links = {}, self._reported()[1]
         for name in list(self._known):
             old = self.states.get(name)
             if old is None or polled(self._known[name], self._memory[name], links):
-                states[name] = DeviceState(self._verdict(name, present, now), now)
+                states[name] = DeviceState(self._verdict(name, present, now, files), now)
             else:  # no event about it came, so what was checked still holds now
                 states[name] = DeviceState(old.verdict, now)
         return states

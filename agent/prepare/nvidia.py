@@ -21,7 +21,7 @@ from agent.prepare.mps import SHM_SIZE, MpsDaemons
 from cdi.claim import ClaimDevice
 from cdi.nvidia import driver_edits
 from discovery.models import Device
-from discovery.nvidia_driver import DriverFilesCache
+from discovery.nvidia_driver import DriverFiles, DriverFilesCache
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class NvidiaDriver:
                  host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE):
         self.root, self.host_root = root, host_root
         self.files = DriverFilesCache(root, driver_root)
+        self._edits: tuple[DriverFiles, dict] | None = None  # claim-wide edits of the files found last
         self.use_nvidia_spec = use_nvidia_spec
         # as the agent sees them: the host's CDI dirs under the root, and the agent's own CDI dir
         seen = [os.path.join(root, d.lstrip("/")) for d in SPEC_DIRS] + ([cdi_dir] if cdi_dir else [])
@@ -84,7 +85,9 @@ class NvidiaDriver:
             raise ClaimFailed("NVIDIA user-space driver: " + "; ".join(files.errors))
         for warning in files.warnings:
             log.warning("NVIDIA user-space driver: %s", warning)
-        return driver_edits(files, self.host_root)
+        if self._edits is None or self._edits[0] is not files:  # the cache gives the same object until the driver changes
+            self._edits = (files, driver_edits(files, self.host_root))
+        return self._edits[1]  # shared by the claims' specs: they copy the lists and never change a mount
 
     def cdi_ids(self, dev: Device) -> list[str]:
         """NVIDIA's own CDI device ID for ``dev`` when ``nvidia-cdi-spec`` is set."""
