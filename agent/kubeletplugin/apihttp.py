@@ -132,9 +132,11 @@ class CurlTransport:
             if code == pycurl.E_WRITE_ERROR and answer.size > self.max_body:
                 return Response(status, b"".join(answer.parts))  # more than the limit: the caller refuses it
             raise _ERRORS.get(code, OSError)(f"{message} (libcurl error {code})") from None
-        self.connects += c.getinfo(pycurl.NUM_CONNECTS)
+        except BaseException:
+            c.close()
+            raise
         status = c.getinfo(pycurl.RESPONSE_CODE)
-        self._give(c)
+        self._give(c, c.getinfo(pycurl.NUM_CONNECTS))
         return Response(status, b"".join(answer.parts))
 
     def _take(self) -> pycurl.Curl:
@@ -153,8 +155,9 @@ class CurlTransport:
             c.setopt(option, value)
         return c
 
-    def _give(self, c: pycurl.Curl) -> None:
+    def _give(self, c: pycurl.Curl, connects: int) -> None:
         with self._lock:
+            self.connects += connects
             if len(self._idle) < IDLE_KEPT:
                 self._idle.append(c)
                 return
