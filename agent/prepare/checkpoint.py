@@ -57,7 +57,8 @@ from typing import Iterable
 from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, make_dirs
 from agent.counts import Count
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
-                                             check_snapshot, checksum, disk_stamp, journal_line, parse_journal_line)
+                                             appended_after, check_snapshot, checksum, disk_stamp, journal_line,
+                                             parse_journal_line)
 
 log = logging.getLogger(__name__)
 
@@ -315,19 +316,10 @@ class Checkpoint:
         return grown > self.compact_bytes and grown > self._snapshot_size
 
     def _foreign_append(self) -> bool:
-        """True if the byte after our last record is not a zero: another process holding
-        the lock appended (in the preallocated space, which changes neither size nor inode)
-        or a torn append is still there (reloading then is harmless)."""
-        if self._journal_size is None:
-            return False
-        try:
-            fd = os.open(self.journal_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            return os.pread(fd, 1, self._journal_size) not in (b"", b"\0")
-        finally:
-            os.close(fd)
+        """Another process holding the lock appended after our last record (in the preallocated
+        space, which changes neither size nor inode), or a torn append is still there (reloading
+        then is harmless)."""
+        return self._journal_size is not None and appended_after(self.journal_path, self._journal_size)
 
     def _append(self, data: bytes, durable: bool) -> None:
         """Write ``data`` at the journal's good end, zeroing what a torn append left after

@@ -69,6 +69,19 @@ def disk_stamp(path: str) -> tuple:
     return tuple(out)
 
 
+def appended_after(journal_path: str, size: int) -> bool:
+    """Whether the journal has a non-zero byte at ``size`` (the end of the records someone
+    last read or wrote): an append since. An unreadable journal says no."""
+    try:
+        fd = os.open(journal_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, 1, size) not in (b"", b"\0")
+    finally:
+        os.close(fd)
+
+
 def journal_line(body: bytes) -> bytes:
     return b"%08x %s\n" % (zlib.crc32(body), body)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from agent.prepare.checkpoint import Checkpoint
-from agent.prepare.checkpoint_format import parse_journal_line
+from agent.prepare.checkpoint_format import appended_after, disk_stamp, parse_journal_line
 
 
 READ = 16 << 10  # bytes read at a time: the journal is preallocated with zeros up to 1 MiB
@@ -60,13 +60,8 @@ class Saved:
         """Whether ``path``'s files still hold exactly this: the same snapshot and journal
         (inode, mtime, size) and a zero after the last record (an append into the preallocated
         journal may change neither size nor, within a clock tick, mtime)."""
-        if self.journal_size is None or Checkpoint.disk_stamp(path) != self.stamp:
-            return False
-        fd = os.open(self.journal_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return os.pread(fd, 1, self.journal_size) in (b"", b"\0")
-        finally:
-            os.close(fd)
+        return self.journal_size is not None and disk_stamp(path) == self.stamp \
+            and not appended_after(self.journal_path, self.journal_size)
 
 
 class CheckpointView:
@@ -112,7 +107,7 @@ class CheckpointView:
     @staticmethod
     def _appended_only(cp: Checkpoint) -> bool:
         """The snapshot and the journal are the files last read: a compaction replaces both."""
-        now = Checkpoint.disk_stamp(cp.path)
+        now = disk_stamp(cp.path)
         return cp._journal_size is not None and now[0] == cp.stamp[0] and now[1] is not None \
             and cp.stamp[1] is not None and now[1][0] == cp.stamp[1][0]
 
