@@ -6,7 +6,8 @@ binary, their shm tmpfs and the daemon's /dev/shm. Prints one JSON object of wha
 
 ``lifecycle``: start, kill and start again, adopt from a new agent, stop; ``orphan``: the records
 lost while a daemon ran, then an agent that starts with no share; ``refused``: a start whose
-mount fails (run without CAP_SYS_ADMIN), or finds another file system at the shm dir.
+mount fails (run without CAP_SYS_ADMIN), finds another file system at the shm dir, or whose tmpfs
+the runtime's namespace (``RUNTIME_PID``'s) does not see.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _kill(d: MpsDaemons, uuid: str) -> int:
 
 def lifecycle(plugin: str, binary: str, uuid: str) -> dict:
     d = MpsDaemons(plugin, binary, boot_id="boot", shm_size=SIZE)
+    d.runtime_pid = os.getpid()  # the runtime shares the agent's namespace: the tmpfs is seen there
     shm, seen = d.dirs(uuid)["shm"], {}
     assert d.reconcile({uuid}) == {}
     first = d.state.daemons[uuid].pid
@@ -88,6 +90,8 @@ def refused(plugin: str, binary: str, uuid: str) -> dict:
     if os.environ.get("OTHER_FS"):  # another file system at the shm dir (and the right to mount)
         os.makedirs(d.dirs(uuid)["shm"])
         subprocess.run(["mount", "-t", "ramfs", "ramfs", d.dirs(uuid)["shm"]], check=True)
+    if os.environ.get("RUNTIME_PID"):  # the runtime's namespace is another (the test's)
+        d.runtime_pid = int(os.environ["RUNTIME_PID"])
     seen = {"error": d.reconcile({uuid}).get(uuid), "records": list(d.state.daemons),
             "dir": os.path.exists(os.path.join(d.base, uuid)), "mounts_below": mps_records.mounts_below(d.base)}
     seen["daemons"] = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-1:] == ["-f"]

@@ -19,9 +19,10 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.conftest import REPO, require_root, require_tool
+from tests.conftest import require_root, require_tool
 from tests.controlplane import peer, unique
 from tests.helm import CHART, helm
+from tests.podman import build_agent_image
 from tests.realnode import DRIVER, RealNode
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -48,9 +49,7 @@ class HelmNode(RealNode):
 def build_images(out: str) -> list[str]:
     archives = []
     for tag in (VERSION, NEXT):
-        build = subprocess.run([os.path.join(REPO, "deploy", "image", "build.sh")], env=dict(os.environ, OUT=out, TAG=tag),
-                               capture_output=True, text=True, timeout=1800)  # fmt: skip
-        assert build.returncode == 0, build.stdout + build.stderr
+        build_agent_image(out, tag)
         archives.append(os.path.join(out, f"sysdra-{tag}.oci.tar"))
     return archives
 

@@ -12,7 +12,8 @@ import tempfile
 import pytest
 
 from agent.cli.main import main
-from tests.conftest import REPO, profile_root, require_root, require_tool
+from tests.conftest import profile_root, require_root, require_tool
+from tests.podman import build_agent_image, podman_env
 
 VERSION = "0.1.0"
 IMAGE = f"ghcr.io/sysdra/sysdra:{VERSION}"
@@ -30,23 +31,15 @@ def image(tmp_path_factory):
     require_root()
     for tool in ("podman", "debootstrap"):
         require_tool(tool)
-    out = tmp_path_factory.mktemp("image")
-    build = subprocess.run([os.path.join(REPO, "deploy", "image", "build.sh")], env=dict(os.environ, OUT=str(out)),
-                           capture_output=True, text=True, timeout=1800)  # fmt: skip
-    assert build.returncode == 0, build.stdout + build.stderr
-    return IMAGE, os.path.join(out, f"sysdra-{VERSION}.oci.tar"), build.stdout
+    out = str(tmp_path_factory.mktemp("image"))
+    return IMAGE, os.path.join(out, f"sysdra-{VERSION}.oci.tar"), build_agent_image(out)
 
-
-# no rlimits set in the container (this VM kind refuses runc's RLIMIT_NOFILE), cgroupfs
-CONTAINERS_CONF = '[containers]\ndefault_ulimits = []\n[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "none"\n'
 
 
 def podman_run(image: str, *args: str, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    with tempfile.NamedTemporaryFile("w", suffix=".conf") as conf:
-        conf.write(CONTAINERS_CONF)
-        conf.flush()
+    with tempfile.TemporaryDirectory() as conf:
         return subprocess.run(["podman", "run", "--rm", "--network=none", *options, image, *args], capture_output=True,
-                              text=True, timeout=120, env=dict(os.environ, CONTAINERS_CONF=conf.name))  # fmt: skip
+                              text=True, timeout=120, env=podman_env(conf))  # fmt: skip
 
 
 @pytest.mark.slow

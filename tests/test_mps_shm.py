@@ -3,7 +3,8 @@
 simulated daemon, tests/fake_mps_control.py, writes into its /dev/shm and the file is found in
 the host's shm dir); a restart or an adopting agent never mounts it twice; stopping the daemon,
 and the clean-up of an orphan, unmount it; a mount that fails is the claim's error and nothing
-is left. Each case runs tests/mps_shm_scenario.py in a private mount namespace."""
+is left, as when the container runtime's mount namespace does not see the tmpfs. Each case runs
+tests/mps_shm_scenario.py in a private mount namespace."""
 
 from __future__ import annotations
 
@@ -56,4 +57,9 @@ def test_a_mount_that_fails_is_the_claims_error_and_leaves_nothing(tmp_path, bin
     other = _scenario(tmp_path, binary, "refused", OTHER_FS="1")  # another file system there
     assert "is a mount of ramfs, not the daemon's tmpfs" in other["error"]
     assert {k: other[k] for k in ("records", "dir", "mounts_below", "daemons")} == \
+        {"records": [], "dir": False, "mounts_below": [], "daemons": []}
+    # mounted in the agent's private namespace only: the runtime (here: this test) would not see it
+    unseen = _scenario(tmp_path, binary, "refused", RUNTIME_PID=str(os.getpid()))
+    assert f"is not in the mount namespace of PID {os.getpid()}, where the container runtime binds it" in unseen["error"]
+    assert {k: unseen[k] for k in ("records", "dir", "mounts_below", "daemons")} == \
         {"records": [], "dir": False, "mounts_below": [], "daemons": []}

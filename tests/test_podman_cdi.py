@@ -22,18 +22,11 @@ from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource
 from agent.prepare.driver import Driver
 from tests.conftest import require_podman
+from tests.podman import podman_env
 from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 IMAGE = "localhost/sysdra-busybox:test"
-CONTAINERS_CONF = """\
-[containers]
-default_ulimits = []
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "none"
-"""
 
 
 class Podman:
@@ -41,10 +34,7 @@ class Podman:
         # podman refuses a runroot longer than 50 characters: keep its state in a short dir
         self.state = tempfile.mkdtemp(prefix="sysdra-pm", dir="/tmp")
         self.tmp, self.cdi_dir = tmp, cdi_dir
-        conf = os.path.join(tmp, "containers.conf")
-        with open(conf, "w") as f:
-            f.write(CONTAINERS_CONF)
-        self.env = dict(os.environ, CONTAINERS_CONF=conf)
+        self.env = podman_env(tmp)
         self.base = ["podman", "--root", os.path.join(self.state, "storage"), "--runroot", os.path.join(self.state, "run"),
                      "--storage-driver", "vfs"]
 

@@ -12,8 +12,10 @@ shm directories under ``<plugin dir>/mps/<uuid>/``. The shm directory is a sized
 before the daemon starts (unless mountinfo shows it is: a restart never stacks a second one),
 and the daemon's ``/dev/shm`` (a mount namespace of its own, see ``_command``): its MPS servers
 and the clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has
-them. Its record (prepare/mps_records.py: PID, start
-time, command line, boot ID) is written before the process starts; ``reconcile`` makes the
+them. Under systemd the tmpfs must also be in PID 1's mount namespace, where the container
+runtime binds it (``runtime_namespace_pid``): a unit setting that gives the agent a namespace of
+its own fails the claim instead of handing the shares an empty /dev/shm. Its record
+(prepare/mps_records.py: PID, start time, command line, boot ID) is written before the process starts; ``reconcile`` makes the
 running daemons equal to the GPUs that shares hold: it adopts a live daemon of a record (all
 four match: never a reused PID), starts missing ones, restarts dead ones, stops those no share
 needs and removes the directories of records from another boot (a tmpfs below unmounted) and
@@ -59,6 +61,20 @@ class MpsError(Exception):
     """The daemon a claim needs cannot be had; the claim's error."""
 
 
+def runtime_namespace_pid(environ: dict[str, str] | None = None) -> int | None:
+    """Whose mount namespace the shm tmpfs must reach: PID 1's when the agent is a systemd
+    service (``$INVOCATION_ID``, PID 1 is systemd), because the container runtime, another service,
+    resolves the shares' CDI mounts there. None elsewhere: in a pod the chart's mount propagation
+    decides, and a namespace of the agent's own is then the point (tests)."""
+    if not (os.environ if environ is None else environ).get("INVOCATION_ID"):
+        return None
+    try:
+        with open("/proc/1/comm") as f:
+            return 1 if f.read().strip() == "systemd" else None
+    except OSError:
+        return None
+
+
 class MpsDaemons:
     def __init__(self, plugin_dir: str, binary: str | None | Callable[[], str | None],
                  env: dict[str, str] | Callable[[], dict[str, str]] | None = None, boot_id: str = "",
@@ -70,6 +86,7 @@ class MpsDaemons:
         self._env = env if env is not None else {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
         self.boot_id = boot_id  # this boot's (prepare/bootid.py): records of another are stale
         self.shm_size = shm_size  # bytes
+        self.runtime_pid = runtime_namespace_pid()  # where the shm tmpfs must be seen too; None: not checked
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
         self._procs: dict[str, subprocess.Popen] = {}  # daemons this process started: reaped when they end
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
@@ -136,15 +153,20 @@ class MpsDaemons:
         restarted): mounted state is read back, never assumed. Raises ``MpsError``."""
         shm = self.dirs(uuid)["shm"]
         found = mps_records.mounted_at(shm)
-        if found is not None and found[0] == "tmpfs":
-            return
-        if found is not None:
+        if found is not None and found[0] != "tmpfs":
             raise MpsError(f"GPU {uuid}: {shm} is a mount of {found[0]}, not the daemon's tmpfs")
-        try:
-            mps_records.mount_tmpfs(shm, self.shm_size)
-        except OSError as err:
-            raise MpsError(f"GPU {uuid}: {err} (MPS needs CAP_SYS_ADMIN: docs/sharing.md)") from err
-        log.info("MPS shm of GPU %s: a tmpfs of %d bytes at %s", uuid, self.shm_size, shm)
+        if found is None:
+            try:
+                mps_records.mount_tmpfs(shm, self.shm_size)
+            except OSError as err:
+                raise MpsError(f"GPU {uuid}: {err} (MPS needs CAP_SYS_ADMIN: docs/sharing.md)") from err
+            log.info("MPS shm of GPU %s: a tmpfs of %d bytes at %s", uuid, self.shm_size, shm)
+        if self.runtime_pid is not None and (mps_records.mounted_at(shm, self.runtime_pid) or ("",))[0] != "tmpfs":
+            # the runtime would bind the empty directory beneath as the shares' /dev/shm
+            raise MpsError(f"GPU {uuid}: the tmpfs at {shm} is not in the mount namespace of PID {self.runtime_pid}, where "
+                           "the container runtime binds it: the agent runs in a mount namespace of its own (a unit "
+                           "setting such as ReadWritePaths= or ProtectSystem= read after the MPS drop-in; "
+                           "docs/operations.md)")
 
     def _command(self, uuid: str) -> list[str]:
         """The daemon behind ``unshare``: the agent has threads, so no preexec_fn can unshare."""

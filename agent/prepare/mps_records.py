@@ -89,12 +89,12 @@ def is_process(rec: MpsRecord | None, boot_id: str) -> bool:
         return False
 
 
-def _mountinfo() -> list[tuple[str, str, str]]:
-    """(mount point, file system type, super options) of this process's mount namespace, in
-    mount order (a later one at the same point is on top)."""
+def _mountinfo(pid: int | str = "self") -> list[tuple[str, str, str]]:
+    """(mount point, file system type, super options) of the mount namespace of process ``pid``
+    (this one's by default), in mount order (a later one at the same point is on top)."""
     out = []
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 fields = line.split()  # optional fields, then "-", type, source, super options
                 sep = fields.index("-", 6) if "-" in fields[6:] else len(fields)
@@ -112,9 +112,10 @@ def mounts_below(path: str) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-def mounted_at(path: str) -> tuple[str, str] | None:
-    """(file system type, super options) of the topmost mount at ``path``; None: nothing is."""
-    found = [(fs, opts) for p, fs, opts in _mountinfo() if p == path]
+def mounted_at(path: str, pid: int | str = "self") -> tuple[str, str] | None:
+    """(file system type, super options) of the topmost mount at ``path`` (in the mount namespace
+    of process ``pid``, this one's by default); None: nothing is."""
+    found = [(fs, opts) for p, fs, opts in _mountinfo(pid) if p == path]
     return found[-1] if found else None
 
 

@@ -1,0 +1,265 @@
+"""The systemd unit as shipped, run by a real systemd, with a shared NVIDIA GPU's MPS daemon.
+
+A node where systemd is PID 1: a podman container of the agent's own image (deploy/image/build.sh)
+plus Debian's systemd, booted with ``--systemd=always``; ``systemd/install.sh`` installs the unit
+(and with ``SYSDRA_MPS=1`` the drop-in ``sysdra-mps.conf``) as on a host. The agent runs the
+fixture node's simulated ``nvidia-cuda-mps-control`` (no NVIDIA driver can run here) and claims
+come from the directory store (the container has no network); the store lies under the kubelet's
+plugins dir, which the unit may write, so the unit runs exactly as shipped.
+
+What a host needs and only a real systemd shows: the shm tmpfs the agent mounts must be in PID 1's
+mount namespace, where the container runtime resolves the CDI mounts of the shares, so no setting
+of the unit with the drop-in may give the agent a mount namespace of its own (systemd makes such a
+namespace a slave of the host's: its mounts never come back). Without the drop-in the share's claim
+fails with the documented error and leaves nothing. The daemon lives in the unit's cgroup, a
+``systemctl restart`` keeps it (``KillMode=process``), the next agent adopts it and starts it again
+when it is killed, and unprepare stops it and unmounts the tmpfs. Root and podman needed; Debian's
+apt mirror for the image."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from discovery.inventory import scan
+from tests.conftest import REPO, profile_root, require_root, require_tool
+from tests.faults.harness import BOOT_ID, DRIVER, FreshKubeletClient, run
+from tests.podman import build_agent_image, podman_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+VERSION = "0.1.0"
+IMAGE = "localhost/sysdra-systemd-node:test"
+CONTAINERFILE = f"""\
+FROM ghcr.io/sysdra/sysdra:{VERSION}
+USER 0:0
+RUN apt-get update -qq \\
+ && apt-get install -y -qq --no-install-recommends systemd >/dev/null \\
+ && rm -rf /var/lib/apt/lists/*
+ENTRYPOINT ["/lib/systemd/systemd"]
+"""
+KUBELET = "/var/lib/kubelet"
+PLUGIN = f"{KUBELET}/plugins/{DRIVER}"
+CONFIG = f"""\
+root: /srv/node
+node_name: node-1
+cluster: dir:{KUBELET}/plugins/test-cluster
+share: [gpu]
+metrics_address: ""
+"""
+CLAIM = ("default", "mps", "0000000a-0000-4000-8000-00000000ca11")
+SHARE = "0000000b-0000-4000-8000-00000000ca11"
+
+
+class SystemdNode:
+    """The container: systemd as PID 1, the fixture node at /srv/node, the kubelet's dir bound
+    from the test's own (its sockets reached from here), the repository's systemd/ read-only."""
+
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self.name = f"sysdra-systemd-{os.getpid()}"
+        self.env = podman_env(tmp)
+        self.kubelet = os.path.join(tmp, "kubelet")
+        os.makedirs(self.kubelet)
+        root = os.path.join(tmp, "srv", "node")
+        shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+        os.makedirs(os.path.dirname(os.path.join(root, BOOT_ID)), exist_ok=True)
+        with open(os.path.join(root, BOOT_ID), "w") as f:
+            f.write("boot-1\n")
+        with open(os.path.join(tmp, "srv", "config.yaml"), "w") as f:
+            f.write(CONFIG)
+        gpu = next(d for d in scan(root).devices if d.kind == "gpu" and d.gpu.vendor == "nvidia" and d.pci.driver == "nvidia")
+        self.gpu, self.uuid = gpu.name, gpu.gpu.nvidia_uuid
+        self.shm = f"{PLUGIN}/mps/{self.uuid}/shm"
+        self._write_claim()
+
+    def _write_claim(self) -> None:
+        ns, name, uid = CLAIM
+        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                 "metadata": {"name": name, "namespace": ns, "uid": uid},
+                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}},
+                 "status": {"allocation": {"devices": {"results": [
+                     {"request": "gpu", "driver": DRIVER, "pool": "node-1", "device": self.gpu, "shareID": SHARE,
+                      "consumedCapacity": {"memory": "8Gi", "compute": "25"}}]}}}}  # fmt: skip
+        d = self.host_path(f"{KUBELET}/plugins/test-cluster/resourceclaims/{ns}")
+        os.makedirs(d)
+        with open(os.path.join(d, f"{name}.json"), "w") as f:
+            json.dump(claim, f)
+
+    def host_path(self, path: str) -> str:
+        """Where a path under the container's kubelet dir is here."""
+        assert path.startswith(KUBELET)
+        return self.kubelet + path[len(KUBELET) :]
+
+    # --- the container --------------------------------------------------------------------
+    def start(self) -> None:
+        subprocess.run(["podman", "run", "-d", "--name", self.name, "--privileged", "--systemd=always", "--network=none",
+                        "-v", f"{self.tmp}/srv:/srv", "-v", f"{self.kubelet}:{KUBELET}",
+                        "-v", f"{REPO}/systemd:/opt/sysdra-unit:ro", IMAGE],
+                       env=self.env, check=True, capture_output=True, timeout=120)  # fmt: skip
+        deadline = time.monotonic() + 120
+        state = ""
+        while state not in ("running", "degraded"):  # empty while systemd's bus is not up yet
+            assert time.monotonic() < deadline, f"systemd in the container: {state!r}\n{self.sh('systemctl --failed')}"
+            time.sleep(0.2)
+            state = self.sh("systemctl is-system-running --wait 2>/dev/null || true", timeout=120).strip()
+
+    def remove(self) -> None:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", self.name], env=self.env, capture_output=True, timeout=120)
+
+    def sh(self, script: str, timeout: float = 60) -> str:
+        out = subprocess.run(["podman", "exec", self.name, "bash", "-c", script], env=self.env, capture_output=True,
+                             text=True, timeout=timeout)  # fmt: skip
+        assert out.returncode == 0, f"{script}: exit {out.returncode}\n{out.stdout}{out.stderr}"
+        return out.stdout
+
+    def log(self) -> str:
+        return self.sh("journalctl -u sysdra --no-pager | tail -40")
+
+    # --- the unit ---------------------------------------------------------------------------
+    def install(self, mps: bool) -> FreshKubeletClient:
+        """The unit (with the MPS drop-in or without), the test's config; started afresh."""
+        self.sh(f"{'SYSDRA_MPS=1 ' if mps else ''}SYSDRA_BIN=/opt/sysdra/bin/sysdra /opt/sysdra-unit/install.sh"
+                " && rm -f /etc/sysdra/config.yaml.example && install -m 0644 /srv/config.yaml /etc/sysdra/config.yaml"
+                + ("" if mps else " && rm -f /etc/systemd/system/sysdra.service.d/mps.conf")
+                + " && systemctl daemon-reload && systemctl restart sysdra")  # fmt: skip
+        return self.client()
+
+    def client(self) -> FreshKubeletClient:
+        """Registered like the kubelet (a restarted agent's new socket may take a moment); its
+        DRA endpoint reached through the bound kubelet dir."""
+        deadline = time.monotonic() + 30
+        while True:
+            client = FreshKubeletClient(self.host_path(f"{KUBELET}/plugins_registry"))
+            try:
+                run(client.register(), timeout=5)
+                client.info.endpoint = self.host_path(client.info.endpoint)
+                return client
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the agent did not register:\n{self.log()}")
+                time.sleep(0.2)
+
+    def main_pid(self) -> int:
+        return int(self.sh("systemctl show -p MainPID --value sysdra"))
+
+    # --- what PID 1 sees --------------------------------------------------------------------
+    def pid1_mounts(self, path: str) -> list[str]:
+        """The mounts at ``path`` in PID 1's namespace: fstype and super options of each."""
+        out = []
+        for line in self.sh("cat /proc/1/mountinfo").splitlines():
+            fields = line.split()
+            if fields[4] == path:
+                fstype, _, opts = line.split(" - ", 1)[1].split(" ", 2)
+                out.append(f"{fstype} {opts}")
+        return out
+
+    def daemons(self) -> list[int]:
+        """PIDs of the running simulated MPS control daemons (zombies left out)."""
+        script = ('for p in /proc/[0-9]*; do c=$(tr "\\0" " " < $p/cmdline 2>/dev/null); s=$(cut -d" " -f3 $p/stat'
+                  ' 2>/dev/null); case "$c" in *nvidia-cuda-mps-control\\ -f\\ ) [ "$s" != Z ] && echo ${p#/proc/};; esac;'
+                  ' done; true')  # fmt: skip
+        return sorted(int(p) for p in self.sh(script).split())
+
+    def record(self) -> dict:
+        """The daemons' records (agent/prepare/mps_records.py) as the agent left them."""
+        path = self.host_path(f"{PLUGIN}/mps/daemons.json")
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)["daemons"]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    require_root()
+    for tool in ("podman", "debootstrap"):
+        require_tool(tool)
+    build_agent_image(str(tmp_path_factory.mktemp("image")))
+    context = str(tmp_path_factory.mktemp("systemd-image"))
+    with open(os.path.join(context, "Containerfile"), "w") as f:
+        f.write(CONTAINERFILE)
+    built = subprocess.run(["podman", "build", "--quiet", "--pull=never", "-t", IMAGE, context], env=podman_env(context),
+                           capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    node = SystemdNode(str(tmp_path_factory.mktemp("systemd-node")))
+    try:
+        node.start()
+        yield node
+    finally:
+        node.remove()
+
+
+def test_without_the_drop_in_an_mps_share_fails_and_leaves_nothing(node):
+    client = node.install(mps=False)
+    try:
+        out = run(client.prepare(CLAIM)).claims[CLAIM[2]]
+        assert "mounting a tmpfs" in out.error and "MPS needs CAP_SYS_ADMIN" in out.error, out.error
+        assert node.pid1_mounts(node.shm) == [] and node.daemons() == [] and node.record() == {}
+        assert not os.path.exists(node.host_path(f"{PLUGIN}/mps/{node.uuid}"))
+    finally:
+        node.sh("systemctl stop sysdra")
+
+
+def test_with_the_drop_in_the_daemon_serves_from_the_hosts_mount_namespace(node):
+    client = node.install(mps=True)
+    try:
+        assert node.sh(f"readlink /proc/1/ns/mnt /proc/{node.main_pid()}/ns/mnt").split() == \
+            [node.sh("readlink /proc/1/ns/mnt").strip()] * 2  # fmt: skip
+        out = run(client.prepare(CLAIM)).claims[CLAIM[2]]
+        assert not out.error, f"{out.error}\n{node.log()}"
+        (pid,) = node.daemons()
+        assert node.record()[node.uuid]["pid"] == pid
+        _served_from_pid1s_namespace(node, pid)
+        assert "/system.slice/sysdra.service" in node.sh(f"cat /proc/{pid}/cgroup")
+        spec = node.sh(f"cat /run/cdi/*{CLAIM[2]}*")
+        assert f'"hostPath":"{node.shm}"' in spec.replace(" ", ""), spec
+
+        before = node.main_pid()
+        node.sh("systemctl restart sysdra")
+        assert node.main_pid() != before and node.daemons() == [pid] and node.record()[node.uuid]["pid"] == pid
+        client = node.client()
+
+        node.sh(f"kill -9 {pid}")  # the new agent supervises the daemon it adopted
+        deadline = time.monotonic() + 30
+        while (node.record().get(node.uuid, {}).get("pid") in (None, pid) or node.daemons() == []) \
+                and time.monotonic() < deadline:  # fmt: skip
+            time.sleep(0.2)
+        (again,) = node.daemons()
+        assert again != pid and node.record()[node.uuid]["pid"] == again, node.log()
+        _served_from_pid1s_namespace(node, again)
+
+        out = run(client.unprepare(CLAIM)).claims[CLAIM[2]]
+        assert not out.error, out.error
+        assert node.daemons() == [] and node.record() == {} and node.pid1_mounts(node.shm) == []
+    finally:
+        node.sh("systemctl stop sysdra")
+
+
+def test_an_override_that_gives_the_unit_a_mount_namespace_fails_the_claim_clearly(node):
+    """``systemctl edit sysdra`` adding a ``ReadWritePaths=`` (docs/operations.md's advice for
+    another kubelet dir) on an MPS node: read after mps.conf, it gives the agent a mount namespace
+    whose tmpfs the runtime would never see. The claim says so and nothing is left."""
+    node.install(mps=True)
+    override = "/etc/systemd/system/sysdra.service.d/override.conf"
+    node.sh(f"printf '[Service]\\nReadWritePaths=/var/lib/kubelet/plugins\\n' > {override}"
+            " && systemctl daemon-reload && systemctl restart sysdra")
+    try:
+        client = node.client()
+        out = run(client.prepare(CLAIM)).claims[CLAIM[2]]
+        assert f"the tmpfs at {node.shm} is not in the mount namespace of PID 1" in out.error, f"{out.error}\n{node.log()}"
+        assert node.pid1_mounts(node.shm) == [] and node.daemons() == [] and node.record() == {}
+        assert not os.path.exists(node.host_path(f"{PLUGIN}/mps/{node.uuid}"))
+    finally:
+        node.sh(f"rm -f {override} && systemctl daemon-reload && systemctl stop sysdra")
+
+
+def _served_from_pid1s_namespace(node: SystemdNode, pid: int) -> None:
+    """One tmpfs of the default 1Gi at the shm dir where PID 1 (the runtime) looks, holding what
+    daemon ``pid`` wrote into its /dev/shm."""
+    assert node.pid1_mounts(node.shm) == ["tmpfs rw,size=1048576k"], node.pid1_mounts(node.shm)
+    assert f"fake-mps-{pid}" in node.sh(f"ls {node.shm}").split()
