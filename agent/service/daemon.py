@@ -33,18 +33,6 @@ from agent.settings import ConfigError, Settings
 log = logging.getLogger("sysdra.daemon")
 
 
-def make_store(settings: Settings):
-    """The store for ``--cluster``; returns (store, closer)."""
-    if settings.cluster_dir is not None:
-        from agent.publish.dirstore import DirStore
-
-        return DirStore(settings.cluster_dir, node_name=settings.node_name, driver_name=settings.driver_name), None
-    from agent.publish.kubestore import KubeStore, kube_client
-
-    client = kube_client(field_manager=settings.driver_name)
-    return KubeStore(client, node_name=settings.node_name, driver_name=settings.driver_name), client
-
-
 class Agent:
     def __init__(self, settings: Settings, scan: Callable[[Settings], object] = default_scan, store=None,
                  metrics=None):
@@ -56,7 +44,7 @@ class Agent:
             metrics = Metrics(process=False)
         self.metrics = metrics  # agent.service.metrics.Metrics, or NullMetrics without an endpoint
         self.board = StatusBoard(settings.node_name, settings.driver_name, metrics=self.metrics)
-        self.store, self._client = (store, None) if store is not None else make_store(settings)
+        self.store, self._client = (store, None) if store is not None else startup.make_store(settings)
         self.publisher = Publisher(self.store, node_name=settings.node_name, driver_name=settings.driver_name,
                                    resync_interval=settings.resync_interval, debounce=settings.debounce,
                                    observer=PublishObserver(self))

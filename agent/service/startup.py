@@ -7,8 +7,8 @@ that someone other than root or us could change, itself or through a parent, is 
 whoever can write there can replace our sockets or plant files we would trust. Our own
 plugin directory gets mode 0750 (a looser existing one is tightened, with a warning).
 
-Every refusal is a ``StartupError``: one line on stderr and a documented exit code
-(docs/operations.md "Exit codes"), never a traceback."""
+The store for ``--cluster`` is made here too. Every refusal is a ``StartupError``: one line on
+stderr and a documented exit code (docs/operations.md "Exit codes"), never a traceback."""
 
 from __future__ import annotations
 
@@ -126,3 +126,18 @@ async def cancel_all(tasks: list[asyncio.Task]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def make_store(settings: Settings):
+    """The store for ``--cluster``; returns (store, closer)."""
+    if settings.cluster_dir is not None:
+        from agent.publish.dirstore import DirStore
+
+        try:
+            return DirStore(settings.cluster_dir, node_name=settings.node_name, driver_name=settings.driver_name), None
+        except OSError as err:  # e.g. a read-only file system (a systemd unit's sandbox)
+            raise StartupError(f"cluster directory {settings.cluster_dir}: {err}", EX_CANTCREAT) from None
+    from agent.publish.kubestore import KubeStore, kube_client
+
+    client = kube_client(field_manager=settings.driver_name)
+    return KubeStore(client, node_name=settings.node_name, driver_name=settings.driver_name), client

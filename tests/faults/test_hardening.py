@@ -298,6 +298,15 @@ def test_unsafe_directories_and_a_second_agent_are_refused(tmp_path, faults):
     assert out.returncode == 77, (out.returncode, out.stderr)
     assert "writable" in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     faults.add("Hostile input", "kubelet dir writable by others", 1, "refused at start (exit 77, one line)")
+    # a cluster directory that cannot be made (here a file's path; under systemd a read-only one)
+    os.chmod(node.kubelet_dir, 0o755)
+    with open(tmp_path / "a-file", "w"):
+        pass
+    out = subprocess.run(node.command(cluster=f"dir:{tmp_path / 'a-file' / 'cluster'}"), cwd=REPO, capture_output=True,
+                         text=True, env={**os.environ, "SYSDRA_CONFIG": os.devnull, "PYTHONPATH": REPO}, timeout=60)
+    assert out.returncode == 73, (out.returncode, out.stderr)
+    assert "cluster directory" in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    faults.add("Hostile input", "a cluster directory that cannot be made", 1, "refused at start (exit 73, one line)")
 
 
 def test_modes_do_not_depend_on_the_umask(tmp_path, faults):
