@@ -3,7 +3,9 @@ agent's image (Containerfile) imported into the node's containerd, the chart's D
 registers with the kubelet, publishes, prepares a workload pod's claim and moves a claimed NIC's
 netdev into its pod (NRI, as the chart grants it); `helm upgrade` to
 another tag rolls the agent with surge while pods keep being prepared; `helm uninstall` leaves
-no slice, socket or CDI spec. Root, podman and debootstrap (the image's base) needed.
+no slice, socket or CDI spec. With `nvidia.mps` the image's agent runs a shared GPU's MPS daemon
+whose shm tmpfs reaches the node's containerd. Root, podman and debootstrap (the image's base)
+needed.
 
 The node's pods reach the API server only on 127.0.0.1 (no kube-proxy, no CNI but loopback):
 the DaemonSet runs on the host network here, KUBERNETES_SERVICE_HOST pointed at the server."""
@@ -19,8 +21,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.conftest import require_root, require_tool
-from tests.controlplane import peer, unique
+from tests.conftest import REPO, require_root, require_tool
+from tests.controlplane import load_yaml, peer, unique
 from tests.helm import CHART, helm
 from tests.podman import build_agent_image
 from tests.realnode import DRIVER, RealNode
@@ -261,3 +263,57 @@ def test_install_upgrade_uninstall(node):
     cdi = [f for f in os.listdir(node.cdi_dir) if DRIVER.split(".")[0] in f]
     assert (sockets, registry, cdi) == ([], [], [])
     assert not node.plane.list("DeviceClass") and not node.plane.list("ValidatingAdmissionPolicy")
+
+
+def node_mps_mounts(node: RealNode) -> list[str]:
+    """The MPS shm mounts in the node's mount namespace (where containerd binds them): point and
+    super options of each."""
+    out = subprocess.run([*node.enter, "cat", "/proc/self/mountinfo"], capture_output=True, text=True, check=True).stdout
+    return [f"{line.split()[4]} {line.split(' - ', 1)[1].split()[2]}" for line in out.splitlines()
+            if f"/plugins/{DRIVER}/mps/" in line.split()[4]]  # fmt: skip
+
+
+def test_mps_shares_through_the_chart(node):
+    """``nvidia.mps: true`` with ``config.share: [gpu]``: the DaemonSet's agent (the built image's
+    unshare, mount and python3 running the node's simulated nvidia-cuda-mps-control), privileged
+    with the plugins dir's Bidirectional propagation, mounts the GPU's shm tmpfs where the node's
+    containerd binds it: a share's pod (deploy/example-sharing.yaml's template) gets it as
+    /dev/shm, with what the daemon wrote there; deleting the pod stops the daemon and unmounts it."""
+    ns = unique("helm-mps")
+    node.plane.create_namespace(ns)
+    node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
+    run_helm(node, "install", "sysdra", CHART, "--namespace", "sysdra", "--create-namespace", "--values", node.values,
+             "--set", "nvidia.mps=true", "--set", "config.share={gpu}")  # fmt: skip
+    try:
+        wait(lambda: running_agents(node), "the agent pod running", node)
+        gpus = wait(lambda: [d for s in node.slices() for d in s["spec"].get("devices", [])
+                             if d["name"].startswith("gpu-") and d.get("allowMultipleAllocations")],
+                    "the agent pod's shared GPUs", node)  # fmt: skip
+        bdf = min(gpus, key=lambda d: d["name"])["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+        template = next(d for d in load_yaml(f"{REPO}/deploy/example-sharing.yaml") if d["metadata"]["name"] == "gpu-share-small")
+        template["metadata"]["namespace"] = ns
+        template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+            {"cel": {"expression": f'device.attributes["resource.kubernetes.io"].pciBusID == "{bdf}"'}}]
+        node.plane.create(template)
+        container = {"name": "app", "image": node.image, "imagePullPolicy": "Never", "resources": {"claims": [{"name": "gpu"}]},
+                     "command": ["sh", "-c", "ls /dev/shm; grep ' /dev/shm ' /proc/mounts; echo END; exec sleep 3600"]}
+        node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "share", "namespace": ns},
+                           "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
+                                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-share-small"}],
+                                    "containers": [container]}})  # fmt: skip
+
+        def log():
+            r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/share/log", ok=False)
+            return r.status_code == 200 and "END" in r.text.split() and r.text.splitlines()
+
+        lines = wait(log, f"pod {ns}/share's log", node)
+        assert len([x for x in lines if x.startswith("fake-mps-")]) == 1, lines  # written by the daemon
+        assert any(x.split()[1:3] == ["/dev/shm", "tmpfs"] and "size=1048576k" in x for x in lines), lines
+        (mount,) = node_mps_mounts(node)
+        assert mount.endswith("/shm rw,size=1048576k"), mount
+        node.plane.delete("Pod", "share", ns)
+        wait(lambda: not node_mps_mounts(node), "the shm tmpfs unmounted on the node", node)
+        assert warnings(node, ns) == []
+    finally:
+        run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")
+        wait(lambda: not agent_pods(node), "the agent pods gone", node)
