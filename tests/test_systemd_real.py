@@ -1,4 +1,5 @@
-"""The systemd unit as shipped, run by a real systemd, with a shared NVIDIA GPU's MPS daemon.
+"""The systemd unit as shipped, run by a real systemd: its sandbox with the agent's real work, and
+a shared NVIDIA GPU's MPS daemon.
 
 A node where systemd is PID 1: a podman container of the agent's own image (deploy/image/build.sh)
 plus Debian's systemd, booted with ``--systemd=always``; ``systemd/install.sh`` installs the unit
@@ -7,14 +8,17 @@ fixture node's simulated ``nvidia-cuda-mps-control`` (no NVIDIA driver can run h
 come from the directory store (the container has no network); the store lies under the kubelet's
 plugins dir, which the unit may write, so the unit runs exactly as shipped.
 
-What a host needs and only a real systemd shows: the shm tmpfs the agent mounts must be in PID 1's
-mount namespace, where the container runtime resolves the CDI mounts of the shares, so no setting
-of the unit with the drop-in may give the agent a mount namespace of its own (systemd makes such a
-namespace a slave of the host's: its mounts never come back). Without the drop-in the share's claim
-fails with the documented error and leaves nothing. The daemon lives in the unit's cgroup, a
-``systemctl restart`` keeps it (``KillMode=process``), the next agent adopts it and starts it again
-when it is killed, and unprepare stops it and unmounts the tmpfs. Root and podman needed; Debian's
-apt mirror for the image."""
+The unit alone: ``Type=notify`` start, a claim prepared with its CDI spec in /run/cdi under
+``ProtectSystem=strict`` and the system call filter, ``systemctl reload`` applying a changed
+setting, a clean stop. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
+agent mounts must be in PID 1's mount namespace, where the container runtime resolves the CDI
+mounts of the shares, so no setting of the unit with the drop-in may give the agent a mount
+namespace of its own (systemd makes such a namespace a slave of the host's: its mounts never come
+back). Without the drop-in the share's claim fails with the documented error and leaves nothing.
+The daemon lives in the unit's cgroup, a ``systemctl restart`` keeps it (``KillMode=process``),
+the next agent adopts it and starts it again when it is killed, and unprepare stops it and
+unmounts the tmpfs; an override that brings a mount namespace back fails the claim clearly.
+Root and podman needed; Debian's apt mirror for the image."""
 
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ share: [gpu]
 metrics_address: ""
 """
 CLAIM = ("default", "mps", "0000000a-0000-4000-8000-00000000ca11")
+NIC_CLAIM = ("default", "nic", "0000000c-0000-4000-8000-00000000ca11")
 SHARE = "0000000b-0000-4000-8000-00000000ca11"
 
 
@@ -75,20 +80,18 @@ class SystemdNode:
         gpu = next(d for d in scan(root).devices if d.kind == "gpu" and d.gpu.vendor == "nvidia" and d.pci.driver == "nvidia")
         self.gpu, self.uuid = gpu.name, gpu.gpu.nvidia_uuid
         self.shm = f"{PLUGIN}/mps/{self.uuid}/shm"
-        self._write_claim()
+        self.write_claim(CLAIM, {"device": self.gpu, "shareID": SHARE, "consumedCapacity": {"memory": "8Gi", "compute": "25"}})
 
-    def _write_claim(self) -> None:
-        ns, name, uid = CLAIM
-        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                 "metadata": {"name": name, "namespace": ns, "uid": uid},
-                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}},
-                 "status": {"allocation": {"devices": {"results": [
-                     {"request": "gpu", "driver": DRIVER, "pool": "node-1", "device": self.gpu, "shareID": SHARE,
-                      "consumedCapacity": {"memory": "8Gi", "compute": "25"}}]}}}}  # fmt: skip
+    def write_claim(self, claim: tuple[str, str, str], result: dict) -> None:
+        """A claim allocated on this node with one result in the store."""
+        ns, name, uid = claim
+        obj = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name, "namespace": ns, "uid": uid},
+               "spec": {"devices": {"requests": [{"name": "dev", "exactly": {"deviceClassName": "x.sysdra.io"}}]}},
+               "status": {"allocation": {"devices": {"results": [{"request": "dev", "driver": DRIVER, "pool": "node-1", **result}]}}}}
         d = self.host_path(f"{KUBELET}/plugins/test-cluster/resourceclaims/{ns}")
-        os.makedirs(d)
+        os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"{name}.json"), "w") as f:
-            json.dump(claim, f)
+            json.dump(obj, f)
 
     def host_path(self, path: str) -> str:
         """Where a path under the container's kubelet dir is here."""
@@ -192,6 +195,27 @@ def node(tmp_path_factory):
         yield node
     finally:
         node.remove()
+
+
+def test_the_unit_as_shipped_starts_prepares_reloads_and_stops(node):
+    client = node.install(mps=False)  # returns once systemd has READY=1 (Type=notify)
+    try:
+        assert "devices" in node.sh("systemctl show -p StatusText --value sysdra")  # the agent's STATUS=
+        node.write_claim(NIC_CLAIM, {"device": "nic-0000-3c-00-0"})
+        out = run(client.prepare(NIC_CLAIM)).claims[NIC_CLAIM[2]]
+        assert not out.error and out.devices, f"{out.error}\n{node.log()}"
+        assert NIC_CLAIM[2] in node.sh("ls /run/cdi")  # written under ProtectSystem=strict
+        node.sh("echo 'resync_interval: 120' >> /etc/sysdra/config.yaml && systemctl reload sysdra")
+        deadline = time.monotonic() + 30
+        while "SIGHUP: applied resync_interval=120" not in node.log():
+            assert time.monotonic() < deadline, node.log()
+            time.sleep(0.2)
+        assert not run(client.unprepare(NIC_CLAIM)).claims[NIC_CLAIM[2]].error
+        assert NIC_CLAIM[2] not in node.sh("ls /run/cdi")
+    finally:
+        node.sh("systemctl stop sysdra")
+    assert sorted(node.sh("systemctl show -p Result,ExecMainStatus,NRestarts sysdra").split()) == \
+        ["ExecMainStatus=0", "NRestarts=0", "Result=success"]  # fmt: skip
 
 
 def test_without_the_drop_in_an_mps_share_fails_and_leaves_nothing(node):
