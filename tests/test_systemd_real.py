@@ -10,7 +10,8 @@ plugins dir, which the unit may write, so the unit runs exactly as shipped.
 
 The unit alone: ``Type=notify`` start, a claim prepared with its CDI spec in /run/cdi under
 ``ProtectSystem=strict`` and the system call filter, ``systemctl reload`` applying a changed
-setting, a clean stop. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
+setting, a clean stop; a SIGKILLed agent restarted by systemd with its claims, a bad config
+(exit 78) not restarted. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
 agent mounts must be in PID 1's mount namespace, where the container runtime resolves the CDI
 mounts of the shares, so no setting of the unit with the drop-in may give the agent a mount
 namespace of its own (systemd makes such a namespace a slave of the host's: its mounts never come
@@ -216,6 +217,30 @@ def test_the_unit_as_shipped_starts_prepares_reloads_and_stops(node):
         node.sh("systemctl stop sysdra")
     assert sorted(node.sh("systemctl show -p Result,ExecMainStatus,NRestarts sysdra").split()) == \
         ["ExecMainStatus=0", "NRestarts=0", "Result=success"]  # fmt: skip
+
+
+def test_a_crash_is_restarted_with_its_claims_and_a_bad_config_is_not(node):
+    client = node.install(mps=False)
+    try:
+        node.write_claim(NIC_CLAIM, {"device": "nic-0000-3c-00-0"})
+        assert not run(client.prepare(NIC_CLAIM)).claims[NIC_CLAIM[2]].error
+        crashed = node.main_pid()
+        node.sh("systemctl kill --kill-whom=main -s SIGKILL sysdra")  # Restart=on-failure, after 2 s
+        deadline = time.monotonic() + 30
+        while node.sh("systemctl show -p NRestarts --value sysdra").strip() != "1" or node.main_pid() in (0, crashed):
+            assert time.monotonic() < deadline, node.log()
+            time.sleep(0.2)
+        client = node.client()
+        out = run(client.unprepare(NIC_CLAIM)).claims[NIC_CLAIM[2]]  # the new agent knows the claim
+        assert not out.error and NIC_CLAIM[2] not in node.sh("ls /run/cdi"), out.error
+        # exit 78: RestartPreventExitStatus, no restart loop on a configuration nobody fixed
+        node.sh("echo 'no_such_setting: 1' >> /etc/sysdra/config.yaml && (systemctl restart sysdra || true)")
+        time.sleep(3)  # beyond RestartSec=2s
+        state = sorted(node.sh("systemctl show -p ActiveState,ExecMainStatus,NRestarts sysdra").split())
+        assert state == ["ActiveState=failed", "ExecMainStatus=78", "NRestarts=0"], f"{state}\n{node.log()}"
+        assert "no_such_setting" in node.log()
+    finally:
+        node.sh("systemctl stop sysdra; systemctl reset-failed sysdra")
 
 
 def test_without_the_drop_in_an_mps_share_fails_and_leaves_nothing(node):
