@@ -11,7 +11,7 @@ plugins dir, which the unit may write, so the unit runs exactly as shipped.
 The unit alone: ``Type=notify`` start, a claim prepared with its CDI spec in /run/cdi under
 ``ProtectSystem=strict`` and the system call filter, ``systemctl reload`` applying a changed
 setting, a clean stop; a SIGKILLed agent restarted by systemd with its claims, a bad config
-(exit 78) not restarted. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
+(exit 78) not restarted, the watchdog fed. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
 agent mounts must be in PID 1's mount namespace, where the container runtime resolves the CDI
 mounts of the shares, so no setting of the unit with the drop-in may give the agent a mount
 namespace of its own (systemd makes such a namespace a slave of the host's: its mounts never come
@@ -241,6 +241,23 @@ def test_a_crash_is_restarted_with_its_claims_and_a_bad_config_is_not(node):
         assert "no_such_setting" in node.log()
     finally:
         node.sh("systemctl stop sysdra; systemctl reset-failed sysdra")
+
+
+def test_the_watchdog_is_fed(node):
+    """``WatchdogSec=`` shortened to 3 s by a drop-in of the test's (the agent pings at half the
+    interval systemd gives it): after 10 s the first agent still runs, never killed for silence."""
+    drop_in = "/etc/systemd/system/sysdra.service.d/test-watchdog.conf"
+    node.install(mps=False)
+    node.sh(f"mkdir -p {os.path.dirname(drop_in)} && printf '[Service]\\nWatchdogSec=3s\\n' > {drop_in}"
+            " && systemctl daemon-reload && systemctl restart sysdra")
+    try:
+        pid = node.main_pid()
+        time.sleep(10)
+        state = sorted(node.sh("systemctl show -p ActiveState,NRestarts,WatchdogUSec sysdra").split())
+        assert state == ["ActiveState=active", "NRestarts=0", "WatchdogUSec=3s"] and node.main_pid() == pid, \
+            f"{state}\n{node.log()}"  # fmt: skip
+    finally:
+        node.sh(f"rm -f {drop_in} && systemctl daemon-reload && systemctl stop sysdra")
 
 
 def test_without_the_drop_in_an_mps_share_fails_and_leaves_nothing(node):
