@@ -249,7 +249,10 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.out, exist_ok=True)
     log = Log(args.out)
     log(f"sysdra real-GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, driver root {args.driver_root}")
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv"],
+    smi_path = shutil.which("nvidia-smi") or shutil.which("nvidia-smi", path=os.path.join(args.driver_root, "bin"))
+    if not log.check(smi_path is not None, f"nvidia-smi on PATH or in {args.driver_root}/bin (no GPU driver here?)"):
+        return 1
+    smi = subprocess.run([smi_path, "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv"],
                          capture_output=True, text=True)
     log(f"nvidia-smi: {smi.stdout.strip()}")
     try:
