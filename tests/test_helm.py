@@ -108,7 +108,7 @@ def test_default_daemonset():
     assert hostpaths[mounts["/var/run/nri"]["name"]] == "/var/run/nri" and not mounts["/var/run/nri"].get("readOnly")
     netns = mounts["/var/run/netns"]
     assert hostpaths[netns["name"]] == "/var/run/netns" and netns["mountPropagation"] == "HostToContainer"
-    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN"]}
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"]}
     # not privileged, no propagation back to the host, unless nvidia.mps asks
     assert c["securityContext"]["privileged"] is False and c["securityContext"]["allowPrivilegeEscalation"] is False
     assert "mountPropagation" not in mounts["/var/lib/kubelet/plugins"]

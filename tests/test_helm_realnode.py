@@ -63,6 +63,12 @@ def node(tmp_path_factory):
         require_tool(tool)
     archives = build_images(str(tmp_path_factory.mktemp("images")))
     node = HelmNode(str(tmp_path_factory.mktemp("helmnode"))).start()
+    # The node's init in the fixture's procfs, as a real node's /proc has it: a root process with
+    # every capability in the host's network namespace (this VM's own init refuses even
+    # CAP_SYS_PTRACE). The agent (hostPID) opens its /host/proc/1/ns/net as the host's network
+    # namespace, which the kernel allows only with the init's capabilities or CAP_SYS_PTRACE.
+    init = subprocess.Popen(["sleep", "infinity"])
+    os.symlink(f"/proc/{init.pid}", os.path.join(node.root, "proc", "1"))
     try:
         for archive in archives:
             subprocess.run([*node.enter, peer("ctr"), "-a", node.socket, "-n", "k8s.io", "images", "import", archive],
@@ -71,6 +77,8 @@ def node(tmp_path_factory):
         yield node
     finally:
         node.stop()
+        init.kill()
+        init.wait()
 
 
 def write_values(node: RealNode) -> str:
@@ -114,11 +122,11 @@ def agent_pods(node: RealNode) -> list[dict]:
     return node.plane.list("Pod", "sysdra")
 
 
-def agent_logs(node: RealNode) -> str:
+def agent_logs(node: RealNode, lines: int = 20) -> str:
     out = []
     for pod in agent_pods(node):
         name = pod["metadata"]["name"]
-        r = node.plane.request("GET", f"/api/v1/namespaces/sysdra/pods/{name}/log", params={"tailLines": "20"}, ok=False)
+        r = node.plane.request("GET", f"/api/v1/namespaces/sysdra/pods/{name}/log", params={"tailLines": str(lines)}, ok=False)
         out.append(f"{name} ({pod['status'].get('phase')}):\n{r.text}")
     return "\n".join(out)
 
@@ -226,6 +234,7 @@ def test_install_upgrade_uninstall(node):
         with open(os.path.join(node.cdi_dir, name)) as f:
             assert '"/host/' not in f.read()  # host paths, never the pod's view under --root
     delete_claim_pod(node, ns, "first", uid)
+    assert "the host's network namespace" not in agent_logs(node, 10000)  # its init's opened (SYS_PTRACE)
     nic_pod_gets_its_netdev(node, ns)
 
     # upgrade: surge, two agents side by side, and claims prepared and unprepared throughout

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+import sys
 import uuid
 from types import SimpleNamespace
 
@@ -25,7 +27,7 @@ from agent.prepare.driver import Driver
 from agent.prepare.metadata import layout
 from agent.prepare.steps.netdev import NetdevStep
 from discovery.inventory import scan
-from tests.conftest import profile_root, require_root, require_tool
+from tests.conftest import REPO, profile_root, require_root, require_tool
 from tests.kubelet_standin import claim, settings_for
 
 CLAIM = "0b0c7c8e-1111-4222-8333-444455556666"
@@ -296,3 +298,29 @@ def test_a_re_prepare_follows_the_pods_the_claim_is_reserved_for(tmp_path):
     c["status"]["reservedFor"].append({"resource": "pods", "name": "b", "uid": second})
     assert d.prepare_claims([c])[CLAIM].error is None
     assert Checkpoint.load(d.checkpoint_path).claims[CLAIM]["pods"] == [POD_UID, second]
+
+
+def test_an_init_namespace_the_agent_may_not_open_is_said_at_start(tmp_path):
+    """The host's network namespace is the init's: a fixture root has none (the agent's own is
+    used, nothing to say); a root with the real init's link names why it cannot be opened by a
+    process without the init's capabilities or CAP_SYS_PTRACE (the chart's grant)."""
+    require_root()
+    require_tool("setpriv")
+    from agent.prepare import netmove
+
+    assert netmove.host_netns_problem(profile_root("server-2s-gpu-nic")) is None
+    init = subprocess.Popen(["sleep", "600"])  # an init: root with every capability this test has
+    try:
+        os.makedirs(tmp_path / "proc")
+        os.symlink(f"/proc/{init.pid}", tmp_path / "proc" / "1")
+        assert netmove.host_netns_problem(str(tmp_path)) is None  # the same capabilities
+        check = "from agent.prepare import netmove; import sys; print(netmove.host_netns_problem(sys.argv[1]))"
+        reduced = "-all,+net_admin,+sys_admin,+dac_override"  # what the chart grants without SYS_PTRACE
+        for caps, said in ((reduced, "Permission denied"), (reduced + ",+sys_ptrace", "None")):
+            out = subprocess.run(["setpriv", "--inh-caps=-all", f"--bounding-set={caps}", sys.executable, "-c", check,
+                                  str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                                 env={**os.environ, "PYTHONPATH": REPO}, check=True)  # fmt: skip
+            assert said in out.stdout, out
+    finally:
+        init.kill()
+        init.wait()

@@ -275,6 +275,9 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     status = getattr(kubelet_plugin, "status", None)
     driver = getattr(kubelet_plugin, "driver", None)
     point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
+    problem = netmove.host_netns_problem(settings.root)
+    if problem:
+        log.warning("the host's network namespace: %s", problem)
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,
                         fault=crash_at(point) if point else (lambda at: None),

@@ -75,6 +75,23 @@ def _has(netns: str, name: str) -> bool:
 
 def host_netns(root: str) -> str:
     """The host's network namespace: its init's under ``root`` (a DaemonSet's ``/host/proc``),
-    else the agent's own (a fixture root: the agent runs in the host's namespace)."""
+    else the agent's own (a fixture root; or an init whose link this process may not open, see
+    ``host_netns_problem``: under systemd the agent's own is the host's)."""
     init = os.path.join(root, "proc", "1", "ns", "net")
     return init if os.path.exists(init) else "/proc/self/ns/net"
+
+
+def host_netns_problem(root: str) -> str | None:
+    """Why the init's network namespace under ``root`` is there but cannot be opened, or None.
+    The kernel lets only a process with all of the init's capabilities, or CAP_SYS_PTRACE, open
+    it; without, netdevs move from and to the agent's own namespace, the host's only under
+    systemd or with the host's network."""
+    init = os.path.join(root, "proc", "1", "ns", "net")
+    if not os.path.lexists(init):
+        return None
+    try:
+        os.close(os.open(init, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as err:
+        return (f"{init}: {err.strerror}: claimed netdevs move from and to the agent's own network namespace, "
+                "the host's only under systemd or with hostNetwork (grant CAP_SYS_PTRACE; docs/networking.md)")
+    return None
