@@ -8,7 +8,9 @@
 # SYSDRA_BIN (the installed `sysdra` executable, default $PREFIX/bin/sysdra; for a
 # virtualenv install e.g. /opt/sysdra/bin/sysdra), UNITDIR (default /etc/systemd/system),
 # TMPFILESDIR (default /etc/tmpfiles.d), CONFDIR (default /etc/sysdra), SYSDRA_MPS (1: also the
-# drop-in sysdra.service.d/mps.conf a node that runs CUDA MPS daemons needs, docs/sharing.md).
+# drop-in sysdra.service.d/mps.conf a node that runs CUDA MPS daemons needs, docs/sharing.md),
+# SYSDRA_NRI (1: also sysdra.service.d/nri.conf, for moving claimed NICs' netdevs into their pods,
+# docs/networking.md).
 # An existing config.yaml is never overwritten; the new example goes to config.yaml.example.
 set -eu
 
@@ -40,6 +42,11 @@ if [ "${SYSDRA_MPS:-0}" = 1 ]; then
   install -d -m 0755 "$DESTDIR$UNITDIR/sysdra.service.d"
   install -m 0644 "$here/sysdra-mps.conf" "$DESTDIR$UNITDIR/sysdra.service.d/mps.conf"
   echo "installed $DESTDIR$UNITDIR/sysdra.service.d/mps.conf (CUDA MPS: CAP_SYS_ADMIN, no file-system sandbox)"
+fi
+if [ "${SYSDRA_NRI:-0}" = 1 ]; then
+  install -d -m 0755 "$DESTDIR$UNITDIR/sysdra.service.d"
+  install -m 0644 "$here/sysdra-nri.conf" "$DESTDIR$UNITDIR/sysdra.service.d/nri.conf"
+  echo "installed $DESTDIR$UNITDIR/sysdra.service.d/nri.conf (netdev moves: CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_PTRACE)"
 fi
 if [ -e "$DESTDIR$CONFDIR/config.yaml" ]; then
   install -m 0644 "$here/config.yaml" "$DESTDIR$CONFDIR/config.yaml.example"

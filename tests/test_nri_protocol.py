@@ -1,7 +1,8 @@
 """The NRI plugin's protocol (agent/nri/): ttrpc framing over NRI's multiplexer, registration,
 configuration, synchronization in batches, pod events, failures returned to the runtime, and
-reconnection after the runtime restarts. The runtime side here is agent/nri/ttrpc.Endpoint with
-the runtime's roles swapped; tests/test_realnode.py runs the plugin against containerd's NRI.
+reconnection after the runtime restarts. The runtime side here is tests/nri_standin.py
+(agent/nri/ttrpc.Endpoint with the runtime's roles swapped); tests/test_realnode.py runs the plugin
+against containerd's NRI.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import struct
 
 import pytest
 
-from agent.nri.plugin import PKG, NriPlugin, event_mask
-from agent.nri.ttrpc import MSG_HEADER, MUX_HEADER, PLUGIN_CONN, RUNTIME_CONN, UNIMPLEMENTED, CallError, Endpoint, ProtocolError
+from agent.nri.plugin import NriPlugin, event_mask
+from agent.nri.ttrpc import MSG_HEADER, MUX_HEADER, UNIMPLEMENTED, CallError, Endpoint, ProtocolError
 from agent.protos import nri_v1alpha1_pb2 as api
 from agent.protos import ttrpc_wire_pb2 as wire
+from tests.nri_standin import Runtime, sandbox
 
 
 def run(coro):
@@ -48,61 +50,9 @@ class Recorder:
         await self._add("create", pod.name, container)
 
 
-def sandbox(name: str, netns: str | None = "/run/netns/cni-1") -> api.PodSandbox:
-    pod = api.PodSandbox(id="id-" + name, name=name, namespace="ns", uid="uid-" + name)
-    if netns:
-        pod.linux.namespaces.add(type="network", path=netns)
-    pod.linux.namespaces.add(type="ipc", path="/proc/1/ns/ipc")
-    return pod
-
-
-class Runtime:
-    """The runtime's side: serves RegisterPlugin on conn 2, then configures, synchronizes
-    (two batches) and calls the plugin on conn 1, like containerd's NRI adaptation."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.registered: asyncio.Queue = asyncio.Queue()
-        self.endpoints: list[Endpoint] = []
-
-    async def start(self):
-        self.server = await asyncio.start_unix_server(self._accept, self.path)
-
-    async def stop(self):
-        self.server.close()
-        for ep in self.endpoints:
-            ep.close()
-        await self.server.wait_closed()
-
-    async def _accept(self, reader, writer):
-        holder: list[Endpoint] = []
-
-        async def register(payload: bytes):
-            req = api.RegisterPluginRequest.FromString(payload)
-            asyncio.get_running_loop().create_task(self._after_register(holder[0], req))
-            return api.Empty()
-
-        ep = Endpoint(reader, writer, {(RUNTIME_CONN, f"{PKG}.Runtime/RegisterPlugin"): register})
-        holder.append(ep)
-        self.endpoints.append(ep)
-        await ep.serve()
-
-    async def _after_register(self, ep: Endpoint, req):
-        cfg = await self.call(ep, "Configure", api.ConfigureRequest(runtime_name="test", runtime_version="1"),
-                              api.ConfigureResponse)
-        first = await self.call(ep, "Synchronize", api.SynchronizeRequest(pods=[sandbox("a")], more=True),
-                                api.SynchronizeResponse)
-        await self.call(ep, "Synchronize", api.SynchronizeRequest(pods=[sandbox("b")]), api.SynchronizeResponse)
-        await self.registered.put((ep, req, cfg, first))
-
-    @staticmethod
-    async def call(ep: Endpoint, method: str, request, answer):
-        return await ep.call(PLUGIN_CONN, f"{PKG}.Plugin", method, request, answer)
-
-
 async def with_plugin(tmp_path, body, events=None):
     path = str(tmp_path / "nri.sock")
-    runtime = Runtime(path)
+    runtime = Runtime(path, ((sandbox("a"),), (sandbox("b"),)))
     await runtime.start()
     events = events or Recorder()
     plugin = NriPlugin(path, events)

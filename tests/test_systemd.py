@@ -237,3 +237,16 @@ def test_watchdog_stops_while_loop_blocks(monkeypatch):
         assert len(pings) >= 4
         assert max(gaps) >= 0.5  # systemd would have seen the silence
         assert sorted(gaps)[len(gaps) // 2] < 0.2  # otherwise at half the interval
+
+
+def test_the_nri_drop_in_adds_only_what_netdev_moves_need(installed):
+    """Installed on request (SYSDRA_NRI=1): the capabilities and the network namespaces a move
+    needs (docs/networking.md), nothing of the file-system sandbox; the unit with it verifies."""
+    tool = require_tool("systemd-analyze")
+    root, binary = installed
+    env = {**os.environ, "DESTDIR": str(root), "SYSDRA_BIN": binary, "SYSDRA_NRI": "1"}
+    subprocess.run(["sh", os.path.join(SYSTEMD, "install.sh")], env=env, check=True, capture_output=True)
+    keys = dict(_directives(str(root / "etc/systemd/system/sysdra.service.d/nri.conf")))
+    assert keys == {"CapabilityBoundingSet": "CAP_NET_ADMIN CAP_SYS_ADMIN CAP_SYS_PTRACE", "RestrictNamespaces": "net"}
+    out = subprocess.run([tool, "verify", str(root / "etc/systemd/system/sysdra.service")], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr.strip() and not out.stdout.strip(), out.stdout + out.stderr

@@ -18,13 +18,16 @@ namespace of its own (systemd makes such a namespace a slave of the host's: its 
 back). Without the drop-in the share's claim fails with the documented error and leaves nothing.
 The daemon lives in the unit's cgroup, a ``systemctl restart`` keeps it (``KillMode=process``),
 the next agent adopts it and starts it again when it is killed, and unprepare stops it and
-unmounts the tmpfs; an override that brings a mount namespace back fails the claim clearly.
+unmounts the tmpfs; an override that brings a mount namespace back fails the claim clearly. NRI
+(the runtime's side is tests/nri_standin.py): a claimed netdev's move is refused without the
+drop-in ``sysdra-nri.conf`` and made with it.
 Root and podman needed; Debian's apt mirror for the image."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import time
@@ -43,7 +46,7 @@ CONTAINERFILE = f"""\
 FROM ghcr.io/sysdra/sysdra:{VERSION}
 USER 0:0
 RUN apt-get update -qq \\
- && apt-get install -y -qq --no-install-recommends systemd >/dev/null \\
+ && apt-get install -y -qq --no-install-recommends systemd iproute2 >/dev/null \\
  && rm -rf /var/lib/apt/lists/*
 ENTRYPOINT ["/lib/systemd/systemd"]
 """
@@ -58,6 +61,8 @@ metrics_address: ""
 """
 CLAIM = ("default", "mps", "0000000a-0000-4000-8000-00000000ca11")
 NIC_CLAIM = ("default", "nic", "0000000c-0000-4000-8000-00000000ca11")
+NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
+POD = "0000000d-0000-4000-8000-00000000ca11"
 SHARE = "0000000b-0000-4000-8000-00000000ca11"
 
 
@@ -76,6 +81,7 @@ class SystemdNode:
         os.makedirs(os.path.dirname(os.path.join(root, BOOT_ID)), exist_ok=True)
         with open(os.path.join(root, BOOT_ID), "w") as f:
             f.write("boot-1\n")
+        os.symlink("/proc/1", os.path.join(root, "proc", "1"))  # the node's init (systemd) in its procfs
         with open(os.path.join(tmp, "srv", "config.yaml"), "w") as f:
             f.write(CONFIG)
         gpu = next(d for d in scan(root).devices if d.kind == "gpu" and d.gpu.vendor == "nvidia" and d.pci.driver == "nvidia")
@@ -83,12 +89,14 @@ class SystemdNode:
         self.shm = f"{PLUGIN}/mps/{self.uuid}/shm"
         self.write_claim(CLAIM, {"device": self.gpu, "shareID": SHARE, "consumedCapacity": {"memory": "8Gi", "compute": "25"}})
 
-    def write_claim(self, claim: tuple[str, str, str], result: dict) -> None:
-        """A claim allocated on this node with one result in the store."""
+    def write_claim(self, claim: tuple[str, str, str], result: dict, pod: str | None = None) -> None:
+        """A claim allocated on this node with one result in the store (reserved for ``pod``)."""
         ns, name, uid = claim
         obj = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name, "namespace": ns, "uid": uid},
                "spec": {"devices": {"requests": [{"name": "dev", "exactly": {"deviceClassName": "x.sysdra.io"}}]}},
                "status": {"allocation": {"devices": {"results": [{"request": "dev", "driver": DRIVER, "pool": "node-1", **result}]}}}}
+        if pod:
+            obj["status"]["reservedFor"] = [{"resource": "pods", "name": "app", "uid": pod}]
         d = self.host_path(f"{KUBELET}/plugins/test-cluster/resourceclaims/{ns}")
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"{name}.json"), "w") as f:
@@ -103,7 +111,7 @@ class SystemdNode:
     def start(self) -> None:
         subprocess.run(["podman", "run", "-d", "--name", self.name, "--privileged", "--systemd=always", "--network=none",
                         "-v", f"{self.tmp}/srv:/srv", "-v", f"{self.kubelet}:{KUBELET}",
-                        "-v", f"{REPO}/systemd:/opt/sysdra-unit:ro", IMAGE],
+                        "-v", f"{REPO}:/opt/sysdra-src:ro", IMAGE],
                        env=self.env, check=True, capture_output=True, timeout=120)  # fmt: skip
         deadline = time.monotonic() + 120
         state = ""
@@ -124,14 +132,33 @@ class SystemdNode:
     def log(self) -> str:
         return self.sh("journalctl -u sysdra --no-pager | tail -40")
 
+    def run_log(self) -> str:
+        """The running agent's whole log (this start's)."""
+        return self.sh("journalctl --no-pager _SYSTEMD_INVOCATION_ID=$(systemctl show -p InvocationID --value sysdra)")
+
     # --- the unit ---------------------------------------------------------------------------
-    def install(self, mps: bool) -> FreshKubeletClient:
-        """The unit (with the MPS drop-in or without), the test's config; started afresh."""
-        self.sh(f"{'SYSDRA_MPS=1 ' if mps else ''}SYSDRA_BIN=/opt/sysdra/bin/sysdra /opt/sysdra-unit/install.sh"
-                " && rm -f /etc/sysdra/config.yaml.example && install -m 0644 /srv/config.yaml /etc/sysdra/config.yaml"
-                + ("" if mps else " && rm -f /etc/systemd/system/sysdra.service.d/mps.conf")
-                + " && systemctl daemon-reload && systemctl restart sysdra")  # fmt: skip
+    def install(self, mps: bool, nri: bool = False) -> FreshKubeletClient:
+        """The unit with the drop-ins asked for (and none other), the test's config; started afresh."""
+        drop_ins = "/etc/systemd/system/sysdra.service.d"
+        self.sh(f"rm -rf {drop_ins} && SYSDRA_MPS={int(mps)} SYSDRA_NRI={int(nri)} SYSDRA_BIN=/opt/sysdra/bin/sysdra"
+                " /opt/sysdra-src/systemd/install.sh && rm -f /etc/sysdra/config.yaml.example"
+                " && install -m 0644 /srv/config.yaml /etc/sysdra/config.yaml"
+                " && systemctl daemon-reload && systemctl restart sysdra")  # fmt: skip
         return self.client()
+
+    def nri_runtime(self, pod: str, netns: str) -> subprocess.Popen:
+        """tests/nri_standin.py at the agent's default NRI socket, in the container (no runtime
+        runs there): once the agent registered, ``run``/``stop`` on its stdin start and stop pod
+        ``pod`` in ``netns``."""
+        self.sh("mkdir -p /run/nri && rm -f /run/nri/nri.sock")
+        proc = subprocess.Popen(["podman", "exec", "-i", "-w", "/opt/sysdra-src", "-e", "PYTHONPATH=/opt/sysdra-src",
+                                 self.name, "/opt/sysdra/bin/python", "-m", "tests.nri_standin", "/run/nri/nri.sock",
+                                 pod, netns], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while "/run/nri/nri.sock" not in self.sh("ls /run/nri/nri.sock 2>/dev/null || true"):
+            assert time.monotonic() < deadline and proc.poll() is None, "the NRI stand-in did not listen"
+            time.sleep(0.1)
+        return proc
 
     def client(self) -> FreshKubeletClient:
         """Registered like the kubelet (a restarted agent's new socket may take a moment); its
@@ -258,6 +285,57 @@ def test_the_watchdog_is_fed(node):
             f"{state}\n{node.log()}"  # fmt: skip
     finally:
         node.sh(f"rm -f {drop_in} && systemctl daemon-reload && systemctl stop sysdra")
+
+
+def test_a_claimed_netdev_moves_into_its_pod_with_the_nri_drop_in(node):
+    """The NRI plugin under the unit (the runtime's side is tests/nri_standin.py: no runtime runs
+    in this container): without the NRI drop-in the unit's sandbox refuses the move and the pod's
+    start fails, saying so; with it the netdev (a veth here, named as the fixture's NIC) goes into
+    the pod's network namespace and back when the pod stops."""
+    node.sh(f"ip link add {IFNAME} type veth peer name sdrpeer0 && ip netns add pod1")
+    try:
+        for nri in (False, True):
+            client = node.install(mps=False, nri=nri)
+            runtime = node.nri_runtime(POD, "/run/netns/pod1")
+            try:
+                assert _said(runtime, node) == {"registered": ""}
+                node.write_claim(NIC_CLAIM, {"device": NIC}, pod=POD)
+                assert not run(client.prepare(NIC_CLAIM)).claims[NIC_CLAIM[2]].error
+                runtime.stdin.write("run\n")
+                runtime.stdin.flush()
+                started = _said(runtime, node)["RunPodSandbox"]
+                in_pod = "dev" in _links(node, "pod1")  # named after its request in the pod
+                if nri:
+                    assert started == "" and in_pod, f"{started}\n{node.log()}"
+                    assert "the host's network namespace" not in node.run_log()  # the init's opened (SYS_PTRACE)
+                    runtime.stdin.write("stop\n")
+                    runtime.stdin.flush()
+                    assert _said(runtime, node) == {"StopPodSandbox": ""}
+                else:
+                    assert "not permitted" in started and not in_pod, f"{started}\n{node.log()}"
+                    # the agent's own namespace stands for the host's: right for a systemd service
+                    assert "the host's network namespace: /srv/node/proc/1/ns/net: Permission denied" in node.run_log()
+                assert IFNAME in _links(node) and _links(node, "pod1") == ["lo"]
+                assert not run(client.unprepare(NIC_CLAIM)).claims[NIC_CLAIM[2]].error
+            finally:
+                runtime.stdin.close()
+                runtime.wait(30)
+                node.sh("systemctl stop sysdra")
+    finally:
+        node.sh(f"ip link del {IFNAME} 2>/dev/null; ip netns del pod1")
+
+
+def _links(node: SystemdNode, netns: str | None = None) -> list[str]:
+    """The link names in the container's network namespace, or in ``netns``."""
+    out = node.sh(f"ip {'-n ' + netns if netns else ''} -o link show")
+    return [line.split(": ")[1].split("@")[0] for line in out.splitlines()]
+
+
+def _said(proc: subprocess.Popen, node: SystemdNode, timeout: float = 30) -> dict:
+    """The NRI stand-in's next JSON line."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the NRI stand-in said nothing in {timeout:.0f}s\n{node.log()}"
+    return json.loads(proc.stdout.readline() or "{}")
 
 
 def test_without_the_drop_in_an_mps_share_fails_and_leaves_nothing(node):

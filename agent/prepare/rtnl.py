@@ -61,11 +61,14 @@ def netlink_in_protocol(netns: str, protocol: int) -> Iterator[socket.socket]:
     try:
         target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _setns(target)
-            try:
+            if _same_file(own, target):  # no switch: this needs no right to enter namespaces
                 sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
-            finally:
-                _setns(own)  # never leave this worker thread in another namespace
+            else:
+                _setns(target)
+                try:
+                    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
+                finally:
+                    _setns(own)  # never leave this worker thread in another namespace
         finally:
             os.close(target)
     finally:
@@ -74,6 +77,11 @@ def netlink_in_protocol(netns: str, protocol: int) -> Iterator[socket.socket]:
         sock.settimeout(5.0)
         sock.bind((0, 0))
         yield sock
+
+
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _attr(kind: int, value: bytes) -> bytes:
