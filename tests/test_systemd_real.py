@@ -350,7 +350,7 @@ def test_without_the_drop_in_an_mps_share_fails_and_leaves_nothing(node):
 
 
 def test_with_the_drop_in_the_daemon_serves_from_the_hosts_mount_namespace(node):
-    client = node.install(mps=True)
+    client = node.install(mps=True, nri=True)  # a node with GPUs and NICs: the two drop-ins together
     try:
         assert node.sh(f"readlink /proc/1/ns/mnt /proc/{node.main_pid()}/ns/mnt").split() == \
             [node.sh("readlink /proc/1/ns/mnt").strip()] * 2  # fmt: skip
