@@ -59,6 +59,9 @@ if [ -f "$here/../docs/operations.md" ]; then
 fi
 
 echo "installed $DESTDIR$UNITDIR/sysdra.service (ExecStart=$SYSDRA_BIN), $DESTDIR$TMPFILESDIR/sysdra.conf, $DESTDIR$CONFDIR/config.yaml"
+if [ "${SYSDRA_MPS:-0}" != 1 ] || [ "${SYSDRA_NRI:-0}" != 1 ]; then
+  echo "drop-ins: SYSDRA_NRI=1 on nodes whose claimed NICs move into pods, SYSDRA_MPS=1 on nodes with shared NVIDIA GPUs (docs/operations.md)"
+fi
 if [ -z "$DESTDIR" ] && [ "$(id -u)" = 0 ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
   systemd-tmpfiles --create "$TMPFILESDIR/sysdra.conf"
   systemctl daemon-reload
