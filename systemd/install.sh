@@ -10,7 +10,8 @@
 # TMPFILESDIR (default /etc/tmpfiles.d), CONFDIR (default /etc/sysdra), SYSDRA_MPS (1: also the
 # drop-in sysdra.service.d/mps.conf a node that runs CUDA MPS daemons needs, docs/sharing.md),
 # SYSDRA_NRI (1: also sysdra.service.d/nri.conf, for moving claimed NICs' netdevs into their pods,
-# docs/networking.md).
+# docs/networking.md), SYSDRA_SYSFS (1: also sysdra.service.d/sysfs.conf, /sys writable for VFIO
+# binding and partition mode switches, docs/vfio.md).
 # An existing config.yaml is never overwritten; the new example goes to config.yaml.example.
 set -eu
 
@@ -43,6 +44,11 @@ if [ "${SYSDRA_MPS:-0}" = 1 ]; then
   install -m 0644 "$here/sysdra-mps.conf" "$DESTDIR$UNITDIR/sysdra.service.d/mps.conf"
   echo "installed $DESTDIR$UNITDIR/sysdra.service.d/mps.conf (CUDA MPS: CAP_SYS_ADMIN, no file-system sandbox)"
 fi
+if [ "${SYSDRA_SYSFS:-0}" = 1 ]; then
+  install -d -m 0755 "$DESTDIR$UNITDIR/sysdra.service.d"
+  install -m 0644 "$here/sysdra-sysfs.conf" "$DESTDIR$UNITDIR/sysdra.service.d/sysfs.conf"
+  echo "installed $DESTDIR$UNITDIR/sysdra.service.d/sysfs.conf (VFIO, partition modes: /sys writable)"
+fi
 if [ "${SYSDRA_NRI:-0}" = 1 ]; then
   install -d -m 0755 "$DESTDIR$UNITDIR/sysdra.service.d"
   install -m 0644 "$here/sysdra-nri.conf" "$DESTDIR$UNITDIR/sysdra.service.d/nri.conf"
@@ -59,8 +65,9 @@ if [ -f "$here/../docs/operations.md" ]; then
 fi
 
 echo "installed $DESTDIR$UNITDIR/sysdra.service (ExecStart=$SYSDRA_BIN), $DESTDIR$TMPFILESDIR/sysdra.conf, $DESTDIR$CONFDIR/config.yaml"
-if [ "${SYSDRA_MPS:-0}" != 1 ] || [ "${SYSDRA_NRI:-0}" != 1 ]; then
-  echo "drop-ins: SYSDRA_NRI=1 on nodes whose claimed NICs move into pods, SYSDRA_MPS=1 on nodes with shared NVIDIA GPUs (docs/operations.md)"
+if [ "${SYSDRA_MPS:-0}${SYSDRA_NRI:-0}${SYSDRA_SYSFS:-0}" != 111 ]; then
+  echo "drop-ins: SYSDRA_NRI=1 where claimed NICs move into pods, SYSDRA_MPS=1 for shared NVIDIA GPUs," \
+    "SYSDRA_SYSFS=1 for VFIO and GPU partitions (docs/operations.md)"
 fi
 if [ -z "$DESTDIR" ] && [ "$(id -u)" = 0 ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
   systemd-tmpfiles --create "$TMPFILESDIR/sysdra.conf"

@@ -11,7 +11,8 @@ plugins dir, which the unit may write, so the unit runs exactly as shipped.
 The unit alone: ``Type=notify`` start, a claim prepared with its CDI spec in /run/cdi under
 ``ProtectSystem=strict`` and the system call filter, ``systemctl reload`` applying a changed
 setting, a clean stop; a SIGKILLed agent restarted by systemd with its claims, a bad config
-(exit 78) not restarted, the watchdog fed. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
+(exit 78) not restarted, the watchdog fed, /sys writable to the agent only with the sysfs
+drop-in. With MPS, what a host needs and only a real systemd shows: the shm tmpfs the
 agent mounts must be in PID 1's mount namespace, where the container runtime resolves the CDI
 mounts of the shares, so no setting of the unit with the drop-in may give the agent a mount
 namespace of its own (systemd makes such a namespace a slave of the host's: its mounts never come
@@ -137,10 +138,11 @@ class SystemdNode:
         return self.sh("journalctl --no-pager _SYSTEMD_INVOCATION_ID=$(systemctl show -p InvocationID --value sysdra)")
 
     # --- the unit ---------------------------------------------------------------------------
-    def install(self, mps: bool, nri: bool = False) -> FreshKubeletClient:
+    def install(self, mps: bool, nri: bool = False, sysfs: bool = False) -> FreshKubeletClient:
         """The unit with the drop-ins asked for (and none other), the test's config; started afresh."""
         drop_ins = "/etc/systemd/system/sysdra.service.d"
-        self.sh(f"rm -rf {drop_ins} && SYSDRA_MPS={int(mps)} SYSDRA_NRI={int(nri)} SYSDRA_BIN=/opt/sysdra/bin/sysdra"
+        self.sh(f"rm -rf {drop_ins} && SYSDRA_MPS={int(mps)} SYSDRA_NRI={int(nri)} SYSDRA_SYSFS={int(sysfs)}"
+                " SYSDRA_BIN=/opt/sysdra/bin/sysdra"
                 " /opt/sysdra-src/systemd/install.sh && rm -f /etc/sysdra/config.yaml.example"
                 " && install -m 0644 /srv/config.yaml /etc/sysdra/config.yaml"
                 " && systemctl daemon-reload && systemctl restart sysdra")  # fmt: skip
@@ -268,6 +270,19 @@ def test_a_crash_is_restarted_with_its_claims_and_a_bad_config_is_not(node):
         assert "no_such_setting" in node.log()
     finally:
         node.sh("systemctl stop sysdra; systemctl reset-failed sysdra")
+
+
+def test_sysfs_is_writable_to_the_agent_only_with_the_sysfs_drop_in(node):
+    """VFIO binding and partition mode switches write /sys (the chart's sysfsWritable): the unit
+    keeps it read-only, the drop-in opens it. Seen from the agent's own mount namespace (the
+    kernel's answer to a write check; nothing is written: no PCI device here may be rebound)."""
+    for sysfs, writable in ((False, "no"), (True, "yes")):
+        node.install(mps=False, sysfs=sysfs)
+        try:
+            probe = f"nsenter -t {node.main_pid()} -m sh -c 'test -w /sys/bus/pci/drivers_probe && echo yes || echo no'"
+            assert node.sh(probe).strip() == writable, (sysfs, node.sh(f"grep ' /sys ' /proc/{node.main_pid()}/mountinfo"))
+        finally:
+            node.sh("systemctl stop sysdra")
 
 
 def test_the_watchdog_is_fed(node):
