@@ -109,6 +109,7 @@ def test_default_daemonset():
     netns = mounts["/var/run/netns"]
     assert hostpaths[netns["name"]] == "/var/run/netns" and netns["mountPropagation"] == "HostToContainer"
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"]}
+    assert c["securityContext"]["appArmorProfile"] == {"type": "Unconfined"}  # the default profile refuses the init's ns
     # not privileged, no propagation back to the host, unless nvidia.mps asks
     assert c["securityContext"]["privileged"] is False and c["securityContext"]["allowPrivilegeEscalation"] is False
     assert "mountPropagation" not in mounts["/var/lib/kubelet/plugins"]
@@ -117,7 +118,7 @@ def test_default_daemonset():
 def test_without_nri_the_agent_keeps_dac_override_alone():
     pod = _one(_objects_set("nri.enabled=false"), "DaemonSet")["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert "--nri-socket=" in c["args"] and "hostPID" not in pod
+    assert "--nri-socket=" in c["args"] and "hostPID" not in pod and "appArmorProfile" not in c["securityContext"]
     assert not {"/var/run/nri", "/var/run/netns"} & {m["mountPath"] for m in c["volumeMounts"]}
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
 
