@@ -20,6 +20,10 @@ IN_CI = os.environ.get("CI") == "true"
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+# The agents the tests run are never systemd services, even when the test run is one (a CI job
+# under a unit): with $INVOCATION_ID they would take PID 1's namespaces for the runtime's.
+os.environ.pop("INVOCATION_ID", None)
+
 from tests import checkpoint_guard  # noqa: E402
 
 checkpoint_guard.install()  # every save(changed=...) also checks that the caller named every entry it changed
