@@ -324,3 +324,15 @@ def test_an_init_namespace_the_agent_may_not_open_is_said_at_start(tmp_path):
     finally:
         init.kill()
         init.wait()
+
+
+def test_the_capabilities_a_move_needs_are_read_from_the_effective_set(tmp_path):
+    from agent.prepare import netmove
+
+    status = tmp_path / "status"
+    for effective, lacking in (("0000000000000002", ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]),  # DAC_OVERRIDE alone
+                               ("0000000000201002", []), ("0000000000001000", ["CAP_SYS_ADMIN"])):  # fmt: skip
+        status.write_text(f"Name:\tsysdra\nCapInh:\t0000000000000000\nCapEff:\t{effective}\n")
+        assert netmove.missing_move_capabilities(str(status)) == lacking
+    status.write_text("Name:\tsysdra\n")  # unreadable: nothing said
+    assert netmove.missing_move_capabilities(str(status)) == []

@@ -323,11 +323,14 @@ def test_a_claimed_netdev_moves_into_its_pod_with_the_nri_drop_in(node):
                 if nri:
                     assert started == "" and in_pod, f"{started}\n{node.log()}"
                     assert "the host's network namespace" not in node.run_log()  # the init's opened (SYS_PTRACE)
+                    assert "claimed NICs cannot move" not in node.run_log()
                     runtime.stdin.write("stop\n")
                     runtime.stdin.flush()
                     assert _said(runtime, node) == {"StopPodSandbox": ""}
                 else:
-                    assert "not permitted" in started and not in_pod, f"{started}\n{node.log()}"
+                    assert "not permitted" in started and "sysdra-nri.conf" in started and not in_pod, f"{started}\n{node.log()}"
+                    assert "claimed NICs cannot move into their pods: the agent lacks CAP_NET_ADMIN, CAP_SYS_ADMIN" \
+                        in node.run_log()  # said at start  # fmt: skip
                     # the agent's own namespace stands for the host's: right for a systemd service
                     assert "the host's network namespace: /srv/node/proc/1/ns/net: Permission denied" in node.run_log()
                 assert IFNAME in _links(node) and _links(node, "pod1") == ["lo"]

@@ -15,6 +15,7 @@ metadata written), anything else goes back to the host.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -171,7 +172,8 @@ class NetdevMover(Sandboxes):
                 self._move_in(claims, uid, i, m.model_copy(update={"sandbox": pod.id, "netns": pod.netns}))
         except (rtnl.LinkError, OSError) as err:
             self._take_back(claims, pod.id)
-            raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}") from None
+            hint = f" (a move needs {netmove.MOVE_RIGHTS})" if err.errno in (errno.EPERM, errno.EACCES) else ""
+            raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{hint}") from None
         return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
     def _move_in(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
@@ -275,6 +277,10 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     status = getattr(kubelet_plugin, "status", None)
     driver = getattr(kubelet_plugin, "driver", None)
     point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
+    lacking = netmove.missing_move_capabilities()
+    if lacking:
+        log.warning("claimed NICs cannot move into their pods: the agent lacks %s (a move needs %s)",
+                    ", ".join(lacking), netmove.MOVE_RIGHTS)
     problem = netmove.host_netns_problem(settings.root)
     if problem:  # a systemd service is in the host's namespace (the unit has no PrivateNetwork=)
         log.log(logging.INFO if os.environ.get("INVOCATION_ID") else logging.WARNING, "the host's network namespace: %s", problem)

@@ -73,6 +73,22 @@ def _has(netns: str, name: str) -> bool:
         raise
 
 
+# what a move needs, and where a deployment grants it
+MOVE_RIGHTS = ("CAP_NET_ADMIN and CAP_SYS_ADMIN, and namespaces it may enter (systemd: the drop-in "
+               "sysdra-nri.conf; the chart: nri.enabled; docs/networking.md)")
+_MOVE_CAPABILITIES = (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21))
+
+
+def missing_move_capabilities(status: str = "/proc/self/status") -> list[str]:
+    """The capabilities a move needs that this process's effective set lacks ([] if unknown)."""
+    try:
+        with open(status, encoding="ascii", errors="replace") as f:
+            effective = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return []
+    return [name for name, bit in _MOVE_CAPABILITIES if not effective >> bit & 1]
+
+
 def host_netns(root: str) -> str:
     """The host's network namespace: its init's under ``root`` (a DaemonSet's ``/host/proc``),
     else the agent's own (a fixture root; or an init whose link this process may not open, see
