@@ -283,7 +283,8 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
                     ", ".join(lacking), netmove.MOVE_RIGHTS)
     problem = netmove.host_netns_problem(settings.root)
     if problem:  # a systemd service is in the host's namespace (the unit has no PrivateNetwork=)
-        log.log(logging.INFO if os.environ.get("INVOCATION_ID") else logging.WARNING, "the host's network namespace: %s", problem)
+        level = logging.INFO if os.environ.get("INVOCATION_ID") else logging.WARNING
+        log.log(level, "the host's network namespace: %s", problem)
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,
                         fault=crash_at(point) if point else (lambda at: None),

@@ -15,11 +15,11 @@ and the clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA'
 them. Under systemd the tmpfs must also be in PID 1's mount namespace, where the container
 runtime binds it (``runtime_namespace_pid``): a unit setting that gives the agent a namespace of
 its own fails the claim instead of handing the shares an empty /dev/shm. Its record
-(prepare/mps_records.py: PID, start time, command line, boot ID) is written before the process starts; ``reconcile`` makes the
-running daemons equal to the GPUs that shares hold: it adopts a live daemon of a record (all
-four match: never a reused PID), starts missing ones, restarts dead ones, stops those no share
-needs and removes the directories of records from another boot (a tmpfs below unmounted) and
-of daemons nobody recorded. ``restart`` is the supervisor's (prepare/mps_watch.py): the same
+(prepare/mps_records.py: PID, start time, command line, boot ID) is written before the process
+starts; ``reconcile`` makes the running daemons equal to the GPUs that shares hold: it adopts a
+live daemon of a record (all four match: never a reused PID), starts missing ones, restarts dead
+ones, stops those no share needs and removes the directories of records from another boot (a
+tmpfs below unmounted) and of daemons nobody recorded. ``restart`` is the supervisor's (prepare/mps_watch.py): the same
 GPU, directories and environment again. Both run in worker threads and block, one at a time.
 """
 
