@@ -37,6 +37,7 @@ import pytest
 
 from discovery.inventory import scan
 from tests.conftest import REPO, profile_root, require_root, require_tool
+from tests.controlplane import wait_until
 from tests.faults.harness import BOOT_ID, DRIVER, FreshKubeletClient, run
 from tests.podman import build_agent_image, podman_env
 
@@ -114,12 +115,10 @@ class SystemdNode:
                         "-v", f"{self.tmp}/srv:/srv", "-v", f"{self.kubelet}:{KUBELET}",
                         "-v", f"{REPO}:/opt/sysdra-src:ro", IMAGE],
                        env=self.env, check=True, capture_output=True, timeout=120)  # fmt: skip
-        deadline = time.monotonic() + 120
-        state = ""
-        while state not in ("running", "degraded"):  # empty while systemd's bus is not up yet
-            assert time.monotonic() < deadline, f"systemd in the container: {state!r}\n{self.sh('systemctl --failed')}"
-            time.sleep(0.2)
-            state = self.sh("systemctl is-system-running --wait 2>/dev/null || true", timeout=120).strip()
+        # empty while systemd's bus is not up yet
+        wait_until(lambda: self.sh("systemctl is-system-running --wait 2>/dev/null || true", timeout=120).strip()
+                   in ("running", "degraded"), 120, what="systemd in the container",
+                   tail=lambda: self.sh("systemctl --failed"))  # fmt: skip
 
     def remove(self) -> None:
         subprocess.run(["podman", "rm", "-f", "-t", "0", self.name], env=self.env, capture_output=True, timeout=120)
@@ -156,26 +155,23 @@ class SystemdNode:
         proc = subprocess.Popen(["podman", "exec", "-i", "-w", "/opt/sysdra-src", "-e", "PYTHONPATH=/opt/sysdra-src",
                                  self.name, "/opt/sysdra/bin/python", "-m", "tests.nri_standin", "/run/nri/nri.sock",
                                  pod, netns], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        deadline = time.monotonic() + 30
-        while "/run/nri/nri.sock" not in self.sh("ls /run/nri/nri.sock 2>/dev/null || true"):
-            assert time.monotonic() < deadline and proc.poll() is None, "the NRI stand-in did not listen"
-            time.sleep(0.1)
+        wait_until(lambda: "/run/nri/nri.sock" in self.sh("ls /run/nri/nri.sock 2>/dev/null || true"), 30,
+                   what="the NRI stand-in's socket", proc=proc)  # fmt: skip
         return proc
 
     def client(self) -> FreshKubeletClient:
         """Registered like the kubelet (a restarted agent's new socket may take a moment); its
         DRA endpoint reached through the bound kubelet dir."""
-        deadline = time.monotonic() + 30
-        while True:
+        def registered() -> FreshKubeletClient | None:
             client = FreshKubeletClient(self.host_path(f"{KUBELET}/plugins_registry"))
             try:
                 run(client.register(), timeout=5)
-                client.info.endpoint = self.host_path(client.info.endpoint)
-                return client
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"the agent did not register:\n{self.log()}")
-                time.sleep(0.2)
+            except Exception:  # not serving yet: no socket, or a refused or failing call
+                return None
+            client.info.endpoint = self.host_path(client.info.endpoint)
+            return client
+
+        return wait_until(registered, 30, what="the agent's registration", tail=self.log)
 
     def main_pid(self) -> int:
         return int(self.sh("systemctl show -p MainPID --value sysdra"))
@@ -236,10 +232,7 @@ def test_the_unit_as_shipped_starts_prepares_reloads_and_stops(node):
         assert not out.error and out.devices, f"{out.error}\n{node.log()}"
         assert NIC_CLAIM[2] in node.sh("ls /run/cdi")  # written under ProtectSystem=strict
         node.sh("echo 'resync_interval: 120' >> /etc/sysdra/config.yaml && systemctl reload sysdra")
-        deadline = time.monotonic() + 30
-        while "SIGHUP: applied resync_interval=120" not in node.log():
-            assert time.monotonic() < deadline, node.log()
-            time.sleep(0.2)
+        wait_until(lambda: "SIGHUP: applied resync_interval=120" in node.log(), 30, what="the reload", tail=node.log)
         assert not run(client.unprepare(NIC_CLAIM)).claims[NIC_CLAIM[2]].error
         assert NIC_CLAIM[2] not in node.sh("ls /run/cdi")
     finally:
@@ -255,10 +248,8 @@ def test_a_crash_is_restarted_with_its_claims_and_a_bad_config_is_not(node):
         assert not run(client.prepare(NIC_CLAIM)).claims[NIC_CLAIM[2]].error
         crashed = node.main_pid()
         node.sh("systemctl kill --kill-whom=main -s SIGKILL sysdra")  # Restart=on-failure, after 2 s
-        deadline = time.monotonic() + 30
-        while node.sh("systemctl show -p NRestarts --value sysdra").strip() != "1" or node.main_pid() in (0, crashed):
-            assert time.monotonic() < deadline, node.log()
-            time.sleep(0.2)
+        wait_until(lambda: node.sh("systemctl show -p NRestarts --value sysdra").strip() == "1"
+                   and node.main_pid() not in (0, crashed), 30, what="systemd's restart", tail=node.log)  # fmt: skip
         client = node.client()
         out = run(client.unprepare(NIC_CLAIM)).claims[NIC_CLAIM[2]]  # the new agent knows the claim
         assert not out.error and NIC_CLAIM[2] not in node.sh("ls /run/cdi"), out.error
@@ -352,7 +343,8 @@ def _links(node: SystemdNode, netns: str | None = None) -> list[str]:
 def _said(proc: subprocess.Popen, node: SystemdNode, timeout: float = 30) -> dict:
     """The NRI stand-in's next JSON line."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, f"the NRI stand-in said nothing in {timeout:.0f}s\n{node.log()}"
+    if not ready:
+        raise RuntimeError(f"the NRI stand-in said nothing within {timeout:.0f}s:\n{node.log()}")
     return json.loads(proc.stdout.readline() or "{}")
 
 
@@ -387,10 +379,8 @@ def test_with_the_drop_in_the_daemon_serves_from_the_hosts_mount_namespace(node)
         client = node.client()
 
         node.sh(f"kill -9 {pid}")  # the new agent supervises the daemon it adopted
-        deadline = time.monotonic() + 30
-        while (node.record().get(node.uuid, {}).get("pid") in (None, pid) or node.daemons() == []) \
-                and time.monotonic() < deadline:  # fmt: skip
-            time.sleep(0.2)
+        wait_until(lambda: node.record().get(node.uuid, {}).get("pid") not in (None, pid) and node.daemons(), 30,
+                   what="the daemon started again", tail=node.log)  # fmt: skip
         (again,) = node.daemons()
         assert again != pid and node.record()[node.uuid]["pid"] == again, node.log()
         _served_from_pid1s_namespace(node, again)

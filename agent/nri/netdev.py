@@ -277,18 +277,23 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     status = getattr(kubelet_plugin, "status", None)
     driver = getattr(kubelet_plugin, "driver", None)
     point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
-    lacking = netmove.missing_move_capabilities()
-    if lacking:
-        log.warning("claimed NICs cannot move into their pods: the agent lacks %s (a move needs %s)",
-                    ", ".join(lacking), netmove.MOVE_RIGHTS)
-    problem = netmove.host_netns_problem(settings.root)
-    if problem:  # a systemd service is in the host's namespace (the unit has no PrivateNetwork=)
-        level = logging.INFO if os.environ.get("INVOCATION_ID") else logging.WARNING
-        log.log(level, "the host's network namespace: %s", problem)
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,
                         fault=crash_at(point) if point else (lambda at: None),
                         saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None)
     loop = asyncio.get_running_loop()
     return [loop.create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri"),
-            loop.create_task(mover.watch(), name="nri-netdevs")]
+            loop.create_task(mover.watch(), name="nri-netdevs"),
+            loop.create_task(asyncio.to_thread(_say_what_moves_lack, settings.root), name="nri-rights")]
+
+
+def _say_what_moves_lack(root: str) -> None:
+    """Logged once at start (procfs reads: a worker thread): what would keep claimed NICs on the host."""
+    lacking = netmove.missing_move_capabilities()
+    if lacking:
+        log.warning("claimed NICs cannot move into their pods: the agent lacks %s (a move needs %s)",
+                    ", ".join(lacking), netmove.MOVE_RIGHTS)
+    problem = netmove.host_netns_problem(root)
+    if problem:  # a systemd service is in the host's namespace (the unit has no PrivateNetwork=)
+        level = logging.INFO if os.environ.get("INVOCATION_ID") else logging.WARNING
+        log.log(level, "the host's network namespace: %s", problem)
