@@ -27,6 +27,9 @@ from discovery.nvidia_driver import LIB_DIRS, resolve
 log = logging.getLogger(__name__)
 
 LIBRARY = "libnvidia-ml.so.1"
+# NVML opens the driver's control node in this process's own /dev, whatever the host root: a
+# container without it (not privileged) cannot initialise NVML
+CONTROL_NODE = "/dev/nvidiactl"
 
 
 _SHARED: dict[tuple[str, str], "Nvml | None"] = {}
@@ -114,7 +117,10 @@ class Nvml:
         try:
             worker.call(init)
         except Exception as err:  # noqa: BLE001 - a timeout, a load error or an NVML error
-            log.warning("NVML: %s failed to initialise (%s): GPU facts from the PCI ID table", path, _why(err))
+            log.warning("NVML: %s failed to initialise (%s): GPU facts from the PCI ID table%s", path, _why(err),
+                        "" if os.path.exists(CONTROL_NODE) else
+                        f"; this process has no {CONTROL_NODE}: NVML needs the GPUs' device nodes (in a container: "
+                        "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)")
             return None
         log.info("NVML: loaded %s", path)
         return cls(pynvml, worker, path)

@@ -59,6 +59,9 @@ class SimNvml:
     def nvmlInit(self):
         self.initialised = True
 
+    def nvmlShutdown(self):
+        self.initialised = False
+
     def nvmlSystemGetDriverVersion(self):
         return self.driver
 
@@ -73,6 +76,15 @@ class SimNvml:
         if gpu is None:
             raise NVMLError(13)  # NVML_ERROR_NOT_FOUND
         return gpu
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int):
+        return list(self.gpus.values())[i]  # a device's handle is its SimGpu, however it was found
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return _PciInfo("0000" + h.bus_id.upper())  # NVML's 8-digit domain
 
     def _answer(self, gpu: SimGpu, what: str, value):
         if what in gpu.unsupported:
@@ -108,11 +120,6 @@ def open_sim(root: str, sim: SimNvml, driver_root: str = "/usr/local/nvidia", ti
     return Nvml.open(root, driver_root, timeout=timeout, pynvml=sim, load=lambda path: None)
 
 
-class _Handle:
-    def __init__(self, gpu: SimGpu):
-        self.gpu = gpu
-
-
 @dataclass
 class _PciInfo:
     busId: str
@@ -142,22 +149,13 @@ class SimNvmlEvents(SimNvml):
         self.refuse = refuse  # bus IDs whose registration NVML refuses
         self.registered: list[tuple[str, int]] = []
 
-    def nvmlDeviceGetCount(self):
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, i: int):
-        return _Handle(list(self.gpus.values())[i])
-
-    def nvmlDeviceGetPciInfo(self, h):
-        return _PciInfo("0000" + h.gpu.bus_id.upper())  # NVML's 8-digit domain
-
     def nvmlEventSetCreate(self):
         return object()
 
     def nvmlDeviceRegisterEvents(self, h, mask: int, event_set):
-        if h.gpu.bus_id in self.refuse:
+        if h.bus_id in self.refuse:
             raise NVMLError()
-        self.registered.append((h.gpu.bus_id, mask))
+        self.registered.append((h.bus_id, mask))
 
     def nvmlEventSetWait_v2(self, event_set, timeout_ms: int):
         import queue
@@ -168,4 +166,4 @@ class SimNvmlEvents(SimNvml):
             raise NVMLError(self.NVML_ERROR_TIMEOUT) from None
 
     def emit(self, bus_id: str, event_type: int, data: int = 0) -> None:
-        self.queue.put(SimEvent(_Handle(self.gpus[bus_id]), event_type, data))
+        self.queue.put(SimEvent(self.gpus[bus_id], event_type, data))

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pynvml  # its ctypes structures only: no library is loaded
 
 from fixtures.generate import mig_minor
-from tests.simnvml import NVMLError, SimGpu, SimNvml
+from tests.simnvml import NVMLError, SimGpu, SimNvmlEvents
 
 INVALID_ARGUMENT, NOT_SUPPORTED, NOT_FOUND, IN_USE, INSUFFICIENT_RESOURCES = 2, 3, 6, 19, 23
 # (NVML profile index, ID, name, slices, memory MB, SMs, CE, DEC, ENC, JPEG, OFA, instances, placements)
@@ -54,8 +54,9 @@ def _code(h) -> int:
     return ctypes.cast(h, ctypes.c_void_p).value or 0
 
 
-class SimMigNvml(SimNvml):
-    """``gpus``' ``mig`` is (current, pending); ``gis`` {GI ID: {profile, start, size, cis: {CI ID: CI profile}}}."""
+class SimMigNvml(SimNvmlEvents):
+    """``gpus``' ``mig`` is (current, pending); ``gis`` {GI ID: {profile, start, size, cis: {CI ID: CI profile}}}.
+    With the event API (XID/ECC), as a real NVML with MIG has."""
 
     c_nvmlGpuInstancePlacement_t = pynvml.c_nvmlGpuInstancePlacement_t
     c_nvmlGpuInstance_t, c_nvmlComputeInstance_t = pynvml.c_nvmlGpuInstance_t, pynvml.c_nvmlComputeInstance_t
@@ -317,11 +318,11 @@ def write_mig_minors(root: str, gpus: int = 1) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def install_from_env() -> None:
+def install_from_env() -> SimMigNvml | None:
     """Under a real agent process: NVML is this simulator over ``$SYSDRA_SIMNVML``'s state."""
     path = os.environ.get("SYSDRA_SIMNVML")
     if not path:
-        return
+        return None
     from discovery.nvml import Nvml
 
     sim = SimMigNvml(state=path)
@@ -331,3 +332,4 @@ def install_from_env() -> None:
         return real(cls, root, driver_root, timeout, pynvml=sim, load=lambda p: None)
 
     Nvml.open = classmethod(open_sim)
+    return sim

@@ -123,6 +123,21 @@ def test_without_nri_the_agent_keeps_dac_override_alone():
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
 
 
+@pytest.mark.parametrize("sets, privileged", [
+    (("nvidia.enabled=true",), True),  # NVML opens the GPUs' device nodes, which only a privileged container has
+    (("nvidia.enabled=true", "config.nvml=false"), False),  # facts from the PCI ID table: no need
+    (("nvidia.mps=true", "config.nvml=false"), True),  # the MPS daemons' mounts
+    ((), False),
+])
+def test_the_agent_is_privileged_only_for_what_needs_it(sets, privileged):
+    objs = _objects_set(*sets)
+    (c,) = _one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"]["privileged"] is privileged
+    assert c["securityContext"]["allowPrivilegeEscalation"] is privileged  # the API refuses privileged without it
+    config = yaml.safe_load(_one(objs, "ConfigMap")["data"]["config.yaml"])
+    assert config["nvml"] is ("config.nvml=false" not in sets)
+
+
 def _objects_set(*sets: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(render(sets=sets)) if d]
 

@@ -103,6 +103,29 @@ def test_no_library_under_the_driver_root_means_no_nvml(caplog):
     assert "no libnvidia-ml.so.1" in caplog.text
 
 
+@pytest.mark.parametrize("has_node", [True, False])
+def test_an_nvml_that_cannot_start_says_why_and_the_table_answers(tmp_path, monkeypatch, caplog, has_node):
+    """NVML opens /dev/nvidiactl in the agent's own /dev: where that is missing (an unprivileged
+    container), the warning names it and what gives it."""
+    from discovery import nvml as nvml_module
+
+    node = tmp_path / "nvidiactl"
+    if has_node:
+        node.write_text("")
+    monkeypatch.setattr(nvml_module, "CONTROL_NODE", str(node))
+
+    class Refusing(SimNvml):
+        def nvmlInit(self):
+            raise self.NVMLError(9)  # NVML_ERROR_DRIVER_NOT_LOADED
+
+    root = profile_root("h200-vm")
+    assert open_sim(root, Refusing()) is None
+    assert "failed to initialise" in caplog.text and "PCI ID table" in caplog.text
+    assert (f"this process has no {node}" in caplog.text) is not has_node
+    assert ("privileged" in caplog.text) is not has_node
+    assert _gpu(scan(root, nvml=None)).gpu.nvidia.source == "table"
+
+
 @pytest.mark.parametrize("text,want", [("580.159.04", "580.159.4"), ("550.54", "550.54.0"), ("9.0", "9.0.0"),
                                        ("", None), ("v1", None), ("1.2.3.4", None), (None, None)])
 def test_semver(text, want):

@@ -186,7 +186,8 @@ class Agent:
         await self.health.start()
         if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
             self.health.watch_links()
-            await self.health.watch_gpu_events()
+        # NVML under any root is the host's driver (the DaemonSet's root is /host): its events are the GPUs'
+        await self.health.watch_gpu_events()
         if self.watcher is not None:  # timer rounds need not poll what its events report
             self.health.events_report(self.watcher.reports)
         async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them

@@ -17,12 +17,13 @@ import re
 import subprocess
 import sys
 
-from tests.hardware.nvidia_check import Log, sysdra, write
+from tests.hardware.nvidia_check import Log, nvidia_smi, sysdra, write
 
 # | 0  MIG 1g.18gb  19  7/7  16.00  No  16  1  0 |  then  |  1  1  0 |  (SM DEC ENC, then CE JPEG OFA)
 _LGIP = re.compile(r"^\|\s*(\d+)\s+MIG\s+(\S+)\s+(\d+)\s+(\d+)/(\d+)\s+([\d.]+)\s+\S+\s+(\d+)\s+(\d+)\s+(\d+)\s*\|")
 _LGIP2 = re.compile(r"^\|\s+(\d+)\s+(\d+)\s+(\d+)\s*\|")
-_LGIPP = re.compile(r"GPU\s+(\d+)\s+Profile ID\s+(\d+)\s+Placements:\s*\{([\d,\s]*)\}:(\d+)")
+# GPU  0 Profile ID 19 Placements: {0,1,2,3,4,5,6}:1  and, for one placement,  ... Placement : {0}:8
+_LGIPP = re.compile(r"GPU\s+(\d+)\s+Profile ID\s+(\d+)\s+Placements?\s*:\s*\{([\d,\s]*)\}:(\d+)")
 
 
 def parse_lgip(text: str) -> dict[str, dict]:
@@ -57,18 +58,19 @@ def _mode(bdf: str):
         pynvml.nvmlShutdown()
 
 
-def step_mig(log: Log, out: str, driver_root: str, bdf: str) -> None:
+def step_mig(log: Log, out: str, root: str, driver_root: str, bdf: str) -> None:
     from discovery.nvml import Nvml
 
     before = _mode(bdf)
     log(f"MIG mode of {bdf} (current, pending): {before}")
-    nvml = Nvml.open("/", driver_root)
+    nvml = Nvml.open(root, driver_root)
     ours = nvml.mig_profiles(bdf) if nvml is not None else ()
     write(out, "mig-profiles.json", [dataclasses.asdict(p) for p in ours])
     if not log.check(bool(ours), f"NVML lists {len(ours)} MIG profiles through discovery/mig.py"):
         return
-    lgip = subprocess.run(["nvidia-smi", "mig", "-lgip"], capture_output=True, text=True)
-    lgipp = subprocess.run(["nvidia-smi", "mig", "-lgipp"], capture_output=True, text=True)
+    smi_path = nvidia_smi(driver_root) or "nvidia-smi"
+    lgip = subprocess.run([smi_path, "mig", "-lgip"], capture_output=True, text=True)
+    lgipp = subprocess.run([smi_path, "mig", "-lgipp"], capture_output=True, text=True)
     write(out, "nvidia-smi-mig-lgip.txt", lgip.stdout + lgip.stderr)
     write(out, "nvidia-smi-mig-lgipp.txt", lgipp.stdout + lgipp.stderr)
     smi, places = parse_lgip(lgip.stdout), parse_lgipp(lgipp.stdout)
@@ -87,7 +89,7 @@ def step_mig(log: Log, out: str, driver_root: str, bdf: str) -> None:
     real = {p.name: (p.id, p.slices, p.memory_mb, p.multiprocessors, p.copy_engines, p.decoders, p.encoders, p.jpeg, p.ofa,
                      list(p.placements)) for p in ours}
     log(f"the simulator's table {'equals' if sim == real else 'differs from'} this GPU's (an H200's should equal)")
-    slices = sysdra("scan", "-o", "slices", "--partitions", "--nvidia-driver-root", driver_root)
+    slices = sysdra("scan", "--root", root, "-o", "slices", "--partitions", "--nvidia-driver-root", driver_root)
     write(out, "slices-partitions.json", slices.stdout)
     devices = [d for s in json.loads(slices.stdout or '{"items": []}').get("items", []) for d in s["spec"].get("devices", [])]
     mig = [d for d in devices if "migProfile" in d.get("attributes", {})]
@@ -98,6 +100,7 @@ def step_mig(log: Log, out: str, driver_root: str, bdf: str) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", default="/")
     p.add_argument("--driver-root", default="/")
     p.add_argument("--bdf", default="0000:00:06.0", help="the GPU's PCI address (the lent H200's by default)")
     p.add_argument("--out", required=True)
@@ -105,7 +108,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.out, exist_ok=True)
     log = Log(args.out)
     try:
-        step_mig(log, args.out, args.driver_root, args.bdf)
+        step_mig(log, args.out, args.root, args.driver_root, args.bdf)
     except Exception as err:  # noqa: BLE001 - reported, like every step of the check
         log.check(False, f"MIG step: {type(err).__name__}: {err}")
     log(f"done: {len(log.failures)} failure(s) {log.failures}")

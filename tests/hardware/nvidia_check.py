@@ -12,12 +12,16 @@ Steps (each logged to DIR/check.log with its result; the files named below land 
 3. A plain rootfs holding glibc and the CUDA program (``cuda_check.cu``, PTX only, so the driver
    JIT-compiles it); the spec's edits applied by ``cdirun.py`` in new namespaces; the program
    launches a kernel and checks its result. Then the same rootfs with the spec's device nodes but
-   without its driver mounts, which must fail: the spec is what made CUDA work.
-4. Unprepare, the spec gone, the agent stopped.
+   without its driver mounts, which must fail: the spec is what made CUDA work. Then MPS: the claim
+   is a 20Gi share, a client of the MPS control daemon the agent started for it; 10 GiB allocate in
+   the spec's rootfs, 30 GiB do not. (Without nvcc the program's runs are skipped and reported.)
+4. Unprepare, the spec gone, the MPS daemon stopped, the agent stopped.
 1b. (``mig_check.py``, read-only) the MIG profiles and placements NVML lists through discovery/mig.py
    against ``nvidia-smi mig -lgip``/``-lgipp`` and the simulator's table -> mig-profiles.json; the
    MIG mode is not changed (checked before and after) and no instance is created.
-Leaves the GPU's settings alone; stops everything it started.
+Leaves the GPU's settings alone; stops everything it started. ``--root`` (default ``/``) and a
+simulated NVML/nvidia-smi rehearse the whole check on a fixture node where no GPU is
+(tests/test_hardware_check.py), so the first run on a lent GPU is not also its first run.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ def write(out: str, name: str, data) -> None:
         f.write(data if isinstance(data, str) else json.dumps(data, indent=2))
 
 
+def nvidia_smi(driver_root: str) -> str | None:
+    """``nvidia-smi`` on PATH, else the driver root's (a container's PATH may lack it)."""
+    return shutil.which("nvidia-smi") or shutil.which("nvidia-smi", path=os.path.join(driver_root, "bin"))
+
+
 def nvml_facts() -> list[dict]:
     import pynvml
 
@@ -92,8 +101,8 @@ def nvml_facts() -> list[dict]:
         pynvml.nvmlShutdown()
 
 
-def step_scan(log: Log, out: str, driver_root: str) -> dict | None:
-    flags = ["--nvidia-driver-root", driver_root]
+def step_scan(log: Log, out: str, root: str, driver_root: str) -> dict | None:
+    flags = ["--root", root, "--nvidia-driver-root", driver_root]
     table = sysdra("scan", *flags)
     log(f"sysdra scan (exit {table.returncode}):\n{table.stdout}{table.stderr[-2000:]}")
     res = sysdra("scan", "-o", "json", *flags)
@@ -124,8 +133,8 @@ def step_scan(log: Log, out: str, driver_root: str) -> dict | None:
     return gpu
 
 
-def start_agent(tmp: str, driver_root: str) -> subprocess.Popen:
-    args = ["run", "--root", "/", "--node-name", NODE, "--cluster", f"dir:{tmp}/cluster",
+def start_agent(tmp: str, root: str, driver_root: str) -> subprocess.Popen:
+    args = ["run", "--root", root, "--node-name", NODE, "--cluster", f"dir:{tmp}/cluster",
             "--kubelet-dir", f"{tmp}/kubelet", "--cdi-dir", f"{tmp}/cdi", "--metrics-address", "",
             "--nvidia-driver-root", driver_root, "--share", "gpu"]
     log_file = open(os.path.join(tmp, "agent.log"), "w")
@@ -182,7 +191,7 @@ def run_in_spec(spec_path: str, device: str, rootfs: str, *args: str) -> subproc
                           timeout=180)
 
 
-def check_mps(log: Log, spec: dict, spec_path: str, device: str, rootfs: str) -> None:
+def check_mps(log: Log, spec: dict, spec_path: str, device: str, rootfs: str | None) -> None:
     """The share's limits enforced by the MPS control daemon the agent started at prepare
     (agent/prepare/steps/mps.py): the claim asked for 20Gi, so 10 GiB is allocated, 30 GiB is not."""
     (dev,) = [d for d in spec["devices"] if d["name"] == device]
@@ -194,12 +203,31 @@ def check_mps(log: Log, spec: dict, spec_path: str, device: str, rootfs: str) ->
 
     shm = [m["hostPath"] for m in dev["containerEdits"].get("mounts", []) if m["containerPath"] == "/dev/shm"]
     log.check(len(shm) == 1 and (mounted_at(shm[0]) or ("",))[0] == "tmpfs", f"the share's /dev/shm is the daemon's shm tmpfs {shm}")
+    if rootfs is None:
+        log("SKIP the MPS clients' allocations: no CUDA program was built")
+        return
     small, big = run_in_spec(spec_path, device, rootfs, "10"), run_in_spec(spec_path, device, rootfs, "30")
     log(f"MPS client of a 20Gi share: {small.stdout.strip()} / {big.stdout.strip()} {big.stderr[-300:]}")
     log.check(small.returncode == 0 and big.returncode == 2, "MPS enforces the share's memory limit (10 GiB ok, 30 GiB refused)")
 
 
-async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, driver_root: str) -> None:
+def check_cuda(log: Log, tmp: str, spec: dict, spec_path: str, device: str, rootfs: str, program: str) -> None:
+    """The program runs from the spec's edits alone, and fails without its driver mounts."""
+    run = run_in_spec(spec_path, device, rootfs)
+    log(f"cuda_check from the spec (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}")
+    log.check(run.returncode == 0 and "OK kernel ran" in run.stdout, "a CUDA kernel ran from the claim's CDI spec alone")
+    bare = dict(spec, containerEdits={k: v for k, v in spec["containerEdits"].items() if k not in ("mounts", "hooks")})
+    bare_path = os.path.join(tmp, "bare-spec.json")
+    with open(bare_path, "w") as f:
+        json.dump(bare, f)
+    run = run_in_spec(bare_path, device, build_rootfs(os.path.join(tmp, "bare"), program))
+    log(f"cuda_check with the device nodes only (exit {run.returncode}):\n{run.stdout}{run.stderr[-1000:]}")
+    log.check(run.returncode != 0, "without the spec's driver mounts the same program fails")
+
+
+async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str | None) -> None:
+    """The claim prepared, its spec run (when the CUDA program was built), unprepared: the agent's
+    side (spec, MPS daemon, cleanup) is checked even where no program could be built."""
     from agent.kubeletplugin.kubelet_client import KubeletClient
 
     kubelet = KubeletClient(os.path.join(tmp, "kubelet", "plugins_registry"))
@@ -220,17 +248,11 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, dr
     mounts = [m["containerPath"] for m in spec.get("containerEdits", {}).get("mounts", [])]
     log(f"CDI {ids}: {len(mounts)} driver mounts, spec env {spec['containerEdits'].get('env')}")
     device = ids[0].split("=", 1)[1]
-    rootfs = build_rootfs(tmp, program)
-    run = run_in_spec(spec_path, device, rootfs)
-    log(f"cuda_check from the spec (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}")
-    log.check(run.returncode == 0 and "OK kernel ran" in run.stdout, "a CUDA kernel ran from the claim's CDI spec alone")
-    bare = dict(spec, containerEdits={k: v for k, v in spec["containerEdits"].items() if k not in ("mounts", "hooks")})
-    bare_path = os.path.join(tmp, "bare-spec.json")
-    with open(bare_path, "w") as f:
-        json.dump(bare, f)
-    run = run_in_spec(bare_path, device, build_rootfs(os.path.join(tmp, "bare"), program))
-    log(f"cuda_check with the device nodes only (exit {run.returncode}):\n{run.stdout}{run.stderr[-1000:]}")
-    log.check(run.returncode != 0, "without the spec's driver mounts the same program fails")
+    rootfs = build_rootfs(tmp, program) if program else None
+    if rootfs is None:
+        log("SKIP the CUDA program from the spec: none was built")
+    else:
+        check_cuda(log, tmp, spec, spec_path, device, rootfs, program)
     check_mps(log, spec, spec_path, device, rootfs)
     pids = [p.pid for p in psutil.process_iter(["cmdline"]) if "nvidia-cuda-mps-control" in " ".join(p.info["cmdline"] or [])]
     log(f"MPS control daemons running: {pids}")
@@ -241,22 +263,33 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str, dr
     log.check(not left, f"the MPS control daemon stopped with the last share {left or ''}")
 
 
+def build_program(log: Log, tmp: str) -> str | None:
+    """``cuda_check`` as PTX only (the driver JIT-compiles it); None where nvcc is missing or fails."""
+    nvcc, program = shutil.which("nvcc"), os.path.join(tmp, "cuda_check")
+    if not log.check(nvcc is not None, "nvcc on PATH (CUDA toolkit)"):
+        return None
+    build = subprocess.run([nvcc, "-O2", "-gencode", "arch=compute_90,code=compute_90", "-o", program,
+                            os.path.join(HERE, "cuda_check.cu")], capture_output=True, text=True)
+    return program if log.check(build.returncode == 0, f"nvcc built cuda_check (PTX only) {build.stderr[-500:]}") else None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", default="/", help="the host root the agent reads (/ on the GPU machine)")
     p.add_argument("--driver-root", default="/")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     log = Log(args.out)
-    log(f"sysdra real-GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, driver root {args.driver_root}")
-    smi_path = shutil.which("nvidia-smi") or shutil.which("nvidia-smi", path=os.path.join(args.driver_root, "bin"))
+    log(f"sysdra real-GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, root {args.root}, driver root {args.driver_root}")
+    smi_path = nvidia_smi(args.driver_root)
     if not log.check(smi_path is not None, f"nvidia-smi on PATH or in {args.driver_root}/bin (no GPU driver here?)"):
         return 1
     smi = subprocess.run([smi_path, "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv"],
                          capture_output=True, text=True)
     log(f"nvidia-smi: {smi.stdout.strip()}")
     try:
-        gpu = step_scan(log, args.out, args.driver_root)
+        gpu = step_scan(log, args.out, args.root, args.driver_root)
     except Exception as err:  # noqa: BLE001 - the later steps still run and report
         log.check(False, f"scan step: {type(err).__name__}: {err}")
         gpu = None
@@ -264,20 +297,17 @@ def main(argv: list[str]) -> int:
         from tests.hardware.mig_check import step_mig
 
         try:
-            step_mig(log, args.out, args.driver_root, gpu["attributes"]["pciAddress"]["string"])
+            step_mig(log, args.out, args.root, args.driver_root, gpu["attributes"]["pciAddress"]["string"])
         except Exception as err:  # noqa: BLE001
             log.check(False, f"MIG step: {type(err).__name__}: {err}")
     tmp = tempfile.mkdtemp(prefix="sysdra-gpu-")
-    program = os.path.join(tmp, "cuda_check")
-    build = subprocess.run(["nvcc", "-O2", "-gencode", "arch=compute_90,code=compute_90", "-o", program,
-                            os.path.join(HERE, "cuda_check.cu")], capture_output=True, text=True)
-    log.check(build.returncode == 0, f"nvcc built cuda_check (PTX only) {build.stderr[-500:]}")
-    agent = start_agent(tmp, args.driver_root)
+    program = build_program(log, tmp)
+    agent = start_agent(tmp, args.root, args.driver_root)
     try:
         sock = wait_for(lambda: glob.glob(os.path.join(tmp, "kubelet", "plugins_registry", "*.sock")))
-        if log.check(bool(sock), "the agent registered its socket") and gpu and build.returncode == 0:
+        if log.check(bool(sock), "the agent registered its socket") and gpu:
             try:
-                asyncio.run(step_prepare(log, args.out, tmp, gpu, program, args.driver_root))
+                asyncio.run(step_prepare(log, args.out, tmp, gpu, program))
             except Exception as err:  # noqa: BLE001
                 log.check(False, f"prepare step: {type(err).__name__}: {err}")
     finally:

@@ -27,6 +27,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* Privileged: the MPS daemons' mounts (nvidia.mps), or NVML's device nodes (nvidia.enabled with config.nvml). */}}
+{{- define "sysdra.privileged" -}}
+{{- if or .Values.nvidia.mps (and .Values.nvidia.enabled .Values.config.nvml) -}}true{{- else -}}false{{- end -}}
+{{- end -}}
+
 {{/* The agent's view of a host directory under --root=/host: "/" is /host itself. */}}
 {{- define "sysdra.underRoot" -}}
 {{- printf "/host/%s" (trimPrefix "/" .) | trimSuffix "/" -}}
