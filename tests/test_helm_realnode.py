@@ -4,8 +4,8 @@ registers with the kubelet, publishes, prepares a workload pod's claim and moves
 netdev into its pod (NRI, as the chart grants it); `helm upgrade` to
 another tag rolls the agent with surge while pods keep being prepared; `helm uninstall` leaves
 no slice, socket or CDI spec. With `nvidia.mps` the image's agent runs a shared GPU's MPS daemon
-whose shm tmpfs reaches the node's containerd. Root, podman and debootstrap (the image's base)
-needed.
+whose shm tmpfs reaches the node's containerd. With the node's own /sys the agent hears the
+kernel's uevents. Root, podman and debootstrap (the image's base) needed.
 
 The node's pods reach the API server only on 127.0.0.1 (no kube-proxy, no CNI but loopback):
 the DaemonSet runs on the host network here, KUBERNETES_SERVICE_HOST pointed at the server."""
@@ -326,3 +326,24 @@ def test_mps_shares_through_the_chart(node):
     finally:
         run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")
         wait(lambda: not agent_pods(node), "the agent pods gone", node)
+
+
+def test_the_nodes_own_sysfs_is_watched_by_uevents(node):
+    """``hostPaths.sys`` at the node's own /sys, as on any real node (the other tests give a fixture
+    tree): the agent's /host/sys is then the kernel's sysfs, where inotify sees no change, so it
+    listens to the kernel's uevents, and a change to one of this machine's PCI functions reaches it."""
+    bdf = sorted(os.listdir("/sys/bus/pci/devices"))[0]
+    run_helm(node, "install", "sysdra", CHART, "--namespace", "sysdra", "--create-namespace", "--values", node.values,
+             "--set", "hostPaths.sys=/sys", "--set", "config.logLevel=debug")  # fmt: skip
+    try:
+        wait(lambda: running_agents(node), "the agent pod running", node)
+        wait(lambda: "watching kernel uevents for pci" in agent_logs(node, 10000), "the agent on kernel uevents", node)
+        with open(f"/sys/bus/pci/devices/{bdf}/uevent", "w") as f:
+            f.write("change")
+        wait(lambda: f"uevent change /devices/" in (logs := agent_logs(node, 10000)) and f"{bdf} (pci)" in logs,
+             f"the uevent of {bdf} in the agent's log", node)  # fmt: skip
+        assert "watching file events" not in agent_logs(node, 10000)
+    finally:
+        run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")
+        wait(lambda: not agent_pods(node), "the agent pods gone", node)
+        wait(lambda: not node.slices(), "the slices gone", node, timeout=90)

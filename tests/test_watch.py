@@ -8,6 +8,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from agent.service.daemon import Agent
 from agent.service.watch import Debouncer, HardwareWatcher, UdevSource
 from agent.settings import Settings
-from tests.conftest import profile_root, profiles, require_root
+from tests.conftest import REPO, profile_root, profiles, require_root
 from tests.simkernel import set_uevent_driver
 
 DEBOUNCE = 0.1
@@ -185,6 +187,15 @@ async def _no_plugin():
     return None
 
 
+def test_only_the_kernels_sysfs_is_watched_by_uevents(tmp_path):
+    """A fixture tree is files (their events are the changes); the kernel's sysfs is not."""
+    from agent.service.watch import is_sysfs
+
+    assert is_sysfs("/sys") and not is_sysfs(profile_root("h200-vm") + "/sys") and not is_sysfs(str(tmp_path / "none"))
+    assert HardwareWatcher("/", Debouncer(1.0, lambda *_: None)).uevents
+    assert not HardwareWatcher(profile_root("h200-vm"), Debouncer(1.0, lambda *_: None)).uevents
+
+
 # --- real kernel uevents -----------------------------------------------------------------
 def _first_pci_device() -> str:
     devices = sorted(os.listdir("/sys/bus/pci/devices")) if os.path.isdir("/sys/bus/pci/devices") else []
@@ -227,3 +238,42 @@ def test_real_kernel_uevent_reaches_monitor_and_triggers_rescan(action):
     ours = [d for d in seen if d is not None and d.sys_name == bdf]
     assert ours and ours[0].action == action and ours[0].subsystem == "pci"
     assert rescans
+
+
+_POD_VIEW = """
+import asyncio, os, subprocess, sys, time
+from agent.service.watch import Debouncer, HardwareWatcher
+root, bdf = sys.argv[1], sys.argv[2]
+os.makedirs(root + "/sys")
+subprocess.run(["mount", "--bind", "/sys", root + "/sys"], check=True)  # as the chart's hostPath /sys at /host/sys
+
+async def main():
+    changed = []
+    watcher = HardwareWatcher(root, Debouncer(0.05, lambda first, bdfs: changed.append(bdfs), with_changes=True))
+    await watcher.start()
+    await asyncio.sleep(0.05)
+    with open(f"{root}/sys/bus/pci/devices/{bdf}/uevent", "w") as f:
+        f.write("change")
+    deadline = time.monotonic() + 5
+    while not changed and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    watcher.stop()
+    print(watcher.uevents, watcher.reports(), changed)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_daemonset_agent_sees_the_hosts_uevents(tmp_path):
+    """The DaemonSet's agent: ``--root=/host`` with the host's /sys mounted at /host/sys, in the
+    pod's own network namespace (no hostNetwork). Its sys is the kernel's, so it listens to
+    kernel uevents (file events never come from sysfs), and they reach the pod's namespace: a
+    change to a real PCI function is a rescan of that function."""
+    require_root()
+    bdf = _first_pci_device()
+    run = subprocess.run(["unshare", "--mount", "--net", "--propagation", "private", sys.executable, "-c", _POD_VIEW,
+                          str(tmp_path / "host"), bdf], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"True (True, False) [{{'{bdf}'}}]", run.stdout + run.stderr

@@ -1,9 +1,11 @@
 """Hardware change triggers. Events never carry data we use: they only schedule a rescan.
 
-- real root (``/``): pyudev netlink monitor on the subsystems we publish (udev source
-  when udevd runs, else raw kernel uevents); inotify cannot see sysfs changes;
-- fixture root: file events below ROOT/sys (tests, demos), from the ``watchdog`` package's
-  inotify observer (``FileWatch``);
+- a root whose ``sys`` is the kernel's sysfs (``/``, or the DaemonSet's ``/host`` with the
+  host's ``/sys`` mounted there): pyudev netlink monitor on the subsystems we publish (udev
+  source when udevd runs and this process sees it, else raw kernel uevents, which reach every
+  network namespace of the initial user namespace, a pod's too); inotify cannot see sysfs changes;
+- a fixture root (a tree of files): file events below ROOT/sys (tests, demos), from the
+  ``watchdog`` package's inotify observer (``FileWatch``);
 - both: a periodic full rescan as a safety net (netlink drops events under bursts).
 
 Events name the PCI function they are about (uevent DEVPATH, file path -> deepest PCI
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import time
@@ -29,6 +32,7 @@ from discovery.inventory import bdf_of_path
 
 log = logging.getLogger("sysdra.watch")
 
+SYSFS_MAGIC = 0x62656572  # statfs(2)'s f_type of sysfs
 SUBSYSTEMS = ("pci", "net", "infiniband", "infiniband_verbs", "drm", "accel", "vfio",
               "fpga_region", "fpga_manager", "fpga_bridge", "dfl")
 
@@ -200,6 +204,15 @@ def _device_bdf(device) -> str | None:
         return None
 
 
+def is_sysfs(path: str) -> bool:
+    """Whether ``path`` is the kernel's sysfs (a mount of it or a bind of one), not a tree of
+    files that looks like it (a fixture): only the kernel's announces changes by uevents."""
+    buf = (ctypes.c_long * 32)()  # struct statfs (120 bytes on 64-bit Linux), f_type first
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+        return False
+    return buf[0] == SYSFS_MAGIC
+
+
 class HardwareWatcher:
     """Starts the right event source for ``root`` and feeds the debouncer."""
 
@@ -209,12 +222,13 @@ class HardwareWatcher:
         self.on_event = on_event  # metrics: called with the source ("udev", "kernel", "file") per event
         self._udev: UdevSource | None = None
         self._observer = None
+        self.uevents = is_sysfs(os.path.join(root, "sys"))  # else file events below root/sys
 
     @property
     def arms_at_once(self) -> bool:
         """Whether ``start`` is instant (a netlink socket), or walks a tree (a fixture root's
         file watch: seconds on a 10,000-directory node, in a worker thread)."""
-        return os.path.abspath(self.root) == "/"
+        return self.uevents
 
     async def start(self) -> None:
         """Arm the event source; from now on every change reaches the debouncer."""
