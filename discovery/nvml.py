@@ -110,15 +110,18 @@ class Nvml:
         load = load or (lambda p: ctypes.CDLL(p, mode=os.RTLD_GLOBAL | os.RTLD_NOW))
         worker = _Worker(timeout)
 
+        loaded = []
+
         def init():
             load(path)  # pynvml then finds it by its soname, already loaded
+            loaded.append(path)
             pynvml.nvmlInit()
 
         try:
             worker.call(init)
         except Exception as err:  # noqa: BLE001 - a timeout, a load error or an NVML error
             log.warning("NVML: %s failed to initialise (%s): GPU facts from the PCI ID table%s", path, _why(err),
-                        "" if os.path.exists(CONTROL_NODE) else
+                        "" if not loaded or os.path.exists(CONTROL_NODE) else
                         f"; this process has no {CONTROL_NODE}: NVML needs the GPUs' device nodes (in a container: "
                         "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)")
             return None

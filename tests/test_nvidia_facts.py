@@ -126,6 +126,19 @@ def test_an_nvml_that_cannot_start_says_why_and_the_table_answers(tmp_path, monk
     assert _gpu(scan(root, nvml=None)).gpu.nvidia.source == "table"
 
 
+def test_a_library_that_does_not_load_is_not_blamed_on_device_nodes(tmp_path, monkeypatch, caplog):
+    from discovery import nvml as nvml_module
+    from discovery.nvml import Nvml
+
+    monkeypatch.setattr(nvml_module, "CONTROL_NODE", str(tmp_path / "nvidiactl"))  # missing
+
+    def bad_elf(path):
+        raise OSError(f"{path}: invalid ELF header")
+
+    assert Nvml.open(profile_root("h200-vm"), "/usr/local/nvidia", pynvml=SimNvml(), load=bad_elf) is None
+    assert "invalid ELF header" in caplog.text and "device nodes" not in caplog.text
+
+
 @pytest.mark.parametrize("text,want", [("580.159.04", "580.159.4"), ("550.54", "550.54.0"), ("9.0", "9.0.0"),
                                        ("", None), ("v1", None), ("1.2.3.4", None), (None, None)])
 def test_semver(text, want):
