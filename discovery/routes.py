@@ -1,7 +1,10 @@
 """The host's uplink: the PCI functions behind its default routes, which must never be handed to
 a workload or a VM (docs/networking.md).
 
-The default routes come from procfs under the root (``net/route``, ``net/ipv6_route``): per
+The default routes come from procfs under the root (``net/route``, ``net/ipv6_route``) of its
+init, ``proc/1/net``: the host's network namespace. ``proc/net`` is the reading process's own,
+which for the DaemonSet's agent (``--root=/host``, no hostNetwork) is its pod's, whose default
+route is no NIC of the host's; a fixture tree without an init keeps them in ``proc/net``. Per
 family the ones with the lowest metric, all of them when several tie (ECMP; each next hop of an
 IPv6 multipath route is a line of its own). Their interfaces are followed down the uplink chain:
 a bond's or team's slaves, a VLAN's or macvlan's parent (``lower_*`` links), a bridge's ports
@@ -34,19 +37,25 @@ def _lowest(routes: list[tuple[int, str]]) -> set[str]:
     return {iface for metric, iface in routes if metric == best}
 
 
+def _route_table(fs: HostFS, name: str) -> str:
+    init = fs.path("proc/1/net", name)
+    return init if os.path.exists(init) else fs.path("proc/net", name)
+
+
 def default_route_interfaces(fs: HostFS) -> set[str]:
-    """The interfaces of the lowest-metric default routes, IPv4 and IPv6."""
+    """The interfaces of the lowest-metric default routes, IPv4 and IPv6, of the host's network
+    namespace (its init's)."""
     v4: list[tuple[int, str]] = []
     v6: list[tuple[int, str]] = []
     try:  # Iface Destination Gateway Flags RefCnt Use Metric Mask ...
-        for line in fs.read_text(fs.path("proc/net/route"), limit=1 << 20).splitlines()[1:]:
+        for line in fs.read_text(_route_table(fs, "route"), limit=1 << 20).splitlines()[1:]:
             f = line.split()
             if len(f) >= 8 and f[1] == "00000000" and f[7] == "00000000" and f[6].isdigit():
                 v4.append((int(f[6]), f[0]))
     except AttrError:
         pass
     try:  # dest prefixlen src srclen nexthop metric refcnt use flags iface
-        for line in fs.read_text(fs.path("proc/net/ipv6_route"), limit=1 << 20).splitlines():
+        for line in fs.read_text(_route_table(fs, "ipv6_route"), limit=1 << 20).splitlines():
             f = line.split()
             if len(f) >= 10 and f[0] == "0" * 32 and f[1] == "00" and f[9] != "lo" and _hex(f[5]) is not None:
                 v6.append((_hex(f[5]), f[9]))

@@ -5,6 +5,7 @@ route changes are followed live over rtnetlink (agent/service/routewatch.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -14,9 +15,9 @@ import sys
 import pytest
 
 from agent.service.routewatch import RTM_DELROUTE, RTM_NEWROUTE, default_route_changed
-from discovery.inventory import IncrementalScanner, scan
+from discovery.inventory import IncrementalScanner, bdf_of_path, scan
 from discovery.routes import uplink
-from tests.conftest import REPO, profile_root
+from tests.conftest import REPO, _missing, profile_root
 
 PF0, PF1, ENO1 = "0000:06:00.0", "0000:06:00.1", "0000:3f:00.0"
 PF0_VFS = {f"0000:06:00.{i}" for i in range(2, 8)} | {"0000:06:01.0", "0000:06:01.1"}
@@ -57,6 +58,42 @@ def test_the_default_routes_nic_and_its_vfs_are_not_published(tmp_path):
     assert {PF1, ENO1} <= names(inv)
     everything = scan(root, publish_uplink=True)
     assert {PF0, *PF0_VFS} - {"0000:06:01.1"} <= names(everything)  # 06:01.1 is unbound: never offered
+
+
+def test_the_inits_routes_are_the_hosts(tmp_path):
+    """proc/net is the reader's own network namespace (a pod's, for the DaemonSet's agent);
+    the host's routes are its init's, proc/1/net, where the tree has one."""
+    root = node(tmp_path, v4=[("eth0", 0)])  # the reader's: a pod's eth0, no NIC of this host
+    os.makedirs(os.path.join(root, "proc/1/net"))
+    with open(os.path.join(root, "proc/1/net/route"), "w") as f:
+        f.write(f"{V4_HEADER}\nenp6s0f0\t00000000\t0100A8C0\t0003\t0\t0\t100\t00000000\t0\t0\t0\n")
+    inv = scan(root)
+    assert PF0 not in names(inv) and skipped(inv)[PF0] == "the host's uplink: default route via enp6s0f0"
+
+
+def _this_hosts_uplink() -> tuple[str, str]:
+    """(interface, PCI function) of this machine's lowest-metric IPv4 default route."""
+    with open("/proc/1/net/route") as f:
+        routes = [line.split() for line in f.read().splitlines()[1:]]
+    default = sorted((int(r[6]), r[0]) for r in routes if len(r) > 7 and r[1] == "00000000" and r[7] == "00000000")
+    device = f"/sys/class/net/{default[0][1]}/device" if default else ""
+    if not os.path.exists(device):
+        _missing(f"this machine's default route is on no PCI function ({default})")
+    return default[0][1], bdf_of_path(os.path.realpath(device).removeprefix("/sys"))  # a virtio NIC's is its parent's
+
+
+@pytest.mark.root
+def test_an_agent_in_another_network_namespace_keeps_the_hosts_uplink(tmp_path):
+    """This machine's own uplink, scanned (``sysdra scan -o json`` on /) from a network namespace
+    with no routes, as the DaemonSet's agent is in its pod's: still not offered."""
+    iface, bdf = _this_hosts_uplink()
+    if shutil.which("unshare") is None:
+        pytest.fail("util-linux (unshare) is required")
+    out = subprocess.run(["unshare", "-n", sys.executable, "-m", "agent", "scan", "-o", "json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    inv = json.loads(out.stdout)
+    assert {s["bdf"]: s["reason"] for s in inv["skipped"]}.get(bdf) == f"the host's uplink: default route via {iface}", inv
 
 
 def test_only_the_lowest_metric_counts_and_ties_are_all_uplinks(tmp_path):
