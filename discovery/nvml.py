@@ -96,20 +96,29 @@ class Nvml:
         """NVML loaded from the driver root, initialised; None (and one log line) when the node
         has no NVML or it fails. ``pynvml`` and ``load`` (the library loader) are for a simulated
         NVML in tests."""
+        nvml, why = cls.probe(root, driver_root, timeout, pynvml=pynvml, load=load)
+        if nvml is not None:
+            log.info("NVML: loaded %s", nvml.where)
+        elif why.startswith("no "):  # a node without the NVIDIA driver: nothing is wrong
+            log.info("NVML: %s: GPU facts from the PCI ID table", why)
+        else:
+            log.warning("NVML: %s: GPU facts from the PCI ID table", why)
+        return nvml
+
+    @classmethod
+    def probe(cls, root: str, driver_root: str = "/", timeout: float = 5.0, pynvml=None,
+              load: Callable[[str], object] | None = None) -> tuple[Nvml | None, str]:
+        """``open`` without its log line: (NVML, "") or (None, why not)."""
         path = find_library(root, driver_root)
         if path is None:
-            log.info("NVML: no %s under %s (driver root %s): GPU facts from the PCI ID table",
-                     LIBRARY, root, driver_root)
-            return None
+            return None, f"no {LIBRARY} under {root} (driver root {driver_root})"
         if pynvml is None:
             try:
                 import pynvml
             except ImportError as err:
-                log.warning("NVML: nvidia-ml-py is not installed (%s): GPU facts from the PCI ID table", err)
-                return None
+                return None, f"nvidia-ml-py is not installed ({err})"
         load = load or (lambda p: ctypes.CDLL(p, mode=os.RTLD_GLOBAL | os.RTLD_NOW))
         worker = _Worker(timeout)
-
         loaded = []
 
         def init():
@@ -120,13 +129,11 @@ class Nvml:
         try:
             worker.call(init)
         except Exception as err:  # noqa: BLE001 - a timeout, a load error or an NVML error
-            log.warning("NVML: %s failed to initialise (%s): GPU facts from the PCI ID table%s", path, _why(err),
-                        "" if not loaded or os.path.exists(CONTROL_NODE) else
-                        f"; this process has no {CONTROL_NODE}: NVML needs the GPUs' device nodes (in a container: "
-                        "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)")
-            return None
-        log.info("NVML: loaded %s", path)
-        return cls(pynvml, worker, path)
+            return None, f"{path} failed to initialise ({_why(err)})" + (
+                "" if not loaded or os.path.exists(CONTROL_NODE) else
+                f"; this process has no {CONTROL_NODE}: NVML needs the GPUs' device nodes (in a container: "
+                "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)")
+        return cls(pynvml, worker, path), ""
 
     @classmethod
     def shared(cls, root: str, driver_root: str = "/") -> Nvml | None:

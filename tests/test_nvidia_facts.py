@@ -139,6 +139,33 @@ def test_a_library_that_does_not_load_is_not_blamed_on_device_nodes(tmp_path, mo
     assert "invalid ELF header" in caplog.text and "device nodes" not in caplog.text
 
 
+def test_doctor_says_whether_nvml_answers(monkeypatch, tmp_path):
+    """``sysdra doctor``'s NVML check: ok with the driver's version and its GPUs, a warning with
+    the reason and what is lost when NVML does not start, skip with ``nvml: false``."""
+    from agent.tools.doctor import check_nvml
+    from discovery import nvml as nvml_module
+    from discovery.nvml import Nvml
+
+    root, real = profile_root("h200-vm"), Nvml.probe.__func__
+    sim = SimNvml()
+    monkeypatch.setattr(Nvml, "probe", classmethod(lambda cls, r, d="/", timeout=5.0, **kw: real(
+        cls, r, d, timeout, pynvml=sim, load=lambda path: None)))
+    (found,) = check_nvml(root, "/usr/local/nvidia")
+    assert (found.level, found.message) == ("ok", "NVML of driver 580.159.04 answers for 1 GPU(s)")
+
+    class Refusing(SimNvml):
+        def nvmlInit(self):
+            raise self.NVMLError(9)
+
+    sim = Refusing()
+    monkeypatch.setattr(nvml_module, "CONTROL_NODE", str(tmp_path / "nvidiactl"))
+    (found,) = check_nvml(root, "/usr/local/nvidia")
+    assert found.level == "warn" and "failed to initialise" in found.message and "no XID/ECC health events" in found.message
+    assert f"this process has no {tmp_path / 'nvidiactl'}" in found.message and found.fix
+    assert [f.level for f in check_nvml(root, "/usr/local/nvidia", enabled=False)] == ["skip"]
+    assert check_nvml(profile_root("sriov-nic"), "/") == []  # no NVIDIA driver: nothing to say
+
+
 @pytest.mark.parametrize("text,want", [("580.159.04", "580.159.4"), ("550.54", "550.54.0"), ("9.0", "9.0.0"),
                                        ("", None), ("v1", None), ("1.2.3.4", None), (None, None)])
 def test_semver(text, want):

@@ -208,6 +208,29 @@ def check_nvidia_driver(root: str, driver_root: str) -> list[Finding]:
     return found
 
 
+def check_nvml(root: str, driver_root: str, enabled: bool = True) -> list[Finding]:
+    """Whether NVML answers here, as the agent's GPU facts, dynamic MIG and XID/ECC health need."""
+    from discovery.nvidia import kernel_module_version
+    from discovery.nvml import Nvml
+    from discovery.sysfs import HostFS
+
+    if kernel_module_version(HostFS(root)) is None:
+        return []  # no NVIDIA GPU driver: check_nvidia_driver says so
+    without = "GPU facts come from the PCI ID table; no dynamic MIG, no XID/ECC health events"
+    if not enabled:
+        return [Finding("nvml", "skip", f"nvml: false: {without}")]
+    nvml, why = Nvml.probe(root, driver_root)
+    if nvml is None:
+        return [Finding("nvml", "warn", f"NVML: {why}: {without}",
+                        "point nvidia_driver_root at the driver; in a container, give it the GPUs' device nodes")]
+    count = nvml.call("counting GPUs", nvml.pynvml.nvmlDeviceGetCount)
+    version = nvml.call("the driver version", nvml.pynvml.nvmlSystemGetDriverVersion)
+    if count is None or version is None:
+        return [Finding("nvml", "warn", f"NVML started but did not answer ({nvml.failed}): {without}",
+                        "check the GPUs' state (nvidia-smi) and the driver's log (dmesg)")]
+    return [Finding("nvml", "ok", f"NVML of driver {version} answers for {count} GPU(s)")]
+
+
 # --- everything ---------------------------------------------------------------------------------
 def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True) -> list[Finding]:
     found = check_kubelet(settings)
@@ -216,6 +239,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True)
     found += check_metadata(settings.plugin_dir)
     found += check_checkpoint(settings.plugin_dir)
     found += check_nvidia_driver(settings.root, settings.nvidia_driver_root)
+    found += check_nvml(settings.root, settings.nvidia_driver_root, settings.nvml)
     if api:
         found += check_api(settings.cluster, settings.node_name, driver_name=settings.driver_name)
     return found
