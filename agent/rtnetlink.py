@@ -1,17 +1,26 @@
 """A route netlink (rtnetlink) listener read on the event loop: the kernel's link and route
 announcements (what ``ip monitor`` shows), which any process may receive. Each reader parses the
-datagrams it gets; a socket overrun (lost messages) is reported as ``None``."""
+datagrams it gets; a socket overrun (lost messages) is reported as ``None``.
+
+A netlink socket belongs to the network namespace it was made in, and hears that namespace's
+links and routes: ``socket_in`` makes one inside another namespace, ``host_events_socket`` the
+one the host's events are heard on (the DaemonSet's agent is in its pod's namespace)."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import logging
+import os
 import socket
 import struct
 from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 
@@ -41,10 +50,13 @@ class Listener:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self) -> None:
+    def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on ``sock`` (an unbound NETLINK_ROUTE socket, e.g. another namespace's from
+        ``socket_in``), or on a new one of this process's namespace."""
         self._loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
-                             socket.NETLINK_ROUTE)
+        if sock is None:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
+        sock.setblocking(False)
         try:
             sock.bind((0, self.groups))
         except OSError:
@@ -77,3 +89,73 @@ class Listener:
                 batch.append(data)
         if batch is None or batch:
             self.on_batch(batch)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def socket_in(netns: str, protocol: int = socket.NETLINK_ROUTE) -> socket.socket:
+    """An unbound netlink socket of ``protocol`` in the network namespace at ``netns`` (a path).
+    Blocking: it switches the calling thread alone (setns affects one thread) and back, so call
+    it in a worker thread. The caller's own namespace needs no switch, and no right to enter one."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _same_file(own, target):
+                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
+            _setns(target)
+            try:
+                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
+            finally:
+                _setns(own)  # never leave this thread in another namespace
+        finally:
+            os.close(target)
+    finally:
+        os.close(own)
+
+
+def host_events_socket(root: str, kernel: bool) -> socket.socket | None:
+    """An unbound NETLINK_ROUTE socket in the host's network namespace, for an agent reading the
+    host at ``root``; None where the host's events cannot be heard. On ``/`` the agent's own
+    namespace is the host's (systemd; a container given the host's network). Under another root
+    whose ``sys`` is the kernel's (``kernel``: the DaemonSet's ``/host``) the host's is its
+    init's, which this process opens with CAP_SYS_PTRACE and enters with CAP_SYS_ADMIN (OSError
+    without). A fixture tree has no kernel of its own. Blocking (procfs, setns): a worker thread."""
+    if os.path.realpath(root) == "/":
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
+    init = os.path.join(root, "proc", "1", "ns", "net")
+    if not kernel or not os.path.lexists(init):
+        return None
+    return socket_in(init)
+
+
+async def listen_on_host(listener_start: Callable[[socket.socket], None], root: str, kernel: bool, what: str) -> bool:
+    """``listener_start(sock)`` with the host's events socket (made in a worker thread); False,
+    logged, where there is none or it cannot be made."""
+    try:
+        sock = await asyncio.to_thread(host_events_socket, root, kernel)
+    except OSError as err:
+        log.warning("no kernel %s events (%s): %s", what, err.strerror or err, _WITHOUT[what])
+        return False
+    if sock is None:
+        return False
+    try:
+        listener_start(sock)
+    except OSError as err:
+        sock.close()
+        log.warning("no kernel %s events (%s): %s", what, err.strerror or err, _WITHOUT[what])
+        return False
+    return True
+
+
+_WITHOUT = {"link": "NIC links are checked every health interval",
+            "route": "a new default route's NIC is seen at the next resync"}

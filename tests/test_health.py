@@ -244,8 +244,9 @@ def test_link_messages_are_parsed_and_garbage_is_ignored():
 
 
 def test_a_kernel_link_event_rechecks_the_nic_at_once(tmp_path):
-    """Real rtnetlink events (a veth interface in a private network namespace, named like
-    the fixture NIC's interface) re-check that NIC without waiting for the 10 s round."""
+    """Real rtnetlink events (a veth interface in a private "host" network namespace, named like
+    the fixture NIC's interface) re-check that NIC without waiting for the 10 s round: heard by
+    an agent in another namespace, as the DaemonSet's is in its pod's, through the host's init."""
     import json
     import subprocess
     import sys
@@ -255,6 +256,7 @@ def test_a_kernel_link_event_rechecks_the_nic_at_once(tmp_path):
     require_root()
     unshare = require_tool("unshare")
     require_tool("ip")
+    require_tool("nsenter")
     proc = subprocess.run([unshare, "-n", sys.executable, "-m", "tests.health_link_scenario", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -160,15 +160,22 @@ def test_route_messages_of_default_routes_only():
 
 
 WATCH = r"""
-import asyncio, subprocess, sys
+import asyncio, os, subprocess, sys, types
 sys.path.insert(0, sys.argv[1])
-from agent.service.routewatch import RouteWatch
+from agent.service.routewatch import follow_default_routes
 
-async def main():
+async def main(mode, tmp):
+    root, ip = "/", lambda *a: subprocess.run(["ip", *a], check=True)
+    if mode == "host":  # the DaemonSet's agent: the host is the init of its root's procfs, another namespace
+        host = subprocess.Popen(["unshare", "-n", "sleep", "infinity"])
+        while os.readlink(f"/proc/{host.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            await asyncio.sleep(0.01)
+        root = os.path.join(tmp, "host")
+        os.makedirs(os.path.join(root, "proc"))
+        os.symlink(f"/proc/{host.pid}", os.path.join(root, "proc", "1"))
+        ip = lambda *a: subprocess.run(["nsenter", "-t", str(host.pid), "-n", "ip", *a], check=True)
     seen = asyncio.Event()
-    watch = RouteWatch(seen.set)
-    watch.start()
-    ip = lambda *a: subprocess.run(["ip", *a], check=True)
+    watch = await follow_default_routes(types.SimpleNamespace(root=root, publish_uplink=False), True, seen.set)
     ip("link", "add", "up0", "type", "veth", "peer", "name", "up1"); ip("link", "set", "up0", "up")
     ip("addr", "add", "192.0.2.1/24", "dev", "up0")
     await asyncio.sleep(0.2)
@@ -177,16 +184,22 @@ async def main():
     await asyncio.wait_for(seen.wait(), 10)
     print("after default route:", seen.is_set())
     watch.stop()
+    if mode == "host":
+        host.kill()
 
-asyncio.run(main())
+asyncio.run(main(sys.argv[2], sys.argv[3]))
 """
 
 
 @pytest.mark.root
-def test_a_default_route_change_is_seen_over_rtnetlink(tmp_path):
-    """In a network namespace of the test's own: a veth interface and a default route over it."""
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.fail("iproute2 and util-linux (unshare) are required")
-    out = subprocess.run(["unshare", "-n", sys.executable, "-c", WATCH, REPO], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("mode", ["own", "host"])
+def test_a_default_route_change_is_seen_over_rtnetlink(tmp_path, mode):
+    """In a network namespace of the test's own: a veth interface and a default route over it,
+    made in the agent's own namespace (``/``: systemd) or in the host's, another one, reached
+    through the init of the root's procfs (the DaemonSet's agent, in its pod's namespace)."""
+    if shutil.which("ip") is None or shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        pytest.fail("iproute2 and util-linux (unshare, nsenter) are required")
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", WATCH, REPO, mode, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["before default route: False", "after default route: True"]

@@ -48,8 +48,9 @@ class LinkWatch:
         self.on_change = on_change
         self._listener = Listener(RTMGRP_LINK, self._batch, "link events")
 
-    def start(self) -> None:
-        self._listener.start()
+    def start(self, sock=None) -> None:
+        """``sock``: an unbound NETLINK_ROUTE socket of the namespace to hear (the host's), or this process's own."""
+        self._listener.start(sock)
 
     def stop(self) -> None:
         self._listener.stop()

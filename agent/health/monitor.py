@@ -28,6 +28,7 @@ from typing import Callable
 from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, truncate
 from agent.health.linkwatch import LinkWatch
 from agent.health.xid import XidWatch
+from agent.rtnetlink import listen_on_host
 from agent.settings import Settings
 from discovery.inventory import device_name
 from discovery.models import Device, Inventory
@@ -135,14 +136,12 @@ class HealthMonitor:
             self._link_checks.add(task)
             task.add_done_callback(self._link_checks.discard)
 
-    def watch_links(self) -> bool:
-        """Re-check a NIC as soon as the kernel reports a link change on its interface.
-        Call after ``start``. False (and a warning) when no netlink socket can be had."""
+    async def watch_links(self, kernel: bool) -> bool:
+        """Re-check a NIC as soon as the kernel reports a link change on its interface, in the
+        host's network namespace (``agent.rtnetlink.host_events_socket``: ``kernel``, whether the
+        root's sys is the kernel's). Call after ``start``. False (logged) when none can be heard."""
         links = LinkWatch(self._on_links)
-        try:
-            links.start()
-        except OSError as err:
-            log.warning("no kernel link events (%s): NIC links are checked every %.0f s", err, self.interval)
+        if not await listen_on_host(links.start, self.settings.root, kernel, "link"):
             return False
         self._links = links
         return True

@@ -4,20 +4,20 @@ addresses, routes): blocking calls, run them in a worker thread (agent/prepare/n
 One RTM_NEWLINK with IFLA_NET_NS_FD and IFLA_IFNAME moves a link and renames it in one
 kernel operation (the kernel brings it down first), so a link is never seen in the target
 namespace under its old name. A netlink socket belongs to the namespace it was created in:
-:func:`netlink_in` creates one inside another namespace by switching the calling thread only
-(setns affects one thread) and switching back.
+:func:`netlink_in` creates one inside another namespace (``agent.rtnetlink.socket_in``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import socket
 import ipaddress
 import struct
 from collections.abc import Iterator
+
+from agent import rtnetlink
 
 RTM_NEWLINK, RTM_GETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 18, 20, 24
 NLMSG_ERROR = 2
@@ -29,24 +29,15 @@ RTA_DST, RTA_OIF, RTA_GATEWAY = 1, 4, 5
 RT_TABLE_MAIN, RTPROT_STATIC, RTN_UNICAST = 254, 4, 1
 RT_SCOPE_UNIVERSE, RT_SCOPE_LINK = 0, 253
 IFF_UP = 0x1
-CLONE_NEWNET = 0x40000000
 _NLMSG = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _RTA = struct.Struct("=HH")
 _IFADDR = struct.Struct("=BBBBI")  # family, prefix length, flags, scope, index
 _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst/src length, tos, table, protocol, scope, type, flags
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 class LinkError(OSError):
     """A kernel refusal (errno set) or a link that is not there."""
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise LinkError(err, f"setns: {os.strerror(err)}")
 
 
 def netlink_in(netns: str) -> contextlib.AbstractContextManager[socket.socket]:
@@ -57,31 +48,10 @@ def netlink_in(netns: str) -> contextlib.AbstractContextManager[socket.socket]:
 @contextlib.contextmanager
 def netlink_in_protocol(netns: str, protocol: int) -> Iterator[socket.socket]:
     """A netlink socket of ``protocol`` in the network namespace at ``netns`` (a path)."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if _same_file(own, target):  # no switch: this needs no right to enter namespaces
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
-            else:
-                _setns(target)
-                try:
-                    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
-                finally:
-                    _setns(own)  # never leave this worker thread in another namespace
-        finally:
-            os.close(target)
-    finally:
-        os.close(own)
-    with sock:
+    with rtnetlink.socket_in(netns, protocol) as sock:
         sock.settimeout(5.0)
         sock.bind((0, 0))
         yield sock
-
-
-def _same_file(a: int, b: int) -> bool:
-    sa, sb = os.fstat(a), os.fstat(b)
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _attr(kind: int, value: bytes) -> bytes:

@@ -184,8 +184,7 @@ class Agent:
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         self._follow_health()
         await self.health.start()
-        if os.path.realpath(self.settings.root) == "/":  # kernel link events are about this host only
-            self.health.watch_links()
+        await self.health.watch_links(self.watcher is not None and self.watcher.uevents)
         # NVML under any root is the host's driver (the DaemonSet's root is /host): its events are the GPUs'
         await self.health.watch_gpu_events()
         if self.watcher is not None:  # timer rounds need not poll what its events report
@@ -298,7 +297,7 @@ class Agent:
         started.callback(debouncer.cancel)
         watcher = self.watcher = HardwareWatcher(self.settings.root, debouncer, on_event=self.metrics.count_watcher_event)
         started.callback(watcher.stop)
-        if (routes := follow_default_routes(self.settings, lambda: debouncer.trigger(None))) is not None:
+        if (routes := await follow_default_routes(self.settings, watcher.uevents, lambda: debouncer.trigger(None))) is not None:
             started.callback(routes.stop)  # armed at once, like the uevents: before the first scan
         if watcher.arms_at_once and not await startup.unless_stopped(stop, watcher.start(), cancel=False):
             return

@@ -9,11 +9,10 @@ is ignored. Lost messages (socket overrun) count as a change.
 from __future__ import annotations
 
 import logging
-import os
 import struct
 from typing import Callable
 
-from agent.rtnetlink import Listener, messages
+from agent.rtnetlink import Listener, listen_on_host, messages
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +35,9 @@ class RouteWatch:
         self.on_change = on_change
         self._listener = Listener(RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE, self._batch, "route events")
 
-    def start(self) -> None:
-        self._listener.start()
+    def start(self, sock=None) -> None:
+        """``sock``: an unbound NETLINK_ROUTE socket of the namespace to hear (the host's), or this process's own."""
+        self._listener.start(sock)
 
     def stop(self) -> None:
         self._listener.stop()
@@ -47,15 +47,11 @@ class RouteWatch:
             self.on_change()
 
 
-def follow_default_routes(settings, on_change: Callable[[], None]) -> RouteWatch | None:
-    """A started RouteWatch on the host's own root (a fixture tree has no kernel routes of its
-    own); None when the uplink is published anyway or the socket is refused (logged)."""
-    if settings.publish_uplink or os.path.abspath(settings.root) != "/":
+async def follow_default_routes(settings, kernel: bool, on_change: Callable[[], None]) -> RouteWatch | None:
+    """A started RouteWatch on the host's network namespace (``agent.rtnetlink.host_events_socket``:
+    ``kernel``, whether the root's sys is the kernel's); None when the uplink is published anyway,
+    the root is a fixture tree or the socket cannot be had (logged)."""
+    if settings.publish_uplink:
         return None
     routes = RouteWatch(on_change)
-    try:
-        routes.start()
-    except OSError as err:
-        log.warning("default routes not followed (%s): a new uplink is seen at the next resync", err)
-        return None
-    return routes
+    return routes if await listen_on_host(routes.start, settings.root, kernel, "route") else None
