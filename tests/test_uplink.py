@@ -176,16 +176,18 @@ async def main(mode, tmp):
         ip = lambda *a: subprocess.run(["nsenter", "-t", str(host.pid), "-n", "ip", *a], check=True)
     seen = asyncio.Event()
     watch = await follow_default_routes(types.SimpleNamespace(root=root, publish_uplink=False), True, seen.set)
-    ip("link", "add", "up0", "type", "veth", "peer", "name", "up1"); ip("link", "set", "up0", "up")
-    ip("addr", "add", "192.0.2.1/24", "dev", "up0")
-    await asyncio.sleep(0.2)
-    print("before default route:", seen.is_set())
-    ip("route", "add", "default", "via", "192.0.2.254", "dev", "up0")
-    await asyncio.wait_for(seen.wait(), 10)
-    print("after default route:", seen.is_set())
-    watch.stop()
-    if mode == "host":
-        host.kill()
+    try:
+        ip("link", "add", "up0", "type", "veth", "peer", "name", "up1"); ip("link", "set", "up0", "up")
+        ip("addr", "add", "192.0.2.1/24", "dev", "up0")
+        await asyncio.sleep(0.2)
+        print("before default route:", seen.is_set())
+        ip("route", "add", "default", "via", "192.0.2.254", "dev", "up0")
+        await asyncio.wait_for(seen.wait(), 10)
+        print("after default route:", seen.is_set())
+    finally:
+        watch.stop()
+        if mode == "host":
+            host.kill()
 
 asyncio.run(main(sys.argv[2], sys.argv[3]))
 """
