@@ -55,7 +55,7 @@ class Listener:
         ``socket_in``), or on a new one of this process's namespace."""
         self._loop = asyncio.get_running_loop()
         if sock is None:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
+            sock = _netlink(socket.NETLINK_ROUTE)
         sock.setblocking(False)
         try:
             sock.bind((0, self.groups))
@@ -91,6 +91,15 @@ class Listener:
             self.on_batch(batch)
 
 
+def _netlink(protocol: int) -> socket.socket:
+    return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
+
+
+def init_netns(root: str) -> str:
+    """The path of the network namespace of the init under ``root``: the host's."""
+    return os.path.join(root, "proc", "1", "ns", "net")
+
+
 def _setns(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
@@ -111,10 +120,10 @@ def socket_in(netns: str, protocol: int = socket.NETLINK_ROUTE) -> socket.socket
         target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
         try:
             if _same_file(own, target):
-                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
+                return _netlink(protocol)
             _setns(target)
             try:
-                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol)
+                return _netlink(protocol)
             finally:
                 _setns(own)  # never leave this thread in another namespace
         finally:
@@ -131,8 +140,8 @@ def host_events_socket(root: str, kernel: bool) -> socket.socket | None:
     init's, which this process opens with CAP_SYS_PTRACE and enters with CAP_SYS_ADMIN (OSError
     without). A fixture tree has no kernel of its own. Blocking (procfs, setns): a worker thread."""
     if os.path.realpath(root) == "/":
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
-    init = os.path.join(root, "proc", "1", "ns", "net")
+        return _netlink(socket.NETLINK_ROUTE)
+    init = init_netns(root)
     if not kernel or not os.path.lexists(init):
         return None
     return socket_in(init)

@@ -99,7 +99,7 @@ class Nvml:
         nvml, why = cls.probe(root, driver_root, timeout, pynvml=pynvml, load=load)
         if nvml is not None:
             log.info("NVML: loaded %s", nvml.where)
-        elif why.startswith("no "):  # a node without the NVIDIA driver: nothing is wrong
+        elif why.startswith(f"no {LIBRARY} "):  # a node without the NVIDIA driver: nothing is wrong
             log.info("NVML: %s: GPU facts from the PCI ID table", why)
         else:
             log.warning("NVML: %s: GPU facts from the PCI ID table", why)

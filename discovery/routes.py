@@ -39,7 +39,7 @@ def _lowest(routes: list[tuple[int, str]]) -> set[str]:
 
 def _route_table(fs: HostFS, name: str) -> str:
     init = fs.path("proc/1/net", name)
-    return init if os.path.exists(init) else fs.path("proc/net", name)
+    return init if fs.exists(init) else fs.path("proc/net", name)
 
 
 def default_route_interfaces(fs: HostFS) -> set[str]:

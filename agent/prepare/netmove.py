@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 
+from agent import rtnetlink
 from agent.prepare import rdma, rtnl
 from agent.prepare.records import NetdevMove
 
@@ -93,7 +94,7 @@ def host_netns(root: str) -> str:
     """The host's network namespace: its init's under ``root`` (a DaemonSet's ``/host/proc``),
     else the agent's own (a fixture root; or an init whose link this process may not open, see
     ``host_netns_problem``: under systemd the agent's own is the host's)."""
-    init = os.path.join(root, "proc", "1", "ns", "net")
+    init = rtnetlink.init_netns(root)
     return init if os.path.exists(init) else "/proc/self/ns/net"
 
 
@@ -102,7 +103,7 @@ def host_netns_problem(root: str) -> str | None:
     The kernel lets only a process with all of the init's capabilities, or CAP_SYS_PTRACE, open
     it; without, netdevs move from and to the agent's own namespace, the host's only under
     systemd or with the host's network."""
-    init = os.path.join(root, "proc", "1", "ns", "net")
+    init = rtnetlink.init_netns(root)
     if not os.path.lexists(init):
         return None
     try:
