@@ -8,12 +8,14 @@ with a short reason, so a caller loses only that one attribute.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
 from dataclasses import dataclass
 
 DEFAULT_ROOT = "/"
+SYSFS_MAGIC = 0x62656572  # statfs(2)'s f_type of sysfs
 MAX_ATTR_BYTES = 4096  # sysfs attributes are one page at most
 # O_NONBLOCK: a FIFO swapped in never blocks the scan; O_NOCTTY: a tty never becomes ours
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -96,6 +98,16 @@ def _target_name(target: str) -> str | None:
     """The last component of a link's target (what it links to); None for none or a dot."""
     name = target.rstrip("/").rpartition("/")[2]
     return None if name in ("", ".", "..") else name
+
+
+def is_sysfs(path: str) -> bool:
+    """Whether ``path`` is the kernel's sysfs (a mount of it or a bind of one), not a tree of
+    files that looks like it (a fixture): only a root whose ``sys`` is the kernel's has a kernel
+    behind it (uevents; the init's network namespace under its procfs)."""
+    buf = (ctypes.c_long * 32)()  # struct statfs (120 bytes on 64-bit Linux), f_type first
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+        return False
+    return buf[0] == SYSFS_MAGIC
 
 
 @dataclass(frozen=True, slots=True)

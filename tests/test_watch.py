@@ -189,7 +189,7 @@ async def _no_plugin():
 
 def test_only_the_kernels_sysfs_is_watched_by_uevents(tmp_path):
     """A fixture tree is files (their events are the changes); the kernel's sysfs is not."""
-    from agent.service.watch import is_sysfs
+    from discovery.sysfs import is_sysfs
 
     assert is_sysfs("/sys") and not is_sysfs(profile_root("h200-vm") + "/sys") and not is_sysfs(str(tmp_path / "none"))
     assert HardwareWatcher("/", Debouncer(1.0, lambda *_: None)).uevents

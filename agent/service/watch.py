@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import time
 from typing import Callable
 
 from discovery.inventory import bdf_of_path
+from discovery.sysfs import is_sysfs
 
 log = logging.getLogger("sysdra.watch")
 
-SYSFS_MAGIC = 0x62656572  # statfs(2)'s f_type of sysfs
 SUBSYSTEMS = ("pci", "net", "infiniband", "infiniband_verbs", "drm", "accel", "vfio",
               "fpga_region", "fpga_manager", "fpga_bridge", "dfl")
 
@@ -202,15 +201,6 @@ def _device_bdf(device) -> str | None:
         return bdf_of_path(device.device_path)
     except Exception:  # noqa: BLE001 - a strange event only costs a full rescan
         return None
-
-
-def is_sysfs(path: str) -> bool:
-    """Whether ``path`` is the kernel's sysfs (a mount of it or a bind of one), not a tree of
-    files that looks like it (a fixture): only the kernel's announces changes by uevents."""
-    buf = (ctypes.c_long * 32)()  # struct statfs (120 bytes on 64-bit Linux), f_type first
-    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
-        return False
-    return buf[0] == SYSFS_MAGIC
 
 
 class HardwareWatcher:
