@@ -138,11 +138,54 @@ def test_if_inet6_and_netlink_parsers():
     assert netaddrs.parse_addresses(b"\xff" * 7) == ([], False)
 
 
+def test_link_name_parser():
+    """RTM_NEWLINK -> (ifindex, IFLA_IFNAME): the names of the dump's namespace, not this process's."""
+
+    def link(index, *attrs):
+        body = struct.pack("=BxHiII", socket.AF_UNSPEC, 1, index, 0, 0)
+        for kind, value in attrs:
+            body += struct.pack("=HH", 4 + len(value), kind) + value + b"\0" * (-len(value) % 4)
+        return struct.pack("=IHHII", 16 + len(body), netaddrs.RTM_NEWLINK, 0, 2, 0) + body
+
+    mtu = (4, struct.pack("=I", 1500))
+    data = link(7, mtu, (netaddrs.IFLA_IFNAME, b"hostnic7\0")) + link(8, mtu) + link(9, (netaddrs.IFLA_IFNAME, b"\0"))
+    assert netaddrs.parse_links(data) == ([(7, "hostnic7")], False)  # no name, or an empty one: left out
+    done = struct.pack("=IHHII", 20, netaddrs.NLMSG_DONE, 0, 2, 0) + b"\0\0\0\0"
+    assert netaddrs.parse_links(data + done + link(10, (netaddrs.IFLA_IFNAME, b"late\0"))) == ([(7, "hostnic7")], True)
+    assert netaddrs.parse_links(link(7, (netaddrs.IFLA_IFNAME, b"x\0"))[:-4]) == ([], False)  # cut short
+    assert netaddrs.parse_links(b"\xff" * 7) == ([], False)
+
+
 def test_netlink_dump_on_this_host_lists_loopback_free_global_addresses():
     found = netaddrs._netlink_dump()  # raises if the kernel does not answer
     assert "lo" not in found  # 127.0.0.1 is host scope
     for addrs in found.values():
         assert all(devicestatus.canonical_interface_address(a) == a for a in addrs)
+
+
+def test_the_hosts_addresses_are_read_in_its_network_namespace(tmp_path):
+    """The DaemonSet's agent, in its pod's namespace, reads the host's (its root's init's) over
+    rtnetlink: IPv4 and IPv6, under the host's interface name (a link of an index and a name this
+    process's namespace has not). A fixture tree, or no right to enter the init's namespace:
+    its if_inet6 file, IPv6 only (tests/netaddrs_scenario.py)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, require_root, require_tool
+
+    require_root()
+    unshare = require_tool("unshare")
+    for tool in ("ip", "nsenter", "setpriv"):
+        require_tool(tool)
+    proc = subprocess.run([unshare, "-n", sys.executable, "-m", "tests.netaddrs_scenario", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(lines[-1])
+    assert proc.returncode == 0, out.get("failure")
+    assert "hostnic7" not in out["own_links"]
+    assert out["kernel"] == {"hostnic7": ["192.0.2.7/24", "2001:db8::7/64"]}
+    assert out["files"] == out["no_sys_admin"] == {"hostnic7": ["2001:db8::7/64"]}
 
 
 def test_a_deferred_metadata_update_brings_the_network_data_into_the_status(tmp_path):
