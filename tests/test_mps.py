@@ -92,7 +92,7 @@ def test_bad_records_are_moved_aside_and_never_used(tmp_path, daemons):
 
 def test_no_binary_or_a_failed_start_is_the_claims_error(daemons, monkeypatch):
     assert "no nvidia-cuda-mps-control on this node" in daemons(binary=None).reconcile({UUID})[UUID]
-    monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.5)
+    monkeypatch.setattr("agent.prepare.mps_process.ProcessLauncher.start_timeout", 0.5)
     d = daemons(env={"FAKE_MPS_NO_PIPE": "1"})
     err = d.reconcile({UUID})[UUID]
     assert "did not start" in err and UUID not in d.state.daemons
