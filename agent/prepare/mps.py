@@ -100,6 +100,7 @@ class MpsDaemons:
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
         self.on_change: Callable[[], None] = lambda: None  # the supervisor looks again
         self.state = mps_records.load(self.path)
+        self._saved = self._file_version()
 
     @property
     def binary(self) -> str | None:
@@ -111,6 +112,27 @@ class MpsDaemons:
 
     def _save(self) -> None:
         mps_records.save(self.path, self.state)
+        self._saved = self._file_version()
+
+    def _file_version(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _changed_by_another(self) -> bool:
+        """Another agent saved the records since this one did (two pods of a surge update): its
+        daemons are its own to restart or stop, this one's view of them is out of date. The
+        records are read again, and a GPU whose record the other removed is no longer this one's
+        to supervise (the next reconcile says what its claims need)."""
+        if self._file_version() == self._saved:
+            return False
+        before = set(self.state.daemons)
+        self.state = mps_records.load(self.path)
+        self._saved = self._file_version()
+        self.wanted -= before - set(self.state.daemons)
+        return True
 
     def dirs(self, uuid: str) -> dict[str, str]:
         d = os.path.join(self.base, uuid)
@@ -125,6 +147,8 @@ class MpsDaemons:
         """Still needed, still recorded as ``rec``, and not running: prepare, which may have just
         stopped or started it, is done (the supervisor's snapshot may be older)."""
         with self.lock:
+            if self._changed_by_another():
+                return False  # the supervisor looks again, at the records as they are now
             return uuid in self.wanted and self.state.daemons.get(uuid) == rec and not self.alive(rec)
 
     # --- the daemons ------------------------------------------------------------------------
@@ -282,6 +306,7 @@ class MpsDaemons:
         -> its record; None when there is nothing to do (no share needs it any more, or it runs:
         prepare started it meanwhile). Raises ``MpsError``."""
         with self.lock:
+            self._changed_by_another()
             rec = self.state.daemons.get(uuid)
             if uuid not in self.wanted or self.alive(rec):
                 return None
