@@ -132,6 +132,8 @@ class MpsPodSettings(BaseModel):
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
     priority_class_name: str = ""
+    # the pods' ServiceAccount (no token is mounted): one that exists, the agent's; "": the namespace's default
+    service_account_name: str = ""
     # the host directory of the driver root (nvidia_driver_root as the host has it); None: that one
     host_driver_root: str | None = None
     start_timeout: float = Field(default=120.0, gt=0, le=3600)  # seconds: an image pull, a sandbox
@@ -143,7 +145,7 @@ class MpsPodSettings(BaseModel):
             raise ValueError(f"{v!r} is not a DNS label")
         return v
 
-    @field_validator("image_pull_secrets", "priority_class_name")
+    @field_validator("image_pull_secrets", "priority_class_name", "service_account_name")
     @classmethod
     def _names(cls, v: Any) -> Any:
         for name in (v,) if isinstance(v, str) else v:

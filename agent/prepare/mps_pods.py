@@ -129,6 +129,7 @@ class PodLauncher:
         self.settings, self.node, self.driver, self.boot_id = settings, node, driver, boot_id
         self.base = base  # <plugin dir>/mps: host paths, the same in the pod
         self.start_timeout = settings.start_timeout
+        self.stop_timeout = GRACE + STOP_TIMEOUT  # seconds for a deleted pod to be gone (the kubelet confirms)
         self.driver_root = driver_root  # the host path the driver's files are named under
         self.host_driver_root = settings.host_driver_root or driver_root  # the host directory the pod mounts
         self.driver_paths = driver_paths  # the MPS binary's and the libraries' directories' host paths, now
@@ -188,6 +189,8 @@ class PodLauncher:
                         {"name": "shm", "hostPath": {"path": dirs["shm"], "type": "Directory"}},
                         {"name": "driver-root", "hostPath": {"path": self.host_driver_root, "type": "Directory"}}],
         }  # fmt: skip
+        if self.settings.service_account_name:
+            spec["serviceAccountName"] = self.settings.service_account_name
         if self.settings.priority_class_name:
             spec["priorityClassName"] = self.settings.priority_class_name
         if self.settings.image_pull_secrets:
@@ -241,10 +244,10 @@ class PodLauncher:
         name = pod_name(uuid)
         try:
             self.api.delete(name, uid)
-            deadline = time.monotonic() + GRACE + STOP_TIMEOUT
+            deadline = time.monotonic() + self.stop_timeout
             while (pod := self._get(name)) is not None and (uid is None or (pod.get("metadata") or {}).get("uid") == uid):
                 if time.monotonic() > deadline:  # terminating still: a new pod of the name must wait
-                    log.error("MPS daemon pod %s/%s still there after %d s", self.settings.namespace, name, GRACE + STOP_TIMEOUT)
+                    log.error("MPS daemon pod %s/%s still there after %.0f s", self.settings.namespace, name, self.stop_timeout)
                     return
                 time.sleep(POLL)
         except (ApiFailure, OSError) as err:
