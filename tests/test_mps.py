@@ -106,3 +106,16 @@ def test_a_share_container_is_a_client_of_its_gpus_daemon(daemons):
                                 "options": ["rw", "nosuid", "nodev", "bind"]},
                                {"hostPath": d.dirs(UUID)["shm"], "containerPath": "/dev/shm",
                                 "options": ["rw", "nosuid", "nodev", "bind"]}]
+
+
+def test_another_agents_records_are_respected(daemons):
+    """Two agents of a surge update share the records: what the new one stopped, the old one's
+    supervisor does not start again (it reads the records the other saved)."""
+    old, new = daemons(), daemons()
+    assert old.reconcile({UUID}) == {}
+    rec = old.state.daemons[UUID]
+    assert new.reconcile({UUID}) == {} and new.state.daemons[UUID] == rec  # adopted
+    new.reconcile(set())  # the last share went, through the new agent
+    assert not old.dead(UUID, rec)  # the old one's view was out of date: read again
+    assert old.watched() == {} and old.restart(UUID) is None
+    assert UUID not in old.state.daemons and not os.path.exists(old.dirs(UUID)["pipe"])

@@ -281,6 +281,7 @@ class MpsDaemons:
         could not be started (their claims' errors). Others are stopped."""
         errors = {}
         with self.lock:
+            self._changed_by_another()
             self.wanted = set(wanted)
             self._forget_stale()
             for uuid, rec in list(self.state.daemons.items()):
