@@ -178,6 +178,7 @@ class PodLauncher:
             "command": ["sh", "-c", _GUARD, COMPONENT, command, "-f"],
             "env": [{"name": k, "value": v} for k, v in env.items()],
             "securityContext": {"privileged": True},
+            "terminationMessagePolicy": "FallbackToLogsOnError",  # why it ended, in its status: the claim's error
             "volumeMounts": [{"name": "gpu", "mountPath": gpu_dir}, {"name": "shm", "mountPath": "/dev/shm"},
                              {"name": "driver-root", "mountPath": DRIVER_ROOT_IN_POD, "readOnly": True}],
         }  # fmt: skip
