@@ -92,7 +92,7 @@ def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
                 spec["serviceAccountName"]) == (chart.name, "Never", True, False, "sysdra")
         assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": chart.name,
                                                        "uid": chart.node["metadata"]["uid"]}]  # fmt: skip
-        assert container["image"] == chart.settings.image and container["securityContext"] == {"privileged": True}
+        assert container["image"] == chart.settings.image and container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
         assert container["command"][-2:] == ["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"]
         env = {e["name"]: e["value"] for e in container["env"]}
         d = dirs(tmp_path, UUID)

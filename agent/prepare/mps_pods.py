@@ -9,7 +9,7 @@ the supervisor's bounds and health (prepare/mps_watch.py), also while its pod is
 starts what the prepared claims need at start). The pod mounts the GPU's directory at its host
 path (pipe, log, and the shm tmpfs the agent mounted), the tmpfs again on ``/dev/shm``, and the
 driver root read-only; it refuses to start when ``/dev/shm`` is not a tmpfs (a pod the kubelet
-runs again after a reboot, before the agent mounted one). Privileged, for the GPU's device nodes
+runs again after a reboot, before the agent mounted one). Root and privileged, for its directories and the GPU's device nodes
 (its MPS servers open them); host network: it needs none and must not wait for the node's CNI.
 The Node owns it, so a deleted node takes it along.
 
@@ -177,7 +177,8 @@ class PodLauncher:
             "name": COMPONENT, "image": self.settings.image, "imagePullPolicy": self.settings.pull_policy,
             "command": ["sh", "-c", _GUARD, COMPONENT, command, "-f"],
             "env": [{"name": k, "value": v} for k, v in env.items()],
-            "securityContext": {"privileged": True},
+            # root, as the agent that made its directories (0755); the image's own user may be another
+            "securityContext": {"privileged": True, "runAsUser": 0, "runAsGroup": 0},
             "terminationMessagePolicy": "FallbackToLogsOnError",  # why it ended, in its status: the claim's error
             "volumeMounts": [{"name": "gpu", "mountPath": gpu_dir}, {"name": "shm", "mountPath": "/dev/shm"},
                              {"name": "driver-root", "mountPath": DRIVER_ROOT_IN_POD, "readOnly": True}],
