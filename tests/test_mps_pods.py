@@ -48,8 +48,8 @@ class Chart:
         self.name = self.node["metadata"]["name"]
         self.other = plane.create_node(unique("mps-other"))["metadata"]["name"]
         token = plane.token("sysdra", "sysdra", node=self.name)
-        kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=token, namespace="sysdra")
-        self.api = PodApi("sysdra", ClaimApi(AsyncClient(config=KubeConfig.from_file(kubeconfig))))
+        self.kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=token, namespace="sysdra")
+        self.api = PodApi("sysdra", ClaimApi(AsyncClient(config=KubeConfig.from_file(self.kubeconfig))))
         self.http = plane.http(token=token)
 
     def launcher(self, tmp, boot: str = "boot-1") -> PodLauncher:
@@ -183,3 +183,15 @@ def test_the_pods_guard_runs_the_daemon_only_on_a_tmpfs(tmp_path):
     on_tmpfs = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", tmpfs, "x", "-", *guard],
                               capture_output=True, text=True)  # fmt: skip
     assert (on_tmpfs.returncode, on_tmpfs.stdout) == (0, "serving\n"), on_tmpfs
+
+
+def test_doctor_checks_the_pods_permissions_as_the_agent(apiserver, chart, monkeypatch, tmp_path):
+    """``sysdra doctor`` with ``nvidia_mps_pod``: SelfSubjectAccessReviews in the pods' namespace,
+    allowed by the chart's Role, refused in another namespace (no Role there)."""
+    from agent.tools.doctor import check_api
+
+    monkeypatch.setenv("KUBECONFIG", chart.kubeconfig)
+    found = {f.check: f for f in check_api("kube", chart.name, mps_namespace="sysdra")}
+    assert found["rbac"].level == "ok" and found["rbac-mps"].level == "ok", found
+    found = {f.check: f for f in check_api("kube", chart.name, mps_namespace="default")}
+    assert found["rbac-mps"].level == "fail" and "create pods" in found["rbac-mps"].message
