@@ -92,7 +92,8 @@ def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
                 spec["serviceAccountName"]) == (chart.name, "Never", True, False, "sysdra")
         assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": chart.name,
                                                        "uid": chart.node["metadata"]["uid"]}]  # fmt: skip
-        assert container["image"] == chart.settings.image and container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
+        assert container["image"] == chart.settings.image
+        assert container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
         assert container["command"][-2:] == ["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"]
         env = {e["name"]: e["value"] for e in container["env"]}
         d = dirs(tmp_path, UUID)
@@ -195,3 +196,26 @@ def test_doctor_checks_the_pods_permissions_as_the_agent(apiserver, chart, monke
     assert found["rbac"].level == "ok" and found["rbac-mps"].level == "ok", found
     found = {f.check: f for f in check_api("kube", chart.name, mps_namespace="default")}
     assert found["rbac-mps"].level == "fail" and "create pods" in found["rbac-mps"].message
+
+
+def test_without_the_api_a_daemons_pipe_says_whether_it_serves(chart, tmp_path):
+    """The API server away (nothing listens at its address): the supervisor neither restarts a
+    daemon whose pipe is there nor trusts one whose pipe is gone."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    config = yaml.safe_load(open(chart.kubeconfig))
+    config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    path = tmp_path / "away.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    away = PodApi("sysdra", ClaimApi(AsyncClient(config=KubeConfig.from_file(str(path)))))
+    launcher = PodLauncher(chart.settings, str(tmp_path / "mps"), chart.name, "sysdra.io", "boot-1", "/",
+                           lambda: (BINARY, LIBS), away)  # fmt: skip
+    rec = MpsRecord(uuid=UUID, pod_uid="1234-abcd", boot_id="boot-1")
+    assert not launcher.alive(rec)
+    pipe = tmp_path / "mps" / UUID / "pipe"
+    pipe.mkdir(parents=True)
+    (pipe / "control").touch()
+    assert launcher.alive(rec)

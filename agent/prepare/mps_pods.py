@@ -9,9 +9,9 @@ the supervisor's bounds and health (prepare/mps_watch.py), also while its pod is
 starts what the prepared claims need at start). The pod mounts the GPU's directory at its host
 path (pipe, log, and the shm tmpfs the agent mounted), the tmpfs again on ``/dev/shm``, and the
 driver root read-only; it refuses to start when ``/dev/shm`` is not a tmpfs (a pod the kubelet
-runs again after a reboot, before the agent mounted one). Root and privileged, for its directories and the GPU's device nodes
-(its MPS servers open them); host network: it needs none and must not wait for the node's CNI.
-The Node owns it, so a deleted node takes it along.
+runs again after a reboot, before the agent mounted one). Root and privileged, for its
+directories and the GPU's device nodes (its MPS servers open them); host network: it needs none
+and must not wait for the node's CNI. The Node owns it, so a deleted node takes it along.
 
 A record holds the pod's UID: a pod of the same name made since (another agent's) is never taken
 for it, and every delete is conditional on the UID. Requests block (worker threads, the
@@ -65,7 +65,7 @@ class PodApi:
         """The answer's object; None for 404 (and 409: a precondition that no longer holds)."""
         resp = self.api.request(method, path, orjson.dumps(body) if body is not None else None,
                                 {"Content-Type": "application/json", "Accept": "application/json"})
-        if resp.status in (404, 409) and 404 not in ok:
+        if resp.status in (404, 409):
             return None
         if resp.status not in ok:
             raise ApiFailure(f"{method} {path}: API error {resp.status}: {resp.body[:300].decode('utf-8', 'replace')}",
@@ -116,8 +116,8 @@ def _why_not(pod: dict) -> str | None:
         for state in ("terminated", "waiting"):
             got = (status.get("state") or {}).get(state)
             if got and (state == "terminated" or got.get("reason") in _WAITING_FAILURES):
-                detail = got.get("message") or (f"exit code {got['exitCode']}" if "exitCode" in got else "")
-                return f"{got.get('reason') or state}: {detail}".strip(": ")[:500]
+                detail = str(got.get("message") or (f"exit code {got['exitCode']}" if "exitCode" in got else ""))
+                return f"{got.get('reason') or state}: {detail[-400:].strip()}".strip(": ")  # a traceback's end says why
     if (pod.get("status") or {}).get("phase") == "Failed":
         return (pod.get("status") or {}).get("reason") or "the pod failed"
     return None
@@ -136,6 +136,7 @@ class PodLauncher:
         self.api = api or PodApi(settings.namespace)
         self._owner: dict | None = None
         self._looked = 0.0
+        self._api_down = False  # logged once per outage
 
     def describe(self, rec: MpsRecord | None) -> str:
         if rec is None or rec.pod_uid is None:
@@ -149,10 +150,16 @@ class PodLauncher:
         if rec is None or rec.pod_uid is None or (rec.boot_id is not None and rec.boot_id != self.boot_id):
             return False
         try:
-            return _state(self._get(pod_name(rec.uuid)), rec.pod_uid) == "up"
+            up = _state(self._get(pod_name(rec.uuid)), rec.pod_uid) == "up"
         except (ApiFailure, OSError) as err:  # the API away: the pod is not ours to judge; its pipe is
-            log.warning("MPS daemon pod of GPU %s not looked at (%s): its pipe says whether it serves", rec.uuid, err)
+            if not self._api_down:
+                log.warning("MPS daemon pods not looked at (%s): their pipes say whether they serve", err)
+            self._api_down = True
             return self._pipe_there(rec.uuid)
+        if self._api_down:
+            log.info("MPS daemon pods looked at again")
+        self._api_down = False
+        return up
 
     def _pipe_there(self, uuid: str) -> bool:
         return os.path.exists(os.path.join(self.base, uuid, "pipe", "control"))

@@ -162,7 +162,8 @@ def check_api(cluster: str, node_name: str, review: Callable[..., tuple[bool, st
 
 
 def _check_mps_pods(review: Callable[..., tuple[bool, str | None]], namespace: str) -> Finding:
-    denied = [f"{verb} pods" for verb, group, resource in MPS_POD_PERMISSIONS if not review(verb, group, resource, None, namespace)[0]]
+    denied = [f"{verb} pods" for verb, group, resource in MPS_POD_PERMISSIONS
+              if not review(verb, group, resource, None, namespace)[0]]
     if denied:
         return Finding("rbac-mps", "fail", f"in namespace {namespace}, not allowed: {', '.join(denied)}: an MPS share's "
                                            "claim fails, its daemon's pod cannot be made",
