@@ -12,8 +12,10 @@ import socket
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.alias_generators import to_camel
 
 from agent.names import is_subdomain
+from agent.settings_errors import error_message
 
 EX_CONFIG = 78
 DEFAULT_CONFIG_FILE = "/etc/sysdra/config.yaml"
@@ -119,6 +121,44 @@ def _host_path(v: str) -> str:
     return os.path.normpath(v)
 
 
+class MpsPodSettings(BaseModel):
+    """``nvidia_mps_pod``: the MPS control daemons run in pods of their own on this node (the
+    DaemonSet's agent, whose pod may end while shares run: prepare/mps_pods.py). The chart
+    writes it; keys as in YAML (camelCase) or snake_case."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
+    image: str = Field(min_length=1, max_length=1024)  # one with sh, grep and tail (the agent's own)
+    namespace: str  # the agent's
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    priority_class_name: str = ""
+    # the pods' ServiceAccount (no token is mounted): one that exists, the agent's; "": the namespace's default
+    service_account_name: str = ""
+    # the host directory of the driver root (nvidia_driver_root as the host has it); None: that one
+    host_driver_root: str | None = None
+    start_timeout: float = Field(default=120.0, gt=0, le=3600)  # seconds: an image pull, a sandbox
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        if len(v) > 63 or not is_subdomain(v) or "." in v:
+            raise ValueError(f"{v!r} is not a DNS label")
+        return v
+
+    @field_validator("image_pull_secrets", "priority_class_name", "service_account_name")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        for name in (v,) if isinstance(v, str) else v:
+            if name and not is_subdomain(name):
+                raise ValueError(f"{name!r} is not an object name")
+        return v
+
+    @field_validator("host_driver_root")
+    @classmethod
+    def _host_root(cls, v: str | None) -> str | None:
+        return None if v is None else _host_path(v)
+
+
 _CHECKS = {
     "root": _root, "kubelet_dir": _absolute, "cdi_dir": _absolute, "driver_name": _driver, "node_name": _node,
     "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health,
@@ -187,6 +227,8 @@ class Settings(BaseModel):
     nvidia_mps: bool = True
     # The size of each MPS daemon's shm tmpfs (its and its clients' /dev/shm), a quantity (1Gi).
     nvidia_mps_shm_size: str = "1Gi"
+    # The MPS daemons in pods of their own (the DaemonSet: docs/sharing.md); None: the agent's processes.
+    nvidia_mps_pod: MpsPodSettings | None = None
     # With --partitions, a claim for a MIG device of a GPU not in MIG mode: false fails the claim
     # (saying so); true lets the agent enable MIG mode through NVML (docs/partitions.md).
     nvidia_mig_enable: bool = False
@@ -202,7 +244,7 @@ class Settings(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as err:
-            raise ConfigError(f"invalid setting {_message(err, values)}") from None
+            raise ConfigError(f"invalid setting {error_message(err, Settings)}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"settings are read-only ({name}): make a changed copy with replace()")
@@ -239,61 +281,19 @@ class Settings(BaseModel):
 
 def _before(values: dict[str, Any]) -> dict[str, Any]:
     """The spellings a field's type does not take as they are: a comma list for ``share``,
-    YAML text for ``skip_node_operations`` (from SYSDRA_*)."""
+    YAML text for ``skip_node_operations`` and ``nvidia_mps_pod`` (from SYSDRA_*)."""
     out = dict(values)
     for name, value in values.items():
         if name == "share" and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
-        elif name == "skip_node_operations" and isinstance(value, str):  # '{accelerator: ["*"]}'
+        elif name in ("skip_node_operations", "nvidia_mps_pod") and isinstance(value, str):  # '{accelerator: ["*"]}'
             import yaml
 
             try:
-                out[name] = yaml.safe_load(value) or {}
+                out[name] = yaml.safe_load(value) or ({} if name == "skip_node_operations" else None)
             except yaml.YAMLError as err:
-                raise ConfigError(f"invalid setting skip-node-operations: not a YAML mapping: {err}") from None
+                raise ConfigError(f"invalid setting {name.replace('_', '-')}: not a YAML mapping: {err}") from None
     return out
-
-
-# pydantic's error types -> the type they expected, named as in YAML/JSON documents
-_EXPECTED = {"float_parsing": "float", "float_type": "float", "int_parsing": "int", "int_type": "int",
-             "int_from_float": "int", "bool_parsing": "bool", "bool_type": "bool", "string_type": "str",
-             "dict_type": "object", "list_type": "array", "tuple_type": "array"}
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "object"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    return type(value).__name__
-
-
-def _message(err: ValidationError, values: dict[str, Any]) -> str:
-    """The first error as ``debounce: expected float, got str 'soon'``: the setting's name as
-    flags spell it, then what is wrong with its value."""
-    e = err.errors(include_url=False)[0]
-    name, kind, given = str(e["loc"][0]) if e["loc"] else "", e["type"], e.get("input")
-    setting = name.replace("_", "-")
-    if kind == "extra_forbidden":
-        return f"{setting}: no such setting"
-    if kind == "value_error":  # one of the checks below; its message as it is
-        return f"{setting}: {e['ctx']['error']}"
-    if kind == "literal_error":
-        return f"{setting}: invalid enum value {given!r}"[:200]
-    if kind in _EXPECTED:
-        expected = _EXPECTED[kind]
-        field = Settings.model_fields.get(name)
-        if len(e["loc"]) == 1 and field is not None and not field.is_required() and _nullable(field.annotation):
-            expected += " | null"
-        shown = f" {given!r}"[:80] if isinstance(given, str) else ""
-        return f"{setting}: expected {expected}, got {_json_type(given)}{shown}"
-    return f"{setting}: {e['msg']}"
-
-
-def _nullable(annotation: Any) -> bool:
-    return type(None) in getattr(annotation, "__args__", ())
 
 
 # Names accepted in the config file and as SYSDRA_<NAME> environment variables.

@@ -205,6 +205,17 @@ def test_api_permissions_and_clock():
         raise ConnectionRefusedError("refused")
 
     assert levels(doctor.check_api("kube", "n", unreachable)) == [("api", "fail")]
+    # nvidia_mps_pod: the daemons' pods in their namespace
+    pods = []
+
+    def no_pod_delete(verb, group, resource, name, namespace=None):
+        pods.append((verb, resource, namespace)) if resource == "pods" else None
+        return not (resource == "pods" and verb == "delete"), date
+
+    found = doctor.check_api("kube", "node-a", no_pod_delete, now=lambda: now, mps_namespace="gpu-system")
+    assert levels(found) == [("api", "ok"), ("rbac", "ok"), ("rbac-mps", "fail"), ("clock", "ok")]
+    assert "gpu-system, not allowed: delete pods" in found[2].message
+    assert pods == [(v, "pods", "gpu-system") for v in ("get", "list", "create", "delete")]
 
 
 def test_cli_exit_codes(node, capsys):

@@ -85,8 +85,18 @@ def test_every_feature_reaches_the_agent(tmp_path):
     assert classes == {"gpu.sysdra.io": "example.com/gpu", "nic.sysdra.io": None, "accelerator.sysdra.io": "sysdra.io/accelerator"}
     monitor = _one(objs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics" and monitor["metadata"]["labels"]["release"] == "prometheus"
-    policy = _one(objs, "ValidatingAdmissionPolicy")
-    assert "system:serviceaccount:sysdra:sysdra-agent" in policy["spec"]["matchConditions"][0]["expression"]
+    policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"}
+    assert sorted(policies) == ["sysdra-own-node-mps-pods", "sysdra-own-node-slices"]
+    for policy in policies.values():
+        assert "system:serviceaccount:sysdra:sysdra-agent" in policy["spec"]["matchConditions"][0]["expression"]
+    # nvidia.mps with the default mpsDaemons: the daemons' pods, of the chart's image, the agent's account
+    mps = s.nvidia_mps_pod
+    assert (mps.image, mps.namespace, mps.pull_policy, mps.image_pull_secrets, mps.service_account_name) == (
+        "registry.example.com/sysdra/sysdra:0.1.0-rc1", "sysdra", "Always", ("registry-credentials",), "sysdra-agent")
+    assert (mps.host_driver_root, mps.priority_class_name) == ("/run/nvidia/driver", "system-node-critical")
+    role = _one(objs, "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "delete"]}]
+    assert "image == 'registry.example.com/sysdra/sysdra:0.1.0-rc1'" in str(policies["sysdra-own-node-mps-pods"])
 
 
 def test_default_daemonset():
@@ -136,6 +146,16 @@ def test_the_agent_is_privileged_only_for_what_needs_it(sets, privileged):
     assert c["securityContext"]["allowPrivilegeEscalation"] is privileged  # the API refuses privileged without it
     config = yaml.safe_load(_one(objs, "ConfigMap")["data"]["config.yaml"])
     assert config["nvml"] is ("config.nvml=false" not in sets)
+
+
+@pytest.mark.parametrize("daemons", ["pod", "process"])
+def test_mps_daemons_in_pods_bring_their_settings_role_and_policy(daemons, tmp_path):
+    objs = _objects_set("nvidia.enabled=true", "nvidia.mps=true", f"nvidia.mpsDaemons={daemons}")
+    pods = daemons == "pod"
+    assert (_config(objs, tmp_path).nvidia_mps_pod is not None) is pods
+    assert [o["metadata"]["name"] for o in objs if o["kind"] in ("Role", "RoleBinding")] == ["sysdra-mps"] * 2 * pods
+    policies = [o["metadata"]["name"] for o in objs if o["kind"] == "ValidatingAdmissionPolicy"]
+    assert ("sysdra-own-node-mps-pods" in policies) is pods
 
 
 def _objects_set(*sets: str) -> list[dict]:

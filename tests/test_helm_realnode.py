@@ -118,8 +118,17 @@ def wait(predicate, what: str, node: RealNode, timeout: float = 120.0):
                          f"--- agent pods:\n{agent_logs(node)}")  # fmt: skip
 
 
+def is_agent(pod: dict) -> bool:
+    """The DaemonSet's pods, not the MPS daemons' (which share the namespace)."""
+    return (pod["metadata"].get("labels") or {}).get("app.kubernetes.io/name") == "sysdra"
+
+
 def agent_pods(node: RealNode) -> list[dict]:
-    return node.plane.list("Pod", "sysdra")
+    return [p for p in node.plane.list("Pod", "sysdra") if is_agent(p)]
+
+
+def mps_pods(node: RealNode) -> list[dict]:
+    return [p for p in node.plane.list("Pod", "sysdra") if not is_agent(p)]
 
 
 def agent_logs(node: RealNode, lines: int = 20) -> str:
@@ -146,7 +155,7 @@ def count_running(node: RealNode, seen: set, stop: threading.Event) -> None:
     client = node.plane.http(cert=node.plane.admin_cert)  # a client of its own: the test's is busy meanwhile
     while not stop.is_set():
         pods = node.plane.request("GET", "/api/v1/namespaces/sysdra/pods", client=client).json()["items"]
-        seen.add(sum(p["status"].get("phase") == "Running" for p in pods))
+        seen.add(sum(p["status"].get("phase") == "Running" for p in pods if is_agent(p)))
         time.sleep(0.1)
     client.close()
 
@@ -282,46 +291,72 @@ def node_mps_mounts(node: RealNode) -> list[str]:
             if f"/plugins/{DRIVER}/mps/" in line.split()[4]]  # fmt: skip
 
 
-def test_mps_shares_through_the_chart(node):
-    """``nvidia.mps: true`` with ``config.share: [gpu]``: the DaemonSet's agent (the built image's
-    unshare, mount and python3 running the node's simulated nvidia-cuda-mps-control), privileged
-    with the plugins dir's Bidirectional propagation, mounts the GPU's shm tmpfs where the node's
-    containerd binds it: a share's pod (deploy/example-sharing.yaml's template) gets it as
-    /dev/shm, with what the daemon wrote there; deleting the pod stops the daemon and unmounts it."""
+def share_pod(node: RealNode, ns: str, gpus: list[dict]) -> list[str]:
+    """A pod with a share of the first shared GPU (deploy/example-sharing.yaml's template) that
+    lists its /dev/shm and mounts, then sleeps -> its log's lines."""
+    bdf = min(gpus, key=lambda d: d["name"])["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+    template = next(d for d in load_yaml(f"{REPO}/deploy/example-sharing.yaml") if d["metadata"]["name"] == "gpu-share-small")
+    template["metadata"]["namespace"] = ns
+    template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+        {"cel": {"expression": f'device.attributes["resource.kubernetes.io"].pciBusID == "{bdf}"'}}]
+    node.plane.create(template)
+    container = {"name": "app", "image": node.image, "imagePullPolicy": "Never", "resources": {"claims": [{"name": "gpu"}]},
+                 "command": ["sh", "-c", "ls /dev/shm; grep ' /dev/shm ' /proc/mounts; echo END; exec sleep 3600"]}
+    node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "share", "namespace": ns},
+                       "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
+                                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-share-small"}],
+                                "containers": [container]}})  # fmt: skip
+
+    def log():
+        r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/share/log", ok=False)
+        return r.status_code == 200 and "END" in r.text.split() and r.text.splitlines()
+
+    return wait(log, f"pod {ns}/share's log", node)
+
+
+def running_mps_pods(node: RealNode) -> list[tuple[str, str]]:
+    return [(p["metadata"]["name"], p["metadata"]["uid"]) for p in mps_pods(node)
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.mark.parametrize("daemons", ["pod", "process"])
+def test_mps_shares_through_the_chart(node, daemons):
+    """``nvidia.mps: true`` with ``config.share: [gpu]``: the DaemonSet's agent, privileged with the
+    plugins dir's Bidirectional propagation, mounts the GPU's shm tmpfs where the node's containerd
+    binds it, and runs the node's simulated nvidia-cuda-mps-control (python3 of the built image):
+    in a pod of its own (``nvidia.mpsDaemons: pod``, the default) or as its own process. A share's
+    pod gets the tmpfs as /dev/shm, with what the daemon wrote there; deleting the pod stops the
+    daemon (its pod deleted) and unmounts the tmpfs. With pods, the daemon outlives the agent's
+    pod: deleted, the DaemonSet's next agent adopts the same daemon pod while the share runs."""
     ns = unique("helm-mps")
     node.plane.create_namespace(ns)
     node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
     run_helm(node, "install", "sysdra", CHART, "--namespace", "sysdra", "--create-namespace", "--values", node.values,
-             "--set", "nvidia.mps=true", "--set", "config.share={gpu}")  # fmt: skip
+             "--set", "nvidia.mps=true", "--set", f"nvidia.mpsDaemons={daemons}", "--set", "config.share={gpu}")  # fmt: skip
     try:
         wait(lambda: running_agents(node), "the agent pod running", node)
         gpus = wait(lambda: [d for s in node.slices() for d in s["spec"].get("devices", [])
                              if d["name"].startswith("gpu-") and d.get("allowMultipleAllocations")],
                     "the agent pod's shared GPUs", node)  # fmt: skip
-        bdf = min(gpus, key=lambda d: d["name"])["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
-        template = next(d for d in load_yaml(f"{REPO}/deploy/example-sharing.yaml") if d["metadata"]["name"] == "gpu-share-small")
-        template["metadata"]["namespace"] = ns
-        template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
-            {"cel": {"expression": f'device.attributes["resource.kubernetes.io"].pciBusID == "{bdf}"'}}]
-        node.plane.create(template)
-        container = {"name": "app", "image": node.image, "imagePullPolicy": "Never", "resources": {"claims": [{"name": "gpu"}]},
-                     "command": ["sh", "-c", "ls /dev/shm; grep ' /dev/shm ' /proc/mounts; echo END; exec sleep 3600"]}
-        node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "share", "namespace": ns},
-                           "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
-                                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-share-small"}],
-                                    "containers": [container]}})  # fmt: skip
-
-        def log():
-            r = node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/share/log", ok=False)
-            return r.status_code == 200 and "END" in r.text.split() and r.text.splitlines()
-
-        lines = wait(log, f"pod {ns}/share's log", node)
+        lines = share_pod(node, ns, gpus)
         assert len([x for x in lines if x.startswith("fake-mps-")]) == 1, lines  # written by the daemon
         assert any(x.split()[1:3] == ["/dev/shm", "tmpfs"] and "size=1048576k" in x for x in lines), lines
         (mount,) = node_mps_mounts(node)
         assert mount.endswith("/shm rw,size=1048576k"), mount
+        if daemons == "pod":
+            (daemon,) = running_mps_pods(node)
+            assert daemon[0].startswith("sysdra-mps-gpu-"), daemon
+            (agent, _), = running_agents(node)
+            node.plane.delete("Pod", agent, "sysdra")
+            wait(lambda: [a for a, _ in running_agents(node) if a != agent], "the next agent pod running", node)
+            assert running_mps_pods(node) == [daemon]  # the same pod served throughout, adopted
+            assert node.plane.get("Pod", "share", ns)["status"]["phase"] == "Running"
+            assert len(node_mps_mounts(node)) == 1
+        else:
+            assert mps_pods(node) == []
         node.plane.delete("Pod", "share", ns)
         wait(lambda: not node_mps_mounts(node), "the shm tmpfs unmounted on the node", node)
+        wait(lambda: not mps_pods(node), "the MPS daemon's pod deleted", node)
         assert warnings(node, ns) == []
     finally:
         run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")

@@ -92,7 +92,7 @@ def test_bad_records_are_moved_aside_and_never_used(tmp_path, daemons):
 
 def test_no_binary_or_a_failed_start_is_the_claims_error(daemons, monkeypatch):
     assert "no nvidia-cuda-mps-control on this node" in daemons(binary=None).reconcile({UUID})[UUID]
-    monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.5)
+    monkeypatch.setattr("agent.prepare.mps_process.ProcessLauncher.start_timeout", 0.5)
     d = daemons(env={"FAKE_MPS_NO_PIPE": "1"})
     err = d.reconcile({UUID})[UUID]
     assert "did not start" in err and UUID not in d.state.daemons
@@ -106,3 +106,16 @@ def test_a_share_container_is_a_client_of_its_gpus_daemon(daemons):
                                 "options": ["rw", "nosuid", "nodev", "bind"]},
                                {"hostPath": d.dirs(UUID)["shm"], "containerPath": "/dev/shm",
                                 "options": ["rw", "nosuid", "nodev", "bind"]}]
+
+
+def test_another_agents_records_are_respected(daemons):
+    """Two agents of a surge update share the records: what the new one stopped, the old one's
+    supervisor does not start again (it reads the records the other saved)."""
+    old, new = daemons(), daemons()
+    assert old.reconcile({UUID}) == {}
+    rec = old.state.daemons[UUID]
+    assert new.reconcile({UUID}) == {} and new.state.daemons[UUID] == rec  # adopted
+    new.reconcile(set())  # the last share went, through the new agent
+    assert not old.dead(UUID, rec)  # the old one's view was out of date: read again
+    assert old.watched() == {} and old.restart(UUID) is None
+    assert UUID not in old.state.daemons and not os.path.exists(old.dirs(UUID)["pipe"])

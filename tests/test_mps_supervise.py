@@ -100,7 +100,7 @@ def test_restarts_are_bounded(daemons, supervised, monkeypatch):  # noqa: F811
     d = daemons(env=env)
     assert d.reconcile({UUID}) == {}
     first = d.state.daemons[UUID]
-    monkeypatch.setattr("agent.prepare.mps.START_TIMEOUT", 0.3)  # starts that fail, fail fast
+    monkeypatch.setattr("agent.prepare.mps_process.ProcessLauncher.start_timeout", 0.3)  # starts that fail, fail fast
     env["FAKE_MPS_NO_PIPE"] = "1"  # from now on every start fails
     failed = _restarts("failed")
     sup, health = supervised(d, max_restarts=3)

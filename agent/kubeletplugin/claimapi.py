@@ -59,6 +59,10 @@ class ClaimApi:
                 transport = self._transport
         return transport.request(method, path, body, headers)
 
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> apihttp.Response:
+        """Another request on the same connection settings and pool (the MPS daemon pods')."""
+        return self._send(method, path, body, headers or {})
+
     def read(self, namespace: str, name: str) -> dict:
         """GET the claim, as the JSON object the server sent."""
         resp = self._send("GET", _path(namespace, name), None, {"Accept": "application/json"})

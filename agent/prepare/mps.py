@@ -6,21 +6,22 @@ to an MPS control daemon. Measured on an H200: with the daemon's pipe directory 
 ``/tmp/nvidia-mps`` and ``CUDA_MPS_PIPE_DIRECTORY`` pointing there, a 10 GiB allocation under a
 20 GiB limit succeeds and a 30 GiB one fails (docs/sharing.md, "MPS").
 
-Each daemon runs ``nvidia-cuda-mps-control -f`` (in the foreground, so its PID is ours to know)
-in a session of its own, with ``CUDA_VISIBLE_DEVICES`` = the GPU's UUID, and its pipe, log and
-shm directories under ``<plugin dir>/mps/<uuid>/``. The shm directory is a sized tmpfs, mounted
-before the daemon starts (unless mountinfo shows it is: a restart never stacks a second one),
-and the daemon's ``/dev/shm`` (a mount namespace of its own, see ``_command``): its MPS servers
-and the clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has
-them. Under systemd the tmpfs must also be in PID 1's mount namespace, where the container
-runtime binds it (``runtime_namespace_pid``): a unit setting that gives the agent a namespace of
-its own fails the claim instead of handing the shares an empty /dev/shm. Its record
-(prepare/mps_records.py: PID, start time, command line, boot ID) is written before the process
-starts; ``reconcile`` makes the running daemons equal to the GPUs that shares hold: it adopts a
-live daemon of a record (all four match: never a reused PID), starts missing ones, restarts dead
-ones, stops those no share needs and removes the directories of records from another boot (a
-tmpfs below unmounted) and of daemons nobody recorded. ``restart`` is the supervisor's (prepare/mps_watch.py): the same
-GPU, directories and environment again. Both run in worker threads and block, one at a time.
+Each daemon runs ``nvidia-cuda-mps-control -f`` with ``CUDA_VISIBLE_DEVICES`` = the GPU's UUID
+and its pipe, log and shm directories under ``<plugin dir>/mps/<uuid>/``, started by a launcher:
+as a process of the agent's (prepare/mps_process.py; the systemd service) or as a pod of its own
+(prepare/mps_pods.py; the DaemonSet, whose pod may end while the daemons serve). The shm
+directory is a sized tmpfs, mounted before the daemon starts (unless mountinfo shows it is: a
+restart never stacks a second one), and the daemon's ``/dev/shm``: its MPS servers and the
+clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has them. Under
+systemd the tmpfs must also be in PID 1's mount namespace, where the container runtime binds it
+(``runtime_namespace_pid``): a unit setting that gives the agent a namespace of its own fails the
+claim instead of handing the shares an empty /dev/shm. Its record (prepare/mps_records.py) is
+written before the daemon starts; ``reconcile`` makes the running daemons equal to the GPUs that
+shares hold: it adopts a live daemon of a record (never a reused PID, never another pod of the
+same name), starts missing ones, restarts dead ones, stops those no share needs and removes the
+directories of records from another boot (a tmpfs below unmounted) and of daemons nobody
+recorded. ``restart`` is the supervisor's (prepare/mps_watch.py): the same GPU, directories and
+environment again. Both run in worker threads and block, one at a time.
 """
 
 from __future__ import annotations
@@ -29,31 +30,21 @@ import contextlib
 import logging
 import os
 import re
-import shutil
-import signal
 import subprocess
 import threading
 import time
-from typing import Callable
-
-import psutil
-from pydantic import ValidationError
+from typing import Callable, Protocol
 
 from agent.fsutil import make_dirs
 from agent.prepare import mps_records
+from agent.prepare.mps_process import BINARY, STOP_TIMEOUT, LaunchError, ProcessLauncher
 from agent.prepare.mps_records import MpsRecord
 
 log = logging.getLogger(__name__)
 
-BINARY = "nvidia-cuda-mps-control"
 PIPE_IN_CONTAINER = "/tmp/nvidia-mps"
-START_TIMEOUT = 10.0  # seconds for the daemon's pipe to appear
-STOP_TIMEOUT = 10.0
 ANSWER_TIMEOUT = 5.0  # seconds for ``get_server_list`` to be answered
 SHM_SIZE = 1 << 30  # the shm tmpfs's size unless configured (nvidia_mps_shm_size): NVIDIA's default
-# the daemon's own mount namespace, private (so nothing of it reaches the agent's), with the shm
-# tmpfs bound on /dev/shm; then exec: the PID stays the daemon's, its command line ends as the binary's
-_BIND_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 _UUID = re.compile(mps_records.GPU_UUID)
 
 
@@ -75,10 +66,27 @@ def runtime_namespace_pid(environ: dict[str, str] | None = None) -> int | None:
         return None
 
 
+class Launcher(Protocol):
+    """How a daemon is run (prepare/mps_process.py, prepare/mps_pods.py). Blocking; raises
+    ``LaunchError`` where it cannot start one."""
+
+    start_timeout: float  # seconds for a started daemon's pipe to appear
+
+    def describe(self, rec: MpsRecord | None) -> str: ...
+    def alive(self, rec: MpsRecord | None) -> bool: ...
+    def launch(self, uuid: str, dirs: dict[str, str], env: dict[str, str], binary: str) -> MpsRecord: ...
+    def start_failed(self, rec: MpsRecord) -> str | None: ...
+    def settle(self, rec: MpsRecord) -> MpsRecord: ...
+    def end(self, rec: MpsRecord, quitting: bool) -> None: ...
+    def end_strays(self, uuid: str, pipe: str, known: MpsRecord | None) -> None: ...
+    def forget(self, rec: MpsRecord) -> None: ...
+    def end_orphans(self, keep: set[str]) -> None: ...
+
+
 class MpsDaemons:
     def __init__(self, plugin_dir: str, binary: str | None | Callable[[], str | None],
                  env: dict[str, str] | Callable[[], dict[str, str]] | None = None, boot_id: str = "",
-                 shm_size: int = SHM_SIZE):
+                 shm_size: int = SHM_SIZE, launcher: Launcher | None = None):
         self.base = os.path.join(plugin_dir, "mps")
         self.path = os.path.join(self.base, "daemons.json")
         # as the agent runs it (under --root), or how to find it when needed; None: the node has none
@@ -88,10 +96,11 @@ class MpsDaemons:
         self.shm_size = shm_size  # bytes
         self.runtime_pid = runtime_namespace_pid()  # where the shm tmpfs must be seen too; None: not checked
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
-        self._procs: dict[str, subprocess.Popen] = {}  # daemons this process started: reaped when they end
+        self.launcher = launcher or ProcessLauncher(boot_id)
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
         self.on_change: Callable[[], None] = lambda: None  # the supervisor looks again
         self.state = mps_records.load(self.path)
+        self._saved = self._file_version()
 
     @property
     def binary(self) -> str | None:
@@ -103,6 +112,27 @@ class MpsDaemons:
 
     def _save(self) -> None:
         mps_records.save(self.path, self.state)
+        self._saved = self._file_version()
+
+    def _file_version(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _changed_by_another(self) -> bool:
+        """Another agent saved the records since this one did (two pods of a surge update): its
+        daemons are its own to restart or stop, this one's view of them is out of date. The
+        records are read again, and a GPU whose record the other removed is no longer this one's
+        to supervise (the next reconcile says what its claims need)."""
+        if self._file_version() == self._saved:
+            return False
+        before = set(self.state.daemons)
+        self.state = mps_records.load(self.path)
+        self._saved = self._file_version()
+        self.wanted -= before - set(self.state.daemons)
+        return True
 
     def dirs(self, uuid: str) -> dict[str, str]:
         d = os.path.join(self.base, uuid)
@@ -117,13 +147,17 @@ class MpsDaemons:
         """Still needed, still recorded as ``rec``, and not running: prepare, which may have just
         stopped or started it, is done (the supervisor's snapshot may be older)."""
         with self.lock:
+            if self._changed_by_another():
+                return False  # the supervisor looks again, at the records as they are now
             return uuid in self.wanted and self.state.daemons.get(uuid) == rec and not self.alive(rec)
 
-    # --- processes --------------------------------------------------------------------------
+    # --- the daemons ------------------------------------------------------------------------
     def alive(self, rec: MpsRecord | None) -> bool:
-        if rec is not None and (proc := self._procs.get(rec.uuid)) is not None and proc.pid == rec.pid:
-            proc.poll()  # our child: reaped once it ended, so it is no zombie of ours
-        return mps_records.is_process(rec, self.boot_id)
+        return self.launcher.alive(rec)
+
+    def describe(self, rec: MpsRecord | None) -> str:
+        """The daemon as logs name it: its PID, or its pod."""
+        return self.launcher.describe(rec)
 
     def _daemon_env(self, uuid: str) -> dict[str, str]:
         dirs = self.dirs(uuid)
@@ -131,22 +165,7 @@ class MpsDaemons:
                 "CUDA_MPS_PIPE_DIRECTORY": dirs["pipe"], "CUDA_MPS_LOG_DIRECTORY": dirs["log"]}
 
     def _end_strays(self, uuid: str) -> None:
-        """Daemons of this GPU's pipe dir that no record names: an agent killed between starting
-        one and recording its PID. Found by command line, then environment; ended before another
-        starts (only processes this agent can see: in a pod, those of its PID namespace)."""
-        pipe, known = self.dirs(uuid)["pipe"], self.state.daemons.get(uuid)
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = p.info["cmdline"] or []
-            if cmd[-1:] != ["-f"] or not any(os.path.basename(a) == BINARY for a in cmd[:-1]):
-                continue
-            try:
-                if p.environ().get("CUDA_MPS_PIPE_DIRECTORY") != pipe or (known is not None and p.pid == known.pid):
-                    continue
-                log.warning("MPS control daemon for GPU %s with no record (pid %d): ended", uuid, p.pid)
-                p.kill()
-                p.wait(STOP_TIMEOUT / 2)
-            except psutil.Error:
-                continue
+        self.launcher.end_strays(uuid, self.dirs(uuid)["pipe"], self.state.daemons.get(uuid))
 
     def _mount_shm(self, uuid: str) -> None:
         """The shm tmpfs, unless one is there already (a daemon started again, an agent that
@@ -168,14 +187,6 @@ class MpsDaemons:
                            "setting such as ReadWritePaths= or ProtectSystem= read after the MPS drop-in; "
                            "docs/operations.md)")
 
-    def _command(self, uuid: str) -> list[str]:
-        """The daemon behind ``unshare``: the agent has threads, so no preexec_fn can unshare."""
-        unshare, sh = shutil.which("unshare"), shutil.which("sh")
-        if unshare is None or sh is None:
-            raise MpsError(f"GPU {uuid}: no unshare or sh on the agent's PATH (util-linux): the daemon's /dev/shm cannot be set")
-        return [unshare, "--mount", "--propagation", "private", sh, "-c", _BIND_SHM,
-                self.dirs(uuid)["shm"], str(self.binary), "-f"]
-
     def _start(self, uuid: str) -> MpsRecord:
         if self.binary is None:
             raise MpsError(f"GPU {uuid}: no {BINARY} on this node (the NVIDIA driver's tools): MPS limits cannot be enforced")
@@ -185,61 +196,29 @@ class MpsDaemons:
         control = os.path.join(dirs["pipe"], "control")
         with contextlib.suppress(FileNotFoundError):  # a killed daemon's: its readiness is this appearing
             os.unlink(control)
-        intent = self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # before the process
+        intent = self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # before the daemon
         self._save()
-        self._end_strays(uuid)
         try:
+            self._end_strays(uuid)
             self._mount_shm(uuid)
-            command = self._command(uuid)
-        except MpsError:
+            rec = self.launcher.launch(uuid, dirs, self._daemon_env(uuid), str(self.binary))
+        except (MpsError, LaunchError) as err:
             self._stop(intent)  # nothing runs: the intent goes, its directories too (a tmpfs unmounted)
-            raise
-        log_file = open(os.path.join(dirs["log"], "agent-started.log"), "ab")
-        try:
-            proc = subprocess.Popen(command, env=self._daemon_env(uuid), stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as err:
-            raise MpsError(f"GPU {uuid}: starting {BINARY}: {err}") from err
-        finally:
-            log_file.close()
-        self._procs[uuid] = proc
-        try:
-            started = psutil.Process(proc.pid).create_time()
-        except psutil.Error:  # it ended at once
-            started = 0.0
-        rec = MpsRecord(uuid=uuid, pid=proc.pid, started=started, boot_id=self.boot_id)
+            raise MpsError(str(err) if isinstance(err, MpsError) else f"GPU {uuid}: {err}") from err
         self.state.daemons[uuid] = rec
         self._save()
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.launcher.start_timeout
         while not os.path.exists(control):
-            if proc.poll() is not None or time.monotonic() > deadline:
+            why = self.launcher.start_failed(rec)
+            if why is not None or time.monotonic() > deadline:
                 self._stop(rec)
-                raise MpsError(f"GPU {uuid}: {BINARY} did not start (see {dirs['log']})")
+                raise MpsError(f"GPU {uuid}: {BINARY} did not start: {why or 'no pipe within the start timeout'} "
+                               f"(see {dirs['log']})")
             time.sleep(0.02)
-        try:  # serving: any exec of a wrapper (env, a script's interpreter) is done, the command line final
-            rec = MpsRecord.model_validate({**rec.model_dump(), "cmdline": psutil.Process(proc.pid).cmdline()})
-        except (psutil.Error, ValidationError):  # gone (the supervisor sees it) or an odd command line: not checked
-            pass
-        self.state.daemons[uuid] = rec
+        rec = self.state.daemons[uuid] = self.launcher.settle(rec)
         self._save()
-        log.info("MPS control daemon for GPU %s started (pid %d)", uuid, proc.pid)
+        log.info("MPS control daemon for GPU %s started (%s)", uuid, self.describe(rec))
         return rec
-
-    def _signal_until_gone(self, rec: MpsRecord, quitting: bool = False) -> None:
-        """SIGTERM, then SIGKILL (after a moment to quit, if asked to), each only while the
-        recorded process (checked each time) runs."""
-        for sig in ((None,) if quitting else ()) + (signal.SIGTERM, signal.SIGKILL):
-            if not self.alive(rec):
-                return
-            if sig is not None:
-                try:
-                    os.kill(rec.pid, sig)
-                except ProcessLookupError:
-                    return
-            try:
-                psutil.Process(rec.pid).wait(timeout=STOP_TIMEOUT / 2)
-            except psutil.Error:
-                pass
 
     def _stop(self, rec: MpsRecord) -> None:
         """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories go."""
@@ -250,8 +229,7 @@ class MpsDaemons:
                                           timeout=STOP_TIMEOUT, capture_output=True).returncode == 0
             except (OSError, subprocess.TimeoutExpired) as err:
                 log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
-        self._signal_until_gone(rec, quitting)
-        self._procs.pop(rec.uuid, None)
+        self.launcher.end(rec, quitting)
         self.state.daemons.pop(rec.uuid, None)
         self._save()
         self._remove_dirs(rec.uuid)
@@ -279,6 +257,7 @@ class MpsDaemons:
         for uuid, rec in list(self.state.daemons.items()):
             if rec.boot_id is not None and rec.boot_id != self.boot_id:
                 log.info("MPS control daemon for GPU %s was recorded before a reboot: its directories removed", uuid)
+                self.launcher.forget(rec)
                 del self.state.daemons[uuid]
                 self._save()
                 self._remove_dirs(uuid)
@@ -302,18 +281,20 @@ class MpsDaemons:
         could not be started (their claims' errors). Others are stopped."""
         errors = {}
         with self.lock:
+            self._changed_by_another()
             self.wanted = set(wanted)
             self._forget_stale()
             for uuid, rec in list(self.state.daemons.items()):
                 if uuid not in wanted:
                     self._stop(rec)
             self._remove_unrecorded(wanted)
+            self.launcher.end_orphans(set(self.state.daemons) | wanted)
             for uuid in sorted(wanted):
                 rec = self.state.daemons.get(uuid)
                 if self.alive(rec):
                     continue
-                if rec is not None and rec.pid is not None:
-                    log.warning("MPS control daemon for GPU %s (pid %d) is gone: starting it again", uuid, rec.pid)
+                if rec is not None and (rec.pid is not None or rec.pod_uid is not None):
+                    log.warning("MPS control daemon for GPU %s (%s) is gone: starting it again", uuid, self.describe(rec))
                 try:
                     self._start(uuid)
                 except MpsError as err:
@@ -326,6 +307,7 @@ class MpsDaemons:
         -> its record; None when there is nothing to do (no share needs it any more, or it runs:
         prepare started it meanwhile). Raises ``MpsError``."""
         with self.lock:
+            self._changed_by_another()
             rec = self.state.daemons.get(uuid)
             if uuid not in self.wanted or self.alive(rec):
                 return None

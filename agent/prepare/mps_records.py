@@ -4,8 +4,8 @@ A record is written before its daemon starts and says which process is that daem
 time, command line and the boot it runs in. All four must match a live process before the
 agent adopts, signals or supervises it, so a PID the kernel gave to another process (after the
 daemon died, or after a reboot) is never taken for the daemon. The file is input when read back:
-validated, and moved aside when invalid. Paths are never recorded: a daemon's directories are
-derived from its GPU's UUID under the plugin dir, so a record cannot point the agent elsewhere.
+validated, and moved aside when invalid. Paths and pod names are never recorded: a daemon's directories
+and pod are derived from its GPU's UUID, so a record cannot point the agent elsewhere.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ _ESCAPED = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, 
 
 
 class MpsRecord(BaseModel):
-    """One daemon. ``boot_id``/``cmdline`` None: written by an agent that did not record them
-    (that check is then skipped: PID and start time still are made)."""
+    """One daemon: a process of the agent's (``pid``) or a pod of its own (``pod_uid``: the
+    agent's pod may end while the daemon serves, prepare/mps_pods.py). ``boot_id``/``cmdline``
+    None: written by an agent that did not record them (that check is then skipped: PID and
+    start time still are made)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     uuid: str = Field(pattern=GPU_UUID)
@@ -42,6 +44,7 @@ class MpsRecord(BaseModel):
     started: float | None = None  # the process's start time (psutil), to tell a reused PID apart
     boot_id: str | None = Field(default=None, max_length=128)
     cmdline: list[Arg] | None = Field(default=None, max_length=16)
+    pod_uid: str | None = Field(default=None, pattern=r"^[0-9a-fA-F-]{1,64}$")  # the pod's name is derived, never recorded
 
 
 class MpsState(BaseModel):

@@ -6,7 +6,8 @@ One thread of its own (never the event loop: waiting, starting and asking a daem
 holds a pidfd per running daemon, opened and then checked against the record (PID, start time,
 command line, boot: prepare/mps_records.py), so the pidfd is that daemon's and not a reused PID's,
 and waits in ``poll`` on them and on a wake-up pipe: a death is seen at once, without polling
-``/proc``. Where pidfds are missing (Linux < 5.3) every ``interval`` re-checks each record.
+``/proc``. Where pidfds are missing (Linux < 5.3), and for daemons in pods of their own, every ``interval``
+re-checks each record.
 
 Restarts are bounded: at most ``max_restarts`` within ``window`` seconds, the n-th after
 ``backoff * 2**(n-1)`` seconds (the first at once), capped at ``backoff_max``; past the bound
@@ -142,7 +143,7 @@ class MpsSupervisor:
         recent = self._recent.setdefault(uuid, deque())
         while recent and now - recent[0] > self.window:
             recent.popleft()
-        what = f"pid {rec.pid}" if rec is not None and rec.pid else "not running"
+        what = self.daemons.describe(rec)
         if len(recent) >= self.max_restarts:
             self._due[uuid] = float("inf")
             log.error("MPS control daemon for GPU %s (%s) died again after %d restarts in %.0f s: not started "
@@ -171,10 +172,10 @@ class MpsSupervisor:
             recent.pop()
             return
         RESTARTS.labels("started").inc()
-        log.warning("MPS control daemon for GPU %s started again (pid %d; restart %d of at most %d in %.0f s)",
-                    uuid, rec.pid, len(recent), self.max_restarts, self.window)
+        log.warning("MPS control daemon for GPU %s started again (%s; restart %d of at most %d in %.0f s)",
+                    uuid, self.daemons.describe(rec), len(recent), self.max_restarts, self.window)
         if self.daemons.answers(uuid):
-            self._healthy(uuid, f"restarted as pid {rec.pid}")
+            self._healthy(uuid, f"restarted as {self.daemons.describe(rec)}")
 
     def _fault(self, uuid: str, message: str) -> None:
         self.faulted.add(uuid)

@@ -18,6 +18,8 @@ from dataclasses import replace
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.mps import BINARY as MPS_BINARY
 from agent.prepare.mps import SHM_SIZE, MpsDaemons
+from agent.prepare.mps_pods import PodLauncher
+from agent.settings import MpsPodSettings
 from cdi.claim import ClaimDevice
 from cdi.nvidia import driver_edits
 from discovery.models import Device
@@ -37,7 +39,8 @@ def needs_driver(dev: Device) -> bool:
 
 class NvidiaDriver:
     def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
-                 host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE):
+                 host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE,
+                 mps_pod: tuple[MpsPodSettings, str, str] | None = None):
         self.root, self.host_root = root, host_root
         self.files = DriverFilesCache(root, driver_root)
         self._edits: tuple[DriverFiles, dict] | None = None  # claim-wide edits of the files found last
@@ -45,12 +48,27 @@ class NvidiaDriver:
         # as the agent sees them: the host's CDI dirs under the root, and the agent's own CDI dir
         seen = [os.path.join(root, d.lstrip("/")) for d in SPEC_DIRS] + ([cdi_dir] if cdi_dir else [])
         self.spec_dirs = tuple(dict.fromkeys(os.path.normpath(d) for d in seen))
-        # shares of NVIDIA GPUs are clients of one MPS control daemon per GPU (prepare/mps.py)
-        self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id, mps_shm_size) if mps_dir else None
+        # shares of NVIDIA GPUs are clients of one MPS control daemon per GPU (prepare/mps.py), the
+        # agent's processes or, with ``mps_pod`` (its settings, the node's and the driver's name), pods
+        self.mps = None
+        if mps_dir:
+            launcher = None
+            if mps_pod is not None:
+                launcher = PodLauncher(mps_pod[0], os.path.join(mps_dir, "mps"), mps_pod[1], mps_pod[2], boot_id,
+                                       driver_root, self._mps_host_paths)
+            self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id, mps_shm_size, launcher)
 
     def _mps_binary(self) -> str | None:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""
         return self.tool(MPS_BINARY)[0]
+
+    def _mps_host_paths(self) -> tuple[str | None, list[str]]:
+        """``nvidia-cuda-mps-control`` and the driver's library directories as host paths (a pod's)."""
+        files = self.files.get()
+        found = [b for b in files.binaries if os.path.basename(b) == MPS_BINARY]
+        if not found or files.errors:
+            return None, []
+        return found[0], sorted({os.path.dirname(lib.host_path) for lib in files.libraries})
 
     def tool(self, name: str) -> tuple[str | None, dict[str, str]]:
         """A driver tool (``nvidia-smi``) as the agent runs it, under the root, and its environment;

@@ -124,12 +124,16 @@ API_PERMISSIONS = (
     ("associated-node:patch", "resource.k8s.io", "resourceclaims/driver"),
     ("get", "", "nodes"),
 )
+# with nvidia_mps_pod, in its namespace: the MPS daemons' pods (prepare/mps_pods.py)
+MPS_POD_PERMISSIONS = tuple((verb, "", "pods") for verb in ("get", "list", "create", "delete"))
 
 
-def check_api(cluster: str, node_name: str, review: Callable[[str, str, str, str | None], tuple[bool, str | None]] | None = None,
-              now: Callable[[], float] = time.time, driver_name: str = "sysdra.io") -> list[Finding]:
-    """``review(verb, group, resource, name) -> (allowed, server Date header)``; the
-    default asks the API server with SelfSubjectAccessReviews through lightkube."""
+def check_api(cluster: str, node_name: str, review: Callable[..., tuple[bool, str | None]] | None = None,
+              now: Callable[[], float] = time.time, driver_name: str = "sysdra.io",
+              mps_namespace: str | None = None) -> list[Finding]:
+    """``review(verb, group, resource, name[, namespace]) -> (allowed, server Date header)``;
+    the default asks the API server with SelfSubjectAccessReviews through lightkube.
+    ``mps_namespace``: where the MPS daemons' pods are made (``nvidia_mps_pod``)."""
     if cluster.startswith("dir:"):
         return [Finding("api", "skip", f"--cluster {cluster}: offline cluster directory, no API server to check")]
     try:
@@ -151,8 +155,20 @@ def check_api(cluster: str, node_name: str, review: Callable[[str, str, str, str
     else:
         found.append(ok("rbac", "can list/watch/create/update/delete ResourceSlices, get ResourceClaims and "
                                   "Nodes, patch claim status for its driver"))
+    if mps_namespace:
+        found.append(_check_mps_pods(review, mps_namespace))
     found.append(check_clock(date, now()))
     return found
+
+
+def _check_mps_pods(review: Callable[..., tuple[bool, str | None]], namespace: str) -> Finding:
+    denied = [f"{verb} pods" for verb, group, resource in MPS_POD_PERMISSIONS
+              if not review(verb, group, resource, None, namespace)[0]]
+    if denied:
+        return Finding("rbac-mps", "fail", f"in namespace {namespace}, not allowed: {', '.join(denied)}: an MPS share's "
+                                           "claim fails, its daemon's pod cannot be made",
+                       "install the chart with nvidia.mps (its Role <release>-mps), or bind such a Role to the agent")
+    return ok("rbac-mps", f"can get/list/create/delete the MPS daemons' pods in namespace {namespace}")
 
 
 def check_clock(date_header: str | None, local: float) -> Finding:
@@ -177,10 +193,10 @@ def _lightkube_review():
     client = Client(timeout=10.0)
     generic = client._client  # the public create() hides the response headers we need for the clock
 
-    def review(verb: str, group: str, resource: str, name: str | None) -> tuple[bool, str | None]:
+    def review(verb: str, group: str, resource: str, name: str | None, namespace: str | None = None) -> tuple[bool, str | None]:
         resource, _, subresource = resource.partition("/")
         ssar = SelfSubjectAccessReview(spec=SelfSubjectAccessReviewSpec(resourceAttributes=ResourceAttributes(
-            verb=verb, group=group, resource=resource, subresource=subresource or None, name=name)))
+            verb=verb, group=group, resource=resource, subresource=subresource or None, name=name, namespace=namespace)))
         request = generic.prepare_request("post", res=SelfSubjectAccessReview, obj=ssar)
         response = generic.send(generic.build_adapter_request(request))
         result = generic.handle_response("post", response, request)
@@ -241,5 +257,6 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True)
     found += check_nvidia_driver(settings.root, settings.nvidia_driver_root)
     found += check_nvml(settings.root, settings.nvidia_driver_root, settings.nvml)
     if api:
-        found += check_api(settings.cluster, settings.node_name, driver_name=settings.driver_name)
+        found += check_api(settings.cluster, settings.node_name, driver_name=settings.driver_name,
+                           mps_namespace=settings.nvidia_mps_pod.namespace if settings.nvidia_mps_pod else None)
     return found

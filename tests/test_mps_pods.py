@@ -1,0 +1,221 @@
+"""MPS control daemons in pods of their own (agent/prepare/mps_pods.py) on the real
+kube-apiserver v1.37.2, with the chart's RBAC and admission policy and the settings its
+ConfigMap gives the agent: the launcher's pod passes as the agent's node-bound identity (its own
+node, the chart's image), what the agent must not make is refused; a record's pod is told apart
+from another of the same name by UID, deletes are conditional on it, orphans go. No kubelet runs
+here, so the pods stay Pending and a delete stays pending; their life on a node (started,
+adopted by the next agent, deleted) is tests/test_helm_realnode.py's. The pod's /dev/shm guard
+runs under a real sh in a mount namespace of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import yaml
+from lightkube import AsyncClient, KubeConfig
+
+from agent.kubeletplugin.claimapi import ClaimApi
+from agent.prepare import mps_pods
+from agent.prepare.mps_pods import PodApi, PodLauncher, pod_name
+from agent.prepare.mps_records import MpsRecord
+from agent.settings import Settings
+from tests.conftest import require_root, require_tool
+from tests.controlplane import unique
+from tests.helm import render
+
+UUID, OTHER = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-2222-3333-444444444444"
+BINARY, LIBS = "/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control", ["/run/nvidia/driver/usr/lib/x86_64-linux-gnu"]
+
+
+class Chart:
+    """The chart with nvidia.mps (its default mpsDaemons: pod): RBAC and policies applied, the
+    agent's settings from its ConfigMap, the agent's token bound to its node."""
+
+    def __init__(self, plane, tmp):
+        docs = [d for d in yaml.safe_load_all(render(sets=("nvidia.enabled=true", "nvidia.mps=true", "namespace.create=true",
+                                                           "config.nvidiaDriverRoot=/run/nvidia/driver")))
+                if d]  # fmt: skip
+        kinds = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+        self.objects = [d for d in docs if d["kind"] in kinds]
+        plane.apply(self.objects)
+        config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"]
+        self.settings = Settings.of({"nvidia_mps_pod": yaml.safe_load(config)["nvidiaMpsPod"]}).nvidia_mps_pod
+        self.node = plane.create_node(unique("mps-own"))
+        self.name = self.node["metadata"]["name"]
+        self.other = plane.create_node(unique("mps-other"))["metadata"]["name"]
+        token = plane.token("sysdra", "sysdra", node=self.name)
+        self.kubeconfig = plane.write_kubeconfig(str(tmp / "agent.kubeconfig"), token=token, namespace="sysdra")
+        self.api = PodApi("sysdra", ClaimApi(AsyncClient(config=KubeConfig.from_file(self.kubeconfig))))
+        self.http = plane.http(token=token)
+
+    def launcher(self, tmp, boot: str = "boot-1") -> PodLauncher:
+        launcher = PodLauncher(self.settings, str(tmp / "mps"), self.name, "sysdra.io", boot, "/run/nvidia/driver",
+                               lambda: (BINARY, LIBS), self.api)
+        launcher.stop_timeout = 1.0  # no kubelet confirms a delete here
+        return launcher
+
+
+@pytest.fixture(scope="module")
+def chart(apiserver, tmp_path_factory):
+    c = Chart(apiserver, tmp_path_factory.mktemp("mpspods"))
+    yield c
+    c.http.close()
+
+
+def dirs(tmp, uuid: str) -> dict[str, str]:
+    d = tmp / "mps" / uuid
+    return {k: str(d / k) for k in ("pipe", "log", "shm")}
+
+
+def force_delete(plane, uuid: str) -> None:
+    plane.request("DELETE", f"/api/v1/namespaces/sysdra/pods/{pod_name(uuid)}", params={"gracePeriodSeconds": "0"}, ok=False)
+
+
+def test_the_settings_come_from_the_chart(chart):
+    s = chart.settings
+    assert (s.image, s.namespace, s.host_driver_root, s.priority_class_name) == (
+        "ghcr.io/sysdra/sysdra:0.1.0", "sysdra", "/run/nvidia/driver", "system-node-critical")
+
+
+def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
+    launcher = chart.launcher(tmp_path)
+    rec = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "/host/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control")
+    try:
+        pod = apiserver.get("Pod", pod_name(UUID), "sysdra")
+        assert rec == MpsRecord(uuid=UUID, pod_uid=pod["metadata"]["uid"], boot_id="boot-1")
+        spec, (container,) = pod["spec"], pod["spec"]["containers"]
+        assert (spec["nodeName"], spec["restartPolicy"], spec["hostNetwork"], spec["automountServiceAccountToken"],
+                spec["serviceAccountName"]) == (chart.name, "Never", True, False, "sysdra")
+        assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": chart.name,
+                                                       "uid": chart.node["metadata"]["uid"]}]  # fmt: skip
+        assert container["image"] == chart.settings.image
+        assert container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
+        assert container["command"][-2:] == ["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        d = dirs(tmp_path, UUID)
+        assert env == {"CUDA_VISIBLE_DEVICES": UUID, "CUDA_MPS_PIPE_DIRECTORY": d["pipe"], "CUDA_MPS_LOG_DIRECTORY": d["log"],
+                       "LD_LIBRARY_PATH": "/driver-root/usr/lib/x86_64-linux-gnu"}  # fmt: skip
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+        assert mounts == {"gpu": os.path.dirname(d["pipe"]), "shm": "/dev/shm", "driver-root": "/driver-root"}
+        assert paths == {"gpu": os.path.dirname(d["pipe"]), "shm": d["shm"], "driver-root": "/run/nvidia/driver"}
+        # Pending (no kubelet): up; another pod of the name, another boot, a deleting one: not the record's
+        assert launcher.alive(rec) and launcher.start_failed(rec) is None
+        assert not launcher.alive(rec.model_copy(update={"pod_uid": "0000-1111"}))
+        assert not chart.launcher(tmp_path, boot="boot-2").alive(rec)
+        chart.api.delete(pod_name(UUID), "0000-1111")  # another UID: a precondition that fails, nothing deleted
+        assert launcher.alive(rec)
+        launcher.end(rec, quitting=True)
+        assert apiserver.get("Pod", pod_name(UUID), "sysdra")["metadata"]["deletionTimestamp"]
+        assert not launcher.alive(rec)
+        time.sleep(mps_pods.POLL)
+        assert launcher.start_failed(rec) == "its pod was deleted"
+    finally:
+        force_delete(apiserver, UUID)
+
+
+def test_a_deleted_pods_record_is_not_alive_and_a_stray_of_the_name_goes(apiserver, chart, tmp_path):
+    launcher = chart.launcher(tmp_path)
+    rec = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")
+    force_delete(apiserver, UUID)
+    assert not launcher.alive(rec)
+    stray = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")  # say, made by an agent killed before it saved
+    try:
+        launcher.end_strays(UUID, dirs(tmp_path, UUID)["pipe"], rec)
+        assert apiserver.get("Pod", pod_name(UUID), "sysdra")["metadata"].get("deletionTimestamp")
+        assert not launcher.alive(stray)
+    finally:
+        force_delete(apiserver, UUID)
+
+
+def test_orphans_go_and_the_needed_stay(apiserver, chart, tmp_path):
+    launcher = chart.launcher(tmp_path)
+    keep = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")
+    orphan = launcher.launch(OTHER, dirs(tmp_path, OTHER), {}, "")
+    try:
+        launcher.end_orphans({UUID})
+        assert launcher.alive(keep) and not launcher.alive(orphan)
+    finally:
+        force_delete(apiserver, UUID)
+        force_delete(apiserver, OTHER)
+
+
+def refused(chart, pod: dict) -> str:
+    r = chart.http.post("/api/v1/namespaces/sysdra/pods", json=pod)
+    if r.status_code == 201:
+        chart.http.request("DELETE", f"/api/v1/namespaces/sysdra/pods/{pod['metadata']['name']}",
+                           params={"gracePeriodSeconds": "0"})
+    return r.text if r.status_code == 403 else ""
+
+
+def test_the_policy_confines_the_agent_to_daemon_pods_on_its_own_node(apiserver, chart, tmp_path):
+    pod = chart.launcher(tmp_path).manifest(UUID, dirs(tmp_path, UUID))
+    elsewhere = {**pod, "spec": {**pod["spec"], "nodeName": chart.other}}
+    deadline = time.monotonic() + 30
+    while not refused(chart, elsewhere) and time.monotonic() < deadline:  # the policy informer catches up
+        time.sleep(0.2)
+    assert "pods bound to its own node" in refused(chart, elsewhere)
+    other_image = {**pod, "spec": {**pod["spec"], "containers": [{**pod["spec"]["containers"][0], "image": "busybox"}]}}
+    assert "the chart's image only" in refused(chart, other_image)
+    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k != "app.kubernetes.io/component"}
+    assert "MPS control daemon pods" in refused(chart, {**pod, "metadata": {**pod["metadata"], "labels": labels}})
+    other_ns = {**pod, "metadata": {**pod["metadata"], "namespace": "default"}}
+    assert chart.http.post("/api/v1/namespaces/default/pods", json=other_ns).status_code == 403  # RBAC: its namespace only
+
+
+@pytest.mark.root
+def test_the_pods_guard_runs_the_daemon_only_on_a_tmpfs(tmp_path):
+    """A pod the kubelet runs again after a reboot, before the agent mounted the tmpfs, finds a
+    plain directory on /dev/shm: it exits, saying why, instead of serving without the tmpfs."""
+    require_root()
+    require_tool("unshare")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    guard = ["sh", "-c", mps_pods._GUARD, "mps-control-daemon", "echo", "serving"]
+    script = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
+    on_plain = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "x", str(plain), *guard],
+                              capture_output=True, text=True)  # fmt: skip
+    assert on_plain.returncode == 1 and "not the MPS shm tmpfs" in on_plain.stderr, on_plain
+    tmpfs = 'mount -t tmpfs tmpfs /dev/shm && shift && exec "$@"'
+    on_tmpfs = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", tmpfs, "x", "-", *guard],
+                              capture_output=True, text=True)  # fmt: skip
+    assert (on_tmpfs.returncode, on_tmpfs.stdout) == (0, "serving\n"), on_tmpfs
+
+
+def test_doctor_checks_the_pods_permissions_as_the_agent(apiserver, chart, monkeypatch, tmp_path):
+    """``sysdra doctor`` with ``nvidia_mps_pod``: SelfSubjectAccessReviews in the pods' namespace,
+    allowed by the chart's Role, refused in another namespace (no Role there)."""
+    from agent.tools.doctor import check_api
+
+    monkeypatch.setenv("KUBECONFIG", chart.kubeconfig)
+    found = {f.check: f for f in check_api("kube", chart.name, mps_namespace="sysdra")}
+    assert found["rbac"].level == "ok" and found["rbac-mps"].level == "ok", found
+    found = {f.check: f for f in check_api("kube", chart.name, mps_namespace="default")}
+    assert found["rbac-mps"].level == "fail" and "create pods" in found["rbac-mps"].message
+
+
+def test_without_the_api_a_daemons_pipe_says_whether_it_serves(chart, tmp_path):
+    """The API server away (nothing listens at its address): the supervisor neither restarts a
+    daemon whose pipe is there nor trusts one whose pipe is gone."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    config = yaml.safe_load(open(chart.kubeconfig))
+    config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    path = tmp_path / "away.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    away = PodApi("sysdra", ClaimApi(AsyncClient(config=KubeConfig.from_file(str(path)))))
+    launcher = PodLauncher(chart.settings, str(tmp_path / "mps"), chart.name, "sysdra.io", "boot-1", "/",
+                           lambda: (BINARY, LIBS), away)  # fmt: skip
+    rec = MpsRecord(uuid=UUID, pod_uid="1234-abcd", boot_id="boot-1")
+    assert not launcher.alive(rec)
+    pipe = tmp_path / "mps" / UUID / "pipe"
+    pipe.mkdir(parents=True)
+    (pipe / "control").touch()
+    assert launcher.alive(rec)
