@@ -13,6 +13,7 @@ the DaemonSet runs on the host network here, KUBERNETES_SERVICE_HOST pointed at 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -319,6 +320,25 @@ def running_mps_pods(node: RealNode) -> list[tuple[str, str]]:
             if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
 
 
+def rebooted_with_a_prepared_share(node: RealNode, daemon: tuple[str, str]) -> None:
+    """The next agent sees another boot ID (the fixture's procfs gets one): the daemon pod of
+    the old boot is deleted, the prepared share's daemon started again in a new pod, on a new
+    tmpfs (the old one unmounted)."""
+    boot = os.path.join(node.root, "proc", "sys", "kernel", "random", "boot_id")
+    os.makedirs(os.path.dirname(boot))
+    try:
+        with open(boot, "w") as f:
+            f.write("rebooted-1\n")
+        ((agent, _),) = running_agents(node)
+        node.plane.delete("Pod", agent, "sysdra")
+        wait(lambda: [a for a, _ in running_agents(node) if a != agent], "the agent after the reboot running", node)
+        (now,) = wait(lambda: [p for p in running_mps_pods(node) if p != daemon] or None, "a new daemon pod", node)
+        assert now[0] == daemon[0] and running_mps_pods(node) == [now]
+        assert len(node_mps_mounts(node)) == 1
+    finally:
+        shutil.rmtree(os.path.join(node.root, "proc", "sys"))
+
+
 @pytest.mark.parametrize("daemons", ["pod", "process"])
 def test_mps_shares_through_the_chart(node, daemons):
     """``nvidia.mps: true`` with ``config.share: [gpu]``: the DaemonSet's agent, privileged with the
@@ -352,6 +372,7 @@ def test_mps_shares_through_the_chart(node, daemons):
             assert running_mps_pods(node) == [daemon]  # the same pod served throughout, adopted
             assert node.plane.get("Pod", "share", ns)["status"]["phase"] == "Running"
             assert len(node_mps_mounts(node)) == 1
+            rebooted_with_a_prepared_share(node, daemon)
         else:
             assert mps_pods(node) == []
         node.plane.delete("Pod", "share", ns)
