@@ -95,6 +95,24 @@ def test_a_killed_daemon_is_unhealthy_restarted_then_healthy(daemons, supervised
             f"started pid {old.pid} CUDA_VISIBLE_DEVICES={UUID}", f"started pid {new.pid} CUDA_VISIBLE_DEVICES={UUID}"]
 
 
+def test_each_round_that_changed_reports_the_daemons_rows(daemons, supervised):  # noqa: F811
+    """What ``sysdra status`` shows: each supervised daemon, where it runs, its state and restarts."""
+    d = daemons()
+    assert d.reconcile({UUID}) == {}
+    old = d.state.daemons[UUID]
+    reports = Health()  # its condition and list serve the rows too
+    _, health = supervised(d, on_round=lambda rows: reports(None, rows))
+    reports.wait(lambda ev: ev and ev[-1][1] == [{"gpu": UUID, "daemon": f"pid {old.pid}", "state": "serving", "restarts": 0}])
+    _kill(old.pid)
+    health.wait(lambda ev: (UUID, None) in ev)
+    new = d.state.daemons[UUID]
+    rows = reports.wait(lambda ev: ev[-1][1][0]["daemon"] == f"pid {new.pid}")[-1][1]
+    assert rows == [{"gpu": UUID, "daemon": f"pid {new.pid}", "state": "serving", "restarts": 1}]
+    count = len(reports.events)
+    d.reconcile(set())
+    assert reports.wait(lambda ev: len(ev) > count)[-1][1] == []  # no share: nothing supervised
+
+
 def test_restarts_are_bounded(daemons, supervised, monkeypatch):  # noqa: F811
     env: dict[str, str] = {}
     d = daemons(env=env)

@@ -74,6 +74,10 @@ def render_text(s: dict) -> str:
         lines.append(f"last publish: {pub.get('result')} {_ago(now, pub['time'])}{detail}" + (f": {pub['error']}" if pub.get("error") else ""))
     if s.get("claimStatus") is not None:  # (an older agent's document has none)
         lines += _claim_status_lines(now, s["claimStatus"])
+    if daemons := s.get("mpsDaemons"):
+        lines.append(f"mps daemons:  {len(daemons)}")
+        lines += [f"  {d.get('gpu')}: {d.get('daemon')}, {d.get('state')} ({d.get('restarts')} restarts in the window)"
+                  for d in daemons]
     lines.append(f"last error:   {err['where']}: {err['message']} ({_ago(now, err['time'])})" if err else "last error:   none")
     if proc := s.get("process"):  # (an older agent's document has none)
         lines.append(f"process:      {proc['rssBytes'] / 2**20:.1f} MB resident, {proc['cpuSeconds']:.1f} s CPU, "

@@ -365,11 +365,13 @@ class Driver:
     def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
         return self.files.ensure_metadata(uid, entry, rebuild)
 
-    def supervise_mps(self, on_health: Callable[[str, tuple[str, str] | None], None]) -> None:
+    def supervise_mps(self, on_health: Callable[[str, tuple[str, str] | None], None],
+                      on_round: Callable[[list[dict]], None] = lambda rows: None) -> None:
         """The MPS daemons supervised from now on (prepare/mps_watch.py): ``on_health(GPU UUID,
-        fault or None)`` from its thread. Call after ``recover``; ``close`` ends it."""
+        fault or None)`` and ``on_round(rows)`` from its thread. Call after ``recover``; ``close``
+        ends it."""
         if self.nvidia.mps is not None and self.mps_watch is None:
-            self.mps_watch = MpsSupervisor(self.nvidia.mps, on_health)
+            self.mps_watch = MpsSupervisor(self.nvidia.mps, on_health, on_round=on_round)
             self.mps_watch.start()
 
     def close(self) -> None:

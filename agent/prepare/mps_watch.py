@@ -12,7 +12,8 @@ re-checks each record.
 Restarts are bounded: at most ``max_restarts`` within ``window`` seconds, the n-th after
 ``backoff * 2**(n-1)`` seconds (the first at once), capped at ``backoff_max``; past the bound
 the GPU stays unhealthy (an error logged) until prepare or the next start reconciles it.
-Every restart is a log line and counts in ``sysdra_mps_daemon_restarts_total{result}``.
+Every restart is a log line and counts in ``sysdra_mps_daemon_restarts_total{result}``. After a
+round whose outcome changed, ``on_round`` gets each supervised daemon's row for ``sysdra status``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ Fault = tuple[str, str] | None  # (code, message) for device health; None: healt
 
 class MpsSupervisor:
     def __init__(self, daemons: MpsDaemons, on_health: Callable[[str, Fault], None], interval: float = 5.0,
-                 max_restarts: int = 5, window: float = 600.0, backoff: float = 1.0, backoff_max: float = 30.0):
+                 max_restarts: int = 5, window: float = 600.0, backoff: float = 1.0, backoff_max: float = 30.0,
+                 on_round: Callable[[list[dict]], None] = lambda rows: None):
         self.daemons = daemons
         self.on_health = on_health  # (GPU UUID, fault or None), from this thread
+        self.on_round = on_round  # the daemons' rows, from this thread, when they changed
+        self._rows: list[dict] | None = None
         self.interval, self.max_restarts, self.window = interval, max_restarts, window
         self.backoff, self.backoff_max = backoff, backoff_max
         self.faulted: set[str] = set()
@@ -120,6 +124,21 @@ class MpsSupervisor:
         for uuid in list(self.faulted):
             if uuid not in watched:  # no share needs it any more: nothing is missing
                 self._healthy(uuid, "no longer needed")
+        self._report(self.daemons.watched())
+
+    def _report(self, watched: dict[str, MpsRecord | None]) -> None:
+        rows = [{"gpu": uuid, "daemon": self.daemons.describe(rec), "state": self._state(uuid),
+                 "restarts": len(self._recent.get(uuid, ()))} for uuid, rec in watched.items()]
+        if rows != self._rows:
+            self._rows = rows
+            self.on_round(rows)
+
+    def _state(self, uuid: str) -> str:
+        if self._due.get(uuid) == float("inf"):
+            return "gave up"
+        if uuid in self._due:
+            return "restarting"
+        return "down" if uuid in self.faulted else "serving"
 
     def _track(self, watched: dict[str, MpsRecord | None]) -> None:
         """A pidfd per running daemon, checked to be the recorded process after it was opened."""

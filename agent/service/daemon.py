@@ -200,7 +200,8 @@ class Agent:
             raise StartupError(str(err), EX_CANTCREAT) from None
         except CheckpointError as err:
             raise StartupError(str(err), EX_DATAERR) from None
-        core.supervise_mps(self.health.gpu_daemon_fault)  # a dead MPS daemon: its GPU unhealthy until back
+        loop = asyncio.get_running_loop()  # a dead MPS daemon: its GPU unhealthy until back; the daemons in status
+        core.supervise_mps(self.health.gpu_daemon_fault, lambda rows: loop.call_soon_threadsafe(self.board.set_mps_daemons, rows))
         self.board.set_registration("waiting")
         if driver.checkpoint is not None:
             self.board.set_prepared_claims(driver.checkpoint.claims)

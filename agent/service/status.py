@@ -56,6 +56,7 @@ class StatusBoard:
         self.claim_status_writes: dict[str, int] = {}  # result -> count (agent.kubeletplugin.statuswriter.RESULTS)
         self.claim_status_failed = 0
         self._claim_status_failures: deque[dict] = deque(maxlen=RECENT_CLAIM_STATUS_FAILURES)
+        self.mps_daemons: list[dict] = []  # the MPS daemons supervised: gpu, daemon (pid or pod), state, restarts
         if metrics is not None:
             metrics.set_registration("not_started")
 
@@ -120,6 +121,9 @@ class StatusBoard:
                                             "result": result, "reason": reason})
         self.record_error("claim status", f"{namespace}/{name}: {reason}")
 
+    def set_mps_daemons(self, rows: list[dict]) -> None:
+        self.mps_daemons = rows
+
     def record_error(self, where: str, message: str) -> None:
         self.last_error = {"time": self._clock(), "where": where, "message": str(message)[:500]}
 
@@ -140,6 +144,7 @@ class StatusBoard:
             "claimStatus": {"enabled": self.claim_status_enabled, "writes": dict(self.claim_status_writes),
                             "failed": self.claim_status_failed,
                             "recentFailures": [dict(f) for f in reversed(list(self._claim_status_failures))]},  # newest first
+            "mpsDaemons": [dict(r) for r in self.mps_daemons],
             "lastError": dict(self.last_error) if self.last_error else None,
             "process": procstats.usage(),
         }

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import psutil
 import pytest
@@ -67,6 +70,19 @@ async def _unhealthy_then_back(node: Node, gpu: str, pid: int) -> tuple[str, str
         await stream.close()
 
 
+def _status_until(node: Node, line: str, timeout: float = 10.0) -> str:
+    """``sysdra status`` as an operator runs it, until it shows ``line`` (the supervisor reports
+    after its round)."""
+    deadline, text = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        text = subprocess.run([sys.executable, "-m", "agent", "status", "--socket", os.path.join(node.plugin_dir, "status.sock")],
+                              capture_output=True, text=True).stdout  # fmt: skip
+        if line in text.splitlines():
+            return text
+        time.sleep(0.2)
+    raise AssertionError(f"sysdra status never showed {line!r}:\n{text}")
+
+
 def test_mps_daemon_supervised_adopted_and_cleaned_after_reboot(tmp_path, faults):
     node = Node(tmp_path, boot="boot-1")
     inv = scan(node.root)
@@ -87,6 +103,8 @@ def test_mps_daemon_supervised_adopted_and_cleaned_after_reboot(tmp_path, faults
         second = _record(node)
         assert second["pid"] != first["pid"] and _daemons_of(pipe) == [second["pid"]]
         assert "MPS control daemon for GPU %s started again" % uuid in open(node.log_path).read()
+        shown = _status_until(node, f"  {uuid}: pid {second['pid']}, serving (1 restarts in the window)")
+        assert "mps daemons:  1" in shown
 
         # the agent SIGKILLed and started again: the running daemon is adopted, not doubled
         node.kill()
