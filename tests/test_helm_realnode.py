@@ -361,8 +361,8 @@ def test_mps_shares_through_the_chart(node, daemons):
         lines = share_pod(node, ns, gpus)
         assert len([x for x in lines if x.startswith("fake-mps-")]) == 1, lines  # written by the daemon
         assert any(x.split()[1:3] == ["/dev/shm", "tmpfs"] and "size=1048576k" in x for x in lines), lines
-        (mount,) = node_mps_mounts(node)
-        assert mount.endswith("/shm rw,size=1048576k"), mount
+        mounts = node_mps_mounts(node)
+        assert len(mounts) == 1 and mounts[0].endswith("/shm rw,size=1048576k"), mounts
         if daemons == "pod":
             (daemon,) = running_mps_pods(node)
             assert daemon[0].startswith("sysdra-mps-gpu-"), daemon
@@ -379,9 +379,15 @@ def test_mps_shares_through_the_chart(node, daemons):
         wait(lambda: not node_mps_mounts(node), "the shm tmpfs unmounted on the node", node)
         wait(lambda: not mps_pods(node), "the MPS daemon's pod deleted", node)
         assert warnings(node, ns) == []
-    finally:
+    finally:  # a failure halfway leaves nothing to the next test: the share unprepared, the daemon gone
+        node.plane.delete("Pod", "share", ns)
+        wait(lambda: node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/share", ok=False).status_code == 404,
+             "the share's pod gone", node)  # fmt: skip
         run_helm(node, "uninstall", "sysdra", "--namespace", "sysdra", "--wait")
         wait(lambda: not agent_pods(node), "the agent pods gone", node)
+        for pod in mps_pods(node):
+            node.plane.delete("Pod", pod["metadata"]["name"], "sysdra")
+        wait(lambda: not mps_pods(node), "no daemon pod left", node)
 
 
 def test_the_nodes_own_sysfs_is_watched_by_uevents(node):
