@@ -7,7 +7,8 @@ binary, their shm tmpfs and the daemon's /dev/shm. Prints one JSON object of wha
 ``lifecycle``: start, kill and start again, adopt from a new agent, stop; ``orphan``: the records
 lost while a daemon ran, then an agent that starts with no share; ``refused``: a start whose
 mount fails (run without CAP_SYS_ADMIN), finds another file system at the shm dir, or whose tmpfs
-the runtime's namespace (``RUNTIME_PID``'s) does not see.
+the runtime's namespace (``RUNTIME_PID``'s) does not see; its directories kept while the GPU is
+wanted, gone once it is not.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def refused(plugin: str, binary: str, uuid: str) -> dict:
         subprocess.run(["mount", "-t", "ramfs", "ramfs", d.dirs(uuid)["shm"]], check=True)
     if os.environ.get("RUNTIME_PID"):  # the runtime's namespace is another (the test's)
         d.runtime_pid = int(os.environ["RUNTIME_PID"])
-    seen = {"error": d.reconcile({uuid}).get(uuid), "records": list(d.state.daemons),
+    error = d.reconcile({uuid}).get(uuid)
+    kept = os.path.exists(os.path.join(d.base, uuid))  # while a share may need them (still wanted)
+    d.reconcile(set())  # what the failed claim's step does next: no other share needs the GPU
+    seen = {"error": error, "kept": kept, "records": list(d.state.daemons),
             "dir": os.path.exists(os.path.join(d.base, uuid)), "mounts_below": mps_records.mounts_below(d.base)}
     seen["daemons"] = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-1:] == ["-f"]
                        and binary in (p.info["cmdline"] or [])]

@@ -343,12 +343,18 @@ def rebooted_with_a_prepared_share(node: RealNode, daemon: tuple[str, str]) -> N
 def test_mps_shares_through_the_chart(node, daemons):
     """``nvidia.mps: true`` with ``config.share: [gpu]``: the DaemonSet's agent, privileged with the
     plugins dir's Bidirectional propagation, mounts the GPU's shm tmpfs where the node's containerd
-    binds it, and runs the node's simulated nvidia-cuda-mps-control (python3 of the built image):
+    binds it, and runs the node's simulated nvidia-cuda-mps-control (python3 of the built image, the
+    host's libc beside the driver's libraries never loaded):
     in a pod of its own (``nvidia.mpsDaemons: pod``, the default) or as its own process. A share's
     pod gets the tmpfs as /dev/shm, with what the daemon wrote there; deleting the pod stops the
     daemon (its pod deleted) and unmounts the tmpfs. With pods, the daemon outlives the agent's
     pod: deleted, the DaemonSet's next agent adopts the same daemon pod while the share runs."""
     ns = unique("helm-mps")
+    # the host's libc beside the driver's libraries, as on a real node: the image's loader must
+    # never load it (agent/prepare/driverlinks.py); this one is no ELF file at all
+    libc = os.path.join(node.root, "usr", "lib", "x86_64-linux-gnu", "libc.so.6")
+    with open(libc, "w") as f:
+        f.write("the host's libc\n")
     node.plane.create_namespace(ns)
     node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
     run_helm(node, "install", "sysdra", CHART, "--namespace", "sysdra", "--create-namespace", "--values", node.values,
@@ -388,6 +394,7 @@ def test_mps_shares_through_the_chart(node, daemons):
         for pod in mps_pods(node):
             node.plane.delete("Pod", pod["metadata"]["name"], "sysdra")
         wait(lambda: not mps_pods(node), "no daemon pod left", node)
+        os.unlink(libc)
 
 
 def test_the_nodes_own_sysfs_is_watched_by_uevents(node):

@@ -22,12 +22,15 @@ from agent.prepare import mps_pods
 from agent.prepare.mps_pods import PodApi, PodLauncher, pod_name
 from agent.prepare.mps_records import MpsRecord
 from agent.settings import Settings
+from discovery.nvidia_driver import Library
 from tests.conftest import require_root, require_tool
 from tests.controlplane import unique
 from tests.helm import render
 
 UUID, OTHER = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-2222-3333-444444444444"
-BINARY, LIBS = "/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control", ["/run/nvidia/driver/usr/lib/x86_64-linux-gnu"]
+BINARY = "/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control"
+LIBS = (Library("libcuda.so.580.95.05", "/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05",
+                ("libcuda.so.1", "libcuda.so")),)
 
 
 class Chart:
@@ -71,6 +74,12 @@ def dirs(tmp, uuid: str) -> dict[str, str]:
     return {k: str(d / k) for k in ("pipe", "log", "shm")}
 
 
+def serving(tmp, uuid: str) -> None:
+    """The daemon's pipe, as a serving daemon has it."""
+    os.makedirs(dirs(tmp, uuid)["pipe"], exist_ok=True)
+    open(os.path.join(dirs(tmp, uuid)["pipe"], "control"), "w").close()
+
+
 def force_delete(plane, uuid: str) -> None:
     plane.request("DELETE", f"/api/v1/namespaces/sysdra/pods/{pod_name(uuid)}", params={"gracePeriodSeconds": "0"}, ok=False)
 
@@ -91,20 +100,27 @@ def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
         assert (spec["nodeName"], spec["restartPolicy"], spec["hostNetwork"], spec["automountServiceAccountToken"],
                 spec["serviceAccountName"]) == (chart.name, "Never", True, False, "sysdra")
         assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": chart.name,
-                                                       "uid": chart.node["metadata"]["uid"]}]  # fmt: skip
+                                                       "uid": chart.node["metadata"]["uid"], "controller": True}]  # fmt: skip
         assert container["image"] == chart.settings.image
         assert container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
         assert container["command"][-2:] == ["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"]
         env = {e["name"]: e["value"] for e in container["env"]}
         d = dirs(tmp_path, UUID)
+        lib = os.path.join(os.path.dirname(d["pipe"]), "lib")
         assert env == {"CUDA_VISIBLE_DEVICES": UUID, "CUDA_MPS_PIPE_DIRECTORY": d["pipe"], "CUDA_MPS_LOG_DIRECTORY": d["log"],
-                       "LD_LIBRARY_PATH": "/driver-root/usr/lib/x86_64-linux-gnu"}  # fmt: skip
+                       "PATH": "/driver-root/usr/bin:" + mps_pods.DEFAULT_PATH, "LD_LIBRARY_PATH": lib}  # fmt: skip
+        # the loader path has the driver's libraries alone, as the pod sees them (never the host's libc)
+        assert {n: os.readlink(os.path.join(lib, n)) for n in os.listdir(lib)} == dict.fromkeys(
+            ("libcuda.so.580.95.05", "libcuda.so.1", "libcuda.so"), "/driver-root/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
         assert mounts == {"gpu": os.path.dirname(d["pipe"]), "shm": "/dev/shm", "driver-root": "/driver-root"}
         assert paths == {"gpu": os.path.dirname(d["pipe"]), "shm": d["shm"], "driver-root": "/run/nvidia/driver"}
-        # Pending (no kubelet): up; another pod of the name, another boot, a deleting one: not the record's
-        assert launcher.alive(rec) and launcher.start_failed(rec) is None
+        # Pending (no kubelet) and no pipe: not (yet) the daemon; with its pipe: up. Another pod of
+        # the name, another boot, a deleting one: not the record's
+        assert not launcher.alive(rec) and launcher.start_failed(rec) is None
+        serving(tmp_path, UUID)
+        assert launcher.alive(rec)
         assert not launcher.alive(rec.model_copy(update={"pod_uid": "0000-1111"}))
         assert not chart.launcher(tmp_path, boot="boot-2").alive(rec)
         chart.api.delete(pod_name(UUID), "0000-1111")  # another UID: a precondition that fails, nothing deleted
@@ -136,6 +152,8 @@ def test_orphans_go_and_the_needed_stay(apiserver, chart, tmp_path):
     launcher = chart.launcher(tmp_path)
     keep = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")
     orphan = launcher.launch(OTHER, dirs(tmp_path, OTHER), {}, "")
+    serving(tmp_path, UUID)
+    serving(tmp_path, OTHER)
     try:
         launcher.end_orphans({UUID})
         assert launcher.alive(keep) and not launcher.alive(orphan)
@@ -168,22 +186,25 @@ def test_the_policy_confines_the_agent_to_daemon_pods_on_its_own_node(apiserver,
 
 
 @pytest.mark.root
-def test_the_pods_guard_runs_the_daemon_only_on_a_tmpfs(tmp_path):
-    """A pod the kubelet runs again after a reboot, before the agent mounted the tmpfs, finds a
-    plain directory on /dev/shm: it exits, saying why, instead of serving without the tmpfs."""
+@pytest.mark.parametrize("case", ["the gpu's tmpfs", "a plain directory", "the runtime's tmpfs"])
+def test_the_pods_guard_runs_the_daemon_only_on_the_gpus_tmpfs(tmp_path, case):
+    """The pod's /dev/shm must be the GPU's shm tmpfs: a pod the kubelet runs again after a
+    reboot, before the agent mounted the tmpfs, finds a plain directory there; a runtime that
+    kept its own /dev/shm gives another tmpfs. Either exits, saying why, instead of serving."""
     require_root()
     require_tool("unshare")
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    guard = ["sh", "-c", mps_pods._GUARD, "mps-control-daemon", "echo", "serving"]
-    script = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
-    on_plain = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "x", str(plain), *guard],
-                              capture_output=True, text=True)  # fmt: skip
-    assert on_plain.returncode == 1 and "not the MPS shm tmpfs" in on_plain.stderr, on_plain
-    tmpfs = 'mount -t tmpfs tmpfs /dev/shm && shift && exec "$@"'
-    on_tmpfs = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", tmpfs, "x", "-", *guard],
-                              capture_output=True, text=True)  # fmt: skip
-    assert (on_tmpfs.returncode, on_tmpfs.stdout) == (0, "serving\n"), on_tmpfs
+    gpu = tmp_path / "gpu"
+    (gpu / "shm").mkdir(parents=True)
+    setup = {"the gpu's tmpfs": 'mount -t tmpfs tmpfs "$1/shm" && mount --bind "$1/shm" /dev/shm',
+             "a plain directory": 'mount --bind "$1/shm" /dev/shm',
+             "the runtime's tmpfs": 'mount -t tmpfs tmpfs "$1/shm" && mount -t tmpfs tmpfs /dev/shm'}[case]
+    guard = ["sh", "-c", mps_pods._GUARD, str(gpu), "echo", "serving"]
+    ran = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", setup + ' && shift && exec "$@"',
+                          "x", str(gpu), *guard], capture_output=True, text=True)  # fmt: skip
+    if case == "the gpu's tmpfs":
+        assert (ran.returncode, ran.stdout) == (0, "serving\n"), ran
+    else:
+        assert ran.returncode == 1 and f"not the MPS shm tmpfs at {gpu}/shm" in ran.stderr, ran
 
 
 def test_doctor_checks_the_pods_permissions_as_the_agent(apiserver, chart, monkeypatch, tmp_path):

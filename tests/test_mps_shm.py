@@ -52,14 +52,14 @@ def test_an_orphans_tmpfs_is_unmounted_and_the_orphan_ended(tmp_path, binary):  
 def test_a_mount_that_fails_is_the_claims_error_and_leaves_nothing(tmp_path, binary):  # noqa: F811
     no_cap = _scenario(tmp_path, binary, "refused", ("setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"))
     assert "mounting a tmpfs at" in no_cap["error"] and "CAP_SYS_ADMIN" in no_cap["error"]
-    assert {k: no_cap[k] for k in ("records", "dir", "mounts_below", "daemons")} == \
-        {"records": [], "dir": False, "mounts_below": [], "daemons": []}
+    assert {k: no_cap[k] for k in ("kept", "records", "dir", "mounts_below", "daemons")} == \
+        {"kept": True, "records": [], "dir": False, "mounts_below": [], "daemons": []}
     other = _scenario(tmp_path, binary, "refused", OTHER_FS="1")  # another file system there
     assert "is a mount of ramfs, not the daemon's tmpfs" in other["error"]
-    assert {k: other[k] for k in ("records", "dir", "mounts_below", "daemons")} == \
-        {"records": [], "dir": False, "mounts_below": [], "daemons": []}
+    assert {k: other[k] for k in ("kept", "records", "dir", "mounts_below", "daemons")} == \
+        {"kept": True, "records": [], "dir": False, "mounts_below": [], "daemons": []}
     # mounted in the agent's private namespace only: the runtime (here: this test) would not see it
     unseen = _scenario(tmp_path, binary, "refused", RUNTIME_PID=str(os.getpid()))
     assert f"is not in the mount namespace of PID {os.getpid()}, where the container runtime binds it" in unseen["error"]
-    assert {k: unseen[k] for k in ("records", "dir", "mounts_below", "daemons")} == \
-        {"records": [], "dir": False, "mounts_below": [], "daemons": []}
+    assert {k: unseen[k] for k in ("kept", "records", "dir", "mounts_below", "daemons")} == \
+        {"kept": True, "records": [], "dir": False, "mounts_below": [], "daemons": []}

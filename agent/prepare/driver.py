@@ -118,7 +118,8 @@ class Driver:
         mps = settings.plugin_dir if "gpu" in settings.share and settings.nvidia_mps else None
         self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
                                    settings.cdi_host_root, mps, self.boot_id, int(parse_quantity(settings.nvidia_mps_shm_size)),
-                                   (settings.nvidia_mps_pod, settings.node_name, settings.driver_name) if settings.nvidia_mps_pod else None)
+                                   (settings.nvidia_mps_pod, settings.node_name, settings.driver_name) if settings.nvidia_mps_pod else None,
+                                   os.path.join(settings.plugin_dir, "nvidia-lib"))
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)

@@ -27,6 +27,7 @@ environment again. Both run in worker threads and block, one at a time.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -96,6 +97,8 @@ class MpsDaemons:
         self.shm_size = shm_size  # bytes
         self.runtime_pid = runtime_namespace_pid()  # where the shm tmpfs must be seen too; None: not checked
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
+        self._flock: int | None = None  # the records' lock file, held while ``lock`` is (``_exclusive``)
+        self._depth = 0
         self.launcher = launcher or ProcessLauncher(boot_id)
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
         self.on_change: Callable[[], None] = lambda: None  # the supervisor looks again
@@ -113,6 +116,25 @@ class MpsDaemons:
     def _save(self) -> None:
         mps_records.save(self.path, self.state)
         self._saved = self._file_version()
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """This agent's threads one at a time (``lock``), and the agents sharing the records too:
+        the two pods of a surge update on one node (``flock`` of ``daemons.lock`` beside them).
+        What one starts, stops or records, the other reads under the same lock (``_changed_by_another``)."""
+        with self.lock:
+            if self._depth == 0:
+                make_dirs(self.base, 0o755)
+                if self._flock is None:
+                    self._flock = os.open(os.path.join(self.base, "daemons.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(self._flock, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._flock, fcntl.LOCK_UN)
 
     def _file_version(self) -> tuple[int, int] | None:
         try:
@@ -146,7 +168,7 @@ class MpsDaemons:
     def dead(self, uuid: str, rec: MpsRecord | None) -> bool:
         """Still needed, still recorded as ``rec``, and not running: prepare, which may have just
         stopped or started it, is done (the supervisor's snapshot may be older)."""
-        with self.lock:
+        with self._exclusive():
             if self._changed_by_another():
                 return False  # the supervisor looks again, at the records as they are now
             return uuid in self.wanted and self.state.daemons.get(uuid) == rec and not self.alive(rec)
@@ -203,7 +225,7 @@ class MpsDaemons:
             self._mount_shm(uuid)
             rec = self.launcher.launch(uuid, dirs, self._daemon_env(uuid), str(self.binary))
         except (MpsError, LaunchError) as err:
-            self._stop(intent)  # nothing runs: the intent goes, its directories too (a tmpfs unmounted)
+            self._stop(intent, keep_dirs=True)  # nothing runs: the intent goes (the dirs: see _stop)
             raise MpsError(str(err) if isinstance(err, MpsError) else f"GPU {uuid}: {err}") from err
         self.state.daemons[uuid] = rec
         self._save()
@@ -211,7 +233,7 @@ class MpsDaemons:
         while not os.path.exists(control):
             why = self.launcher.start_failed(rec)
             if why is not None or time.monotonic() > deadline:
-                self._stop(rec)
+                self._stop(rec, keep_dirs=True)
                 raise MpsError(f"GPU {uuid}: {BINARY} did not start: {why or 'no pipe within the start timeout'} "
                                f"(see {dirs['log']})")
             time.sleep(0.02)
@@ -220,8 +242,11 @@ class MpsDaemons:
         log.info("MPS control daemon for GPU %s started (%s)", uuid, self.describe(rec))
         return rec
 
-    def _stop(self, rec: MpsRecord) -> None:
-        """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories go."""
+    def _stop(self, rec: MpsRecord, keep_dirs: bool = False) -> None:
+        """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories
+        go, unless kept: a start that failed keeps them for the shares' running containers, bound
+        to the pipe dir and tmpfs, which the next start uses again (a reconcile removes them once
+        no share needs them: ``_remove_unrecorded``)."""
         quitting = False
         if self.alive(rec) and self.binary is not None:
             try:
@@ -232,8 +257,9 @@ class MpsDaemons:
         self.launcher.end(rec, quitting)
         self.state.daemons.pop(rec.uuid, None)
         self._save()
-        self._remove_dirs(rec.uuid)
-        log.info("MPS control daemon for GPU %s stopped", rec.uuid)
+        if not keep_dirs:
+            self._remove_dirs(rec.uuid)
+        log.info("MPS control daemon for GPU %s stopped%s", rec.uuid, " (its directories kept)" if keep_dirs else "")
 
     def _remove_dirs(self, uuid: str) -> None:
         for problem in mps_records.remove_dirs(os.path.join(self.base, uuid)):
@@ -272,15 +298,19 @@ class MpsDaemons:
         for name in names:
             if _UUID.match(name) and name not in self.state.daemons and name not in wanted \
                     and os.path.isdir(os.path.join(self.base, name)):
+                try:
+                    self._end_strays(name)
+                except LaunchError as err:  # a daemon may still serve them: kept until the next look
+                    log.warning("MPS directories of GPU %s belong to no recorded daemon, kept: %s", name, err)
+                    continue
                 log.info("MPS directories of GPU %s belong to no recorded daemon: removed", name)
-                self._end_strays(name)
                 self._remove_dirs(name)
 
     def reconcile(self, wanted: set[str]) -> dict[str, str]:
         """Daemons for exactly the GPUs in ``wanted`` (UUIDs); -> {uuid: error} for those that
         could not be started (their claims' errors). Others are stopped."""
         errors = {}
-        with self.lock:
+        with self._exclusive():
             self._changed_by_another()
             self.wanted = set(wanted)
             self._forget_stale()
@@ -306,7 +336,7 @@ class MpsDaemons:
         """The supervisor's: the GPU's daemon started again (same directories and environment)
         -> its record; None when there is nothing to do (no share needs it any more, or it runs:
         prepare started it meanwhile). Raises ``MpsError``."""
-        with self.lock:
+        with self._exclusive():
             self._changed_by_another()
             rec = self.state.daemons.get(uuid)
             if uuid not in self.wanted or self.alive(rec):

@@ -30,19 +30,23 @@ import orjson
 
 from agent.kubeletplugin.claimapi import ApiFailure, ClaimApi
 from agent.names import is_subdomain
+from agent.prepare.driverlinks import link_libraries
 from agent.prepare.mps_process import BINARY, STOP_TIMEOUT, LaunchError
 from agent.prepare.mps_records import MpsRecord
 from agent.settings import MpsPodSettings
+from discovery.nvidia_driver import Library
 
 log = logging.getLogger("agent.prepare.mps")
 
 COMPONENT = "mps-control-daemon"
 DRIVER_ROOT_IN_POD = "/driver-root"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GRACE = 5  # seconds: the daemon quits its servers on SIGTERM
 POLL = 0.25  # seconds between looks at a pod being started or deleted
-# the last mount on /dev/shm must be the tmpfs: the runtime's own is one too, beneath ours
-_GUARD = ("grep ' /dev/shm ' /proc/mounts | tail -n 1 | grep -q '^[^ ]* /dev/shm tmpfs ' "
-          "|| { echo '/dev/shm is not the MPS shm tmpfs: not started' >&2; exit 1; }; exec \"$@\"")
+# /dev/shm must be the GPU's shm tmpfs (``$0``: the GPU's dir): the same file system as its
+# shm dir, which is a mount of its own (a plain directory after a reboot is not)
+_GUARD = ('d=$(stat -c %d /dev/shm) && [ "$d" = "$(stat -c %d "$0/shm")" ] && [ "$d" != "$(stat -c %d "$0")" ] '
+          '|| { echo "/dev/shm is not the MPS shm tmpfs at $0/shm: not started" >&2; exit 1; }; exec "$@"')
 _WAITING_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                      "CreateContainerError", "RunContainerError"}
 
@@ -61,11 +65,12 @@ class PodApi:
     def _pods(self, name: str = "") -> str:
         return f"/api/v1/namespaces/{self.namespace}/pods" + (f"/{name}" if name else "")
 
-    def _json(self, method: str, path: str, body: dict | None = None, ok: tuple[int, ...] = (200,)) -> dict | None:
-        """The answer's object; None for 404 (and 409: a precondition that no longer holds)."""
+    def _json(self, method: str, path: str, body: dict | None = None, ok: tuple[int, ...] = (200,),
+              none: tuple[int, ...] = (404,)) -> dict | None:
+        """The answer's object; None for the ``none`` codes (404: no such object)."""
         resp = self.api.request(method, path, orjson.dumps(body) if body is not None else None,
                                 {"Content-Type": "application/json", "Accept": "application/json"})
-        if resp.status in (404, 409):
+        if resp.status in none:
             return None
         if resp.status not in ok:
             raise ApiFailure(f"{method} {path}: API error {resp.status}: {resp.body[:300].decode('utf-8', 'replace')}",
@@ -76,11 +81,13 @@ class PodApi:
             raise ApiFailure(f"{method} {path}: the answer is not JSON: {err}") from err
         return out if isinstance(out, dict) else None
 
-    def get(self, name: str) -> dict | None:
-        return self._json("GET", self._pods(name))
+    def get(self, name: str, cached: bool = False) -> dict | None:
+        """``cached``: from the server's watch cache (a look every few seconds, not etcd's)."""
+        return self._json("GET", self._pods(name) + ("?resourceVersion=0" if cached else ""))
 
     def create(self, pod: dict) -> dict:
-        made = self._json("POST", self._pods(), pod, ok=(201, 200))
+        """The pod made; ApiFailure (409) when one of its name is there (another agent's)."""
+        made = self._json("POST", self._pods(), pod, ok=(201, 200), none=())
         if made is None:
             raise ApiFailure("POST pod: no object in the answer")
         return made
@@ -89,7 +96,7 @@ class PodApi:
         body: dict = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": GRACE}
         if uid:
             body["preconditions"] = {"uid": uid}
-        self._json("DELETE", self._pods(name), body, ok=(200, 202))
+        self._json("DELETE", self._pods(name), body, ok=(200, 202), none=(404, 409))  # 409: another UID
 
     def on_node(self, node: str, driver: str) -> list[dict]:
         query = urlencode({"labelSelector": f"app.kubernetes.io/component={COMPONENT},sysdra.io/driver={driver}",
@@ -125,14 +132,14 @@ def _why_not(pod: dict) -> str | None:
 
 class PodLauncher:
     def __init__(self, settings: MpsPodSettings, base: str, node: str, driver: str, boot_id: str, driver_root: str,
-                 driver_paths: Callable[[], tuple[str | None, list[str]]], api: PodApi | None = None):
+                 driver_paths: Callable[[], tuple[str | None, tuple[Library, ...]]], api: PodApi | None = None):
         self.settings, self.node, self.driver, self.boot_id = settings, node, driver, boot_id
         self.base = base  # <plugin dir>/mps: host paths, the same in the pod
         self.start_timeout = settings.start_timeout
         self.stop_timeout = GRACE + STOP_TIMEOUT  # seconds for a deleted pod to be gone (the kubelet confirms)
         self.driver_root = driver_root  # the host path the driver's files are named under
         self.host_driver_root = settings.host_driver_root or driver_root  # the host directory the pod mounts
-        self.driver_paths = driver_paths  # the MPS binary's and the libraries' directories' host paths, now
+        self.driver_paths = driver_paths  # the MPS binary's host path and the driver's libraries, now
         self.api = api or PodApi(settings.namespace)
         self._owner: dict | None = None
         self._looked = 0.0
@@ -147,10 +154,12 @@ class PodLauncher:
         return self.api.get(name)
 
     def alive(self, rec: MpsRecord | None) -> bool:
+        """The record's pod is there, not ended, and its daemon's pipe is: a pod that never
+        served (adopted while its start was awaited) is not the daemon."""
         if rec is None or rec.pod_uid is None or (rec.boot_id is not None and rec.boot_id != self.boot_id):
             return False
         try:
-            up = _state(self._get(pod_name(rec.uuid)), rec.pod_uid) == "up"
+            up = _state(self.api.get(pod_name(rec.uuid), cached=True), rec.pod_uid) == "up" and self._pipe_there(rec.uuid)
         except (ApiFailure, OSError) as err:  # the API away: the pod is not ours to judge; its pipe is
             if not self._api_down:
                 log.warning("MPS daemon pods not looked at (%s): their pipes say whether they serve", err)
@@ -169,20 +178,20 @@ class PodLauncher:
         return None if rel.startswith("..") else os.path.join(DRIVER_ROOT_IN_POD, rel)
 
     def manifest(self, uuid: str, dirs: dict[str, str]) -> dict:
-        binary, lib_dirs = self.driver_paths()
+        binary, libraries = self.driver_paths()
         command = self._in_pod(binary) if binary else None
         if command is None:
             raise LaunchError(f"no {BINARY} under the driver root {self.driver_root}")
-        libs = [p for p in (self._in_pod(d) for d in lib_dirs) if p]
         gpu_dir = os.path.dirname(dirs["pipe"])
-        env = {"CUDA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": dirs["pipe"], "CUDA_MPS_LOG_DIRECTORY": dirs["log"]}
-        if libs:
-            env["LD_LIBRARY_PATH"] = ":".join(libs)
+        env = {"CUDA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": dirs["pipe"], "CUDA_MPS_LOG_DIRECTORY": dirs["log"],
+               "PATH": f"{os.path.dirname(command)}:{DEFAULT_PATH}"}  # the daemon starts nvidia-cuda-mps-server by name
+        if libraries:  # links to the driver's libraries alone (launch): the image's loader, never the host's libc
+            env["LD_LIBRARY_PATH"] = os.path.join(gpu_dir, "lib")
         labels = {"app.kubernetes.io/name": "sysdra-mps", "app.kubernetes.io/part-of": "sysdra",
                   "app.kubernetes.io/component": COMPONENT, "sysdra.io/driver": self.driver}
         container = {
             "name": COMPONENT, "image": self.settings.image, "imagePullPolicy": self.settings.pull_policy,
-            "command": ["sh", "-c", _GUARD, COMPONENT, command, "-f"],
+            "command": ["sh", "-c", _GUARD, gpu_dir, command, "-f"],
             "env": [{"name": k, "value": v} for k, v in env.items()],
             # root, as the agent that made its directories (0755); the image's own user may be another
             "securityContext": {"privileged": True, "runAsUser": 0, "runAsGroup": 0},
@@ -217,7 +226,8 @@ class PodLauncher:
             except (ApiFailure, OSError) as err:
                 log.warning("Node %s not read (%s): MPS daemon pods without an owner", self.node, err)
                 return None
-            self._owner = {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid} if uid else {}
+            # the controller: `kubectl drain` deletes a pod with one (and none without --force)
+            self._owner = {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid, "controller": True} if uid else {}
         return self._owner or None
 
     def launch(self, uuid: str, dirs: dict[str, str], env: dict[str, str], binary: str) -> MpsRecord:
@@ -225,7 +235,9 @@ class PodLauncher:
         name = pod_name(uuid)
         if not is_subdomain(name) or len(name) > 253:
             raise LaunchError(f"{name!r} is no pod name")
+        _, libraries = self.driver_paths()
         try:
+            link_libraries(os.path.join(os.path.dirname(dirs["pipe"]), "lib"), libraries, self._in_pod)
             made = self.api.create(self.manifest(uuid, dirs))
         except (ApiFailure, OSError) as err:
             raise LaunchError(f"creating pod {self.settings.namespace}/{name}: {err}") from err
@@ -263,7 +275,9 @@ class PodLauncher:
             log.error("MPS daemon pod %s/%s not deleted: %s", self.settings.namespace, name, err)
 
     def end(self, rec: MpsRecord, quitting: bool) -> None:
-        if rec.pod_uid is not None or rec.pid is None:
+        """The record's pod deleted; a record without a UID made none this agent knows of (a
+        pod of the name is another's, or a stray that ``end_strays`` and ``end_orphans`` find)."""
+        if rec.pod_uid is not None:
             self._delete(rec.uuid, rec.pod_uid)
 
     def end_strays(self, uuid: str, pipe: str, known: MpsRecord | None) -> None:

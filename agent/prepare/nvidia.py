@@ -16,6 +16,7 @@ import os
 from dataclasses import replace
 
 from agent.prepare.allocation import ClaimFailed
+from agent.prepare.driverlinks import link_libraries
 from agent.prepare.mps import BINARY as MPS_BINARY
 from agent.prepare.mps import SHM_SIZE, MpsDaemons
 from agent.prepare.mps_pods import PodLauncher
@@ -23,13 +24,14 @@ from agent.settings import MpsPodSettings
 from cdi.claim import ClaimDevice
 from cdi.nvidia import driver_edits
 from discovery.models import Device
-from discovery.nvidia_driver import DriverFiles, DriverFilesCache
+from discovery.nvidia_driver import DriverFiles, DriverFilesCache, Library
 
 log = logging.getLogger(__name__)
 
 NVIDIA_KIND = "nvidia.com/gpu"
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 MAX_SPEC_BYTES = 4 << 20
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def needs_driver(dev: Device) -> bool:
@@ -40,8 +42,10 @@ def needs_driver(dev: Device) -> bool:
 class NvidiaDriver:
     def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
                  host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE,
-                 mps_pod: tuple[MpsPodSettings, str, str] | None = None):
+                 mps_pod: tuple[MpsPodSettings, str, str] | None = None, lib_dir: str | None = None):
         self.root, self.host_root = root, host_root
+        # under another root: links to the driver's libraries alone, the loader path of its tools (link_libraries)
+        self.lib_dir = lib_dir
         self.files = DriverFilesCache(root, driver_root)
         self._edits: tuple[DriverFiles, dict] | None = None  # claim-wide edits of the files found last
         self.use_nvidia_spec = use_nvidia_spec
@@ -62,13 +66,13 @@ class NvidiaDriver:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""
         return self.tool(MPS_BINARY)[0]
 
-    def _mps_host_paths(self) -> tuple[str | None, list[str]]:
-        """``nvidia-cuda-mps-control`` and the driver's library directories as host paths (a pod's)."""
+    def _mps_host_paths(self) -> tuple[str | None, tuple[Library, ...]]:
+        """``nvidia-cuda-mps-control`` as a host path and the driver's libraries (a pod's view)."""
         files = self.files.get()
         found = [b for b in files.binaries if os.path.basename(b) == MPS_BINARY]
         if not found or files.errors:
-            return None, []
-        return found[0], sorted({os.path.dirname(lib.host_path) for lib in files.libraries})
+            return None, ()
+        return found[0], files.libraries
 
     def tool(self, name: str) -> tuple[str | None, dict[str, str]]:
         """A driver tool (``nvidia-smi``) as the agent runs it, under the root, and its environment;
@@ -80,9 +84,23 @@ class NvidiaDriver:
         return os.path.join(self.root, found[0].lstrip("/")), self._mps_env()
 
     def _mps_env(self) -> dict[str, str]:
-        libs = sorted({os.path.dirname(os.path.join(self.root, lib.host_path.lstrip("/")))
-                       for lib in self.files.get().libraries})
-        return {"LD_LIBRARY_PATH": ":".join(libs)} if libs else {}
+        """The environment of the driver's tools as the agent runs them: their directory first on
+        PATH (``nvidia-cuda-mps-control`` starts ``nvidia-cuda-mps-server`` by name) and the
+        driver's libraries on the loader path. On ``/`` the host's own loader runs them: the
+        libraries' directories as they are. Under another root (the DaemonSet's ``/host``) the
+        agent's image's loader does, and those directories hold the host's libc too: only links
+        to the driver's libraries (``link_libraries``), never another system's libc."""
+        files = self.files.get()
+        under_root = sorted({os.path.dirname(os.path.join(self.root, b.lstrip("/"))) for b in files.binaries})
+        env = {"PATH": ":".join([*under_root, os.environ.get("PATH") or DEFAULT_PATH])} if under_root else {}
+        if self.root == "/" or self.lib_dir is None:
+            libs = sorted({os.path.dirname(os.path.join(self.root, lib.host_path.lstrip("/"))) for lib in files.libraries})
+        else:
+            link_libraries(self.lib_dir, files.libraries, lambda host_path: os.path.join(self.root, host_path.lstrip("/")))
+            libs = [self.lib_dir] if files.libraries else []
+        if libs:
+            env["LD_LIBRARY_PATH"] = ":".join(libs)
+        return env
 
     def with_mps(self, cd: ClaimDevice, share_id: str | None) -> ClaimDevice:
         """A share of an NVIDIA GPU as a client of the GPU's MPS daemon (its pipe directory and
