@@ -119,3 +119,40 @@ def test_another_agents_records_are_respected(daemons):
     assert not old.dead(UUID, rec)  # the old one's view was out of date: read again
     assert old.watched() == {} and old.restart(UUID) is None
     assert UUID not in old.state.daemons and not os.path.exists(old.dirs(UUID)["pipe"])
+
+
+def test_two_agents_starting_at_once_run_one_daemon(daemons):
+    """The two pods of a surge update reconcile at once: the records' lock makes one start the
+    daemon and the other adopt it (without it both start one, the second ending the first)."""
+    import threading
+
+    old, new = daemons(), daemons()
+    go = threading.Barrier(2)
+    errors: list = []
+
+    def agent(d):
+        go.wait()
+        errors.append(d.reconcile({UUID}))
+
+    threads = [threading.Thread(target=agent, args=(d,)) for d in (old, new)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [{}, {}]
+    assert old.state.daemons[UUID] == new.state.daemons[UUID]
+    assert serving(old.dirs(UUID)["pipe"]) == [old.state.daemons[UUID].pid]
+
+
+def serving(pipe: str) -> list[int]:
+    """The PIDs of the control daemons running on ``pipe``."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        try:
+            if cmd[-1:] == ["-f"] and any(a.endswith("nvidia-cuda-mps-control") for a in cmd) \
+                    and p.status() != psutil.STATUS_ZOMBIE and p.environ().get("CUDA_MPS_PIPE_DIRECTORY") == pipe:
+                found.append(p.pid)
+        except psutil.Error:  # ended meanwhile
+            continue
+    return found
