@@ -127,8 +127,10 @@ class MpsSupervisor:
         self._report(self.daemons.watched())
 
     def _report(self, watched: dict[str, MpsRecord | None]) -> None:
+        now = time.monotonic()
         rows = [{"gpu": uuid, "daemon": self.daemons.describe(rec), "state": self._state(uuid),
-                 "restarts": len(self._recent.get(uuid, ()))} for uuid, rec in watched.items()]
+                 "restarts": sum(now - t <= self.window for t in self._recent.get(uuid, ()))}
+                for uuid, rec in watched.items()]
         if rows != self._rows:
             self._rows = rows
             self.on_round(rows)
