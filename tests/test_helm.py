@@ -158,6 +158,11 @@ def test_mps_daemons_in_pods_bring_their_settings_role_and_policy(daemons, tmp_p
     assert ("sysdra-own-node-mps-pods" in policies) is pods
 
 
+def test_a_misspelt_mps_daemons_value_is_refused():
+    result = run_helm("template", "x", CHART, "--kube-version", "1.37.0", "--set", "nvidia.mpsDaemons=pods", check=False)
+    assert result.returncode != 0 and 'nvidia.mpsDaemons must be pod or process, not "pods"' in result.stderr
+
+
 def _objects_set(*sets: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(render(sets=sets)) if d]
 
