@@ -10,6 +10,7 @@ runs under a real sh in a mount namespace of its own."""
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import time
 
@@ -28,6 +29,9 @@ from tests.helm import render
 
 UUID, OTHER = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-2222-3333-444444444444"
 BINARY, LIBS = "/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control", ["/run/nvidia/driver/usr/lib/x86_64-linux-gnu"]
+# the chart's kubeletDir and driverName: its policy lets the agent's pods mount host paths under PLUGIN/mps/ only
+# (no kubelet runs here: nothing is made there)
+PLUGIN = pathlib.Path("/var/lib/kubelet/plugins/sysdra.io")
 
 
 class Chart:
@@ -81,9 +85,9 @@ def test_the_settings_come_from_the_chart(chart):
         "ghcr.io/sysdra/sysdra:0.1.0", "sysdra", "/run/nvidia/driver", "system-node-critical")
 
 
-def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
-    launcher = chart.launcher(tmp_path)
-    rec = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "/host/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control")
+def test_the_agents_pod_for_its_gpu(apiserver, chart):
+    launcher = chart.launcher(PLUGIN)
+    rec = launcher.launch(UUID, dirs(PLUGIN, UUID), {}, "/host/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control")
     try:
         pod = apiserver.get("Pod", pod_name(UUID), "sysdra")
         assert rec == MpsRecord(uuid=UUID, pod_uid=pod["metadata"]["uid"], boot_id="boot-1")
@@ -96,7 +100,7 @@ def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
         assert container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
         assert container["command"][-2:] == ["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"]
         env = {e["name"]: e["value"] for e in container["env"]}
-        d = dirs(tmp_path, UUID)
+        d = dirs(PLUGIN, UUID)
         assert env == {"CUDA_VISIBLE_DEVICES": UUID, "CUDA_MPS_PIPE_DIRECTORY": d["pipe"], "CUDA_MPS_LOG_DIRECTORY": d["log"],
                        "LD_LIBRARY_PATH": "/driver-root/usr/lib/x86_64-linux-gnu"}  # fmt: skip
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -106,7 +110,7 @@ def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
         # Pending (no kubelet): up; another pod of the name, another boot, a deleting one: not the record's
         assert launcher.alive(rec) and launcher.start_failed(rec) is None
         assert not launcher.alive(rec.model_copy(update={"pod_uid": "0000-1111"}))
-        assert not chart.launcher(tmp_path, boot="boot-2").alive(rec)
+        assert not chart.launcher(PLUGIN, boot="boot-2").alive(rec)
         chart.api.delete(pod_name(UUID), "0000-1111")  # another UID: a precondition that fails, nothing deleted
         assert launcher.alive(rec)
         launcher.end(rec, quitting=True)
@@ -118,24 +122,24 @@ def test_the_agents_pod_for_its_gpu(apiserver, chart, tmp_path):
         force_delete(apiserver, UUID)
 
 
-def test_a_deleted_pods_record_is_not_alive_and_a_stray_of_the_name_goes(apiserver, chart, tmp_path):
-    launcher = chart.launcher(tmp_path)
-    rec = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")
+def test_a_deleted_pods_record_is_not_alive_and_a_stray_of_the_name_goes(apiserver, chart):
+    launcher = chart.launcher(PLUGIN)
+    rec = launcher.launch(UUID, dirs(PLUGIN, UUID), {}, "")
     force_delete(apiserver, UUID)
     assert not launcher.alive(rec)
-    stray = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")  # say, made by an agent killed before it saved
+    stray = launcher.launch(UUID, dirs(PLUGIN, UUID), {}, "")  # say, made by an agent killed before it saved
     try:
-        launcher.end_strays(UUID, dirs(tmp_path, UUID)["pipe"], rec)
+        launcher.end_strays(UUID, dirs(PLUGIN, UUID)["pipe"], rec)
         assert apiserver.get("Pod", pod_name(UUID), "sysdra")["metadata"].get("deletionTimestamp")
         assert not launcher.alive(stray)
     finally:
         force_delete(apiserver, UUID)
 
 
-def test_orphans_go_and_the_needed_stay(apiserver, chart, tmp_path):
-    launcher = chart.launcher(tmp_path)
-    keep = launcher.launch(UUID, dirs(tmp_path, UUID), {}, "")
-    orphan = launcher.launch(OTHER, dirs(tmp_path, OTHER), {}, "")
+def test_orphans_go_and_the_needed_stay(apiserver, chart):
+    launcher = chart.launcher(PLUGIN)
+    keep = launcher.launch(UUID, dirs(PLUGIN, UUID), {}, "")
+    orphan = launcher.launch(OTHER, dirs(PLUGIN, OTHER), {}, "")
     try:
         launcher.end_orphans({UUID})
         assert launcher.alive(keep) and not launcher.alive(orphan)
