@@ -51,6 +51,10 @@ class Agent:
 
 @pytest.fixture(scope="module")
 def agent(apiserver, tmp_path_factory):
+    # RBAC alone first: the server is the session's, and another module (the chart's, tests/test_mps_pods.py)
+    # may have left the node policy in place, which a test below applies itself
+    for kind in ("ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicy"):
+        apiserver.delete(kind, "sysdra-own-node-slices")
     a = Agent(apiserver, tmp_path_factory.mktemp("rbac"))
     yield a
     a.http.close()
@@ -155,7 +159,14 @@ def test_rbac_alone_lets_the_agent_write_another_nodes_slices(apiserver, agent):
     """RBAC cannot look at spec.nodeName: with deploy/rbac.yaml only, the agent's token can
     create a slice for a node it does not run on. The node binding in its token
     (userInfo.extra node-name) is what an admission policy can check (next test)."""
-    r = agent.http.post("/apis/resource.k8s.io/v1/resourceslices", json=slice_for(agent.other))
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:  # a policy the fixture deleted may still be in the server's policy informer
+        r = agent.http.post("/apis/resource.k8s.io/v1/resourceslices", json=slice_for(agent.other))
+        if "ValidatingAdmissionPolicy" not in r.text or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert r.status_code == 201, r.text
     apiserver.delete("ResourceSlice", r.json()["metadata"]["name"])
 

@@ -96,7 +96,13 @@ def test_every_feature_reaches_the_agent(tmp_path):
     assert (mps.host_driver_root, mps.priority_class_name) == ("/run/nvidia/driver", "system-node-critical")
     role = _one(objs, "Role")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "delete"]}]
-    assert "image == 'registry.example.com/sysdra/sysdra:0.1.0-rc1'" in str(policies["sysdra-own-node-mps-pods"])
+    # the daemons' pods: the image's repository (any tag: agents not yet replaced in a rollout), the
+    # host paths under the kubelet plugin dir's mps/ and the driver root, the agent's account
+    variables = {v["name"]: v["expression"] for v in policies["sysdra-own-node-mps-pods"]["spec"]["variables"]}
+    assert (variables["repository"], variables["mpsDir"], variables["driverRoot"]) == (
+        '"registry.example.com/sysdra/sysdra"', '"/var/lib/kubelet/plugins/sysdra.io/mps/"', '"/run/nvidia/driver"')
+    assert "0.1.0-rc1" not in str(policies["sysdra-own-node-mps-pods"])
+    assert "serviceAccountName.orValue('') == 'sysdra-agent'" in str(policies["sysdra-own-node-mps-pods"])
 
 
 def test_default_daemonset():
@@ -161,6 +167,23 @@ def test_mps_daemons_in_pods_bring_their_settings_role_and_policy(daemons, tmp_p
 def test_a_misspelt_mps_daemons_value_is_refused():
     result = run_helm("template", "x", CHART, "--kube-version", "1.37.0", "--set", "nvidia.mpsDaemons=pods", check=False)
     assert result.returncode != 0 and 'nvidia.mpsDaemons must be pod or process, not "pods"' in result.stderr
+
+
+def test_the_mps_pods_policy_allows_the_agents_own_paths_and_repository(tmp_path):
+    """The policy's host paths are the agent's: its plugin dir's mps/ (--kubelet-dir, driverName) and
+    the driver root as it reads hostDriverRoot (normalized); the image's repository, any tag."""
+    objs = _objects_set("nvidia.enabled=true", "nvidia.mps=true", "kubeletDir=/data/kubelet/", "driverName=gpu.example.com",
+                        "nvidia.hostDriverRoot=/opt/nvidia//driver/", "image.repository=registry.local:5000/sysdra",
+                        "image.tag=1.2.3")  # fmt: skip
+    (policy,) = [o for o in objs if o["metadata"]["name"] == "sysdra-own-node-mps-pods" and o["kind"] == "ValidatingAdmissionPolicy"]
+    variables = {v["name"]: yaml.safe_load(v["expression"]) for v in policy["spec"]["variables"]}  # CEL's string literals
+    s = _config(objs, tmp_path)
+    (c,) = _one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    (kubelet_dir,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith("--kubelet-dir=")]
+    agent = Settings(node_name="node-a", kubelet_dir=kubelet_dir, driver_name=s.driver_name)
+    assert variables["mpsDir"] == agent.plugin_dir + "/mps/" == "/data/kubelet/plugins/gpu.example.com/mps/"
+    assert variables["driverRoot"] == s.nvidia_mps_pod.host_driver_root == "/opt/nvidia/driver"
+    assert variables["repository"] == "registry.local:5000/sysdra" and s.nvidia_mps_pod.image == "registry.local:5000/sysdra:1.2.3"
 
 
 def _objects_set(*sets: str) -> list[dict]:
