@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Callable
 
 from agent.fsutil import make_dirs
 from discovery.nvidia_driver import Library
+
+_LOCK = threading.Lock()  # the threads asking for a tool's environment at once write one directory
 
 
 def link_libraries(directory: str, libraries: tuple[Library, ...], target: Callable[[str], str | None]) -> None:
@@ -20,6 +23,11 @@ def link_libraries(directory: str, libraries: tuple[Library, ...], target: Calla
     (``libcuda.so.1`` ...) to the file where ``target`` (its host path) says it is (None: none
     there): a loader path of the driver's libraries alone. Links already right are kept, links
     of another driver version removed; a name from the host that is no plain file name is left out."""
+    with _LOCK:
+        _link(directory, libraries, target)
+
+
+def _link(directory: str, libraries: tuple[Library, ...], target: Callable[[str], str | None]) -> None:
     make_dirs(directory, 0o755)
     wanted: dict[str, str] = {}
     for lib in libraries:
