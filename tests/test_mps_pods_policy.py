@@ -9,11 +9,10 @@ type-checked by kube-controller-manager's policy status controller, without warn
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 
-from tests.controlplane import free_port, peer, unique
+from tests.controlplane import free_port, peer, unique, wait_until
 from tests.test_mps_pods import UUID, Chart, dirs, kubelet_dir
 
 NS = "sysdra"
@@ -27,12 +26,13 @@ def chart(apiserver, tmp_path_factory):
     try:
         bad = c.launcher(c.plugin).manifest(UUID, dirs(c.plugin, UUID))
         bad["metadata"]["name"], bad["spec"]["nodeName"] = unique("sysdra-mps-probe"), c.other
-        deadline = time.monotonic() + 30
-        while (r := c.http.post(PODS, json=bad)).status_code != 403:  # the server's policy informer catches up
+        def refused() -> bool:  # the server's policy informer catches up
+            r = c.http.post(PODS, json=bad)
             if r.status_code == 201:
                 delete(apiserver, bad["metadata"]["name"])
-            assert time.monotonic() < deadline, f"the policy did not refuse a pod on another node: {r.status_code} {r.text}"
-            time.sleep(0.2)
+            return r.status_code == 403
+
+        wait_until(refused, 30, what="the policy refusing a pod on another node")
         yield c
     finally:
         c.http.close()
@@ -211,16 +211,15 @@ def test_the_policys_cel_type_checks_without_warnings(apiserver, chart):
     try:
         names = [o["metadata"]["name"] for o in chart.objects if o["kind"] == "ValidatingAdmissionPolicy"]
         assert POLICY in names
-        deadline = time.monotonic() + 60
+        def checked(name: str) -> dict | None:
+            policy = apiserver.get("ValidatingAdmissionPolicy", name)
+            status = policy.get("status") or {}
+            done = status.get("observedGeneration") == policy["metadata"]["generation"] and "typeChecking" in status
+            return status if done else None
+
         for name in names:
-            while True:
-                policy = apiserver.get("ValidatingAdmissionPolicy", name)
-                status = policy.get("status") or {}
-                if status.get("observedGeneration") == policy["metadata"]["generation"] and "typeChecking" in status:
-                    break
-                assert proc.poll() is None, apiserver.log_tail("kube-controller-manager")
-                assert time.monotonic() < deadline, (name, status, apiserver.log_tail("kube-controller-manager"))
-                time.sleep(0.2)
+            status = wait_until(lambda: checked(name), 60, what=f"{name}'s type check", proc=proc,
+                                tail=lambda: apiserver.log_tail("kube-controller-manager"))
             assert not status["typeChecking"].get("expressionWarnings"), (name, status["typeChecking"])
     finally:
         proc.terminate()

@@ -15,6 +15,7 @@ from typing import Callable
 from agent.fsutil import make_dirs
 from discovery.nvidia_driver import Library
 
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a tool's PATH after the driver's bin
 _LOCK = threading.Lock()  # the threads asking for a tool's environment at once write one directory
 
 

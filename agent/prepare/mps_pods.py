@@ -30,7 +30,7 @@ import orjson
 
 from agent.kubeletplugin.claimapi import ApiFailure, ClaimApi
 from agent.names import is_subdomain
-from agent.prepare.driverlinks import link_libraries
+from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
 from agent.prepare.mps_process import BINARY, STOP_TIMEOUT, LaunchError
 from agent.prepare.mps_records import MpsRecord
 from agent.settings import MpsPodSettings
@@ -40,7 +40,6 @@ log = logging.getLogger("agent.prepare.mps")
 
 COMPONENT = "mps-control-daemon"
 DRIVER_ROOT_IN_POD = "/driver-root"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GRACE = 5  # seconds: the daemon quits its servers on SIGTERM
 POLL = 0.25  # seconds between looks at a pod being started or deleted
 # /dev/shm must be the GPU's shm tmpfs (``$0``: the GPU's dir): the same file system as its

@@ -16,7 +16,7 @@ import os
 from dataclasses import replace
 
 from agent.prepare.allocation import ClaimFailed
-from agent.prepare.driverlinks import link_libraries
+from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
 from agent.prepare.mps import BINARY as MPS_BINARY
 from agent.prepare.mps import SHM_SIZE, MpsDaemons
 from agent.prepare.mps_pods import PodLauncher
@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 NVIDIA_KIND = "nvidia.com/gpu"
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 MAX_SPEC_BYTES = 4 << 20
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
 
 def needs_driver(dev: Device) -> bool:
     """A GPU (or MIG device) the nvidia driver serves; one bound to vfio-pci needs none."""
@@ -66,22 +64,23 @@ class NvidiaDriver:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""
         return self.tool(MPS_BINARY)[0]
 
+    def _host_tool(self, name: str) -> str | None:
+        """A driver tool's host path; None when the driver root has none or the driver does not
+        match the module."""
+        files = self.files.get()
+        found = [b for b in files.binaries if os.path.basename(b) == name]
+        return found[0] if found and not files.errors else None
+
     def _mps_host_paths(self) -> tuple[str | None, tuple[Library, ...]]:
         """``nvidia-cuda-mps-control`` as a host path and the driver's libraries (a pod's view)."""
-        files = self.files.get()
-        found = [b for b in files.binaries if os.path.basename(b) == MPS_BINARY]
-        if not found or files.errors:
-            return None, ()
-        return found[0], files.libraries
+        binary = self._host_tool(MPS_BINARY)
+        return (binary, self.files.get().libraries) if binary else (None, ())
 
     def tool(self, name: str) -> tuple[str | None, dict[str, str]]:
         """A driver tool (``nvidia-smi``) as the agent runs it, under the root, and its environment;
         (None, {}) when the driver root has none or the driver does not match the module."""
-        files = self.files.get()
-        found = [b for b in files.binaries if os.path.basename(b) == name]
-        if not found or files.errors:
-            return None, {}
-        return os.path.join(self.root, found[0].lstrip("/")), self._mps_env()
+        host = self._host_tool(name)
+        return (os.path.join(self.root, host.lstrip("/")), self._mps_env()) if host else (None, {})
 
     def _mps_env(self) -> dict[str, str]:
         """The environment of the driver's tools as the agent runs them: their directory first on
