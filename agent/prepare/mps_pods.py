@@ -149,9 +149,6 @@ class PodLauncher:
             return "not running"
         return f"pod {self.settings.namespace}/{pod_name(rec.uuid)}"
 
-    def _get(self, name: str) -> dict | None:
-        return self.api.get(name)
-
     def alive(self, rec: MpsRecord | None) -> bool:
         """The record's pod is there, not ended, and its daemon's pipe is: a pod that never
         served (adopted while its start was awaited) is not the daemon."""
@@ -249,7 +246,7 @@ class PodLauncher:
             return None
         self._looked = now
         try:
-            pod = self._get(pod_name(rec.uuid))
+            pod = self.api.get(pod_name(rec.uuid))
         except (ApiFailure, OSError):
             return None  # the start timeout decides
         if _state(pod, rec.pod_uid) == "gone":
@@ -265,7 +262,7 @@ class PodLauncher:
         try:
             self.api.delete(name, uid)
             deadline = time.monotonic() + self.stop_timeout
-            while (pod := self._get(name)) is not None and (uid is None or (pod.get("metadata") or {}).get("uid") == uid):
+            while (pod := self.api.get(name)) is not None and (uid is None or (pod.get("metadata") or {}).get("uid") == uid):
                 if time.monotonic() > deadline:  # terminating still: a new pod of the name must wait
                     log.error("MPS daemon pod %s/%s still there after %.0f s", self.settings.namespace, name, self.stop_timeout)
                     return
@@ -283,7 +280,7 @@ class PodLauncher:
         """A pod of the GPU's name that is not the recorded one (an agent killed between creating
         it and saving its UID; another agent's), before another starts."""
         try:
-            pod = self._get(pod_name(uuid))
+            pod = self.api.get(pod_name(uuid))
         except (ApiFailure, OSError) as err:
             raise LaunchError(f"pod {pod_name(uuid)} not read: {err}") from err
         uid = ((pod or {}).get("metadata") or {}).get("uid")
