@@ -25,7 +25,7 @@ from agent.prepare.mps_records import MpsRecord
 from agent.settings import Settings
 from discovery.nvidia_driver import Library
 from tests.conftest import require_root, require_tool
-from tests.controlplane import unique
+from tests.controlplane import unique, wait_until
 from tests.helm import render
 
 UUID, OTHER = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-2222-3333-444444444444"
@@ -179,6 +179,81 @@ def test_orphans_go_and_the_needed_stay(apiserver, chart, plugin):
         force_delete(apiserver, OTHER)
 
 
+class CountedApi(PodApi):
+    """The chart's pod requests, each counted by what it asks."""
+
+    def __init__(self, api: PodApi):
+        super().__init__(api.namespace, api.api)
+        self.asked: list[str] = []
+
+    def get(self, name):
+        self.asked.append("get")
+        return super().get(name)
+
+    def on_node(self, node, driver, cached=False):
+        self.asked.append("list cached" if cached else "list")
+        return super().on_node(node, driver, cached)
+
+
+def test_the_supervisors_round_is_one_listing_of_the_nodes_pods(apiserver, chart, plugin):
+    """However many GPUs' daemons the supervisor looks at, a round asks the server once (from
+    its watch cache); a pod deleted, another boot's or another UID's record: not alive."""
+    launcher = chart.launcher(plugin)
+    launcher.api = counted = CountedApi(chart.api)
+    one, two = (launcher.launch(u, dirs(plugin, u), {}, "") for u in (UUID, OTHER))
+    serving(plugin, UUID)
+    serving(plugin, OTHER)
+    recs = {UUID: one, OTHER: two, "GPU-none": None}
+    try:  # the watch cache has the pods a moment after they are made
+        wait_until(lambda: launcher.alive_all(recs) == {UUID: True, OTHER: True, "GPU-none": False}, 30, what="the pods listed")
+        counted.asked.clear()
+        assert launcher.alive_all(recs) == {UUID: True, OTHER: True, "GPU-none": False}
+        assert counted.asked == ["list cached"]
+        assert launcher.alive_all({UUID: one.model_copy(update={"pod_uid": "0000-1111"})}) == {UUID: False}
+        assert chart.launcher(plugin, boot="boot-2").alive_all({UUID: one}) == {UUID: False}
+        force_delete(apiserver, OTHER)
+        wait_until(lambda: launcher.alive_all(recs)[OTHER] is False, 30, what="the deleted pod unlisted")
+        assert launcher.alive_all(recs) == {UUID: True, OTHER: False, "GPU-none": False}
+        counted.asked.clear()
+        assert launcher.alive(one) and not launcher.alive(two)  # prepare's and a death's look: the pod itself
+        assert counted.asked == ["get", "get"]
+    finally:
+        force_delete(apiserver, UUID)
+        force_delete(apiserver, OTHER)
+
+
+def test_a_supervisor_round_over_pods_lists_once_and_confirms_a_death(apiserver, chart, plugin):
+    """The supervisor (agent/prepare/mps_watch.py) over the launcher's pods: a round of serving
+    daemons is one listing and no fault; a daemon whose pod is gone is read once more (its
+    pod, from etcd) before it counts as dead and the GPU as unhealthy."""
+    from agent.prepare.mps import MpsDaemons
+    from agent.prepare.mps_watch import MpsSupervisor
+
+    launcher = chart.launcher(plugin)
+    launcher.api = counted = CountedApi(chart.api)
+    daemons = MpsDaemons(str(plugin), None, boot_id="boot-1", launcher=launcher)
+    faults: list = []
+    sup = MpsSupervisor(daemons, lambda uuid, fault: faults.append((uuid, fault)))
+    for uuid in (UUID, OTHER):
+        daemons.state.daemons[uuid] = launcher.launch(uuid, dirs(plugin, uuid), {}, "")  # as reconcile records them
+        serving(plugin, uuid)
+    daemons.wanted = {UUID, OTHER}
+    try:
+        wait_until(lambda: all(launcher.alive_all(daemons.watched()).values()), 30, what="the pods listed")
+        counted.asked.clear()
+        sup.check()
+        assert (counted.asked, faults) == (["list cached"], [])
+        force_delete(apiserver, OTHER)
+        os.unlink(os.path.join(dirs(plugin, OTHER)["pipe"], "control"))
+        wait_until(lambda: not launcher.alive_all(daemons.watched())[OTHER], 30, what="the deleted pod unlisted")
+        counted.asked.clear()
+        sup.check()  # the restart's own look (a get) finds no daemon binary here: test_mps_supervise restarts
+        assert counted.asked == ["list cached", "get", "get"] and [(u, f[0]) for u, f in faults] == [(OTHER, "mps-daemon-down")]
+    finally:
+        force_delete(apiserver, UUID)
+        force_delete(apiserver, OTHER)
+
+
 @pytest.mark.root
 @pytest.mark.parametrize("case", ["the gpu's tmpfs", "a plain directory", "the runtime's tmpfs"])
 def test_the_pods_guard_runs_the_daemon_only_on_the_gpus_tmpfs(tmp_path, case):
@@ -229,8 +304,8 @@ def test_without_the_api_a_daemons_pipe_says_whether_it_serves(chart, tmp_path):
     launcher = PodLauncher(chart.settings, str(tmp_path / "mps"), chart.name, "sysdra.io", "boot-1", "/",
                            lambda: (BINARY, LIBS), away)  # fmt: skip
     rec = MpsRecord(uuid=UUID, pod_uid="1234-abcd", boot_id="boot-1")
-    assert not launcher.alive(rec)
+    assert not launcher.alive(rec) and launcher.alive_all({UUID: rec}) == {UUID: False}
     pipe = tmp_path / "mps" / UUID / "pipe"
     pipe.mkdir(parents=True)
     (pipe / "control").touch()
-    assert launcher.alive(rec)
+    assert launcher.alive(rec) and launcher.alive_all({UUID: rec}) == {UUID: True}

@@ -75,6 +75,7 @@ class Launcher(Protocol):
 
     def describe(self, rec: MpsRecord | None) -> str: ...
     def alive(self, rec: MpsRecord | None) -> bool: ...
+    def alive_all(self, recs: dict[str, MpsRecord | None]) -> dict[str, bool]: ...  # the supervisor's round
     def launch(self, uuid: str, dirs: dict[str, str], env: dict[str, str], binary: str) -> MpsRecord: ...
     def start_failed(self, rec: MpsRecord) -> str | None: ...
     def settle(self, rec: MpsRecord) -> MpsRecord: ...
@@ -176,6 +177,12 @@ class MpsDaemons:
     # --- the daemons ------------------------------------------------------------------------
     def alive(self, rec: MpsRecord | None) -> bool:
         return self.launcher.alive(rec)
+
+    def alive_all(self, recs: dict[str, MpsRecord | None]) -> dict[str, bool]:
+        """Every supervised daemon looked at at once (the supervisor's round): for pods, one
+        listing of the node's, where ``alive`` asks for each; a daemon it finds gone is looked at
+        again by ``dead``."""
+        return self.launcher.alive_all(recs)
 
     def describe(self, rec: MpsRecord | None) -> str:
         """The daemon as logs name it: its PID, or its pod."""

@@ -80,9 +80,8 @@ class PodApi:
             raise ApiFailure(f"{method} {path}: the answer is not JSON: {err}") from err
         return out if isinstance(out, dict) else None
 
-    def get(self, name: str, cached: bool = False) -> dict | None:
-        """``cached``: from the server's watch cache (a look every few seconds, not etcd's)."""
-        return self._json("GET", self._pods(name) + ("?resourceVersion=0" if cached else ""))
+    def get(self, name: str) -> dict | None:
+        return self._json("GET", self._pods(name))
 
     def create(self, pod: dict) -> dict:
         """The pod made; ApiFailure (409) when one of its name is there (another agent's)."""
@@ -97,9 +96,10 @@ class PodApi:
             body["preconditions"] = {"uid": uid}
         self._json("DELETE", self._pods(name), body, ok=(200, 202), none=(404, 409))  # 409: another UID
 
-    def on_node(self, node: str, driver: str) -> list[dict]:
+    def on_node(self, node: str, driver: str, cached: bool = False) -> list[dict]:
+        """This node's daemon pods; ``cached``: from the watch cache (the supervisor's round)."""
         query = urlencode({"labelSelector": f"app.kubernetes.io/component={COMPONENT},sysdra.io/driver={driver}",
-                           "fieldSelector": f"spec.nodeName={node}"})
+                           "fieldSelector": f"spec.nodeName={node}"} | ({"resourceVersion": "0"} if cached else {}))
         found = self._json("GET", f"{self._pods()}?{query}") or {}
         return [p for p in found.get("items") or [] if isinstance(p, dict)]
 
@@ -114,6 +114,17 @@ def _state(pod: dict | None, uid: str | None) -> str:
     if pod is None or (uid is not None and meta.get("uid") != uid) or meta.get("deletionTimestamp"):
         return "gone"
     return "ended" if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") else "up"
+
+
+def _by_gpu(pods: list[dict]) -> dict[str, dict]:
+    """Daemon pods by their GPU's UUID (annotated, and named for it)."""
+    out = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        uuid = (meta.get("annotations") or {}).get("sysdra.io/gpu-uuid")
+        if isinstance(uuid, str) and meta.get("name") == pod_name(uuid):
+            out[uuid] = pod
+    return out
 
 
 def _why_not(pod: dict) -> str | None:
@@ -151,20 +162,39 @@ class PodLauncher:
 
     def alive(self, rec: MpsRecord | None) -> bool:
         """The record's pod is there, not ended, and its daemon's pipe is: a pod that never
-        served (adopted while its start was awaited) is not the daemon."""
-        if rec is None or rec.pod_uid is None or (rec.boot_id is not None and rec.boot_id != self.boot_id):
+        served (adopted while its start was awaited) is not the daemon. Read from etcd, not the
+        watch cache, which may not have the pod a reconcile just made (prepare and a death's
+        confirmation ask; the supervisor's round looks at all at once: ``alive_all``)."""
+        if not self._ours(rec):
             return False
+        return self._looked_at(lambda: {rec.uuid: self.api.get(pod_name(rec.uuid))}, {rec.uuid: rec})[rec.uuid]
+
+    def alive_all(self, recs: dict[str, MpsRecord | None]) -> dict[str, bool]:
+        """One listing of the node's daemon pods, from the server's watch cache, for every record."""
+        ours = {uuid: rec for uuid, rec in recs.items() if self._ours(rec)}
+        found = self._looked_at(self._listed, ours) if ours else {}
+        return {uuid: found.get(uuid, False) for uuid in recs}
+
+    def _ours(self, rec: MpsRecord | None) -> bool:
+        return rec is not None and rec.pod_uid is not None and (rec.boot_id is None or rec.boot_id == self.boot_id)
+
+    def _listed(self) -> dict[str, dict]:
+        return _by_gpu(self.api.on_node(self.node, self.driver, cached=True))
+
+    def _looked_at(self, pods: Callable[[], dict[str, dict | None]], recs: dict[str, MpsRecord]) -> dict[str, bool]:
+        """{uuid: up}: its pod (``pods()``: by GPU) up and its pipe there; the API away: the
+        pod is not ours to judge, its pipe is."""
         try:
-            up = _state(self.api.get(pod_name(rec.uuid), cached=True), rec.pod_uid) == "up" and self._pipe_there(rec.uuid)
-        except (ApiFailure, OSError) as err:  # the API away: the pod is not ours to judge; its pipe is
+            found = pods()
+        except (ApiFailure, OSError) as err:
             if not self._api_down:
                 log.warning("MPS daemon pods not looked at (%s): their pipes say whether they serve", err)
             self._api_down = True
-            return self._pipe_there(rec.uuid)
+            return {uuid: self._pipe_there(uuid) for uuid in recs}
         if self._api_down:
             log.info("MPS daemon pods looked at again")
         self._api_down = False
-        return up
+        return {uuid: _state(found.get(uuid), rec.pod_uid) == "up" and self._pipe_there(uuid) for uuid, rec in recs.items()}
 
     def _pipe_there(self, uuid: str) -> bool:
         return os.path.exists(os.path.join(self.base, uuid, "pipe", "control"))
@@ -299,9 +329,7 @@ class PodLauncher:
         except (ApiFailure, OSError) as err:
             log.warning("MPS daemon pods of node %s not listed (%s): orphans stay until the next look", self.node, err)
             return
-        for pod in pods:
-            meta = pod.get("metadata") or {}
-            uuid = (meta.get("annotations") or {}).get("sysdra.io/gpu-uuid")
-            if isinstance(uuid, str) and uuid not in keep and meta.get("name") == pod_name(uuid):
-                log.info("MPS daemon pod %s of GPU %s serves no share: deleted", meta["name"], uuid)
-                self._delete(uuid, meta.get("uid"))
+        for uuid, pod in _by_gpu(pods).items():
+            if uuid not in keep:
+                log.info("MPS daemon pod %s of GPU %s serves no share: deleted", pod_name(uuid), uuid)
+                self._delete(uuid, pod["metadata"].get("uid"))

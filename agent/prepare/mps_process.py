@@ -50,6 +50,9 @@ class ProcessLauncher:
             proc.poll()  # our child: reaped once it ended, so it is no zombie of ours
         return is_process(rec, self.boot_id)
 
+    def alive_all(self, recs: dict[str, MpsRecord | None]) -> dict[str, bool]:
+        return {uuid: self.alive(rec) for uuid, rec in recs.items()}
+
     def _command(self, binary: str, shm: str) -> list[str]:
         """The daemon behind ``unshare``: the agent has threads, so no preexec_fn can unshare."""
         unshare, sh = shutil.which("unshare"), shutil.which("sh")

@@ -7,7 +7,8 @@ holds a pidfd per running daemon, opened and then checked against the record (PI
 command line, boot: prepare/mps_records.py), so the pidfd is that daemon's and not a reused PID's,
 and waits in ``poll`` on them and on a wake-up pipe: a death is seen at once, without polling
 ``/proc``. Where pidfds are missing (Linux < 5.3), and for daemons in pods of their own, every ``interval``
-re-checks each record.
+re-checks each record (the pods in one cached listing of the node's: one request a round, whatever
+the number of GPUs; a daemon it misses is confirmed gone by a read of its pod before it counts as dead).
 
 Restarts are bounded: at most ``max_restarts`` within ``window`` seconds, the n-th after
 ``backoff * 2**(n-1)`` seconds (the first at once), capped at ``backoff_max``; past the bound
@@ -108,8 +109,9 @@ class MpsSupervisor:
         watched = self.daemons.watched()
         self._track(watched)
         now = time.monotonic()
+        up = self.daemons.alive_all(watched)
         for uuid, rec in watched.items():
-            if self.daemons.alive(rec):
+            if up[uuid]:
                 self._due.pop(uuid, None)
                 if uuid in self.faulted and self.daemons.answers(uuid):
                     self._healthy(uuid, "answers again")
