@@ -21,6 +21,8 @@ import os
 import signal
 import threading
 
+from pydantic import ValidationError
+
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
 from agent.nri.plugin import NriPlugin, Pod
@@ -79,6 +81,7 @@ class NetdevMover(Sandboxes):
     def __init__(self, plugin_dir: str, host_netns: str = "/proc/self/ns/net", settings=None, status=None,
                  fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None):
         super().__init__()
+        self.root = settings.root if settings is not None else "/"  # whose sysfs says a NIC function is on the bus
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
         self.lock_path = os.path.join(plugin_dir, "serialize.lock")
         self.host_netns, self.settings, self.status = host_netns, settings, status
@@ -166,10 +169,14 @@ class NetdevMover(Sandboxes):
                 if m.sandbox in self.pods:
                     raise NetdevError(f"netdev {m.host} of claim {uid} is in pod sandbox {m.sandbox}, which still runs")
                 self._move_out(claims, uid, i, m)
-        mine = [(uid, i, NetdevMove.model_validate(claims.cp.claims[uid]["netdevs"][i])) for uid, i, _ in mine]
+        try:
+            mine = [(uid, i, NetdevMove.model_validate(claims.cp.claims[uid]["netdevs"][i]).changed(sandbox=pod.id, netns=pod.netns))
+                    for uid, i, _ in mine]
+        except ValidationError as err:  # the runtime's words: never saved unless valid
+            raise NetdevError(f"pod {pod.namespace}/{pod.name}: its sandbox is not one a record can name: {err}") from None
         try:
             for uid, i, m in mine:
-                self._move_in(claims, uid, i, m.model_copy(update={"sandbox": pod.id, "netns": pod.netns}))
+                self._move_in(claims, uid, i, m)
         except (rtnl.LinkError, OSError) as err:
             self._take_back(claims, pod.id)
             hint = f" (a move needs {netmove.MOVE_RIGHTS})" if err.errno in (errno.EPERM, errno.EACCES) else ""
@@ -179,12 +186,14 @@ class NetdevMover(Sandboxes):
     def _move_in(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
         if move.state == "in-pod" and netmove.in_pod(move):
             return  # the runtime repeated the event
-        claims.put(uid, i, move := move.model_copy(update={"state": "moving"}))
+        if move.state == "planned":  # on the host under its name: which link it is, before it moves
+            move = netmove.identify(move, self.host_netns)
+        claims.put(uid, i, move := move.changed(state="moving"))
         claims.save()
         self.fault("netdev:recorded")
-        mac = netmove.move_in(move, self.host_netns)
+        move = netmove.move_in(move, self.host_netns)
         self.fault("netdev:moved")
-        claims.put(uid, i, move := move.model_copy(update={"state": "in-pod", "mac": mac}))
+        claims.put(uid, i, move := move.changed(state="in-pod"))
         if self.settings is not None:  # before the pod's containers are created: they read it at start
             podmeta.record(self.settings, uid, claims.cp.claims[uid], move)
         claims.save()
@@ -204,20 +213,22 @@ class NetdevMover(Sandboxes):
             raise NetdevError("giving netdevs back to the host failed: " + "; ".join(problems))
 
     def _move_out(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
-        claims.put(uid, i, returning := move.model_copy(update={"state": "returning"}))
+        claims.put(uid, i, returning := move.changed(state="returning"))
         claims.save()
         self.fault("netdev:returning")
-        netmove.move_out(returning, self.host_netns)
+        netmove.move_out(returning, self.host_netns, self.root)
         self.fault("netdev:returned")
-        claims.put(uid, i, move.model_copy(update={"state": "planned", "sandbox": None, "netns": None, "mac": None}))
+        claims.put(uid, i, move.changed(state="planned", **dict.fromkeys(_SEEN)))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
     def _reconcile(self, claims: _Claims) -> None:
         """Records of sandboxes whose network namespace is gone, without the runtime telling
         (containerd forgets its pods' NRI state when it restarts: their Stop/RemovePodSandbox
-        never come): what the kernel gave back is renamed, the records go back to ``planned``."""
+        never come): what the kernel gave back is renamed, the records go back to ``planned``. And
+        records whose way back failed (a NIC's netdev not back from a namespace being torn down
+        yet, its host name another link's): tried again."""
         for uid, i, move in claims.moves():
-            if move.state == "in-pod" and not netmove.in_pod(move):
+            if move.state == "returning" or (move.state == "in-pod" and not netmove.in_pod(move)):
                 try:
                     self._move_out(claims, uid, i, move)
                 except (rtnl.LinkError, OSError) as err:
@@ -225,8 +236,9 @@ class NetdevMover(Sandboxes):
 
     async def reconcile(self) -> None:
         """One look for records of sandboxes gone unannounced (``_reconcile``). The locked look
-        reads the whole checkpoint, so it is taken only while a record says a netdev is in a pod."""
-        if await self._concerns(lambda entry, move: _in_pod(move)):
+        reads the whole checkpoint, so it is taken only while a record says a netdev is in a pod
+        or on its way back."""
+        if await self._concerns(lambda entry, move: _away(move)):
             await asyncio.to_thread(self._locked, self._reconcile)
 
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
@@ -253,9 +265,12 @@ class NetdevMover(Sandboxes):
         return done
 
 
-def _in_pod(raw: dict) -> bool:
-    """A record (as saved) says its netdev is in a pod's namespace."""
-    return isinstance(raw, dict) and raw.get("state") == "in-pod"
+_SEEN = ("sandbox", "netns", "mac", "index", "parent", "hostMtu")  # of one stay in a pod: read again for the next
+
+
+def _away(raw: dict) -> bool:
+    """A record (as saved) says its netdev is in a pod's namespace, or on its way back."""
+    return isinstance(raw, dict) and raw.get("state") in ("in-pod", "returning")
 
 
 def _away_in(raw: dict, sandbox: str) -> bool:

@@ -9,8 +9,10 @@ touched, so a crash leaves a record that says "maybe"): each looks where the lin
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
+import re
 
 from agent import rtnetlink
 from agent.prepare import rdma, rtnl
@@ -19,13 +21,58 @@ from agent.prepare.records import NetdevMove
 log = logging.getLogger(__name__)
 
 
-def move_in(move: NetdevMove, host_netns: str) -> str | None:
-    """``move`` into its ``netns`` as its pod name, configured (MTU, up, addresses, routes) and
-    its RDMA device with it; -> its MAC. LinkError/OSError on a refusal: nothing is undone
-    here (``move_out`` does that, from the record)."""
+def identify(move: NetdevMove, host_netns: str) -> NetdevMove:
+    """``move`` with its host link's identity, read before it first moves: its bus device, index,
+    MAC and MTU. LinkError when the host name is missing or is another NIC function's netdev."""
+    link = rtnl.link(host_netns, move.host)
+    if link is None:
+        raise rtnl.LinkError(errno.ENODEV, f"no link {move.host} in {host_netns}")
+    if move.bdf and link.parent and _PCI.match(link.parent) and link.parent != move.bdf:
+        raise rtnl.LinkError(errno.ENODEV, f"{move.host} is now a netdev of {link.parent}, not of the claim's {move.bdf}")
+    return move.changed(index=link.index, mac=_fits(_MAC, link.mac), parent=_fits(_BUS, link.parent),
+                        hostMtu=link.mtu if link.mtu is not None and 68 <= link.mtu <= 65535 else None)
+
+
+def find(netns: str, move: NetdevMove, name: str) -> rtnl.Link | None:
+    """The record's netdev in ``netns`` under whatever name it has there; None when it is not
+    there (``name``: where a record of an earlier agent, without an identity, expects it)."""
+    return pick(rtnl.links(netns), move, name)
+
+
+def pick(links: list[rtnl.Link], move: NetdevMove, name: str) -> rtnl.Link | None:
+    """A NIC's netdev by its bus device (the pod cannot make one; several of one function, as
+    ports or switchdev representors, are told apart by index, then MAC); a virtual one by its
+    MAC, then index (an index is a small number per namespace: the kernel gives a link another
+    when it moves into a namespace where its own is taken); never by a name alone, which any
+    link may take, unless the record has nothing else."""
+    if move.parent is not None:
+        links = [link for link in links if link.parent == move.parent]
+        if len(links) > 1:
+            links = [link for link in links if link.index == move.index] or [link for link in links if link.mac == move.mac]
+        return links[0] if len(links) == 1 else None
+    if move.index is None and move.mac is None:
+        return next((link for link in links if link.name == name), None)
+    hits = [link for link in links if link.parent is None and (link.mac == move.mac if move.mac else link.index == move.index)]
+    if len(hits) > 1:
+        hits = [link for link in hits if link.index == move.index]
+    return hits[0] if len(hits) == 1 else None
+
+
+def move_in(move: NetdevMove, host_netns: str) -> NetdevMove:
+    """``move`` (identified) into its ``netns`` as its pod name, configured (MTU, up, addresses,
+    routes) and its RDMA device with it; -> the record with its index and MAC in the pod.
+    LinkError/OSError on a refusal: nothing is undone here (``move_out`` does that, from the record)."""
     assert move.netns is not None
-    if not rtnl.has_link(move.netns, move.pod):
-        rtnl.move(host_netns, move.host, move.netns, move.pod)
+    here = find(move.netns, move, move.pod)
+    if here is None:
+        there = find(host_netns, move, move.host)
+        if there is None:
+            raise rtnl.LinkError(errno.ENODEV, f"netdev {move.host} is not on the host{_as(move)}")
+        _free(move.netns, move.pod, f"{move.pod} is taken in the pod's network namespace by another interface (the "
+              "runtime's, another claim's): give the netdev another name (NicConfig interfaceName, or the request's name)")
+        rtnl.move(host_netns, there.name, move.netns, move.pod, index=there.index)
+    elif here.name != move.pod:
+        rtnl.rename(move.netns, here.name, move.pod, index=here.index)
     if move.mtu is not None:
         rtnl.set_mtu(move.netns, move.pod, move.mtu)
     rtnl.set_up(move.netns, move.pod)  # before routes: a gateway is reached over an up link
@@ -35,13 +82,20 @@ def move_in(move: NetdevMove, host_netns: str) -> str | None:
         rtnl.add_route(move.netns, move.pod, route.destination, route.gateway)
     if move.rdma:
         rdma.move(host_netns, move.rdma, move.netns)
-    return rtnl.hardware_address(move.netns, move.pod)
+    now = rtnl.link(move.netns, move.pod)
+    if now is None:
+        raise rtnl.LinkError(errno.ENODEV, f"{move.pod} left the pod's network namespace while it was configured")
+    return move.changed(index=now.index, mac=_fits(_MAC, now.mac))
 
 
-def move_out(move: NetdevMove, host_netns: str) -> None:
-    """``move`` back on the host under its host name, wherever it is now: in the pod, already
-    back, back under its pod name (its namespace died: the kernel returns physical netdevs), or
-    gone (a virtual link dies with its namespace: logged)."""
+def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
+    """``move`` back on the host under its host name (its MTU as it was), wherever it is now:
+    in the pod under any name, or back on the host under any name (its namespace died: the
+    kernel returns a NIC's netdev as it was named, or ``dev<index>``), or already back. A
+    virtual link dies with its namespace (logged). A NIC's netdev that is in neither place
+    while its function is on the bus (a namespace still being torn down) is LinkError (EAGAIN):
+    the record stays, to be looked at again. LinkError (EEXIST) when its host name is another
+    link's now."""
     alive = move.netns is not None and os.path.exists(move.netns)
     if move.rdma and alive:
         try:
@@ -49,29 +103,60 @@ def move_out(move: NetdevMove, host_netns: str) -> None:
         except rtnl.LinkError as err:
             if err.errno != errno.ENODEV:  # not in the pod: never moved, or back
                 raise
-    if rtnl.has_link(host_netns, move.host):
-        return  # never moved, or already back
-    if alive and _has(move.netns, move.pod):
-        rtnl.move(move.netns, move.pod, host_netns, move.host)
-    elif rtnl.has_link(host_netns, move.pod) and move.mac and rtnl.hardware_address(host_netns, move.pod) == move.mac:
-        rtnl.rename(host_netns, move.pod, move.host)
-    else:
-        log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace",
-                    move.host, move.pod, move.sandbox)
+    here = _find_in(move.netns, move) if alive else None
+    there = None if here is not None else find(host_netns, move, move.host)
+    if here is not None or (there is not None and there.name != move.host):
+        _free(host_netns, move.host, f"netdev {move.host} cannot come back under its name: another link has it now{_as(move)}")
+    if here is not None:
+        rtnl.move(move.netns, here.name, host_netns, move.host, index=here.index)
+    elif there is not None and there.name != move.host:
+        rtnl.rename(host_netns, there.name, move.host, index=there.index)
+    if here is None and there is None:
+        if move.parent is not None and glob.glob(os.path.join(root, "sys/bus/*/devices", move.parent)):
+            raise rtnl.LinkError(errno.EAGAIN, f"netdev {move.host}{_as(move)} is neither in pod sandbox {move.sandbox} "
+                                 "nor back on the host yet (a network namespace being torn down returns it)")
+        log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace, a NIC function "
+                    "may have left the bus", move.host, move.pod, move.sandbox)
+        return
+    if move.mtu is not None and move.hostMtu is not None:
+        rtnl.set_mtu(host_netns, move.host, move.hostMtu)
 
 
 def in_pod(move: NetdevMove) -> bool:
     """The netdev is in its pod's namespace now (the namespace may be gone)."""
-    return move.netns is not None and os.path.exists(move.netns) and _has(move.netns, move.pod)
+    return move.netns is not None and os.path.exists(move.netns) and _find_in(move.netns, move) is not None
 
 
-def _has(netns: str, name: str) -> bool:
+def _find_in(netns: str, move: NetdevMove) -> rtnl.Link | None:
     try:
-        return rtnl.has_link(netns, name)
+        return find(netns, move, move.pod)
     except OSError as err:  # the namespace's file is gone or is no namespace any more
         if err.errno in (errno.ENOENT, errno.EINVAL):
-            return False
+            return None
         raise
+
+
+def _free(netns: str, name: str, taken: str) -> None:
+    """LinkError (EEXIST, ``taken``) when ``name`` is a link's in ``netns``: checked before a
+    move, which the kernel makes under the link's own name when that one is free there and
+    renames after, so a taken name would leave it moved under the wrong one."""
+    if rtnl.link(netns, name) is not None:
+        raise rtnl.LinkError(errno.EEXIST, taken)
+
+
+def _as(move: NetdevMove) -> str:
+    what = [f"device {move.parent}" if move.parent else "", f"index {move.index}" if move.index else "",
+            f"MAC {move.mac}" if move.mac else ""]
+    return f" ({', '.join(w for w in what if w)})" if any(what) else ""
+
+
+def _fits(pattern: re.Pattern, value: str | None) -> str | None:
+    return value if value is not None and pattern.match(value) else None
+
+
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$")  # records.Mac's
+_BUS = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # records.BusDevice's
+_PCI = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
 # what a move needs, and where a deployment grants it

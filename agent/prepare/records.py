@@ -121,15 +121,19 @@ SandboxId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
 NetnsPath = Annotated[str, StringConstraints(pattern=r"^/[^\x00]{1,4095}$")]
 Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$")]
 RdmaName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,63}$")]
+BusDevice = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]  # a PCI address, virtio0, ...
 
 
 class NetdevMove(Record):
     """One netdev of a claim for its pod (prepare/steps/netdev.py), owned by the claim from
     prepare to unprepare. ``state``: ``planned`` (on the host under ``host``), ``moving`` (saved
     before the kernel is touched: it may be in ``netns`` already), ``in-pod`` (in ``netns`` as
-    ``pod``, configured), ``returning`` (saved before it goes back: it may be back). ``mac``
-    tells the netdev from a host interface of its pod name once its namespace is gone; ``rdma``:
-    the RDMA device that moves with it (exclusive RDMA netns mode only)."""
+    ``pod``, configured), ``returning`` (saved before it goes back: it may be back). Which link
+    is the netdev, whatever its name now (the pod may rename it, the kernel returns it as
+    ``dev<index>`` when its name is taken, another link may take its names), is read before it
+    first moves (prepare/netmove.py ``identify``): ``parent`` (its bus device: a NIC's netdev,
+    never a link the pod made), else ``index`` and ``mac``; ``hostMtu`` is set again when it
+    comes back. ``rdma``: the RDMA device that moves with it (exclusive RDMA netns mode only)."""
 
     device: Name
     request: Name
@@ -144,9 +148,17 @@ class NetdevMove(Record):
     sandbox: SandboxId | None = None
     netns: NetnsPath | None = None
     mac: Mac | None = None
+    index: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    parent: BusDevice | None = None
+    hostMtu: int | None = Field(default=None, ge=68, le=65535)
 
     def dump(self) -> dict:
         return self.model_dump(exclude_defaults=True)
+
+    def changed(self, **fields) -> NetdevMove:
+        """A copy with ``fields`` changed, validated as a loaded record is (what the runtime and
+        the kernel said goes into the checkpoint only as a valid record: ValidationError)."""
+        return NetdevMove.model_validate({**self.model_dump(), **fields})
 
     @property
     def away(self) -> bool:

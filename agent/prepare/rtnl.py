@@ -1,9 +1,10 @@
 """Moving a netdev between network namespaces over rtnetlink, and configuring it there (MTU,
 addresses, routes): blocking calls, run them in a worker thread (agent/prepare/netmove.py does).
 
-One RTM_NEWLINK with IFLA_NET_NS_FD and IFLA_IFNAME moves a link and renames it in one
-kernel operation (the kernel brings it down first), so a link is never seen in the target
-namespace under its old name. A netlink socket belongs to the namespace it was created in:
+One RTM_NEWLINK with IFLA_NET_NS_FD and IFLA_IFNAME moves a link (the kernel brings it down
+first) and renames it: under the new name at once when its own is taken in the target
+namespace, else moved under its own and renamed after, so a new name that is taken there leaves
+it moved under its own (EEXIST): callers look first (prepare/netmove.py). A netlink socket belongs to the namespace it was created in:
 :func:`netlink_in` creates one inside another namespace (``agent.rtnetlink.socket_in``).
 """
 
@@ -16,13 +17,16 @@ import socket
 import ipaddress
 import struct
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from agent import rtnetlink
 
 RTM_NEWLINK, RTM_GETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 18, 20, 24
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
-IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_NET_NS_FD = 1, 3, 4, 28
+NLMSG_DONE, NLM_F_DUMP = 3, 0x300
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_NET_NS_FD, IFLA_PARENT_DEV_NAME = 1, 3, 4, 28, 56
+MAX_LINKS = 4096  # links read from one namespace's dump: a host with more is refused, not half-read
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 IFA_F_NODAD = 0x02
 RTA_DST, RTA_OIF, RTA_GATEWAY = 1, 4, 5
@@ -38,6 +42,17 @@ _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst/src length, tos, table, prot
 
 class LinkError(OSError):
     """A kernel refusal (errno set) or a link that is not there."""
+
+
+class Link(NamedTuple):
+    """A link as the kernel reports it. ``parent``: the bus device it belongs to (a PCI
+    function's address for a NIC's netdev, Linux >= 5.14), None for a virtual link."""
+
+    name: str
+    index: int
+    mac: str | None
+    mtu: int | None
+    parent: str | None
 
 
 def netlink_in(netns: str) -> contextlib.AbstractContextManager[socket.socket]:
@@ -88,11 +103,12 @@ def link_index(sock: socket.socket, name: str) -> int | None:
     return _IFINFO.unpack_from(answer)[2]
 
 
-def move(src_netns: str, name: str, dst_netns: str, new_name: str) -> None:
-    """Move link ``name`` from ``src_netns`` to ``dst_netns`` as ``new_name``; LinkError
-    (ENODEV when ``name`` is not in ``src_netns``, EEXIST when ``new_name`` is taken there)."""
+def move(src_netns: str, name: str, dst_netns: str, new_name: str, index: int | None = None) -> None:
+    """Move link ``name`` (the link of ``index``, when given: a name another link may take
+    meanwhile) from ``src_netns`` to ``dst_netns`` as ``new_name``; LinkError (ENODEV when it
+    is not in ``src_netns``, EEXIST when ``new_name`` is taken there)."""
     with netlink_in(src_netns) as sock:
-        index = link_index(sock, name)
+        index = index if index is not None else link_index(sock, name)
         if index is None:
             raise LinkError(errno.ENODEV, f"no link {name} in {src_netns}")
         dst = os.open(dst_netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -104,10 +120,10 @@ def move(src_netns: str, name: str, dst_netns: str, new_name: str) -> None:
             os.close(dst)
 
 
-def rename(netns: str, name: str, new_name: str) -> None:
-    """Rename a link (down: a netdev whose namespace died came back down)."""
+def rename(netns: str, name: str, new_name: str, index: int | None = None) -> None:
+    """Rename a link (down: a netdev whose namespace died came back down); ``index`` as for ``move``."""
     with netlink_in(netns) as sock:
-        index = link_index(sock, name)
+        index = index if index is not None else link_index(sock, name)
         if index is None:
             raise LinkError(errno.ENODEV, f"no link {name} in {netns}")
         _request(sock, RTM_NEWLINK, NLM_F_ACK,
@@ -127,20 +143,63 @@ def has_link(netns: str, name: str) -> bool:
         return link_index(sock, name) is not None
 
 
-def hardware_address(netns: str, name: str) -> str | None:
-    """Link ``name``'s MAC address (``aa:bb:...``) in ``netns``; None when it has none."""
-    with netlink_in(netns) as sock:
-        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + _attr(IFLA_IFNAME, name.encode() + b"\0")
-        answer = _request(sock, RTM_GETLINK, 0, body)
+def _text(raw: bytes | None) -> str | None:
+    return raw.split(b"\0", 1)[0].decode(errors="replace") or None if raw else None
+
+
+def _parse_link(body: bytes | memoryview) -> Link | None:
+    """An RTM_NEWLINK body -> Link; None when it is cut short or names no link."""
+    if len(body) < _IFINFO.size:
+        return None
+    attrs: dict[int, bytes] = {}
     off = _IFINFO.size
-    while off + _RTA.size <= len(answer):
-        length, kind = _RTA.unpack_from(answer, off)
-        if length < _RTA.size:
+    while off + _RTA.size <= len(body):
+        length, kind = _RTA.unpack_from(body, off)
+        if length < _RTA.size or off + length > len(body):
             break
-        if kind == IFLA_ADDRESS:
-            return ":".join(f"{b:02x}" for b in answer[off + _RTA.size:off + length]) or None
+        attrs[kind & 0x3FFF] = bytes(body[off + _RTA.size:off + length])  # without the nested/byte-order flags
         off += (length + 3) & ~3
-    return None
+    name = _text(attrs.get(IFLA_IFNAME))
+    if name is None:
+        return None
+    mtu = attrs.get(IFLA_MTU)
+    return Link(name, _IFINFO.unpack_from(body)[2], ":".join(f"{b:02x}" for b in attrs.get(IFLA_ADDRESS, b"")) or None,
+                struct.unpack("=I", mtu)[0] if mtu is not None and len(mtu) == 4 else None, _text(attrs.get(IFLA_PARENT_DEV_NAME)))
+
+
+def link(netns: str, name: str) -> Link | None:
+    """Link ``name`` in ``netns``; None when there is none."""
+    with netlink_in(netns) as sock:
+        try:
+            answer = _request(sock, RTM_GETLINK, 0, _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+                              + _attr(IFLA_IFNAME, name.encode() + b"\0"))
+        except LinkError as err:
+            if err.errno == errno.ENODEV:
+                return None
+            raise
+    return _parse_link(answer)
+
+
+def links(netns: str) -> list[Link]:
+    """Every link in ``netns`` (one dump); LinkError past MAX_LINKS."""
+    out: list[Link] = []
+    with netlink_in(netns) as sock:
+        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+        sock.send(_NLMSG.pack(_NLMSG.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 2, 0) + body)
+        while True:
+            data = sock.recv(65536)
+            for mtype, msg in rtnetlink.messages(data):
+                if mtype == NLMSG_DONE:
+                    return out
+                if mtype == NLMSG_ERROR:
+                    (code,) = struct.unpack_from("=i", msg)
+                    raise LinkError(-code, os.strerror(-code))
+                if mtype == RTM_NEWLINK and (found := _parse_link(msg)) is not None:
+                    out.append(found)
+            if len(out) > MAX_LINKS:
+                raise LinkError(errno.E2BIG, f"more than {MAX_LINKS} links in {netns}")
+            if not data:
+                raise LinkError(errno.EIO, "the link dump ended early")
 
 
 def _index(sock: socket.socket, name: str, netns: str) -> int:

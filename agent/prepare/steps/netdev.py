@@ -90,7 +90,7 @@ class NetdevStep(RecordsOf):
             if not move.away:
                 continue
             try:
-                netmove.move_out(move, self.host_netns())
+                netmove.move_out(move, self.host_netns(), self.root)
                 notes.append(f"netdev {move.host} back on the host (from pod sandbox {move.sandbox})")
             except (rtnl.LinkError, OSError) as err:
                 problems.append(f"netdev {move.host} ({move.pod} in pod sandbox {move.sandbox}): {err}")
@@ -100,7 +100,7 @@ class NetdevStep(RecordsOf):
         for move in record:
             if move.away and move.netns and not netmove.in_pod(move):
                 try:  # its namespace is gone (a reboot): the record is the NRI plugin's to finish
-                    netmove.move_out(move, self.host_netns())
+                    netmove.move_out(move, self.host_netns(), self.root)
                 except (rtnl.LinkError, OSError) as err:
                     log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
         return False
