@@ -246,8 +246,9 @@ class NetdevMover(Sandboxes):
             await asyncio.sleep(interval)
             try:
                 await self.reconcile()
-            except (UpdateError, CheckpointError, ValueError) as err:
-                log.warning("netdev records not looked at: %s", err)
+            except Exception as err:  # whatever failed (the lock, a save, a full fd table): the next round tries again
+                expected = isinstance(err, (UpdateError, CheckpointError, ValueError, OSError))
+                log.warning("netdev records not looked at: %s", err, exc_info=not expected)
 
     def _recover(self, claims: _Claims, running: set[str]) -> dict[str, dict]:
         done = {}
