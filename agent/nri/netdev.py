@@ -133,9 +133,13 @@ class NetdevMover(Sandboxes):
                                      for m in e.get("netdevs") or ())
 
     async def _run(self, work, *args):
+        gave_up = threading.Event()  # the runtime's deadline passed: the thread, still at the locks, does nothing
         try:
-            return await asyncio.to_thread(self._locked, work, *args)
-        except (UpdateError, CheckpointError, ValueError) as err:  # the lock or the checkpoint: the pod waits
+            return await asyncio.to_thread(self._locked, work, *args, gave_up=gave_up)
+        except asyncio.CancelledError:
+            gave_up.set()
+            raise
+        except (UpdateError, CheckpointError, ValueError) as err:  # the locks or the checkpoint: the pod waits
             raise NetdevError(f"the claims' netdev records cannot be used now: {err}") from None
 
     def _report(self, claims: dict[str, dict] | None) -> None:
@@ -145,13 +149,22 @@ class NetdevMover(Sandboxes):
                 self.status(ClaimRef(entry["namespace"], entry["name"], uid), entry["deviceStatus"])
 
     # --- work (worker threads, holding the locks) ---------------------------------
-    def _locked(self, work, *args):
-        with self._lock, Flock(self.lock_path, self.lock_timeout):
-            claims = _Claims(Checkpoint.load(self.checkpoint_path, move_corrupt=False))
-            try:
-                return work(claims, *args)
-            finally:
-                claims.save()  # what was done before a failure stays recorded
+    def _locked(self, work, *args, gave_up: threading.Event | None = None):
+        # bounded as the flock is: threads of requests the runtime gave up on never pile up here
+        if not self._lock.acquire(timeout=self.lock_timeout):
+            raise UpdateError(f"timed out after {self.lock_timeout:.0f}s waiting for another netdev move")
+        try:
+            with Flock(self.lock_path, self.lock_timeout):
+                if gave_up is not None and gave_up.is_set():  # its sandbox failed: a move would go into a dying netns
+                    log.info("netdev records not touched: the runtime gave up on the request (its deadline passed)")
+                    return None
+                claims = _Claims(Checkpoint.load(self.checkpoint_path, move_corrupt=False))
+                try:
+                    return work(claims, *args)
+                finally:
+                    claims.save()  # what was done before a failure stays recorded
+        finally:
+            self._lock.release()
 
     def _give(self, claims: _Claims, pod: Pod) -> dict[str, dict]:
         for uid, (entry, why) in claims.cp.rejected.items():  # input that failed its checks: never half-used
