@@ -6,6 +6,7 @@ tests/test_nri_netdev.py (its namespaces and records). Root only.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import subprocess
@@ -43,6 +44,7 @@ def test_a_request_the_runtime_gave_up_on_moves_nothing(tmp_path, nets, caplog):
         run(cancelled_while_waiting())  # returns once the worker thread has (asyncio.run waits for it)
     assert where(nets) == (True, False) and records(tmp_path) == before
     assert "the runtime gave up on the request" in caplog.text
+    assert "sb1" not in m.pods  # the runtime failed the sandbox
     run(m.pod_started(pod(nets, sandbox="sb2")))  # the kubelet's retry
     assert where(nets) == (False, True)
 
@@ -60,6 +62,25 @@ def test_a_move_waiting_for_another_move_times_out(tmp_path, nets):
             m._lock.release()
     run(while_another_moves())
     assert where(nets) == (True, False)
+
+
+def test_a_sandbox_whose_move_failed_leaves_the_netdev_to_the_pods_next_one(tmp_path, nets):
+    """The move in fails and so does the give back: the record still names the failed sandbox. The
+    kubelet's new sandbox of the pod gets the netdev (the failed one does not run)."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    failing = {"netdev:moved", "netdev:returning"}
+
+    def fail_once(point):
+        if point in failing:
+            failing.discard(point)
+            raise OSError(errno.EIO, f"failed at {point}")
+
+    m = mover(tmp_path, nets, fault=fail_once)
+    with pytest.raises(NetdevError, match="giving netdevs back to the host failed"):
+        run(m.pod_started(pod(nets, sandbox="sb1")))
+    assert records(tmp_path)[0]["sandbox"] == "sb1" and where(nets) == (False, True)
+    run(m.pod_started(pod(nets, sandbox="sb2")))  # the kubelet's retry
+    assert where(nets) == (False, True) and records(tmp_path)[0]["sandbox"] == "sb2"
 
 
 def test_the_look_every_10s_survives_an_os_error(tmp_path, nets, caplog):

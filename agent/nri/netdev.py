@@ -100,8 +100,12 @@ class NetdevMover(Sandboxes):
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
-        if await self._concerns(lambda entry, move: pod.uid in (entry.get("pods") or ())):
-            self._report(await self._run(self._give, pod))
+        try:
+            if await self._concerns(lambda entry, move: pod.uid in (entry.get("pods") or ())):
+                self._report(await self._run(self._give, pod))
+        except BaseException:  # the runtime fails the sandbox (or gave up on it): the pod's next one takes the netdevs
+            self.pods.pop(pod.id, None)
+            raise
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
