@@ -147,7 +147,6 @@ def test_a_message_split_over_frames_and_frames_with_two_messages(tmp_path):
             msgs += MSG_HEADER.pack(len(data), 2 * i + 1, 1, 0) + data
         for chunk in (msgs[:7], msgs[7:]):
             reader.feed_data(MUX_HEADER.pack(2, len(chunk)) + chunk)
-        reader.feed_data(MUX_HEADER.pack(7, 3) + b"abc")  # a connection nobody serves: buffered, ignored
         serving = asyncio.get_running_loop().create_task(ep.serve())
         while len(got) < 2:
             await asyncio.sleep(0.01)
@@ -160,7 +159,7 @@ def test_a_message_split_over_frames_and_frames_with_two_messages(tmp_path):
     run(body())
 
 
-def test_oversized_frames_and_streaming_messages_drop_the_connection():
+def test_oversized_frames_streaming_messages_and_other_conns_drop_the_connection():
     async def serve(data: bytes):
         reader = asyncio.StreamReader()
         reader.feed_data(data)
@@ -181,4 +180,7 @@ def test_oversized_frames_and_streaming_messages_drop_the_connection():
         run(serve(MUX_HEADER.pack(1, 10) + MSG_HEADER.pack((4 << 20) + 1, 1, 1, 0)))
     with pytest.raises(ProtocolError, match="type 3"):
         run(serve(MUX_HEADER.pack(1, 10) + MSG_HEADER.pack(0, 1, 3, 0)))
+    for cid in (0, 3, 7, 2**32 - 1):  # NRI's connections are 1 and 2: no buffer for any other
+        with pytest.raises(ProtocolError, match=f"conn {cid}: NRI has connections 1 and 2 only"):
+            run(serve(MUX_HEADER.pack(cid, 3) + b"abc"))
     assert struct.calcsize(">IIBB") == 10

@@ -82,6 +82,8 @@ class Endpoint:
         self._closed: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def _conn(self, cid: int) -> _Conn:
+        if cid not in (PLUGIN_CONN, RUNTIME_CONN):  # each buffers up to a frame: only NRI's two are kept
+            raise ProtocolError(f"conn {cid}: NRI has connections {PLUGIN_CONN} and {RUNTIME_CONN} only")
         if (conn := self._conns.get(cid)) is None:
             conn = self._conns[cid] = _Conn(bytearray(), {})
         return conn
