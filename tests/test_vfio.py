@@ -80,6 +80,30 @@ def test_prepare_binds_to_vfio_and_unprepare_gives_back(node):
     assert UID not in d.checkpoint.claims
 
 
+def test_a_function_already_on_vfio_keeps_its_driver_and_gets_its_override_back(node):
+    """bind_all sets the override of a function that is on vfio-pci already: unprepare (after a
+    crash at its write, again) leaves the driver and clears the override it found unset."""
+    s, sim, state, driver = node
+    sim.stop()
+    sim.unbind("mlx5_core", VF_BDF)
+    sim.bind("vfio-pci", VF_BDF)  # the host's own choice, no override
+    sim.start()
+    d = driver()
+    assert d.prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error is None
+    assert d.checkpoint.claims[UID]["vfio"] == [{"bdf": VF_BDF, "group": 42, "driver": "vfio-pci", "override": None}]
+    assert sim.override(VF_BDF) == "vfio-pci"
+
+    class Crash(BaseException):
+        pass
+
+    d.fault = lambda point: (_ for _ in ()).throw(Crash()) if point == "vfio:override-restored" else None
+    with pytest.raises(Crash):
+        d.unprepare_claims([ClaimRef("default", "vm", UID)])
+    assert driver().unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
+    assert sim.driver(VF_BDF) == "vfio-pci" and sim.override(VF_BDF) is None
+    assert "unbind 0000:06:00.2 vfio-pci" not in sim.log
+
+
 def test_only_the_requests_the_config_names(node):
     s, sim, state, driver = node
     c = claim("mixed", [("vm", VF), ("net", VF2)], uid=UID)

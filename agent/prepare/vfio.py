@@ -103,8 +103,13 @@ def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[st
 def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] = lambda p: None) -> None:
     """Give one function back to its original driver (idempotent)."""
     bdf, original = rec.bdf, rec.driver
-    if original == VFIO_DRIVER or (kernel.driver(bdf) == original and kernel.override(bdf) == rec.override):
-        return  # it came to us on vfio-pci, or it is back already
+    if original == VFIO_DRIVER:  # it came to us on vfio-pci and stays: only the override bind_all set goes
+        if kernel.override(bdf) != rec.override:
+            kernel.set_override(bdf, rec.override)
+            fault("vfio:override-restored")
+        return
+    if kernel.driver(bdf) == original and kernel.override(bdf) == rec.override:
+        return  # it is back already
     kernel.set_override(bdf, rec.override)
     fault("vfio:override-restored")
     if kernel.driver(bdf) not in (None, original):
