@@ -32,11 +32,15 @@ def serve() -> None:
         log.write(f"/dev/shm is {'the' if ours else 'not the'} shm dir\n")
     if os.environ.get("FAKE_MPS_NO_PIPE"):
         time.sleep(3600)
-    if os.path.exists(control):  # a socket left by a killed daemon, as the real one replaces it
-        os.remove(control)
+    # bound and listening under another name, then renamed: the agent takes ``control`` appearing
+    # for the daemon being ready, and a client between bind and listen would be refused. The
+    # rename also replaces a socket left by a killed daemon, as the real one does.
+    if os.path.exists(control + ".new"):
+        os.remove(control + ".new")
     srv = socket.socket(socket.AF_UNIX)
-    srv.bind(control)
+    srv.bind(control + ".new")
     srv.listen(8)
+    os.rename(control + ".new", control)
     while True:
         conn, _ = srv.accept()
         with conn:

@@ -63,13 +63,14 @@ def test_one_daemon_per_needed_gpu_started_adopted_and_stopped(daemons):
 
 def test_a_dead_daemon_is_started_again(daemons):
     d = daemons()
-    d.reconcile({UUID, OTHER})
-    old = d.state.daemons[UUID]
+    assert d.reconcile({UUID, OTHER}) == {}
+    old, other = d.state.daemons[UUID], d.state.daemons[OTHER]
     os.kill(old.pid, signal.SIGKILL)
     psutil.Process(old.pid).wait(5)
     assert d.reconcile({UUID, OTHER}) == {}
     new = d.state.daemons[UUID]
-    assert new.pid != old.pid and d.alive(new) and d.state.daemons[OTHER].pid == d.state.daemons[OTHER].pid
+    assert new.pid != old.pid and d.alive(new)
+    assert d.state.daemons[OTHER] == other and d.alive(other)  # the live one is left alone
 
 
 def test_a_record_of_another_boot_is_not_trusted(daemons):
