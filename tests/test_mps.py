@@ -77,9 +77,13 @@ def test_a_record_of_another_boot_is_not_trusted(daemons):
     d = daemons()
     d.reconcile({UUID})
     live = d.state.daemons[UUID]
-    # the same PID with another start time: the process after a reboot that got that number
-    d.state.daemons[UUID] = live.model_copy(update={"started": live.started - 3600})
+    # the same PID with another start: the process after a reboot that got that number
+    d.state.daemons[UUID] = live.model_copy(update={"ticks": live.ticks + 360000})
     assert not d.alive(d.state.daemons[UUID])
+    # ... also in a record of an agent that kept the wall-clock start time alone
+    d.state.daemons[UUID] = live.model_copy(update={"started": live.started - 3600, "ticks": None})
+    assert not d.alive(d.state.daemons[UUID])
+    assert d.alive(live.model_copy(update={"ticks": None}))
 
 
 def test_bad_records_are_moved_aside_and_never_used(tmp_path, daemons):

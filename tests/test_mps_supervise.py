@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from agent.prepare import mps_records
 from agent.prepare.mps import MpsDaemons
 from agent.prepare.mps_records import MpsRecord
 from agent.prepare.mps_watch import RESTARTS, MpsSupervisor
@@ -161,6 +162,8 @@ def test_a_reused_pid_is_never_adopted_or_signalled(daemons):  # noqa: F811
                       cmdline=p.cmdline()),  # other start time
             MpsRecord(uuid=UUID, pid=other.pid, started=p.create_time(), boot_id="another-boot",
                       cmdline=p.cmdline()),  # recorded in another boot
+            MpsRecord(uuid=UUID, pid=other.pid, started=p.create_time(), ticks=mps_records.start_ticks(other.pid) - 1,
+                      boot_id=d.boot_id, cmdline=p.cmdline()),  # other start, in ticks since boot
         ]
         for rec in cases:
             d.state.daemons = {UUID: rec}
@@ -173,6 +176,20 @@ def test_a_reused_pid_is_never_adopted_or_signalled(daemons):  # noqa: F811
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_wall_clock_step_does_not_make_a_running_daemon_look_dead(daemons):  # noqa: F811
+    """A record's start time in ticks since boot decides (a VM's clock corrected, NTP stepping
+    it moves psutil's wall-clock start time of every process); its wall-clock time is kept
+    for people."""
+    d = daemons()
+    assert d.reconcile({UUID}) == {}
+    rec = d.state.daemons[UUID]
+    assert rec.ticks == mps_records.start_ticks(rec.pid) and rec.started
+    stepped = rec.model_copy(update={"started": rec.started + 3600})
+    assert d.alive(stepped)
+    d.state.daemons[UUID] = stepped
+    assert d.reconcile({UUID}) == {} and d.state.daemons[UUID].pid == rec.pid  # adopted, not started again
 
 
 def test_a_restarted_agent_adopts_the_daemon(daemons):  # noqa: F811

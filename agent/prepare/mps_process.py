@@ -19,6 +19,7 @@ import subprocess
 import psutil
 from pydantic import ValidationError
 
+from agent.prepare import mps_records
 from agent.prepare.mps_records import MpsRecord, is_process
 
 log = logging.getLogger("agent.prepare.mps")
@@ -75,7 +76,8 @@ class ProcessLauncher:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:  # it ended at once
             started = 0.0
-        return MpsRecord(uuid=uuid, pid=proc.pid, started=started, boot_id=self.boot_id)
+        return MpsRecord(uuid=uuid, pid=proc.pid, started=started, ticks=mps_records.start_ticks(proc.pid) or 0,
+                         boot_id=self.boot_id)
 
     def start_failed(self, rec: MpsRecord) -> str | None:
         """Why the daemon being started will not serve (it ended), or None while it may."""

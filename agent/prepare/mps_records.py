@@ -41,7 +41,8 @@ class MpsRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     uuid: str = Field(pattern=GPU_UUID)
     pid: int | None = Field(default=None, ge=1)  # None: recorded, not (yet) started
-    started: float | None = None  # the process's start time (psutil), to tell a reused PID apart
+    started: float | None = None  # the process's start time (wall clock), for people and older records
+    ticks: int | None = Field(default=None, ge=0)  # its start in clock ticks since boot: tells a reused PID apart
     boot_id: str | None = Field(default=None, max_length=128)
     cmdline: list[Arg] | None = Field(default=None, max_length=16)
     pod_uid: str | None = Field(default=None, pattern=r"^[0-9a-fA-F-]{1,64}$")  # the pod's name is derived, never recorded
@@ -77,15 +78,31 @@ def save(path: str, state: MpsState) -> None:
     atomic_write_json(path, state.model_dump(mode="json"), mode=0o600)
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``): unlike a
+    wall-clock start time (psutil's, boot time plus this), no clock step moves it. None: gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold anything
+        return int(fields[19])  # field 22 of proc(5); the state is field 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def is_process(rec: MpsRecord | None, boot_id: str) -> bool:
-    """The recorded process runs now: same boot, PID, start time and command line, not a zombie."""
-    if rec is None or rec.pid is None or rec.started is None:
+    """The recorded process runs now: same boot, PID, start and command line, not a zombie."""
+    if rec is None or rec.pid is None or (rec.ticks is None and rec.started is None):
         return False
     if rec.boot_id is not None and rec.boot_id != boot_id:
         return False  # its PID and start time mean nothing in this boot
     try:
         p = psutil.Process(rec.pid)
-        if p.status() == psutil.STATUS_ZOMBIE or abs(p.create_time() - rec.started) >= 0.5:
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if rec.ticks is not None:
+            if start_ticks(rec.pid) != rec.ticks:
+                return False
+        elif abs(p.create_time() - rec.started) >= 0.5:  # a record of an agent that kept no ticks
             return False
         return rec.cmdline is None or p.cmdline() == rec.cmdline
     except psutil.Error:
