@@ -330,3 +330,58 @@ def test_concurrent_prepares_are_serialized(tmp_path):
             assert all(r.claims[c["metadata"]["uid"]].error == "" for r, c in zip(resps, claims))
             assert len(e.driver.checkpoint.claims) == 16
     run(main())
+
+
+def _waiting_for_flock(path: str) -> bool:
+    """Someone waits for a flock of ``path`` (a blocked request in /proc/locks)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return any(p[1] == "->" and p[2] == "FLOCK" and int(p[6].rsplit(":", 1)[1]) == ino
+                   for p in (line.split() for line in f) if len(p) > 6)
+
+
+def test_start_up_recovery_waits_for_the_other_instance_of_a_rolling_update(tmp_path, request):
+    """The old agent of a surge update still serves the kubelet while the new one starts: the new
+    one's recovery (rolling back interrupted prepares, sweeping what no entry knows) holds the
+    serialize lock, so it never takes the old one's prepare in progress for an interrupted one."""
+    import threading
+
+    from agent.kubeletplugin.service import SerializeLock
+    from agent.prepare.checkpoint import COMPLETED, Checkpoint
+    from tests.controlplane import wait_until
+
+    kubelet = tempfile.mkdtemp(prefix="kp", dir="/tmp")  # pytest's tmp_path is too long for the sockets
+    request.addfinalizer(lambda: shutil.rmtree(kubelet, ignore_errors=True))
+    s1 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid="4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11")
+    s2 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid="9a9a9a9a-0000-4000-8000-000000000000")
+    inv = inventory(gpu(0))
+    c = store_claim(s1, claim("c", [("r", "gpu-0000-1b-00-0")]))
+    old, entered, proceed = Driver(s1, lambda: inv), threading.Event(), threading.Event()
+    old.recover()
+    old.fault = lambda point: (entered.set(), proceed.wait(30)) if point == "prepare:started" else None
+    os.makedirs(s1.plugin_dir, exist_ok=True)
+    lock = os.path.join(s1.plugin_dir, "serialize.lock")
+    results = []
+    preparing = threading.Thread(target=lambda: results.append(SerializeLock(lock).run(lambda _: old.prepare_claims([c]), None)))
+    preparing.start()
+    assert entered.wait(30)  # its intent saved (PrepareStarted), its steps under way, the lock held
+
+    async def main():
+        new = KubeletPlugin(s2, Driver(s2, lambda: inv), DirClaimSource(s2.cluster_dir))
+        starting = asyncio.get_running_loop().create_task(new.start())
+        try:
+            await asyncio.to_thread(wait_until, lambda: starting.done() or _waiting_for_flock(lock), 30, what="the new start")
+            assert not starting.done(), "recovery ran beside the old instance's prepare"
+            proceed.set()
+            await starting
+            uid = c["metadata"]["uid"]
+            assert results[0][uid].error is None
+            assert Checkpoint.load(old.checkpoint_path).claims[uid]["state"] == COMPLETED  # not rolled back under it
+            assert os.path.exists(old._spec_path(uid))
+        finally:
+            proceed.set()
+            if not starting.done():
+                await starting
+            await new.stop()
+    run(main())
+    preparing.join()

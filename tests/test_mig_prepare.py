@@ -138,22 +138,50 @@ def test_start_up_destroys_mig_devices_no_checkpoint_knows(node):
 
 
 def test_instances_made_again_after_a_reboot(node):
+    """GPU instances do not survive a reboot: the claim's is made again, under another GI ID
+    (the spec's cap nodes follow), after a stray one made at boot is destroyed (it could
+    stand where the claim's placement is)."""
     d = driver_for(node)
-    c = node.allocated("a", req("m", profile("2g.35gb")))
+    z = node.allocated("z", req("m", profile("1g.18gb")))
+    assert not d.prepare_claims([z])[z["metadata"]["uid"]].error  # takes GI ID 1: the claim's is another
+    c = node.allocated("a", req("m", profile("2g.35gb")), prepared=[z])
     assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
+    assert d.unprepare_claims([ref(z)]) == {z["metadata"]["uid"]: None}
     (dev,) = spec_of(d, c)
     start = int(dev.rsplit("-", 1)[1])
     nv = node.sim
-    nv.reboot()  # GPU instances do not survive a reboot
+    (before,) = nv.instances()
+    nv.reboot()
     h = nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
-    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, placement(6, 1))  # takes GI ID 1
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, placement(start, 1))  # made at boot, over the claim's placement
     again = driver_for(node)
     again.boot_id = "another-boot"
     again.recover()
     (gid, g), = nv.instances().items()  # the claim's, made again; the stray one destroyed
-    assert (g["profile"], g["start"], list(g["cis"])) == (14, start, ["0"]) and gid != "1"
+    assert (g["profile"], g["start"], list(g["cis"])) == (14, start, ["0"]) and gid != before
     caps = [n for n in spec_of(again, c)[dev] if n[0].startswith("/dev/nvidia-caps/")]
     assert caps == [(f"/dev/nvidia-caps/nvidia-cap{m}", 241, m) for m in (mig_minor(0, int(gid)), mig_minor(0, int(gid), 0))]
+
+
+def test_a_claim_adopted_after_a_corrupt_checkpoint_keeps_its_mig_device(node):
+    """Its record lost with the checkpoint, its spec kept (a container uses the MIG device): the
+    placement tells the record again, so the start-up sweep spares the instance, an overlapping
+    claim is refused and the claim's unprepare destroys it."""
+    d = driver_for(node)
+    a = hand_claim("a", [("m", f"{GPU}-mig-2g-35gb-2")])
+    assert not d.prepare_claims([a])[a["metadata"]["uid"]].error
+    with open(d.checkpoint_path, "wb") as f:
+        f.write(b"{not json")
+    again = driver_for(node)
+    report = again.recover()
+    uid = a["metadata"]["uid"]
+    assert report.adopted == [uid] and [(g["profile"], g["start"]) for g in node.sim.instances().values()] == [(14, 2)]
+    assert again.checkpoint.claims[uid]["mig"] == [{"gpu": "0000:00:06.0", "device": f"{GPU}-mig-2g-35gb-2", "profile": 14,
+                                                    "start": 2, "size": 2, "gi": None, "ci": None}]  # fmt: skip
+    b = hand_claim("b", [("m", f"{GPU}-mig-1g-18gb-3")])
+    assert "memory slice 3" in (again.prepare_claims([b])[b["metadata"]["uid"]].error or "")
+    assert again.unprepare_claims([ClaimRef(namespace="", name="", uid=uid)]) == {uid: None}
+    assert node.sim.instances() == {}
 
 
 def test_whole_gpu_prepares_without_mig(node):

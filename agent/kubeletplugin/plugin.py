@@ -108,12 +108,12 @@ class KubeletPlugin:
         sockets.ensure_dir(self.settings.plugin_dir, owned=True)
         sockets.ensure_dir(self.settings.registry_dir, owned=False)
         recover = getattr(self.driver, "recover", None)
-        if callable(recover):
-            await asyncio.to_thread(recover)
-        if after_recovery is not None:
-            await after_recovery()
         self._lock.open()
         try:
+            if callable(recover):  # under the lock: the old agent of a rolling update may be preparing
+                await asyncio.to_thread(self._lock.run, lambda _: recover(), None)
+            if after_recovery is not None:
+                await after_recovery()
             await self._dra.start(self._add_dra)
             await self._reg.start(self._add_registration)
         except BaseException:

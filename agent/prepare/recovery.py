@@ -50,6 +50,7 @@ def recover(driver) -> RecoveryReport:
     specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
     if cp.corrupt_path or cp.rejected:
         report.adopted = adopt(driver, cp, {u: p for u, p in specs.items() if cp.corrupt_path or u in cp.rejected})
+    _sweep_orphans(driver, cp, report)  # first: a leftover must not stand where a claim's change is made again
     for uid, entry in list(cp.claims.items()):
         if entry["state"] == STARTED:
             if not _roll_back(driver, cp, uid, entry, report):
@@ -72,7 +73,9 @@ def recover(driver) -> RecoveryReport:
         if driver.ensure_metadata(uid, entry, rebuild=rebooted):
             report.metadata_rebuilt.append(uid)
         entry["bootID"] = driver.boot_id
-    _sweep_steps(driver, cp, report)
+    for step in driver.steps:
+        if (settle := getattr(step, "settle", None)) is not None:
+            settle(cp.claims)
     for uid, path in specs.items():
         if uid not in cp.claims:
             cdifiles.remove_spec(path)
@@ -90,12 +93,11 @@ def recover(driver) -> RecoveryReport:
     return report
 
 
-def _sweep_steps(driver, cp: Checkpoint, report: RecoveryReport) -> None:
-    """Host changes no entry knows undone: MIG devices left by a crash or by hand (``orphans``),
-    MPS daemons no claim's record names any more (``settle``)."""
+def _sweep_orphans(driver, cp: Checkpoint, report: RecoveryReport) -> None:
+    """Host changes no entry knows undone (``orphans``): MIG devices left by a crash or by hand.
+    Every entry is known, an interrupted prepare's too (its rollback undoes its own). What no
+    claim's record needs once they are recovered (MPS daemons) is each step's ``settle``, after."""
     for step in driver.steps:
-        if (settle := getattr(step, "settle", None)) is not None:
-            settle(cp.claims)
         if (sweep := getattr(step, "orphans", None)) is None:
             continue
         try:
@@ -145,7 +147,10 @@ def adopt(driver, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
              "cdiDeviceIDs": [f"{kind}={d['name']}"]}
             for d in spec["devices"] if d["name"].startswith(prefix)
         ]
-        cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": driver.boot_id,
-                          "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec}}
+        entry = cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": driver.boot_id,
+                                  "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec}}
+        for step in driver.steps:  # what a step can tell again from the devices (MIG placements)
+            if (known := getattr(step, "adopted", None)) is not None and (rec := known([d["device"] for d in devices])):
+                entry[step.key] = step.write(rec)
         adopted.append(uid)
     return adopted

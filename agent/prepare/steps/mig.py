@@ -40,13 +40,13 @@ class MigStep(RecordsOf):
         self.ways = ways  # device name -> discovery.gpuways.Way, of the inventory now
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
-        out = []
-        for r in planned.results:
-            way = planned.ways.get(r.device)
-            if way is not None and way.kind == "mig-placement":
-                out.append(MigDevice(gpu=way.parent.pci.bdf, device=way.name, profile=way.profile.id, start=way.start,
-                                     size=way.size))
-        return tuple(out) or None
+        return _records(planned.ways, [r.device for r in planned.results])
+
+    def adopted(self, names: list[str]) -> Record | None:
+        """An adopted claim's MIG devices (prepare/recovery.py: its record was lost with a
+        corrupt checkpoint), known again by their placements: they hold their memory slices,
+        ``orphans`` spares them and unprepare destroys them, found by placement."""
+        return _records(self.ways(), names)
 
     def holds(self, record: Record) -> list[Hold]:
         return [Hold(r.gpu, "partition", unit=f"MIG memory slice {i}") for r in record for i in range(r.start, r.start + r.size)]
@@ -110,3 +110,9 @@ class MigStep(RecordsOf):
                 for w in self.ways().values() if w.kind == "mig-placement"}
         known = {(r.gpu, r.profile, r.start) for e in entries.values() for r in (self.read(e) or ())}
         return self.devices.orphans(gpus, known) if gpus else []
+
+
+def _records(ways: dict, names: list[str]) -> Record | None:
+    out = [MigDevice(gpu=way.parent.pci.bdf, device=way.name, profile=way.profile.id, start=way.start, size=way.size)
+           for name in names if (way := ways.get(name)) is not None and way.kind == "mig-placement"]
+    return tuple(out) or None
