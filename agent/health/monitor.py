@@ -30,6 +30,7 @@ from agent.health.linkwatch import LinkWatch
 from agent.health.xid import XidWatch
 from agent.rtnetlink import listen_on_host
 from agent.settings import Settings
+from discovery.gpuways import partition_names
 from discovery.inventory import device_name
 from discovery.models import Device, Inventory
 from discovery.nvidia_driver import DriverFilesCache
@@ -83,6 +84,7 @@ class HealthMonitor:
         self._reports: Callable[[], tuple[bool, bool]] = lambda: (False, False)  # see events_report
         self._last_full = float("-inf")  # time.monotonic() of the last full round
         self._daemon_faults: dict[str, tuple[str, str] | None] = {}  # GPU UUID -> its MPS daemon's fault
+        self._partition_names: dict[str, tuple[Device, list[str]]] = {}  # GPU -> (its record, its partitions)
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -293,6 +295,24 @@ class HealthMonitor:
         return states
 
     # --- queries ------------------------------------------------------------------
+    def device_states(self) -> list[tuple[str, DeviceState]]:
+        """What the health stream reports, by name: every device's state, and with ``--partitions``
+        each published partition with its GPU's (the checks see only the GPU; its faults are theirs)."""
+        out = list(self.states.items())
+        if self.settings.partitions:
+            for name, state in self.states.items():
+                out.extend((p, state) for p in self._partitions_of(name))
+        return sorted(out, key=lambda x: x[0])
+
+    def _partitions_of(self, name: str) -> list[str]:
+        dev = self._known.get(name)
+        if dev is None or dev.gpu is None or dev.gpu.partitioning is None:
+            return []
+        hit = self._partition_names.get(name)
+        if hit is None or hit[0] is not dev:  # discovery reuses an unchanged device's object
+            hit = self._partition_names[name] = (dev, partition_names(dev, self.settings.compatibility_groups))
+        return hit[1]
+
     def snapshot(self) -> dict[str, tuple[str, str]]:
         """``{device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}`` for metrics, status, taints."""
         return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(self.states.items())}
