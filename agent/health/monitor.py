@@ -227,21 +227,26 @@ class HealthMonitor:
             return states
 
     async def check_devices(self, names: list[str]) -> None:
-        """Check a few devices now (a link event): a few sysfs reads each, on the loop.
-        Streams are woken only if a verdict changed; the next round resends all anyway."""
-        async with self._round:
-            present = self._present_names  # as of the last round: a new inventory starts a round anyway
-            now = time.time()
+        """Check a few devices now (a link, XID or MPS event): a few sysfs reads each, and an
+        NVIDIA GPU's driver files, in a worker thread as rounds are. Streams are woken only if a
+        verdict changed; the next round resends all anyway."""
+        async with self._round:  # the lock spans the thread: rounds share _memory and the driver-files cache
+            checked = await asyncio.to_thread(self._check_some, names)
             states = dict(self.states)
             changed = []
-            for name in names:
-                if name in self._known:
-                    states[name] = DeviceState(self._verdict(name, present, now), now)
-                    if name not in self.states or self.states[name].verdict != states[name].verdict:
-                        changed.append(name)
+            for name, state in checked.items():
+                states[name] = state
+                if name not in self.states or self.states[name].verdict != state.verdict:
+                    changed.append(name)
             self.states = states
             self.link_checks += 1
             self._report(changed)
+
+    def _check_some(self, names: list[str]) -> dict[str, DeviceState]:
+        present = self._present_names  # as of the last round: a new inventory starts a round anyway
+        now = time.time()
+        files = functools.cache(self.nvidia_files.get)
+        return {name: DeviceState(self._verdict(name, present, now, files), now) for name in names if name in self._known}
 
     def _report(self, changed: list[str], wake_all: bool = False) -> None:
         """Log changed verdicts; wake the streams (every round resends the full list)."""
