@@ -1,7 +1,8 @@
 """The ways of running a partitionable GPU, each one a device: the whole GPU, each AMD
 partition of each compute/memory mode the GPU can be put in, each created MIG compute
 instance. Pure (no I/O): names, the mode a way needs, and the device a way is, shared by
-publishing (agent/publish/partitions.py) and prepare (agent/prepare/partitions.py).
+publishing (agent/publish/partitions.py), prepare (agent/prepare/partitions.py) and the health
+stream (which names each published partition).
 
 Names: ``<gpu>-<compute>-<memory>-<index>`` (``gpu-0000-05-00-0-cpx-nps1-3``) and
 ``<gpu>-mig-gi<G>-ci<C>``; with NVML's MIG profiles (dynamic MIG) one way per profile and
@@ -86,6 +87,38 @@ def ways(device: Device) -> list[Way]:
         for i in range(parts):
             out.append(Way(f"{device.name}-{compute.lower()}-{memory.lower()}-{i}", device, "amd", compute, memory, i, parts))
     return out
+
+
+def published_ways(device: Device, groups: bool) -> list[Way]:
+    """The ways ``--partitions`` publishes (agent/publish/partitions.py): all of them with
+    compatibility groups and for MIG; else the whole GPU and the partitions of the AMD mode the
+    GPU is in now (counters alone cannot keep two modes apart)."""
+    gpu_ways = ways(device)
+    if groups or not gpu_ways or gpu_ways[0].parent.gpu.partitioning.kind == "mig":
+        return gpu_ways
+    now = current_mode(device)
+    return [w for w in gpu_ways if w.kind == "whole" or (w.compute, w.memory) == now]
+
+
+def countable(gpu_ways: list[Way]) -> bool:
+    """Whether each way's share of its GPU can be counted: False for an AMD GPU whose XCC count
+    and memory are unknown, or with a mode of more partitions than XCCs (published whole only)."""
+    parent = gpu_ways[0].parent
+    pt = partitioning(parent)
+    if pt.kind == "mig":
+        return True
+    if not pt.xcds:
+        return "memory" in parent.capacity
+    return all(w.parts <= pt.xcds for w in gpu_ways)
+
+
+def partition_names(device: Device, groups: bool) -> list[str]:
+    """The partitions published beside ``device`` (the health stream reports each with the
+    GPU's verdict); [] for a GPU published whole only."""
+    gpu_ways = published_ways(device, groups)
+    if len(gpu_ways) < 2 or not countable(gpu_ways):
+        return []
+    return [w.name for w in gpu_ways if w.kind != "whole"]
 
 
 def mig_name(gpu: str, profile: MigProfile, start: int) -> str:

@@ -53,9 +53,9 @@ class MigNode:
     def inventory(self):
         return self.inv
 
-    def slices(self) -> list[dict]:
+    def slices(self, taints: dict[str, list[dict]] | None = None) -> list[dict]:
         pool = build_pool(scan(self.root, list_attributes=True, nvml=self.nvml), node_name=NODE, driver_name=DRIVER,
-                          list_attributes=True, partitions=True)
+                          list_attributes=True, partitions=True, taints=taints)
         return render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
 
     def allocated(self, name: str, *requests: dict, prepared: list[dict] = ()) -> dict:

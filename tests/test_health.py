@@ -268,3 +268,36 @@ def test_a_kernel_link_event_rechecks_the_nic_at_once(tmp_path):
     assert "link-down" in out["down_message"] or "operstate down" in out["down_message"], out["down_message"]
     assert out["rounds"] == 1, "a timer round ran: the change was not seen through the event"
     assert out["link_checks"] >= 3
+
+
+@pytest.mark.parametrize("profile,gpu", [("h100-mig", "gpu-0000-18-00-0"), ("mi300x-partitions", "gpu-0000-05-00-0"),
+                                         ("dynamic-mig", "gpu-0000-00-06-0")])
+def test_partitions_are_reported_with_their_gpus_verdict(tmp_path, profile, gpu):
+    """--partitions: the stream names every published device, each MIG instance, CPX partition and
+    MIG placement with its GPU's verdict (a pod on a partition learns that its GPU failed)."""
+    from agent.health.monitor import HealthMonitor
+    from agent.health.service import build_response
+    from agent.publish.slices import build_pool
+    from tests.mig_node import MigNode
+
+    if profile == "dynamic-mig":
+        node = MigNode(str(tmp_path))
+        root, inv, settings = node.root, node.inv, node.settings
+    else:
+        root = copy_profile(tmp_path, profile)
+        inv, settings = scan(root), settings_for(str(tmp_path), root=root, partitions=True)
+    nodes = [n.path for n in inv.by_name()[gpu].device_nodes]
+    os.unlink(os.path.join(root, nodes[0].lstrip("/")))  # the GPU's own node: UNHEALTHY devnode-missing
+    monitor = HealthMonitor(settings, lambda: inv)
+    monitor.check_once()
+    got = {d.device.device_name: d for d in build_response(monitor, dra_health_v1_pb2).devices}
+    pool = build_pool(inv, node_name=settings.node_name, driver_name=settings.driver_name, partitions=True)
+    published = [d for s in pool.slices for d in s.get("devices", [])]
+    assert sorted(got) == sorted(d["name"] for d in published)
+    parts = [d["name"] for d in published if d["attributes"].get("partitionOf") == {"string": gpu}]
+    assert len(parts) >= 4
+    health = dra_health_v1_pb2.HealthStatus.Name(got[gpu].health)
+    assert health == "UNHEALTHY" and "missing" in got[gpu].message
+    for name in parts:
+        assert (got[name].health, got[name].message, got[name].last_updated_time) == (
+            got[gpu].health, got[gpu].message, got[gpu].last_updated_time)

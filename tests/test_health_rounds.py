@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import pytest
 
@@ -120,4 +121,44 @@ def test_without_link_events_every_round_reads_links(tmp_path, reported):
             assert (monitor.full_rounds == full) is reported  # without events every round is full
         finally:
             await monitor.stop()
+    run(main())
+
+
+def test_event_checks_read_off_the_loop_one_round_at_a_time(tmp_path, monkeypatch):
+    """A link, XID or MPS event's re-check (``check_devices``) reads sysfs and the NVIDIA driver's
+    files in a worker thread, and holds the round lock across it: a round started meanwhile
+    begins only after it, so an older verdict never lands over a newer one."""
+    root, inv, monitor = vm_monitor(tmp_path)
+    monitor.check_once()
+    gate, seen = threading.Event(), []
+    real_check, real_files = monitor_mod.check, monitor.nvidia_files.get
+
+    def check(fs, dev, *args):
+        seen.append((dev.name, gate.is_set(), threading.current_thread()))
+        if len(seen) == 1:
+            gate.wait(10)  # the event's check stays in its thread until the round below was started
+        return real_check(fs, dev, *args)
+
+    def files():
+        seen.append(("files", gate.is_set(), threading.current_thread()))
+        return real_files()
+
+    monkeypatch.setattr(monitor_mod, "check", check)
+    monitor.nvidia_files.get = files
+    write_file(root, VM_NIC_NET + "/carrier", "0\n")
+
+    async def main():
+        loop_thread = threading.current_thread()
+        event = asyncio.create_task(monitor.check_devices([VM_GPU, VM_NIC]))
+        while not seen:
+            await asyncio.sleep(0.01)
+        full = asyncio.create_task(monitor.check_now())
+        for _ in range(20):  # the round's turn to run, were it not for the lock
+            await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.gather(event, full)
+        assert all(t is not loop_thread for _, _, t in seen)
+        assert [n for n, opened, _ in seen if not opened] == [VM_GPU], "the round ran beside the event's checks"
+        assert [n for n, _, _ in seen[:3]] == [VM_GPU, "files", VM_NIC]  # the event's, in its order
+        assert monitor.snapshot()[VM_NIC][:2] == ("UNHEALTHY", "interface eth0 carrier 0")
     run(main())

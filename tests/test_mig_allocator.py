@@ -84,6 +84,20 @@ def test_whole_gpu_never_beside_a_mig_device(node):
             allocate(slices, CLASSES, claim("p", req("m", profile(prof))), node=NODE, allocated=[with_allocation(w, b)])
 
 
+def test_a_tainted_gpu_taints_every_placement(node):
+    """--taint-unhealthy: no MIG device is created on a GPU that raised XID 79."""
+    taint = {"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
+    slices = node.slices(taints={GPU: [taint]})
+    mig = [d for n, d in devices(slices).items() if n.startswith(GPU + "-mig-")]
+    assert len(mig) == 25 and all(d["taints"] == [taint] for d in mig)
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, claim("m", req("m", profile("1g.18gb"))), node=NODE)
+    tolerating = req("m", profile("1g.18gb"))
+    tolerating["exactly"]["tolerations"] = [{"key": taint["key"], "operator": "Exists"}]
+    (a,) = allocate(slices, CLASSES, claim("m", tolerating), node=NODE)
+    assert _placement(picked(a)["m"][0])[0] == "1g-18gb"
+
+
 def test_what_the_allocator_gives_nvml_creates(node):
     """Claims one after another until the GPU is full: each allocation's placements are created
     on the simulated NVML (which refuses overlaps as the real one does) without a refusal."""

@@ -23,6 +23,18 @@ BDF, GPU = "0000:00:06.0", "gpu-0000-00-06-0"
 def test_bus_ids_as_the_kernel_names_them():
     assert bus_id("00000000:00:06.0") == bus_id(b"0000:00:06.0") == BDF
     assert bus_id("00000001:AF:00.0") == "0001:af:00.0" and bus_id("nonsense") is None and bus_id(None) is None
+    assert bus_id("0000zz00:00:06.0") is bus_id("-1:00:06.0") is None
+
+
+def test_bus_ids_of_domains_above_ffff_as_discovery_names_them():
+    """Intel VMD puts functions in domains from 10000 on: the kernel (and discovery) spell all
+    the digits, NVML pads to eight."""
+    inv = scan(profile_root("vmd-multidomain"))
+    bdfs = [d.pci.bdf for d in inv.devices]
+    assert "10000:02:00.0" in bdfs and "0001:41:00.0" in bdfs
+    for bdf in bdfs:
+        domain, rest = bdf.split(":", 1)
+        assert bus_id(f"{int(domain, 16):08X}:{rest.upper()}") == bdf
 
 
 def _watch(sim, ignored=(13, 31, 43, 45, 68, 109)):

@@ -134,6 +134,23 @@ def test_as_many_partitions_of_a_mode_fit_as_counters_allow(groups):
             allocate(slices, CLASSES, claim("extra", req("p", part_of(CPX_GPU, mode))), node=NODE, allocated=allocated)
 
 
+@pytest.mark.parametrize("profile,gpu,groups", [("h100-mig", MIG_GPU, False), ("mi300x-partitions", CPX_GPU, False),
+                                                ("mi300x-partitions", CPX_GPU, True)])
+def test_a_tainted_gpu_taints_its_partitions(profile, gpu, groups):
+    """--taint-unhealthy: an unhealthy GPU's MIG instances and CPX partitions are not scheduled either."""
+    taint = {"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
+    slices = published(profile, partitions=True, compatibility_groups=groups, taints={gpu: [taint]})
+    names = devices(slices)
+    parts = [n for n, d in names.items() if d["attributes"].get("partitionOf") == {"string": gpu}]
+    assert len(parts) >= 4 and all(names[n]["taints"] == [taint] for n in [gpu, *parts])
+    assert not [n for n, d in names.items() if d.get("taints") and n != gpu and n not in parts]
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, claim("p", req("p", part_of(gpu))), node=NODE)
+    tolerating = exactly("p", "gpu.sysdra.io", selectors=part_of(gpu), tolerations=[{"key": taint["key"], "operator": "Exists"}])
+    (a,) = allocate(slices, CLASSES, claim("p", tolerating), node=NODE)
+    assert picked(a)["p"][0] in parts
+
+
 def test_without_groups_only_what_counters_keep_correct_is_published():
     names = devices(amd(False))
     cpx = [n for n in names if n.startswith(CPX_GPU + "-")]

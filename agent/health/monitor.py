@@ -30,6 +30,7 @@ from agent.health.linkwatch import LinkWatch
 from agent.health.xid import XidWatch
 from agent.rtnetlink import listen_on_host
 from agent.settings import Settings
+from discovery.gpuways import partition_names
 from discovery.inventory import device_name
 from discovery.models import Device, Inventory
 from discovery.nvidia_driver import DriverFilesCache
@@ -83,6 +84,7 @@ class HealthMonitor:
         self._reports: Callable[[], tuple[bool, bool]] = lambda: (False, False)  # see events_report
         self._last_full = float("-inf")  # time.monotonic() of the last full round
         self._daemon_faults: dict[str, tuple[str, str] | None] = {}  # GPU UUID -> its MPS daemon's fault
+        self._partition_names: dict[str, tuple[Device, list[str]]] = {}  # GPU -> (its record, its partitions)
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -225,21 +227,26 @@ class HealthMonitor:
             return states
 
     async def check_devices(self, names: list[str]) -> None:
-        """Check a few devices now (a link event): a few sysfs reads each, on the loop.
-        Streams are woken only if a verdict changed; the next round resends all anyway."""
-        async with self._round:
-            present = self._present_names  # as of the last round: a new inventory starts a round anyway
-            now = time.time()
+        """Check a few devices now (a link, XID or MPS event): a few sysfs reads each, and an
+        NVIDIA GPU's driver files, in a worker thread as rounds are. Streams are woken only if a
+        verdict changed; the next round resends all anyway."""
+        async with self._round:  # the lock spans the thread: rounds share _memory and the driver-files cache
+            checked = await asyncio.to_thread(self._check_some, names)
             states = dict(self.states)
             changed = []
-            for name in names:
-                if name in self._known:
-                    states[name] = DeviceState(self._verdict(name, present, now), now)
-                    if name not in self.states or self.states[name].verdict != states[name].verdict:
-                        changed.append(name)
+            for name, state in checked.items():
+                states[name] = state
+                if name not in self.states or self.states[name].verdict != state.verdict:
+                    changed.append(name)
             self.states = states
             self.link_checks += 1
             self._report(changed)
+
+    def _check_some(self, names: list[str]) -> dict[str, DeviceState]:
+        present = self._present_names  # as of the last round: a new inventory starts a round anyway
+        now = time.time()
+        files = functools.cache(self.nvidia_files.get)
+        return {name: DeviceState(self._verdict(name, present, now, files), now) for name in names if name in self._known}
 
     def _report(self, changed: list[str], wake_all: bool = False) -> None:
         """Log changed verdicts; wake the streams (every round resends the full list)."""
@@ -293,6 +300,24 @@ class HealthMonitor:
         return states
 
     # --- queries ------------------------------------------------------------------
+    def device_states(self) -> list[tuple[str, DeviceState]]:
+        """What the health stream reports, by name: every device's state, and with ``--partitions``
+        each published partition with its GPU's (the checks see only the GPU; its faults are theirs)."""
+        out = list(self.states.items())
+        if self.settings.partitions:
+            for name, state in self.states.items():
+                out.extend((p, state) for p in self._partitions_of(name))
+        return sorted(out, key=lambda x: x[0])
+
+    def _partitions_of(self, name: str) -> list[str]:
+        dev = self._known.get(name)
+        if dev is None or dev.gpu is None or dev.gpu.partitioning is None:
+            return []
+        hit = self._partition_names.get(name)
+        if hit is None or hit[0] is not dev:  # discovery reuses an unchanged device's object
+            hit = self._partition_names[name] = (dev, partition_names(dev, self.settings.compatibility_groups))
+        return hit[1]
+
     def snapshot(self) -> dict[str, tuple[str, str]]:
         """``{device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}`` for metrics, status, taints."""
         return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(self.states.items())}

@@ -19,7 +19,7 @@ RESEND_MAX = 10.0
 
 def build_response(monitor: HealthMonitor, pb: ModuleType):
     resp = pb.NodeWatchResourcesResponse()
-    for name, state in sorted(monitor.states.items()):
+    for name, state in monitor.device_states():
         resp.devices.add(
             device=pb.DeviceIdentifier(pool_name=monitor.pool, device_name=name),
             health=pb.HealthStatus.Value(state.verdict.health),

@@ -12,6 +12,7 @@ that raised one needs a reset (and so a restart of what uses it) to be trusted a
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Callable
 
@@ -19,10 +20,12 @@ log = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # each wait returns at least this often, so stop() is noticed
 DEFAULT_IGNORED = (13, 31, 43, 45, 68, 109)
+_HEX = re.compile(r"[0-9a-f]{1,8}")
 
 
 def bus_id(text) -> str | None:
-    """NVML's ``00000000:00:06.0`` as the kernel names the function: ``0000:00:06.0``."""
+    """NVML's ``00000000:00:06.0`` as the kernel names the function: ``0000:00:06.0``; a domain
+    above ffff (Intel VMD) keeps all its digits, ``00010000:01:00.0`` -> ``10000:01:00.0``."""
     if isinstance(text, bytes):
         text = text.decode("ascii", "replace")
     if not isinstance(text, str):
@@ -30,7 +33,9 @@ def bus_id(text) -> str | None:
     parts = text.strip().lower().split(":")
     if len(parts) != 3 or not all(parts):
         return None
-    return f"{parts[0][-4:].rjust(4, '0')}:{parts[1]}:{parts[2]}"
+    if not _HEX.fullmatch(parts[0]):  # int() would also take "-1", "0x1", "1_0"
+        return None
+    return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
 
 
 class XidWatch:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from agent.publish.validation import device_problems
 from discovery.attributes import quantity
-from discovery.gpuways import Way, current_mode, partitioning, quantity_bytes, way_device, ways
+from discovery.gpuways import Way, countable, partitioning, published_ways, quantity_bytes, way_device
 
 XCDS, MEMORY, INSTANCES = "xcds", "memory", "compute-instances"
 SLICE, COMPUTE_SLICES, OFA = "memory-slice-", "compute-slices", "ofa-engines"
@@ -66,13 +66,6 @@ def _q(counter: str, n: int) -> str:
     return quantity(n) if counter == MEMORY else str(n)
 
 
-def _published(gpu_ways: list[Way], groups: bool) -> list[Way]:
-    if groups or not gpu_ways or gpu_ways[0].parent.gpu.partitioning.kind == "mig":
-        return gpu_ways
-    now = current_mode(gpu_ways[0].parent)
-    return [w for w in gpu_ways if w.kind == "whole" or (w.compute, w.memory) == now]
-
-
 def _consumption(set_name: str, totals: dict[str, int], way: Way, groups: bool) -> dict:
     share = {k: _q(k, v // way.parts) for k, v in totals.items()}
     if way.kind == "mig":
@@ -96,7 +89,7 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
     rejected: list[tuple[str, str]] = []
     for entry in entries:
         device = devices.get(entry["name"])
-        gpu_ways = _published(ways(device), groups) if device is not None else []
+        gpu_ways = published_ways(device, groups) if device is not None else []
         if len(gpu_ways) < 2:
             out.append(entry)
             continue
@@ -106,7 +99,7 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
             totals = {INSTANCES: len(gpu_ways) - 1}
         else:
             totals = _amd_counters(gpu_ways[0])
-            if not totals or any(w.parts > totals.get(XCDS, w.parts) for w in gpu_ways):
+            if not countable(gpu_ways):
                 out.append(entry)
                 rejected.append((entry["name"] + "-*", "partitions left out: the GPU's XCC count or memory is unknown"))
                 continue
@@ -117,6 +110,8 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
                 e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
             else:
                 e = way_device(way).to_api()
+                if entry.get("taints"):  # a partition is no healthier than its GPU (--taint-unhealthy)
+                    e["taints"] = [dict(t) for t in entry["taints"]]
                 if problems := device_problems(e, driver_name, list_attributes):
                     rejected.append((way.name, "; ".join(problems)))
                     continue
