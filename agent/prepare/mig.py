@@ -43,7 +43,9 @@ def shared_nvml(root: str, driver_root: str) -> Callable[[], object]:
 
 
 def _why(err: BaseException) -> str:
-    return "NVML did not answer in time" if isinstance(err, TimeoutError) else str(err) or type(err).__name__
+    if isinstance(err, TimeoutError):  # one refused while NVML hangs says on what
+        return str(err) or "NVML did not answer in time"
+    return str(err) or type(err).__name__
 
 
 class MigDevices:
