@@ -2,9 +2,16 @@
 
 ``libnvidia-ml.so.1`` is loaded from the configured driver root under the host root (a node's
 driver may live in ``/usr/local/nvidia`` or ``/run/nvidia/driver``, not in the ld cache), before
-pynvml asks the loader for it by soname. Every call runs on one daemon thread and is waited for
-with a timeout: a hung driver must not hang a scan. Once NVML fails to load or times out it is
-not asked again; the GPU's facts then come from the table (``discovery/nvidia.py``).
+pynvml asks the loader for it by soname. Every call runs on one daemon thread, in order, and is
+waited for with a timeout: a hung driver must not hang a scan. A call's timeout counts from when
+it begins, not while it waits behind others: a MIG change (prepare/mig.py) may take a minute, and
+a query queued behind it is no sign of a hung driver. A caller gives up before its call began only
+when the call running ahead outlasts its own timeout; its call is then never run.
+
+Once NVML fails to load or a query times out, queries are not asked again; the GPU's facts then
+come from the table (``discovery/nvidia.py``), never flapping between the two. Changes (``run``)
+are refused only while a call runs past its timeout (nothing piles up behind a hung driver), and
+accepted again once the thread answers: a query that gave up does not take MIG prepare down.
 
 Answers are input: strings are checked where they are published, numbers by type here.
 """
@@ -16,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Protocol
 
@@ -58,26 +66,66 @@ def find_library(root: str, driver_root: str) -> str | None:
     return None
 
 
+class _Call:
+    __slots__ = ("fn", "budget", "what", "fut", "began")
+
+    def __init__(self, fn: Callable, budget: float, what: str):
+        self.fn, self.budget, self.what = fn, budget, what
+        self.fut: Future = Future()
+        self.began: float | None = None  # monotonic
+
+
 class _Worker:
-    """One daemon thread running calls in order; a caller waits at most ``timeout`` seconds."""
+    """One daemon thread running calls in order; a caller waits at most ``timeout`` seconds
+    from when its call begins (the module docstring)."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.running: _Call | None = None
+        self.changed = threading.Condition()  # a call began or ended
         threading.Thread(target=self._run, name="nvml", daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            fn, fut = self.calls.get()
+            call = self.calls.get()
+            if not call.fut.set_running_or_notify_cancel():
+                continue  # its caller gave up before it began
+            with self.changed:
+                call.began, self.running = time.monotonic(), call
+                self.changed.notify_all()
             try:
-                fut.set_result(fn())
+                result, error = call.fn(), None
             except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                fut.set_exception(err)
+                result, error = None, err
+            with self.changed:  # before the caller wakes: it may ask ``stuck`` next
+                self.running = None
+                self.changed.notify_all()
+            if error is None:
+                call.fut.set_result(result)
+            else:
+                call.fut.set_exception(error)
 
-    def call(self, fn: Callable, timeout: float | None = None):
-        fut: Future = Future()
-        self.calls.put((fn, fut))
-        return fut.result(timeout=timeout or self.timeout)
+    def stuck(self) -> str | None:
+        """The call running past its timeout (a hung driver), or None."""
+        r = self.running
+        return f"{r.what or 'a call'} has run {time.monotonic() - r.began:.0f} s" if (
+            r is not None and time.monotonic() > r.began + r.budget) else None
+
+    def submit(self, fn: Callable, timeout: float | None = None, what: str = "") -> _Call:
+        call = _Call(fn, timeout or self.timeout, what)
+        self.calls.put(call)
+        return call
+
+    def call(self, fn: Callable, timeout: float | None = None, what: str = ""):
+        call = self.submit(fn, timeout, what)
+        with self.changed:
+            while call.began is None:
+                r = self.running
+                if r is not None and (left := r.began + r.budget - time.monotonic()) <= 0 and call.fut.cancel():
+                    raise TimeoutError(f"NVML is not answering ({r.what or 'a call'} has run {r.budget - left:.0f} s)")
+                self.changed.wait(max(left, 0.0) if r is not None else None)  # between calls: the next begins
+        return call.fut.result(timeout=max(0.0, call.began + call.budget - time.monotonic()))
 
 
 class Nvml:
@@ -152,10 +200,16 @@ class Nvml:
     def run(self, what: str, fn: Callable, timeout: float | None = None):
         """``fn(pynvml)`` on the NVML thread -> its result; its NVMLError (or a timeout, which
         does not stop NVML asking later) raised to the caller: for changes (prepare/mig.py),
-        which may take longer than a query (``timeout``)."""
-        if self.failed:
-            raise TimeoutError(f"NVML is not answering ({self.failed})")
-        return self.worker.call(lambda: fn(self.pynvml), timeout)
+        which may take longer than a query (``timeout``). Refused while a call runs past its
+        timeout, whatever ``failed`` says (the module docstring)."""
+        if stuck := self.worker.stuck():
+            raise TimeoutError(f"NVML is not answering ({stuck})")
+        return self.worker.call(lambda: fn(self.pynvml), timeout, what)
+
+    def after(self, what: str, fn: Callable, timeout: float | None = None) -> Future:
+        """``fn(pynvml)`` queued behind every call before it, however long those take, and not
+        waited for: the undo of a change that failed or timed out, which must run after it."""
+        return self.worker.submit(lambda: fn(self.pynvml), timeout, what).fut
 
     def handle(self, bdf: str):
         """The GPU's NVML handle; call on the NVML thread (inside ``run``)."""
@@ -169,7 +223,7 @@ class Nvml:
         if self.failed:
             return None
         try:
-            return self.worker.call(fn)
+            return self.worker.call(fn, what=what)
         except TimeoutError:
             self.failed = f"{what} timed out after {self.worker.timeout} s"
             log.error("NVML: %s; not asked again, GPU facts from the PCI ID table", self.failed)

@@ -3,9 +3,14 @@ prepare/steps/mig.py.
 
 A MIG device is a GPU instance created with its placement and one compute instance spanning
 it, through NVML (``discovery/nvml.py``: every call on NVML's own thread, so a hung driver
-never blocks the event loop, and calls run in order, so a destroy queued after a create that
-timed out still finds the instance). MIG mode is enabled only with ``nvidia_mig_enable``;
-otherwise a GPU not in MIG mode fails the claim, saying so.
+never blocks the event loop, and calls run in order). A create that fails once NVML may have
+made the GPU instance (a timeout: the create still completes on NVML's thread; an error after
+it) queues a destroy of that placement behind it, so the destroy finds the instance however late
+the create ends; the claim's ownership of the placement makes it this claim's. A create NVML
+refused destroys nothing (an instance there is someone else's). MIG mode is enabled only with
+``nvidia_mig_enable``; otherwise a GPU not in MIG mode fails the claim, saying so.
+
+The IDs NVML answers are input: out of the record's range, the claim fails and the instance goes.
 
 Instances are found again by GPU, profile and placement, never by the IDs alone: placements
 never overlap, IDs are reused. Their container nodes are ``/dev/nvidia-caps/nvidia-cap<N>``,
@@ -16,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import logging
 from typing import Callable
+
+from pydantic import ValidationError
 
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.records import MigDevice
@@ -43,7 +50,13 @@ def shared_nvml(root: str, driver_root: str) -> Callable[[], object]:
 
 
 def _why(err: BaseException) -> str:
-    return "NVML did not answer in time" if isinstance(err, TimeoutError) else str(err) or type(err).__name__
+    if isinstance(err, TimeoutError):  # one refused while NVML hangs says on what
+        return str(err) or "NVML did not answer in time"
+    return str(err) or type(err).__name__
+
+
+class NoAnswer(ClaimFailed):
+    """NVML did not answer in time: the call may still run, later, on NVML's thread."""
 
 
 class MigDevices:
@@ -61,7 +74,9 @@ class MigDevices:
             return nvml.run(what, fn, timeout=TIMEOUT)
         except ClaimFailed:
             raise
-        except Exception as err:  # noqa: BLE001 - NVMLError, a timeout: this claim's error
+        except TimeoutError as err:
+            raise NoAnswer(f"{what} failed: {_why(err)}") from None
+        except Exception as err:  # noqa: BLE001 - NVMLError: this claim's error
             raise ClaimFailed(f"{what} failed: {_why(err)}") from None
 
     def _mig_mode(self, nv, h, bdf: str) -> None:
@@ -81,18 +96,18 @@ class MigDevices:
 
     def create(self, rec: MigDevice) -> MigDevice:
         """The GPU instance at the record's placement, then its compute instance -> the record
-        with their IDs. On failure nothing of this device is left and ClaimFailed says why."""
+        with their IDs. On failure nothing of this device is left (or, after a timeout, its
+        destroy is queued behind the create) and ClaimFailed says why."""
         what = f"creating MIG device {rec.device} (profile {rec.profile}, placement {rec.start})"
+        made: list[bool] = []  # set on NVML's thread once the GPU instance exists
 
         def gpu_instance(nv):
             h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
             self._mig_mode(nv, h, rec.gpu)
             where = nv.c_nvmlGpuInstancePlacement_t(rec.start, rec.size)  # NVML takes a pointer to it
             gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, rec.profile, ctypes.byref(where))
+            made.append(True)
             return nv.nvmlGpuInstanceGetInfo(gi).id
-
-        gi = self._run(what, gpu_instance)
-        self.fault("mig:gi-created")
 
         def compute_instance(nv):
             h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
@@ -101,13 +116,42 @@ class MigDevices:
             return nv.nvmlComputeInstanceGetInfo(nv.nvmlGpuInstanceCreateComputeInstance(handle, profile)).id
 
         try:
+            gi = self._run(what, gpu_instance)
+            self.fault("mig:gi-created")
             ci = self._run(what, compute_instance)
-        except ClaimFailed:
-            self.destroy(rec)
+            self.fault("mig:ci-created")
+            try:  # model_copy would not validate: an ID out of range would spoil the entry at its next load
+                out = MigDevice.model_validate(dict(rec.model_dump(), gi=gi, ci=ci))
+            except ValidationError:
+                raise ClaimFailed(f"{what} failed: NVML answered GPU instance {gi!r:.20}, compute instance {ci!r:.20}: "
+                                  "not IDs it hands out") from None
+        except ClaimFailed as err:
+            self._undo_create(rec, made, wait=not isinstance(err, NoAnswer))
             raise
-        self.fault("mig:ci-created")
         log.info("GPU %s: MIG device %s created (GPU instance %d, compute instance %d)", rec.gpu, rec.device, gi, ci)
-        return rec.model_copy(update={"gi": gi, "ci": ci})
+        return out
+
+    def _undo_create(self, rec: MigDevice, made: list[bool], wait: bool) -> None:
+        """The placement's instance destroyed if this create made it, queued behind the create on
+        NVML's thread (so after it, however late it ends); waited for unless NVML stopped answering."""
+        nvml = self.nvml()
+        if nvml is None or (wait and not made):  # NVML answered, and refused the create
+            return
+        what = f"destroying MIG device {rec.device} after its create failed"
+        fut = nvml.after(what, lambda nv: bool(made) and _destroy_at(nv, rec, self.fault), timeout=TIMEOUT)
+
+        def done(f) -> None:
+            if (err := f.exception()) is not None:
+                log.error("GPU %s: %s: %s (the start-up sweep destroys it)", rec.gpu, what, _why(err))
+            elif f.result():
+                log.info("GPU %s: MIG device %s destroyed (its create failed)", rec.gpu, rec.device)
+
+        fut.add_done_callback(done)
+        if wait:
+            try:
+                fut.result(timeout=TIMEOUT)
+            except Exception:  # noqa: BLE001 - logged by ``done``; the claim's error is the create's
+                pass
 
     def find(self, rec: MigDevice) -> mig.GpuInstanceNow | None:
         """The record's instance as NVML shows it now (by profile and placement), or None."""
@@ -119,15 +163,7 @@ class MigDevices:
 
     def destroy(self, rec: MigDevice) -> bool:
         """The record's instance and its compute instances destroyed -> whether one existed."""
-        def gone(nv):
-            h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
-            now = next((g for g in mig.gpu_instances(nv, h, [rec.profile]) if g.start == rec.start), None)
-            if now is None:
-                return False
-            _destroy(nv, h, now.gi, self.fault)
-            return True
-
-        done = self._run(f"destroying MIG device {rec.device}", gone)
+        done = self._run(f"destroying MIG device {rec.device}", lambda nv: _destroy_at(nv, rec, self.fault))
         if done:
             log.info("GPU %s: MIG device %s destroyed", rec.gpu, rec.device)
         return done
@@ -197,3 +233,13 @@ def _destroy(nv, h, gi: int, fault: Callable[[str], None] = lambda p: None) -> N
         nv.nvmlComputeInstanceDestroy(ci)
     fault("mig:ci-destroyed")
     nv.nvmlGpuInstanceDestroy(handle)
+
+
+def _destroy_at(nv, rec: MigDevice, fault: Callable[[str], None]) -> bool:
+    """The instance at the record's placement destroyed -> whether one existed."""
+    h = nv.nvmlDeviceGetHandleByPciBusId(rec.gpu)
+    now = next((g for g in mig.gpu_instances(nv, h, [rec.profile]) if g.start == rec.start), None)
+    if now is None:
+        return False
+    _destroy(nv, h, now.gi, fault)
+    return True

@@ -4,11 +4,12 @@ docs/partitions.md): the claim's MIG devices created at prepare, destroyed at un
 Record (``mig``): one ``MigDevice`` per MIG device of the claim (GPU, profile, placement),
 saved durably in the PrepareStarted entry before NVML is asked; the GPU and compute instance
 IDs are added once created. ``apply`` creates them in order (a failure destroys what this
-claim created); ``undo`` (a later failure, unprepare, an interrupted prepare at start)
-destroys them, found by placement, so a crash between NVML's create and the checkpoint leaves
-nothing behind; ``recover`` creates a prepared claim's instance again after a reboot (GPU
-instances do not survive one), and ``orphans`` destroys, at start, every instance of a
-dynamic-MIG GPU that no checkpoint entry knows.
+claim created: the devices done here, the one failing in ``MigDevices.create``, queued behind
+its create on NVML's thread when NVML did not answer in time); ``undo`` (a later failure,
+unprepare, an interrupted prepare at start) destroys them, found by placement, so a crash
+between NVML's create and the checkpoint leaves nothing behind; ``recover`` creates a prepared
+claim's instance again after a reboot (GPU instances do not survive one), and ``orphans``
+destroys, at start, every instance of a dynamic-MIG GPU that no checkpoint entry knows.
 
 Holds: each memory slice a placement covers, so two claims whose placements overlap are
 refused before NVML is asked (defence in depth behind the allocator's counters)."""
