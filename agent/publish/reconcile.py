@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from agent.publish import metrics
+from agent.publish.dropped import Dropped
 from agent.publish.slices import PoolContent, parse_index, render_slice
 from agent.publish.store import NotFound, SliceStore
 from agent.publish.validation import parse_quantity
@@ -88,6 +89,7 @@ class Reconciler:
         self.driver_name = driver_name
         self.generation_floor = 0  # highest generation we published in this process
         self.node_uid: str | None = None
+        self.dropped = Dropped()  # fields the server does not keep (a feature gate off): not compared
 
     def _ours(self, obj: dict, pool: PoolContent) -> bool:
         spec = obj.get("spec", {})
@@ -113,7 +115,7 @@ class Reconciler:
             else:
                 matched[index] = s
         missing = [i for i in range(count) if i not in matched]
-        changed = [i for i, s in matched.items() if not same_slice(s, self._desired(pool, i, current))]
+        changed = [i for i, s in matched.items() if not same_slice(s, self.dropped.strip(self._desired(pool, i, current)))]
         base = max(current, self.generation_floor)
         if not missing and len(changed) <= 1 and base == current:
             generation, to_update = current, changed
@@ -133,11 +135,12 @@ class Reconciler:
             old = matched[i]["metadata"]
             obj["metadata"].pop("generateName", None)
             obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
-            await self.store.update(obj)
+            self.dropped.learn(obj, await self.store.update(obj))
             stats.updated += 1
             metrics.SLICE_WRITES.labels("update").inc()
         for i in missing:
-            await self.store.create(self._desired(pool, i, generation))
+            obj = self._desired(pool, i, generation)
+            self.dropped.learn(obj, await self.store.create(obj))
             stats.created += 1
             metrics.SLICE_WRITES.labels("create").inc()
         self.generation_floor = generation
