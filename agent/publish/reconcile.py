@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from agent.publish import metrics
 from agent.publish.dropped import Dropped
 from agent.publish.slices import PoolContent, parse_index, render_slice
-from agent.publish.store import NotFound, SliceStore
+from agent.publish.store import NotFound, SliceStore, StoreError
 from agent.publish.validation import parse_quantity
 
 log = logging.getLogger("sysdra.publish")
@@ -89,6 +89,7 @@ class Reconciler:
         self.driver_name = driver_name
         self.generation_floor = 0  # highest generation we published in this process
         self.node_uid: str | None = None
+        self._owner_logged = False
         self.dropped = Dropped()  # fields the server does not keep (a feature gate off): not compared
 
     def _ours(self, obj: dict, pool: PoolContent) -> bool:
@@ -100,6 +101,26 @@ class Reconciler:
             pool, index, driver_name=self.driver_name, node_name=self.node_name,
             generation=generation, node_uid=self.node_uid, full_name=self.store.full_names,
         )
+
+    async def _resolve_owner(self, again: bool) -> None:
+        """The Node's UID for the owner reference: read while unknown, and again when slices must be
+        created: the garbage collector deleted them if the Node was re-created (a new UID), and slices
+        owned by the old one would be deleted again and again."""
+        lookup = getattr(self.store, "node_uid", None)
+        if lookup is None or (self.node_uid and not again):
+            return
+        try:
+            uid = await lookup()
+        except StoreError as err:
+            if isinstance(err, NotFound):
+                self.node_uid = None  # owned by a Node that is gone, a slice would be collected at once
+            if not self._owner_logged:
+                log.warning("cannot read Node %s (%s): publishing slices without an owner reference", self.node_name, err)
+                self._owner_logged = True
+            return
+        if self.node_uid and uid != self.node_uid:
+            log.info("Node %s was re-created (UID %s, was %s): slices now owned by it", self.node_name, uid, self.node_uid)
+        self.node_uid = uid
 
     async def sync(self, pool: PoolContent) -> SyncStats:
         """Raises StoreError (Conflict included) on failure; the caller retries with backoff."""
@@ -115,6 +136,7 @@ class Reconciler:
             else:
                 matched[index] = s
         missing = [i for i in range(count) if i not in matched]
+        await self._resolve_owner(again=bool(missing))
         changed = [i for i, s in matched.items() if not same_slice(s, self.dropped.strip(self._desired(pool, i, current)))]
         base = max(current, self.generation_floor)
         if not missing and len(changed) <= 1 and base == current:
