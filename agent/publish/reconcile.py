@@ -58,8 +58,8 @@ def _owner_key(obj: dict) -> list[tuple]:
 
 
 def _as_sent(devices):
-    """Devices without the taints' ``timeAdded``: the agent sends none and the server stamps
-    the time of each write on such a taint, so a slice read back would always differ."""
+    """Devices without the taints' ``timeAdded``: the agent sends none for a new taint and the
+    server stamps the time of the write on it, so a slice read back would always differ."""
     if not isinstance(devices, list):
         return devices
     return [{**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]}
@@ -74,6 +74,27 @@ def same_slice(existing: dict, desired: dict) -> bool:
     if a.get("devices") != b.get("devices") and _canonical(_as_sent(a.get("devices"))) != _canonical(_as_sent(b.get("devices"))):
         return False
     return not _owner_key(desired) or _owner_key(existing) == _owner_key(desired)
+
+
+def _taint_times(slices: list[dict]) -> dict[tuple, str]:
+    """(device, key, value, effect) -> the ``timeAdded`` the server stamped on that taint."""
+    return {(d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t["timeAdded"]
+            for s in slices for d in s.get("spec", {}).get("devices") or () if isinstance(d, dict)
+            for t in d.get("taints") or () if t.get("timeAdded")}  # fmt: skip
+
+
+def _keep_taint_times(obj: dict, times: dict[tuple, str]) -> dict:
+    """A rewrite carries each unchanged taint's ``timeAdded`` over: sent without one, the server
+    stamps the time of this write, and every taint would look new (tolerationSeconds restart)."""
+    devices = obj["spec"].get("devices")
+    if not times or not devices:
+        return obj
+    def kept(d):
+        taints = [{**t, "timeAdded": times[k]} if (k := (d["name"], t.get("key"), t.get("value"), t.get("effect"))) in times
+                  else t for t in d["taints"]]  # fmt: skip
+        return {**d, "taints": taints}
+    obj["spec"]["devices"] = [kept(d) if d.get("taints") else d for d in devices]  # (the pool's own dicts untouched)
+    return obj
 
 
 def _generation(obj: dict) -> int:
@@ -152,16 +173,17 @@ class Reconciler:
                 pass  # someone (the kubelet) was faster
             stats.deleted += 1
             metrics.SLICE_WRITES.labels("delete").inc()
+        times = _taint_times(existing)
         for i in to_update:
-            obj = self._desired(pool, i, generation)
+            obj = _keep_taint_times(self._desired(pool, i, generation), times)
             old = matched[i]["metadata"]
             obj["metadata"].pop("generateName", None)
             obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
             self.dropped.learn(obj, await self.store.update(obj))
             stats.updated += 1
             metrics.SLICE_WRITES.labels("update").inc()
-        for i in missing:
-            obj = self._desired(pool, i, generation)
+        for i in missing:  # (a device moved to a new slice keeps its taints' times too)
+            obj = _keep_taint_times(self._desired(pool, i, generation), times)
             self.dropped.learn(obj, await self.store.create(obj))
             stats.created += 1
             metrics.SLICE_WRITES.labels("create").inc()
