@@ -39,3 +39,30 @@ def test_unchanged_taint_is_not_rewritten_by_a_resync(node):
     assert {k: v for k, v in taint.items() if k != "timeAdded"} == TAINT
     assert writes == {"create": 1, "update": 0, "delete": 0}
     assert [stored["metadata"]["resourceVersion"]] == versions
+
+
+def test_a_rewrite_keeps_the_time_an_unchanged_taint_was_added(node):
+    """The server stamps ``timeAdded`` on a taint sent without one, so a rewrite of the slice (for
+    another device's change) made every taint in it look new: a NoExecute toleration's
+    ``tolerationSeconds`` would start again. The old stamp is set directly (as the server keeps
+    it) so the test needs no wait for the clock to move."""
+    names = [d["name"] for d in node.pool(3).slices[0]["devices"]]
+    pool = node.pool(3, taints={names[1]: [dict(TAINT)]})
+    later = node.pool(3, taints={names[1]: [dict(TAINT)], names[2]: [dict(TAINT)]})
+    old = "2020-01-02T03:04:05Z"
+
+    async def scenario():
+        async with Running(node) as r:
+            r.pub.set_pool(pool)
+            await r.pub.wait_synced(lambda p: p.total.created == 1)
+            (stored,) = node.slices()
+            next(d for d in stored["spec"]["devices"] if d["name"] == names[1])["taints"][0]["timeAdded"] = old
+            node.plane.request("PUT", f"/apis/resource.k8s.io/v1/resourceslices/{stored['metadata']['name']}", body=stored)
+            r.pub.set_pool(later)
+            await r.pub.wait_synced(lambda p: p.total.updated >= 1 and p.pool is later)
+
+    run(scenario())
+    (stored,) = node.slices()
+    taints = {d["name"]: d.get("taints") for d in stored["spec"]["devices"]}
+    assert taints[names[2]] and taints[names[2]][0]["timeAdded"] != old  # the new taint: stamped now
+    assert taints[names[1]] == [{**TAINT, "timeAdded": old}]

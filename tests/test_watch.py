@@ -277,3 +277,55 @@ def test_a_daemonset_agent_sees_the_hosts_uevents(tmp_path):
                           str(tmp_path / "host"), bdf], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"True (True, False) [{{'{bdf}'}}]", run.stdout + run.stderr
+
+
+_VETH_VIEW = """
+import asyncio, subprocess, sys, time
+from agent.service.watch import Debouncer, HardwareWatcher
+bdf = sys.argv[1]
+
+async def main():
+    changed = []
+    watcher = HardwareWatcher("/", Debouncer(0.3, lambda first, bdfs: changed.append(bdfs), with_changes=True))
+    await watcher.start()
+    await asyncio.sleep(0.05)
+    subprocess.run(["ip", "link", "add", "sysdra-v0", "type", "veth", "peer", "name", "sysdra-v1"], check=True)
+    subprocess.run(["ip", "link", "del", "sysdra-v0"], check=True)
+    with open(f"/sys/bus/pci/devices/{bdf}/uevent", "w") as f:  # after the veth's: it comes last
+        f.write("change")
+    deadline = time.monotonic() + 5
+    while not any(c is None or bdf in c for c in changed) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    watcher.stop()
+    print(changed)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_veth_coming_and_going_is_no_rescan(tmp_path):
+    """A pod's start or stop adds or removes a veth (/devices/virtual/net/...): it names no PCI
+    function and changes no device we publish, so it must not cost a full rescan (nor the health
+    round that follows one). Real uevents, in a network namespace of its own (a netdev's uevents
+    reach only its namespace; a PCI function's reach every one), the PCI one sent last."""
+    require_root()
+    bdf = _first_pci_device()
+    run = subprocess.run(["unshare", "--net", sys.executable, "-c", _VETH_VIEW, bdf], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"[{{'{bdf}'}}]", run.stdout + run.stderr
+
+
+def test_a_vfio_group_uevent_still_asks_for_a_rescan():
+    """vfio group devices are virtual too, and discovery reads them (a function's /dev/vfio node).
+    A stand-in for the pyudev device: no vfio group can be made on this machine."""
+    from types import SimpleNamespace
+
+    triggered = []
+    watcher = HardwareWatcher("/", SimpleNamespace(trigger=triggered.append))
+    watcher._uevent("kernel", SimpleNamespace(device_path="/devices/virtual/vfio/12", subsystem="vfio"))
+    watcher._uevent("kernel", SimpleNamespace(device_path="/devices/virtual/net/veth1", subsystem="net"))
+    watcher._uevent("kernel", None)  # events lost
+    assert triggered == [None, None]

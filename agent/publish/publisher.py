@@ -33,7 +33,6 @@ class Publisher:
         self.errors = 0
         self._wake = asyncio.Event()
         self._synced = asyncio.Condition()
-        self._owner_logged = False
         self.last_change_latency: float | None = None
         self.last_error: str | None = None
         self._pending_since: float | None = None  # monotonic time of the change waiting to be published
@@ -51,19 +50,7 @@ class Publisher:
         self._wake.set()
 
     # --- loop --------------------------------------------------------------------------
-    async def _resolve_owner(self) -> None:
-        lookup = getattr(self.store, "node_uid", None)
-        if lookup is None or self.reconciler.node_uid:
-            return
-        try:
-            self.reconciler.node_uid = await lookup()
-        except StoreError as err:
-            if not self._owner_logged:
-                log.warning("cannot read Node %s (%s): publishing slices without an owner reference", self.reconciler.node_name, err)
-                self._owner_logged = True
-
     async def sync_once(self) -> SyncStats:
-        await self._resolve_owner()
         t0 = time.monotonic()
         stats = await self.reconciler.sync(self.pool)
         if self.observer is not None:

@@ -14,8 +14,9 @@ import logging
 from dataclasses import dataclass
 
 from agent.publish import metrics
+from agent.publish.dropped import Dropped
 from agent.publish.slices import PoolContent, parse_index, render_slice
-from agent.publish.store import NotFound, SliceStore
+from agent.publish.store import NotFound, SliceStore, StoreError
 from agent.publish.validation import parse_quantity
 
 log = logging.getLogger("sysdra.publish")
@@ -57,8 +58,8 @@ def _owner_key(obj: dict) -> list[tuple]:
 
 
 def _as_sent(devices):
-    """Devices without the taints' ``timeAdded``: the agent sends none and the server stamps
-    the time of each write on such a taint, so a slice read back would always differ."""
+    """Devices without the taints' ``timeAdded``: the agent sends none for a new taint and the
+    server stamps the time of the write on it, so a slice read back would always differ."""
     if not isinstance(devices, list):
         return devices
     return [{**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]}
@@ -75,6 +76,27 @@ def same_slice(existing: dict, desired: dict) -> bool:
     return not _owner_key(desired) or _owner_key(existing) == _owner_key(desired)
 
 
+def _taint_times(slices: list[dict]) -> dict[tuple, str]:
+    """(device, key, value, effect) -> the ``timeAdded`` the server stamped on that taint."""
+    return {(d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t["timeAdded"]
+            for s in slices for d in s.get("spec", {}).get("devices") or () if isinstance(d, dict)
+            for t in d.get("taints") or () if t.get("timeAdded")}  # fmt: skip
+
+
+def _keep_taint_times(obj: dict, times: dict[tuple, str]) -> dict:
+    """A rewrite carries each unchanged taint's ``timeAdded`` over: sent without one, the server
+    stamps the time of this write, and every taint would look new (tolerationSeconds restart)."""
+    devices = obj["spec"].get("devices")
+    if not times or not devices:
+        return obj
+    def kept(d):
+        taints = [{**t, "timeAdded": times[k]} if (k := (d["name"], t.get("key"), t.get("value"), t.get("effect"))) in times
+                  else t for t in d["taints"]]  # fmt: skip
+        return {**d, "taints": taints}
+    obj["spec"]["devices"] = [kept(d) if d.get("taints") else d for d in devices]  # (the pool's own dicts untouched)
+    return obj
+
+
 def _generation(obj: dict) -> int:
     return int(obj.get("spec", {}).get("pool", {}).get("generation") or 0)
 
@@ -88,6 +110,8 @@ class Reconciler:
         self.driver_name = driver_name
         self.generation_floor = 0  # highest generation we published in this process
         self.node_uid: str | None = None
+        self._owner_logged = False
+        self.dropped = Dropped()  # fields the server does not keep (a feature gate off): not compared
 
     def _ours(self, obj: dict, pool: PoolContent) -> bool:
         spec = obj.get("spec", {})
@@ -98,6 +122,26 @@ class Reconciler:
             pool, index, driver_name=self.driver_name, node_name=self.node_name,
             generation=generation, node_uid=self.node_uid, full_name=self.store.full_names,
         )
+
+    async def _resolve_owner(self, again: bool) -> None:
+        """The Node's UID for the owner reference: read while unknown, and again when slices must be
+        created: the garbage collector deleted them if the Node was re-created (a new UID), and slices
+        owned by the old one would be deleted again and again."""
+        lookup = getattr(self.store, "node_uid", None)
+        if lookup is None or (self.node_uid and not again):
+            return
+        try:
+            uid = await lookup()
+        except StoreError as err:
+            if isinstance(err, NotFound):
+                self.node_uid = None  # owned by a Node that is gone, a slice would be collected at once
+            if not self._owner_logged:
+                log.warning("cannot read Node %s (%s): publishing slices without an owner reference", self.node_name, err)
+                self._owner_logged = True
+            return
+        if self.node_uid and uid != self.node_uid:
+            log.info("Node %s was re-created (UID %s, was %s): slices now owned by it", self.node_name, uid, self.node_uid)
+        self.node_uid = uid
 
     async def sync(self, pool: PoolContent) -> SyncStats:
         """Raises StoreError (Conflict included) on failure; the caller retries with backoff."""
@@ -113,7 +157,8 @@ class Reconciler:
             else:
                 matched[index] = s
         missing = [i for i in range(count) if i not in matched]
-        changed = [i for i, s in matched.items() if not same_slice(s, self._desired(pool, i, current))]
+        await self._resolve_owner(again=bool(missing))
+        changed = [i for i, s in matched.items() if not same_slice(s, self.dropped.strip(self._desired(pool, i, current)))]
         base = max(current, self.generation_floor)
         if not missing and len(changed) <= 1 and base == current:
             generation, to_update = current, changed
@@ -128,16 +173,18 @@ class Reconciler:
                 pass  # someone (the kubelet) was faster
             stats.deleted += 1
             metrics.SLICE_WRITES.labels("delete").inc()
+        times = _taint_times(existing)
         for i in to_update:
-            obj = self._desired(pool, i, generation)
+            obj = _keep_taint_times(self._desired(pool, i, generation), times)
             old = matched[i]["metadata"]
             obj["metadata"].pop("generateName", None)
             obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
-            await self.store.update(obj)
+            self.dropped.learn(obj, await self.store.update(obj))
             stats.updated += 1
             metrics.SLICE_WRITES.labels("update").inc()
-        for i in missing:
-            await self.store.create(self._desired(pool, i, generation))
+        for i in missing:  # (a device moved to a new slice keeps its taints' times too)
+            obj = _keep_taint_times(self._desired(pool, i, generation), times)
+            self.dropped.learn(obj, await self.store.create(obj))
             stats.created += 1
             metrics.SLICE_WRITES.labels("create").inc()
         self.generation_floor = generation

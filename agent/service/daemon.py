@@ -19,7 +19,7 @@ from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
-from agent.service import heap, scanning, sdnotify, startup
+from agent.service import heap, loops, scanning, sdnotify, startup
 from agent.service.scanning import default_scan
 from agent.service.logs import setup_logging
 from agent.service.reload import REPUBLISH_SETTINGS, changes as setting_changes
@@ -122,27 +122,8 @@ class Agent:
 
     def _follow_health(self) -> None:
         """Subscribed before the monitor's first round: its verdicts reach status, metrics and taints at once."""
-        sub = self.health.subscribe()
-
-        async def follow() -> None:
-            try:
-                while not sub.closed:
-                    await sub.event.wait()
-                    sub.event.clear()
-                    if self.inventory is not None:
-                        self.board.set_inventory(self.inventory, health=self.health_states())
-                    if self.settings.taint_unhealthy:
-                        self._republish()
-            finally:
-                self.health.unsubscribe(sub)
-
-        self._health_task = asyncio.get_running_loop().create_task(follow(), name="health-follow")
-
-    async def _periodic_rescan(self) -> None:
-        while self.settings.resync_interval:
-            await asyncio.sleep(self.settings.resync_interval)
-            await self.rescan()
-            self.publisher.request_sync()  # also repair drift nobody told us about
+        self._health_task = asyncio.get_running_loop().create_task(loops.follow_health(self, self.health.subscribe()),
+                                                                   name="health-follow")
 
     async def _first_publish(self, wait: float = 1.0) -> None:
         """Let the first slices go out before the kubelet side starts. A store that does not
@@ -306,7 +287,7 @@ class Agent:
             return
         debouncer.release()  # what changed since the watchers were armed is re-read now
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
-                  loop.create_task(self._periodic_rescan(), name="resync")]
+                  loop.create_task(loops.periodic_rescan(self), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
             return
         if not watcher.arms_at_once:
@@ -335,7 +316,7 @@ class Agent:
                 await self.health.stop()
         if self._health_task is not None:
             self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # the plugin is stopped whatever it died of
                 await self._health_task
         if self.kubelet_plugin is not None:
             with contextlib.suppress(Exception):

@@ -4,6 +4,7 @@
   host's ``/sys`` mounted there): pyudev netlink monitor on the subsystems we publish (udev
   source when udevd runs and this process sees it, else raw kernel uevents, which reach every
   network namespace of the initial user namespace, a pod's too); inotify cannot see sysfs changes;
+  software devices below /devices/virtual/ (a veth at every pod start) are ignored, vfio's kept;
 - a fixture root (a tree of files): file events below ROOT/sys (tests, demos), from the
   ``watchdog`` package's inotify observer (``FileWatch``);
 - both: a periodic full rescan as a safety net (netlink drops events under bursts).
@@ -203,6 +204,20 @@ def _device_bdf(device) -> str | None:
         return None
 
 
+# Software devices below /devices/virtual/ that discovery reads: the vfio group nodes of functions
+# on vfio-pci. Others there (veths, bridges, bonds at every pod start) never change the inventory,
+# which is PCI functions; the uplink they may carry is followed by default routes (routewatch).
+_VIRTUAL_KEPT = frozenset({"vfio"})
+
+
+def _inventory_event(device) -> bool:
+    """Whether a uevent can change the inventory (``device`` None: events were lost, yes)."""
+    if device is None:
+        return True
+    path = getattr(device, "device_path", "") or ""
+    return not path.startswith("/devices/virtual/") or getattr(device, "subsystem", None) in _VIRTUAL_KEPT
+
+
 class HardwareWatcher:
     """Starts the right event source for ``root`` and feeds the debouncer."""
 
@@ -225,7 +240,7 @@ class HardwareWatcher:
         loop = asyncio.get_running_loop()
         if self.arms_at_once:
             try:
-                udev = UdevSource(lambda device: self._event(udev.source, _device_bdf(device)))
+                udev = UdevSource(lambda device: self._uevent(udev.source, device))
                 udev.start(loop)
             except Exception as err:  # noqa: BLE001 - no libudev / AF_NETLINK: periodic rescans still work
                 log.warning("no uevent monitor (%s): relying on periodic rescans", err)
@@ -247,6 +262,10 @@ class HardwareWatcher:
         LinkWatch); file events below a fixture root's sys/ see every write there."""
         files = self._observer is not None and self._observer.complete
         return (self._udev is not None or files), files
+
+    def _uevent(self, source: str, device) -> None:
+        if _inventory_event(device):
+            self._event(source, _device_bdf(device))
 
     def _event(self, source: str, bdf: str | None = None) -> None:
         """``bdf``: the PCI function the event is about (an incremental rescan re-reads it

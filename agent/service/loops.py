@@ -1,0 +1,36 @@
+"""The agent's long-running loops. A round that raises is logged and the next one runs: a loop
+that died would end the resync safety net, or taints following health, for good and in silence."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger("sysdra.daemon")
+
+
+async def periodic_rescan(agent) -> None:
+    while agent.settings.resync_interval:
+        await asyncio.sleep(agent.settings.resync_interval)
+        try:
+            await agent.rescan()
+        except Exception:  # noqa: BLE001 - the next round may well succeed
+            log.exception("periodic rescan failed; next one in %ss", agent.settings.resync_interval)
+        agent.publisher.request_sync()  # also repair drift nobody told us about
+
+
+async def follow_health(agent, sub) -> None:
+    """Each health round's verdicts to status, metrics and (``--taint-unhealthy``) taints."""
+    try:
+        while not sub.closed:
+            await sub.event.wait()
+            sub.event.clear()
+            try:
+                if agent.inventory is not None:
+                    agent.board.set_inventory(agent.inventory, health=agent.health_states())
+                if agent.settings.taint_unhealthy:
+                    agent._republish()
+            except Exception:  # noqa: BLE001 - the next round's verdicts must still get through
+                log.exception("health verdicts not applied; retried after the next round")
+    finally:
+        agent.health.unsubscribe(sub)
