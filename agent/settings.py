@@ -161,7 +161,7 @@ class MpsPodSettings(BaseModel):
 
 _CHECKS = {
     "root": _root, "kubelet_dir": _absolute, "cdi_dir": _absolute, "driver_name": _driver, "node_name": _node,
-    "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health,
+    "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health, "taint_hold": _non_negative,
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
     "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size,
@@ -199,6 +199,7 @@ class Settings(BaseModel):
     pf_vf_exclusive: bool = False
     # Publish unhealthy devices with a NoSchedule DeviceTaint sysdra.io/unhealthy (docs/health.md).
     taint_unhealthy: bool = False
+    taint_hold: float = 60.0  # seconds a recovered device stays tainted (a flapping link stays tainted)
     # GPU partitions as devices with shared counters; compatibility groups need the cluster's
     # DRADeviceCompatibilityGroups gate (docs/partitions.md). Seconds a mode switch may take.
     partitions: bool = False

@@ -116,7 +116,8 @@ def test_scan_slices_output_is_a_valid_list():
 
 
 def test_taint_unhealthy_follows_link_state(tmp_path):
-    """--taint-unhealthy: a NIC losing carrier gets a NoSchedule taint in its slice; it goes on recovery."""
+    """--taint-unhealthy: a NIC losing carrier gets a NoSchedule taint in its slice; it goes on
+    recovery, once the taint's hold (a second here; held while it lasts: tests/test_health.py) ends."""
     import glob
     import shutil
 
@@ -127,7 +128,8 @@ def test_taint_unhealthy_follows_link_state(tmp_path):
     nic_net = glob.glob(str(root / "sys/bus/pci/devices/0000:1a:00.0/net/*"))[0]
     cluster = tmp_path / "cluster"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
-    cmd = [sys.executable, "-m", "agent", "run", "--config", os.devnull, "--root", str(root), "--node-name", "node-a",
+    (tmp_path / "config.yaml").write_text("taintHold: 1\n")
+    cmd = [sys.executable, "-m", "agent", "run", "--config", str(tmp_path / "config.yaml"), "--root", str(root), "--node-name", "node-a",
            "--cluster", f"dir:{cluster}", "--kubelet-dir", str(tmp_path / "kubelet"), "--cdi-dir", str(tmp_path / "cdi"),
            "--metrics-address", "", "--health-interval", "0.5", "--taint-unhealthy"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -113,7 +113,10 @@ def test_snapshot_then_link_down_update_then_resend(tmp_path, version):
                 assert set(await s.next(timeout=30)) == {VM_NIC, VM_GPU}
             write_file(root, VM_NIC_NET + "/operstate", "up\n")
             write_file(root, VM_NIC_NET + "/carrier", "1\n")
-            await s.until(lambda g: g[VM_NIC][0] == "HEALTHY")
+            await s.until(lambda g: g[VM_NIC][0] == "HEALTHY")  # the stream says what is, at once
+            held = {VM_NIC: [{"key": "sysdra.io/unhealthy", "value": "link-down", "effect": "NoSchedule"}]}
+            assert a.monitor.taints() == held  # the taint outlasts a flap (docs/health.md)
+            a.monitor.clock = lambda: time.monotonic() + a.monitor.taint_hold
             assert a.monitor.taints() == {}
             await s.close()
     run(main())

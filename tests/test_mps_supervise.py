@@ -317,6 +317,8 @@ def test_the_health_monitor_holds_a_gpu_unhealthy_while_its_daemon_is_down(tmp_p
             monitor.gpu_daemon_fault("GPU-00000000-0000-0000-0000-000000000000", report)  # another GPU's: not this one's
             await asyncio.to_thread(monitor.gpu_daemon_fault, gpu.gpu.nvidia_uuid, None)
             await until(lambda: monitor.states[gpu.name].verdict.health == HEALTHY)
+            assert gpu.name in monitor.taints()  # held a while (docs/health.md), then gone
+            monitor.clock = lambda: time.monotonic() + monitor.taint_hold
             assert gpu.name not in monitor.taints()
         finally:
             await monitor.stop()

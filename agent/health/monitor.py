@@ -69,6 +69,9 @@ class HealthMonitor:
         self._known: dict[str, Device] = {}  # last record of every device ever discovered
         self._memory: dict[str, Memory] = {}
         self.states: dict[str, DeviceState] = {}
+        self.taint_hold = settings.taint_hold  # seconds a recovered device stays tainted (taints)
+        self._tainted: dict[str, tuple[float, list[dict]]] = {}  # device -> (last seen unhealthy, its taint)
+        self.clock = time.monotonic
         self._subscribers: set[Subscriber] = set()
         self._round = asyncio.Lock()
         self._wake: asyncio.Event | None = None
@@ -323,12 +326,19 @@ class HealthMonitor:
         return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(self.states.items())}
 
     def taints(self) -> dict[str, list[dict]]:
-        """``{device: [DeviceTaint]}`` for unhealthy devices (ResourceSlice encoding);
-        a device that recovers simply disappears from the map."""
-        return {
-            n: [{"key": TAINT_KEY, "value": s.verdict.reason, "effect": "NoSchedule"}]
-            for n, s in sorted(self.states.items()) if s.verdict.health == UNHEALTHY
-        }
+        """``{device: [DeviceTaint]}`` for unhealthy devices (ResourceSlice encoding). A device
+        that recovers keeps its taint until ``taint_hold`` seconds after it was last seen
+        unhealthy: a flapping link stays tainted instead of costing a slice write per flap and
+        drawing new claims between flaps. The rounds (every ``interval``) republish, so a held
+        taint goes within an interval of its hold's end; a device gone from the node goes at once."""
+        now = self.clock()
+        for n, s in self.states.items():
+            if s.verdict.health == UNHEALTHY:
+                self._tainted[n] = (now, [{"key": TAINT_KEY, "value": s.verdict.reason, "effect": "NoSchedule"}])
+        for n, (seen, _) in list(self._tainted.items()):
+            if n not in self.states or now - seen >= self.taint_hold:
+                del self._tainted[n]
+        return {n: taint for n, (_, taint) in sorted(self._tainted.items())}
 
     def check_once(self) -> dict[str, list[dict]]:
         """One full round now, in the caller's thread (no loop needed) -> ``taints()``: what the

@@ -228,7 +228,7 @@ class Agent:
         if self.debouncer is not None:
             self.debouncer.delay = self.settings.debounce
         if self.health is not None:
-            self.health.interval = self.settings.health_interval
+            self.health.interval, self.health.taint_hold = self.settings.health_interval, self.settings.taint_hold
         if "log_level" in live or "log_format" in live:
             setup_logging(self.settings)
         log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))

@@ -8,7 +8,7 @@ from agent.settings import FIELDS, Settings
 
 # Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
+                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "share", "share_policies",
                            "skip_node_operations"})
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
 REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
