@@ -5,14 +5,18 @@ instance's /dev/nvidia-caps nodes, refusals, rollback, and start-up recovery."""
 
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
 
 from agent.kubeletplugin.types import ClaimRef
+from agent.prepare import cdifiles
+from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
 from fixtures.generate import mig_minor
 from tests.kubelet_standin import claim as hand_claim
+from tests.simnvml import NVMLError
 from tests.simnvml_mig import placement
 from tests.mig_node import GPU, MigNode, profile, req, whole
 
@@ -105,6 +109,61 @@ def test_nvml_refusal_fails_the_claim_and_leaves_nothing(node):
     assert res.error and "Insufficient Resources" in res.error and "2g-35gb-2" in res.error
     assert [(g["profile"], g["start"]) for g in nv.instances().values()] == [(5, 0)]  # only the hand-made one
     assert d.checkpoint.claims == {}
+
+
+def _refuse_destroy(node, monkeypatch) -> None:
+    def refuse(h):
+        raise NVMLError(999)  # NVML_ERROR_UNKNOWN
+
+    monkeypatch.setattr(node.sim, "nvmlGpuInstanceDestroy", refuse)
+
+
+def test_an_undo_that_fails_keeps_the_entry_and_its_slices_until_retried(node, monkeypatch):
+    """The spec cannot be written (a full disk) and NVML does not destroy the instance made for
+    the claim: its PrepareStarted entry stays, in memory and on disk, holding the placement's
+    slices; the next start keeps it while NVML still refuses, the kubelet's retry finishes it."""
+    d = driver_for(node)
+    c = hand_claim("a", [("m", f"{GPU}-mig-2g-35gb-2")])
+    uid = c["metadata"]["uid"]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cdifiles, "write_spec", full)
+    _refuse_destroy(node, monkeypatch)
+    err = d.prepare_claims([c])[uid].error
+    assert "No space left on device" in err and "undoing it failed (retried)" in err and "destroying MIG device" in err
+    assert [(g["profile"], g["start"]) for g in node.sim.instances().values()] == [(14, 2)]
+    for entries in (d.checkpoint.claims, Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims):
+        assert entries[uid]["state"] == "PrepareStarted" and [m["start"] for m in entries[uid]["mig"]] == [2]
+    b = hand_claim("b", [("m", f"{GPU}-mig-1g-18gb-3")])
+    assert "memory slice 3" in (d.prepare_claims([b])[b["metadata"]["uid"]].error or "")  # still held
+    again = driver_for(node)
+    assert uid not in again.recover().rolled_back and uid in again.checkpoint.claims  # not undone yet: kept
+    assert len(node.sim.instances()) == 1
+    monkeypatch.undo()
+    assert not d.prepare_claims([c])[uid].error  # the kubelet's retry: undone, then prepared
+    assert d.checkpoint.claims[uid]["state"] == "PrepareCompleted" and len(node.sim.instances()) == 1
+
+
+def test_a_create_whose_rollback_fails_keeps_the_entry(node, monkeypatch):
+    """NVML refuses the claim's second placement and then the destroy of its first: the claim's
+    entry stays, and its unprepare destroys the first once NVML lets it."""
+    d = driver_for(node)
+    d.recover()
+    h = node.sim.nvmlDeviceGetHandleByPciBusId("0000:00:06.0")
+    node.sim.nvmlDeviceCreateGpuInstanceWithPlacement(h, 5, placement(0, 4))  # 4g.71gb by hand
+    c = hand_claim("a", [("m", f"{GPU}-mig-1g-18gb-6"), ("n", f"{GPU}-mig-2g-35gb-2")])
+    uid = c["metadata"]["uid"]
+    _refuse_destroy(node, monkeypatch)
+    err = d.prepare_claims([c])[uid].error
+    assert "Insufficient Resources" in err and "undoing it failed (retried)" in err
+    assert sorted(g["start"] for g in node.sim.instances().values()) == [0, 6]
+    assert Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[uid]["state"] == "PrepareStarted"
+    assert d.unprepare_claims([ref(c)])[uid]  # still refused: an error, the entry kept
+    monkeypatch.undo()
+    assert d.unprepare_claims([ref(c)]) == {uid: None}
+    assert [g["start"] for g in node.sim.instances().values()] == [0] and uid not in d.checkpoint.claims
 
 
 def test_overlapping_placements_of_two_claims_refused_before_nvml(node):

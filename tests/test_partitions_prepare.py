@@ -5,13 +5,15 @@ here too."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
 import pytest
 
+from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
-from agent.prepare.partitions import intent
+from agent.prepare.partitions import Partitions, intent
 from tests.partition_node import CPX_GPU, SPX_GPU, Node, devices_of, mode_of, part_of, whole
 from tests.test_partitions_allocator import gpu_bdf
 
@@ -134,6 +136,61 @@ def test_a_failed_switch_restores_the_previous_mode(tmp_path, failure):
         assert len(pt.partitions) == 1 and not problems  # the kernel shows the old mode whole again
         node.sim.fail = None  # the kubelet's retry then works
         assert not prepare(d, c).error and mode_of(node.root, gpu_bdf(SPX_GPU)) == "CPX/NPS1"
+
+
+def _refuse_spx(monkeypatch) -> None:
+    """The kernel refuses SPX (EBUSY) for any driver made from now on: the mode cannot be restored."""
+    real = Partitions._write
+
+    def refusing(self, gpu, what, value):
+        if value == "SPX":
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(self, gpu, what, value)
+
+    monkeypatch.setattr(Partitions, "_write", refusing)
+
+
+def test_a_failed_switch_not_restored_keeps_the_intent_until_the_retry(tmp_path, monkeypatch):
+    node = Node(str(tmp_path), partition_switch_timeout=0.5)
+    with node.sim:
+        node.sim.fail, node.sim.fail_modes = "stall", {"CPX"}
+        _refuse_spx(monkeypatch)
+        d = driver_for(node)
+        c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
+        uid, bdf = c["metadata"]["uid"], gpu_bdf(SPX_GPU)
+        err = prepare(d, c).error
+        assert err.startswith(f"switching GPU {bdf} from SPX/NPS1 to CPX/NPS1 failed: the kernel shows"), err
+        assert err.endswith(f"undoing it failed (retried): GPU {bdf}: restoring SPX/NPS1 failed too: "
+                            "[Errno 16] Device or resource busy"), err
+        entry = Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[uid]
+        assert entry["state"] == "PrepareStarted" and intent(entry) == {"gpu": bdf, "from": "SPX/NPS1", "to": "CPX/NPS1"}
+        node.sim.fail = None
+        monkeypatch.undo()
+        assert not prepare(d, c).error  # the kubelet's retry: SPX back first, then the switch again
+        assert mode_of(node.root, bdf) == "CPX/NPS1" and d.checkpoint.claims[uid]["state"] == "PrepareCompleted"
+
+
+def test_an_interrupted_switch_not_undone_at_start_is_kept_and_retried(node, monkeypatch):
+    d = driver_for(node)
+    c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
+    uid, bdf = c["metadata"]["uid"], gpu_bdf(SPX_GPU)
+
+    def crash(at: str) -> None:
+        if at == "partition:exposed":
+            raise Crash(at)
+
+    d.fault = crash
+    with pytest.raises(Crash):
+        prepare(d, c)
+    _refuse_spx(monkeypatch)
+    report = Driver(node.settings, node.inventory).recover()
+    assert report.rolled_back == [] and report.host_restored == [] and mode_of(node.root, bdf) == "CPX/NPS1"
+    entry = Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[uid]
+    assert intent(entry) == {"gpu": bdf, "from": "SPX/NPS1", "to": "CPX/NPS1"}  # the next start tries again
+    monkeypatch.undo()
+    report = Driver(node.settings, node.inventory).recover()
+    assert report.rolled_back == [uid] and report.host_restored == [f"{bdf}: restored SPX/NPS1"]
+    assert mode_of(node.root, bdf) == "SPX/NPS1"
 
 
 class Crash(BaseException):

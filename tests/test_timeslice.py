@@ -1,15 +1,20 @@
 """NVIDIA time-slicing as a prepare step (agent/prepare/steps/timeslice.py) on a simulated
 nvidia-smi (it logs its arguments; a marker file makes it fail): set at prepare from the claim's
-GpuConfig, set back to Default at unprepare and after a failure, set again at start, refused for
-shares; never run unless a claim asks."""
+GpuConfig, set back to Default at unprepare and after a failure (the claim's entry kept while it
+cannot be), set again at start, refused for shares; never run unless a claim asks."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
 
+import pytest
+
 from agent.kubeletplugin.types import ClaimRef
+from agent.prepare import cdifiles
+from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
 from discovery.inventory import scan
 from tests.conftest import profile_root
@@ -21,7 +26,8 @@ FAKE_SMI = """import os, sys
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "smi.log"), "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\\n")
-sys.exit(3 if os.path.exists(os.path.join(here, "fail-" + sys.argv[-1])) else 0)
+fail = ("fail-" + sys.argv[-1], "fail-" + sys.argv[-3] + "-" + sys.argv[-1])  # any GPU, or this one
+sys.exit(3 if any(os.path.exists(os.path.join(here, f)) for f in fail) else 0)
 """
 
 
@@ -83,6 +89,44 @@ def test_a_failure_sets_the_changed_gpus_back_and_fails_the_claim(tmp_path):
     res = driver(tmp_path, root).prepare_claims([claim([GPU])])[UID]
     assert "nvidia-smi compute-policy --set-timeslice 3 failed" in res.error
     assert calls(root) == [f"compute-policy -i {uuid(root, GPU)} --set-timeslice 3"]  # nothing changed, nothing to undo
+
+
+def _mark(root: str, name: str, on: bool = True) -> None:
+    path = os.path.join(root, "usr/bin", name)
+    open(path, "w").close() if on else os.remove(path)
+
+
+@pytest.mark.parametrize("where", ["the second GPU's slice", "the spec"])
+def test_a_slice_not_set_back_keeps_the_entry_until_it_is(tmp_path, monkeypatch, where):
+    """The prepare fails (the second GPU refuses its slice, or the spec cannot be written) and
+    the first GPU cannot be set back to Default: the claim's PrepareStarted entry stays, holding
+    its GPUs, so the next claim on them does not inherit Long; the next start and the kubelet's
+    retry set it back."""
+    root = node(tmp_path)
+    a, b = uuid(root, GPU), uuid(root, GPU2)
+    if where == "the spec":
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(cdifiles, "write_spec", full)
+    else:
+        _mark(root, f"fail-{b}-3")
+    _mark(root, "fail-0")
+    d = driver(tmp_path, root)
+    err = d.prepare_claims([claim([GPU, GPU2])])[UID].error
+    assert f"GPU {a}: nvidia-smi compute-policy --set-timeslice 0 failed" in err and "undoing it failed (retried)" in err
+    for entries in (d.checkpoint.claims, Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims):
+        assert entries[UID]["state"] == "PrepareStarted" and entries[UID]["timeslice"][0] == {"gpu": a, "interval": "Long"}
+    other = claim([GPU])
+    other["metadata"]["uid"] = "00000000-0000-4000-8000-00000000000b"
+    assert "ns/ts" in d.prepare_claims([other])[other["metadata"]["uid"]].error  # the GPU is still the claim's
+    again = driver(tmp_path, root)
+    assert again.recover().rolled_back == [] and UID in again.checkpoint.claims  # retried at start, kept
+    _mark(root, "fail-0", False)
+    monkeypatch.undo()
+    assert d.unprepare_claims([ClaimRef("ns", "ts", UID)]) == {UID: None}
+    assert calls(root)[-2:] == [f"compute-policy -i {a} --set-timeslice 0", f"compute-policy -i {b} --set-timeslice 0"]
+    assert UID not in Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims
 
 
 def test_default_interval_and_refusals(tmp_path):

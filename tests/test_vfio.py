@@ -127,6 +127,35 @@ def test_a_bind_that_fails_restores_the_original_driver(node):
     assert d.prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error is None
 
 
+def test_a_bind_that_fails_and_cannot_give_back_keeps_the_entry(node):
+    s, sim, state, driver = node
+    sim.fail_binds("vfio-pci")
+    sim.fail_binds("mlx5_core")  # the original driver does not take it back either
+    d = driver()
+    err = d.prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error
+    assert "bind to vfio-pci" in err and "undoing it failed (retried)" in err
+    entry = Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[UID]
+    assert entry["state"] == "PrepareStarted" and entry["vfio"][0]["driver"] == "mlx5_core"
+    assert sim.driver(VF_BDF) is None
+    assert d.unprepare_claims([ClaimRef("default", "vm", UID)])[UID]  # still not given back: kept
+    sim.fail_binds("mlx5_core", False)
+    assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
+    assert sim.driver(VF_BDF) == "mlx5_core" and UID not in d.checkpoint.claims
+
+
+def test_no_group_node_after_binding_gives_the_function_back(node, monkeypatch):
+    from agent.prepare import vfio
+
+    def no_node(root, device):
+        raise vfio.VfioError(f"{device.pci.bdf}: no VFIO group node after binding (injected)")
+
+    s, sim, state, driver = node
+    monkeypatch.setattr(vfio, "with_vfio_nodes", no_node)
+    d = driver()
+    assert "no VFIO group node after binding" in d.prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error
+    assert sim.driver(VF_BDF) == "mlx5_core" and sim.override(VF_BDF) is None and UID not in d.checkpoint.claims
+
+
 def _route(root: str, iface: str) -> None:
     os.makedirs(os.path.join(root, "proc/net"), exist_ok=True)
     with open(os.path.join(root, "proc/net/route"), "w") as f:

@@ -11,7 +11,8 @@ Prepare is two-phase in the checkpoint so a crash at any point is repaired at th
 Every claim of a call is planned first (planner.py), against one ownership table of what
 every other claim holds (ownership.py), before anything is written; any failure of one claim,
 expected or not, is that claim's error: what was applied for it is undone in reverse and its
-files removed, and the other claims of the call go on.
+files removed (an undo with problems keeps its PrepareStarted entry: retried), and the other
+claims of the call go on.
 
 Unprepare undoes the steps (VFIO functions given back) while the claim is still recorded,
 then saves the checkpoint without it, then removes the specs and metadata; a crash in between
@@ -51,7 +52,7 @@ from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
-from agent.prepare.steps import Planned
+from agent.prepare.steps import NotUndone, Planned
 from agent.prepare.mig import MigDevices, shared_nvml
 from agent.prepare.steps.mig import MigStep
 from agent.prepare.steps.mps import MpsStep
@@ -302,10 +303,16 @@ class Driver:
             stage = "device metadata"
             metadata.write_claim(self.settings, uid, entry)
         except Exception as err:  # noqa: BLE001 - one claim's failure, whatever it is, stays its own
-            self._undo(call.started[uid], {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
+            problems = self._undo(call.started[uid], {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
+            if isinstance(err, NotUndone):
+                err, problems = err.err, err.problems + problems
             self.files.remove(entry, uid, entry["namespace"], entry["name"])
-            del cp.claims[uid]
-            call.out[uid] = PrepareResult(error=claim_error(uid, stage, err))
+            if problems:  # the host is not as before: its PrepareStarted entry stays, devices held, the undo retried
+                cp.claims[uid] = {**call.started[uid], "devices": entry["devices"]}
+            else:
+                del cp.claims[uid]
+            call.out[uid] = PrepareResult(error=claim_error(uid, stage, err) + (
+                "; undoing it failed (retried): " + "; ".join(problems) if problems else ""))
             return
         cp.claims[uid] = entry
 

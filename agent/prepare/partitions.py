@@ -22,6 +22,7 @@ from typing import Callable
 
 from agent.prepare.allocation import ClaimFailed, Result
 from agent.prepare.records import ModeSwitch, PartitionUse
+from agent.prepare.steps import NotUndone
 from discovery import gpuways
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Inventory, Partitioning
@@ -46,6 +47,10 @@ def intent(entry: dict) -> dict | None:
     rec = entry.get("partitions")
     sw = PartitionUse.model_validate(rec).switch if rec else None
     return sw.dump() if sw else None
+
+
+class NotRestored(Exception):
+    """The GPU's previous mode could not be written back: it is left half-switched."""
 
 
 class Partitions:
@@ -178,18 +183,23 @@ class Partitions:
             return got
         except (OSError, TimeoutError) as err:
             why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            restored = self.restore(gpu, before)
-            raise ClaimFailed(f"switching GPU {sw.gpu} from {sw.from_} to {sw.to} failed: {why}; {restored}") from None
+            failed = ClaimFailed(f"switching GPU {sw.gpu} from {sw.from_} to {sw.to} failed: {why}")
+            try:
+                restored = self.restore(gpu, before)
+            except NotRestored as nr:  # half-switched: the intent stays recorded, the undo is retried
+                raise NotUndone(failed, [f"GPU {sw.gpu}: {nr}"]) from None
+            raise ClaimFailed(f"{failed}; {restored}") from None
 
     def restore(self, gpu: Device, mode: tuple[str, str]) -> str:
-        """Back to ``mode`` -> what happened, for the claim's error or the log."""
+        """Back to ``mode`` -> what happened, for the claim's error or the log; NotRestored
+        when the kernel did not take it."""
         pt, _ = self.read(gpu)
         now = (pt.compute_mode, pt.memory_mode or "NPS1") if pt and pt.compute_mode else mode
         try:
             self._apply(gpu, now, mode, pt.xcds if pt else None)
         except (OSError, TimeoutError) as err:
             log.error("GPU %s: restoring %s failed: %s", gpu.pci.bdf, "/".join(mode), err)
-            return f"restoring {'/'.join(mode)} failed too: {err}"
+            raise NotRestored(f"restoring {'/'.join(mode)} failed too: {err}") from None
         return f"restored {'/'.join(mode)}"
 
     def devices_after(self, pt: Partitioning, results: list[Result], table: dict[str, gpuways.Way]) -> dict[str, Device]:
@@ -200,12 +210,16 @@ class Partitions:
 
     def undo(self, sw: ModeSwitch, others: dict[str, PartitionUse]) -> str | None:
         """A switch of a prepare that did not complete: the GPU back in ``sw.from_``, unless a
-        prepared claim (``others``) runs it in the new mode. -> what was done, for the report."""
+        prepared claim (``others``) runs it in the new mode. -> what was done, for the report;
+        NotRestored when the GPU stays in another mode (the caller keeps the intent and retries)."""
         if sw.from_ == sw.to or any(rec.uses.get(sw.gpu) == sw.to for rec in others.values()):
             return None
         try:
             gpu = self._gpu(sw.gpu)
         except ClaimFailed as err:
+            # gone from the node (unplugged, its driver unbound): nothing here to write back, and the
+            # mode it comes back in is the kernel's; the next claim's plan reads it afresh. Retrying
+            # would only keep the claim's entry, and fail its unprepare, for as long as it is away.
             return str(err)
         pt, _ = self.read(gpu)
         if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == _mode(sw.from_) \

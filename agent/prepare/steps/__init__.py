@@ -7,7 +7,8 @@ claim's checkpoint entry under the step's ``key``:
   durably (in the PrepareStarted entry) before ``apply`` runs.
 - ``holds(record)`` -> what the change holds (prepare/ownership.py), refused on conflict.
 - ``apply(planned, record)`` -> (the record to keep once prepared, devices as they are after
-  the change); on its own failure it puts the host back as it was and raises.
+  the change); on its own failure it puts the host back as it was and raises, ``NotUndone``
+  when it could not (the claim keeps its entry, as for ``undo``'s problems).
 - ``undo(record, others)`` -> ``Undone``: on a later failure, on unprepare, and at start for an
   interrupted prepare. ``others``: the other claims' entries. With problems the host is not
   as before: the claim keeps its entry and the undo is retried.
@@ -51,6 +52,14 @@ class Planned:
 class Undone:
     problems: list[str] = field(default_factory=list)  # what could not be put back
     notes: list[str] = field(default_factory=list)  # what was put back, for the recovery report
+
+
+class NotUndone(Exception):
+    """``apply`` failed (``err``, the claim's error) and could not put the host back (``problems``)."""
+
+    def __init__(self, err: Exception, problems: list[str]):
+        super().__init__(f"{err}; not undone: {'; '.join(problems)}")
+        self.err, self.problems = err, problems
 
 
 class RecordsOf:

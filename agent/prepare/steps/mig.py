@@ -22,7 +22,7 @@ from typing import Callable
 from agent.prepare.mig import MigDevices
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import MigDevice
-from agent.prepare.steps import Planned, RecordsOf, Undone
+from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
 from discovery import gpuways
 from discovery.attributes import _value
 from discovery.models import Device
@@ -70,8 +70,9 @@ class MigStep(RecordsOf):
                 made = self.devices.create(rec)
                 done.append(made)
                 devices.update(self._device(made, planned.names.get(rec.device), made.gi, made.ci))
-        except Exception:
-            self.undo(tuple(done), {})
+        except Exception as err:
+            if (undone := self.undo(tuple(done), {})).problems:
+                raise NotUndone(err, undone.problems) from err
             raise
         return tuple(done) + record[len(done):], devices
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from agent.prepare.ownership import Hold, Ownership
-from agent.prepare.partitions import Partitions
+from agent.prepare.partitions import NotRestored, Partitions
 from agent.prepare.records import COMPLETED, PartitionUse
 from agent.prepare.steps import Planned, RecordOf, Undone
 from discovery.models import Device
@@ -54,7 +54,10 @@ class PartitionStep(RecordOf):
         if record.switch is None:
             return Undone()
         prepared = {u: rec for u, (_, rec) in self._others(others).items() if others[u].get("state") == COMPLETED}
-        note = self.partitions.undo(record.switch, prepared)
+        try:
+            note = self.partitions.undo(record.switch, prepared)
+        except NotRestored as err:  # not back: the entry and its intent stay, the undo is retried
+            return Undone(problems=[f"GPU {record.switch.gpu}: {err}"])
         return Undone(notes=[note] if note else [])
 
     def recover(self, record: PartitionUse) -> bool:

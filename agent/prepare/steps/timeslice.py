@@ -21,7 +21,7 @@ from agent.prepare.claimconfig import GpuConfig, config_for, opaque_configs
 from agent.prepare.nvidia import needs_driver
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import TimeSlice
-from agent.prepare.steps import Planned, RecordsOf, Undone
+from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
 from discovery.models import Device
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,9 @@ class TimeSliceStep(RecordsOf):
             for ts in record:
                 self._set(ts.gpu, ts.interval)
                 done.append(ts)
-        except ClaimFailed:
-            self.undo(tuple(done), {})
+        except ClaimFailed as err:
+            if (undone := self.undo(tuple(done), {})).problems:
+                raise NotUndone(err, undone.problems) from err
             raise
         return record, {}
 

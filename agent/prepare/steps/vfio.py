@@ -16,7 +16,7 @@ from typing import Callable
 from agent.prepare import vfio
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
-from agent.prepare.steps import Planned, RecordsOf, Undone
+from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
 from agent.prepare.vfio_kernel import PciKernel
 from discovery.models import Device
 
@@ -42,9 +42,14 @@ class VfioStep(RecordsOf):
         return [Hold(r.bdf, "vfio") for r in record]
 
     def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
-        vfio.bind_all(self.kernel, list(record), self.fault)
-        return record, self.devices_now(record, {r.device: planned.inventory[r.device] for r in planned.results
-                                                 if r.device in planned.inventory})
+        try:
+            vfio.bind_all(self.kernel, list(record), self.fault)
+            return record, self.devices_now(record, {r.device: planned.inventory[r.device] for r in planned.results
+                                                     if r.device in planned.inventory})
+        except vfio.VfioError as err:  # all given back (again: idempotent); one still away keeps the claim's entry
+            if (undone := self.undo(record, {})).problems:
+                raise NotUndone(err, undone.problems) from err
+            raise
 
     def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
         """The claim's ``devices`` that are bound, with the nodes a VFIO user opens, as the kernel
