@@ -72,6 +72,8 @@ def test_every_feature_reaches_the_agent(tmp_path):
     # the driver root under --root, read-only; /sys writable for vfio and partition switches
     assert mounts["/host/run/nvidia/driver"]["readOnly"] is True
     assert volumes[mounts["/host/run/nvidia/driver"]["name"]]["hostPath"]["path"] == "/run/nvidia/driver"
+    # a driver container mounts the driver there (again at each upgrade) after the agent started
+    assert mounts["/host/run/nvidia/driver"]["mountPropagation"] == "HostToContainer"
     assert mounts["/host/sys"]["readOnly"] is False
     # nvidia.mps: the MPS daemons' shm tmpfs, mounted by a privileged agent, reaches the host
     assert mounts["/var/lib/kubelet/plugins"]["mountPropagation"] == "Bidirectional"
@@ -129,6 +131,10 @@ def test_default_daemonset():
     # not privileged, no propagation back to the host, unless nvidia.mps asks
     assert c["securityContext"]["privileged"] is False and c["securityContext"]["allowPrivilegeEscalation"] is False
     assert "mountPropagation" not in mounts["/var/lib/kubelet/plugins"]
+    assert pod["tolerations"] == [{"operator": "Exists"}]  # tainted GPU pools get their agent too
+    # the host's own driver root: no propagation from the whole host
+    (c,) = _one(_objects_set("nvidia.enabled=true"), "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert [m.get("mountPropagation") for m in c["volumeMounts"] if m["name"] == "nvidia-driver-root"] == [None]
 
 
 def test_without_nri_the_agent_keeps_dac_override_alone():
