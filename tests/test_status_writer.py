@@ -276,6 +276,34 @@ def test_release_drops_a_waiting_write_and_a_failed_one_is_not_retried():
     assert backend.writes == [(a.uid, _entries("gpu-0"))]
 
 
+class ReadingApiBackend(ApiLikeBackend):
+    """As the API backend: reads the claim (here: waits at the gate), then asks ``latest()`` what to
+    write now; records what it wrote."""
+
+    sent: list[tuple[str, list[dict]]]
+
+    def write(self, ref: ClaimRef, entries: list[dict], latest=None) -> None:
+        super().write(ref, entries)  # counts and gates: the claim read
+        now = latest() if latest is not None else entries
+        with self._lock:
+            self.sent = [*getattr(self, "sent", []), (ref.uid, now)]
+
+
+def test_a_write_in_flight_when_its_claim_is_unprepared_writes_nothing():
+    """Its claim read, its entries not yet sent: the unprepare (``release``) comes; the Ready
+    entries of the released devices are not written."""
+    backend = ReadingApiBackend()
+    writer = StatusWriter(backend)
+    writer.recorded = lambda ref: None  # no longer prepared
+    a = _ref(1)
+    writer.submit(a, _entries("gpu-0"))
+    backend.wait_began(a.uid)
+    writer.release(a)
+    backend.gate(a.uid).set()
+    assert writer.wait_idle(5)
+    assert len(backend.writes) == 1 and getattr(backend, "sent", []) == [] and writer.failed == 0  # read, not sent
+
+
 def test_release_on_a_backend_without_it_removes_our_entries():
     backend = GatedBackend()
     backend.gate(_ref(1).uid).set()

@@ -82,6 +82,10 @@ class _Pending:
     retry_at: float = 0.0
 
 
+class Released(StatusRefused):
+    """The claim was unprepared while its write was in flight: the write is dropped."""
+
+
 class StatusWriter:
     """Per claim, the latest submitted state wins and at most one write is in flight: a later
     state (an unprepare's ``[]``) is written after the earlier one's write finished, never
@@ -220,6 +224,9 @@ class StatusWriter:
                 changed = self.backend.write(ref, entries, **kw)
             else:
                 changed = self.backend.write(ref, entries, lambda: self._latest(p), **kw)
+        except Released as err:
+            log.debug("%s: nothing written", err)
+            return False
         except EntriesInvalid as err:
             self._fail(ref, entries, INVALID, str(err))
             return False
@@ -241,7 +248,11 @@ class StatusWriter:
     def _latest(self, p: _Pending) -> list[dict]:
         """What to write, asked right after the backend read the claim: a prepare's entries as the
         driver records them now (``sysdra metadata update`` may have changed them since the
-        submit); a removal stays a removal."""
+        submit); a removal stays a removal. A prepare's entries of a claim unprepared since the
+        write began are not written (``Released``): they would say Ready for released devices."""
+        with self._lock:
+            if p.entries and p.ref.uid in self._released:
+                raise Released(f"claim {p.ref.namespace}/{p.ref.name} was unprepared while its status was being written")
         recorded = self.recorded(p.ref) if p.entries else None
         if recorded is None or recorded == p.entries:
             return p.entries
