@@ -3,7 +3,8 @@
 A kubelet timeout cancels only the awaiting coroutine; the call's worker thread goes on. A
 prepare the kubelet gave up on must prepare nothing (its unprepare may already have run: the
 serialize lock is not FIFO, and an unprepare of an unknown claim succeeds without a trace), and
-neither may a prepare whose claim was unprepared after it began.
+neither may a prepare whose claim was unprepared after it began. A call's claim reads from a
+slow API server answer per-claim errors within the kubelet's 45 s, never a DeadlineExceeded.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 
 import grpc
+import psutil
 import pytest
 
 from agent.kubeletplugin import KubeletPlugin
-from agent.kubeletplugin.claims import DirClaimSource
+from agent.kubeletplugin.claims import DirClaimSource, KubeClaimSource
 from agent.kubeletplugin.service import SerializeLock
 from agent.prepare.driver import Driver
-from tests.controlplane import wait_until
+from tests.controlplane import unique, wait_until
 from tests.kubelet_standin import DRIVER, KubeletStandIn, claim, gpu, inventory, settings_for, store_claim
 from tests.test_kubeletplugin import Env, _waiting_for_flock
 
@@ -139,3 +142,49 @@ def test_a_prepare_overtaken_by_its_claims_unprepare_prepares_nothing(tmp_path, 
             source.release.set()
             await plugin.stop()
     asyncio.run(main())
+
+
+def test_claim_reads_from_a_slow_api_server_answer_within_the_kubelets_deadline(apiserver, tmp_path):
+    """The real kube-apiserver, slow because its storage is: etcd stopped (SIGSTOP), a GET waits
+    (a GET without resourceVersion is read from etcd, not the watch cache). Each read would
+    end at the request timeout (10 s); six of them one after another outlast the kubelet's 45 s."""
+    from lightkube import AsyncClient
+    from lightkube.config.kubeconfig import KubeConfig
+
+    namespace = "slow-reads"
+    try:
+        apiserver.create_namespace(namespace)
+    except Exception:  # noqa: BLE001 - exists from another test of the session
+        pass
+    claims = [apiserver.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                "metadata": {"name": unique("c"), "namespace": namespace},
+                                "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}})
+              for _ in range(6)]
+    settings = settings_for(str(tmp_path))
+    source = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig)))
+    plugin = KubeletPlugin(settings, Driver(settings, lambda: inventory(gpu(0))), source)
+    (etcd,) = [p for p in apiserver._procs if p.name == "etcd"]
+    etcd = [psutil.Process(etcd.pid), *psutil.Process(etcd.pid).children(recursive=True)]  # the peer wrapper's too
+
+    async def main():
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(settings.registry_dir)
+            await kubelet.register()
+            plugin._core.read_budget = 2.0  # the test's, well below the request timeout
+            for p in etcd:
+                p.send_signal(signal.SIGSTOP)
+            try:
+                resp = await kubelet.prepare(*claims)  # the kubelet's 45 s deadline
+            finally:
+                for p in etcd:
+                    p.send_signal(signal.SIGCONT)
+            for c in claims:
+                m = c["metadata"]
+                assert resp.claims[m["uid"]].error == (f"ResourceClaim {namespace}/{m['name']} not read within 2 s: "
+                                                       "the API server is slow")
+        finally:
+            await plugin.stop()
+            source.api.close()
+    asyncio.run(main())
+    wait_until(lambda: apiserver.http().get("/readyz", timeout=5).status_code == 200, 60, what="the API server after etcd")
