@@ -48,6 +48,7 @@ class KubeletClient:
         self.prefer = prefer  # force a DRA service version (tests exercise both)
         self.info = None
         self.service: str | None = None
+        self.timeout: float = CALL_TIMEOUT  # a call's deadline (tests shorten it to play a kubelet that gave up)
 
     async def register(self, socket_path: str | None = None) -> None:
         if socket_path is None:
@@ -68,7 +69,7 @@ class KubeletClient:
         req_cls = pb.NodePrepareResourcesRequest if method == "NodePrepareResources" else pb.NodeUnprepareResourcesRequest
         req = req_cls(claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims])
         async with grpc.aio.insecure_channel("unix:" + self.info.endpoint) as ch:
-            return await getattr(pb_grpc.DRAPluginStub(ch), method)(req, timeout=CALL_TIMEOUT)
+            return await getattr(pb_grpc.DRAPluginStub(ch), method)(req, timeout=self.timeout)
 
     async def prepare(self, *claims: dict | tuple[str, str, str]):
         return await self._call("NodePrepareResources", [claim_ref(c) for c in claims])

@@ -1,0 +1,190 @@
+"""Kubelet calls that outlive the kubelet's patience, over the real gRPC path.
+
+A kubelet timeout cancels only the awaiting coroutine; the call's worker thread goes on. A
+prepare the kubelet gave up on must prepare nothing (its unprepare may already have run: the
+serialize lock is not FIFO, and an unprepare of an unknown claim succeeds without a trace), and
+neither may a prepare whose claim was unprepared after it began. A call's claim reads from a
+slow API server answer per-claim errors within the kubelet's 45 s, never a DeadlineExceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+
+import grpc
+import psutil
+import pytest
+
+from agent.kubeletplugin import KubeletPlugin
+from agent.kubeletplugin.claims import DirClaimSource, KubeClaimSource
+from agent.kubeletplugin.service import SerializeLock
+from agent.prepare.driver import Driver
+from tests.controlplane import unique, wait_until
+from tests.kubelet_standin import DRIVER, KubeletStandIn, claim, gpu, inventory, settings_for, store_claim
+from tests.test_kubeletplugin import Env, _waiting_for_flock
+
+GAVE_UP = 0.5  # the short deadline of a kubelet that gives up: every call it is used for is held past it
+
+
+class HeldReads(DirClaimSource):
+    """The ``dir:`` store, where reading claim ``held`` waits for ``release`` (a slow GET)."""
+
+    def __init__(self, path: str, held: str):
+        super().__init__(path)
+        self.held, self.reading, self.release = held, threading.Event(), threading.Event()
+
+    def read_claim(self, namespace: str, name: str) -> dict:
+        if name == self.held:
+            self.reading.set()
+            assert self.release.wait(60)
+        return super().read_claim(namespace, name)
+
+
+def _count_lock_runs(plugin) -> list[int]:
+    """How many runs under the serialize lock have ended (the handshake for an abandoned call's
+    thread, whose answer nobody receives)."""
+    ended, run = [0], plugin._lock.run
+
+    def counted(fn, arg):
+        try:
+            return run(fn, arg)
+        finally:
+            ended[0] += 1
+    plugin._lock.run = counted
+    return ended
+
+
+def _spec(settings, uid: str) -> str:
+    return os.path.join(settings.cdi_dir, f"k8s.{DRIVER}-claim_{uid}.json")
+
+
+async def _gave_up(kubelet, call, c, caplog) -> None:
+    """``call(c)`` with a deadline the kubelet gives up at; returns once the plugin saw it."""
+    kubelet.timeout = GAVE_UP
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(c)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        kubelet.timeout = 45
+    uid = c["metadata"]["uid"]
+    await asyncio.to_thread(wait_until, lambda: f"the kubelet gave up on the prepare of claims {uid}" in caplog.text,
+                            30, what="the plugin to see the cancel")
+
+
+def test_a_prepare_the_kubelet_gave_up_on_prepares_nothing(tmp_path, caplog):
+    """Its thread waited for the lock (another instance held it) past the kubelet's deadline."""
+    caplog.set_level(logging.WARNING, logger="agent.kubeletplugin.service")
+    e = Env(tmp_path)
+    held, release = threading.Event(), threading.Event()
+    lock_path = os.path.join(e.settings.plugin_dir, "serialize.lock")
+
+    async def main():
+        async with e:
+            ended = _count_lock_runs(e.plugin)
+            c = store_claim(e.settings, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            other = threading.Thread(target=SerializeLock(lock_path).run, args=(lambda _: (held.set(), release.wait(60)), None))
+            other.start()
+            try:
+                assert held.wait(30)
+                await _gave_up(e.kubelet, e.kubelet.prepare, c, caplog)
+                await asyncio.to_thread(wait_until, lambda: _waiting_for_flock(lock_path), 30, what="the prepare to wait for the lock")
+            finally:
+                release.set()
+                other.join()
+            await asyncio.to_thread(wait_until, lambda: ended[0] == 1, 30, what="the abandoned prepare's thread")
+            uid = c["metadata"]["uid"]
+            assert uid not in e.driver.checkpoint.claims and not os.path.exists(_spec(e.settings, uid))
+            # nothing stays behind: the kubelet's retry prepares it
+            assert (await e.kubelet.prepare(c)).claims[uid].error == ""
+            assert os.path.exists(_spec(e.settings, uid))
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("abandoned", [True, False], ids=["kubelet-gave-up", "cancel-not-seen-yet"])
+def test_a_prepare_overtaken_by_its_claims_unprepare_prepares_nothing(tmp_path, caplog, abandoned):
+    """Its claim's read was slow; the kubelet unprepared the claim meanwhile. Not abandoned: the
+    kubelet's cancel had not reached the plugin yet (it is asynchronous), which the unprepare
+    marks cover."""
+    caplog.set_level(logging.WARNING, logger="agent.kubeletplugin.service")
+    settings = settings_for(str(tmp_path))
+    source = HeldReads(settings.cluster_dir, "c")
+    driver = Driver(settings, lambda: inventory(gpu(0)))
+
+    async def main():
+        plugin = KubeletPlugin(settings, driver, source)
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(settings.registry_dir)
+            await kubelet.register()
+            ended = _count_lock_runs(plugin)
+            c = store_claim(settings, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            uid = c["metadata"]["uid"]
+            if abandoned:
+                await _gave_up(kubelet, kubelet.prepare, c, caplog)
+            else:
+                preparing = asyncio.ensure_future(kubelet.prepare(c))
+            assert await asyncio.to_thread(source.reading.wait, 30)
+            assert (await kubelet.unprepare(c)).claims[uid].error == ""  # unknown yet: succeeds
+            source.release.set()
+            if abandoned:
+                await asyncio.to_thread(wait_until, lambda: ended[0] == 2, 30, what="the abandoned prepare's thread")
+            else:
+                assert "unprepared after this prepare began" in (await preparing).claims[uid].error
+            assert uid not in driver.checkpoint.claims and not os.path.exists(_spec(settings, uid))
+            # the kubelet preparing it again (a new pod) is not stale
+            assert (await kubelet.prepare(c)).claims[uid].error == ""
+        finally:
+            source.release.set()
+            await plugin.stop()
+    asyncio.run(main())
+
+
+def test_claim_reads_from_a_slow_api_server_answer_within_the_kubelets_deadline(apiserver, tmp_path):
+    """The real kube-apiserver, slow because its storage is: etcd stopped (SIGSTOP), a GET waits
+    (a GET without resourceVersion is read from etcd, not the watch cache). Each read would
+    end at the request timeout (10 s); six of them one after another outlast the kubelet's 45 s."""
+    from lightkube import AsyncClient
+    from lightkube.config.kubeconfig import KubeConfig
+
+    namespace = "slow-reads"
+    try:
+        apiserver.create_namespace(namespace)
+    except Exception:  # noqa: BLE001 - exists from another test of the session
+        pass
+    claims = [apiserver.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                "metadata": {"name": unique("c"), "namespace": namespace},
+                                "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}})
+              for _ in range(6)]
+    settings = settings_for(str(tmp_path))
+    source = KubeClaimSource(AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig)))
+    plugin = KubeletPlugin(settings, Driver(settings, lambda: inventory(gpu(0))), source)
+    (etcd,) = [p for p in apiserver._procs if p.name == "etcd"]
+    etcd = [psutil.Process(etcd.pid), *psutil.Process(etcd.pid).children(recursive=True)]  # the peer wrapper's too
+
+    async def main():
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(settings.registry_dir)
+            await kubelet.register()
+            plugin._core.read_budget = 2.0  # the test's, well below the request timeout
+            for p in etcd:
+                p.send_signal(signal.SIGSTOP)
+            try:
+                resp = await kubelet.prepare(*claims)  # the kubelet's 45 s deadline
+            finally:
+                for p in etcd:
+                    p.send_signal(signal.SIGCONT)
+            for c in claims:
+                m = c["metadata"]
+                assert resp.claims[m["uid"]].error == (f"ResourceClaim {namespace}/{m['name']} not read within 2 s: "
+                                                       "the API server is slow")
+        finally:
+            await plugin.stop()
+            source.api.close()
+    asyncio.run(main())
+    wait_until(lambda: apiserver.http().get("/readyz", timeout=5).status_code == 200, 60, what="the API server after etcd")
