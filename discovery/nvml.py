@@ -8,8 +8,12 @@ it begins, not while it waits behind others: a MIG change (prepare/mig.py) may t
 a query queued behind it is no sign of a hung driver. A caller gives up before its call began only
 when the call running ahead outlasts its own timeout; its call is then never run.
 
-Once NVML fails to load or a query times out, queries are not asked again; the GPU's facts then
-come from the table (``discovery/nvidia.py``), never flapping between the two. Changes (``run``)
+Once a query times out, queries are not asked again; the GPU's facts then come from the table
+(``discovery/nvidia.py``), never flapping between the two. An NVML that failed to open is not
+hung: the kernel driver may load after the agent (the GPU operator, boot order), so ``shared`` opens
+it again on a later call, backing off (``RETRY``), and its callers ask only while a GPU is bound to
+the nvidia driver; one whose initialisation hung is never opened again. A GPU query that failed
+is asked again when a scan next reads the GPU (a reset, a GPU given back from vfio-pci). Changes (``run``)
 are refused only while a call runs past its timeout (nothing piles up behind a hung driver), and
 accepted again once the thread answers: a query that gave up does not take MIG prepare down.
 
@@ -40,8 +44,7 @@ LIBRARY = "libnvidia-ml.so.1"
 CONTROL_NODE = "/dev/nvidiactl"
 
 
-_SHARED: dict[tuple[str, str], "Nvml | None"] = {}
-_SHARED_LOCK = threading.Lock()
+RETRY = (10.0, 300.0)  # seconds from a failed open to the next try: the first, the most (doubling)
 
 
 class NvmlSource(Protocol):
@@ -86,9 +89,15 @@ class _Worker:
         self.changed = threading.Condition()  # a call began or ended
         threading.Thread(target=self._run, name="nvml", daemon=True).start()
 
+    def close(self) -> None:
+        """Let the thread end once the calls queued before this one ran (an NVML that did not open)."""
+        self.calls.put(None)
+
     def _run(self) -> None:
         while True:
             call = self.calls.get()
+            if call is None:
+                return
             if not call.fut.set_running_or_notify_cancel():
                 continue  # its caller gave up before it began
             with self.changed:
@@ -136,7 +145,8 @@ class Nvml:
         self.worker = worker
         self.where = where
         self.failed: str | None = None
-        self._devices: dict[str, NvmlDevice | None] = {}
+        self._devices: dict[str, NvmlDevice] = {}
+        self._unanswered: set[str] = set()  # GPUs whose last query failed (logged once)
 
     @classmethod
     def open(cls, root: str, driver_root: str = "/", timeout: float = 5.0, pynvml=None,
@@ -144,27 +154,27 @@ class Nvml:
         """NVML loaded from the driver root, initialised; None (and one log line) when the node
         has no NVML or it fails. ``pynvml`` and ``load`` (the library loader) are for a simulated
         NVML in tests."""
-        nvml, why = cls.probe(root, driver_root, timeout, pynvml=pynvml, load=load)
-        if nvml is not None:
-            log.info("NVML: loaded %s", nvml.where)
-        elif why.startswith(f"no {LIBRARY} "):  # a node without the NVIDIA driver: nothing is wrong
-            log.info("NVML: %s: GPU facts from the PCI ID table", why)
-        else:
-            log.warning("NVML: %s: GPU facts from the PCI ID table", why)
+        nvml, why, _ = cls._probe(root, driver_root, timeout, pynvml, load)
+        _log_open(nvml, why)
         return nvml
 
     @classmethod
     def probe(cls, root: str, driver_root: str = "/", timeout: float = 5.0, pynvml=None,
               load: Callable[[str], object] | None = None) -> tuple[Nvml | None, str]:
         """``open`` without its log line: (NVML, "") or (None, why not)."""
+        return cls._probe(root, driver_root, timeout, pynvml, load)[:2]
+
+    @classmethod
+    def _probe(cls, root, driver_root, timeout, pynvml, load) -> tuple[Nvml | None, str, bool]:
+        """-> (NVML, "", False) or (None, why not, whether a later try may do better)."""
         path = find_library(root, driver_root)
-        if path is None:
-            return None, f"no {LIBRARY} under {root} (driver root {driver_root})"
+        if path is None:  # the GPU operator's driver container may not have put it there yet
+            return None, f"no {LIBRARY} under {root} (driver root {driver_root})", True
         if pynvml is None:
             try:
                 import pynvml
             except ImportError as err:
-                return None, f"nvidia-ml-py is not installed ({err})"
+                return None, f"nvidia-ml-py is not installed ({err})", False
         load = load or (lambda p: ctypes.CDLL(p, mode=os.RTLD_GLOBAL | os.RTLD_NOW))
         worker = _Worker(timeout)
         loaded = []
@@ -177,21 +187,22 @@ class Nvml:
         try:
             worker.call(init)
         except Exception as err:  # noqa: BLE001 - a timeout, a load error or an NVML error
+            hung = isinstance(err, TimeoutError)  # its thread is stuck in the driver: no second init beside it
+            if not hung:
+                worker.close()
             return None, f"{path} failed to initialise ({_why(err)})" + (
                 "" if not loaded or os.path.exists(CONTROL_NODE) else
                 f"; this process has no {CONTROL_NODE}: NVML needs the GPUs' device nodes (in a container: "
-                "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)")
-        return cls(pynvml, worker, path), ""
+                "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)"), not hung
+        return cls(pynvml, worker, path), "", False
 
     @classmethod
-    def shared(cls, root: str, driver_root: str = "/") -> Nvml | None:
+    def shared(cls, root: str, driver_root: str = "/", retry: bool = True) -> Nvml | None:
         """One NVML per host root and driver root for the whole process (the scans and the health
-        events use the same); opened on first use. Blocks: call it in a thread."""
-        key = (os.path.abspath(root), driver_root)
-        with _SHARED_LOCK:
-            if key not in _SHARED:
-                _SHARED[key] = cls.open(root, driver_root)
-            return _SHARED[key]
+        events use the same); opened on first use, and again on a later call with ``retry`` (a GPU
+        is bound to the nvidia driver) while it is not (the module docstring). Blocks: call it in
+        a thread."""
+        return SHARED.get(root, driver_root, retry)
 
     def call(self, what: str, fn: Callable):
         """``fn()`` on the NVML thread: its result, or None (logged) when it fails or times out."""
@@ -216,10 +227,11 @@ class Nvml:
         return self.pynvml.nvmlDeviceGetHandleByPciBusId(bdf)
 
     def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
-        """Static, so asked with the GPU's other facts, once; empty for a GPU without MIG."""
-        return (self.device(bdf) or NvmlDevice()).mig_profiles
+        """Static, so asked with the GPU's other facts, once; empty for a GPU without MIG. A GPU
+        whose last query failed is not asked again here: its facts, read first, just asked."""
+        return ((None if bdf in self._unanswered else self.device(bdf)) or NvmlDevice()).mig_profiles
 
-    def _ask(self, what: str, fn: Callable):
+    def _ask(self, what: str, fn: Callable, quiet: bool = False):
         if self.failed:
             return None
         try:
@@ -228,7 +240,7 @@ class Nvml:
             self.failed = f"{what} timed out after {self.worker.timeout} s"
             log.error("NVML: %s; not asked again, GPU facts from the PCI ID table", self.failed)
         except Exception as err:  # noqa: BLE001 - NVML_ERROR_* for this query only
-            log.warning("NVML: %s: %s", what, _why(err))
+            log.log(logging.DEBUG if quiet else logging.WARNING, "NVML: %s: %s", what, _why(err))
         return None
 
     def system(self) -> tuple[str | None, int | None]:
@@ -238,9 +250,15 @@ class Nvml:
         return (_text(version), cuda if _is_int(cuda) else None)
 
     def device(self, bdf: str) -> NvmlDevice | None:
-        """Static facts, so asked once per GPU (a new UUID at the same address is a new GPU)."""
+        """Static facts, so kept once answered (a new UUID at the same address is a new GPU); a
+        query that failed is asked again next time (the module docstring), its warning given once."""
         if bdf not in self._devices:
-            self._devices[bdf] = self._ask(f"GPU {bdf}", lambda: self._query(bdf))
+            answer = self._ask(f"GPU {bdf}", lambda: self._query(bdf), quiet=bdf in self._unanswered)
+            if answer is None:
+                self._unanswered.add(bdf)
+                return None
+            self._devices[bdf] = answer
+            self._unanswered.discard(bdf)
         return self._devices[bdf]
 
     def _query(self, bdf: str) -> NvmlDevice:
@@ -268,6 +286,60 @@ class Nvml:
             architecture=arch if _is_int(arch) else None, brand=brand if _is_int(brand) else None,
             compute_capability=tuple(cc) if isinstance(cc, tuple) and len(cc) == 2 and all(map(_is_int, cc)) else None,
         )
+
+
+class Sharing:
+    """The process's NVML per (host root, driver root), for ``Nvml.shared``. ``opener(root,
+    driver_root)`` -> ``Nvml._probe``'s triple and ``clock`` are for a simulated NVML in tests."""
+
+    def __init__(self, opener: Callable | None = None, clock: Callable[[], float] = time.monotonic):
+        self.opener = opener or (lambda root, driver_root: Nvml._probe(root, driver_root, 5.0, None, None))
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.opened: dict[tuple[str, str], Nvml] = {}
+        self.failing: dict[tuple[str, str], tuple[int, float | None, str]] = {}  # tries, next try (None: never), why
+
+    def get(self, root: str, driver_root: str = "/", retry: bool = True) -> Nvml | None:
+        key = (os.path.abspath(root), driver_root)
+        with self.lock:  # one open at a time: callers behind it get its answer
+            if key in self.opened:
+                return self.opened[key]
+            tries, next_try, last = self.failing.get(key, (0, 0.0, ""))
+            if tries and (not retry or next_try is None or self.clock() < next_try):
+                return None
+            nvml, why, again = self.opener(root, driver_root)
+            if nvml is None:
+                wait = min(RETRY[0] * 2**tries, RETRY[1])
+                self.failing[key] = (tries + 1, self.clock() + wait if again else None, why)
+                if why != last:  # the same reason again is no news
+                    _log_open(None, why)
+                log.debug("NVML: %s", f"tried again in {wait:.0f} s" if again else "not tried again")
+                return None
+            self.opened[key] = nvml
+            self.failing.pop(key, None)
+            if tries:  # the driver came up after the agent
+                log.info("NVML: loaded %s after %d failed tries", nvml.where, tries)
+            else:
+                _log_open(nvml, "")
+            return nvml
+
+
+SHARED = Sharing()
+
+
+def _log_open(nvml: Nvml | None, why: str) -> None:
+    if nvml is not None:
+        log.info("NVML: loaded %s", nvml.where)
+    elif why.startswith(f"no {LIBRARY} "):  # a node without the NVIDIA driver: nothing is wrong
+        log.info("NVML: %s: GPU facts from the PCI ID table", why)
+    else:
+        log.warning("NVML: %s: GPU facts from the PCI ID table", why)
+
+
+def nvidia_bound(inventory) -> bool:
+    """Whether a GPU of the inventory is bound to the nvidia driver: only then can a failed NVML
+    open do better next time (a node without NVIDIA GPUs, or before the driver loads, never)."""
+    return inventory is not None and any(d.pci.driver == "nvidia" for d in inventory.devices)
 
 
 def _is_int(v) -> bool:

@@ -326,10 +326,10 @@ def install_from_env() -> SimMigNvml | None:
     from discovery.nvml import Nvml
 
     sim = SimMigNvml(state=path)
-    real = Nvml.open.__func__
+    real = Nvml._probe.__func__
 
-    def open_sim(cls, root, driver_root="/", timeout=5.0, pynvml=None, load=None):
-        return real(cls, root, driver_root, timeout, pynvml=sim, load=lambda p: None)
+    def probe_sim(cls, root, driver_root, timeout, pynvml, load):  # under open, probe and shared alike
+        return real(cls, root, driver_root, timeout, sim, lambda p: None)
 
-    Nvml.open = classmethod(open_sim)
+    Nvml._probe = classmethod(probe_sim)
     return sim

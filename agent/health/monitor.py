@@ -62,6 +62,8 @@ class HealthMonitor:
         self.nvidia_files = DriverFilesCache(settings.root, settings.nvidia_driver_root)
         self.settings = settings
         self.xid: XidWatch | None = None
+        self._nvml_missing = False  # watch_gpu_events found no NVML: rounds ask again
+        self.nvml_up: Callable[[], None] = lambda: None  # NVML came up after the agent (the daemon rescans)
         self.pool = settings.node_name
         self.interval = settings.health_interval
         self._inventory_fn = inventory_fn
@@ -99,12 +101,17 @@ class HealthMonitor:
 
     async def watch_gpu_events(self, nvml=None) -> bool:
         """NVIDIA XID/ECC events from NVML (agent/health/xid.py) mark their GPU unhealthy at
-        once. Call after ``start``; False when NVML is off, absent or refuses."""
+        once. Call after ``start``; False when NVML is off, absent or refuses. An NVML not up yet
+        (the driver loads after the agent) is asked for again after each round while a GPU is
+        bound to nvidia (discovery/nvml.py backs off); ``nvml_up`` is called once it is."""
         s = self.settings
         if nvml is None and s.nvml:
             from discovery.nvml import Nvml
 
-            nvml = await asyncio.to_thread(Nvml.shared, s.root, s.nvidia_driver_root)
+            nvml = await asyncio.to_thread(Nvml.shared, s.root, s.nvidia_driver_root, self._nvidia_bound())
+            if self._nvml_missing and nvml is not None:
+                self.nvml_up()
+            self._nvml_missing = nvml is None
         if nvml is None:
             return False
         xid = XidWatch(nvml, self._on_gpu_fault, ignored=s.nvidia_ignored_xids)
@@ -112,6 +119,17 @@ class HealthMonitor:
             return False
         self.xid = xid
         return True
+
+    def _nvidia_bound(self) -> bool:
+        return any(self._known[n].pci.driver == "nvidia" for n in self._present_names)
+
+    def _watch_late_nvml(self) -> None:
+        """After a round: ask for the NVML that was not up, in a thread, the round not waiting."""
+        asking = any(t.get_name() == "late-nvml" for t in self._link_checks)
+        if self._nvml_missing and not asking and self._nvidia_bound():
+            task = asyncio.create_task(self.watch_gpu_events(), name="late-nvml")
+            self._link_checks.add(task)
+            task.add_done_callback(self._link_checks.discard)
 
     def _on_gpu_fault(self, bdf: str, code: str, message: str) -> None:
         """From the event thread: the GPU's fault is remembered and the GPU checked now."""
@@ -212,6 +230,7 @@ class HealthMonitor:
             full = woken or not self._reported()[0] or time.monotonic() - self._last_full >= FULL_SWEEP
             try:
                 await self.check_now(full=full)
+                self._watch_late_nvml()
             except Exception:  # a bug in a rule must not stop the resends
                 log.exception("health check round failed")
 

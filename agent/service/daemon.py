@@ -82,10 +82,8 @@ class Agent:
         an injected ``scan`` function (tests) always scans everything."""
         if self.scan is not default_scan:
             return self.scan(self.settings)
-        sc = scanning.scanner_for(self._scanner, self.settings)
-        if sc is not self._scanner:
-            self._scanner, changed = sc, None
-        return sc.update(changed)
+        self._scanner, inventory = scanning.update(self._scanner, self.settings, changed)
+        return inventory
 
     async def rescan(self, changed_at: float | None = None, changed: set[str] | None = None) -> bool:
         """Scan again (only the ``changed`` PCI functions, None = a full scan); hand the
@@ -108,6 +106,11 @@ class Agent:
         task = asyncio.get_running_loop().create_task(self.rescan())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _nvml_up(self) -> None:
+        """The health monitor opened the NVML the scans have not: they read the GPUs again with it."""
+        if self._scanner is not None and self._scanner.nvml is None:
+            self._rescan_soon()
 
     def _republish(self, changed_at: float | None = None) -> bool:
         """Hand the publisher a new pool only if what we publish changed."""
@@ -167,6 +170,7 @@ class Agent:
         await self.health.start()
         await self.health.watch_links(self.watcher is not None and self.watcher.uevents)
         # NVML under any root is the host's driver (the DaemonSet's root is /host): its events are the GPUs'
+        self.health.nvml_up = self._nvml_up
         await self.health.watch_gpu_events()
         if self.watcher is not None:  # timer rounds need not poll what its events report
             self.health.events_report(self.watcher.reports)

@@ -1,5 +1,7 @@
-"""The daemon's scans of the host: NVML opened once per process for the NVIDIA facts, the host's
-uplink left out unless ``publish_uplink``, and rescans that re-read only what an event names."""
+"""The daemon's scans of the host: NVML opened once per process for the NVIDIA facts (and again
+after a scan that finds a GPU bound to nvidia while it is not: the driver loaded after the agent),
+the host's uplink left out unless ``publish_uplink``, and rescans that re-read only what an event
+names."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from agent.settings import Settings
 
 
 def open_nvml(settings: Settings):
-    """NVML for GPU facts, or None (``nvml: false``, or the node has none): blocks, call in a thread."""
+    """NVML for GPU facts, or None (``nvml: false``, or the node has none, or not yet: ``Nvml.shared``
+    backs off): blocks, call in a thread."""
     if not settings.nvml:
         return None
     from discovery.nvml import Nvml
@@ -34,3 +37,20 @@ def scanner_for(current, settings: Settings):
             and current.publish_uplink == s.publish_uplink):
         return current
     return IncrementalScanner(s.root, list_attributes=s.list_attributes, nvml=open_nvml(s), publish_uplink=s.publish_uplink)
+
+
+def update(current, settings: Settings, changed: set[str] | None):
+    """-> (scanner, inventory): ``changed`` re-read by ``scanner_for``'s scanner (everything by a
+    new one). A scanner without NVML whose scan finds a GPU bound to nvidia asks for it again; once
+    it is up, a new scanner reads everything with it (its unchanged GPUs were read without)."""
+    from discovery.nvml import nvidia_bound
+
+    sc = scanner_for(current, settings)
+    inv = sc.update(changed if sc is current else None)
+    if sc.nvml is None and nvidia_bound(inv) and (nvml := open_nvml(settings)) is not None:
+        from discovery.inventory import IncrementalScanner
+
+        sc = IncrementalScanner(sc.root, list_attributes=sc.list_attributes, nvml=nvml,
+                                publish_uplink=sc.publish_uplink)
+        inv = sc.full()
+    return sc, inv
