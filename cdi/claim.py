@@ -14,8 +14,9 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
   given two claims keeps one claim's values).
 
 No variable is set twice in what one device brings to a container (its own edits and the
-spec-level ones): runtimes keep one of two values silently, so ``build_claim_spec`` refuses
-such a spec, and ``capacity_keys`` names a share's capacities so that it never happens.
+spec-level ones), nor to two values by two devices of a claim (one container may get them all):
+runtimes keep one of two values silently, so ``build_claim_spec`` refuses such a spec, and
+``capacity_keys`` and ``agent/prepare/shares.py`` name and sum a claim's shares so that it never happens.
 """
 
 from __future__ import annotations
@@ -84,12 +85,27 @@ def _names(env: Iterable[str]) -> list[str]:
 
 
 def check_unique_env(spec: dict) -> None:
-    """SpecError when a device's edits set a variable twice, or one the spec-level edits set."""
+    """SpecError when a device's edits set a variable twice or one the spec-level edits set, or
+    when two devices of the claim set one variable (or mount one container path) differently: a
+    container given both would keep one value, whichever the runtime applied last."""
     common = _names(spec.get("containerEdits", {}).get("env", ()))
+    values: dict[str, tuple[str, str]] = {}
+    mounts: dict[str, tuple[dict, str]] = {}
     for dev in spec["devices"]:
-        names = common + _names(dev["containerEdits"].get("env", ()))
+        edits = dev["containerEdits"]
+        names = common + _names(edits.get("env", ()))
         if twice := sorted(n for n, c in Counter(names).items() if c > 1):
             raise SpecError(f"device {dev['name']}: environment variable(s) {', '.join(twice)} set twice")
+        for e in edits.get("env", ()):
+            name, _, value = e.partition("=")
+            first = values.setdefault(name, (value, dev["name"]))
+            if first[0] != value:
+                raise SpecError(f"devices {first[1]} and {dev['name']} set {name} to different values "
+                                f"({first[0]!r}, {value!r})")
+        for m in edits.get("mounts", ()):
+            first = mounts.setdefault(m["containerPath"], (m, dev["name"]))
+            if first[0] != m:
+                raise SpecError(f"devices {first[1]} and {dev['name']} mount different things at {m['containerPath']}")
 
 
 def cdi_device_name(claim_uid: str, device_name: str) -> str:
