@@ -246,6 +246,12 @@ class Settings(BaseModel):
             super().__init__(**values)
         except ValidationError as err:
             raise ConfigError(f"invalid setting {error_message(err, Settings)}") from None
+        # KEP-5304 metadata specs take the driver name as their CDI vendor (kind <driver>/metadata),
+        # which must start with a letter: refused here, not as every claim's spec error
+        if self.device_metadata and not self.driver_name[:1].isalpha():
+            raise ConfigError(f"invalid setting driver-name: {self.driver_name!r} starts with a digit, and "
+                              "device metadata uses it as a CDI vendor, which must start with a letter "
+                              "(choose another name, or device-metadata: false)")
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"settings are read-only ({name}): make a changed copy with replace()")

@@ -1,6 +1,7 @@
-"""What an NVIDIA GPU's CDI spec adds so a container can run CUDA: the host's user-space driver.
+"""What an NVIDIA GPU's CDI device adds so a container can run CUDA: the host's user-space driver.
 
-Applied once per claim (spec-level edits), whatever number of NVIDIA devices it holds:
+In each NVIDIA GPU's own edits (identical for every GPU: runtimes apply a mount or device node
+of one container path once, cdi/claim.py), so a container given only the claim's NIC gets none:
 - the compute libraries of the kernel module's version, each mounted read-only under
   ``/usr/local/nvidia/lib64`` by its versioned name and by the names programs load it by
   (``libcuda.so.1``, ``libcuda.so``), so no symlink has to be made inside the container;
@@ -9,7 +10,10 @@ Applied once per claim (spec-level edits), whatever number of NVIDIA devices it 
   the value NVIDIA's CUDA images already set (an image that sets its own is overridden: use the
   hook there, or NVIDIA's own CDI spec, docs/nvidia.md);
 - ``nvidia-smi`` and the other tools at ``/usr/bin``, GSP firmware at ``/lib/firmware/nvidia/<ver>``,
-  the persistenced and fabricmanager sockets at their own paths, ``/dev/nvidia-modeset``.
+  the persistenced and fabricmanager sockets at their own paths, ``/dev/nvidia-modeset``;
+- ``NVIDIA_VISIBLE_DEVICES=void`` (``VISIBLE_VOID``, as NVIDIA's own CDI specs set it): where
+  nvidia-container-runtime is the runtime's default, its legacy hook would otherwise give a
+  container of an image that sets ``NVIDIA_VISIBLE_DEVICES=all`` (CUDA's) every GPU of the node.
 Every ``hostPath`` is the host's path: the runtime opens them, not the agent.
 """
 
@@ -22,6 +26,7 @@ from discovery.nvidia_driver import DriverFiles
 LIB_DIR = "/usr/local/nvidia/lib64"
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
 BIN_DIR = "/usr/bin"
+VISIBLE_VOID = "NVIDIA_VISIBLE_DEVICES=void"
 _RO = ["ro", "nosuid", "nodev", "bind"]
 
 
@@ -40,12 +45,12 @@ def driver_edits(files: DriverFiles, host_root: str = "/") -> dict:
     mounts += [_mount(path, f"/lib/firmware/nvidia/{files.version}/{os.path.basename(path)}", _RO + ["noexec"])
                for path in files.firmware]
     mounts += [_mount(path, path, _RO + ["noexec"]) for path in files.sockets]
-    edits: dict = {"mounts": mounts}
+    edits: dict = {"env": [VISIBLE_VOID], "mounts": mounts}
     if files.ldcache_hook:
         edits["hooks"] = [{"hookName": "createContainer", "path": os.path.join(host_root, files.ldcache_hook.lstrip("/")),
                            "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIB_DIR]}]
     else:
-        edits["env"] = [LD_LIBRARY_PATH]
+        edits["env"].append(LD_LIBRARY_PATH)
     if files.modeset is not None:
         m = files.modeset
         edits["deviceNodes"] = [{"path": m.path, "type": "c", "major": m.major, "minor": m.minor}]

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from agent.prepare import cdifiles
-from cdi.claim import build_claim_spec
+from cdi.claim import ClaimDevice, build_claim_spec
 from cdi.spec import SpecError, minimum_version, validate
 from tests.conftest import REPO
 from tests.kubelet_standin import gpu, nic
@@ -75,6 +75,23 @@ def test_claim_spec_layout_and_env():
     keys += [e.split("=", 1)[0] for e in spec["containerEdits"]["env"]]
     assert len(keys) == len(set(keys)), "duplicate env keys within one claim"
     assert "deviceNodes" not in spec["devices"][2]["containerEdits"]  # NIC: env only, still non-empty
+
+
+def test_devices_of_a_claim_never_set_one_variable_or_mount_differently():
+    """One container may be given all of a claim's CDI devices, and the runtime keeps one of two
+    values: two devices of the claim may set one variable (or mount one path) only alike."""
+    uid = "5d0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
+    a, b = gpu(0), gpu(1)
+    pipe = {"hostPath": "/mps/a", "containerPath": "/tmp/nvidia-mps"}
+    alike = [ClaimDevice(a, "a", ("LIMIT=1",), (pipe,)), ClaimDevice(b, "b", ("LIMIT=1",), (pipe,))]
+    assert len(build_claim_spec("sysdra.io", uid, alike)["devices"]) == 2
+    with pytest.raises(SpecError, match="set LIMIT to different values"):
+        build_claim_spec("sysdra.io", uid, [ClaimDevice(a, "a", ("LIMIT=1",)), ClaimDevice(b, "b", ("LIMIT=2",))])
+    with pytest.raises(SpecError, match="mount different things at /tmp/nvidia-mps"):
+        build_claim_spec("sysdra.io", uid, [ClaimDevice(a, "a", mounts=(pipe,)),
+                                            ClaimDevice(b, "b", mounts=(dict(pipe, hostPath="/mps/b"),))])
+    with pytest.raises(SpecError, match="set twice"):  # a device's own and the claim-wide edits
+        build_claim_spec("sysdra.io", uid, [ClaimDevice(a, "a", ("SYSDRA_DEVICES=x",))])
 
 
 @pytest.mark.parametrize("bad,msg", [

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from agent.apilimits import MAX_ALLOCATION_CONFIGS, MAX_OPAQUE_PARAMETERS_BYTES, MAX_RESULTS
 from agent.prepare.allocation import ClaimFailed, our_results
 from agent.prepare.claimconfig import config_for, opaque_configs
-from agent.prepare.shares import claim_device
+from agent.prepare.shares import claim_devices
 from cdi.claim import build_claim_spec
 from tests.inventory_factory import inventory
 from tests.test_quantity import within_memory
@@ -48,11 +48,8 @@ def prepare_pure(claim: dict) -> dict | None:
     """What prepare computes from the claim alone: results, configs, CDI devices, the spec."""
     _, results = our_results(claim, DRIVER)
     configs = opaque_configs(claim, DRIVER)
-    entries = []
-    for r in results:
-        dev = DEVICES.get(r.device)
-        if dev is not None:
-            entries.append(claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name)))
+    entries = claim_devices([(DEVICES[r.device], r, config_for(configs, r.request, DEVICES[r.device].kind, r.device))
+                             for r in results if r.device in DEVICES])
     return build_claim_spec(DRIVER, claim["metadata"]["uid"], entries) if entries else None
 
 

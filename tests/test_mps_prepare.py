@@ -43,10 +43,10 @@ def test_shares_of_a_gpu_run_under_its_mps_daemon(tmp_path):
     spec = d.checkpoint.claims[a["metadata"]["uid"]]["cdiSpec"]["spec"]
     edits = spec["devices"][0]["containerEdits"]
     assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in edits["env"]
-    assert edits["mounts"] == [{"hostPath": d.nvidia.mps.dirs(uuid)["pipe"], "containerPath": "/tmp/nvidia-mps",
+    assert edits["mounts"][:2] == [{"hostPath": d.nvidia.mps.dirs(uuid)["pipe"], "containerPath": "/tmp/nvidia-mps",
                                 "options": ["rw", "nosuid", "nodev", "bind"]},
                                {"hostPath": d.nvidia.mps.dirs(uuid)["shm"], "containerPath": "/dev/shm",
-                                "options": ["rw", "nosuid", "nodev", "bind"]}]
+                                "options": ["rw", "nosuid", "nodev", "bind"]}]  # then the GPU's driver (cdi/nvidia.py)
     assert d.checkpoint.claims[a["metadata"]["uid"]]["mps"] == {"gpus": [uuid]}
     d.prepare_claims([b])
     assert _running(d) == {uuid: pid}  # one daemon per GPU
@@ -105,3 +105,26 @@ def test_a_daemon_no_claim_needs_is_stopped_at_start(tmp_path):
     assert _running(restarted) == {} and restarted.nvidia.mps.state.daemons == {}
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(os.path.dirname(restarted.nvidia.mps.dirs(uuid)["pipe"]))
+
+
+def test_mps_shares_of_two_gpus_in_one_claim_are_refused(tmp_path):
+    """A CUDA process is a client of one MPS daemon (one /tmp/nvidia-mps) under one set of limits:
+    a container given both shares would keep one GPU's pipe and limits. The claim is refused
+    before any daemon starts; with mpsLimits off and no daemons there is nothing to conflict."""
+    from tests.test_allocator import claim, exactly
+
+    slices = published(PROFILE, share=share_plan(("gpu",), None))
+    two = claim("two", exactly("a", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
+                exactly("b", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}))
+    two["spec"]["devices"]["constraints"] = [{"distinctAttribute": "resource.kubernetes.io/pciBusID"}]
+    (c,) = _allocated(slices, two)
+    gpus = [r["device"] for r in c["status"]["allocation"]["devices"]["results"]]
+    assert len(set(gpus)) == 2
+    d = _driver(tmp_path)
+    (res,) = d.prepare_claims([c]).values()
+    assert res.error is not None and "MPS shares of 2 GPUs" in res.error and all(g in res.error for g in gpus)
+    assert _running(d) == {} and c["metadata"]["uid"] not in d.checkpoint.claims
+    c["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", "opaque": {"driver": "sysdra.io", "parameters": {
+        "apiVersion": "sysdra.io/v1alpha1", "kind": "GpuConfig", "sharing": {"mpsLimits": False}}}}]
+    (res,) = _driver(tmp_path / "off", nvidia_mps=False).prepare_claims([c]).values()
+    assert res.error is None, res.error

@@ -40,6 +40,7 @@ def test_text_becomes_the_fields_type():
     ({"share_policies": []}, "invalid setting share-policies: expected object, got array"),
     ({"no_such": 1}, "invalid setting no-such: no such setting"),
     ({"skip_node_operations": "{a: [b"}, "invalid setting skip-node-operations: not a YAML mapping"),
+    ({"driver_name": "3d.example.com"}, "invalid setting driver-name: '3d.example.com' starts with a digit"),
 ])
 def test_a_bad_value_is_named(values, message):
     with pytest.raises(ConfigError) as err:
@@ -57,3 +58,11 @@ def test_every_constructor_checks():
     assert moved.kubelet_dir == os.path.abspath("rel") and s.kubelet_dir == "/var/lib/kubelet"
     with pytest.raises(AttributeError):
         s.debounce = 1.0  # frozen
+
+
+def test_a_digit_driver_name_is_refused_only_where_it_is_a_cdi_vendor():
+    """Device metadata specs are of kind ``<driver>/metadata``: a CDI vendor starting with a digit
+    is rejected by runtimes. Claim specs use ``k8s.<driver>``, so without metadata it serves."""
+    assert Settings(node_name="node-a", driver_name="3d.example.com", device_metadata=False).driver_name == "3d.example.com"
+    with pytest.raises(ConfigError, match="device-metadata: false"):
+        _build(node_name="node-a", driver_name="3d.example.com")

@@ -1,4 +1,5 @@
-"""No variable twice in what a CDI device of a claim brings to a container, for every
+"""No variable twice in what a CDI device of a claim brings to a container, nor to two values
+by two CDI devices of the claim (one container may get them all), for every
 combination of device, share capacities and claim config (agent/prepare/shares.py,
 cdi/claim.py): capacities whose short names clash get their whole name, and only names no
 device can publish (``share_plan`` refuses them at start) are the claim's error."""
@@ -13,7 +14,7 @@ import pytest
 
 from agent.prepare.allocation import ClaimFailed, Result
 from agent.prepare.claimconfig import GpuConfig, GpuSharing, NicConfig, VfioConfig
-from agent.prepare.shares import claim_device
+from agent.prepare.shares import claim_device, claim_devices
 from agent.publish.sharing import share_plan
 from cdi.claim import build_claim_spec, capacity_keys
 from discovery.inventory import scan
@@ -70,9 +71,10 @@ def test_no_variable_twice_for_any_share_and_config(config):
         consumed = tuple((n, f"{i + 1}Gi") for i, n in enumerate(sorted(names)))
         other = devices[1] if dev is devices[0] else devices[0]
         # two shares of the device and a whole second device in the claim
-        entries = [claim_device(other, Result("r", "node-1", other.name, None), config)]
+        results = [(other, Result("r", "node-1", other.name, None), config)]
+        results += [(dev, Result("r", "node-1", dev.name, s, consumed), config) for s in SHARES]
         try:
-            entries += [claim_device(dev, Result("r", "node-1", dev.name, s, consumed), config) for s in SHARES]
+            entries = claim_devices(results)
         except ClaimFailed as err:
             assert _clashing(names) and _whole_names_clash(names), (dev.name, names, err)
             refused += 1
@@ -80,6 +82,10 @@ def test_no_variable_twice_for_any_share_and_config(config):
         spec = build_claim_spec("sysdra.io", UID, entries)
         for env in _env_names(spec):
             assert [n for n, c in Counter(env).items() if c > 1] == [], (dev.name, names, config, env)
+        values = {}
+        for d in spec["devices"]:
+            for name, value in (e.split("=", 1) for e in d["containerEdits"]["env"]):
+                assert values.setdefault(name, value) == value, (dev.name, names, config, name)
         built += 1
     assert built > 0 and refused > 0  # both outcomes were exercised
 

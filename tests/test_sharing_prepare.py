@@ -118,11 +118,22 @@ def test_two_shares_of_one_gpu_in_one_claim(tmp_path):
     names = [x["name"] for x in spec["devices"]]
     assert len(names) == len(set(names)) == 2
     assert "SYSDRA_DEVICES=" + gpu in spec["containerEdits"]["env"]  # the device once, however many shares
-    memories = sorted(_env(spec, n)["SYSDRA_SHARE_MEMORY"] for n in names)
-    assert memories == ["16Gi", "8Gi"]
+    # one container may get both: each CDI device carries the claim's shares of the GPU together,
+    # so whichever the runtime applies last, MPS enforces the sum (one client process)
+    a, b = (_env(spec, n) for n in names)
+    assert a == b
+    assert a["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={24 * 1024}M" and a["SYSDRA_SHARE_MEMORY"] == str(24 * 2**30)
+    assert a["SYSDRA_SHARE_ID"] == a["SYSDRA_DEVICE_GPU_0000_18_00_0_SHARE"] == f"{devs[0].share_id},{devs[1].share_id}"
+    assert a["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"  # two default compute shares of 10
     # KEP-5304 metadata lists the device for each request
     meta = d.checkpoint.claims[uid]["metadata"]["requests"]
     assert [x["devices"][0]["name"] for r in ("a", "b") for x in meta[r]["requests"]] == [gpu, gpu]
+    # one share with MPS limits and one without would give the container either
+    c["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", "requests": ["a"], "opaque": {
+        "driver": "sysdra.io", "parameters": {"apiVersion": "sysdra.io/v1alpha1", "kind": "GpuConfig",
+                                              "sharing": {"mpsLimits": False}}}}]
+    res = _driver(tmp_path / "mixed").prepare_claims([c])[uid]
+    assert "differ in sharing.mpsLimits" in res.error
 
 
 def test_claim_config_turns_mps_limits_off_and_adds_env(tmp_path):

@@ -55,15 +55,17 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
     """Map allocation results to devices -> (response devices, CDI spec, each device's own
     environment). One CDI device per result: a share is its own (prepare/shares.py).
     ``nvidia`` (prepare/nvidia.py): the user-space driver's edits, or NVIDIA's own CDI IDs."""
-    picked: dict[str, shares.ClaimDevice] = {}
-    prepared, envs = [], []
+    entries = []
     for r in results:
         if r.pool != node:
             raise ClaimFailed(f"device {r.device!r} is allocated from pool {r.pool!r}, not this node's pool {node!r}")
         dev = names.get(r.device)
         if dev is None:
             raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
-        cd = shares.claim_device(dev, r, config_for(configs, r.request, dev.kind, dev.name))
+        entries.append((dev, r, config_for(configs, r.request, dev.kind, dev.name)))
+    picked: dict[str, shares.ClaimDevice] = {}
+    prepared, envs = [], []
+    for (dev, r, _), cd in zip(entries, shares.claim_devices(entries)):  # a claim's shares of a device described together
         if nvidia:
             cd = nvidia.with_mps(cd, r.share_id)
         picked.setdefault(cd.key, cd)
@@ -73,7 +75,8 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
     if not picked:
         return prepared, None, envs
     cds = list(picked.values())
-    edits = nvidia.claim_edits([c.device for c in cds]) if nvidia else None
+    shares.one_mps_gpu(cds)
+    edits = nvidia.device_edits([c.device for c in cds]) if nvidia else None
     return prepared, build_claim_spec(driver, uid, cds, root, edits), envs
 
 

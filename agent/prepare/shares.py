@@ -7,9 +7,12 @@ kubernetes#134519), with the same device nodes and the share's environment:
 
 - ``SYSDRA_SHARE_ID``, ``SYSDRA_SHARE_DEVICE`` and ``SYSDRA_SHARE_<CAPACITY>`` (the consumed
   quantity as the scheduler wrote it, e.g. ``20Gi``) with ``SYSDRA_SHARE_<CAPACITY>_VALUE`` (the
-  plain number) — for the usual one share per container;
+  plain number) — where all the claim's shares are of one device;
 - the same per device, ``SYSDRA_DEVICE_<NAME>_SHARE`` and ``SYSDRA_DEVICE_<NAME>_<CAPACITY>``,
   which stay distinct when one container holds shares of several devices;
+- a container may be given all of a claim's CDI devices, and a runtime keeps one of two values of
+  a variable: so every CDI device of a claim's shares of one device carries them together (IDs
+  comma-separated, capacities and MPS limits summed, a sum as a plain number);
 - ``<CAPACITY>`` is the capacity's name after its domain, upper-case, or its whole name where
   two capacities would set the same variable (``memory`` and ``example.com/memory``:
   ``MEMORY`` and ``EXAMPLE_COM_MEMORY``; ``cdi.claim.capacity_keys``): no variable is set twice;
@@ -17,7 +20,8 @@ kubernetes#134519), with the same device nodes and the share's environment:
   MPS client limits: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` from ``compute`` (percent of the
   GPU) and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`` from ``memory`` (device 0: the share's
   GPU as the container sees it when it is the container's only GPU). They bind only where an
-  MPS control daemon serves the container; elsewhere the share is accounted, not enforced.
+  MPS control daemon serves the container; elsewhere the share is accounted, not enforced. A
+  client has one daemon and one set of limits: a claim with MPS shares of two GPUs is refused.
 
 A claim config's ``env`` goes on every device it applies to, shared or not.
 """
@@ -47,33 +51,68 @@ def split_key(key: str) -> dict:
     return {"device": m.group(1), "shareID": m.group(2)} if m else {"device": key, "shareID": None}
 
 
-def share_env(dev: Device, share_id: str, consumed: tuple[tuple[str, str], ...], config: Config | None) -> list[str]:
+def _share_env(dev: Device, group: list[tuple[Result, Config | None]], generic: bool) -> list[str]:
+    """The environment of every CDI device of ``group``: the claim's shares of ``dev``."""
+    one = len(group) == 1
+    ids = ",".join(r.share_id for r, _ in group)
     per_device = env_name(dev.name)
-    env = [f"SYSDRA_SHARE_ID={share_id}", f"SYSDRA_SHARE_DEVICE={dev.name}", f"{per_device}_SHARE={share_id}"]
-    values = {}
+    env = [f"SYSDRA_SHARE_ID={ids}", f"SYSDRA_SHARE_DEVICE={dev.name}"] if generic else []
+    env.append(f"{per_device}_SHARE={ids}")
+    totals, written = {}, {}
+    for r, _ in group:
+        for name, quantity in r.consumed:  # checked by allocation.our_results
+            totals[name] = totals.get(name, 0) + parse_quantity(quantity)
+            written[name] = quantity
     try:
-        keys = capacity_keys(name for name, _ in consumed)
+        keys = capacity_keys(totals)
     except ValueError as err:
-        raise ClaimFailed(f"share {share_id} of {dev.name}: {err}") from None
-    for name, quantity in consumed:
-        key = keys[name]
-        values[name] = parse_quantity(quantity)  # checked by allocation.our_results
-        env += [f"SYSDRA_SHARE_{key}={quantity}", f"SYSDRA_SHARE_{key}_VALUE={plain(values[name])}",
-                f"{per_device}_{key}={quantity}"]
-    mps = not isinstance(config, GpuConfig) or config.sharing.mpsLimits
-    if dev.kind == "gpu" and dev.pci.vendor_id == "10de" and mps:
-        if "compute" in values:
-            pct = max(1, min(100, int(values["compute"])))
+        raise ClaimFailed(f"share {ids} of {dev.name}: {err}") from None
+    for name, total in totals.items():
+        key, shown = keys[name], written[name] if one else plain(total)  # several: the sum, a plain number
+        if generic:
+            env += [f"SYSDRA_SHARE_{key}={shown}", f"SYSDRA_SHARE_{key}_VALUE={plain(total)}"]
+        env.append(f"{per_device}_{key}={shown}")
+    mps = {not isinstance(config, GpuConfig) or config.sharing.mpsLimits for _, config in group}
+    if len(mps) > 1:
+        raise ClaimFailed(f"the claim's shares of {dev.name} differ in sharing.mpsLimits: one container may hold "
+                          "them all, and an MPS client has one set of limits")
+    if dev.kind == "gpu" and dev.pci.vendor_id == "10de" and mps == {True}:
+        if "compute" in totals:
+            pct = max(1, min(100, int(totals["compute"])))
             env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}")
-        if "memory" in values and values["memory"] >= 2**20:
-            env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={int(values['memory'] // 2**20)}M")
+        if "memory" in totals and totals["memory"] >= 2**20:
+            env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={int(totals['memory'] // 2**20)}M")
     return env
 
 
+def claim_devices(entries: list[tuple[Device, Result, Config | None]]) -> list[ClaimDevice]:
+    """The CDI device of each allocation result of a claim, in order. A container may be given
+    all of a claim's CDI devices, so they never set one variable to two values: every share of a
+    device carries the claim's shares of it together (IDs, summed capacities and MPS limits),
+    and the generic ``SYSDRA_SHARE_*`` only where all the claim's shares are of one device."""
+    groups: dict[str, list[tuple[Result, Config | None]]] = {}
+    for dev, r, config in entries:
+        if r.share_id:
+            groups.setdefault(dev.name, []).append((r, config))
+    by_name = {dev.name: dev for dev, _, _ in entries}
+    envs = {name: _share_env(by_name[name], group, len(groups) == 1) for name, group in groups.items()}
+    return [ClaimDevice(dev, device_key(dev.name, r.share_id), tuple((envs[dev.name] if r.share_id else []) + env_of(config)))
+            for dev, r, config in entries]
+
+
 def claim_device(dev: Device, result: Result, config: Config | None) -> ClaimDevice:
-    """The CDI device of one allocation result."""
-    env = share_env(dev, result.share_id, result.consumed, config) if result.share_id else []
-    return ClaimDevice(dev, device_key(dev.name, result.share_id), tuple(env + env_of(config)))
+    """The CDI device of a claim's only allocation result."""
+    return claim_devices([(dev, result, config)])[0]
+
+
+def one_mps_gpu(devices: list[ClaimDevice]) -> None:
+    """ClaimFailed for a claim with MPS clients of two GPUs: a CUDA process talks to one control
+    daemon (one ``/tmp/nvidia-mps``) under one set of limits, so a container given both would
+    keep one GPU's pipe and limits. Separate claims (for separate containers) serve them."""
+    gpus = list(dict.fromkeys(c.device.name for c in devices if any(e.startswith("CUDA_MPS_") for e in c.env)))
+    if len(gpus) > 1:
+        raise ClaimFailed(f"the claim holds MPS shares of {len(gpus)} GPUs ({', '.join(gpus)}): a container is a "
+                          "client of one GPU's MPS daemon; ask for each GPU's share in a claim of its own")
 
 
 def recorded(dev: Device, record: dict) -> ClaimDevice:
