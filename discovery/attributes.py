@@ -110,8 +110,17 @@ def _entries(dev: Device, list_attributes: bool) -> list[tuple[str, object]]:
     return entries
 
 
+def _utf8(v: str) -> bool:
+    """False for a name read via surrogateescape that was not UTF-8 (it cannot be encoded)."""
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _fits(v: str) -> bool:
-    return 0 < len(v.encode()) <= MAX_VALUE_LENGTH
+    return _utf8(v) and 0 < len(v.encode()) <= MAX_VALUE_LENGTH
 
 
 class Version(str):
@@ -130,7 +139,8 @@ def _publish(out: dict, problems: list[Problem], entries: list[tuple[str, object
         field = "strings" if isinstance(v, tuple) else _FIELD_OF[type(v)]
         value = _value(field, str(v) if field == "version" else v)
         if value is None:
-            problems.append(Problem(what=name, reason=f"value longer than {MAX_VALUE_LENGTH} bytes"))
+            why = "not UTF-8" if field == "string" and not _utf8(v) else f"longer than {MAX_VALUE_LENGTH} bytes"
+            problems.append(Problem(what=name, reason=f"value {why}"))
         else:
             out[name] = value
 

@@ -102,10 +102,21 @@ def _attr_text(path: str, data: bytes) -> str:
     return text
 
 
+def printable_name(name: str) -> bool:
+    """Whether a name from a listing or a link (str via surrogateescape) is printable UTF-8:
+    one that is not cannot be encoded into a value, a problem, JSON or a log line."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return name.isprintable()
+
+
 def _target_name(target: str) -> str | None:
-    """The last component of a link's target (what it links to); None for none or a dot."""
+    """The last component of a link's target (what it links to); None for none, a dot or
+    a name that is not printable UTF-8."""
     name = target.rstrip("/").rpartition("/")[2]
-    return None if name in ("", ".", "..") else name
+    return None if name in ("", ".", "..") or not printable_name(name) else name
 
 
 def is_sysfs(path: str) -> bool:

@@ -107,3 +107,13 @@ def test_pci_bus_id_exactly_for_the_addresses_in_upstream_form(domain, function)
     attrs, _ = device_attributes(_nic(_fn(bdf)), (), False)
     assert (attributes.PCI_BUS_ID in attrs) == bool(attributes.UPSTREAM_BDF.match(bdf)) == (len(domain) == 4)
     assert attrs["pciAddress"].string == bdf
+
+
+def test_a_value_that_is_not_utf8_is_left_out_with_a_problem():
+    """A name read via surrogateescape (bytes that are not UTF-8) cannot be encoded: refused."""
+    gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200, driver="mlx\udcff"),
+                 gpu=GpuInfo(vendor="nvidia", model="A\udcff"))
+    attrs, problems = device_attributes(gpu, (), False)
+    assert "driver" not in attrs and "model" not in attrs and attrs["gpuVendor"].to_api() == {"string": "nvidia"}
+    assert [(p.what, p.reason) for p in problems] == [("driver", "value not UTF-8"), ("model", "value not UTF-8")]
+
