@@ -10,8 +10,9 @@ on input from the claim files, the config file and the checkpoint as well.
 from __future__ import annotations
 
 # defined where discovery holds its attributes to them (discovery imports nothing of agent/):
-# a device's attributes and capacities together, and the bytes of a string/version value
-from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_VALUE_LENGTH  # noqa: F401
+# a device's attributes and capacities together, its attribute values (each list element
+# counted; ResourceSliceMaxAttributeValuesPerDevice), and the bytes of a string/version value
+from discovery.attributes import MAX_ATTRIBUTE_VALUES, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_VALUE_LENGTH  # noqa: F401
 
 # --- resource.Quantity (apimachinery pkg/api/resource) ---------------------------------------
 # ParseQuantity caps a binary quantity at the largest int64 (maxAllowed), the range of
@@ -42,7 +43,6 @@ MAX_POOL = 253  # PoolNameMaxLength
 # --- ResourceSlice -----------------------------------------------------------------------------
 # (MAX_ATTRIBUTES_AND_CAPACITIES: ResourceSliceMaxAttributesAndCapacitiesPerDevice; a share's
 # consumedCapacity lists at most the device's capacities)
-MAX_ATTRIBUTE_VALUES = 48  # ResourceSliceMaxAttributeValuesPerDevice
 MAX_ID_LENGTH = 32  # DeviceMaxIDLength
 MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength
 MAX_COUNTER_CONSUMPTIONS = 2  # ResourceSliceMaxDeviceCounterConsumptionsPerDevice

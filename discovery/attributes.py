@@ -4,7 +4,7 @@ Standard attributes follow upstream's ``deviceattribute`` package exactly: pciBu
 only for a valid 4-digit-domain BDF; pcieRoot only when the bus link resolves below
 /sys/devices/pci* and ends in the BDF; numaNode omitted when unknown (-1 would match
 every NUMA-less device). Driver-local names need no domain (the driver's is implied).
-Limits are respected here: <= 32 attributes+capacities, strings <= 64 bytes.
+Limits are respected here: <= 32 attributes+capacities, <= 48 values, strings <= 64 bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ UPSTREAM_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
 # The API server's limits on a device (resource.k8s.io/v1); publish/validation.py checks them too.
 MAX_VALUE_LENGTH = 64  # bytes, of a string or version value and of each list element
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_ATTRIBUTE_VALUES = 48  # a device's attribute values, each list element counted
+# devlink's phys_port_name of a PCI_PF/VF/SF port, c<N> first for an external controller: a
+# representor (a switchdev PF lists one per VF/SF under its own net/), not the function's port
+_REPRESENTOR = re.compile(r"^(?:c\d+)?pf\d+(?:[vs]f\d+)?$")
 
 
 def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attributes: bool) -> dict[str, AttributeValue]:
@@ -53,7 +57,8 @@ def _value(field: str, value) -> AttributeValue | None:
 def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
     """All attributes of a device; documented one by one in docs/attributes.md. Absent values
     (None) are left out; a string longer than 64 bytes is left out with a problem; past 32
-    attributes and capacities, the last ones are dropped with a problem."""
+    attributes and capacities, the last ones are dropped with a problem, past 48 values the
+    lists (:func:`_within_values`)."""
     fn = dev.pci
     out = standard_attributes(fn, numa, list_attributes)
     problems: list[Problem] = []
@@ -64,7 +69,21 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
         problems.append(Problem(what="attributes", reason=f"more than {MAX_ATTRIBUTES_AND_CAPACITIES} entries, "
                                                           f"dropped {len(out) - len(keep)}"))  # fmt: skip
         out = dict(keep)
+    _within_values(out, problems)
     return out, problems
+
+
+def _within_values(out: dict, problems: list[Problem]) -> None:
+    """Past 48 values, lists are left out, the last first, with a problem: the API server
+    would refuse the whole device."""
+    count = {name: len(v.value) if isinstance(v.value, tuple) else 1 for name, v in out.items()}
+    total = sum(count.values())
+    for name in [n for n, v in out.items() if isinstance(v.value, tuple)][::-1]:
+        if total <= MAX_ATTRIBUTE_VALUES:
+            break
+        del out[name]
+        total -= count[name]
+        problems.append(Problem(what=name, reason=f"{count[name]} values, past the device's {MAX_ATTRIBUTE_VALUES}"))
 
 
 def _entries(dev: Device, list_attributes: bool) -> list[tuple[str, object]]:
@@ -96,7 +115,8 @@ def _entries(dev: Device, list_attributes: bool) -> list[tuple[str, object]]:
             entries += [("interfaceName", first.name), ("macAddress", first.mac), ("mtu", first.mtu),
                         ("switchdevPortName", first.phys_port_name)]  # fmt: skip
         if list_attributes and len(nic.interfaces) > 1:
-            names = tuple(i.name for i in nic.interfaces if _fits(i.name))
+            names = tuple(i.name for i in nic.interfaces
+                          if _fits(i.name) and not _REPRESENTOR.match(i.phys_port_name or ""))
             entries.append(("interfaceNames", names or None))
         entries.append(("rdma", bool(nic.rdma)))
         if nic.rdma:
@@ -110,8 +130,17 @@ def _entries(dev: Device, list_attributes: bool) -> list[tuple[str, object]]:
     return entries
 
 
+def _utf8(v: str) -> bool:
+    """False for a name read via surrogateescape that was not UTF-8 (it cannot be encoded)."""
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _fits(v: str) -> bool:
-    return 0 < len(v.encode()) <= MAX_VALUE_LENGTH
+    return _utf8(v) and 0 < len(v.encode()) <= MAX_VALUE_LENGTH
 
 
 class Version(str):
@@ -130,7 +159,8 @@ def _publish(out: dict, problems: list[Problem], entries: list[tuple[str, object
         field = "strings" if isinstance(v, tuple) else _FIELD_OF[type(v)]
         value = _value(field, str(v) if field == "version" else v)
         if value is None:
-            problems.append(Problem(what=name, reason=f"value longer than {MAX_VALUE_LENGTH} bytes"))
+            why = "not UTF-8" if field == "string" and not _utf8(v) else f"longer than {MAX_VALUE_LENGTH} bytes"
+            problems.append(Problem(what=name, reason=f"value {why}"))
         else:
             out[name] = value
 

@@ -91,7 +91,12 @@ class _Scanner:
             card = BDF_RE.match(bdf).groups()[:3]
             alveo.setdefault(card, {})[_alveo_role(fn, views)] = (fn, d, problems)
             return ("alveo", card)
-        dev = self._device(fn, d, kind, problems)
+        try:
+            dev = self._device(fn, d, kind, problems)
+        except Exception as err:  # noqa: BLE001 - even its PCI attributes failed: this one device
+            log.warning("device %s: unexpected error: %r", bdf, err)
+            return Skipped(bdf=bdf, reason=f"unexpected error: {err!r}"[:200], class_code=fn.class_code,
+                           vendor_id=fn.vendor_id, device_id=fn.device_id)
         if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
             # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
             return Skipped(bdf=fn.bdf, reason="DFL function without FME or port: nothing a container can open",
@@ -139,7 +144,12 @@ class _Scanner:
                 if card in touched:
                     del cards[card]
         for card, halves in alveo.items():
-            cards[card] = self._alveo_device(halves)
+            try:
+                cards[card] = self._alveo_device(halves)
+            except Exception as err:  # noqa: BLE001 - the card's problem, not the scan's
+                fn = (halves.get("mgmt") or halves["user"])[0]
+                results[fn.bdf] = Skipped(bdf=fn.bdf, reason=f"unexpected error: {err!r}"[:200],
+                                          class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
 
         devices = [r for r in results.values() if isinstance(r, Device)] + list(cards.values())
         devices.sort(key=lambda dev: dev.name)
@@ -188,11 +198,11 @@ class _Scanner:
                 info["fpga"], nodes = read_dfl(fs, res, fn, d, problems)
             elif kind == "accelerator":
                 info["accel"], nodes = read_accel(fs, res, fn, d, problems)
+            return self._finish(name, kind, fn, nodes, capacity, problems, **info)
         except Exception as err:  # noqa: BLE001 - one device must never cost the inventory
             log.warning("device %s: unexpected error while reading details: %r", fn.bdf, err)
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
-            nodes, capacity, info = [], {}, {}
-        return self._finish(name, kind, fn, nodes, capacity, problems, **info)
+        return self._finish(name, kind, fn, [], {}, problems)  # its PCI attributes only
 
     def _nvidia_node(self) -> NvidiaNode:
         if self._nvidia is None:
@@ -209,10 +219,10 @@ class _Scanner:
                 self.fs, self.resolver,
                 (mgmt[0], mgmt[1]) if mgmt else None, (user[0], user[1]) if user else None, problems,
             )  # fmt: skip
+            return self._finish(device_name("fpga", fn.bdf), "fpga", fn, nodes, {}, problems, fpga=info)
         except Exception as err:  # noqa: BLE001
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
-            info, nodes = None, []
-        return self._finish(device_name("fpga", fn.bdf), "fpga", fn, nodes, {}, problems, fpga=info)
+        return self._finish(device_name("fpga", fn.bdf), "fpga", fn, [], {}, problems, fpga=None)
 
 
 def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False) -> Inventory:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode, NetInterface, NicInfo, PciFunction, Problem, RdmaDevice
-from discovery.sysfs import AttrError, Dir, HostFS
+from discovery.sysfs import AttrError, Dir, HostFS, printable_name
 
 _UVERBS = re.compile(r"^uverbs(\d+)$")
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,19}$")
@@ -62,6 +63,11 @@ def read_interface(fs: HostFS, path: str, name: str, problems: list[Problem]) ->
     )
 
 
+def _bad_name(what: str, name: str) -> Problem:
+    """A name left out (it could not be published, nor its problem printed): its bytes."""
+    return Problem(what=what, reason=f"name {os.fsencode(name)!r} is not printable UTF-8")
+
+
 def _port_rate(fs: HostFS, ibdev_dir: str) -> float | None:
     """Port 1's rate in Gb/s (``ports/1/rate``: "400 Gb/sec (4X NDR)"), None when unreadable."""
     try:
@@ -81,7 +87,9 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         except AttrError:
             continue
         for name in names:
-            if _IFNAME.match(name):
+            if not printable_name(name):
+                problems.append(_bad_name("netdev", name))
+            elif _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
 
     rdma: list[RdmaDevice] = []
@@ -109,6 +117,9 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
     except AttrError:
         ibdevs = []
     for ib in ibdevs:
+        if not printable_name(ib):
+            problems.append(_bad_name("RDMA device", ib))
+            continue
         rate = _port_rate(fs, f"{pci_dir}/infiniband/{ib}")
         rdma.append(RdmaDevice(name=ib, uverbs=verbs_by_ibdev.get(ib), rate_gbps=rate))
     return NicInfo(interfaces=tuple(interfaces), rdma=tuple(rdma)), nodes

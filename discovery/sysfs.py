@@ -1,9 +1,9 @@
 """One reading primitive for sysfs/procfs/dev under a configurable host root.
 
 Every reader in ``discovery`` goes through :class:`HostFS`: it joins paths onto the
-root, reads a bounded number of bytes once (broken drivers can return endless or
-huge data), and turns the errors sysfs is known to produce into :class:`AttrError`
-with a short reason, so a caller loses only that one attribute.
+root, reads a bounded number of bytes (broken drivers can return endless or huge data),
+and turns the errors sysfs is known to produce into :class:`AttrError` with a short
+reason, so a caller loses only that one attribute.
 """
 
 from __future__ import annotations
@@ -52,12 +52,20 @@ def os_reason(err: OSError) -> str:
     return _REASONS.get(err.errno or 0, err.strerror or type(err).__name__)
 
 
-def _read_file(path: str, limit: int, flags: int = _READ_FLAGS) -> bytes:
-    """Open, one read, close; more than ``limit`` bytes is an error, not a truncated value."""
+def _read_file(path: str, limit: int, flags: int = _READ_FLAGS, whole: bool = False) -> bytes:
+    """Open, read, close; more than ``limit`` bytes is an error, not a truncated value.
+
+    ``whole``: read to EOF. procfs seq_files hand out about a page per read(), so one read
+    of a longer one (``/proc/net/ipv6_route``) is cut short. One value (a sysfs attribute, one
+    show() call) comes whole in the first read: one read, no second to see EOF."""
     try:
         fd = os.open(path, flags)
         try:
             data = os.read(fd, limit + 1)
+            while whole and data and len(data) <= limit:
+                if not (more := os.read(fd, limit + 1 - len(data))):
+                    break
+                data += more
         finally:
             os.close(fd)
     except OSError as err:
@@ -67,7 +75,7 @@ def _read_file(path: str, limit: int, flags: int = _READ_FLAGS) -> bytes:
     return data
 
 
-def _read_present(path: str, limit: int) -> bytes | None:
+def _read_present(path: str, limit: int, whole: bool = False) -> bytes | None:
     """:meth:`HostFS.read_bytes`, None when the file is missing (an absent optional file is
     common: a VF's netdev has no ``speed``), so that no error is raised for it."""
     try:
@@ -78,7 +86,7 @@ def _read_present(path: str, limit: int) -> bytes | None:
         raise AttrError(path, os_reason(err)) from err
     if not stat.S_ISREG(mode):
         raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
-    return _read_file(path, limit)
+    return _read_file(path, limit, whole=whole)
 
 
 def _attr_text(path: str, data: bytes) -> str:
@@ -94,10 +102,21 @@ def _attr_text(path: str, data: bytes) -> str:
     return text
 
 
+def printable_name(name: str) -> bool:
+    """Whether a name from a listing or a link (str via surrogateescape) is printable UTF-8:
+    one that is not cannot be encoded into a value, a problem, JSON or a log line."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return name.isprintable()
+
+
 def _target_name(target: str) -> str | None:
-    """The last component of a link's target (what it links to); None for none or a dot."""
+    """The last component of a link's target (what it links to); None for none, a dot or
+    a name that is not printable UTF-8."""
     name = target.rstrip("/").rpartition("/")[2]
-    return None if name in ("", ".", "..") else name
+    return None if name in ("", ".", "..") or not printable_name(name) else name
 
 
 def is_sysfs(path: str) -> bool:
@@ -157,11 +176,11 @@ class HostFS:
 
     # --- reading -----------------------------------------------------------------
     def read_bytes(self, path: str, limit: int = MAX_ATTR_BYTES) -> bytes:
-        """Read at most ``limit`` bytes of a regular file in one go.
+        """A whole regular file of at most ``limit`` bytes, read to EOF.
 
         FIFOs, sockets and devices are refused before opening (opening a FIFO blocks, opening
         a device can have side effects)."""
-        data = _read_present(path, limit)
+        data = _read_present(path, limit, whole=True)
         if data is None:
             raise AttrError(path, "missing")
         return data
@@ -179,7 +198,10 @@ class HostFS:
 
     def read_attr(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
         """A one-value sysfs attribute, stripped; empty counts as an error."""
-        return _attr_text(path, self.read_bytes(path, limit))
+        data = _read_present(path, limit)
+        if data is None:
+            raise AttrError(path, "missing")
+        return _attr_text(path, data)
 
     def read_optional(self, path: str) -> str | None:
         """:meth:`read_attr` of an attribute that may be absent: None when it is missing."""
@@ -199,8 +221,10 @@ class HostFS:
                 continue
             path = f"{d.path}/{name}"
             try:
-                data = _read_file(path, MAX_ATTR_BYTES, _LISTED_FLAGS) if d.is_file(name) else self.read_bytes(path)
-                values[name] = _attr_text(path, data)
+                if d.is_file(name):
+                    values[name] = _attr_text(path, _read_file(path, MAX_ATTR_BYTES, _LISTED_FLAGS))
+                else:
+                    values[name] = self.read_attr(path)
             except AttrError as err:
                 if err.reason != "missing":
                     errors[name] = err

@@ -3,10 +3,18 @@ and shared values."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from discovery import attributes
 from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, device_attributes
+from discovery.inventory import scan
+from tests.conftest import REPO, profile_root
 from discovery.models import Device, GpuInfo, NetInterface, NicInfo, PciFunction, PciLink, RdmaDevice, Sriov
 
 
@@ -107,3 +115,58 @@ def test_pci_bus_id_exactly_for_the_addresses_in_upstream_form(domain, function)
     attrs, _ = device_attributes(_nic(_fn(bdf)), (), False)
     assert (attributes.PCI_BUS_ID in attrs) == bool(attributes.UPSTREAM_BDF.match(bdf)) == (len(domain) == 4)
     assert attrs["pciAddress"].string == bdf
+
+
+def test_a_value_that_is_not_utf8_is_left_out_with_a_problem():
+    """A name read via surrogateescape (bytes that are not UTF-8) cannot be encoded: refused."""
+    gpu = Device(name="gpu-0000-3b-00-1", kind="gpu", pci=_fn(class_code=0x030200, driver="mlx\udcff"),
+                 gpu=GpuInfo(vendor="nvidia", model="A\udcff"))
+    attrs, problems = device_attributes(gpu, (), False)
+    assert "driver" not in attrs and "model" not in attrs and attrs["gpuVendor"].to_api() == {"string": "nvidia"}
+    assert [(p.what, p.reason) for p in problems] == [("driver", "value not UTF-8"), ("model", "value not UTF-8")]
+
+
+SWITCHDEV_PF = "0000:bd:00.0"
+
+
+def _switchdev_pf(tmp_path, port_names: list[str | None]) -> str:
+    """server-2s-gpu-nic with netdevs added under the PF's own net/ (a switchdev PF lists its
+    representors there), each with the given phys_port_name (None: none)."""
+    root = str(tmp_path / "root")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    net = os.path.join(os.path.realpath(os.path.join(root, "sys/bus/pci/devices", SWITCHDEV_PF)), "net")
+    for i, port in enumerate(port_names):
+        d = os.path.join(net, f"eth{i}")
+        shutil.copytree(os.path.join(net, "enp189s0np0"), d, symlinks=True)
+        os.unlink(os.path.join(d, "phys_port_name"))
+        if port is not None:
+            with open(os.path.join(d, "phys_port_name"), "w") as f:
+                f.write(port + "\n")
+    return root
+
+
+def _published(root: str) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "agent", "scan", "--root", root, "--list-attributes", "-o", "slices",
+                          "--node-name", "node-a"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "SYSDRA_CONFIG": os.devnull})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return {d["name"]: d for s in json.loads(out.stdout)["items"] for d in s["spec"]["devices"]}
+
+
+def test_representors_are_not_the_pfs_interface_names(tmp_path):
+    """devlink's port names of VF, SF and PF representors, an external controller's too."""
+    ports = [f"pf0vf{i}" for i in range(56)] + ["pf0sf3", "c1pf0vf2", "pf1", "c2pf0", "p1"]
+    root = _switchdev_pf(tmp_path, ports)
+    dev = scan(root, list_attributes=True).by_name()["nic-0000-bd-00-0"]
+    assert len(dev.nic.interfaces) == 62 and [p.what for p in dev.problems] == []
+    assert dev.attributes["interfaceNames"].to_api() == {"strings": ["enp189s0np0", "eth60"]}
+    assert _published(root)["nic-0000-bd-00-0"]["attributes"]["interfaceNames"] == {"strings": ["enp189s0np0", "eth60"]}
+
+
+def test_interface_names_past_the_values_budget_are_left_out_not_the_device(tmp_path):
+    root = _switchdev_pf(tmp_path, [None] * 60)
+    dev = scan(root, list_attributes=True).by_name()["nic-0000-bd-00-0"]
+    assert "interfaceNames" not in dev.attributes and dev.attributes["interfaceName"].to_api() == {"string": "enp189s0np0"}
+    assert [(p.what, p.reason) for p in dev.problems] == [("interfaceNames", "61 values, past the device's 48")]
+    published = _published(root)["nic-0000-bd-00-0"]["attributes"]
+    assert "interfaceNames" not in published and published["interfaceName"] == {"string": "enp189s0np0"}

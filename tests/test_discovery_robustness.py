@@ -37,6 +37,27 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
+def _names(root: str) -> list[str]:
+    """Names read from listings and links: netdevs, RDMA devices, driver links."""
+    out = []
+    for dirpath, dirnames, _ in os.walk(os.path.join(root, "sys", "devices")):
+        if os.path.basename(dirpath) in ("net", "infiniband"):
+            out += [os.path.join(dirpath, d) for d in dirnames]
+        if os.path.islink(os.path.join(dirpath, "driver")):
+            out.append(os.path.join(dirpath, "driver"))
+    return sorted(out)
+
+
+def _misname(path: str) -> None:
+    """The entry (a link: its target) named neither UTF-8 nor printable."""
+    if os.path.islink(path):
+        target = os.readlink(os.fsencode(path))
+        os.unlink(path)
+        os.symlink(target + b"\xff\n", path)
+    elif os.path.lexists(path):
+        os.rename(path, os.fsencode(path) + b"\xff\n")
+
+
 MUTATIONS = ("garbage", "empty", "huge", "binary", "delete", "fifo", "dir", "loop", "escape")
 
 
@@ -76,6 +97,8 @@ def test_corrupted_trees_never_raise(pristine, tmp_path_factory, data):
     picks = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=12, unique=True))
     for p in picks:
         _mutate(p, data.draw(st.sampled_from(MUTATIONS)), data.draw(st.binary(max_size=64)))
+    for p in data.draw(st.lists(st.sampled_from(_names(root)), max_size=3, unique=True)):
+        _misname(p)
     inv = scan(root)
     json.dumps(inv.to_json())  # and everything it reports serialises
     for d in inv.devices:

@@ -11,12 +11,14 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
 from agent.service.routewatch import RTM_DELROUTE, RTM_NEWROUTE, default_route_changed
 from discovery.inventory import IncrementalScanner, bdf_of_path, scan
 from discovery.routes import uplink
+from discovery.sysfs import HostFS
 from tests.conftest import REPO, _missing, profile_root
 
 PF0, PF1, ENO1 = "0000:06:00.0", "0000:06:00.1", "0000:3f:00.0"
@@ -107,6 +109,35 @@ def test_ipv6_default_routes_and_multipath_next_hops(tmp_path):
     root = node(tmp_path, v6=[("eno1", 1024), ("enp6s0f1", 1024), ("enp6s0f0", 2048)])
     assert uplink(root).interfaces == ("eno1", "enp6s0f1")
     assert not {ENO1, PF1} & names(scan(root)) and PF0 in names(scan(root))
+
+
+@pytest.mark.root
+def test_an_ipv6_default_route_past_the_first_page_of_a_real_ipv6_route(tmp_path):
+    """procfs hands out about a page per read(): the kernel lists ::/0 after the other routes
+    (150 bytes each), so with enough of them it is past the first read. A network namespace of
+    the test's own, the host's to the scan (its init: the root's proc/1)."""
+    if shutil.which("ip") is None or shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        pytest.fail("iproute2 and util-linux (unshare, nsenter) are required")
+    host = subprocess.Popen(["unshare", "-n", "sleep", "infinity"])
+    try:
+        while os.readlink(f"/proc/{host.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            time.sleep(0.01)
+        script = ["ip link add up0 type veth peer name up1", "ip link set up0 up", "ip link set up1 up",
+                  "ip -6 addr add 2001:db8::1/64 dev up0 nodad"]  # fmt: skip
+        script += [f"ip -6 route add 2001:db8:{i:x}::/48 dev up0" for i in range(1, 41)]
+        script.append("ip -6 route add default via 2001:db8::fe dev up0 metric 100")
+        subprocess.run(["nsenter", "-t", str(host.pid), "-n", "sh", "-ec", "\n".join(script)], check=True, timeout=60)
+        table = f"/proc/{host.pid}/net/ipv6_route"
+        with open(table) as f:
+            whole = f.read()
+        assert whole.index(f"{'0' * 32} 00 {'0' * 32} 00 20010db8") > 4096  # else no short read to miss it
+        assert HostFS("/").read_text(table, limit=1 << 20) == whole
+        os.makedirs(tmp_path / "host/proc")
+        os.symlink(f"/proc/{host.pid}", tmp_path / "host/proc/1")
+        assert uplink(str(tmp_path / "host")).interfaces == ("up0",)
+    finally:
+        host.kill()
+        host.wait()
 
 
 def _upper(root: str, name: str, lowers: list[str], bridge: bool = False) -> None:
