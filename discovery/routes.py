@@ -42,20 +42,32 @@ def _route_table(fs: HostFS, name: str) -> str:
     return init if fs.exists(init) else fs.path("proc/net", name)
 
 
+def _table(fs: HostFS, name: str) -> str:
+    """A route table; an interface name in it that is not UTF-8 (the kernel allows any bytes)
+    stays as its bytes (surrogate escapes), so its routes still count and its sysfs paths still
+    resolve: a route table refused as a whole would leave the uplink allocatable."""
+    return fs.read_bytes(_route_table(fs, name), limit=1 << 20).decode("utf-8", "surrogateescape")
+
+
+def shown(name: str) -> str:
+    """An interface name for a message: bytes that are not UTF-8 as escapes."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def default_route_interfaces(fs: HostFS) -> set[str]:
     """The interfaces of the lowest-metric default routes, IPv4 and IPv6, of the host's network
     namespace (its init's)."""
     v4: list[tuple[int, str]] = []
     v6: list[tuple[int, str]] = []
     try:  # Iface Destination Gateway Flags RefCnt Use Metric Mask ...
-        for line in fs.read_text(_route_table(fs, "route"), limit=1 << 20).splitlines()[1:]:
+        for line in _table(fs, "route").splitlines()[1:]:
             f = line.split()
             if len(f) >= 8 and f[1] == "00000000" and f[7] == "00000000" and f[6].isdigit():
                 v4.append((int(f[6]), f[0]))
     except AttrError:
         pass
     try:  # dest prefixlen src srclen nexthop metric refcnt use flags iface
-        for line in fs.read_text(_route_table(fs, "ipv6_route"), limit=1 << 20).splitlines():
+        for line in _table(fs, "ipv6_route").splitlines():
             f = line.split()
             if len(f) >= 10 and f[0] == "0" * 32 and f[1] == "00" and f[9] != "lo" and _hex(f[5]) is not None:
                 v6.append((_hex(f[5]), f[9]))
@@ -118,7 +130,7 @@ def uplink(root: str) -> Uplink:
         seen.add(iface)
         bdf = _function_of(fs, iface)
         if bdf is not None:
-            what = f"default route via {via}" + (f" ({iface})" if iface != via else "")
+            what = f"default route via {shown(via)}" + (f" ({shown(iface)})" if iface != via else "")
             functions.setdefault(bdf, what)
         todo += [(lower, via) for lower in _below(fs, iface)]
     for pf, why in list(functions.items()):
@@ -130,7 +142,7 @@ def uplink(root: str) -> Uplink:
             vf = _function_of_link(fs, fs.path("sys/bus/pci/devices", pf, name))
             if vf is not None:
                 functions.setdefault(vf, f"a VF of {pf}, {why}")
-    return Uplink(tuple(routed), functions)
+    return Uplink(tuple(shown(i) for i in routed), functions)
 
 
 def _function_of_link(fs: HostFS, link: str) -> str | None:

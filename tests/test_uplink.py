@@ -62,6 +62,19 @@ def test_the_default_routes_nic_and_its_vfs_are_not_published(tmp_path):
     assert {PF0, *PF0_VFS} - {"0000:06:01.1"} <= names(everything)  # 06:01.1 is unbound: never offered
 
 
+def test_a_default_route_via_a_name_that_is_not_utf8_still_keeps_its_nic(tmp_path):
+    """The kernel allows any bytes in a name: the route table is read with them as they are,
+    never refused whole (which would publish the uplink), and the reason shows them escaped."""
+    root = node(tmp_path)
+    raw = b"en\xff0"
+    os.rename(os.path.join(root, "sys/class/net/enp6s0f0"), os.path.join(os.fsencode(root), b"sys/class/net/" + raw))
+    with open(os.path.join(root, "proc/net/route"), "ab") as f:
+        f.write(raw + b"\t00000000\t0100A8C0\t0003\t0\t0\t100\t00000000\t0\t0\t0\n")
+    up = uplink(root)
+    assert up.interfaces == ("en\\xff0",) and up.functions[PF0] == "default route via en\\xff0"
+    assert PF0 not in names(scan(root))
+
+
 def test_the_inits_routes_are_the_hosts(tmp_path):
     """proc/net is the reader's own network namespace (a pod's, for the DaemonSet's agent);
     the host's routes are its init's, proc/1/net, where the tree has one."""

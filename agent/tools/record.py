@@ -192,8 +192,10 @@ def _read_text(path: str) -> tuple[str | None, str]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as err:
         return None, err.strerror or str(err)
+    data = b""
     try:
-        data = os.read(fd, MAX_TEXT + 1)
+        while len(data) <= MAX_TEXT and (chunk := os.read(fd, MAX_TEXT + 1 - len(data))):
+            data += chunk  # procfs gives a page a read: a route table is longer
     except OSError as err:
         return None, err.strerror or str(err)
     finally:
