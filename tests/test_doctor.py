@@ -240,3 +240,13 @@ def test_cli_exit_codes(node, capsys):
             assert "[FAIL] cdi:" in out and "fix:" in out
     finally:
         listener.close()
+
+
+def test_a_config_sysdra_run_refuses_is_a_failed_config_check(tmp_path, capsys):
+    """The share policies and their combinations are judged as `sysdra run` judges them (exit 78 there)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("share: [gpu]\npartitions: true\n")
+    assert cli_main(["doctor", "--config", str(config), "--kubelet-dir", str(tmp_path / "kubelet"),
+                     "--cluster", f"dir:{tmp_path / 'cluster'}"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] config:" in out and "gpu cannot be combined with partitions" in out

@@ -47,3 +47,27 @@ def test_http_requests_are_debug_lines(tmp_path, monkeypatch, level, shown):
     out = err.getvalue()
     assert "kept" in out
     assert ("DEBUG httpx2: HTTP Request" in out) is shown, out
+
+
+def test_json_lines_carry_the_traceback_of_an_exception(capsys):
+    """``log_format: json``: a log.exception's traceback goes with its line (a shipper's reader needs it)."""
+    import json as _json
+    import logging as _logging
+
+    from agent.service.logs import setup_logging
+    from agent.settings import Settings
+
+    root = _logging.getLogger()
+    before = root.handlers[:]
+    try:
+        setup_logging(Settings.of({"node_name": "n", "log_format": "json"}))
+        try:
+            raise KeyError("the cause")
+        except KeyError:
+            _logging.getLogger("sysdra.test").exception("a round failed")
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if "a round failed" in x]
+        got = _json.loads(line)
+        assert got["msg"] == "a round failed" and got["level"] == "error"
+        assert "Traceback" in got["exc"] and "KeyError: 'the cause'" in got["exc"]
+    finally:
+        root.handlers[:] = before

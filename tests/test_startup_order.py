@@ -98,3 +98,23 @@ def test_sigterm_while_the_grpc_servers_start_stops_cleanly(tmp_path, monkeypatc
     assert asyncio.run(main()) == 0
     assert not glob.glob(os.path.join(settings.registry_dir, "*.sock")) and not os.path.exists(
         os.path.join(settings.plugin_dir, "dra.sock"))
+
+
+def test_api_mode_without_a_kubeconfig_exits_78_with_one_line(tmp_path):
+    """No kubeconfig yet (installed as a step of its own) and no in-cluster account: a config
+    error systemd does not restart in a loop, one line saying what is missing, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, profile_root
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SYSDRA_", "KUBERNETES_"))}
+    env.update(KUBECONFIG=str(tmp_path / "absent.kubeconfig"), HOME=str(tmp_path))
+    argv = [sys.executable, "-m", "agent", "run", "--config", os.devnull, "--root", profile_root("vm-numa-none"),
+            "--node-name", "n", "--cluster", "kube", "--kubelet-dir", str(tmp_path / "k"), "--cdi-dir", str(tmp_path / "cdi"),
+            "--metrics-address", ""]
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 78, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("sysdra:")]
+    assert "the API server's connection settings" in line and "absent.kubeconfig" in line
+    assert "Traceback" not in out.stderr

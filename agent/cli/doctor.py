@@ -31,8 +31,10 @@ def _settings(args):
 
     flags = {"kubelet_dir": args.kubelet_dir, "driver_name": args.driver_name, "node_name": args.node_name,
              "cluster": args.cluster, "rolling_update_uid": args.rolling_update_uid}
-    try:
-        return build_settings(flags, config_file=args.config), Finding("config", "ok", "settings are valid")
+    from agent.cli.publishing import checked
+
+    try:  # as `sysdra run` judges them (share policies too)
+        return checked(build_settings(flags, config_file=args.config)), Finding("config", "ok", "settings are valid")
     except ConfigError as err:
         finding = Finding("config", "fail", str(err), "fix the setting named above (sysdra run would exit with 78)")
     # go on with what we can: the defaults plus the flags that are valid on their own

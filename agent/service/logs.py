@@ -12,7 +12,12 @@ from agent.settings import Settings
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps({"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()})
+        out = {"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:  # log.exception's traceback: what a log shipper's reader needs most
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out)
 
 
 class _RequestsAtDebug(logging.Filter):

@@ -27,6 +27,7 @@ EX_DATAERR = 65  # the checkpoint is of a newer sysdra
 EX_CANTCREAT = 73  # a directory or socket cannot be created
 EX_TEMPFAIL = 75  # another agent serves the same sockets (systemd retries)
 EX_NOPERM = 77  # a directory others can write to
+EX_CONFIG = 78  # a bad setting; also the API's connection settings (kubeconfig)
 PLUGIN_DIR_MODE = 0o750
 CDI_DIR_MODE = 0o755
 
@@ -139,5 +140,11 @@ def make_store(settings: Settings):
             raise StartupError(f"cluster directory {settings.cluster_dir}: {err}", EX_CANTCREAT) from None
     from agent.publish.kubestore import KubeStore, kube_client
 
-    client = kube_client(field_manager=settings.driver_name)
+    from lightkube.core.exceptions import ConfigError as KubeConfigError
+
+    try:
+        client = kube_client(field_manager=settings.driver_name)
+    except KubeConfigError as err:  # no kubeconfig yet, or a broken one: not a crash to restart in a loop
+        raise StartupError(f"the API server's connection settings ($KUBECONFIG, ~/.kube/config or the in-cluster "
+                           f"service account): {err}", EX_CONFIG) from None
     return KubeStore(client, node_name=settings.node_name, driver_name=settings.driver_name), client
