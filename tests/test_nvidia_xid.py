@@ -99,3 +99,34 @@ def test_a_critical_xid_makes_the_gpu_unhealthy_and_tainted(tmp_path, ignored):
             await monitor.stop()
 
     asyncio.run(main())
+
+
+def test_events_that_are_no_fault_are_logged_once_per_while(caplog):
+    """An application looping on its page faults (XID 13) or a GPU correcting ECC errors all day:
+    the first is logged, then one line per while with how many came between."""
+    import logging
+    import time
+
+    from agent.health import xid
+
+    sim = SimNvmlEvents()
+    watch, faults = _watch(sim)
+    now = [time.monotonic()]
+    watch.clock = lambda: now[0]
+    assert watch.start()
+    caplog.set_level(logging.INFO, logger="agent.health.xid")
+    try:
+        for _ in range(50):
+            sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 13)
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+        assert faults.get(timeout=30)[1] == "xid-79"  # the events before it were handled
+        lines = [r.getMessage() for r in caplog.records if "XID 13" in r.getMessage()]
+        assert lines == [f"GPU {BDF}: XID 13 (an application's error, ignored)"]
+        now[0] += xid.NOTE_EVERY
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 13)
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+        assert faults.get(timeout=30)[1] == "xid-79"
+        lines = [r.getMessage() for r in caplog.records if "XID 13" in r.getMessage()]
+        assert lines[1] == f"GPU {BDF}: XID 13 (an application's error, ignored) (49 more in the last {xid.NOTE_EVERY:.0f} s)"
+    finally:
+        watch.stop()

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # each wait returns at least this often, so stop() is noticed
 DEFAULT_IGNORED = (13, 31, 43, 45, 68, 109)
+NOTE_EVERY = 600.0  # seconds between log lines of one kind of event that is no fault
 _HEX = re.compile(r"[0-9a-f]{1,8}")
 
 
@@ -49,6 +51,8 @@ class XidWatch:
         self.wait_ms = wait_ms
         self.registered: list[str] = []  # bus IDs of the GPUs whose events are watched
         self.events = 0
+        self.clock = time.monotonic
+        self._noted: dict[str, tuple[float, int]] = {}  # what -> (when last logged, how many since)
         self._stop = threading.Event()
         self._set = None
 
@@ -107,10 +111,22 @@ class XidWatch:
             return
         if kind == nv.nvmlEventTypeXidCriticalError:
             if detail in self.ignored:
-                log.info("GPU %s: XID %s (an application's error, ignored)", bdf, detail)
+                self._note(f"GPU {bdf}: XID {detail} (an application's error, ignored)")
                 return
             self.on_fault(bdf, f"xid-{detail}", f"NVML: critical XID {detail}")
         elif kind == nv.nvmlEventTypeDoubleBitEccError:
             self.on_fault(bdf, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error")
         elif kind == nv.nvmlEventTypeSingleBitEccError:
-            log.info("GPU %s: a single-bit ECC error (corrected)", bdf)
+            self._note(f"GPU {bdf}: a single-bit ECC error (corrected)")
+
+    def _note(self, what: str) -> None:
+        """An event that is no fault, logged the first time and then once per ``NOTE_EVERY``
+        with how many came between: an application looping on its errors, or a GPU whose ECC
+        corrects all day, must not flood the log."""
+        now = self.clock()
+        last, since = self._noted.get(what, (None, 0))
+        if last is not None and now - last < NOTE_EVERY:
+            self._noted[what] = (last, since + 1)
+            return
+        self._noted[what] = (now, 0)
+        log.info("%s%s", what, f" ({since} more in the last {now - last:.0f} s)" if since else "")
