@@ -110,6 +110,10 @@ def main(argv: list[str]) -> None:
     os.makedirs(plugins, exist_ok=True)
     bind(plugins, plugins)
     mount("--make-shared", plugins)
+    # the node's root (its NVIDIA driver root too) shared, as / is on a systemd host: the chart
+    # mounts a driver root other than / HostToContainer (a driver container mounts it later)
+    bind(root, root, recursive=True)
+    mount("--make-rshared", root)
     with open(os.path.join(ns, "ready"), "w") as f:
         f.write(str(os.getpid()))
     os.execvp("sleep", ["sleep", "2147483647"])

@@ -103,8 +103,8 @@ def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
         except rtnl.LinkError as err:
             if err.errno != errno.ENODEV:  # not in the pod: never moved, or back
                 raise
-    here = _find_in(move.netns, move) if alive else None
-    there = None if here is not None else find(host_netns, move, move.host)
+    there = find(host_netns, move, move.host)  # first: a netdev that never left needs no look into the pod
+    here = _find_in(move.netns, move) if alive and there is None else None
     if here is not None or (there is not None and there.name != move.host):
         _free(host_netns, move.host, f"netdev {move.host} cannot come back under its name: another link has it now{_as(move)}")
     if here is not None:
