@@ -20,9 +20,8 @@ from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, loops, scanning, sdnotify, startup
+from agent.service import reload as reloading
 from agent.service.scanning import default_scan
-from agent.service.logs import setup_logging
-from agent.service.reload import REPUBLISH_SETTINGS, changes as setting_changes
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
@@ -52,8 +51,10 @@ class Agent:
         self.health = None  # agent.health.HealthMonitor once the kubelet plugin runs
         self._health_task: asyncio.Task | None = None  # its verdicts to status, metrics and taints
         self.inventory = None
+        self._listed = settings.list_attributes  # what the inventory was scanned with (a SIGHUP may change it)
         self.pool: PoolContent | None = None
         self.rescans = 0
+        self.resync_changed = asyncio.Event()  # a SIGHUP changed resync_interval: loops.periodic_rescan recomputes
         self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
         self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
         self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
@@ -69,7 +70,9 @@ class Agent:
         taints = None
         if s.taint_unhealthy:  # before the monitor runs (the first publish): the first scan's round
             taints = self.health.taints() if self.health is not None else self._first_taints
-        pool = build_pool(inventory, **pool_options(s), taints=taints, previous=self.pool, cache=self._slice_cache)
+        # validated against what the scan made: a SIGHUP's new list_attributes waits for its rescan
+        options = {**pool_options(s), "list_attributes": self._listed}
+        pool = build_pool(inventory, **options, taints=taints, previous=self.pool, cache=self._slice_cache)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)
@@ -77,12 +80,12 @@ class Agent:
         self._rejected_seen = set(pool.rejected)
         return pool
 
-    def _scan(self, changed: set[str] | None) -> object:
+    def _scan(self, settings: Settings, changed: set[str] | None) -> object:
         """Default scanner: incremental (re-read only ``changed`` PCI functions, None = all);
         an injected ``scan`` function (tests) always scans everything."""
         if self.scan is not default_scan:
-            return self.scan(self.settings)
-        self._scanner, inventory = scanning.update(self._scanner, self.settings, changed)
+            return self.scan(settings)
+        self._scanner, inventory = scanning.update(self._scanner, settings, changed)
         return inventory
 
     async def rescan(self, changed_at: float | None = None, changed: set[str] | None = None) -> bool:
@@ -90,11 +93,12 @@ class Agent:
         publisher a new pool only if what we publish changed."""
         self.rescans += 1
         async with self._scanning:  # one scan at a time: events, resyncs and prepare's mode switches all ask
-            inventory = await asyncio.to_thread(self._scan, changed)
+            settings = self.settings
+            inventory = await asyncio.to_thread(self._scan, settings, changed)
             if self.settings.taint_unhealthy and self.health is None:  # no unhealthy device published untainted
                 from agent.health.monitor import first_taints
                 self._first_taints = await asyncio.to_thread(first_taints, self.settings, inventory)
-        self.inventory = inventory  # the old one goes here
+        self.inventory, self._listed = inventory, settings.list_attributes  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
         if self.health is not None:
@@ -158,7 +162,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
-        driver = ObservedDriver(core, self.metrics, self.board)
+        driver = ObservedDriver(core, self.metrics, self.board, loop=loop)  # the board is the loop's only
         api = None if self.settings.cluster_dir is not None else ClaimApi(field_manager=self.settings.driver_name)  # reads + writes
         status = (status_writer(self.settings, api, observer=ClaimStatusObserver(self.metrics, self.board))
                   if self.settings.claim_status else None)
@@ -215,29 +219,7 @@ class Agent:
     # --- SIGHUP ----------------------------------------------------------------------------
     def reload(self, new: Settings) -> None:
         """Apply the settings that can change live; say which ones need a restart."""
-        old = self.settings
-        live, restart = setting_changes(old, new)
-        if not live and not restart:
-            log.info("SIGHUP: configuration unchanged")
-            return
-        if restart:
-            log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
-        if "skip_node_operations" in live and self._node_operations(new.skip_node_operations) != new.skip_node_operations:
-            del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
-        if not live:
-            return
-        self.settings = old.replace(**live)
-        self.publisher.resync_interval = self.settings.resync_interval
-        self.publisher.debounce = self.settings.debounce
-        if self.debouncer is not None:
-            self.debouncer.delay = self.settings.debounce
-        if self.health is not None:
-            self.health.interval, self.health.taint_hold = self.settings.health_interval, self.settings.taint_hold
-        if "log_level" in live or "log_format" in live:
-            setup_logging(self.settings)
-        log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))
-        if REPUBLISH_SETTINGS & set(live):
-            self._republish()
+        reloading.apply(self, new)
 
     # --- main loop -----------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:

@@ -4,19 +4,31 @@ that died would end the resync safety net, or taints following health, for good 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 log = logging.getLogger("sysdra.daemon")
 
 
 async def periodic_rescan(agent) -> None:
-    while agent.settings.resync_interval:
-        await asyncio.sleep(agent.settings.resync_interval)
+    """A rescan ``resync_interval`` after the last one; runs idle while it is 0. A SIGHUP that
+    changes the interval sets ``agent.resync_changed``: the wait is recomputed at once."""
+    loop = asyncio.get_running_loop()
+    last = loop.time()
+    while True:
+        agent.resync_changed.clear()
+        interval = agent.settings.resync_interval
+        if not interval or loop.time() < last + interval:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(last + interval if interval else None):
+                    await agent.resync_changed.wait()
+            continue
         try:
             await agent.rescan()
         except Exception:  # noqa: BLE001 - the next round may well succeed
             log.exception("periodic rescan failed; next one in %ss", agent.settings.resync_interval)
         agent.publisher.request_sync()  # also repair drift nobody told us about
+        last = loop.time()
 
 
 async def follow_health(agent, sub) -> None:

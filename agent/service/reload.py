@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from agent.settings import FIELDS, Settings
 
-# Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity).
+log = logging.getLogger("sysdra.daemon")
+
+# Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity, and
+# share/share_policies: prepare's ownership and MPS steps are built from them once, at start).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "share", "share_policies",
-                           "skip_node_operations"})
+                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "skip_node_operations"})
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
-REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "share", "share_policies",
-                                "skip_node_operations"})
+REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "skip_node_operations"})
+# Of those, the ones the scan itself reads (list attributes are made at scan time): a full rescan.
+RESCAN_SETTINGS = frozenset({"list_attributes"})
 
 
 def changes(old: Settings, new: Settings) -> tuple[dict[str, Any], list[str]]:
@@ -20,3 +24,37 @@ def changes(old: Settings, new: Settings) -> tuple[dict[str, Any], list[str]]:
     the names of the changed ones that need a restart."""
     changed = {k for k in FIELDS if getattr(old, k) != getattr(new, k)}
     return {k: getattr(new, k) for k in changed & LIVE_SETTINGS}, sorted(changed - LIVE_SETTINGS)
+
+
+def apply(agent, new: Settings) -> None:
+    """Apply to ``agent`` (service.daemon.Agent) the settings that can change live; say which
+    ones need a restart."""
+    old = agent.settings
+    live, restart = changes(old, new)
+    if not live and not restart:
+        log.info("SIGHUP: configuration unchanged")
+        return
+    if restart:
+        log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
+    if "skip_node_operations" in live and agent._node_operations(new.skip_node_operations) != new.skip_node_operations:
+        del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
+    if not live:
+        return
+    s = agent.settings = old.replace(**live)
+    agent.publisher.resync_interval, agent.publisher.debounce = s.resync_interval, s.debounce
+    if agent.debouncer is not None:
+        agent.debouncer.delay = s.debounce
+    if agent.health is not None:
+        agent.health.interval, agent.health.taint_hold = s.health_interval, s.taint_hold
+    if "log_level" in live or "log_format" in live:
+        from agent.service.logs import setup_logging
+
+        setup_logging(s)
+    log.info("SIGHUP: applied %s", ", ".join(f"{k}={v}" for k, v in sorted(live.items())))
+    if "resync_interval" in live:  # both timers wait on the old interval: they recompute theirs now
+        agent.resync_changed.set()
+        agent.publisher.request_sync()
+    if RESCAN_SETTINGS & set(live):  # the inventory was scanned with the old value: read everything again
+        agent._rescan_soon()
+    elif REPUBLISH_SETTINGS & set(live):
+        agent._republish()
