@@ -6,12 +6,10 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
   its device nodes (``hostPath`` only where the host's path differs from the container's: the
   agent's ``--root`` is its own view of the host, never part of a path the runtime reads) and
   ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
-  what a vendor's device needs (NVIDIA's user-space driver, cdi/nvidia.py) is in its own edits
-  too, so a container given only the claim's NIC does not get it;
 - spec-level edits (applied once when any device of the claim is injected) carry the
   claim-wide lists: ``SYSDRA_CLAIM_UID``, ``SYSDRA_DEVICES``,
-  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES`` (per claim: a container
-  given two claims keeps one claim's values).
+  ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``, and what a vendor's
+  devices need once per claim (NVIDIA's user-space driver, cdi/nvidia.py).
 
 No variable is set twice in what one device brings to a container (its own edits and the
 spec-level ones), nor to two values by two devices of a claim (one container may get them all):
@@ -124,8 +122,7 @@ def host_path(node_host_path: str, root: str) -> str:
     return node_host_path if rel == ".." or rel.startswith("../") else "/" + rel
 
 
-def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = (),
-                  vendor: dict | None = None) -> dict:
+def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = ()) -> dict:
     nodes = []
     for n in dev.device_nodes:
         node = {"path": n.path}
@@ -134,22 +131,19 @@ def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mount
             node["hostPath"] = on_host
         node.update({"type": n.type, "major": n.major, "minor": n.minor})
         nodes.append(node)
-    vendor = vendor or {}
-    edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env, *vendor.get("env", ())]}
-    for key, own in (("deviceNodes", nodes), ("mounts", [dict(m) for m in mounts])):
-        if own or vendor.get(key):
-            edits[key] = own + [dict(x) for x in vendor.get(key, ())]
-    if vendor.get("hooks"):
-        edits["hooks"] = [dict(h) for h in vendor["hooks"]]
+    edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env]}
+    if nodes:
+        edits["deviceNodes"] = nodes
+    if mounts:
+        edits["mounts"] = [dict(m) for m in mounts]
     return edits
 
 
 def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/",
-                     vendor_edits: dict[str, dict] | None = None) -> dict:
+                     extra_edits: dict | None = None) -> dict:
     """The finished, validated spec dict for ``entries`` (each once, in allocation order; a
     plain Device is its own key). Claim-wide lists name each device once, however many shares.
-    ``vendor_edits``: device name -> what a vendor's device needs besides its nodes (cdi/nvidia.py),
-    on each of its CDI devices: a container given only the claim's other devices gets none of it."""
+    ``extra_edits``: claim-wide edits a vendor needs once per claim (cdi/nvidia.py)."""
     if not entries:
         raise ValueError("a CDI spec needs at least one device")
     cdi_devices = [e if isinstance(e, ClaimDevice) else ClaimDevice(e, e.name) for e in entries]
@@ -164,11 +158,12 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
     spec = {
         "kind": claim_kind(driver_name),
         "devices": [
-            {"name": cdi_device_name(claim_uid, c.key),
-             "containerEdits": _device_edits(c.device, root, c.env, c.mounts, (vendor_edits or {}).get(c.device.name))}
+            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, root, c.env, c.mounts)}
             for c in cdi_devices
         ],
         "containerEdits": {"env": env},
     }
+    for key, values in (extra_edits or {}).items():
+        spec["containerEdits"].setdefault(key, []).extend(values)
     check_unique_env(spec)
     return finish(spec)

@@ -1,7 +1,6 @@
-"""What an NVIDIA GPU's CDI device adds so a container can run CUDA: the host's user-space driver.
+"""What an NVIDIA GPU's CDI spec adds so a container can run CUDA: the host's user-space driver.
 
-In each NVIDIA GPU's own edits (identical for every GPU: runtimes apply a mount or device node
-of one container path once, cdi/claim.py), so a container given only the claim's NIC gets none:
+Applied once per claim (spec-level edits), whatever number of NVIDIA devices it holds:
 - the compute libraries of the kernel module's version, each mounted read-only under
   ``/usr/local/nvidia/lib64`` by its versioned name and by the names programs load it by
   (``libcuda.so.1``, ``libcuda.so``), so no symlink has to be made inside the container;
@@ -14,7 +13,10 @@ of one container path once, cdi/claim.py), so a container given only the claim's
 - ``NVIDIA_VISIBLE_DEVICES=void`` (``VISIBLE_VOID``, as NVIDIA's own CDI specs set it): where
   nvidia-container-runtime is the runtime's default, its legacy hook would otherwise give a
   container of an image that sets ``NVIDIA_VISIBLE_DEVICES=all`` (CUDA's) every GPU of the node.
-Every ``hostPath`` is the host's path: the runtime opens them, not the agent.
+Every ``hostPath`` is the host's path: the runtime opens them, not the agent. Spec-level, as in
+NVIDIA's own specs: on each GPU's device they would be copied once per GPU into the spec and the
+checkpoint (an 8-GPU claim's spec eight times the driver's mounts); a container given only the
+claim's other devices (its NIC) gets them too.
 """
 
 from __future__ import annotations
@@ -45,12 +47,11 @@ def driver_edits(files: DriverFiles, host_root: str = "/") -> dict:
     mounts += [_mount(path, f"/lib/firmware/nvidia/{files.version}/{os.path.basename(path)}", _RO + ["noexec"])
                for path in files.firmware]
     mounts += [_mount(path, path, _RO + ["noexec"]) for path in files.sockets]
-    edits: dict = {"env": [VISIBLE_VOID], "mounts": mounts}
+    edits: dict = {"mounts": mounts}
     if files.ldcache_hook:
         edits["hooks"] = [{"hookName": "createContainer", "path": os.path.join(host_root, files.ldcache_hook.lstrip("/")),
                            "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIB_DIR]}]
-    else:
-        edits["env"].append(LD_LIBRARY_PATH)
+    edits["env"] = [VISIBLE_VOID] if files.ldcache_hook else [VISIBLE_VOID, LD_LIBRARY_PATH]
     if files.modeset is not None:
         m = files.modeset
         edits["deviceNodes"] = [{"path": m.path, "type": "c", "major": m.major, "minor": m.minor}]

@@ -43,10 +43,10 @@ def test_shares_of_a_gpu_run_under_its_mps_daemon(tmp_path):
     spec = d.checkpoint.claims[a["metadata"]["uid"]]["cdiSpec"]["spec"]
     edits = spec["devices"][0]["containerEdits"]
     assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in edits["env"]
-    assert edits["mounts"][:2] == [{"hostPath": d.nvidia.mps.dirs(uuid)["pipe"], "containerPath": "/tmp/nvidia-mps",
+    assert edits["mounts"] == [{"hostPath": d.nvidia.mps.dirs(uuid)["pipe"], "containerPath": "/tmp/nvidia-mps",
                                 "options": ["rw", "nosuid", "nodev", "bind"]},
                                {"hostPath": d.nvidia.mps.dirs(uuid)["shm"], "containerPath": "/dev/shm",
-                                "options": ["rw", "nosuid", "nodev", "bind"]}]  # then the GPU's driver (cdi/nvidia.py)
+                                "options": ["rw", "nosuid", "nodev", "bind"]}]
     assert d.checkpoint.claims[a["metadata"]["uid"]]["mps"] == {"gpus": [uuid]}
     d.prepare_claims([b])
     assert _running(d) == {uuid: pid}  # one daemon per GPU

@@ -26,7 +26,7 @@ class ClaimFiles:
     def __init__(self, settings: Settings, inventory: Callable[[], Inventory], steps: list,
                  checkpoint: Callable[[], Checkpoint | None], nvidia=None):
         self.settings, self.inventory, self.steps, self.checkpoint = settings, inventory, steps, checkpoint
-        self.nvidia = nvidia  # prepare/nvidia.py: what each NVIDIA GPU's CDI device needs
+        self.nvidia = nvidia  # prepare/nvidia.py: the NVIDIA user-space driver's claim-wide edits
 
     def spec_path(self, uid: str) -> str:
         return cdifiles.claim_spec_path(self.settings.cdi_dir, self.settings.driver_name, uid)
@@ -43,7 +43,7 @@ class ClaimFiles:
         if self.nvidia:
             recorded = [(self.nvidia.with_mps(c, share), share) for c, share in recorded]
         devs = list({c.key: c for c, _ in recorded}.values())
-        edits = self.nvidia.device_edits([c.device for c in devs]) if self.nvidia else None
+        edits = self.nvidia.claim_edits([c.device for c in devs]) if self.nvidia else None
         return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root, edits)
 
     def remove(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:

@@ -4,7 +4,7 @@ By default the claim's own CDI spec carries the host's user-space driver (``cdi/
 found by ``discovery/nvidia_driver.py`` under the configured driver root). With
 ``nvidia-cdi-spec`` the node's own NVIDIA CDI spec (``nvidia-ctk cdi generate`` output in a CDI
 directory) is used instead: each GPU's CDI device ID there is returned beside ours, and our
-spec leaves the driver out. Either way each GPU's CDI device sets ``NVIDIA_VISIBLE_DEVICES=void``
+spec leaves the driver out. Either way the claim's spec sets ``NVIDIA_VISIBLE_DEVICES=void``
 (cdi/nvidia.py). A driver that does not match the kernel module fails the claim
 with the reason: a spec that cannot run CUDA is never written.
 """
@@ -46,7 +46,7 @@ class NvidiaDriver:
         # under another root: links to the driver's libraries alone, the loader path of its tools (link_libraries)
         self.lib_dir = lib_dir
         self.files = DriverFilesCache(root, driver_root)
-        self._edits: tuple[DriverFiles, dict] | None = None  # a GPU's edits for the files found last
+        self._edits: tuple[DriverFiles, dict] | None = None  # claim-wide edits of the files found last
         self.use_nvidia_spec = use_nvidia_spec
         # as the agent sees them: the host's CDI dirs under the root, and the agent's own CDI dir
         seen = [os.path.join(root, d.lstrip("/")) for d in SPEC_DIRS] + ([cdi_dir] if cdi_dir else [])
@@ -112,15 +112,14 @@ class NvidiaDriver:
         env = tuple(e for e in cd.env if not e.startswith("CUDA_MPS_PIPE_DIRECTORY="))
         return replace(cd, env=env + tuple(edits["env"]), mounts=tuple(edits["mounts"]))
 
-    def device_edits(self, devices: list[Device]) -> dict[str, dict] | None:
-        """Device name -> the edits each NVIDIA GPU of ``devices`` needs (cdi/nvidia.py), None
-        when there is none. With NVIDIA's spec only ``NVIDIA_VISIBLE_DEVICES=void``: an older
-        spec may not set it, and the legacy hook must not add the node's other GPUs."""
-        gpus = [d.name for d in devices if needs_driver(d)]
-        if not gpus:
+    def claim_edits(self, devices: list[Device]) -> dict | None:
+        """The claim-wide edits for ``devices`` (None: no NVIDIA GPU). With NVIDIA's spec only
+        ``NVIDIA_VISIBLE_DEVICES=void``: an older spec may not set it, and the legacy hook must
+        not add the node's other GPUs."""
+        if not any(needs_driver(d) for d in devices):
             return None
         if self.use_nvidia_spec:
-            return dict.fromkeys(gpus, {"env": [VISIBLE_VOID]})
+            return {"env": [VISIBLE_VOID]}
         files = self.files.get()
         if files.errors:
             raise ClaimFailed("NVIDIA user-space driver: " + "; ".join(files.errors))
@@ -128,7 +127,7 @@ class NvidiaDriver:
             log.warning("NVIDIA user-space driver: %s", warning)
         if self._edits is None or self._edits[0] is not files:  # the cache gives the same object until the driver changes
             self._edits = (files, driver_edits(files, self.host_root))
-        return dict.fromkeys(gpus, self._edits[1])  # shared: the specs copy the lists and never change a mount
+        return self._edits[1]  # shared by the claims' specs: they copy the lists and never change a mount
 
     def cdi_ids(self, dev: Device) -> list[str]:
         """NVIDIA's own CDI device ID for ``dev`` when ``nvidia-cdi-spec`` is set."""

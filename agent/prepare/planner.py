@@ -76,7 +76,7 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
         return prepared, None, envs
     cds = list(picked.values())
     shares.one_mps_gpu(cds)
-    edits = nvidia.device_edits([c.device for c in cds]) if nvidia else None
+    edits = nvidia.claim_edits([c.device for c in cds]) if nvidia else None
     return prepared, build_claim_spec(driver, uid, cds, root, edits), envs
 
 

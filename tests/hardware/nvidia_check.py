@@ -216,11 +216,7 @@ def check_cuda(log: Log, tmp: str, spec: dict, spec_path: str, device: str, root
     run = run_in_spec(spec_path, device, rootfs)
     log(f"cuda_check from the spec (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}")
     log.check(run.returncode == 0 and "OK kernel ran" in run.stdout, "a CUDA kernel ran from the claim's CDI spec alone")
-    # the driver is in each GPU's own edits (cdi/nvidia.py); the MPS client's mounts stay
-    mps = ("/tmp/nvidia-mps", "/dev/shm")
-    bare = dict(spec, devices=[dict(d, containerEdits={
-        **{k: v for k, v in d["containerEdits"].items() if k != "hooks"},
-        "mounts": [m for m in d["containerEdits"].get("mounts", []) if m["containerPath"] in mps]}) for d in spec["devices"]])
+    bare = dict(spec, containerEdits={k: v for k, v in spec["containerEdits"].items() if k not in ("mounts", "hooks")})
     bare_path = os.path.join(tmp, "bare-spec.json")
     with open(bare_path, "w") as f:
         json.dump(bare, f)
@@ -249,10 +245,9 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str | N
     with open(spec_path) as f:
         spec = json.load(f)
     write(out, "spec.json", spec)
+    mounts = [m["containerPath"] for m in spec.get("containerEdits", {}).get("mounts", [])]
+    log(f"CDI {ids}: {len(mounts)} driver mounts, spec env {spec['containerEdits'].get('env')}")
     device = ids[0].split("=", 1)[1]
-    (edits,) = [d["containerEdits"] for d in spec["devices"] if d["name"] == device]
-    mounts = [m["containerPath"] for m in edits.get("mounts", [])]  # the GPU's own: driver and MPS
-    log(f"CDI {ids}: {len(mounts)} mounts, spec env {spec['containerEdits'].get('env')}, device env {edits.get('env')}")
     rootfs = build_rootfs(tmp, program) if program else None
     if rootfs is None:
         log("SKIP the CUDA program from the spec: none was built")
