@@ -16,7 +16,7 @@ import re
 
 from agent import rtnetlink
 from agent.prepare import rdma, rtnl
-from agent.prepare.records import NetdevMove
+from agent.prepare.records import BDF_PATTERN, BUS_DEVICE_PATTERN, MAC_PATTERN, NetdevMove
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +154,7 @@ def _fits(pattern: re.Pattern, value: str | None) -> str | None:
     return value if value is not None and pattern.match(value) else None
 
 
-_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$")  # records.Mac's
-_BUS = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # records.BusDevice's
-_PCI = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_MAC, _BUS, _PCI = re.compile(MAC_PATTERN), re.compile(BUS_DEVICE_PATTERN), re.compile(BDF_PATTERN)  # the records' own
 
 
 # what a move needs, and where a deployment grants it

@@ -22,7 +22,8 @@ from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 __all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice",
            "VfioFunction", "check_entry", "entry_problem"]
 
-Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
+BDF_PATTERN = r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$"
+Bdf = Annotated[str, StringConstraints(pattern=BDF_PATTERN)]
 KernelDriver = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Name = Annotated[str, StringConstraints(max_length=253)]
 
@@ -119,9 +120,11 @@ class TimeSlice(Record):
 
 SandboxId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
 NetnsPath = Annotated[str, StringConstraints(pattern=r"^/[^\x00]{1,4095}$")]
-Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$")]
+MAC_PATTERN = r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$"
+Mac = Annotated[str, StringConstraints(pattern=MAC_PATTERN)]
 RdmaName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,63}$")]
-BusDevice = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]  # a PCI address, virtio0, ...
+BUS_DEVICE_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"  # a PCI address, virtio0, ...
+BusDevice = Annotated[str, StringConstraints(pattern=BUS_DEVICE_PATTERN)]
 
 
 class NetdevMove(Record):
