@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from discovery.models import AttributeValue, Device, NumaNode, PciFunction, Problem
+from discovery.models import LIST_FIELDS, AttributeValue, Device, NumaNode, PciFunction, Problem
 from discovery.numa import close_nodes
 
 STD = "resource.kubernetes.io/"
@@ -76,14 +76,14 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
 def _within_values(out: dict, problems: list[Problem]) -> None:
     """Past 48 values, lists are left out, the last first, with a problem: the API server
     would refuse the whole device."""
-    count = {name: len(v.value) if isinstance(v.value, tuple) else 1 for name, v in out.items()}
-    total = sum(count.values())
-    for name in [n for n, v in out.items() if isinstance(v.value, tuple)][::-1]:
+    lists = {name: len(getattr(v, v.field)) for name, v in out.items() if v.field in LIST_FIELDS}
+    total = len(out) - len(lists) + sum(lists.values())
+    for name in reversed(lists):
         if total <= MAX_ATTRIBUTE_VALUES:
             break
         del out[name]
-        total -= count[name]
-        problems.append(Problem(what=name, reason=f"{count[name]} values, past the device's {MAX_ATTRIBUTE_VALUES}"))
+        total -= lists[name]
+        problems.append(Problem(what=name, reason=f"{lists[name]} values, past the device's {MAX_ATTRIBUTE_VALUES}"))
 
 
 def _entries(dev: Device, list_attributes: bool) -> list[tuple[str, object]]:

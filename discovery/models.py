@@ -32,7 +32,7 @@ class Record:
 
 
 _VALUE_FIELDS = ("int_", "bool_", "string", "version", "ints", "bools", "strings", "versions")
-_LIST_FIELDS = frozenset(("ints", "bools", "strings", "versions"))
+LIST_FIELDS = frozenset(("ints", "bools", "strings", "versions"))
 # API name -> (Python field, exact type of the value or of each list item, is a list)
 _API_FIELDS = {
     "int": ("int_", int, False), "bool": ("bool_", bool, False),
@@ -63,7 +63,7 @@ class AttributeValue(Record):
         set_fields = [name for name in _VALUE_FIELDS if getattr(self, name) is not None]
         if len(set_fields) != 1:
             raise ValueError(f"exactly one value field must be set, got {set_fields}")
-        if set_fields[0] in _LIST_FIELDS and not getattr(self, set_fields[0]):
+        if set_fields[0] in LIST_FIELDS and not getattr(self, set_fields[0]):
             raise ValueError(f"list attribute {set_fields[0]} must not be empty")
         object.__setattr__(self, "field", set_fields[0])  # how a frozen dataclass sets a derived field
 
@@ -102,7 +102,7 @@ class AttributeValue(Record):
     def to_api(self) -> dict:
         """The API encoding, a new dict: ``{"int": 3}``, ``{"strings": ["a"]}``."""
         value = getattr(self, self.field)
-        return {_API_NAME[self.field]: list(value) if self.field in _LIST_FIELDS else value}
+        return {_API_NAME[self.field]: list(value) if self.field in LIST_FIELDS else value}
 
 @record
 class DeviceNode(Record):

@@ -170,3 +170,19 @@ def test_interface_names_past_the_values_budget_are_left_out_not_the_device(tmp_
     assert [(p.what, p.reason) for p in dev.problems] == [("interfaceNames", "61 values, past the device's 48")]
     published = _published(root)["nic-0000-bd-00-0"]["attributes"]
     assert "interfaceNames" not in published and published["interfaceName"] == {"string": "enp189s0np0"}
+
+
+def test_the_values_budget_counts_single_values_too(tmp_path):
+    """48 values in all, a single value counting one: the most interface names that fit beside
+    the PF's other attributes are published, one more are left out."""
+    def pf(ports: int):
+        root = _switchdev_pf(tmp_path / str(ports), [None] * ports)
+        return scan(root, list_attributes=True).by_name()["nic-0000-bd-00-0"]
+
+    small = pf(1).attributes
+    others = sum(len(v.value) if isinstance(v.value, tuple) else 1 for k, v in small.items() if k != "interfaceNames")
+    room = 48 - others  # interface names that fit: the PF's own and room - 1 others
+    fits, over = pf(room - 1), pf(room)
+    assert len(fits.attributes["interfaceNames"].value) == room and list(fits.problems) == []
+    assert "interfaceNames" not in over.attributes
+    assert [(p.what, p.reason) for p in over.problems] == [("interfaceNames", f"{room + 1} values, past the device's 48")]
