@@ -71,40 +71,54 @@ def _crash(node: MigNode, point: str, call, env: dict | None = None) -> None:
     assert node.proc.returncode == -signal.SIGKILL, node.log_tail()
 
 
+def _every_point(node: MigNode, device: str, prepare: list[str], unprepare: list[str], prepared, gone,
+                 env: dict | None = None) -> list[str]:
+    """A claim of ``device`` killed at each point (of its unprepare: prepared first), the agent
+    restarted, the host checked (``prepared(point, uid)`` or ``gone(point)``, as the checkpoint
+    says), then the kubelet's retry: prepared once more, unprepared, nothing left -> the outcomes."""
+    outcomes = []
+    for i, point in enumerate(prepare + unprepare):
+        c = node.write_claim(f"c{i}", [("gpu", device)], uid=f"00000000-0000-4000-8000-{i:012d}")
+        uid = c["metadata"]["uid"]
+        if point in unprepare:  # prepared first, killed while it goes
+            node.start(env=env)
+            assert not run(node.prepare(c)).claims[uid].error
+            node.stop()
+            _crash(node, point, lambda: node.unprepare(c), env)
+        else:
+            _crash(node, point, lambda: node.prepare(c), env)
+        node.start(env=env)  # recovery
+        if uid in node.check_state().claims:
+            prepared(point, uid)
+            outcomes.append("kept")
+        else:
+            gone(point)
+            outcomes.append("undone")
+        resp = run(node.prepare(c))
+        assert not resp.claims[uid].error, resp.claims[uid].error
+        prepared("retry", uid)
+        assert not run(node.unprepare(c)).claims[uid].error
+        gone("retry")
+        node.check_clean()
+        node.stop()
+    assert "undone" in outcomes and "kept" in outcomes, outcomes
+    return outcomes
+
+
 def test_sigkill_at_every_step_of_a_mig_device(tmp_path, faults):
     node = MigNode(str(tmp_path))
-    outcomes = []
+
+    def prepared(point: str, uid: str) -> None:
+        assert node.instances() == [(14, 2, 1)], f"{point}: claim prepared, GPU has {node.instances()}"
+        assert len(_caps(node, uid)) == 2
+
+    def gone(point: str) -> None:
+        assert node.instances() == [], f"{point}: claim gone, instances stranded: {node.instances()}\n{node.log_tail()}"
+
     try:
-        for i, point in enumerate(PREPARE + UNPREPARE):
-            c = node.write_claim(f"c{i}", [("gpu", DEVICE)], uid=f"00000000-0000-4000-8000-{i:012d}")
-            uid = c["metadata"]["uid"]
-            if point in UNPREPARE:  # prepared first, killed while it goes
-                node.start()
-                assert not run(node.prepare(c)).claims[uid].error
-                node.stop()
-                _crash(node, point, lambda: node.unprepare(c))
-            else:
-                _crash(node, point, lambda: node.prepare(c))
-            node.start()  # recovery
-            cp = node.check_state()
-            if uid in cp.claims:
-                assert node.instances() == [(14, 2, 1)], f"{point}: claim prepared, GPU has {node.instances()}"
-                assert len(_caps(node, uid)) == 2
-                outcomes.append("kept")
-            else:
-                assert node.instances() == [], f"{point}: claim gone, instances stranded: {node.instances()}\n{node.log_tail()}"
-                outcomes.append("undone")
-            # the kubelet retries: prepared (once more), then unprepared, leaving nothing
-            resp = run(node.prepare(c))
-            assert not resp.claims[uid].error, resp.claims[uid].error
-            assert node.instances() == [(14, 2, 1)]
-            assert not run(node.unprepare(c)).claims[uid].error
-            assert node.instances() == []
-            node.check_clean()
-            node.stop()
+        outcomes = _every_point(node, DEVICE, PREPARE, UNPREPARE, prepared, gone)
     finally:
         node.kill()
-    assert "undone" in outcomes and "kept" in outcomes, outcomes
     faults.add("Crash anywhere", "SIGKILL at every step of creating and destroying a MIG device (simulated NVML)",
                len(PREPARE + UNPREPARE),
                f"restart: the GPU holds exactly the prepared claims' MIG devices ({outcomes.count('undone')} undone, "
@@ -116,37 +130,17 @@ def test_sigkill_at_every_step_of_mig_mode_off_for_the_whole_gpu(tmp_path, fault
     unprepare back on. Killed anywhere, the restarted agent leaves the GPU off exactly while the
     claim is prepared."""
     node = MigNode(str(tmp_path))
-    env = {"SYSDRA_NVIDIA_MIG_ENABLE": "true"}
-    outcomes = []
+
+    def prepared(point: str, uid: str) -> None:
+        assert node.mode() == [0, 0], f"{point}: claim prepared, MIG mode {node.mode()}"
+
+    def gone(point: str) -> None:
+        assert node.mode() == [1, 1] and node.instances() == [], f"{point}: claim gone, MIG mode {node.mode()}\n{node.log_tail()}"
+
     try:
-        for i, point in enumerate(WHOLE_PREPARE + WHOLE_UNPREPARE):
-            c = node.write_claim(f"w{i}", [("gpu", GPU)], uid=f"00000000-0000-4000-8000-{i:012d}")
-            uid = c["metadata"]["uid"]
-            if point in WHOLE_UNPREPARE:
-                node.start(env=env)
-                assert not run(node.prepare(c)).claims[uid].error
-                node.stop()
-                _crash(node, point, lambda: node.unprepare(c), env)
-            else:
-                _crash(node, point, lambda: node.prepare(c), env)
-            node.start(env=env)  # recovery
-            cp = node.check_state()
-            if uid in cp.claims:
-                assert node.mode() == [0, 0], f"{point}: claim prepared, MIG mode {node.mode()}"
-                outcomes.append("kept")
-            else:
-                assert node.mode() == [1, 1], f"{point}: claim gone, MIG mode {node.mode()}\n{node.log_tail()}"
-                outcomes.append("undone")
-            resp = run(node.prepare(c))
-            assert not resp.claims[uid].error, resp.claims[uid].error
-            assert node.mode() == [0, 0]
-            assert not run(node.unprepare(c)).claims[uid].error
-            assert node.mode() == [1, 1] and node.instances() == []
-            node.check_clean()
-            node.stop()
+        outcomes = _every_point(node, GPU, WHOLE_PREPARE, WHOLE_UNPREPARE, prepared, gone, {"SYSDRA_NVIDIA_MIG_ENABLE": "true"})
     finally:
         node.kill()
-    assert "undone" in outcomes and "kept" in outcomes, outcomes
     faults.add("Crash anywhere", "SIGKILL at every step of turning MIG mode off for a whole-GPU claim and back on (simulated NVML)",
                len(WHOLE_PREPARE + WHOLE_UNPREPARE),
                f"restart: MIG mode off exactly while the claim is prepared ({outcomes.count('undone')} undone, "
