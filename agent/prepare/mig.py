@@ -109,9 +109,9 @@ class MigDevices:
                               "to let the agent do it")
         if gis := mig.gpu_instances(nv, h, [p.id for p in mig.profiles(nv, h)]):
             listed = ", ".join(f"{g.gi} (profile {g.profile}, placement {g.start})" for g in gis[:4])
-            raise ClaimFailed(f"GPU {bdf} is in MIG mode with GPU instances no claim of its whole GPU can share: "
-                              f"{listed}{', ...' if len(gis) > 4 else ''}; MIG mode cannot be turned off while they "
-                              f"exist: destroy them (nvidia-smi mig -i {bdf} -dci, then -dgi)")
+            raise ClaimFailed(f"GPU {bdf} is in MIG mode with GPU instances {listed}{', ...' if len(gis) > 4 else ''}, "
+                              "not this claim's: NVML does not turn MIG mode off while they exist; destroy them "
+                              f"(nvidia-smi mig -i {bdf} -dci, then -dgi)")
 
     def needs_off(self, mode: tuple[int, int] | None) -> bool:
         """Whether the agent turns MIG mode off for the whole GPU: on now, or (``enable``) pending
