@@ -230,8 +230,9 @@ class Settings(BaseModel):
     nvidia_mps_shm_size: str = "1Gi"
     # The MPS daemons in pods of their own (the DaemonSet: docs/sharing.md); None: the agent's processes.
     nvidia_mps_pod: MpsPodSettings | None = None
-    # With --partitions, a claim for a MIG device of a GPU not in MIG mode: false fails the claim
-    # (saying so); true lets the agent enable MIG mode through NVML (docs/partitions.md).
+    # MIG mode through NVML, by the agent: on for a claim of a MIG device (--partitions) of a GPU not
+    # in MIG mode, off for a claim of the whole GPU (or a share of it) of a GPU in MIG mode, where CUDA
+    # sees no device, and back on when that claim goes; false fails such claims, saying so (docs/partitions.md).
     nvidia_mig_enable: bool = False
     # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
     # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path

@@ -100,6 +100,22 @@ def published_ways(device: Device, groups: bool) -> list[Way]:
     return [w for w in gpu_ways if w.kind == "whole" or (w.compute, w.memory) == now]
 
 
+def whole_unusable(device: Device) -> str | None:
+    """Why the whole GPU is no device a container can use, or None. A GPU whose MIG instances
+    procfs lists without NVML's profiles (static MIG) is in MIG mode: CUDA sees its MIG devices
+    only, so its whole GPU is never published and a claim of it fails (as NVIDIA's own driver
+    publishes only the MIG devices of a GPU in MIG mode). With NVML (dynamic MIG) the agent can
+    turn MIG mode off instead (prepare/steps/migmode.py)."""
+    pt = partitioning(device)
+    if pt is None or pt.kind != "mig" or pt.profiles or not pt.partitions or "partitionOf" in device.attributes:
+        return None  # (a way's device names its GPU: a MIG device, not the whole GPU)
+    bdf = device.pci.bdf
+    names = ", ".join(f"gi{p.gi}/ci{p.ci}" for p in pt.partitions[:4]) + (", ..." if len(pt.partitions) > 4 else "")
+    return (f"GPU {bdf} is in MIG mode (MIG instances {names}): CUDA sees no device on the whole GPU; claim its MIG "
+            f"devices (published with --partitions), or destroy them and turn MIG mode off (nvidia-smi mig -i {bdf} "
+            f"-dci, then -dgi; nvidia-smi -i {bdf} -mig 0)")
+
+
 def countable(gpu_ways: list[Way]) -> bool:
     """Whether each way's share of its GPU can be counted: False for an AMD GPU whose XCC count
     and memory are unknown, or with a mode of more partitions than XCCs (published whole only)."""

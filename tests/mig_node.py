@@ -1,13 +1,14 @@
 """A dynamic-MIG node for tests: a copy of the h200-vm fixture (the lent H200's tree) with the
 driver's ``/proc/driver/nvidia-caps/mig-minors``, the simulated NVML with MIG
-(tests/simnvml_mig.py) over a state file beside it, its slices as the agent publishes them with
-``--partitions``, and claims allocated from them by the scheduler's allocator."""
+(tests/simnvml_mig.py) over a state file beside it, its slices as the agent publishes them
+(``--partitions`` unless told otherwise), and claims allocated from them by the scheduler's allocator."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
 from tests.conftest import profile_root
@@ -54,8 +55,10 @@ class MigNode:
         return self.inv
 
     def slices(self, taints: dict[str, list[dict]] | None = None) -> list[dict]:
+        """As the agent publishes them with its settings (``partitions``, ``share``)."""
+        s = self.settings
         pool = build_pool(scan(self.root, list_attributes=True, nvml=self.nvml), node_name=NODE, driver_name=DRIVER,
-                          list_attributes=True, partitions=True, taints=taints)
+                          list_attributes=True, partitions=s.partitions, taints=taints, share=share_plan(s.share, None))
         return render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
 
     def allocated(self, name: str, *requests: dict, prepared: list[dict] = ()) -> dict:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 
 _STRINGS = {2: "Invalid Argument", 3: "Not Supported", 6: "Not Found", 10: "Timeout", 13: "Function Not Found",
-            19: "In use by another client", 23: "Insufficient Resources"}  # nvmlErrorString's wording
+            16: "GPU requires restart", 19: "In use by another client", 23: "Insufficient Resources"}  # nvmlErrorString's wording
 
 
 class NVMLError(Exception):
@@ -33,6 +33,9 @@ class SimGpu:
     minor: int = 0  # /dev/nvidia<minor>
     mig_capable: bool = False  # MIG: tests/simnvml_mig.py (the H200 is; off here, so no MIG profiles)
     mig: list[int] = field(default_factory=lambda: [0, 0])  # MIG mode (current, pending)
+    # nvmlDeviceSetMigMode's activation status (tests/simnvml_mig.py): 0 the mode switches at once;
+    # 16 (RESET_REQUIRED) or 19 (IN_USE) it stays pending until a GPU reset
+    mig_activation: int = 0
     gis: dict = field(default_factory=dict)  # GPU instances (tests/simnvml_mig.py)
 
 

@@ -8,9 +8,18 @@ process killed with SIGKILL and started again sees the instances it made, and a 
 them from outside. ``install_from_env`` puts the simulator under a real agent process
 (``SYSDRA_SIMNVML=<state file>``; tests/faults/crashpoint.py calls it).
 
+MIG mode as NVML's documentation of ``nvmlDeviceSetMigMode``/``nvmlDeviceGetMigMode`` (nvml.h,
+cuda-python's nvml bindings) states it: a set changes the *pending* mode and the GPU is reset to
+activate it; the call returns an activation status, and where the reset cannot happen (a
+passthrough VM, where NVML says NVML_ERROR_RESET_REQUIRED, or a GPU not idle, NVML_ERROR_IN_USE)
+the current mode stays until a GPU reset or reboot (``reset``, ``reboot``). ``SimGpu.mig_activation``
+picks that status per GPU (0: activated at once, as on a bare-metal Hopper).
+
 Assumptions, not measured (MIG mode was never enabled on the lent H200): the NVML profile
 *index* of each row (the IDs are measured), the error a create gets while MIG is disabled
-(NOT_SUPPORTED), and GI IDs handed out lowest free first from 1."""
+(NOT_SUPPORTED), GI IDs handed out lowest free first from 1, and a mode change refused with
+IN_USE while a GPU instance exists (NVIDIA's own DRA driver disables MIG mode only once no MIG
+device is left; the agent checks for instances first)."""
 
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ import pynvml  # its ctypes structures only: no library is loaded
 from fixtures.generate import mig_minor
 from tests.simnvml import NVMLError, SimGpu, SimNvmlEvents
 
-INVALID_ARGUMENT, NOT_SUPPORTED, NOT_FOUND, IN_USE, INSUFFICIENT_RESOURCES = 2, 3, 6, 19, 23
+INVALID_ARGUMENT, NOT_SUPPORTED, NOT_FOUND, RESET_REQUIRED, IN_USE, INSUFFICIENT_RESOURCES = 2, 3, 6, 16, 19, 23
 # (NVML profile index, ID, name, slices, memory MB, SMs, CE, DEC, ENC, JPEG, OFA, instances, placements)
 H200_PROFILES = [
     (0, 19, "MIG 1g.18gb", 1, 16384, 16, 1, 1, 0, 1, 0, 7, [(i, 1) for i in range(7)]),
@@ -154,9 +163,11 @@ class SimMigNvml(SimNvmlEvents):
                 raise NVMLError(NOT_SUPPORTED)
             if gpu.gis:
                 raise NVMLError(IN_USE)
-            gpu.mig = [mode, mode]
+            gpu.mig[1] = mode  # pending: current once the GPU is reset, which here happens at once or not
+            if not gpu.mig_activation:
+                gpu.mig[0] = mode
             self.calls.append(f"set-mig-mode {gpu.bus_id} {mode}")
-            return 0
+            return gpu.mig_activation
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, h, index: int, version: int = 2):
         if not self._gpu(h).mig_capable:
@@ -287,18 +298,32 @@ class SimMigNvml(SimNvmlEvents):
             return json.loads(json.dumps(self.gpus[bus_id].gis))
 
     def reboot(self) -> None:
-        """Every GPU and compute instance gone, as after a reboot (MIG mode stays)."""
+        """Every GPU and compute instance gone, as after a reboot (MIG mode stays; a pending one
+        takes effect)."""
         with self._locked(True):
             for gpu in self.gpus.values():
+                gpu.mig[0] = gpu.mig[1]
                 for gid, gi in list(gpu.gis.items()):
                     for ci in gi["cis"]:
                         self._cap(gpu, gid, ci, False)
                     self._cap(gpu, gid, None, False)
                 gpu.gis = {}
 
-    def set_mig(self, bus_id: str, mode: int) -> None:
+    def set_mig(self, bus_id: str, mode: int, pending: int | None = None) -> None:
+        """MIG mode set by someone else (``nvidia-smi -mig``), as (current, pending)."""
         with self._locked(True):
-            self.gpus[bus_id].mig = [mode, mode]
+            self.gpus[bus_id].mig = [mode, mode if pending is None else pending]
+
+    def set_activation(self, bus_id: str, status: int) -> None:
+        """What ``nvmlDeviceSetMigMode`` answers from now on (``SimGpu.mig_activation``)."""
+        with self._locked(True):
+            self.gpus[bus_id].mig_activation = status
+
+    def reset(self, bus_id: str) -> None:
+        """A GPU reset (``nvidia-smi -r``): the pending MIG mode becomes the current one."""
+        with self._locked(True):
+            gpu = self.gpus[bus_id]
+            gpu.mig[0] = gpu.mig[1]
 
 
 def placement(start: int, size: int):

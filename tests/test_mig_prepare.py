@@ -242,9 +242,3 @@ def test_a_claim_adopted_after_a_corrupt_checkpoint_keeps_its_mig_device(node):
     assert again.unprepare_claims([ClaimRef(namespace="", name="", uid=uid)]) == {uid: None}
     assert node.sim.instances() == {}
 
-
-def test_whole_gpu_prepares_without_mig(node):
-    d = driver_for(node)
-    c = node.allocated("w", req("w", whole()))
-    assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
-    assert node.sim.instances() == {} and "mig" not in d.checkpoint.claims[c["metadata"]["uid"]]

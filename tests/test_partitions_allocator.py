@@ -62,16 +62,22 @@ def test_whole_gpu_and_any_of_its_partitions_never_together(groups):
             allocate(slices, CLASSES, w, node=NODE, allocated=[with_allocation(p, b)])
 
 
-def test_whole_mig_gpu_and_its_instances_never_together():
+def test_mig_instances_without_their_whole_gpu():
+    """Without NVML a GPU with MIG instances is in MIG mode, where its whole GPU is no CUDA device:
+    only the instances are allocatable (as NVIDIA's own driver publishes such a GPU), never the
+    whole GPU, alone or beside them."""
     slices = published("h100-mig", partitions=True)
     names = devices(slices)
     instances = sorted(n for n in names if n.startswith(MIG_GPU + "-mig-"))
     assert instances == [f"{MIG_GPU}-mig-gi1-ci0", f"{MIG_GPU}-mig-gi2-ci0", f"{MIG_GPU}-mig-gi2-ci1", f"{MIG_GPU}-mig-gi9-ci0"]
+    assert MIG_GPU not in names
     all_mig = claim("all", req("m", part_of(MIG_GPU), count=4))
     (a,) = allocate(slices, CLASSES, all_mig, node=NODE)
     assert sorted(picked(a)["m"]) == instances  # every instance fits beside the others
-    with pytest.raises(Unschedulable):
-        allocate(slices, CLASSES, claim("w", req("w", whole(MIG_GPU))), node=NODE, allocated=[with_allocation(all_mig, a)])
+    for alone in (False, True):
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, claim("w", req("w", whole(MIG_GPU))), node=NODE,
+                     allocated=[] if alone else [with_allocation(all_mig, a)])
     with pytest.raises(Unschedulable):
         allocate(slices, CLASSES, claim("both", req("w", whole(MIG_GPU)), req("m", part_of(MIG_GPU))), node=NODE)
     # the GPU without MIG is an ordinary whole GPU
@@ -142,8 +148,9 @@ def test_a_tainted_gpu_taints_its_partitions(profile, gpu, groups):
     slices = published(profile, partitions=True, compatibility_groups=groups, taints={gpu: [taint]})
     names = devices(slices)
     parts = [n for n, d in names.items() if d["attributes"].get("partitionOf") == {"string": gpu}]
-    assert len(parts) >= 4 and all(names[n]["taints"] == [taint] for n in [gpu, *parts])
-    assert not [n for n, d in names.items() if d.get("taints") and n != gpu and n not in parts]
+    whole = [gpu] if profile != "h100-mig" else []  # a GPU in MIG mode: its MIG devices only
+    assert len(parts) >= 4 and all(names[n]["taints"] == [taint] for n in [*whole, *parts])
+    assert not [n for n, d in names.items() if d.get("taints") and n not in whole and n not in parts]
     with pytest.raises(Unschedulable):
         allocate(slices, CLASSES, claim("p", req("p", part_of(gpu))), node=NODE)
     tolerating = exactly("p", "gpu.sysdra.io", selectors=part_of(gpu), tolerations=[{"key": taint["key"], "operator": "Exists"}])

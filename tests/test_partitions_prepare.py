@@ -257,3 +257,24 @@ def test_mig_instances_get_their_cap_nodes(tmp_path):
     }
     assert "partitions" not in d.checkpoint.claims[c["metadata"]["uid"]]  # MIG instances need no mode
 
+
+
+@pytest.mark.parametrize("partitions", [True, False])
+def test_whole_gpu_in_mig_mode_without_nvml_fails_clearly(tmp_path, partitions):
+    """Not published (a GPU with MIG instances is in MIG mode: CUDA sees no device on the whole
+    GPU), so only a claim from a slice of before its instances were made asks for it: it fails,
+    saying why and what to do, and nothing is recorded; the GPU beside it prepares."""
+    from discovery.inventory import scan
+    from tests.kubelet_standin import claim as hand_claim, settings_for
+    from tests.partition_node import copy_node
+
+    root = copy_node(str(tmp_path / "host"), "h100-mig")
+    inv = scan(root)
+    d = Driver(settings_for(str(tmp_path), root=root, partitions=partitions), lambda: inv)
+    c = hand_claim("w", [("w", "gpu-0000-18-00-0")])
+    err = prepare(d, c).error
+    assert err and "GPU 0000:18:00.0 is in MIG mode (MIG instances gi1/ci0, gi2/ci0, gi2/ci1, gi9/ci0)" in err
+    assert "CUDA sees no device" in err and "nvidia-smi -i 0000:18:00.0 -mig 0" in err
+    assert d.checkpoint.claims == {}
+    ok = hand_claim("ok", [("g", "gpu-0000-3a-00-0")])
+    assert not prepare(d, ok).error

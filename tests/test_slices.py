@@ -11,6 +11,7 @@ from agent.publish import slices
 from agent.publish.validation import device_problems, parse_quantity, qualified_name_problem
 from agent.settings import Settings
 from discovery.models import AttributeValue, Inventory
+from discovery.gpuways import whole_unusable
 from tests.conftest import profile_root, profiles
 from tests.inventory_factory import device, inventory, sriov_inventory
 
@@ -221,7 +222,24 @@ def test_fixture_profiles_validate_strictly(profile, list_attributes, exclusive)
     assert pool.rejected == (), pool.rejected  # discovery should never produce an invalid device
     objs = rendered(pool)
     assert_api_valid(objs)
-    assert sum(len(s.get("devices", [])) for s in pool.slices) == len(inv.devices)
+    # every device, but a whole GPU in MIG mode (h100-mig's first: its MIG devices, with --partitions)
+    in_mig_mode = [d.name for d in inv.devices if whole_unusable(d)]
+    assert in_mig_mode == (["gpu-0000-18-00-0"] if profile == "h100-mig" else [])
+    assert sum(len(s.get("devices", [])) for s in pool.slices) == len(inv.devices) - len(in_mig_mode)
+
+
+def test_a_whole_gpu_in_mig_mode_is_never_published():
+    """Without NVML, a GPU whose MIG instances procfs lists is in MIG mode: CUDA sees no device
+    on its whole GPU, so it is left out (not rejected: it is no invalid device), with or without
+    --partitions; its MIG instances are published with --partitions; the GPU beside it is whole."""
+    from discovery.inventory import scan
+
+    inv = scan(profile_root("h100-mig"))
+    for partitions in (False, True):
+        pool = build(inv, partitions=partitions)
+        names = [d["name"] for s in pool.slices for d in s.get("devices", [])]
+        assert "gpu-0000-18-00-0" not in names and "gpu-0000-3a-00-0" in names and pool.rejected == ()
+        assert len([n for n in names if n.startswith("gpu-0000-18-00-0-mig-")]) == (4 if partitions else 0)
 
 
 def test_slices_list_is_a_kubernetes_list():

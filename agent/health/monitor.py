@@ -30,7 +30,7 @@ from agent.health.linkwatch import LinkWatch
 from agent.health.xid import XidWatch
 from agent.rtnetlink import listen_on_host
 from agent.settings import Settings
-from discovery.gpuways import partition_names
+from discovery.gpuways import partition_names, whole_unusable
 from discovery.inventory import device_name
 from discovery.models import Device, Inventory
 from discovery.nvidia_driver import DriverFilesCache
@@ -324,8 +324,9 @@ class HealthMonitor:
     # --- queries ------------------------------------------------------------------
     def device_states(self) -> list[tuple[str, DeviceState]]:
         """What the health stream reports, by name: every device's state, and with ``--partitions``
-        each published partition with its GPU's (the checks see only the GPU; its faults are theirs)."""
-        out = list(self.states.items())
+        each published partition with its GPU's (the checks see only the GPU; its faults are theirs).
+        A whole GPU in MIG mode without NVML is not published (gpuways.whole_unusable): its MIG devices are."""
+        out = [(n, s) for n, s in self.states.items() if n not in self._known or not whole_unusable(self._known[n])]
         if self.settings.partitions:
             for name, state in self.states.items():
                 out.extend((p, state) for p in self._partitions_of(name))

@@ -55,6 +55,7 @@ from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import NotUndone, Planned
 from agent.prepare.mig import MigDevices, shared_nvml
 from agent.prepare.steps.mig import MigStep
+from agent.prepare.steps.migmode import MigModeStep
 from agent.prepare.steps.mps import MpsStep
 from agent.prepare.steps.netdev import NetdevStep
 from agent.prepare.steps.partition import PartitionStep
@@ -125,9 +126,9 @@ class Driver:
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)
         self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
-        if self.partitions and settings.nvml:  # dynamic MIG: devices created through NVML
+        if settings.nvml:  # dynamic MIG: devices created through NVML; MIG mode off for a whole GPU
             self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
-            self.steps.append(MigStep(self.mig, self.partitions.ways))
+            self.steps += ([MigStep(self.mig, self.partitions.ways)] if self.partitions else []) + [MigModeStep(self.mig, inventory)]
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point)))
         self.steps.append(NetdevStep(settings.root, lambda: host_netns(settings.root)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))

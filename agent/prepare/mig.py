@@ -14,7 +14,13 @@ The IDs NVML answers are input: out of the record's range, the claim fails and t
 
 Instances are found again by GPU, profile and placement, never by the IDs alone: placements
 never overlap, IDs are reused. Their container nodes are ``/dev/nvidia-caps/nvidia-cap<N>``,
-N from ``/proc/driver/nvidia-caps/mig-minors`` under the root."""
+N from ``/proc/driver/nvidia-caps/mig-minors`` under the root.
+
+The whole GPU of a GPU in MIG mode is no CUDA device (CUDA sees MIG devices only), so a claim
+of it needs MIG mode off: ``turn_off`` (prepare/steps/migmode.py runs it as a step) with
+``nvidia_mig_enable`` (the agent manages MIG mode both ways), never while a GPU instance
+exists (NVML refuses; it is someone's), and ``turn_on`` gives the mode back. A mode NVML left
+pending (a GPU that needs a reset to switch) fails the claim, as for enabling."""
 
 from __future__ import annotations
 
@@ -93,6 +99,70 @@ class MigDevices:
         log.warning("GPU %s: MIG mode enabled (nvidia_mig_enable)", bdf)
         if (mode := mig.mig_mode(nv, h)) is None or mode[0] != 1:
             raise ClaimFailed(f"GPU {bdf}: MIG mode enabled but pending ({mode}): the GPU needs a reset")
+
+    # --- MIG mode off, for a claim of the whole GPU ------------------------------------------
+    def _may_turn_off(self, nv, h, bdf: str, mode: tuple[int, int]) -> None:
+        """ClaimFailed when MIG mode is on and the agent may not, or cannot, turn it off."""
+        if not self.enable:
+            raise ClaimFailed(f"GPU {bdf} is in MIG mode (current {mode[0]}, pending {mode[1]}): CUDA sees no device on "
+                              f"the whole GPU; turn MIG mode off (nvidia-smi -i {bdf} -mig 0) or set nvidia_mig_enable "
+                              "to let the agent do it")
+        if gis := mig.gpu_instances(nv, h, [p.id for p in mig.profiles(nv, h)]):
+            listed = ", ".join(f"{g.gi} (profile {g.profile}, placement {g.start})" for g in gis[:4])
+            raise ClaimFailed(f"GPU {bdf} is in MIG mode with GPU instances {listed}{', ...' if len(gis) > 4 else ''}, "
+                              "not this claim's: NVML does not turn MIG mode off while they exist; destroy them "
+                              f"(nvidia-smi mig -i {bdf} -dci, then -dgi)")
+
+    def needs_off(self, mode: tuple[int, int] | None) -> bool:
+        """Whether the agent turns MIG mode off for the whole GPU: on now, or (``enable``) pending
+        on, which a GPU reset would make current under the claim."""
+        return mode is not None and (mode[0] == 1 or (self.enable and mode[1] == 1))
+
+    def check_off(self, bdf: str) -> tuple[int, int] | None:
+        """The GPU's MIG mode (current, pending) now, None: no MIG; ClaimFailed when a claim of its
+        whole GPU needs it off and the agent may not or cannot turn it off. Nothing changes."""
+        def look(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
+            if self.needs_off(mode := mig.mig_mode(nv, h)):
+                self._may_turn_off(nv, h, bdf, mode)
+            return mode
+
+        return self._run(f"reading the MIG mode of GPU {bdf}", look)
+
+    def turn_off(self, bdf: str) -> bool:
+        """MIG mode off, for a claim of the whole GPU -> whether it had to be changed. ClaimFailed
+        when it may not or cannot be, or NVML leaves it on until a GPU reset (pending)."""
+        def off(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
+            if not self.needs_off(mode := mig.mig_mode(nv, h)):
+                return False
+            self._may_turn_off(nv, h, bdf, mode)
+            status = nv.nvmlDeviceSetMigMode(h, nv.NVML_DEVICE_MIG_DISABLE)  # the activation's status
+            self.fault("migmode:off")
+            if (now := mig.mig_mode(nv, h)) is None or now[0] != 0:
+                raise ClaimFailed(f"GPU {bdf}: MIG mode turned off but still on until the GPU is reset (mode {now}"
+                                  f"{_activation(nv, status)}): reset it once idle (nvidia-smi -r -i {bdf}) or reboot")
+            log.warning("GPU %s: MIG mode turned off for a claim of the whole GPU (nvidia_mig_enable)", bdf)
+            return True
+
+        return self._run(f"turning MIG mode off on GPU {bdf}", off)
+
+    def turn_on(self, bdf: str) -> bool:
+        """MIG mode back on (current or pending: a GPU that needs a reset takes it then) -> whether
+        it had to be changed; ClaimFailed when NVML does not take it."""
+        def on(nv):
+            h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
+            if (mode := mig.mig_mode(nv, h)) is None or mode[1] == 1:
+                return False
+            status = nv.nvmlDeviceSetMigMode(h, nv.NVML_DEVICE_MIG_ENABLE)
+            self.fault("migmode:on")
+            if (now := mig.mig_mode(nv, h)) is None or now[1] != 1:
+                raise ClaimFailed(f"GPU {bdf}: MIG mode not back on (mode {now}{_activation(nv, status)})")
+            if now[0] != 1:
+                log.warning("GPU %s: MIG mode back on once the GPU is reset (pending)%s", bdf, _activation(nv, status))
+            return True
+
+        return self._run(f"turning MIG mode back on on GPU {bdf}", on)
 
     def create(self, rec: MigDevice) -> MigDevice:
         """The GPU instance at the record's placement, then its compute instance -> the record
@@ -209,6 +279,16 @@ class MigDevices:
                 raise ClaimFailed(f"MIG: no nvidia-caps node for {key}" + (f" ({problems[-1].reason})" if problems else ""))
             out.append(node)
         return tuple(out)
+
+
+def _activation(nv, status) -> str:
+    """``nvmlDeviceSetMigMode``'s activation status, said (NVML_ERROR_RESET_REQUIRED, IN_USE, ...)."""
+    if not isinstance(status, int) or isinstance(status, bool) or status == 0:
+        return ""
+    try:
+        return f"; NVML: {nv.NVMLError(status)}"
+    except Exception:  # noqa: BLE001 - its text is only for the message
+        return f"; NVML activation status {status}"
 
 
 def _full_ci_profile(nv, gi) -> int:

@@ -62,6 +62,8 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
         dev = names.get(r.device)
         if dev is None:
             raise ClaimFailed(f"device {r.device!r} (request {r.request!r}) is not on this node any more")
+        if why := gpuways.whole_unusable(dev):  # not published (a slice from before its instances were made)
+            raise ClaimFailed(f"device {r.device!r} (request {r.request!r}): {why}")
         entries.append((dev, r, config_for(configs, r.request, dev.kind, dev.name)))
     picked: dict[str, shares.ClaimDevice] = {}
     prepared, envs = [], []

@@ -19,7 +19,7 @@ from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, Route
 from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
-__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice",
+__all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "MigModeOff", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice",
            "VfioFunction", "check_entry", "entry_problem"]
 
 BDF_PATTERN = r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$"
@@ -100,6 +100,16 @@ class MigDevice(Record):
     size: Annotated[int, Field(ge=1, le=16)]
     gi: Annotated[int, Field(ge=0, lt=64)] | None = None
     ci: Annotated[int, Field(ge=0, lt=64)] | None = None
+
+
+class MigModeOff(Record):
+    """A GPU whose MIG mode a claim of its whole GPU (or a share of it) needs off: the whole GPU
+    of a GPU in MIG mode is no CUDA device (prepare/steps/migmode.py). Durable before NVML is
+    asked. ``restore``: MIG mode was on (or pending on) before this claim, or before the
+    prepared claims of the whole GPU that turned it off: the last of them to go turns it back on."""
+
+    gpu: Bdf
+    restore: bool
 
 
 GpuUuid = Annotated[str, StringConstraints(pattern=r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$")]
@@ -208,6 +218,7 @@ class ClaimEntry(Record):
     vfio: list[VfioFunction] | None = None
     partitions: PartitionUse | None = None
     mig: list[MigDevice] | None = None
+    migMode: list[MigModeOff] | None = None
     mps: MpsUse | None = None
     timeslice: list[TimeSlice] | None = None
     netdevs: list[NetdevMove] | None = None  # moved into the pod by agent/nri/netdev.py

@@ -11,8 +11,9 @@ modes apart (a DPX and a CPX partition fit in the sum). So:
 - without it only the whole GPU and the partitions of the mode the GPU is in now: counters
   alone keep that correct, and no claim ever needs a mode switch but the whole GPU (SPX).
 
-NVIDIA MIG: counter ``compute-instances`` (how many exist); the whole GPU consumes all, each
-instance one. Counters alone keep that correct, so no groups are ever published for MIG.
+NVIDIA MIG without NVML (static): counter ``compute-instances`` (how many exist), each instance
+one; the whole GPU of a GPU with instances is in MIG mode, no CUDA device, so it is not
+published (gpuways.whole_unusable). No groups are ever published for MIG.
 
 Dynamic MIG (NVML's profiles): counters ``memory-slice-<i>`` (1 each), ``compute-slices`` and
 ``ofa-engines``; a profile's placement consumes the memory slices it covers, its compute slices
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from agent.publish.validation import device_problems
 from discovery.attributes import quantity
-from discovery.gpuways import Way, countable, partitioning, published_ways, quantity_bytes, way_device
+from discovery.gpuways import Way, countable, partitioning, published_ways, quantity_bytes, way_device, whole_unusable
 
 XCDS, MEMORY, INSTANCES = "xcds", "memory", "compute-instances"
 SLICE, COMPUTE_SLICES, OFA = "memory-slice-", "compute-slices", "ofa-engines"
@@ -106,6 +107,8 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
         set_name = counter_set_name(device.name)
         counter_sets.append({"name": set_name, "counters": {k: {"value": _q(k, v)} for k, v in totals.items()}})
         for way in gpu_ways:
+            if way.kind == "whole" and whole_unusable(device):
+                continue  # static MIG: only its MIG devices are devices CUDA sees
             if way.kind == "whole":
                 e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
             else:
