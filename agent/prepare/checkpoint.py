@@ -40,7 +40,8 @@ corruption. Version 1 files (a snapshot only) are read and become version 2 at t
 A snapshot or journal that does not parse, fails its checksum or has a bad shape is
 moved aside to ``<name>.corrupt-<unix time>`` (both files: the journal means nothing
 without its snapshot) and reported (``Checkpoint.corrupt_path``); it is never silently
-replaced. A newer version is refused (downgrade needs care).
+replaced. The entries the files still establish are kept (checkpoint_salvage.py). A newer
+version is refused (downgrade needs care).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum"]
 
+CORRUPT = Count("sysdra_checkpoint_corrupt_total",
+                "Times the checkpoint's files were found damaged and moved aside (their claims recovered)")
 REJECTED_ENTRIES = Count("sysdra_checkpoint_entries_rejected_total",
                          "Checkpoint entries that passed their checksum but not their checks, moved aside")
 
@@ -87,6 +90,7 @@ class Checkpoint:
         self.journal_path = path + JOURNAL_SUFFIX
         self.claims: dict[str, dict] = {}
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
+        self.salvage = None  # after corruption: what the damaged files still established (checkpoint_salvage.Salvage)
         self.rejected: dict[str, tuple[object, str]] = {}  # uid -> (entry, why): entries not used
         self.rejected_path: str | None = None  # where they were moved aside
         self.stamp: tuple | None = None  # identity of the files last loaded/saved
@@ -165,7 +169,11 @@ class Checkpoint:
         except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
             if not move_corrupt:
                 raise ValueError(f"{path}: {err}") from err
+            from agent.prepare.checkpoint_salvage import salvage
+
+            found = salvage(path, raw)  # before the files move: the entries they still establish
             cp._move_aside(err)
+            cp.claims, cp.salvage = found.exact, found
             return cp
         cp._encoded = {uid: canonical(e) for uid, e in cp.claims.items()}
         # the files still hold the rejected entries: the next save journals their removal
@@ -251,17 +259,21 @@ class Checkpoint:
 
     def _move_aside(self, err: Exception) -> None:
         stamp = int(time.time())
+        while any(os.path.exists(f"{p}.corrupt-{stamp}") for p in (self.path, self.journal_path)):
+            stamp += 1  # never over what an earlier repair kept
         moved = []
         for p in (self.path, self.journal_path):
             if os.path.exists(p):
                 os.rename(p, f"{p}.corrupt-{stamp}")
                 moved.append(f"{p}.corrupt-{stamp}")
         self.corrupt_path = moved[0] if moved else None
+        CORRUPT.inc()
         self.claims, self.generation, self._journal_size = {}, 0, None
         self.stamp = self.disk_stamp(self.path)
         log.error(
-            "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. Prepared claims are recovered "
-            "from the CDI spec files; inspect the saved files.", self.path, err, " and ".join(moved),
+            "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. The entries they still establish are kept, "
+            "other prepared claims recovered (docs/kubelet-plugin.md); inspect the saved files.", self.path, err,
+            " and ".join(moved),
         )
 
     # --- writing ----------------------------------------------------------------------

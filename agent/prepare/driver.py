@@ -390,3 +390,7 @@ class Driver:
     def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir (and the kernel) match it. Call before serving."""
         return recovery.recover(self)
+
+    def repair_checkpoint(self, saved: Saved | None = None) -> RecoveryReport:
+        """The same recovery for a checkpoint found damaged while serving (the caller holds the lock)."""
+        return recovery.repair(self, saved)
