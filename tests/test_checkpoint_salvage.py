@@ -64,10 +64,10 @@ def test_a_snapshot_that_fails_its_checksum_establishes_nothing(path):
 def test_a_torn_tail_after_the_damage_is_no_second_damage(path):
     cp = history(path)
     damage_line(cp, 4)  # claim 3's removal
-    with open(cp.journal_path, "r+b") as f:  # a whole record, then a torn one
+    with open(cp.journal_path, "r+b") as f:  # a whole record, then a torn append (its bad lines last)
         f.seek(sum(len(x) + 1 for x in journal_lines(cp)))
         body = b'{"uid":"%s","entry":null}' % uid(1).encode()
-        f.write(b"%08x %s\n%08x {\"uid\":" % (zlib.crc32(body), body, zlib.crc32(body)))
+        f.write(b"%08x %s\n%08x {\"uid\":\n%08x {\"uid\":" % (zlib.crc32(body), body, zlib.crc32(body), zlib.crc32(body)))
     got = Checkpoint.load(path)
     assert got.claims == {}  # claim 1 removed after the damage: its absence is certain
     assert uid(1) in got.salvage.certain

@@ -16,6 +16,7 @@ import zlib
 
 import pytest
 
+from agent.kubeletplugin.types import ClaimRef
 from agent.nri.netdev import NetdevMover
 from agent.nri.plugin import NriPlugin
 from agent.nri.ttrpc import CallError
@@ -106,12 +107,12 @@ def test_a_checkpoint_damaged_while_serving_is_repaired_and_the_netdev_still_com
     nets = ifname_nets
     agent = in_pod(tmp_path, nets)
     path = agent.driver.checkpoint_path
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        f.write(b"\x00garbage\x00")
     counted = CORRUPT.values.get((), 0)
 
     async def events(call):
+        with open(path, "r+b") as f:  # while the plugin is connected and synchronized
+            f.seek(os.path.getsize(path) // 2)
+            f.write(b"\x00garbage\x00")
         await call("RunPodSandbox", other())  # nothing of ours: starts (it failed until a restart)
         assert os.path.exists(agent.driver.recovery.corrupt_checkpoint)
         await call("StopPodSandbox", app(nets))  # the record of the move was kept: it comes back
@@ -127,6 +128,8 @@ def test_a_checkpoint_damaged_while_serving_is_repaired_and_the_netdev_still_com
         await call("RunPodSandbox", app(nets, "id-app-2"))
     agent.serve([], again)
     assert where(nets) == (False, True)
+    assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None}  # the driver goes on with the repaired files
+    assert where(nets) == (True, False)
 
 
 def test_a_damaged_journal_at_start_keeps_the_records_that_follow_the_damage(tmp_path, ifname_nets):
@@ -168,10 +171,8 @@ def test_a_pod_whose_netdev_records_cannot_be_told_is_refused_and_others_start(t
         agent.serve([app(nets)], events)
     assert where(nets) == (False, True)  # where the kernel has it: untouched
     assert f"claim {CLAIM} lost its netdev records" in caplog.text
-    assert agent.driver.unprepare_claims([agent_ref()]) == {CLAIM: None}  # the kubelet ends it
+    assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None}  # the kubelet ends it
 
 
-def agent_ref():
-    from agent.kubeletplugin.types import ClaimRef
-
+def claim_ref():
     return ClaimRef("default", "nic", CLAIM)
