@@ -26,7 +26,7 @@ from agent.prepare.steps.netdev import NetdevStep
 from agent.protos import nri_v1alpha1_pb2 as api
 from discovery.inventory import scan
 from tests.conftest import profile_root
-from tests.kubelet_standin import settings_for
+from tests.kubelet_standin import claim, settings_for
 from tests.nri_standin import Runtime, sandbox
 from tests.test_nri_netdev import CLAIM, POD_UID, ifname_nets, nets, nic_claim, run, where  # noqa: F401 - fixtures
 
@@ -129,6 +129,27 @@ def test_a_checkpoint_damaged_while_serving_is_repaired_and_the_netdev_still_com
     agent.serve([], again)
     assert where(nets) == (False, True)
     assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None}  # the driver goes on with the repaired files
+    assert where(nets) == (True, False)
+
+
+def test_a_prepare_that_finds_the_checkpoint_damaged_repairs_it_without_losing_the_move(tmp_path, ifname_nets):
+    """The driver's memory does not know the plugin's moves (it reads them back at its next call):
+    a prepare that finds the files damaged repairs them as the plugin does, from the newest save of
+    the process (the move), and never writes its own older memory over them."""
+    nets = ifname_nets
+    agent = in_pod(tmp_path, nets)
+    path = agent.driver.checkpoint_path
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x00garbage\x00")
+    second = claim("nic2", [("net1", "nic-0000-bd-00-0")], uid=OTHER_UID)
+    assert agent.driver.prepare_claims([second])[OTHER_UID].error is None
+    assert agent.driver.recovery.corrupt_checkpoint and CLAIM in agent.driver.recovery.from_memory
+    assert set(Checkpoint.load(path, move_corrupt=False).claims) == {CLAIM, OTHER_UID}
+
+    async def stop(call):
+        await call("StopPodSandbox", app(nets))
+    agent.serve([app(nets)], stop)
     assert where(nets) == (True, False)
 
 

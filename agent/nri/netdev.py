@@ -31,7 +31,7 @@ from agent.nri.ttrpc import Refusal
 from agent.prepare import netmove, rtnl
 from agent.prepare.checkpoint import Checkpoint, CheckpointError
 from agent.prepare.checkpoint_format import COMPLETED
-from agent.prepare.checkpoint_view import CheckpointView, Saved
+from agent.prepare.checkpoint_view import CheckpointView
 from agent.prepare.metadata.update import Flock, UpdateError
 from agent.prepare.records import NetdevMove
 
@@ -50,7 +50,6 @@ class _Claims:
     def __init__(self, cp: Checkpoint):
         self.cp = cp
         self.changed: set[str] = set()
-        self.saved: Saved | None = None  # the files as the last save left them
 
     def moves(self) -> list[tuple[str, int, NetdevMove]]:
         """(claim UID, index in its ``netdevs``, record) of every prepared claim."""
@@ -71,7 +70,6 @@ class _Claims:
         if self.changed:
             self.cp.save(changed=self.changed)
             self.changed = set()
-            self.saved = Saved.of(self.cp)
 
 
 class NetdevMover(Sandboxes):
@@ -79,8 +77,8 @@ class NetdevMover(Sandboxes):
     (the agent's own; a test's namespace in tests); ``settings``: for the metadata files (None:
     none written); ``status``: the claim status writer (its ``submit``), or None; ``saved``: the
     in-process driver's last save (``Driver.saved``), which spares a look reading the files;
-    ``repair``: the in-process driver's recovery of a damaged checkpoint (``Driver.repair_checkpoint``,
-    given this mover's last save), run holding the locks when the files cannot be read."""
+    ``repair``: the in-process driver's recovery of a damaged checkpoint (``Driver.repair_checkpoint``),
+    run holding the locks when the files cannot be read."""
 
     def __init__(self, plugin_dir: str, host_netns: str = "/proc/self/ns/net", settings=None, status=None,
                  fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None, repair=None):
@@ -97,7 +95,6 @@ class NetdevMover(Sandboxes):
         self._view = CheckpointView(self.checkpoint_path, saved)  # the look without the plugin's lock
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
         self.repair = repair
-        self._saved: Saved | None = None  # the files as this mover's last save left them (for ``repair``)
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -176,7 +173,6 @@ class NetdevMover(Sandboxes):
                     return work(claims, *args)
                 finally:
                     claims.save()  # what was done before a failure stays recorded
-                    self._saved = claims.saved or self._saved
         finally:
             self._lock.release()
 
@@ -192,7 +188,7 @@ class NetdevMover(Sandboxes):
                 raise
             log.error("CHECKPOINT CORRUPT at a pod sandbox event: %s; the driver's recovery repairs it", err)
         try:
-            self.repair(self._saved)
+            self.repair()
         except Exception as err:  # noqa: BLE001 - said; the read below says what is still wrong
             log.error("the checkpoint's repair failed: %s", err, exc_info=not isinstance(err, OSError))
         return Checkpoint.load(self.checkpoint_path, move_corrupt=False)

@@ -59,7 +59,7 @@ from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, m
 from agent.counts import Count
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
                                              appended_after, check_snapshot, checksum, disk_stamp, journal_line,
-                                             parse_journal_line)
+                                             parse_journal_line, remember_saved)
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,14 @@ class Checkpoint:
             self._saving.release()
 
     def reload_if_changed(self) -> bool:
-        """Pick up another process's save (``changed_on_disk``). Vanished or unreadable files
-        keep what we have."""
+        """Pick up another process's save (``changed_on_disk``). Vanished files, or a newer
+        version's, keep what we have; damaged ones raise ValueError: the caller, holding the
+        serialize lock, repairs them (prepare/recovery.py ``repair``)."""
         if not self.changed_on_disk():
             return False
         try:
             fresh = Checkpoint.load(self.path, move_corrupt=False)
-        except (CheckpointError, ValueError, RecursionError) as err:
+        except CheckpointError as err:
             log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
             return False
         corrupt_path, saving = self.corrupt_path, self._saving
@@ -310,6 +311,7 @@ class Checkpoint:
             elif durable and self._unsynced:
                 self._append(b"", durable=True)
             self.stamp = self.disk_stamp(self.path)
+            remember_saved(self.path, self.claims)
 
     def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
@@ -394,3 +396,4 @@ class Checkpoint:
             except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
                 log.warning("checkpoint saved as a snapshot only; %s", err)
             self.stamp = self.disk_stamp(self.path)
+            remember_saved(self.path, self.claims)

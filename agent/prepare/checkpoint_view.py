@@ -11,9 +11,8 @@ a compaction replaced them. It never writes.
 
 from __future__ import annotations
 
-import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from agent.prepare.checkpoint import Checkpoint
@@ -21,7 +20,6 @@ from agent.prepare.checkpoint_format import appended_after, disk_stamp, parse_jo
 
 
 READ = 16 << 10  # bytes read at a time: the journal is preallocated with zeros up to 1 MiB
-_SAVES = itertools.count(1)  # the order of this process's saves (all under the serialize lock)
 
 
 def _until_zeros(fd: int, offset: int) -> bytes:
@@ -50,7 +48,6 @@ class Saved:
     journal_size: int | None
     claims: dict[str, dict]
     rejected: dict[str, tuple[object, str]]
-    seq: int = field(default_factory=lambda: next(_SAVES))  # the newest of two is the greater
 
     @classmethod
     def of(cls, cp: Checkpoint) -> Saved:

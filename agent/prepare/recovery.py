@@ -17,6 +17,7 @@ from agent.fsutil import clean_stale_temps
 from agent.names import is_uid
 from agent.prepare import cdifiles, shares
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
+from agent.prepare.checkpoint_format import last_saved
 from agent.prepare.checkpoint_view import Saved
 from agent.prepare.metadata import store as metadata
 from agent.prepare.steps import Undone
@@ -104,12 +105,11 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
     return report
 
 
-def repair(driver, saved: Saved | None = None) -> RecoveryReport:
-    """The checkpoint found unreadable while serving (the NRI plugin's look, its caller holding the
+def repair(driver) -> RecoveryReport:
+    """The checkpoint found unreadable while serving (by the NRI plugin or a prepare, holding the
     serialize lock): ``recover`` again, as at start, knowing the entries as this process's newest
-    save left them (the driver's, or ``saved``: the NRI plugin's)."""
-    newest = max((x for x in (driver.saved, saved) if x is not None), key=lambda x: x.seq, default=None)
-    report = recover(driver, newest.claims if newest is not None else None)
+    save left the files (the driver's or the NRI plugin's: every move of a netdev is one)."""
+    report = recover(driver, last_saved(driver.checkpoint_path))
     if report.kernel_changed:  # the inventory read before is stale
         driver.hardware_changed()
     return report
