@@ -240,6 +240,13 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
                              + "; ".join(f"{str(u)[:80]}: {why}" for u, (_, why) in list(cp.rejected.items())[:3]),
                              "restart the agent: it moves them aside (checkpoint.json.rejected-<time>) and adopts "
                              "the claims whose CDI specs exist"))
+    lost = {u: e["netdevsLost"] for u, e in cp.claims.items() if e.get("netdevsLost")}
+    if lost:  # recovery adopted them after a damaged checkpoint or a rejected entry (docs/networking.md)
+        found.append(Finding("checkpoint:netdevs-lost", "warn",
+                             f"{len(lost)} claims lost their netdev records and their pods are refused: "
+                             + "; ".join(f"{u}: {why}" for u, why in list(lost.items())[:3]),
+                             "find their NICs' netdevs (in a pod's namespace, or on the host under the name they had "
+                             "there), then delete the pods: the kubelet unprepares the claims"))
     started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
     found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
                                   f"generation {cp.generation}, {cp.journal_records} journal records"))
