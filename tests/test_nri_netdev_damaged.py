@@ -197,3 +197,25 @@ def test_a_pod_whose_netdev_records_cannot_be_told_is_refused_and_others_start(t
 
 def claim_ref():
     return ClaimRef("default", "nic", CLAIM)
+
+
+def test_a_rejected_entry_with_netdevs_refuses_its_pod_after_the_start_moved_it_aside(tmp_path, ifname_nets):
+    """An entry that passes its checksum but not its checks (a netdev record with MTU 12) is moved
+    aside at start and its claim adopted: the pod stays refused after the files no longer hold the
+    entry (before, it then started without its netdev)."""
+    nets = ifname_nets
+    first = Agent(tmp_path, nets)
+    assert first.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    cp = Checkpoint.load(first.driver.checkpoint_path)
+    cp.claims[CLAIM] = {**cp.claims[CLAIM], "netdevs": [{**cp.claims[CLAIM]["netdevs"][0], "mtu": 12}]}
+    cp.save(changed=[CLAIM])
+    agent = Agent(tmp_path, nets)
+    assert agent.driver.recovery.rejected == [CLAIM] and agent.driver.recovery.netdevs_lost == [CLAIM]
+    assert Checkpoint.load(agent.driver.checkpoint_path, move_corrupt=False).rejected == {}
+
+    async def events(call):
+        with pytest.raises(CallError, match=f"claim {CLAIM} of pod ns/app lost its netdev records .*not valid.*mtu"):
+            await call("RunPodSandbox", app(nets))
+        await call("RunPodSandbox", other())
+    agent.serve([], events)
+    assert where(nets) == (True, False)

@@ -200,9 +200,9 @@ class NetdevMover(Sandboxes):
                                   f"valid ({why}): its netdevs are not moved")
         for uid, entry in claims.cp.claims.items():
             if _lost_for(entry, pod):
-                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records ({entry['netdevsLost']}): "
-                                  "where its netdevs are cannot be told, so none is moved; the pod starts once the "
-                                  "claim is prepared anew (delete the pod, or unprepare the claim)")
+                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records "
+                                  f"({entry['netdevsLost']}): where its netdevs are cannot be told, so none is "
+                                  "moved; the pod starts once the claim is prepared anew (delete the pod)")
         mine = [(uid, i, m) for uid, i, m in claims.moves() if pod.uid in (claims.cp.claims[uid].get("pods") or ())]
         if not mine:
             return {}

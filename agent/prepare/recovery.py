@@ -165,7 +165,8 @@ def _roll_back(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryRe
     return True
 
 
-def adopt(driver, cp: Checkpoint, specs: dict[str, str], lost: dict[str, tuple[object, str]] | None = None) -> list[str]:
+def adopt(driver, cp: Checkpoint, specs: dict[str, str],
+          lost: dict[str, tuple[object, str]] | None = None) -> list[str]:
     """After a corrupt checkpoint, keep claims whose valid spec files exist as prepared:
     running containers still reference them and the kubelet will unprepare them. ``lost``: uid ->
     (its entry that cannot be used, why): one that had netdevs keeps its pods, to be refused."""
