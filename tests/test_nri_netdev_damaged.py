@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import zlib
 
 import pytest
 
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri.netdev import NetdevMover
-from agent.nri.plugin import NriPlugin
+from agent.nri.plugin import NriPlugin, Pod
 from agent.nri.ttrpc import CallError
 from agent.prepare.checkpoint import CORRUPT, Checkpoint
 from agent.prepare.driver import Driver
@@ -219,3 +220,31 @@ def test_a_rejected_entry_with_netdevs_refuses_its_pod_after_the_start_moved_it_
         await call("RunPodSandbox", other())
     agent.serve([], events)
     assert where(nets) == (True, False)
+
+
+def test_a_repair_that_outlasts_the_runtimes_deadline_moves_nothing_into_the_failed_sandbox(tmp_path, ifname_nets):
+    """The repair runs in the thread of the pod event that found the files damaged; the runtime
+    gives up on the event meanwhile (its 2 s): the files are repaired, the netdev stays on the host
+    for the pod's next sandbox."""
+    nets = ifname_nets
+    agent = Agent(tmp_path, nets)
+    assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    path = agent.driver.checkpoint_path
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x00garbage\x00")
+    entered, release, repair = threading.Event(), threading.Event(), agent.mover.repair
+    agent.mover.repair = lambda: (entered.set(), release.wait(30), repair())[-1]
+
+    async def given_up():
+        task = asyncio.create_task(agent.mover.pod_started(Pod.of(app(nets))))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()  # what the plugin's handler gets at the runtime's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+    run(given_up())  # returns once the worker thread has
+    assert where(nets) == (True, False) and agent.driver.recovery.corrupt_checkpoint
+    assert Checkpoint.load(path, move_corrupt=False).claims[CLAIM]["pods"] == [POD_UID]
+    run(agent.mover.pod_started(Pod.of(app(nets, "id-app-2"))))  # the kubelet's retry
+    assert where(nets) == (False, True)

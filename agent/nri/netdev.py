@@ -165,10 +165,10 @@ class NetdevMover(Sandboxes):
             raise UpdateError(f"timed out after {self.lock_timeout:.0f}s waiting for another netdev move")
         try:
             with Flock(self.lock_path, self.lock_timeout):
+                claims = _Claims(self._load())  # a damaged checkpoint is repaired here, whoever gave up
                 if gave_up is not None and gave_up.is_set():  # its sandbox failed: a move would go into a dying netns
                     log.info("netdev records not touched: the runtime gave up on the request (its deadline passed)")
                     return None
-                claims = _Claims(self._load())
                 try:
                     return work(claims, *args)
                 finally:
