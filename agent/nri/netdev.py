@@ -9,7 +9,8 @@ and after (``in-pod``/``planned``), holding the plugin's ``serialize.lock`` as p
 unprepare do, so a move and an unprepare never interleave. After a crash,
 :meth:`NetdevMover.synchronized` (the runtime's list of running sandboxes, sent on every
 (re)connection) finishes what the records say: a move into a running sandbox is completed (its
-metadata written), anything else goes back to the host.
+metadata written), anything else goes back to the host. A checkpoint that cannot be read is
+repaired by the in-process driver's recovery, as at the agent's start (:meth:`NetdevMover._load`).
 """
 
 from __future__ import annotations
