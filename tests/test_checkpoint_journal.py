@@ -155,7 +155,9 @@ def test_a_bad_record_before_a_good_one_is_corruption(path):
     with pytest.raises(ValueError, match="line 2: record checksum mismatch"):
         Checkpoint.load(path, move_corrupt=False)
     moved = Checkpoint.load(path)
-    assert moved.claims == {} and moved.corrupt_path == path + ".corrupt-" + moved.corrupt_path.rsplit("-", 1)[1]
+    assert moved.corrupt_path == path + ".corrupt-" + moved.corrupt_path.rsplit("-", 1)[1]
+    # the record after the damaged one is claim 2's whole entry: kept (tests/test_checkpoint_salvage.py)
+    assert moved.claims == {uid(2): entry(2)} and moved.salvage.stale == {}
     assert not os.path.exists(path) and not os.path.exists(cp.journal_path)
     assert os.path.exists(cp.journal_path + ".corrupt-" + moved.corrupt_path.rsplit("-", 1)[1])
 

@@ -153,6 +153,13 @@ def test_checkpoint(tmp_path):
     assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "ok")] and "not-a-uid" in found[0].message
     del cp.claims["not-a-uid"]
     cp.save(changed=["not-a-uid"])
+    cp.claims[u3] = {**entry(COMPLETED), "pods": [u1], "netdevsLost": "the checkpoint was damaged"}  # adopted so
+    cp.save(changed=[u3])
+    found = doctor_files.check_checkpoint(plugin)
+    assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "ok")] and found[0].check == "checkpoint:netdevs-lost"
+    assert f"{u3}: the checkpoint was damaged" in found[0].message
+    cp.claims[u3] = entry(COMPLETED)
+    cp.save(changed=[u3])
     with open(cp.journal_path, "r+b") as f:  # a flipped byte in a record that is not the last
         f.seek(cp._journal_size - 20)
         f.write(b"X")

@@ -9,7 +9,8 @@ and after (``in-pod``/``planned``), holding the plugin's ``serialize.lock`` as p
 unprepare do, so a move and an unprepare never interleave. After a crash,
 :meth:`NetdevMover.synchronized` (the runtime's list of running sandboxes, sent on every
 (re)connection) finishes what the records say: a move into a running sandbox is completed (its
-metadata written), anything else goes back to the host.
+metadata written), anything else goes back to the host. A checkpoint that cannot be read is
+repaired by the in-process driver's recovery, as at the agent's start (:meth:`NetdevMover._load`).
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ class NetdevMover(Sandboxes):
     """Sandbox events that move claims' netdevs. ``host_netns``: the host's network namespace
     (the agent's own; a test's namespace in tests); ``settings``: for the metadata files (None:
     none written); ``status``: the claim status writer (its ``submit``), or None; ``saved``: the
-    in-process driver's last save (``Driver.saved``), which spares a look reading the files."""
+    in-process driver's last save (``Driver.saved``), which spares a look reading the files;
+    ``repair``: the in-process driver's recovery of a damaged checkpoint (``Driver.repair_checkpoint``),
+    run holding the locks when the files cannot be read."""
 
     def __init__(self, plugin_dir: str, host_netns: str = "/proc/self/ns/net", settings=None, status=None,
-                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None):
+                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None, repair=None):
         super().__init__()
         self.root = settings.root if settings is not None else "/"  # whose sysfs says a NIC function is on the bus
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
@@ -92,6 +95,7 @@ class NetdevMover(Sandboxes):
         self.fault = fault  # tests: a crash between steps
         self._view = CheckpointView(self.checkpoint_path, saved)  # the look without the plugin's lock
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
+        self.repair = repair
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -101,7 +105,8 @@ class NetdevMover(Sandboxes):
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
         try:
-            if await self._concerns(lambda entry, move: pod.uid in (entry.get("pods") or ())):
+            if await self._concerns(lambda entry: _for_pod(entry, pod) and bool(entry.get("netdevs"))
+                                    or _lost_for(entry, pod)):
                 self._report(await self._run(self._give, pod))
         except BaseException:  # the runtime fails the sandbox (or gave up on it): the pod's next one takes the netdevs
             self.pods.pop(pod.id, None)
@@ -109,13 +114,16 @@ class NetdevMover(Sandboxes):
 
     async def pod_stopped(self, pod: Pod) -> None:
         await super().pod_stopped(pod)
-        if await self._concerns(lambda entry, move: _away_in(move, pod.id)):
-            await self._run(self._take_back, pod.id)
+        await self._gone(pod)
 
     async def pod_removed(self, pod: Pod) -> None:
         await super().pod_removed(pod)
-        if await self._concerns(lambda entry, move: _away_in(move, pod.id)):
-            await self._run(self._take_back, pod.id)
+        await self._gone(pod)
+
+    async def _gone(self, pod: Pod) -> None:
+        if await self._concerns(lambda entry: any(_away_in(m, pod.id) for m in entry.get("netdevs") or ())
+                                or _lost_for(entry, pod)):
+            await self._run(self._give_back, pod)
 
     async def _concerns(self, match) -> bool:
         """Whether a prepared claim's netdev record matches, read without the plugin's lock and
@@ -124,7 +132,7 @@ class NetdevMover(Sandboxes):
         look is made on the loop when only records were appended (a thread hop cost more than
         reading them), in a worker thread when the files are read whole. The kubelet prepares a
         pod's claims before it asks for its sandbox, so no record of this pod is on its way. An
-        unreadable checkpoint or a rejected entry is the locked path's to report."""
+        unreadable checkpoint (repaired there) or a rejected entry is the locked path's to report."""
         async with self._view_lock:
             try:
                 claims = self._view.appended()
@@ -133,8 +141,7 @@ class NetdevMover(Sandboxes):
                 rejected = self._view.rejected()
             except (CheckpointError, ValueError, OSError):
                 return True
-        return bool(rejected) or any(match(e, m) for e in claims.values() if e.get("state") == COMPLETED
-                                     for m in e.get("netdevs") or ())
+        return bool(rejected) or any(match(e) for e in claims.values() if e.get("state") == COMPLETED)
 
     async def _run(self, work, *args):
         gave_up = threading.Event()  # the runtime's deadline passed: the thread, still at the locks, does nothing
@@ -159,10 +166,10 @@ class NetdevMover(Sandboxes):
             raise UpdateError(f"timed out after {self.lock_timeout:.0f}s waiting for another netdev move")
         try:
             with Flock(self.lock_path, self.lock_timeout):
+                claims = _Claims(self._load())  # a damaged checkpoint is repaired here, whoever gave up
                 if gave_up is not None and gave_up.is_set():  # its sandbox failed: a move would go into a dying netns
                     log.info("netdev records not touched: the runtime gave up on the request (its deadline passed)")
                     return None
-                claims = _Claims(Checkpoint.load(self.checkpoint_path, move_corrupt=False))
                 try:
                     return work(claims, *args)
                 finally:
@@ -170,11 +177,33 @@ class NetdevMover(Sandboxes):
         finally:
             self._lock.release()
 
+    def _load(self) -> Checkpoint:
+        """The checkpoint, under the locks. Files that cannot be read (damaged) are repaired by the
+        driver's recovery, as at the agent's start (moved aside; the entries they still establish,
+        else the agent's last save, kept: docs/kubelet-plugin.md), then read once more: one damaged
+        file must not fail every pod of the node until the agent restarts."""
+        try:
+            return Checkpoint.load(self.checkpoint_path, move_corrupt=False)
+        except ValueError as err:
+            if self.repair is None:
+                raise
+            log.error("CHECKPOINT CORRUPT at a pod sandbox event: %s; the driver's recovery repairs it", err)
+        try:
+            self.repair()
+        except Exception as err:  # noqa: BLE001 - said; the read below says what is still wrong
+            log.error("the checkpoint's repair failed: %s", err, exc_info=not isinstance(err, OSError))
+        return Checkpoint.load(self.checkpoint_path, move_corrupt=False)
+
     def _give(self, claims: _Claims, pod: Pod) -> dict[str, dict]:
         for uid, (entry, why) in claims.cp.rejected.items():  # input that failed its checks: never half-used
             if isinstance(entry, dict) and isinstance(entry.get("pods"), list) and pod.uid in entry["pods"]:
                 raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} has a checkpoint entry that is not "
                                   f"valid ({why}): its netdevs are not moved")
+        for uid, entry in claims.cp.claims.items():
+            if _lost_for(entry, pod):
+                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records "
+                                  f"({entry['netdevsLost']}): where its netdevs are cannot be told, so none is "
+                                  "moved; the pod starts once the claim is prepared anew (delete the pod)")
         mine = [(uid, i, m) for uid, i, m in claims.moves() if pod.uid in (claims.cp.claims[uid].get("pods") or ())]
         if not mine:
             return {}
@@ -216,6 +245,14 @@ class NetdevMover(Sandboxes):
         claims.save()
         log.info("netdev %s is %s in pod sandbox %s", move.host, move.pod, move.sandbox)
 
+    def _give_back(self, claims: _Claims, pod: Pod) -> None:
+        for uid, entry in claims.cp.claims.items():  # said at every stop: nothing else can be done
+            if _lost_for(entry, pod):
+                log.error("pod %s/%s sandbox %s: claim %s lost its netdev records (%s); a netdev of it in the sandbox "
+                          "comes back to the host only when its namespace goes, under the name it has there",
+                          pod.namespace, pod.name, pod.id, uid, entry["netdevsLost"])
+        self._take_back(claims, pod.id)
+
     def _take_back(self, claims: _Claims, sandbox: str) -> None:
         """``sandbox``'s netdevs back on the host; ``status.devices`` keeps the pod's view (the claim
         is the pod's until unprepare)."""
@@ -255,7 +292,7 @@ class NetdevMover(Sandboxes):
         """One look for records of sandboxes gone unannounced (``_reconcile``). The locked look
         reads the whole checkpoint, so it is taken only while a record says a netdev is in a pod
         or on its way back."""
-        if await self._concerns(lambda entry, move: _away(move)):
+        if await self._concerns(lambda entry: any(_away(m) for m in entry.get("netdevs") or ())):
             await asyncio.to_thread(self._locked, self._reconcile)
 
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
@@ -286,6 +323,16 @@ class NetdevMover(Sandboxes):
 _SEEN = ("sandbox", "netns", "mac", "index", "parent", "hostMtu")  # of one stay in a pod: read again for the next
 
 
+def _for_pod(entry: dict, pod: Pod) -> bool:
+    pods = entry.get("pods")
+    return isinstance(pods, list) and pod.uid in pods
+
+
+def _lost_for(entry: dict, pod: Pod) -> bool:
+    """An adopted claim of ``pod`` whose netdev records were lost with a damaged checkpoint."""
+    return bool(entry.get("netdevsLost")) and _for_pod(entry, pod)
+
+
 def _away(raw: dict) -> bool:
     """A record (as saved) says its netdev is in a pod's namespace, or on its way back."""
     return isinstance(raw, dict) and raw.get("state") in ("in-pod", "returning")
@@ -313,7 +360,8 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,
                         fault=crash_at(point) if point else (lambda at: None),
-                        saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None)
+                        saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None,
+                        repair=getattr(driver, "repair_checkpoint", None))
     loop = asyncio.get_running_loop()
     return [loop.create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri"),
             loop.create_task(mover.watch(), name="nri-netdevs"),

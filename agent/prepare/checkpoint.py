@@ -40,7 +40,8 @@ corruption. Version 1 files (a snapshot only) are read and become version 2 at t
 A snapshot or journal that does not parse, fails its checksum or has a bad shape is
 moved aside to ``<name>.corrupt-<unix time>`` (both files: the journal means nothing
 without its snapshot) and reported (``Checkpoint.corrupt_path``); it is never silently
-replaced. A newer version is refused (downgrade needs care).
+replaced. The entries the files still establish are kept (checkpoint_salvage.py). A newer
+version is refused (downgrade needs care).
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, m
 from agent.counts import Count
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
                                              appended_after, check_snapshot, checksum, disk_stamp, journal_line,
-                                             parse_journal_line)
+                                             parse_journal_line, remember_saved)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum"]
 
+CORRUPT = Count("sysdra_checkpoint_corrupt_total",
+                "Times the checkpoint's files were found damaged and moved aside (their claims recovered)")
 REJECTED_ENTRIES = Count("sysdra_checkpoint_entries_rejected_total",
                          "Checkpoint entries that passed their checksum but not their checks, moved aside")
 
@@ -87,6 +90,7 @@ class Checkpoint:
         self.journal_path = path + JOURNAL_SUFFIX
         self.claims: dict[str, dict] = {}
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
+        self.salvage = None  # after corruption: what the damaged files still established (checkpoint_salvage.Salvage)
         self.rejected: dict[str, tuple[object, str]] = {}  # uid -> (entry, why): entries not used
         self.rejected_path: str | None = None  # where they were moved aside
         self.stamp: tuple | None = None  # identity of the files last loaded/saved
@@ -123,13 +127,14 @@ class Checkpoint:
             self._saving.release()
 
     def reload_if_changed(self) -> bool:
-        """Pick up another process's save (``changed_on_disk``). Vanished or unreadable files
-        keep what we have."""
+        """Pick up another process's save (``changed_on_disk``). Vanished files, or a newer
+        version's, keep what we have; damaged ones raise ValueError: the caller, holding the
+        serialize lock, repairs them (prepare/recovery.py ``repair``)."""
         if not self.changed_on_disk():
             return False
         try:
             fresh = Checkpoint.load(self.path, move_corrupt=False)
-        except (CheckpointError, ValueError, RecursionError) as err:
+        except CheckpointError as err:
             log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
             return False
         corrupt_path, saving = self.corrupt_path, self._saving
@@ -165,7 +170,11 @@ class Checkpoint:
         except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
             if not move_corrupt:
                 raise ValueError(f"{path}: {err}") from err
+            from agent.prepare.checkpoint_salvage import salvage
+
+            found = salvage(path, raw)  # before the files move: the entries they still establish
             cp._move_aside(err)
+            cp.claims, cp.salvage = found.exact, found
             return cp
         cp._encoded = {uid: canonical(e) for uid, e in cp.claims.items()}
         # the files still hold the rejected entries: the next save journals their removal
@@ -251,17 +260,21 @@ class Checkpoint:
 
     def _move_aside(self, err: Exception) -> None:
         stamp = int(time.time())
+        while any(os.path.exists(f"{p}.corrupt-{stamp}") for p in (self.path, self.journal_path)):
+            stamp += 1  # never over what an earlier repair kept
         moved = []
         for p in (self.path, self.journal_path):
             if os.path.exists(p):
                 os.rename(p, f"{p}.corrupt-{stamp}")
                 moved.append(f"{p}.corrupt-{stamp}")
         self.corrupt_path = moved[0] if moved else None
+        CORRUPT.inc()
         self.claims, self.generation, self._journal_size = {}, 0, None
         self.stamp = self.disk_stamp(self.path)
         log.error(
-            "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. Prepared claims are recovered "
-            "from the CDI spec files; inspect the saved files.", self.path, err, " and ".join(moved),
+            "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. The entries they still establish are kept, "
+            "other prepared claims recovered (docs/kubelet-plugin.md); inspect the saved files.", self.path, err,
+            " and ".join(moved),
         )
 
     # --- writing ----------------------------------------------------------------------
@@ -298,6 +311,7 @@ class Checkpoint:
             elif durable and self._unsynced:
                 self._append(b"", durable=True)
             self.stamp = self.disk_stamp(self.path)
+            remember_saved(self.path, self.claims)
 
     def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
@@ -382,3 +396,4 @@ class Checkpoint:
             except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
                 log.warning("checkpoint saved as a snapshot only; %s", err)
             self.stamp = self.disk_stamp(self.path)
+            remember_saved(self.path, self.claims)

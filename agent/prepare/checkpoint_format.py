@@ -57,6 +57,20 @@ def check_snapshot(data: object) -> tuple[int, dict]:
     return generation, claims
 
 
+_LAST_SAVED: dict[str, dict[str, dict]] = {}  # path -> the claims as this process's last save left the files
+
+
+def remember_saved(path: str, claims: dict[str, dict]) -> None:
+    """Called by every save (under the serialize lock, so in the order the files were written)."""
+    _LAST_SAVED[os.path.abspath(path)] = dict(claims)  # entries are replaced, never changed in place
+
+
+def last_saved(path: str) -> dict[str, dict] | None:
+    """The claims as this process's newest save left the files at ``path`` (None: none yet): what
+    a repair of damaged files takes for the entries they no longer establish (prepare/recovery.py)."""
+    return _LAST_SAVED.get(os.path.abspath(path))
+
+
 def disk_stamp(path: str) -> tuple:
     """(inode, mtime, size) of the snapshot at ``path`` and of its journal (None: missing)."""
     out = []

@@ -144,7 +144,10 @@ class Driver:
         if self.checkpoint is None:
             self.recover()
         else:  # called under the serialize lock: another process may have saved meanwhile
-            self.checkpoint.reload_if_changed()
+            try:
+                self.checkpoint.reload_if_changed()
+            except ValueError:  # damaged meanwhile: repaired as at start, never written on from stale memory
+                self.repair_checkpoint()
         assert self.checkpoint is not None
         return self.checkpoint
 
@@ -391,3 +394,7 @@ class Driver:
     def recover(self) -> RecoveryReport:
         """Load the checkpoint and make the CDI dir (and the kernel) match it. Call before serving."""
         return recovery.recover(self)
+
+    def repair_checkpoint(self) -> RecoveryReport:
+        """The same recovery for a checkpoint found damaged while serving (the caller holds the lock)."""
+        return recovery.repair(self)

@@ -223,6 +223,9 @@ class ClaimEntry(Record):
     timeslice: list[TimeSlice] | None = None
     netdevs: list[NetdevMove] | None = None  # moved into the pod by agent/nri/netdev.py
     pods: list[str] | None = None  # the pods the claim is reserved for
+    # an adopted claim whose netdev records were lost with a damaged or invalid entry (why, where it
+    # was kept): its pods are refused, nothing is moved on a guess (prepare/recovery.py)
+    netdevsLost: str | None = Field(default=None, max_length=1024)
 
 
 def check_entry(uid: object, entry: object) -> ClaimEntry:

@@ -14,8 +14,10 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from agent.fsutil import clean_stale_temps
+from agent.names import is_uid
 from agent.prepare import cdifiles, shares
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
+from agent.prepare.checkpoint_format import last_saved
 from agent.prepare.checkpoint_view import Saved
 from agent.prepare.metadata import store as metadata
 from agent.prepare.steps import Undone
@@ -38,18 +40,28 @@ class RecoveryReport:
     boot_changed: bool = False
     kernel_changed: bool = False  # host changes undone or redone: the inventory read before recovery is stale
     host_restored: list[str] = field(default_factory=list)  # what undoing interrupted prepares put back
+    salvaged: list[str] = field(default_factory=list)  # entries a damaged checkpoint still established
+    from_memory: list[str] = field(default_factory=list)  # entries taken from the agent's last save instead
+    netdevs_lost: list[str] = field(default_factory=list)  # adopted claims whose netdev records are lost
 
 
-def recover(driver) -> RecoveryReport:
-    """Load the checkpoint and make the CDI dir match it. Call before serving."""
+def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
+    """Load the checkpoint and make the CDI dir match it. Call before serving. ``known``: the
+    entries as this process's last save left the files (``repair``), for a damaged checkpoint."""
     s = driver.settings
     clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json")
     cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
     cp = driver.checkpoint = Checkpoint.load(driver.checkpoint_path)
     report = driver.recovery = RecoveryReport(corrupt_checkpoint=cp.corrupt_path, rejected=sorted(map(str, cp.rejected)))
+    lost = {u: (e, f"its checkpoint entry is not valid ({why}); kept in {cp.rejected_path}")
+            for u, (e, why) in cp.rejected.items()}
+    if cp.salvage is not None:
+        lost.update(_recovered(cp, known or {}, report))
     specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
     if cp.corrupt_path or cp.rejected:
-        report.adopted = adopt(driver, cp, {u: p for u, p in specs.items() if cp.corrupt_path or u in cp.rejected})
+        report.adopted = adopt(driver, cp, {u: p for u, p in specs.items()
+                                            if u not in cp.claims and (cp.corrupt_path or u in cp.rejected)}, lost)
+        report.netdevs_lost = [u for u in report.adopted if cp.claims[u].get("netdevsLost")]
     _sweep_orphans(driver, cp, report)  # first: a leftover must not stand where a claim's change is made again
     for uid, entry in list(cp.claims.items()):
         if entry["state"] == STARTED:
@@ -93,6 +105,29 @@ def recover(driver) -> RecoveryReport:
     return report
 
 
+def repair(driver) -> RecoveryReport:
+    """The checkpoint found unreadable while serving (by the NRI plugin or a prepare, holding the
+    serialize lock): ``recover`` again, as at start, knowing the entries as this process's newest
+    save left the files (the driver's or the NRI plugin's: every move of a netdev is one)."""
+    report = recover(driver, last_saved(driver.checkpoint_path))
+    if report.kernel_changed:  # the inventory read before is stale
+        driver.hardware_changed()
+    return report
+
+
+def _recovered(cp: Checkpoint, known: dict[str, dict], report: RecoveryReport) -> dict[str, tuple[dict, str]]:
+    """A damaged checkpoint: beside the entries its files still establish, those of the agent's
+    last save (``known``: while serving, the agent's own memory) for every claim the files do not
+    establish. -> the claims left uncertain: their entry before the damage, and why."""
+    report.salvaged = sorted(cp.claims)
+    for uid, entry in known.items():
+        if uid not in cp.salvage.certain:
+            cp.claims[uid] = dict(entry)
+            report.from_memory.append(uid)
+    why = f"the checkpoint was damaged; its last readable entry is in {cp.corrupt_path}"
+    return {u: (e, why) for u, e in cp.salvage.stale.items() if u not in cp.claims}
+
+
 def _sweep_orphans(driver, cp: Checkpoint, report: RecoveryReport) -> None:
     """Host changes no entry knows undone (``orphans``): MIG devices left by a crash or by hand.
     Every entry is known, an interrupted prepare's too (its rollback undoes its own). What no
@@ -130,9 +165,11 @@ def _roll_back(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryRe
     return True
 
 
-def adopt(driver, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
+def adopt(driver, cp: Checkpoint, specs: dict[str, str],
+          lost: dict[str, tuple[object, str]] | None = None) -> list[str]:
     """After a corrupt checkpoint, keep claims whose valid spec files exist as prepared:
-    running containers still reference them and the kubelet will unprepare them."""
+    running containers still reference them and the kubelet will unprepare them. ``lost``: uid ->
+    (its entry that cannot be used, why): one that had netdevs keeps its pods, to be refused."""
     kind = claim_kind(driver.settings.driver_name)
     adopted = []
     for uid, path in specs.items():
@@ -148,9 +185,23 @@ def adopt(driver, cp: Checkpoint, specs: dict[str, str]) -> list[str]:
             for d in spec["devices"] if d["name"].startswith(prefix)
         ]
         entry = cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": driver.boot_id,
-                                  "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec}}
+                                  "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec},
+                                  **_netdevs_lost(uid, *(lost or {}).get(uid, (None, "")))}
         for step in driver.steps:  # what a step can tell again from the devices (MIG placements)
             if (known := getattr(step, "adopted", None)) is not None and (rec := known([d["device"] for d in devices])):
                 entry[step.key] = step.write(rec)
         adopted.append(uid)
     return adopted
+
+
+def _netdevs_lost(uid: str, entry: object, why: str) -> dict:
+    """An adopted claim's mark when the entry it lost had netdevs: where they are cannot be told
+    (in a pod or back on the host), so its pods are refused (agent/nri/netdev.py) and nothing moves."""
+    if not isinstance(entry, dict) or not entry.get("netdevs"):
+        return {}
+    pods = entry.get("pods")
+    pods = [p for p in pods if isinstance(p, str) and is_uid(p)] if isinstance(pods, list) else []
+    log.error("claim %s (%s/%s): its netdev records are lost: %s. Its pods (%s) are refused until it is unprepared; "
+              "its netdevs are not moved", uid, str(entry.get("namespace"))[:80], str(entry.get("name"))[:80], why,
+              ", ".join(pods) or "none known")
+    return {"pods": pods, "netdevsLost": why[:1024]}

@@ -220,7 +220,8 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
             if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
         found.append(Finding("checkpoint:aside", "warn",
                              f"a corrupt checkpoint or invalid entries were moved aside (last at {when}): {', '.join(aside)}",
-                             f"inspect them (the agent adopted the claims it found CDI specs for), then remove them from {plugin_dir}"))
+                             f"inspect them (the agent kept what they still established and adopted the claims it found CDI specs "
+                             f"for; an ERROR names claims whose netdev records are lost), then remove them from {plugin_dir}"))
     if not os.path.exists(path) and not os.path.exists(path + ".journal"):
         return found + [Finding("checkpoint", "skip", f"{path} does not exist (no claim prepared yet)")]
     try:
@@ -229,14 +230,23 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
         return found + [Finding("checkpoint", "fail", str(err), "run the sysdra version that wrote it")]
     except (OSError, ValueError, RecursionError) as err:
         return found + [Finding("checkpoint", "fail", f"does not load: {err}",
-                                "restart the agent: it moves the files aside, logs CHECKPOINT CORRUPT and "
-                                "adopts the claims whose CDI specs exist")]
+                                "the agent's NRI plugin repairs it at the next pod event (within 10 s); without NRI, "
+                                "restart the agent. Either moves the files aside, logs CHECKPOINT CORRUPT, keeps the "
+                                "entries they still establish (and its last save's) and adopts the claims whose CDI "
+                                "specs exist")]
     if cp.rejected:
         found.append(Finding("checkpoint:rejected", "warn",
                              f"{len(cp.rejected)} entries are not valid records and are not used: "
                              + "; ".join(f"{str(u)[:80]}: {why}" for u, (_, why) in list(cp.rejected.items())[:3]),
                              "restart the agent: it moves them aside (checkpoint.json.rejected-<time>) and adopts "
                              "the claims whose CDI specs exist"))
+    lost = {u: e["netdevsLost"] for u, e in cp.claims.items() if e.get("netdevsLost")}
+    if lost:  # recovery adopted them after a damaged checkpoint or a rejected entry (docs/networking.md)
+        found.append(Finding("checkpoint:netdevs-lost", "warn",
+                             f"{len(lost)} claims lost their netdev records and their pods are refused: "
+                             + "; ".join(f"{u}: {why}" for u, why in list(lost.items())[:3]),
+                             "find their NICs' netdevs (in a pod's namespace, or on the host under the name they had "
+                             "there), then delete the pods: the kubelet unprepares the claims"))
     started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
     found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
                                   f"generation {cp.generation}, {cp.journal_records} journal records"))

@@ -1,0 +1,96 @@
+"""A damaged checkpoint's entries that its files still establish (agent/prepare/checkpoint_salvage.py):
+kept when the files are moved aside, on real files damaged as a disk or a stray writer would."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+
+from agent.prepare.checkpoint import CORRUPT, Checkpoint
+from tests.test_checkpoint_journal import entry, journal_lines, uid
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "plugin" / "checkpoint.json")
+
+
+def history(path: str) -> Checkpoint:
+    """Snapshot: claims 1, 2, 3. Journal: claim 1 changed, claim 4 added, claim 2 changed, claim 3 removed."""
+    cp = Checkpoint.load(path)
+    cp.claims = {uid(n): entry(n) for n in (1, 2, 3)}
+    cp.save()
+    for n, value in ((1, {**entry(1), "bootID": "again"}), (4, entry(4)), (2, {**entry(2), "bootID": "again"}), (3, None)):
+        if value is None:
+            del cp.claims[uid(n)]
+        else:
+            cp.claims[uid(n)] = value
+        cp.save(changed=[uid(n)])
+    return cp
+
+
+def damage_line(cp: Checkpoint, n: int) -> None:
+    """Bytes of journal line ``n`` (0: the header) flipped in place: its CRC no longer matches."""
+    lines = journal_lines(cp)
+    offset = sum(len(x) + 1 for x in lines[:n]) + 12
+    with open(cp.journal_path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"~~~~")
+
+
+def test_entries_whose_last_record_follows_the_damage_are_kept_and_the_others_are_stale(path):
+    cp = history(path)
+    damage_line(cp, 2)  # claim 4's record: whose it was cannot be told once damaged
+    counted = CORRUPT.values.get((), 0)
+    got = Checkpoint.load(path)
+    assert got.corrupt_path and CORRUPT.values[()] == counted + 1  # sysdra_checkpoint_corrupt_total
+    assert got.claims == {uid(2): cp.claims[uid(2)]}  # its record follows the damage
+    assert got.salvage.stale == {uid(1): cp.claims[uid(1)]}  # the damaged line may have changed it
+    assert uid(3) in got.salvage.certain and uid(3) not in got.salvage.state  # removed after the damage
+    assert uid(4) not in got.salvage.state  # only the damaged line knew it
+
+
+def test_a_snapshot_that_fails_its_checksum_establishes_nothing(path):
+    cp = history(path)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"0")
+    got = Checkpoint.load(path)
+    assert got.corrupt_path and got.claims == {} and got.salvage.state == {}
+
+
+def test_a_torn_tail_after_the_damage_is_no_second_damage(path):
+    cp = history(path)
+    damage_line(cp, 4)  # claim 3's removal
+    with open(cp.journal_path, "r+b") as f:  # a whole record, then a torn append (its bad lines last)
+        f.seek(sum(len(x) + 1 for x in journal_lines(cp)))
+        body = b'{"uid":"%s","entry":null}' % uid(1).encode()
+        f.write(b"%08x %s\n%08x {\"uid\":\n%08x {\"uid\":" % (zlib.crc32(body), body, zlib.crc32(body), zlib.crc32(body)))
+    got = Checkpoint.load(path)
+    assert got.claims == {}  # claim 1 removed after the damage: its absence is certain
+    assert uid(1) in got.salvage.certain
+    assert got.salvage.stale == {uid(2): cp.claims[uid(2)], uid(3): entry(3), uid(4): entry(4)}
+
+
+def test_an_invalid_entry_recorded_after_the_damage_leaves_its_claim_stale(path):
+    cp = history(path)
+    damage_line(cp, 1)
+    with open(cp.journal_path, "r+b") as f:
+        f.seek(sum(len(x) + 1 for x in journal_lines(cp)))
+        body = b'{"uid":"%s","entry":{"state":"PrepareCompleted","devices":[{}]}}' % uid(2).encode()
+        f.write(b"%08x %s\n" % (zlib.crc32(body), body))
+    got = Checkpoint.load(path)
+    assert uid(2) in got.salvage.stale and uid(2) not in got.claims
+    assert got.claims == {uid(4): entry(4)}
+
+
+def test_a_second_repair_in_the_same_second_keeps_the_first_files(path):
+    cp = history(path)
+    damage_line(cp, 1)
+    first = Checkpoint.load(path).corrupt_path
+    cp = history(path)
+    damage_line(cp, 1)
+    second = Checkpoint.load(path).corrupt_path
+    assert first != second and os.path.exists(first) and os.path.exists(second)
