@@ -4,12 +4,18 @@ kept when the files are moved aside, on real files damaged as a disk or a stray 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
 
 from agent.prepare.checkpoint import CORRUPT, Checkpoint
+from agent.prepare.driver import Driver
+from tests.kubelet_standin import claim, gpu, inventory, settings_for
 from tests.test_checkpoint_journal import entry, journal_lines, uid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -94,3 +100,41 @@ def test_a_second_repair_in_the_same_second_keeps_the_first_files(path):
     damage_line(cp, 1)
     second = Checkpoint.load(path).corrupt_path
     assert first != second and os.path.exists(first) and os.path.exists(second)
+
+
+# the other instance of a rolling update (a process of its own, as on a node): a real driver on the
+# same plugin directory unprepares a claim, as the kubelet asked it to
+OTHER_INSTANCE = """
+import sys
+from agent.kubeletplugin.types import ClaimRef
+from agent.prepare.driver import Driver
+from tests.kubelet_standin import gpu, inventory, settings_for
+inv = inventory(gpu(0), gpu(1))
+d = Driver(settings_for(sys.argv[1]), lambda: inv)
+assert d.unprepare_claims([ClaimRef("default", sys.argv[2], sys.argv[3])]) == {sys.argv[3]: None}
+if sys.argv[4] == "compaction":  # its save due for one: a new snapshot and journal
+    d.checkpoint.compact()
+"""
+
+
+@pytest.mark.parametrize("save", ["append", "compaction"])
+def test_a_claim_another_process_unprepared_is_not_taken_back_from_memory(tmp_path, save):
+    """This agent's last save still has claim x; the other instance of a rolling update unprepares
+    it (its spec removed, the kubelet done with it), then the files are found damaged. This
+    process's memory is older than the files: x taken back from it would hold its GPU and have its
+    CDI spec written again, with no unprepare ever to come. Memory stands in only while no other
+    process saved after it; otherwise the repair is the start's (claims adopted from their specs)."""
+    inv = inventory(gpu(0), gpu(1))
+    d = Driver(settings_for(str(tmp_path)), lambda: inv)
+    d.recover()
+    x, y, z = claim("x", [("r", gpu(0).name)], uid=uid(10)), claim("y", [("r", gpu(1).name)], uid=uid(11)), \
+        claim("z", [("r", gpu(0).name)], uid=uid(12))
+    assert [r.error for r in d.prepare_claims([x, y]).values()] == [None, None]
+    subprocess.run([sys.executable, "-c", OTHER_INSTANCE, str(tmp_path), "x", uid(10), save], check=True, cwd=REPO)
+    assert not os.path.exists(d._spec_path(uid(10)))
+    with open(d.checkpoint_path, "r+b") as f:  # then the snapshot is damaged: nothing of the files is certain
+        f.seek(os.path.getsize(d.checkpoint_path) // 2)
+        f.write(b"\x00garbage\x00")
+    assert d.prepare_claims([z])[uid(12)].error is None  # x's GPU is free
+    assert d.recovery.corrupt_checkpoint and d.recovery.from_memory == [] and d.recovery.adopted == [uid(11)]
+    assert set(d.checkpoint.claims) == {uid(11), uid(12)} and not os.path.exists(d._spec_path(uid(10)))

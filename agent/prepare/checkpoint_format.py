@@ -57,18 +57,33 @@ def check_snapshot(data: object) -> tuple[int, dict]:
     return generation, claims
 
 
-_LAST_SAVED: dict[str, dict[str, dict]] = {}  # path -> the claims as this process's last save left the files
+# path -> (the claims as this process's last save left the files, the files' inodes, the journal's end)
+_LAST_SAVED: dict[str, tuple[dict[str, dict], tuple, int | None]] = {}
 
 
-def remember_saved(path: str, claims: dict[str, dict]) -> None:
-    """Called by every save (under the serialize lock, so in the order the files were written)."""
-    _LAST_SAVED[os.path.abspath(path)] = dict(claims)  # entries are replaced, never changed in place
+def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None) -> None:
+    """Called by every save (under the serialize lock, so in the order the files were written),
+    once the files hold ``claims``, the journal's records ending at ``journal_end``."""
+    inodes = tuple(s and s[0] for s in disk_stamp(path))
+    _LAST_SAVED[os.path.abspath(path)] = (dict(claims), inodes, journal_end)  # entries are replaced, never changed in place
 
 
 def last_saved(path: str) -> dict[str, dict] | None:
-    """The claims as this process's newest save left the files at ``path`` (None: none yet): what
-    a repair of damaged files takes for the entries they no longer establish (prepare/recovery.py)."""
-    return _LAST_SAVED.get(os.path.abspath(path))
+    """The claims as this process's newest save left the files at ``path``: what a repair of
+    damaged files takes for the entries they no longer establish (prepare/recovery.py). None: no
+    save yet, or another process (the other instance of a rolling update, ``sysdra metadata
+    update``) saved since, as the damaged files still show: a compaction replaced a file, or the
+    journal holds bytes after our last record. Its save may have removed a claim (an unprepare)
+    that this memory would bring back; the damage itself, in what we wrote, is no such sign."""
+    saved = _LAST_SAVED.get(os.path.abspath(path))
+    if saved is None:
+        return None
+    claims, inodes, end = saved
+    if tuple(s and s[0] for s in disk_stamp(path)) != inodes:
+        return None
+    if end is not None and appended_after(path + JOURNAL_SUFFIX, end):
+        return None
+    return claims
 
 
 def disk_stamp(path: str) -> tuple:
