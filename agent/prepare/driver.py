@@ -35,8 +35,6 @@ from fractions import Fraction
 from typing import Callable, Iterable
 
 from agent.kubeletplugin.types import ClaimRef, PrepareResult
-from agent.fsutil import UnsafePath
-from agent.names import InvalidName
 from agent.prepare import cdifiles, claimstatus, planner, recovery
 from agent.prepare.allocation import ClaimFailed, our_results
 from agent.prepare.bootid import read_boot_id
@@ -50,6 +48,7 @@ from agent.prepare.netdevs import reserved_pods
 from agent.prepare.netmove import host_netns
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.nvidia import NvidiaDriver
+from agent.prepare.outcome import claim_error, log_outcome
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
 from agent.prepare.steps import NotUndone, Planned
@@ -61,32 +60,13 @@ from agent.prepare.steps.netdev import NetdevStep
 from agent.prepare.steps.partition import PartitionStep
 from agent.prepare.steps.timeslice import TimeSliceStep
 from agent.prepare.steps.vfio import VfioStep
-from agent.prepare.vfio import VfioError
-from agent.prepare.vfio_kernel import KernelError, PciKernel
+from agent.prepare.vfio_kernel import PciKernel
 from agent.quantity import parse_quantity
 from agent.settings import Settings
 from agent.sharecaps import capacity_values, merged_policies
-from cdi.spec import SpecError
 from discovery.models import Device, Inventory
 
 log = logging.getLogger(__name__)
-# a claim's own error, said as it is; anything else is a bug, logged with its trace
-EXPECTED = (ClaimFailed, VfioError, KernelError, SpecError, InvalidName, UnsafePath, OSError)
-
-
-def log_outcome(what: str, namespace: str, name: str, uid: str, devices: list, error: str | None, seconds: float) -> None:
-    """One line per claim and call, for the operator: which claim, its devices, the result."""
-    level, result = (logging.WARNING, f"failed: {error}") if error else (logging.INFO, "ok")
-    log.log(level, "%s claim %s/%s (%s), devices %s: %s in %.1f ms", what, namespace, name, uid,
-            ", ".join(map(str, devices)) or "none", result, seconds * 1e3)
-
-
-def claim_error(uid: str, stage: str, err: Exception) -> str:
-    """The claim's error for ``err`` raised at ``stage`` (a step's or a file's; "" while planning)."""
-    if isinstance(err, EXPECTED):
-        return f"{stage}: {err}" if stage and not isinstance(err, ClaimFailed) else str(err)
-    log.error("claim %s: %s failed", uid, stage or "planning", exc_info=err)
-    return f"internal error{f' ({stage})' if stage else ''}: {err}"
 
 
 @dataclass
