@@ -104,6 +104,29 @@ def test_shares_of_the_whole_gpu_keep_it_off_until_the_last_goes(tmp_path):
     assert mode(node) == ON and len(switches(node)) == 2
 
 
+def test_shares_prepared_together_whose_last_save_fails_give_mig_mode_back(tmp_path):
+    """Two shares of the whole GPU in one call, and the disk full at their PrepareCompleted save:
+    both are undone. The last of them undone gives MIG mode back (each undo counting only the
+    claims still on the GPU, not the one undone before it)."""
+    node = node_for(tmp_path, partitions=False, share=("gpu",), nvidia_mps=False, nvidia_mig_enable=True)
+    d = driver_for(node)
+    a = node.allocated("a", req("g", whole()))
+    b = node.allocated("b", req("g", whole()), prepared=[a])
+    d.recover()
+    saves, save = [], d.checkpoint.save
+
+    def full_at_completed(**kw):
+        saves.append(kw)
+        if len(saves) == 2:  # the first is PrepareStarted's
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(**kw)
+
+    d.checkpoint.save = full_at_completed
+    out = d.prepare_claims([a, b])
+    assert [r.error for r in out.values()] == ["saving checkpoint: [Errno 28] No space left on device"] * 2
+    assert mode(node) == ON and len(switches(node)) == 2
+
+
 def test_gpu_instances_someone_made_refuse_the_claim(tmp_path):
     """NVML refuses a mode change while a GPU instance exists, and it is not the agent's to
     destroy: the claim fails naming them and the command that removes them."""

@@ -192,8 +192,10 @@ class Driver:
         self.fault("prepare:specs-written")
         started = {uid: call.started[uid] for uid in call.todo if uid in cp.claims}
         if err := self._save(cp, {**cp.claims, **started}, call.todo):
-            for uid, entry in started.items():  # the file still says PrepareStarted: a retry starts clean
-                self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid})
+            others = dict(cp.claims)  # the file still says PrepareStarted: a retry starts clean
+            for uid, entry in started.items():  # each undo counts the claims not undone yet (the last gives back)
+                del others[uid]
+                self._undo(entry, others)
                 self.files.remove(entry, uid, entry["namespace"], entry["name"])
                 call.out[uid] = PrepareResult(error=err)
             return call.out
