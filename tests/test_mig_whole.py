@@ -67,7 +67,7 @@ def test_without_nvidia_mig_enable_the_claim_fails_saying_why(tmp_path, partitio
     assert mode(node) == ON and switches(node) == [] and d.checkpoint.claims == {}
     node.sim.set_mig(BDF, 0)  # the operator turned it off: the claim prepares, nothing changes
     assert not prepare(d, c)
-    assert d.checkpoint.claims[uid_of(c)]["migMode"] == [{"gpu": BDF, "restore": False}]
+    assert "migMode" not in d.checkpoint.claims[uid_of(c)]  # nothing to give back
     assert d.unprepare_claims([ref(c)]) == {uid_of(c): None}
     assert mode(node) == OFF and switches(node) == []
 
@@ -125,6 +125,29 @@ def test_shares_prepared_together_whose_last_save_fails_give_mig_mode_back(tmp_p
     out = d.prepare_claims([a, b])
     assert [r.error for r in out.values()] == ["saving checkpoint: [Errno 28] No space left on device"] * 2
     assert mode(node) == ON and len(switches(node)) == 2
+
+
+# ClaimEntry's fields in the agents from before MIG mode off (db866f6 and older): they move an entry
+# with any other key aside and adopt its claim from its spec, its other records (MPS daemons, time
+# slice) lost with it, so a rolled-back DaemonSet would stop the MPS daemons under running shares
+BEFORE_MIG_MODE = {"state", "namespace", "name", "bootID", "allocation", "devices", "cdiSpec", "metadata",
+                   "deviceStatus", "vfio", "partitions", "mig", "mps", "timeslice", "netdevs", "pods"}
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_a_claim_that_found_mig_mode_off_writes_what_an_older_agent_reads(tmp_path, enable):
+    """Every whole-GPU claim of an H100/H200 (NVML lists MIG profiles whatever the mode) goes
+    through the step: only a claim whose MIG mode the agent turned off, or that takes over such a
+    claim's, carries ``migMode``; one that found it off (nearly all) writes nothing new, so rolling
+    the agent back leaves it alone (docs/kubelet-plugin.md, "Checkpoint compatibility")."""
+    from agent.prepare.records import ClaimEntry
+
+    assert set(ClaimEntry.model_fields) - BEFORE_MIG_MODE == {"migMode", "netdevsLost"}, "a new field: say what an older agent does"
+    node = node_for(tmp_path, mig=0, partitions=False, share=("gpu",), nvidia_mps=False, nvidia_mig_enable=enable)
+    d = driver_for(node)
+    c = node.allocated("w", req("w", whole()))
+    assert not prepare(d, c)
+    assert set(d.checkpoint.claims[uid_of(c)]) <= BEFORE_MIG_MODE and mode(node) == OFF
 
 
 def test_gpu_instances_someone_made_refuse_the_claim(tmp_path):
@@ -193,9 +216,10 @@ def test_an_interrupted_prepare_is_rolled_back_at_start(tmp_path):
 
 
 def test_mig_mode_turned_on_under_a_prepared_claim_is_turned_off_again(tmp_path):
-    """Someone (or a reboot that took a pending mode) turned MIG mode on under a prepared claim:
-    the start and the kubelet's re-prepare turn it off again; without nvidia_mig_enable the
-    re-prepare says why the claim cannot work."""
+    """Someone (or a reboot that took a pending mode) turned MIG mode on under a claim the agent
+    turned it off for: the start and the kubelet's re-prepare turn it off again. A claim that found
+    it off records nothing (an older agent reads its entry): the mode under it is the operator's,
+    as before this step, so neither the start nor the re-prepare touches it or fails for it."""
     node = node_for(tmp_path, nvidia_mig_enable=True)
     d = driver_for(node)
     c = node.allocated("w", req("w", whole()))
@@ -213,10 +237,8 @@ def test_mig_mode_turned_on_under_a_prepared_claim_is_turned_off_again(tmp_path)
     strict.sim.set_mig(BDF, 1)
     again = driver_for(strict)
     again.recover()
-    assert again.checkpoint.claims[uid_of(c)]["state"] == "PrepareCompleted"  # kept; the start logs why
-    err = prepare(again, c)
-    assert err and f"GPU {BDF} is in MIG mode" in err and "nvidia_mig_enable" in err
-    assert mode(strict) == ON and switches(strict) == []
+    assert again.checkpoint.claims[uid_of(c)]["state"] == "PrepareCompleted"
+    assert not prepare(again, c) and mode(strict) == ON and switches(strict) == []
 
 
 def test_a_mig_device_beside_a_prepared_whole_gpu_is_refused_before_nvml(tmp_path):

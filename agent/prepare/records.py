@@ -105,8 +105,9 @@ class MigDevice(Record):
 class MigModeOff(Record):
     """A GPU whose MIG mode a claim of its whole GPU (or a share of it) needs off: the whole GPU
     of a GPU in MIG mode is no CUDA device (prepare/steps/migmode.py). Durable before NVML is
-    asked. ``restore``: MIG mode was on (or pending on) before this claim, or before the
-    prepared claims of the whole GPU that turned it off: the last of them to go turns it back on."""
+    asked; only where MIG mode was on (or pending on) before this claim, or before the prepared
+    claims of the whole GPU that turned it off (``restore``: the last of them to go turns it back
+    on), or for an adopted claim (``restore`` false: the mode before it is unknown)."""
 
     gpu: Bdf
     restore: bool
