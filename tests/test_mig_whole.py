@@ -179,6 +179,24 @@ def test_a_mode_left_pending_fails_the_claim_and_is_set_back(tmp_path):
     assert d.checkpoint.claims == {}
 
 
+def test_a_pending_off_the_operator_asked_for_is_never_turned_back_on(tmp_path):
+    """``nvidia-smi -mig 0`` where the GPU cannot be reset at once (a passthrough VM) leaves MIG
+    mode on, pending off until a reboot: the mode the GPU will have is off. A claim that finds it
+    so and fails (the switch is still pending) sets nothing back on, nor does one that turns it off
+    and goes: the operator's off stays."""
+    node = node_for(tmp_path, nvidia_mig_enable=True)
+    node.sim.set_mig(BDF, 1, pending=0)
+    node.sim.set_activation(BDF, RESET_REQUIRED)
+    d = driver_for(node)
+    c = node.allocated("w", req("w", whole()))
+    assert "still on until the GPU is reset" in prepare(d, c)
+    assert mode(node) == [1, 0] and d.checkpoint.claims == {}
+    node.sim.set_activation(BDF, 0)  # a GPU that can be reset now
+    assert not prepare(d, c) and mode(node) == OFF
+    assert d.unprepare_claims([ref(c)]) == {uid_of(c): None}
+    assert mode(node) == OFF
+
+
 def test_a_later_failure_turns_mig_mode_back_on(tmp_path, monkeypatch):
     node = node_for(tmp_path, nvidia_mig_enable=True)
     d = driver_for(node)

@@ -105,9 +105,10 @@ class MigDevice(Record):
 class MigModeOff(Record):
     """A GPU whose MIG mode a claim of its whole GPU (or a share of it) needs off: the whole GPU
     of a GPU in MIG mode is no CUDA device (prepare/steps/migmode.py). Durable before NVML is
-    asked; only where MIG mode was on (or pending on) before this claim, or before the prepared
-    claims of the whole GPU that turned it off (``restore``: the last of them to go turns it back
-    on), or for an adopted claim (``restore`` false: the mode before it is unknown)."""
+    asked; only where the agent turns MIG mode off for the claim, or took it over from the prepared
+    claims of the whole GPU that did, or for an adopted claim. ``restore``: the mode the GPU was to
+    have (its pending mode) was on before them: the last of them to go turns it back on; false for
+    an operator's off pending a reset, and for an adopted claim (the mode before it is unknown)."""
 
     gpu: Bdf
     restore: bool

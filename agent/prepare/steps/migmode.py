@@ -7,11 +7,13 @@ Which GPUs: those whose NVML lists MIG profiles (discovery reads them with or wi
 claims: it takes the GPU as it is) nor for a ``VfioConfig`` device (the VM's driver owns it).
 
 Record (``migMode``): one ``MigModeOff`` per GPU whose MIG mode is on (or pending on), or was
-turned off by another claim of the whole GPU that still holds it (``restore``), saved durably in
+turned off by another claim of the whole GPU that still holds it, saved durably in
 the PrepareStarted entry before NVML is asked. A GPU found off gets none: nothing to change or
 give back, and the entry stays one an agent from before this step reads (it moves an entry
 with a key it does not know aside, the claim's MPS and time-slice records with it; nearly every
-whole-GPU claim of an H100/H200 finds MIG mode off). ``plan`` refuses what cannot work
+whole-GPU claim of an H100/H200 finds MIG mode off). ``restore``: the mode the GPU is to have
+was on (pending on: on now, or after the next reset), or another claim that turned it off hands
+that on; an operator's off pending a reset (on now, pending off) is not. ``plan`` refuses what cannot work
 before anything is written: MIG mode on without ``nvidia_mig_enable`` (the setting lets the
 agent turn MIG mode on for a MIG device and off for the whole GPU), or a GPU instance on the
 GPU (someone's; NVML refuses the change). ``apply`` turns it off (a mode left pending until a
@@ -73,7 +75,8 @@ class MigModeStep(RecordsOf):
         for bdf in sorted(gpus - _refused(owners, planned.uid, gpus)):
             mode = self.devices.check_off(bdf)  # ClaimFailed: on, and the agent may not or cannot turn it off
             if self.devices.needs_off(mode) or bdf in turned:  # found off: nothing to record (an older agent reads it)
-                out.append(MigModeOff(gpu=bdf, restore=True))
+                # what to give back is the mode the GPU is to have (pending): an operator's off pending a reset is kept
+                out.append(MigModeOff(gpu=bdf, restore=mode is not None and mode[1] == 1 or bdf in turned))
         return tuple(out) or None
 
     def adopted(self, names: list[str]) -> Record | None:
