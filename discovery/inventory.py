@@ -103,10 +103,11 @@ class _Scanner:
                            class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
         return dev
 
-    def run(self, changed: set[str] | None = None) -> Inventory:
+    def run(self, changed: set[str] | None = None, previous: _Scanner | None = None) -> Inventory:
         """``changed=None``: read every function. Else re-read only the functions in
         ``changed`` (plus their slot siblings, their PFs, and functions that appeared)
-        and reuse the previous results for the others."""
+        and reuse the previous results for the others. ``previous`` (a full scan's scanner
+        before it): records that read the same are its objects (:meth:`_keep_unchanged`)."""
         fs = self.fs
         self.problems = []
         self.resolver.shared_nodes.clear()
@@ -150,7 +151,8 @@ class _Scanner:
                 fn = (halves.get("mgmt") or halves["user"])[0]
                 results[fn.bdf] = Skipped(bdf=fn.bdf, reason=f"unexpected error: {err!r}"[:200],
                                           class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
-
+        if previous is not None:
+            self._keep_unchanged(previous)
         devices = [r for r in results.values() if isinstance(r, Device)] + list(cards.values())
         devices.sort(key=lambda dev: dev.name)
         skipped = sorted((r for r in results.values() if isinstance(r, Skipped)), key=lambda s: s.bdf)
@@ -162,6 +164,18 @@ class _Scanner:
             root=fs.root, devices=tuple(devices), skipped=tuple(skipped), numa_nodes=self.numa,
             problems=tuple(self.numa_problems + self.problems + self._node_problems),
         )  # fmt: skip
+
+    def _keep_unchanged(self, previous: _Scanner) -> None:
+        """A full rescan's records that equal the previous scan's are those objects, as an
+        incremental rescan's are: the publisher's per-device cache then hits, and the pool,
+        the health monitor and the status keep one copy of an unchanged node (with new objects
+        the periodic resync left the agent holding two: the pool it published and the cache's
+        new entries of equal content). Comparing costs ~5 ms on the 2,136-function node."""
+        for table, old in ((self._results, previous._results), (self._cards, previous._cards)):
+            for key, record in table.items():
+                before = old.get(key)
+                if before is not None and before is not record and before == record:
+                    table[key] = before
 
     def _expand(self, changed: set[str], present: set[str]) -> set[str]:
         """Changed functions plus the other functions of their slot (Alveo mgmt/user pairs,
@@ -256,8 +270,9 @@ class IncrementalScanner:
         self.inventory: Inventory | None = None
 
     def full(self) -> Inventory:
-        self._scanner = _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink)
-        self.inventory = self._scanner.run()
+        """Everything read again; what reads as before keeps its objects (``_Scanner._keep_unchanged``)."""
+        previous, self._scanner = self._scanner, _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink)
+        self.inventory = self._scanner.run(previous=previous)
         return self.inventory
 
     def update(self, changed: set[str] | None) -> Inventory:

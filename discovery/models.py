@@ -58,6 +58,9 @@ class AttributeValue(Record):
     versions: tuple[str, ...] | None = None
     # the Python name of the one field set (``int_``, ``strings``, ...), found once
     field: str = dataclasses.field(init=False, repr=False, compare=False)
+    # the API encoding, made once: Device.to_api's entries share it (discovery shares equal
+    # values, so a large node's ~37,000 attribute entries need ~6,000 encodings); never modify it
+    encoded: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_fields = [name for name in _VALUE_FIELDS if getattr(self, name) is not None]
@@ -66,6 +69,7 @@ class AttributeValue(Record):
         if set_fields[0] in LIST_FIELDS and not getattr(self, set_fields[0]):
             raise ValueError(f"list attribute {set_fields[0]} must not be empty")
         object.__setattr__(self, "field", set_fields[0])  # how a frozen dataclass sets a derived field
+        object.__setattr__(self, "encoded", self.to_api())
 
     @property
     def value(self) -> Any:
@@ -100,7 +104,7 @@ class AttributeValue(Record):
         return cls(**{name: tuple(value)})
 
     def to_api(self) -> dict:
-        """The API encoding, a new dict: ``{"int": 3}``, ``{"strings": ["a"]}``."""
+        """The API encoding, a new dict: ``{"int": 3}``, ``{"strings": ["a"]}`` (``encoded`` is the shared one)."""
         value = getattr(self, self.field)
         return {_API_NAME[self.field]: list(value) if self.field in LIST_FIELDS else value}
 
@@ -303,10 +307,11 @@ class Device(Record):
     problems: tuple[Problem, ...] = ()
 
     def to_api(self) -> dict:
-        """The device as a ResourceSlice ``spec.devices[]`` entry (resource.k8s.io/v1)."""
+        """The device as a ResourceSlice ``spec.devices[]`` entry (resource.k8s.io/v1): a new
+        dict whose attribute values are the values' shared encodings (never modify those)."""
         out: dict = {"name": self.name}
         if self.attributes:
-            out["attributes"] = {k: v.to_api() for k, v in sorted(self.attributes.items())}
+            out["attributes"] = {k: v.encoded for k, v in sorted(self.attributes.items())}
         if self.capacity:
             out["capacity"] = {k: {"value": v} for k, v in sorted(self.capacity.items())}
         return out

@@ -137,6 +137,13 @@ class _Worker:
         return call.fut.result(timeout=max(0.0, call.began + call.budget - time.monotonic()))
 
 
+def _import_pynvml():
+    """nvidia-ml-py, imported once a library has loaded: its 8,000 lines are ~2.7 MB of the process."""
+    import pynvml
+
+    return pynvml
+
+
 class Nvml:
     """NVML of the running driver. Construct with :meth:`open`; ``None`` there means no NVML."""
 
@@ -170,11 +177,6 @@ class Nvml:
         path = find_library(root, driver_root)
         if path is None:  # the GPU operator's driver container may not have put it there yet
             return None, f"no {LIBRARY} under {root} (driver root {driver_root})", True
-        if pynvml is None:
-            try:
-                import pynvml
-            except ImportError as err:
-                return None, f"nvidia-ml-py is not installed ({err})", False
         load = load or (lambda p: ctypes.CDLL(p, mode=os.RTLD_GLOBAL | os.RTLD_NOW))
         worker = _Worker(timeout)
         loaded = []
@@ -182,10 +184,15 @@ class Nvml:
         def init():
             load(path)  # pynvml then finds it by its soname, already loaded
             loaded.append(path)
-            pynvml.nvmlInit()
+            nv = pynvml or _import_pynvml()  # only now: a library that does not load costs no pynvml
+            nv.nvmlInit()
+            return nv
 
         try:
-            worker.call(init)
+            nv = worker.call(init)
+        except ImportError as err:
+            worker.close()
+            return None, f"nvidia-ml-py is not installed ({err})", False
         except Exception as err:  # noqa: BLE001 - a timeout, a load error or an NVML error
             hung = isinstance(err, TimeoutError)  # its thread is stuck in the driver: no second init beside it
             if not hung:
@@ -194,7 +201,7 @@ class Nvml:
                 "" if not loaded or os.path.exists(CONTROL_NODE) else
                 f"; this process has no {CONTROL_NODE}: NVML needs the GPUs' device nodes (in a container: "
                 "privileged, as the chart's nvidia.enabled with config.nvml makes it; docs/nvidia.md)"), not hung
-        return cls(pynvml, worker, path), "", False
+        return cls(nv, worker, path), "", False
 
     @classmethod
     def shared(cls, root: str, driver_root: str = "/", retry: bool = True) -> Nvml | None:

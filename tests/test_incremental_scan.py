@@ -77,3 +77,20 @@ def test_bdf_of_path():
     assert bdf_of_path("/sys/bus/pci/devices/0000:3b:00.1") == "0000:3b:00.1"
     assert bdf_of_path("/sys/devices/system/node/node0/cpulist") is None
     assert bdf_of_path("/sys/class/net/eth0") is None
+
+
+def test_a_full_rescan_keeps_the_objects_of_what_reads_as_before(tmp_path):
+    """The periodic resync reads everything again; an unchanged function's records are the
+    previous scan's objects (the publisher's per-device cache hits on them), a changed one's new."""
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    scanner = IncrementalScanner(root)
+    first = scanner.full()
+    again = scanner.full()
+    assert again == first and all(a is b for a, b in zip(again.devices, first.devices))
+    nic = next(d for d in first.devices if d.kind == "nic" and d.nic and d.nic.interfaces)
+    with open(os.path.join(root, BUS, nic.pci.bdf, "net", nic.nic.interfaces[0].name, "mtu"), "w") as f:
+        f.write("4321\n")
+    changed = scanner.full()
+    assert changed == scan(root) and changed != first
+    assert [d.name for d in changed.devices if all(d is not b for b in first.devices)] == [nic.name]

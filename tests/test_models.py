@@ -167,3 +167,16 @@ def test_records_take_keywords_only_and_no_unknown_ones():
         Device(dev.name, dev.kind, dev.pci)
     with pytest.raises(TypeError):
         Inventory(root="/", device=())
+
+
+def test_device_entries_share_their_values_encodings():
+    """Discovery shares equal values; a device's API entry holds each value's one encoding (a
+    large node's pool: ~6,000 encodings for ~37,000 attribute entries), equal to a fresh one."""
+    inv = scan(profile_root("server-2s-gpu-nic"))
+    vendor = {}
+    for dev in inv.devices:
+        attrs = dev.to_api().get("attributes", {})
+        assert attrs == {k: v.to_api() for k, v in dev.attributes.items()}
+        assert all(attrs[k] is v.encoded for k, v in dev.attributes.items())
+        vendor.setdefault(dev.attributes["vendorID"].value, set()).add(id(attrs["vendorID"]))
+    assert len(inv.devices) > len(vendor) and all(len(ids) == 1 for ids in vendor.values())

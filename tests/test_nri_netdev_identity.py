@@ -14,6 +14,7 @@ import os
 import subprocess
 
 import pytest
+from pydantic import ValidationError
 
 from agent.nri.netdev import NetdevError
 from agent.prepare import netmove, rtnl
@@ -158,3 +159,16 @@ def test_the_kernels_links_say_their_bus_device():
         device = f"/sys/class/net/{name}/device"
         assert link.parent == (os.path.basename(os.path.realpath(device)) if os.path.exists(device) else None), name
         assert rtnl.link("/proc/self/ns/net", name) == link
+
+
+@pytest.mark.parametrize("netns, valid", [
+    ("/proc/1/ns/net", True), ("/" + "é" * 4095, True), ("/a\nb", True), ("//", True),
+    ("/", False), ("/" + "x" * 4096, False), ("/a\x00b", False), ("net", False), ("", False)])
+def test_a_records_netns_is_a_path_of_at_most_4096_characters_without_nul(netns, valid):
+    """Checkpoint contents are untrusted: "/" and 1-4,095 more characters, none NUL (the limit
+    is a length, not a repetition in the pattern: see records.NetnsPath)."""
+    if valid:
+        assert _move(netns=netns).netns == netns
+    else:
+        with pytest.raises(ValidationError):
+            _move(netns=netns)

@@ -6,6 +6,8 @@ the upstream allocator."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -14,7 +16,7 @@ from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
 from discovery.nvidia import GPU_TABLE, cuda_version, semver
-from tests.conftest import profile_root
+from tests.conftest import REPO, profile_root
 from tests.controlplane import Unschedulable, allocate, unique
 from tests.simnvml import SimGpu, SimNvml, open_sim
 from tests.test_allocator import CLASSES, NODE, claim, exactly
@@ -137,6 +139,16 @@ def test_a_library_that_does_not_load_is_not_blamed_on_device_nodes(tmp_path, mo
 
     assert Nvml.open(profile_root("h200-vm"), "/usr/local/nvidia", pynvml=SimNvml(), load=bad_elf) is None
     assert "invalid ELF header" in caplog.text and "device nodes" not in caplog.text
+
+
+def test_a_library_that_does_not_load_costs_no_pynvml():
+    """nvidia-ml-py (~2.7 MB of the process) is imported once the library has loaded, not before:
+    a node with a library that does not load (a driver not ready, a stub) never imports it."""
+    code = ("import sys\nfrom discovery.nvml import Nvml\n"
+            f"nvml, why = Nvml.probe({profile_root('h200-vm')!r}, '/usr/local/nvidia')\n"
+            "print(nvml is None, 'failed to initialise' in why, 'pynvml' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True", "False"], out.stderr[-2000:]
 
 
 def test_doctor_says_whether_nvml_answers(monkeypatch, tmp_path):

@@ -1,7 +1,7 @@
 """`sysdra run`'s start-up order, seen from inside a real agent process: the first slices are
 written before anything the kubelet side needs is even imported (gRPC, the kubelet plugin,
-health), the YAML parser is not loaded for an empty config file nor prometheus_client without a
-metrics endpoint, and the kubelet's registration socket appears only after the first publish."""
+health), the YAML parser is not loaded for an empty config file, nor prometheus_client without a
+metrics endpoint, nor libcurl (the API client's) with an offline cluster directory, and the kubelet's registration socket appears only after the first publish."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def stop_once_registered():
         time.sleep(0.02)
     time.sleep(0.2)
     seen["running"] = {"grpc_loaded": "grpc" in sys.modules,
-                       "prometheus_loaded": "prometheus_client" in sys.modules}
+                       "prometheus_loaded": "prometheus_client" in sys.modules, "curl_loaded": "pycurl" in sys.modules}
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -69,7 +69,7 @@ def test_first_publish_comes_before_the_kubelet_side_is_loaded(tmp_path):
     first = seen["at_first_slice"]
     assert first["loaded"] == [], f"loaded before the first publish: {first['loaded']}"
     assert first["registration_socket"] is False, "the kubelet could register before the first publish"
-    assert seen["running"] == {"grpc_loaded": True, "prometheus_loaded": False}
+    assert seen["running"] == {"grpc_loaded": True, "prometheus_loaded": False, "curl_loaded": False}
 
 
 def test_sigterm_while_the_grpc_servers_start_stops_cleanly(tmp_path, monkeypatch):

@@ -6,18 +6,22 @@ Connection settings (kubeconfig or the in-cluster service account, TLS, bearer t
 come from lightkube's configuration, as for every other request of the agent. The requests are
 blocking (``apihttp``), made in the threads that need them: a prepare's worker thread reads, the
 status writer's threads apply; the claim reads and the status writes share pooled keep-alive
-connections.
+connections. ``apihttp`` (libcurl and its own TLS library, ~8 MB of the process) is loaded when
+a ``ClaimApi`` is made: an agent with an offline cluster directory makes none.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 import orjson
 
 from agent.apilimits import MAX_CLAIM_BYTES
-from agent.kubeletplugin import apihttp
+
+if TYPE_CHECKING:
+    from agent.kubeletplugin import apihttp
 
 TIMEOUT = 10.0
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the server takes the body as it is
@@ -44,6 +48,9 @@ class ClaimApi:
     def __init__(self, client=None, field_manager: str = "sysdra.io"):
         self._lightkube = client
         self.field_manager = field_manager
+        from agent.kubeletplugin import apihttp
+
+        self._make_transport = apihttp.transport
         self._transport = None
         self._made = threading.Lock()  # the first requests, in several threads, make one transport
 
@@ -55,7 +62,7 @@ class ClaimApi:
                     from lightkube import AsyncClient
 
                     config = (self._lightkube or AsyncClient()).config
-                    self._transport = apihttp.transport(config, TIMEOUT, MAX_CLAIM_BYTES)
+                    self._transport = self._make_transport(config, TIMEOUT, MAX_CLAIM_BYTES)
                 transport = self._transport
         return transport.request(method, path, body, headers)
 
