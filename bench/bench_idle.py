@@ -1,8 +1,8 @@
 """CPU and memory of an idle, running ``sysdra run`` on the large node.
 
 The agent serves the generated large node in offline mode with its defaults (full resync
-every 300 s, health checks every 10 s, file watches on the whole tree, kubelet plugin,
-status socket) and nothing happens for ``DURATION`` seconds. At the same time a floor
+every 300 s, health checks every 10 s, file watches on what discovery reads of the tree's sys/,
+kubelet plugin, status socket) and nothing happens for ``DURATION`` seconds. At the same time a floor
 process runs: a bare interpreter that imports the same modules and then idles in an
 asyncio loop. Both are sampled with psutil over the same window.
 
@@ -21,11 +21,14 @@ from bench.report import Figure, progress
 
 DURATION = 60.0
 
-# what ``sysdra run`` imports once it serves (daemon, kubelet plugin, health, publishing,
-# discovery, watchers); the floor imports the same and does nothing
+# what this ``sysdra run`` imports once it serves (daemon, kubelet plugin, health, publishing,
+# discovery, watchers, NRI); the floor imports the same and does nothing. Not prometheus_client
+# (no metrics endpoint) nor pyudev (a fixture root has file events, not uevents): the agent
+# measured loads neither
 FLOOR_IMPORTS = ("agent.cli.main", "agent.cli.run", "agent.service.daemon", "agent.prepare.driver", "agent.kubeletplugin.claims",
                  "agent.kubeletplugin.plugin", "agent.health", "agent.publish.dirstore", "agent.publish.drift",
-                 "agent.service.metrics", "agent.service.status", "watchdog.observers", "discovery.inventory", "grpc", "pyudev")
+                 "agent.service.status", "agent.service.logs", "agent.service.nodeops", "agent.nri.netdev", "watchdog.observers",
+                 "discovery.inventory", "discovery.nvml", "grpc")
 FLOOR_CODE = ("import asyncio, importlib\n"
               "for m in {mods!r}:\n"
               "    try:\n        importlib.import_module(m)\n    except ImportError:\n        pass\n"

@@ -43,6 +43,17 @@ def _alveo_role(fn: PciFunction, views: frozenset[str]) -> str:
     return "user"
 
 
+def _unchanged(before: object, record: object) -> object:
+    """``before`` (the function's record from the scan before) when ``record`` reads the same.
+    A function read again that has not changed keeps its objects: the publisher's per-device
+    cache hits, and the pool, the health monitor and the status keep one copy of an unchanged
+    node (with new objects, each periodic resync left the agent holding two: the pool it had
+    published and the cache's new, equal entries). Compared as read, a new record is garbage
+    at once, not after the whole scan (~3 MB less heap left fragmented); ~5 ms on the
+    2,136-function node."""
+    return before if before is not None and before == record else record
+
+
 def _slot(bdf: str) -> tuple | None:
     m = BDF_RE.match(bdf)
     return m.groups()[:3] if m else None
@@ -106,8 +117,8 @@ class _Scanner:
     def run(self, changed: set[str] | None = None, previous: _Scanner | None = None) -> Inventory:
         """``changed=None``: read every function. Else re-read only the functions in
         ``changed`` (plus their slot siblings, their PFs, and functions that appeared)
-        and reuse the previous results for the others. ``previous`` (a full scan's scanner
-        before it): records that read the same are its objects (:meth:`_keep_unchanged`)."""
+        and reuse the previous results for the others. A record read again that reads the same
+        is the previous object (:func:`_unchanged`); ``previous``: a full scan's scanner before it."""
         fs = self.fs
         self.problems = []
         self.resolver.shared_nodes.clear()
@@ -127,8 +138,10 @@ class _Scanner:
         for bdf in set(results) - present:
             del results[bdf]
         alveo: dict[tuple, dict] = {}
+        # what each function read before: a full scan's previous scanner, else these very tables
+        before, cards_before = (previous._results, previous._cards) if previous is not None else (results, dict(cards))
         for bdf in sorted(todo):
-            results[bdf] = self._read(bdf, alveo)
+            results[bdf] = _unchanged(before.get(bdf), self._read(bdf, alveo))
         # a function that appeared or changed may name a PF we have not re-read (VF created);
         # a full scan has read every function
         for bdf in sorted(todo) if changed is not None else ():
@@ -136,7 +149,7 @@ class _Scanner:
             if pf and pf in present and pf not in todo:
                 for sibling in sorted(b for b in present - todo if _slot(b) == _slot(pf)):
                     todo.add(sibling)
-                    results[sibling] = self._read(sibling, alveo)
+                    results[sibling] = _unchanged(before.get(sibling), self._read(sibling, alveo))
         # Alveo cards: re-read together; a card with a re-read half is rebuilt from both halves
         if cards:  # an incremental scan's cards (a full scan starts without any)
             touched = {r[1] for bdf, r in results.items() if bdf in todo and isinstance(r, tuple)}
@@ -146,13 +159,11 @@ class _Scanner:
                     del cards[card]
         for card, halves in alveo.items():
             try:
-                cards[card] = self._alveo_device(halves)
+                cards[card] = _unchanged(cards_before.get(card), self._alveo_device(halves))
             except Exception as err:  # noqa: BLE001 - the card's problem, not the scan's
                 fn = (halves.get("mgmt") or halves["user"])[0]
                 results[fn.bdf] = Skipped(bdf=fn.bdf, reason=f"unexpected error: {err!r}"[:200],
                                           class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
-        if previous is not None:
-            self._keep_unchanged(previous)
         devices = [r for r in results.values() if isinstance(r, Device)] + list(cards.values())
         devices.sort(key=lambda dev: dev.name)
         skipped = sorted((r for r in results.values() if isinstance(r, Skipped)), key=lambda s: s.bdf)
@@ -164,18 +175,6 @@ class _Scanner:
             root=fs.root, devices=tuple(devices), skipped=tuple(skipped), numa_nodes=self.numa,
             problems=tuple(self.numa_problems + self.problems + self._node_problems),
         )  # fmt: skip
-
-    def _keep_unchanged(self, previous: _Scanner) -> None:
-        """A full rescan's records that equal the previous scan's are those objects, as an
-        incremental rescan's are: the publisher's per-device cache then hits, and the pool,
-        the health monitor and the status keep one copy of an unchanged node (with new objects
-        the periodic resync left the agent holding two: the pool it published and the cache's
-        new entries of equal content). Comparing costs ~5 ms on the 2,136-function node."""
-        for table, old in ((self._results, previous._results), (self._cards, previous._cards)):
-            for key, record in table.items():
-                before = old.get(key)
-                if before is not None and before is not record and before == record:
-                    table[key] = before
 
     def _expand(self, changed: set[str], present: set[str]) -> set[str]:
         """Changed functions plus the other functions of their slot (Alveo mgmt/user pairs,
@@ -270,7 +269,7 @@ class IncrementalScanner:
         self.inventory: Inventory | None = None
 
     def full(self) -> Inventory:
-        """Everything read again; what reads as before keeps its objects (``_Scanner._keep_unchanged``)."""
+        """Everything read again; what reads as before keeps its objects (``_unchanged``)."""
         previous, self._scanner = self._scanner, _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink)
         self.inventory = self._scanner.run(previous=previous)
         return self.inventory

@@ -79,9 +79,10 @@ def test_bdf_of_path():
     assert bdf_of_path("/sys/class/net/eth0") is None
 
 
-def test_a_full_rescan_keeps_the_objects_of_what_reads_as_before(tmp_path):
-    """The periodic resync reads everything again; an unchanged function's records are the
-    previous scan's objects (the publisher's per-device cache hits on them), a changed one's new."""
+def test_a_rescan_keeps_the_objects_of_what_reads_as_before(tmp_path):
+    """The periodic resync reads everything again, an event's rescan some functions; an unchanged
+    function's records are the previous scan's objects (the publisher's per-device cache hits on
+    them), a changed one's are new."""
     root = str(tmp_path / "node")
     shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
     scanner = IncrementalScanner(root)
@@ -94,3 +95,8 @@ def test_a_full_rescan_keeps_the_objects_of_what_reads_as_before(tmp_path):
     changed = scanner.full()
     assert changed == scan(root) and changed != first
     assert [d.name for d in changed.devices if all(d is not b for b in first.devices)] == [nic.name]
+    # an incremental rescan of a function whose published records read the same keeps them too
+    with open(os.path.join(root, BUS, nic.pci.bdf, "power_state"), "w") as f:
+        f.write("D3hot\n")
+    again = scanner.update({nic.pci.bdf})
+    assert again == changed and all(a is b for a, b in zip(again.devices, changed.devices))

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from agent.service.daemon import Agent
-from agent.service.watch import Debouncer, HardwareWatcher, UdevSource
+from agent.service.watch import READ_BELOW_SYS, Debouncer, HardwareWatcher, UdevSource
+from agent.tools.fstrace import traced_scan
 from agent.settings import Settings
 from tests.conftest import REPO, profile_root, profiles, require_root
 from tests.simkernel import set_uevent_driver
@@ -185,6 +186,41 @@ def test_fixture_tree_changes_republish_within_debounce(fixture_root, tmp_path):
 
 async def _no_plugin():
     return None
+
+
+@pytest.mark.parametrize("profile", profiles())
+def test_a_fixture_roots_file_watch_covers_every_sysfs_path_discovery_reads(profile):
+    root = profile_root(profile)
+    _, ops = traced_scan(root)
+    below_sys = {rel.split("/")[1] for rel in (os.path.relpath(path, root) for _, path in ops) if rel.startswith("sys/")}
+    assert below_sys and below_sys <= set(READ_BELOW_SYS), below_sys
+
+
+def test_a_fixture_roots_file_watch_leaves_out_what_discovery_never_reads(tmp_path):
+    """sys/kernel (iommu_groups: 40 % of the benchmark node's directories) is not watched: its
+    changes change nothing discovery reads; a function's own files are."""
+    root = str(tmp_path / "root")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    group = sorted(glob.glob(os.path.join(root, "sys/kernel/iommu_groups/*/devices")))[0]
+    bdf = "0000:18:00.0"
+
+    async def scenario():
+        changed = []
+        watcher = HardwareWatcher(root, Debouncer(0.05, lambda first, bdfs: changed.append(bdfs), with_changes=True))
+        await watcher.start()
+        try:
+            os.symlink("../../../../devices/none", os.path.join(group, "0000:ff:00.0"))
+            await asyncio.sleep(0.5)
+            quiet = list(changed)
+            with open(os.path.join(root, "sys/bus/pci/devices", bdf, "power_state"), "w") as f:
+                f.write("D3hot\n")
+            await _wait_for(lambda: changed, 5)
+            return quiet, changed
+        finally:
+            watcher.stop()
+
+    quiet, changed = asyncio.run(scenario())
+    assert quiet == [] and changed == [{bdf}]
 
 
 def test_only_the_kernels_sysfs_is_watched_by_uevents(tmp_path):
