@@ -208,19 +208,17 @@ def test_a_fixture_roots_file_watch_leaves_out_what_discovery_never_reads(tmp_pa
         changed = []
         watcher = HardwareWatcher(root, Debouncer(0.05, lambda first, bdfs: changed.append(bdfs), with_changes=True))
         await watcher.start()
-        try:
+        try:  # one inotify queue, in order: an event of the first change would come before the second's
             os.symlink("../../../../devices/none", os.path.join(group, "0000:ff:00.0"))
-            await asyncio.sleep(0.5)
-            quiet = list(changed)
             with open(os.path.join(root, "sys/bus/pci/devices", bdf, "power_state"), "w") as f:
                 f.write("D3hot\n")
-            await _wait_for(lambda: changed, 5)
-            return quiet, changed
+            await _wait_for(lambda: any(bdf in c for c in changed), 5)
+            return changed
         finally:
             watcher.stop()
 
-    quiet, changed = asyncio.run(scenario())
-    assert quiet == [] and changed == [{bdf}]
+    changed = asyncio.run(scenario())
+    assert set().union(*changed) == {bdf}, changed
 
 
 def test_only_the_kernels_sysfs_is_watched_by_uevents(tmp_path):
