@@ -92,6 +92,24 @@ def test_journal_appends_and_compactions_write_it_back_as_read(tmp_path, caplog)
     assert f"claim {uid(2)}" in caplog.text and "futureThing" in caplog.text
 
 
+def test_a_compaction_that_drops_a_newer_entry_forgets_it(tmp_path, caplog):
+    """The unprepare's save is a compaction: the entry is said removed, and the claim's next entry
+    (this agent's own, prepared anew) is written as it is, not as the newer one was."""
+    path = str(tmp_path / "checkpoint.json")
+    cp = Checkpoint.load(path)
+    cp.claims = {uid(1): entry(1)}
+    cp.save()
+    newer_writes(path, uid(1))
+    older = Checkpoint.load(path, move_corrupt=False)
+    del older.claims[uid(1)]
+    older.compact()
+    assert f"CHECKPOINT ENTRY OF A NEWER SYSDRA REMOVED: claim {uid(1)}" in caplog.text
+    older.claims[uid(1)] = entry(11)
+    older.save(changed=[uid(1)])
+    again = Checkpoint.load(path)
+    assert again.claims == {uid(1): entry(11)} and not again.foreign
+
+
 # --- two processes on one plugin dir ----------------------------------------------------------
 AGENT = r"""
 import json, os, sys
@@ -188,8 +206,6 @@ def test_the_older_agent_of_a_rolling_update_compacts_and_the_newer_entry_surviv
     assert newer("prepare", "newer")["out"] is None and newer("future", "newer")["out"] is None
     raw = last_record(path, NEWER)
     assert b'"futureThing":' in raw
-    err = older("prepare", "taken")["out"]  # the newer claim's device: held by what the older one knows of it
-    assert err and "gpu-0000-1c-00-0" in err and NEWER in err
     generation = older("prepare", "other")["generation"]
     for _ in range(20):  # the older agent's appends, until one of its saves compacts (a new generation)
         assert older("prepare", "churn")["out"] is None
@@ -198,6 +214,8 @@ def test_the_older_agent_of_a_rolling_update_compacts_and_the_newer_entry_surviv
     else:
         pytest.fail("the older agent never compacted")
     assert raw in open(path, "rb").read()  # in the older agent's snapshot as the newer agent wrote it
+    err = older("prepare", "taken")["out"]  # the newer claim's device: held by what the older one knows of it
+    assert err and "gpu-0000-1c-00-0" in err and NEWER in err
     assert not [n for n in os.listdir(s.plugin_dir) if ".rejected-" in n or ".corrupt-" in n]
     assert newer("entry", "newer")["out"].encode() == raw  # the newer agent reads its own entry, whole
     assert newer("unprepare", "newer")["out"] is None  # its own: the newer agent ends it
@@ -280,7 +298,9 @@ def test_a_restart_keeps_the_entries_and_makes_their_known_part_good(tmp_path, c
 
 @pytest.mark.parametrize("damage", [{"devices": [{}]}, {"state": "PrepareSuspended"}])
 def test_a_damaged_entry_with_unknown_fields_is_still_moved_aside(tmp_path, damage):
-    s, state, d, _ = prepared_by_newer(tmp_path)
+    s, state = make_env(tmp_path)
+    d = new_driver(s, state)
+    assert d.prepare_claims([CLAIMS["newer"]])[NEWER].error is None
     newer_writes(d.checkpoint_path, NEWER, {**FUTURE, **damage})
     report = Driver(s, lambda: state["inv"]).recover()
     assert report.rejected == [NEWER] and report.adopted == [NEWER] and report.foreign == []
