@@ -158,6 +158,11 @@ def test_checkpoint(tmp_path):
     found = doctor_files.check_checkpoint(plugin)
     assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "ok")] and found[0].check == "checkpoint:netdevs-lost"
     assert f"{u3}: the checkpoint was damaged" in found[0].message
+    cp.claims[u3] = {**entry(COMPLETED), "futureThing": {"x": 1}}  # a newer sysdra's entry: kept, held, said
+    cp.save(changed=[u3])
+    found = doctor_files.check_checkpoint(plugin)
+    assert levels(found) == [("checkpoint", "warn"), ("checkpoint", "ok")] and found[0].check == "checkpoint:foreign"
+    assert f"{u3}: futureThing" in found[0].message and "3 claims recorded" in found[1].message
     cp.claims[u3] = entry(COMPLETED)
     cp.save(changed=[u3])
     with open(cp.journal_path, "r+b") as f:  # a flipped byte in a record that is not the last

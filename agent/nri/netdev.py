@@ -11,6 +11,8 @@ unprepare do, so a move and an unprepare never interleave. After a crash,
 (re)connection) finishes what the records say: a move into a running sandbox is completed (its
 metadata written), anything else goes back to the host. A checkpoint that cannot be read is
 repaired by the in-process driver's recovery, as at the agent's start (:meth:`NetdevMover._load`).
+The records of an entry a newer sysdra wrote (prepare/checkpoint_entries.py) are that one's: never
+moved nor saved here (a save would drop the fields this agent does not know).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class _Claims:
         """(claim UID, index in its ``netdevs``, record) of every prepared claim."""
         out = []
         for uid, entry in self.cp.claims.items():
-            if entry.get("state") == COMPLETED:
+            if entry.get("state") == COMPLETED and uid not in self.cp.foreign:
                 out += [(uid, i, NetdevMove.model_validate(r)) for i, r in enumerate(entry.get("netdevs") or ())]
         return out
 
@@ -204,6 +206,10 @@ class NetdevMover(Sandboxes):
                 raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records "
                                   f"({entry['netdevsLost']}): where its netdevs are cannot be told, so none is "
                                   "moved; the pod starts once the claim is prepared anew (delete the pod)")
+            if uid in claims.cp.foreign and _for_pod(entry, pod) and not all(
+                    _in(NetdevMove.model_validate(m), pod.id) for m in entry.get("netdevs") or ()):
+                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} was prepared by a newer sysdra (fields "
+                                  f"this one does not know: {claims.cp.foreign[uid].fields}): that one moves its netdevs")
         mine = [(uid, i, m) for uid, i, m in claims.moves() if pod.uid in (claims.cp.claims[uid].get("pods") or ())]
         if not mine:
             return {}
@@ -251,6 +257,9 @@ class NetdevMover(Sandboxes):
                 log.error("pod %s/%s sandbox %s: claim %s lost its netdev records (%s); a netdev of it in the sandbox "
                           "comes back to the host only when its namespace goes, under the name it has there",
                           pod.namespace, pod.name, pod.id, uid, entry["netdevsLost"])
+            if uid in claims.cp.foreign and any(_away_in(m, pod.id) for m in entry.get("netdevs") or ()):
+                log.error("pod %s/%s sandbox %s: claim %s was prepared by a newer sysdra: its netdevs are that one's to "
+                          "move back; without it they come back when the namespace goes", pod.namespace, pod.name, pod.id, uid)
         self._take_back(claims, pod.id)
 
     def _take_back(self, claims: _Claims, sandbox: str) -> None:
@@ -326,6 +335,10 @@ _SEEN = ("sandbox", "netns", "mac", "index", "parent", "hostMtu")  # of one stay
 def _for_pod(entry: dict, pod: Pod) -> bool:
     pods = entry.get("pods")
     return isinstance(pods, list) and pod.uid in pods
+
+
+def _in(move: NetdevMove, sandbox: str) -> bool:
+    return move.state == "in-pod" and move.sandbox == sandbox and netmove.in_pod(move)
 
 
 def _lost_for(entry: dict, pod: Pod) -> bool:

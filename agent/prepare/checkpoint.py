@@ -35,6 +35,9 @@ is ignored. A bad last record is a torn append (crash or power loss mid-write): 
 dropped and overwritten by the next append. A bad record *followed by a good one* is
 corruption. Version 1 files (a snapshot only) are read and become version 2 at the next save.
 
+Each entry is sorted as it is read (checkpoint_entries.py): ours; *foreign* (a newer sysdra's: its
+known part used, the entry written back as read); damaged (moved aside, ``rejected``).
+
 ``metadata`` (KEP-5304, see agent/prepare/metadata/store.py) is optional: older entries lack it.
 
 A snapshot or journal that does not parse, fails its checksum or has a bad shape is
@@ -57,24 +60,18 @@ from typing import Iterable
 
 from agent.fsutil import WriteError, atomic_write, describe_error, json_bytes, make_dirs
 from agent.counts import Count
+from agent.prepare import checkpoint_entries as entries
+from agent.prepare.checkpoint_entries import REJECTED_ENTRIES, Foreign
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
-                                             appended_after, check_snapshot, checksum, disk_stamp, journal_line,
-                                             parse_journal_line, remember_saved)
+                                             appended_after, check_snapshot, checksum, claims_text, disk_stamp,
+                                             journal_line, parse_journal_line, remember_saved)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPLETED", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum"]
+__all__ = ["COMPLETED", "REJECTED_ENTRIES", "STARTED", "VERSION", "Checkpoint", "CheckpointError", "checksum"]
 
 CORRUPT = Count("sysdra_checkpoint_corrupt_total",
                 "Times the checkpoint's files were found damaged and moved aside (their claims recovered)")
-REJECTED_ENTRIES = Count("sysdra_checkpoint_entries_rejected_total",
-                         "Checkpoint entries that passed their checksum but not their checks, moved aside")
-
-
-def _entry_problem(uid: object, entry: object) -> str | None:
-    from agent.prepare.records import entry_problem  # pydantic: never before the first publish
-
-    return entry_problem(uid, entry)
 
 
 class Checkpoint:
@@ -92,6 +89,7 @@ class Checkpoint:
         self.corrupt_path: str | None = None  # set when a corrupt file was moved aside
         self.salvage = None  # after corruption: what the damaged files still established (checkpoint_salvage.Salvage)
         self.rejected: dict[str, tuple[object, str]] = {}  # uid -> (entry, why): entries not used
+        self.foreign: dict[str, Foreign] = {}  # uid -> a newer sysdra's entry, its known part in ``claims``
         self.rejected_path: str | None = None  # where they were moved aside
         self.stamp: tuple | None = None  # identity of the files last loaded/saved
         self._saving = threading.RLock()  # held while save() or compact() writes: see saved_by_another()
@@ -163,8 +161,9 @@ class Checkpoint:
                     f"{path} has version {data['version']}, written by a newer sysdra; "
                     f"this one understands version {VERSION}. Upgrade, or move the file away knowingly."
                 )
-            cp.generation, cp.claims = check_snapshot(data)
-            cp._reject_bad_entries()
+            cp.generation, snapshot = check_snapshot(data)
+            for uid, entry in snapshot.items():
+                cp.take(uid, entry)
             cp._snapshot_size = len(raw)
             cp._replay_journal()
         except (ValueError, UnicodeDecodeError, RecursionError) as err:  # deeply nested JSON too
@@ -172,21 +171,32 @@ class Checkpoint:
                 raise ValueError(f"{path}: {err}") from err
             from agent.prepare.checkpoint_salvage import salvage
 
-            found = salvage(path, raw)  # before the files move: the entries they still establish
+            found = cp.salvage = salvage(path, raw)  # before the files move: the entries they still establish
             cp._move_aside(err)
-            cp.claims, cp.salvage = found.exact, found
+            for uid, entry in found.exact.items():
+                cp.take(uid, entry)
             return cp
-        cp._encoded = {uid: canonical(e) for uid, e in cp.claims.items()}
+        cp._encoded = {uid: cp.foreign[uid].raw if uid in cp.foreign else canonical(e) for uid, e in cp.claims.items()}
         # the files still hold the rejected entries: the next save journals their removal
         cp._encoded.update({uid: canonical(e) for uid, (e, _) in cp.rejected.items() if isinstance(uid, str)})
         if cp.rejected and move_corrupt:
-            cp._reject_aside()
+            cp.rejected_path = entries.keep_rejected_aside(path, cp.rejected, int(time.time()))
         return cp
 
-    def _reject_bad_entries(self) -> None:
-        for uid, entry in list(self.claims.items()):
-            if (why := _entry_problem(uid, entry)) is not None:
-                self.rejected[uid] = (self.claims.pop(uid), why)
+    def take(self, uid: str, entry: object) -> None:
+        """``uid``'s entry (None: removed) as the files say it now, sorted (checkpoint_entries.py)."""
+        self.rejected.pop(uid, None)
+        self.foreign.pop(uid, None)
+        self.claims.pop(uid, None)
+        if entry is None:
+            return
+        known, foreign, why = entries.sort_entry(self.path, uid, entry)
+        if known is None:
+            self.rejected[uid] = (entry, why or "")
+            return
+        self.claims[uid] = known
+        if foreign is not None:
+            self.foreign[uid] = foreign
 
     def _replay_journal(self) -> None:
         try:
@@ -231,45 +241,17 @@ class Checkpoint:
         if not isinstance(rec, dict) or set(rec) != {"uid", "entry"}:
             raise ValueError(f"{self.journal_path} line {n}: bad record shape")
         uid, entry = rec["uid"], rec["entry"]
-        why = None if entry is None else _entry_problem(uid, entry)
-        if not isinstance(uid, str) and (entry is None or why is not None):
+        if not isinstance(uid, str):
             raise ValueError(f"{self.journal_path} line {n}: bad uid")
-        self.rejected.pop(uid, None)
-        if entry is None:
-            self.claims.pop(uid, None)
-        elif why is not None:
-            self.claims.pop(uid, None)  # the record replaced the entry: neither is used
-            self.rejected[uid] = (entry, why)
-        else:
-            self.claims[uid] = entry
-
-    def _reject_aside(self) -> None:
-        """Keep the rejected entries for the operator in ``<name>.rejected-<unix time>``; they
-        are never used (their claims are adopted from their spec files, like after corruption)."""
-        self.rejected_path = f"{self.path}.rejected-{int(time.time())}"
-        body = {str(uid): {"entry": entry, "why": why} for uid, (entry, why) in self.rejected.items()}
-        try:
-            atomic_write(self.rejected_path, json_bytes(body), mode=0o600, durable=True)
-        except WriteError as err:
-            log.error("cannot keep the rejected checkpoint entries in %s: %s", self.rejected_path, err)
-            self.rejected_path = None
-        for uid, (_, why) in self.rejected.items():
-            REJECTED_ENTRIES.inc()
-            log.error("CHECKPOINT CORRUPT ENTRY: claim %s in %s: %s; moved aside to %s, not used",
-                      str(uid)[:80], self.path, why, self.rejected_path)
+        self.take(uid, entry)  # the record replaced the entry: a rejected one is not used either
 
     def _move_aside(self, err: Exception) -> None:
-        stamp = int(time.time())
-        while any(os.path.exists(f"{p}.corrupt-{stamp}") for p in (self.path, self.journal_path)):
-            stamp += 1  # never over what an earlier repair kept
-        moved = []
-        for p in (self.path, self.journal_path):
-            if os.path.exists(p):
-                os.rename(p, f"{p}.corrupt-{stamp}")
-                moved.append(f"{p}.corrupt-{stamp}")
+        from agent.prepare.checkpoint_salvage import move_aside
+
+        moved = move_aside(self.path, self.journal_path)
         self.corrupt_path = moved[0] if moved else None
         CORRUPT.inc()
-        self.claims, self.generation, self._journal_size = {}, 0, None
+        self.claims, self.foreign, self.generation, self._journal_size = {}, {}, 0, None
         self.stamp = self.disk_stamp(self.path)
         log.error(
             "CHECKPOINT CORRUPT: %s (%s); moved aside to %s. The entries they still establish are kept, "
@@ -306,23 +288,35 @@ class Checkpoint:
                 for uid, enc in updates.items():
                     if enc is None:
                         self._encoded.pop(uid, None)
+                        self._forget_foreign(uid)
                     else:
                         self._encoded[uid] = enc
             elif durable and self._unsynced:
                 self._append(b"", durable=True)
             self.stamp = self.disk_stamp(self.path)
-            remember_saved(self.path, self.claims, self._journal_size)
+            remember_saved(self.path, self.claims, self._journal_size, self.foreign)
+
+    def _encoding(self, uid: str) -> bytes | None:
+        """What the files are to hold for ``uid`` (None: no entry). A foreign entry is written as it
+        was read while its claim has one, whatever this agent did to its known part in memory."""
+        entry = self.claims.get(uid)
+        if entry is None:
+            return None
+        return self.foreign[uid].raw if uid in self.foreign else canonical(entry)
 
     def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
         uids = self.claims.keys() | self._encoded.keys() if changed is None else set(changed)
         updates: dict[str, bytes | None] = {}
         for uid in uids:
-            entry = self.claims.get(uid)
-            enc = None if entry is None else canonical(entry)
-            if enc != self._encoded.get(uid):
+            if (enc := self._encoding(uid)) != self._encoded.get(uid):
                 updates[uid] = enc
         return updates
+
+    def _forget_foreign(self, uid: str) -> None:
+        """``uid``'s entry left the files: if a newer sysdra wrote it, said loudly."""
+        if (foreign := self.foreign.pop(uid, None)) is not None:
+            entries.removed(self.path, uid, foreign)
 
     def _due_for_compaction(self, updates: dict[str, bytes | None]) -> bool:
         assert self._journal_size is not None
@@ -374,12 +368,14 @@ class Checkpoint:
         with self._saving:
             make_dirs(os.path.dirname(self.path) or ".", 0o750)
             generation = self.generation + 1
-            encoded = {uid: canonical(e) for uid, e in self.claims.items()}
-            claims_json = canonical(self.claims)
+            encoded: dict[str, bytes] = {uid: self._encoding(uid) for uid in self.claims}  # type: ignore[misc]
+            claims_json = claims_text(encoded)
             digest = "sha256:" + hashlib.sha256(b"%d:%s" % (generation, claims_json)).hexdigest()
             text = b'{"version": %d, "generation": %d, "checksum": "%s", "claims": %s}\n' % (
                 VERSION, generation, digest.encode(), claims_json)
             atomic_write(self.path, text, mode=0o600, durable=True)
+            for uid in [u for u in self.foreign if u not in encoded]:
+                self._forget_foreign(uid)
             header = journal_line(b'{"journal":%d,"generation":%d}' % (VERSION, generation))
             zeros = max(0, self.compact_bytes - len(header))
             self.generation, self._snapshot_size, self._encoded = generation, len(text), encoded
@@ -396,4 +392,4 @@ class Checkpoint:
             except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
                 log.warning("checkpoint saved as a snapshot only; %s", err)
             self.stamp = self.disk_stamp(self.path)
-            remember_saved(self.path, self.claims, self._journal_size)
+            remember_saved(self.path, self.claims, self._journal_size, self.foreign)

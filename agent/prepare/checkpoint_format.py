@@ -29,6 +29,12 @@ def canonical(obj: object) -> bytes:
     return json_bytes(obj, sort_keys=True)
 
 
+def claims_text(encoded: dict[str, bytes]) -> bytes:
+    """The claims' canonical JSON from each entry's (the bytes ``canonical(claims)`` gives: keys
+    sorted, and UIDs are ASCII): a newer sysdra's entry is its own bytes, never encoded again."""
+    return b"{%s}" % b",".join(json_bytes(uid) + b":" + encoded[uid] for uid in sorted(encoded))
+
+
 def checksum(claims: dict, generation: int = 0, version: int = VERSION) -> str:
     """The snapshot's checksum; version 1 covered the claims only (encoded by json)."""
     if version == 1:
@@ -57,19 +63,22 @@ def check_snapshot(data: object) -> tuple[int, dict]:
     return generation, claims
 
 
-# path -> (the claims as this process's last save left the files, the files' inodes, the journal's end)
-_LAST_SAVED: dict[str, tuple[dict[str, dict], tuple, int | None]] = {}
+# path -> (the claims as this process's last save left the files, the newer sysdra's entries among
+# them (uid -> their bytes), the files' inodes, the journal's end)
+_LAST_SAVED: dict[str, tuple[dict[str, dict], dict[str, bytes], tuple, int | None]] = {}
 
 
-def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None) -> None:
+def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None, foreign: dict | None = None) -> None:
     """Called by every save (under the serialize lock, so in the order the files were written),
-    once the files hold ``claims``, the journal's records ending at ``journal_end``."""
+    once the files hold ``claims``, the journal's records ending at ``journal_end``; ``foreign``:
+    uid -> checkpoint_entries.Foreign, the entries written as a newer sysdra wrote them."""
     inodes = tuple(s and s[0] for s in disk_stamp(path))
-    _LAST_SAVED[os.path.abspath(path)] = (dict(claims), inodes, journal_end)  # entries are replaced, never changed in place
+    raw = {uid: f.raw for uid, f in (foreign or {}).items()}
+    _LAST_SAVED[os.path.abspath(path)] = (dict(claims), raw, inodes, journal_end)  # entries are replaced, never changed in place
 
 
 def last_saved(path: str) -> dict[str, dict] | None:
-    """The claims as this process's newest save left the files at ``path``: what a repair of
+    """The claims' entries as this process's newest save left the files at ``path``: what a repair of
     damaged files takes for the entries they no longer establish (prepare/recovery.py). None: no
     save yet, or another process (the other instance of a rolling update, ``sysdra metadata
     update``) saved since, as the damaged files still show: a compaction replaced a file, or the
@@ -78,12 +87,12 @@ def last_saved(path: str) -> dict[str, dict] | None:
     saved = _LAST_SAVED.get(os.path.abspath(path))
     if saved is None:
         return None
-    claims, inodes, end = saved
+    claims, raw, inodes, end = saved
     if tuple(s and s[0] for s in disk_stamp(path)) != inodes:
         return None
     if end is not None and appended_after(path + JOURNAL_SUFFIX, end):
         return None
-    return claims
+    return {**claims, **{uid: json.loads(raw[uid]) for uid in claims.keys() & raw.keys()}}  # whole, as the files held them
 
 
 def disk_stamp(path: str) -> tuple:

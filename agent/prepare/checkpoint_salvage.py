@@ -8,12 +8,15 @@ is replayed line by line: each record is a claim's whole entry (or its removal),
 last record comes after the last damaged line is known exactly (``certain``). A damaged line may
 have been any claim's record, so every other claim's entry is only its state before the damage
 (``stale``): used to say which pods a lost netdev record was for, never to move anything. Bad last
-lines with no good one after are a torn append, as when loading.
+lines with no good one after are a torn append, as when loading. An entry a newer sysdra wrote
+(checkpoint_entries.py) is established as any other, and kept whole.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field
 
 from agent.prepare.checkpoint_format import JOURNAL_SUFFIX, VERSION, check_snapshot, parse_journal_line
@@ -36,13 +39,16 @@ class Salvage:
 def salvage(path: str, raw: bytes | None) -> Salvage:
     """The entries of the damaged files at ``path`` (``raw``: the snapshot's bytes, None: none)
     that can be established; read before they are moved aside."""
-    from agent.prepare.records import entry_problem  # pydantic: the rare path only
+    from agent.prepare.checkpoint_entries import sort_entry  # pydantic: the rare path only
+
+    def usable(uid: str, entry: object) -> bool:  # ours, or a newer sysdra's (kept whole: checkpoint_entries.py)
+        return sort_entry(path, uid, entry)[0] is not None
 
     try:
         generation, claims = check_snapshot(json.loads(raw))
     except (TypeError, ValueError, UnicodeDecodeError, RecursionError):
         return Salvage()
-    out = Salvage({uid: e for uid, e in claims.items() if entry_problem(uid, e) is None})
+    out = Salvage({uid: e for uid, e in claims.items() if usable(uid, e)})
     try:
         with open(path + JOURNAL_SUFFIX, "rb") as f:
             data = f.read()
@@ -72,7 +78,7 @@ def salvage(path: str, raw: bytes | None) -> Salvage:
             continue
         if damaged:  # a good record after a damaged one: the damage was no torn tail
             out.certain, damaged = set(), False
-        if entry is not None and entry_problem(uid, entry) is None:
+        if entry is not None and usable(uid, entry):
             out.state[uid] = entry
             out.certain.add(uid)
         elif entry is None:
@@ -81,3 +87,17 @@ def salvage(path: str, raw: bytes | None) -> Salvage:
         else:  # a whole record of an entry that is not valid: the claim's last word is unusable
             out.certain.discard(uid)
     return out
+
+
+def move_aside(*paths: str) -> list[str]:
+    """The damaged files (those of ``paths`` that exist) renamed to ``<path>.corrupt-<unix time>``,
+    never over what an earlier repair kept -> their new names."""
+    stamp = int(time.time())
+    while any(os.path.exists(f"{p}.corrupt-{stamp}") for p in paths):
+        stamp += 1
+    moved = []
+    for p in paths:
+        if os.path.exists(p):
+            os.rename(p, f"{p}.corrupt-{stamp}")
+            moved.append(f"{p}.corrupt-{stamp}")
+    return moved

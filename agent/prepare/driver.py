@@ -20,7 +20,8 @@ leaves orphans that ``recover`` (or the kubelet's retry) deletes. ``fault`` is a
 called at each of these points.
 
 Claims and the checkpoint are input: allocation results are checked before anything is
-recorded (allocation.py), checkpoint entries are typed records checked on load (records.py),
+recorded (allocation.py), checkpoint entries are typed records checked on load (records.py; one
+a newer sysdra wrote is answered from what this one knows, never rewritten: checkpoint_entries.py),
 names are checked before they become paths, and the only files written or removed are ours
 (claimfiles.py).
 """
@@ -39,6 +40,7 @@ from agent.prepare import cdifiles, claimstatus, planner, recovery
 from agent.prepare.allocation import ClaimFailed, our_results
 from agent.prepare.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
+from agent.prepare.checkpoint_entries import again_refusal
 from agent.prepare.checkpoint_view import Saved
 from agent.prepare.claimconfig import opaque_configs
 from agent.prepare.claimfiles import ClaimFiles
@@ -210,6 +212,8 @@ class Driver:
         configs = opaque_configs(claim, self.settings.driver_name)
         fp = planner.fingerprint(raw)
         entry = cp.claims.get(uid)
+        if uid in cp.foreign and (why := again_refusal(cp.foreign[uid], entry, fp, claim)):  # a newer sysdra's entry
+            raise ClaimFailed(why)
         if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
             call.out[uid] = self._again(cp, call, uid, entry, claim)
             return

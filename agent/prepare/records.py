@@ -20,7 +20,7 @@ from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
 __all__ = ["COMPLETED", "STARTED", "ClaimEntry", "MigDevice", "MigModeOff", "ModeSwitch", "MpsUse", "NetdevMove", "PartitionUse", "TimeSlice",
-           "VfioFunction", "check_entry", "entry_problem"]
+           "VfioFunction", "check_entry", "describe", "entry_problem"]
 
 BDF_PATTERN = r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$"
 Bdf = Annotated[str, StringConstraints(pattern=BDF_PATTERN)]
@@ -249,8 +249,13 @@ def entry_problem(uid: object, entry: object) -> str | None:
     """Why ``entry`` is not a claim's entry as we write them (one line), or None."""
     try:
         check_entry(uid, entry)
-    except ValidationError as err:
-        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())[:500]
     except ValueError as err:
-        return " ".join(str(err).split())[:500]
+        return describe(err)
     return None
+
+
+def describe(err: ValueError) -> str:
+    """``check_entry``'s error in one line of at most 500 characters."""
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())[:500]
+    return " ".join(str(err).split())[:500]

@@ -6,7 +6,14 @@ Prepared-but-interrupted claims (PrepareStarted) are rolled back, their steps un
 reverse (VFIO functions given back, a GPU's mode switch undone); prepared claims get their
 files rebuilt after a reboot (device numbers change) and their steps' changes made again
 (VFIO functions re-bound); orphans are removed; after a corrupt checkpoint, or for entries
-rejected as invalid, claims whose spec files exist are adopted."""
+rejected as invalid, claims whose spec files exist are adopted.
+
+An entry a newer sysdra wrote (prepare/checkpoint_entries.py: fields this one does not know) stays
+in the files as it is: a prepared one's known part is made good again like any other (its spec
+rewritten after a reboot, the steps' changes it records redone), an interrupted prepare of it is
+left to that sysdra (undoing only what this one knows of it, then dropping the entry, would lose
+the rest), and while any is there nothing is swept as a leftover no entry records (its unknown
+fields may record it)."""
 
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ class RecoveryReport:
     salvaged: list[str] = field(default_factory=list)  # entries a damaged checkpoint still established
     from_memory: list[str] = field(default_factory=list)  # entries taken from the agent's last save instead
     netdevs_lost: list[str] = field(default_factory=list)  # adopted claims whose netdev records are lost
+    foreign: list[str] = field(default_factory=list)  # entries a newer sysdra wrote, kept as written
 
 
 def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
@@ -57,6 +65,7 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
             for u, (e, why) in cp.rejected.items()}
     if cp.salvage is not None:
         lost.update(_recovered(cp, known or {}, report))
+    report.foreign = sorted(cp.foreign)
     specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
     if cp.corrupt_path or cp.rejected:
         report.adopted = adopt(driver, cp, {u: p for u, p in specs.items()
@@ -64,6 +73,10 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
         report.netdevs_lost = [u for u in report.adopted if cp.claims[u].get("netdevsLost")]
     _sweep_orphans(driver, cp, report)  # first: a leftover must not stand where a claim's change is made again
     for uid, entry in list(cp.claims.items()):
+        if entry["state"] == STARTED and uid in cp.foreign:
+            log.warning("claim %s: a newer sysdra's prepare of it was interrupted; its entry (fields %s unknown here) "
+                        "is kept for that sysdra, not rolled back; its devices stay held", uid, cp.foreign[uid].fields)
+            continue
         if entry["state"] == STARTED:
             if not _roll_back(driver, cp, uid, entry, report):
                 continue  # keep the intent: the next start tries again
@@ -86,7 +99,7 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
             report.metadata_rebuilt.append(uid)
         entry["bootID"] = driver.boot_id
     for step in driver.steps:
-        if (settle := getattr(step, "settle", None)) is not None:
+        if (settle := getattr(step, "settle", None)) is not None and not cp.foreign:
             settle(cp.claims)
     for uid, path in specs.items():
         if uid not in cp.claims:
@@ -122,7 +135,7 @@ def _recovered(cp: Checkpoint, known: dict[str, dict], report: RecoveryReport) -
     report.salvaged = sorted(cp.claims)
     for uid, entry in known.items():
         if uid not in cp.salvage.certain:
-            cp.claims[uid] = dict(entry)
+            cp.take(uid, dict(entry))  # a newer sysdra's entry is whole there: kept so again
             report.from_memory.append(uid)
     why = f"the checkpoint was damaged; its last readable entry is in {cp.corrupt_path}"
     return {u: (e, why) for u, e in cp.salvage.stale.items() if u not in cp.claims}
@@ -131,7 +144,12 @@ def _recovered(cp: Checkpoint, known: dict[str, dict], report: RecoveryReport) -
 def _sweep_orphans(driver, cp: Checkpoint, report: RecoveryReport) -> None:
     """Host changes no entry knows undone (``orphans``): MIG devices left by a crash or by hand.
     Every entry is known, an interrupted prepare's too (its rollback undoes its own). What no
-    claim's record needs once they are recovered (MPS daemons) is each step's ``settle``, after."""
+    claim's record needs once they are recovered (MPS daemons) is each step's ``settle``, after.
+    Neither while a newer sysdra's entry is there: what its unknown fields record is not known."""
+    if cp.foreign:
+        log.warning("%d checkpoint entries of a newer sysdra: leftovers (MIG devices, MPS daemons) no entry records "
+                    "are not cleaned up while they are there", len(cp.foreign))
+        return
     for step in driver.steps:
         if (sweep := getattr(step, "orphans", None)) is None:
             continue

@@ -45,13 +45,14 @@ _SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 class _PublishBridge:
     """Exports the process-wide counts of the wings (``agent.counts.Count``): the publisher's,
-    the checkpoint's repairs and rejected entries, the MPS daemons' restarts."""
+    the checkpoint's repairs, rejected entries and a newer sysdra's entries, the MPS daemons' restarts."""
 
     def collect(self):
         from agent.prepare.checkpoint import CORRUPT, REJECTED_ENTRIES
+        from agent.prepare.checkpoint_entries import FOREIGN_ENTRIES
         from agent.prepare.mps_watch import RESTARTS
 
-        for count in (*publish_metrics.ALL, CORRUPT, REJECTED_ENTRIES, RESTARTS):
+        for count in (*publish_metrics.ALL, CORRUPT, REJECTED_ENTRIES, FOREIGN_ENTRIES, RESTARTS):
             family_of = CounterMetricFamily if count.kind == "counter" else GaugeMetricFamily
             family = family_of(count.name, count.documentation, labels=list(count.labelnames))
             for labels, value in sorted(count.values.items()):

@@ -240,6 +240,12 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
                              + "; ".join(f"{str(u)[:80]}: {why}" for u, (_, why) in list(cp.rejected.items())[:3]),
                              "restart the agent: it moves them aside (checkpoint.json.rejected-<time>) and adopts "
                              "the claims whose CDI specs exist"))
+    if cp.foreign:  # kept as written, held, never rewritten (agent/prepare/checkpoint_entries.py)
+        found.append(Finding("checkpoint:foreign", "warn",
+                             f"{len(cp.foreign)} entries were written by a newer sysdra, with fields this one does not "
+                             "know: " + "; ".join(f"{u}: {f.fields}" for u, f in list(cp.foreign.items())[:3]),
+                             "run the sysdra that wrote them: this one keeps them as written and their claims prepared, "
+                             "but cannot redo or undo what those fields record (an unprepare here leaves it)"))
     lost = {u: e["netdevsLost"] for u, e in cp.claims.items() if e.get("netdevsLost")}
     if lost:  # recovery adopted them after a damaged checkpoint or a rejected entry (docs/networking.md)
         found.append(Finding("checkpoint:netdevs-lost", "warn",

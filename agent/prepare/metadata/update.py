@@ -109,6 +109,9 @@ def update_request(settings: Settings, ref: ClaimRef, request: str, net: Network
                 or (entry["namespace"], entry["name"]) != (ref.namespace, ref.name)):
             raise UpdateError(f"request not found in prepared claim: {ref.namespace}/{ref.name} "
                               f"(uid {ref.uid}) request {request!r}")
+        if ref.uid in cp.foreign:  # saving it would drop what this sysdra does not know of it
+            raise UpdateError(f"{ref.namespace}/{ref.name} (uid {ref.uid}) was prepared by a newer sysdra (its checkpoint "
+                              f"entry has fields this one does not know: {cp.foreign[ref.uid].fields}); update it with that one")
         try:
             generation = update_entry(settings, ref.uid, entry, base, net, device, request)
             cp.save()
