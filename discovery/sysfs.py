@@ -52,17 +52,15 @@ def os_reason(err: OSError) -> str:
     return _REASONS.get(err.errno or 0, err.strerror or type(err).__name__)
 
 
-def _read_file(path: str, limit: int, flags: int = _READ_FLAGS, whole: bool = False) -> bytes:
-    """Open, read, close; more than ``limit`` bytes is an error, not a truncated value.
-
-    ``whole``: read to EOF. procfs seq_files hand out about a page per read(), so one read
-    of a longer one (``/proc/net/ipv6_route``) is cut short. One value (a sysfs attribute, one
-    show() call) comes whole in the first read: one read, no second to see EOF."""
+def _read_file(path: str, limit: int) -> bytes:
+    """Open, read to EOF, close; more than ``limit`` bytes is an error, not a truncated value.
+    procfs seq_files hand out about a page per read(), so one read of a longer one
+    (``/proc/net/ipv6_route``) is cut short."""
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, _READ_FLAGS)
         try:
             data = os.read(fd, limit + 1)
-            while whole and data and len(data) <= limit:
+            while data and len(data) <= limit:
                 if not (more := os.read(fd, limit + 1 - len(data))):
                     break
                 data += more
@@ -75,22 +73,21 @@ def _read_file(path: str, limit: int, flags: int = _READ_FLAGS, whole: bool = Fa
     return data
 
 
-def _read_present(path: str, limit: int, whole: bool = False) -> bytes | None:
-    """:meth:`HostFS.read_bytes`, None when the file is missing (an absent optional file is
-    common: a VF's netdev has no ``speed``), so that no error is raised for it."""
+def _read_value(path: str, limit: int = MAX_ATTR_BYTES, flags: int = _READ_FLAGS) -> str:
+    """One value, stripped: a sysfs attribute (one show() call) comes whole in the first read,
+    so one read, no second to see EOF. More than ``limit`` bytes is an error, not a truncated
+    value; empty, NUL bytes or not UTF-8 is no value. Open to text in one function: a scan
+    reads ~12,000 values."""
     try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return None
+        fd = os.open(path, flags)
+        try:
+            data = os.read(fd, limit + 1)
+        finally:
+            os.close(fd)
     except OSError as err:
         raise AttrError(path, os_reason(err)) from err
-    if not stat.S_ISREG(mode):
-        raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
-    return _read_file(path, limit, whole=whole)
-
-
-def _attr_text(path: str, data: bytes) -> str:
-    """A one-value attribute's text, stripped; empty, NUL bytes or not UTF-8 is no value."""
+    if len(data) > limit:
+        raise AttrError(path, f"larger than {limit} bytes")
     try:
         text = data.decode().strip()
     except UnicodeDecodeError:
@@ -100,6 +97,21 @@ def _attr_text(path: str, data: bytes) -> str:
     if "\x00" in text:
         raise AttrError(path, "contains NUL bytes")
     return text
+
+
+def _regular(path: str) -> bool:
+    """Whether the file at ``path`` is there (an absent optional file is common: a VF's netdev
+    has no ``speed``); one that is not a regular file is an error: FIFOs, sockets and devices
+    are refused before opening (opening a FIFO blocks, opening a device can have side effects)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise AttrError(path, os_reason(err)) from err
+    if not stat.S_ISREG(mode):
+        raise AttrError(path, "directory" if stat.S_ISDIR(mode) else "not a regular file")
+    return True
 
 
 def printable_name(name: str) -> bool:
@@ -185,14 +197,11 @@ class HostFS:
 
     # --- reading -----------------------------------------------------------------
     def read_bytes(self, path: str, limit: int = MAX_ATTR_BYTES) -> bytes:
-        """A whole regular file of at most ``limit`` bytes, read to EOF.
-
-        FIFOs, sockets and devices are refused before opening (opening a FIFO blocks, opening
-        a device can have side effects)."""
-        data = _read_present(path, limit, whole=True)
-        if data is None:
+        """A whole regular file of at most ``limit`` bytes, read to EOF (FIFOs, sockets and
+        devices are refused before opening)."""
+        if not _regular(path):
             raise AttrError(path, "missing")
-        return data
+        return _read_file(path, limit)
 
     def read_text(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
         """A whole text file (several lines: ``/proc/devices``, a GPU's ``information``)."""
@@ -207,15 +216,13 @@ class HostFS:
 
     def read_attr(self, path: str, limit: int = MAX_ATTR_BYTES) -> str:
         """A one-value sysfs attribute, stripped; empty counts as an error."""
-        data = _read_present(path, limit)
-        if data is None:
+        if not _regular(path):
             raise AttrError(path, "missing")
-        return _attr_text(path, data)
+        return _read_value(path, limit)
 
     def read_optional(self, path: str) -> str | None:
         """:meth:`read_attr` of an attribute that may be absent: None when it is missing."""
-        data = _read_present(path, MAX_ATTR_BYTES)
-        return None if data is None else _attr_text(path, data)
+        return _read_value(path) if _regular(path) else None
 
     def read_attrs(self, d: Dir, names: tuple[str, ...]) -> tuple[dict[str, str], dict[str, AttrError]]:
         """Several attributes of a directory: (name -> text as :meth:`read_attr` returns it,
@@ -233,7 +240,7 @@ class HostFS:
             path = f"{d.path}/{name}"
             try:
                 if entry is not None and _listed_file(entry):
-                    values[name] = _attr_text(path, _read_file(path, MAX_ATTR_BYTES, _LISTED_FLAGS))
+                    values[name] = _read_value(path, MAX_ATTR_BYTES, _LISTED_FLAGS)
                 else:
                     values[name] = self.read_attr(path)
             except AttrError as err:
