@@ -113,9 +113,9 @@ def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
         real_host = fs.follow(link)
     except AttrError as err:
         raise PciError(f"cannot resolve {link}: {err.reason}") from None
-    if not fs.contains(real_host):
+    if (real := fs.node_path(real_host)) is None:
         raise PciError(f"link escapes the root: {link}")
-    return real_host, fs.rel(real_host)
+    return real_host, real
 
 
 def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir]:

@@ -177,11 +177,15 @@ class HostFS:
     """A host root (``/`` on a node, ``fixtures/sysfs/<profile>`` in tests)."""
 
     root: str = DEFAULT_ROOT
-    # ``os.path.join(root, "")``: the root as every path under it begins (a scan makes thousands)
+    # the root's forms, made once (a scan makes thousands of paths under it and checks one per
+    # PCI function): as every path under it begins (``join(root, "")``), and normalised
     _prefix: str = field(init=False, repr=False, compare=False)
+    _normal: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_prefix", os.path.join(self.root, ""))  # how a frozen dataclass sets a derived field
+        # how a frozen dataclass sets derived fields
+        object.__setattr__(self, "_prefix", os.path.join(self.root, ""))
+        object.__setattr__(self, "_normal", os.path.normpath(self.root))
 
     def path(self, *parts: str) -> str:
         rel = os.path.join(*parts) if len(parts) > 1 else parts[0]  # join: an absolute part restarts
@@ -194,6 +198,18 @@ class HostFS:
             return host_path[len(root):]
         r = os.path.relpath(host_path, self.root)
         return "/" + ("" if r == "." else r)
+
+    def node_path(self, host_path: str) -> str | None:
+        """:meth:`rel` of a host path that the root :meth:`contains`, None for one outside it:
+        both with one normpath (a scan asks it of every PCI function's directory)."""
+        p = os.path.normpath(host_path)
+        root = self._normal
+        if not (root == "/" or p == root or p.startswith(root + os.sep)):
+            return None
+        bare = self.root.rstrip("/")
+        if p == host_path and host_path.startswith(bare + "/"):
+            return host_path[len(bare):]
+        return self.rel(host_path)
 
     # --- reading -----------------------------------------------------------------
     def read_bytes(self, path: str, limit: int = MAX_ATTR_BYTES) -> bytes:
@@ -331,7 +347,7 @@ class HostFS:
 
     def contains(self, host_path: str) -> bool:
         """True if a (normalised) host path lies under the root."""
-        root = os.path.normpath(self.root)
+        root = self._normal
         p = os.path.normpath(host_path)
         return root == "/" or p == root or p.startswith(root + os.sep)
 
