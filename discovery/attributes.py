@@ -10,9 +10,11 @@ Limits are respected here: <= 32 attributes+capacities, <= 48 values, strings <=
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from operator import attrgetter
+from typing import NamedTuple
 
-from discovery.models import LIST_FIELDS, AttributeValue, Device, NumaNode, PciFunction, Problem
+from discovery.models import (LIST_FIELDS, AccelInfo, AttributeValue, Device, FpgaInfo, GpuInfo, NicInfo, NumaNode,
+                              PciFunction, Problem)
 from discovery.numa import close_nodes
 
 STD = "resource.kubernetes.io/"
@@ -44,17 +46,45 @@ def standard_attributes(fn: PciFunction, numa: tuple[NumaNode, ...], list_attrib
     return out
 
 
-@lru_cache(maxsize=65536)
+# The shared values, one table per field (an int and a bool that are equal stay apart): a
+# plain dict per field, as a scan looks up ~40,000 values on a large node; emptied when full.
+_SHARED: dict[str, dict] = {}
+_SHARED_MAX = 65536
+
+
 def _value(field: str, value) -> AttributeValue | None:
     """The shared value, None for a string that cannot be published (empty, or longer than
     64 bytes). Shared: most attributes (type, vendorID, driver, ...) repeat across devices,
     and one object per device and attribute made a large node's inventory twice as big."""
+    table = _SHARED.get(field)
+    shared = None if table is None else table.get(value)
+    return shared if shared is not None else _new_value(field, value)
+
+
+def _new_value(field: str, value) -> AttributeValue | None:
     if field == "string" and not _fits(value):
-        return None
-    return AttributeValue(**{field: value})
+        return None  # not kept: rare, and its check is cheap
+    table = _SHARED.setdefault(field, {})
+    if len(table) >= _SHARED_MAX:  # bounded: values come from untrusted files
+        table.clear()
+    shared = table[value] = AttributeValue(**{field: value})
+    return shared
 
 
-def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
+class DeviceParts(NamedTuple):
+    """What :func:`device_attributes` reads of a device, as the scan has it before it makes the
+    device (whose attributes and problems come from here): a Device made once, not twice."""
+
+    kind: str
+    pci: PciFunction
+    capacity: dict
+    gpu: GpuInfo | None = None
+    nic: NicInfo | None = None
+    fpga: FpgaInfo | None = None
+    accel: AccelInfo | None = None
+
+
+def device_attributes(dev: Device | DeviceParts, numa: tuple[NumaNode, ...], list_attributes: bool) -> tuple[dict, list[Problem]]:
     """All attributes of a device; documented one by one in docs/attributes.md. Absent values
     (None) are left out; a string longer than 64 bytes is left out with a problem; past 32
     attributes and capacities, the last ones are dropped with a problem, past 48 values the
@@ -73,9 +103,14 @@ def device_attributes(dev: Device, numa: tuple[NumaNode, ...], list_attributes: 
     return out, problems
 
 
+_FIELD = attrgetter("field")
+
+
 def _within_values(out: dict, problems: list[Problem]) -> None:
     """Past 48 values, lists are left out, the last first, with a problem: the API server
     would refuse the whole device."""
+    if len(out) <= MAX_ATTRIBUTE_VALUES and LIST_FIELDS.isdisjoint(map(_FIELD, out.values())):
+        return  # one value each, and few enough: the common case, looked at without a loop in Python
     lists = {name: len(getattr(v, v.field)) for name, v in out.items() if v.field in LIST_FIELDS}
     total = len(out) - len(lists) + sum(lists.values())
     for name in reversed(lists):
@@ -86,7 +121,7 @@ def _within_values(out: dict, problems: list[Problem]) -> None:
         problems.append(Problem(what=name, reason=f"{lists[name]} values, past the device's {MAX_ATTRIBUTE_VALUES}"))
 
 
-def _entries(dev: Device, list_attributes: bool) -> list[tuple[str, object]]:
+def _entries(dev: Device | DeviceParts, list_attributes: bool) -> list[tuple[str, object]]:
     """A device's driver-local attributes as (name, value) in publishing order; None: absent."""
     fn = dev.pci
     entries: list[tuple[str, object]] = [
@@ -147,17 +182,21 @@ class Version(str):
     """A semantic version discovery built (``580.159.4``): published as a version value."""
 
 
-_FIELD_OF = {bool: "bool_", int: "int_", str: "string", Version: "version"}
+_FIELD_OF = {bool: "bool_", int: "int_", str: "string", Version: "version", tuple: "strings"}
 
 
 def _publish(out: dict, problems: list[Problem], entries: list[tuple[str, object]]) -> None:
     """Each (name, value) entry's shared value into ``out``: a bool, an integer, a string or a
     tuple of strings; None left out, a string past the limit (or empty) left out with a problem."""
+    shared = _SHARED
     for name, v in entries:
         if v is None:
             continue
-        field = "strings" if isinstance(v, tuple) else _FIELD_OF[type(v)]
-        value = _value(field, str(v) if field == "version" else v)
+        field = _FIELD_OF[type(v)]
+        # the shared value's table looked up here: ~20 values a device, most of them shared
+        value = table.get(v) if (table := shared.get(field)) is not None else None
+        if value is None:
+            value = _new_value(field, str(v) if field == "version" else v)
         if value is None:
             why = "not UTF-8" if field == "string" and not _utf8(v) else f"longer than {MAX_VALUE_LENGTH} bytes"
             problems.append(Problem(what=name, reason=f"value {why}"))

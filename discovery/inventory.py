@@ -10,7 +10,7 @@ import logging
 import os
 
 from discovery.accel import read_accel
-from discovery.attributes import device_attributes, quantity
+from discovery.attributes import DeviceParts, device_attributes, quantity
 from discovery.classify import ALVEO_IDS, ALVEO_MGMT_TO_USER, classify
 from discovery.devnodes import NodeResolver
 from discovery.fpga import read_alveo, read_dfl
@@ -189,10 +189,11 @@ class _Scanner:
         return out & present
 
     def _finish(self, name: str, kind: str, fn: PciFunction, nodes, capacity: dict, problems, **info) -> Device:
-        values = dict(name=name, kind=kind, pci=fn, device_nodes=tuple(nodes),
-                      capacity={k: quantity(v) for k, v in capacity.items()} if capacity else {}, **info)  # fmt: skip
-        attrs, attr_problems = device_attributes(Device(**values), self.numa, self.list_attributes)
-        return Device(**values, attributes=attrs, problems=tuple(problems + attr_problems))
+        quantities = {k: quantity(v) for k, v in capacity.items()} if capacity else {}
+        parts = DeviceParts(kind, fn, quantities, **info)
+        attrs, attr_problems = device_attributes(parts, self.numa, self.list_attributes)
+        return Device(name=name, kind=kind, pci=fn, device_nodes=tuple(nodes), capacity=quantities,
+                      attributes=attrs, problems=tuple(problems + attr_problems), **info)  # fmt: skip
 
     def _device(self, fn: PciFunction, d: Dir, kind: str, problems: list[Problem]) -> Device:
         fs, res = self.fs, self.resolver

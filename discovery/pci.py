@@ -102,7 +102,8 @@ _PARSE = {"vendor": parse_id, "device": parse_id, "class": _hex, "subsystem_vend
           "subsystem_device": parse_id, "numa_node": _numa, "max_link_speed": str,
           "max_link_width": _int, "sriov_totalvfs": _int, "sriov_numvfs": _int}  # fmt: skip
 _IDS = ("vendor", "device", "class", "subsystem_vendor", "subsystem_device")
-_OTHER_FILES = tuple(n for n in _PARSE if n not in _IDS)
+_ID_SET = frozenset(_IDS)
+_FILES = ("uevent", *(n for n in _PARSE if n not in _IDS))  # read first: the ids only when uevent lacks them
 
 
 def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
@@ -112,9 +113,9 @@ def _real_dir(fs: HostFS, link: str) -> tuple[str, str]:
         real_host = fs.follow(link)
     except AttrError as err:
         raise PciError(f"cannot resolve {link}: {err.reason}") from None
-    if not fs.contains(real_host):
+    if (real := fs.node_path(real_host)) is None:
         raise PciError(f"link escapes the root: {link}")
-    return real_host, fs.rel(real_host)
+    return real_host, real
 
 
 def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir]:
@@ -124,20 +125,19 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
 
     Optional attributes that the listing lacks are not looked for, and callers reuse the
     listing (class views) instead of listing again."""
-    real_host, real = _real_dir(fs, fs.path(PCI_DEVICES, bdf))
+    real_host, real = _real_dir(fs, fs.path(f"{PCI_DEVICES}/{bdf}"))
     try:
         d = fs.list_dir(real_host)
     except AttrError as err:
         if err.reason != "permission denied":  # missing, a symlink (ELOOP) or not a directory
             raise PciError("device directory missing or not a directory") from None
         d = Dir(real_host)  # cannot be listed: its files are read by path
-    texts, failed = fs.read_attrs(d, ("uevent", *_OTHER_FILES))
+    texts, failed = fs.read_attrs(d, _FILES)
     uevent = texts.pop("uevent", None)
     failed.pop("uevent", None)  # the id files say it then
     values = parse_uevent(uevent) if uevent is not None else {}
-    missing_ids = tuple(n for n in _IDS if n not in values)
-    if missing_ids:  # no uevent, unreadable or not a PCI one: the id files say it
-        more, more_failed = fs.read_attrs(d, missing_ids)
+    if not values.keys() >= _ID_SET:  # no uevent, unreadable or not a PCI one: the id files say it
+        more, more_failed = fs.read_attrs(d, tuple(n for n in _IDS if n not in values))
         texts.update(more)
         failed.update(more_failed)
     for name, text in texts.items():
@@ -157,7 +157,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
     iommu = links.get("iommu_group")
     pcie_root, bridges = split_sysfs_path(real)
     sriov = None
-    if d.names is not None and "sriov_totalvfs" in d.names:
+    if d.entries is not None and "sriov_totalvfs" in d.entries:
         # the VFs are not read from the PF's virtfnN links: each VF's physfn link says the same
         sriov = Sriov(total_vfs=values.get("sriov_totalvfs"), num_vfs=values.get("sriov_numvfs"))
     fn = PciFunction(

@@ -79,6 +79,17 @@ def test_values_are_shared_between_devices():
     assert a["macAddress"] is not b["macAddress"]
 
 
+def test_the_table_of_shared_values_is_bounded(monkeypatch):
+    """Values come from untrusted files: the table of shared values is emptied when full (not
+    grown for ever), and a value looked up after that is still right, then shared again."""
+    monkeypatch.setattr(attributes, "_SHARED_MAX", 4)
+    monkeypatch.setattr(attributes, "_SHARED", {})
+    made = [attributes._value("string", f"v{i}") for i in range(10)]
+    assert all(len(table) <= 4 for table in attributes._SHARED.values())
+    assert [v.to_api() for v in made] == [{"string": f"v{i}"} for i in range(10)]
+    assert attributes._value("string", "v9") is made[9] and attributes._value("string", "v0") == made[0]
+
+
 def test_more_than_32_entries_keep_the_first_ones():
     dev = _nic(_fn()).replace(capacity={f"c{i}": "1" for i in range(20)})
     attrs, problems = device_attributes(dev, (), False)

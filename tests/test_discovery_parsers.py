@@ -205,3 +205,33 @@ def test_contains_rejects_escapes(tmp_path):
     fs = HostFS(str(tmp_path))
     assert fs.contains(str(tmp_path / "sys/devices"))
     assert not fs.contains(os.path.normpath(str(tmp_path / "../etc")))
+
+
+@pytest.mark.parametrize("root", ["/", "/host", "/host/", "//host", "host", "host//x/../y"])
+def test_paths_under_a_root_are_the_ones_os_path_makes(root):
+    """A scan makes thousands of paths under its root and checks one per PCI function, without
+    os.path's general functions (HostFS.path, node_path): the answers os.path.join, contains()
+    and rel() give, on roots and paths that are not normalised too."""
+    fs = HostFS(root)
+    for parts in (("sys/bus/pci/devices/0000:01:00.0",), ("/sys", "class", "net"), ("proc", "/abs"), ("a/",), ("",)):
+        assert fs.path(*parts) == os.path.join(root, os.path.join(*parts).lstrip("/")), parts
+    bare = root.rstrip("/") or "/"
+    for host_path in (f"{bare}/sys/devices/pci0000:00", f"{bare}/a/../sys", f"{bare}//sys", bare, f"{bare}/..",
+                      "/etc/passwd", f"{bare}x/sys", "sys/devices"):  # fmt: skip
+        expected = fs.rel(host_path) if fs.contains(host_path) else None
+        assert fs.node_path(host_path) == expected, host_path
+
+
+def test_a_links_target_is_joined_as_os_path_joins_it(tmp_path):
+    """resolve_link/follow join a target onto the link's directory without dirname and join (one
+    per PCI function): normpath(join(dirname(link), target)), through doubled slashes too."""
+    fs = HostFS(str(tmp_path))
+    (tmp_path / "d").mkdir()
+    for i, target in enumerate(("../../devices/pci0000:00/0000:00:01.0", "x", "/abs//y/", "a//b/../c", "..", "")):
+        if target:
+            os.symlink(target, tmp_path / "d" / f"l{i}")
+        for link in (f"{tmp_path}/d/l{i}", f"{tmp_path}//d//l{i}"):
+            if target:
+                assert fs.resolve_link(link) == os.path.normpath(os.path.join(os.path.dirname(link), target)), link
+            else:  # no link: follow gives the path itself
+                assert fs.follow(link) == link
