@@ -9,7 +9,9 @@ VFIO side binds on the simulated kernel of tests/test_vfio.py. Root only."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -21,7 +23,7 @@ from agent.prepare.driver import Driver
 from agent.prepare.steps.netdev import NetdevStep
 from agent.prepare.steps.vfio import VfioStep
 from discovery.inventory import scan
-from tests.conftest import profile_root
+from tests.conftest import REPO, profile_root, require_root, require_tool
 from tests.kubelet_standin import settings_for
 from tests.test_nri_netdev import CLAIM, IFNAME, ifname_nets, nets, nic_claim, pod, run, where  # noqa: F401
 from tests.test_vfio import UID, VF, VF_BDF, node, vfio_claim  # noqa: F401
@@ -58,9 +60,35 @@ def test_a_netdev_of_another_pci_function_is_not_the_claims():
     assert hostuse._ours([link._replace(parent="virtio3")], "eth1", BDF) is not None  # a virtio netdev's bus device
 
 
-def test_a_namespace_that_cannot_be_read_refuses():
-    why = hostuse.refusal("/nonexistent/netns", {IFNAME: BDF}, False, False, "moved into a pod", "NicConfig")
-    assert why.startswith(f"whether the host uses netdev {IFNAME} cannot be read in /nonexistent/netns")
+def test_a_namespace_that_cannot_be_read_refuses_unless_both_allow_whatever_it_is():
+    for node_allows, claim_allows in ((False, False), (True, False), (False, True)):
+        why = hostuse.refusal(lambda: "/nonexistent/netns", {IFNAME: BDF}, node_allows, claim_allows, "moved into a pod",
+                              "NicConfig")
+        assert why.startswith(f"whether the host uses netdev {IFNAME} cannot be read ([Errno 2] No such file")
+    assert hostuse.refusal(lambda: "/nonexistent/netns", {IFNAME: BDF}, True, True, "moved into a pod", "NicConfig") is None
+
+
+def test_an_init_namespace_the_agent_may_not_open_refuses(tmp_path):
+    """The DaemonSet's agent without hostPID and CAP_SYS_PTRACE: the init's namespace under the root
+    is there but cannot be opened, and ``netmove.host_netns`` falls back to the agent's own, where
+    no netdev of the host would be found: that is no answer, so the claim is refused."""
+    require_root()
+    require_tool("setpriv")
+    init = subprocess.Popen(["sleep", "600"])  # an init: root with every capability this test has
+    try:
+        os.makedirs(tmp_path / "proc")
+        os.symlink(f"/proc/{init.pid}", tmp_path / "proc" / "1")
+        check = ("import sys; from agent.prepare import hostuse, netmove; root = sys.argv[1]; "
+                 "print(hostuse.refusal(lambda: hostuse.namespace(root, lambda: netmove.host_netns(root)), "
+                 "{'eth0': None}, False, False, 'moved into a pod', 'NicConfig'))")
+        out = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all,+net_admin,+sys_admin,+dac_override",
+                              sys.executable, "-c", check, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO}, check=True)  # fmt: skip
+        assert out.stdout.startswith("whether the host uses netdev eth0 cannot be read ([Errno 13] "), out
+        assert "proc/1/ns/net: Permission denied" in out.stdout
+    finally:
+        init.kill()
+        init.wait()
 
 
 # --- the netdev step -----------------------------------------------------------------------

@@ -12,12 +12,13 @@ move itself uses. Blocking (netlink, setns): worker threads only, as prepare run
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from agent import rtnetlink
-from agent.prepare import netaddrs, rtnl
+from agent.prepare import netaddrs, netmove, rtnl
 from agent.prepare.records import BDF_PATTERN
 
 log = logging.getLogger(__name__)
@@ -69,16 +70,30 @@ def host_uses(netns: str, netdevs: Mapping[str, str | None]) -> dict[str, str]:
     return out
 
 
-def refusal(netns: str, netdevs: Mapping[str, str | None], node_allows: bool, claim_allows: bool,
+def namespace(root: str, host_netns: Callable[[], str]) -> str:
+    """``host_netns()``, the host's network namespace; OSError when that is the init's under
+    ``root`` and this process may not open it (``host_netns`` then gives the agent's own, which
+    in a pod of its own is not the host's: nothing of the host's would be found there)."""
+    if (problem := netmove.host_netns_problem(root)) is not None:
+        raise OSError(errno.EACCES, problem)
+    return host_netns()
+
+
+def refusal(netns: Callable[[], str], netdevs: Mapping[str, str | None], node_allows: bool, claim_allows: bool,
             doing: str, config_kind: str) -> str | None:
-    """Why ``doing`` (a move into a pod, a bind to vfio-pci) must not be done to ``netdevs``, or
-    None. A host-used netdev is refused unless the node allows it and the claim asks for it (then
-    logged); one whose use cannot be read is refused (a check that cannot be made does not pass)."""
+    """Why ``doing`` (a move into a pod, a bind to vfio-pci) must not be done to ``netdevs`` (read
+    in ``netns()``, ``namespace``), or None. A host-used netdev is refused unless the node allows it
+    and the claim asks for it (then logged); one whose use cannot be read is refused (a check that
+    cannot be made does not pass) unless both allow it whatever it is."""
     try:
-        used = host_uses(netns, netdevs)
+        used = host_uses(netns(), netdevs) if netdevs else {}
     except OSError as err:
         names = ", ".join(netdevs)
-        return f"whether the host uses netdev {names} cannot be read in {netns} ({err}): not {doing}"
+        if node_allows and claim_allows:
+            log.warning("whether the host uses netdev %s cannot be read (%s): %s as the node's %s and the claim's "
+                        "%s allow it", names, err, doing, SETTING, FIELD)
+            return None
+        return f"whether the host uses netdev {names} cannot be read ({err}): not {doing} (docs/networking.md)"
     if not used:
         return None
     said = "; ".join(f"netdev {name} ({netdevs[name]}): {why}" for name, why in used.items())

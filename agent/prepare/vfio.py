@@ -46,7 +46,7 @@ def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device]
     return out
 
 
-def host_used(root: str, netns: str, bdf: str, node_allows: bool, claim_allows: bool) -> str | None:
+def host_used(root: str, netns: Callable[[], str], bdf: str, node_allows: bool, claim_allows: bool) -> str | None:
     """Why unbinding ``bdf`` would take a netdev the host uses (prepare/hostuse.py), or None."""
     fs = HostFS(root)
     try:

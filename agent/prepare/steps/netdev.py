@@ -67,7 +67,8 @@ class NetdevStep(RecordsOf):
 
     def _refuse_host_used(self, move: NetdevMove, cfg: NicConfig | None) -> None:
         """ClaimFailed for a netdev the host uses, unless the node and the claim allow it."""
-        if self.moves and (why := hostuse.refusal(self.host_netns(), {move.host: move.bdf}, self.allow_host_in_use,
+        netns = lambda: hostuse.namespace(self.root, self.host_netns)  # noqa: E731
+        if self.moves and (why := hostuse.refusal(netns, {move.host: move.bdf}, self.allow_host_in_use,
                                                   bool(cfg and cfg.allowHostInUse), "moved into a pod", "NicConfig")):
             raise ClaimFailed(f"request {move.request!r}: {move.device}: {why}")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from agent.prepare import vfio
+from agent.prepare import hostuse, vfio
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
 from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
@@ -41,7 +41,8 @@ class VfioStep(RecordsOf):
         in_use = {bdf for bdf in owners.held() if owners.holders(bdf, but=planned.uid)}
 
         def host_uses(bdf: str) -> str | None:
-            return vfio.host_used(self.root, self.host_netns(), bdf, self.allow_host_in_use, configs[bdf].allowHostInUse)
+            return vfio.host_used(self.root, lambda: hostuse.namespace(self.root, self.host_netns), bdf,
+                                  self.allow_host_in_use, configs[bdf].allowHostInUse)
 
         return tuple(vfio.plan(self.root, self.kernel, list(configs), in_use, host_uses))
 
