@@ -18,6 +18,7 @@ without it nothing moves and nothing is refused).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -67,7 +68,7 @@ class NetdevStep(RecordsOf):
 
     def _refuse_host_used(self, move: NetdevMove, cfg: NicConfig | None) -> None:
         """ClaimFailed for a netdev the host uses, unless the node and the claim allow it."""
-        netns = lambda: hostuse.namespace(self.root, self.host_netns)  # noqa: E731
+        netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
         if self.moves and (why := hostuse.refusal(netns, {move.host: move.bdf}, self.allow_host_in_use,
                                                   bool(cfg and cfg.allowHostInUse), "moved into a pod", "NicConfig")):
             raise ClaimFailed(f"request {move.request!r}: {move.device}: {why}")

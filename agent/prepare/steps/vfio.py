@@ -12,6 +12,7 @@ a NIC whose netdev the host uses, unless the node and the claim allow it (prepar
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from agent.prepare import hostuse, vfio
@@ -41,8 +42,8 @@ class VfioStep(RecordsOf):
         in_use = {bdf for bdf in owners.held() if owners.holders(bdf, but=planned.uid)}
 
         def host_uses(bdf: str) -> str | None:
-            return vfio.host_used(self.root, lambda: hostuse.namespace(self.root, self.host_netns), bdf,
-                                  self.allow_host_in_use, configs[bdf].allowHostInUse)
+            netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
+            return vfio.host_used(self.root, netns, bdf, self.allow_host_in_use, configs[bdf].allowHostInUse)
 
         return tuple(vfio.plan(self.root, self.kernel, list(configs), in_use, host_uses))
 
