@@ -123,3 +123,28 @@ def test_kept_adds_only_the_netdevs_away_in_the_order_last_read():
     assert kept(now, (a, b, c), {"p1": record}).interfaces == (a, b, c)  # as last read, not as recorded
     assert kept(now, (), {"p1": record}).interfaces == (a, record, c)  # nothing read before: the record's
     assert kept(now, (a, b, c), {"p0": record}) is now  # still on the host: as read now
+
+
+def test_scan_slices_shows_what_run_publishes_while_the_netdev_is_in_its_pod(node):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    s, nets, sysfs_shows = node
+
+    async def move():
+        agent = Agent(s)
+        await agent.rescan()
+        await prepare(s, nets, agent).pod_started(pod(nets))
+
+    asyncio.run(asyncio.wait_for(move(), 60))
+    sysfs_shows(False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYSDRA_")}
+    out = subprocess.run([sys.executable, "-m", "agent", "scan", "--root", s.root, "-o", "slices", "--node-name", s.node_name,
+                          "--nvml", "false"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**env, "SYSDRA_CONFIG": os.devnull, "SYSDRA_KUBELET_DIR": s.kubelet_dir})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (dev,) = [d for item in json.loads(out.stdout)["items"] for d in item["spec"]["devices"] if d["name"] == NIC]
+    assert dev["attributes"]["interfaceName"] == {"string": IFNAME}
