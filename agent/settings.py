@@ -104,6 +104,12 @@ def _skip(v: dict[str, list[str]]) -> dict[str, list[str]]:
     return v
 
 
+def _exclude(v: tuple[str, ...]) -> tuple[str, ...]:
+    from discovery.exclude import Exclusions
+
+    return tuple(f"{what}:{pattern}" for what, pattern in Exclusions.parse(v).rules)
+
+
 def _shm_size(v: str) -> str:
     """A Kubernetes quantity of whole bytes, at least 1Mi (an MPS daemon's shm tmpfs)."""
     from agent.quantity import parse_quantity
@@ -164,7 +170,7 @@ _CHECKS = {
     "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health, "taint_hold": _non_negative,
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
-    "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size,
+    "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size, "exclude_devices": _exclude,
 }
 
 
@@ -215,6 +221,11 @@ class Settings(BaseModel):
     # Publish the NICs of the host's default routes (and their bonds' slaves, bridges' ports, VFs)
     # too; off: the node's uplink is never allocatable (docs/networking.md).
     publish_uplink: bool = False
+    # Devices never published (pci:<glob>, interface:<glob>, kind:<kind>; discovery/exclude.py).
+    exclude_devices: tuple[str, ...] = ()
+    # A claim may take a NIC the host uses (an address, a bond or bridge port: prepare/hostuse.py)
+    # if its NicConfig/VfioConfig says allowHostInUse; off: refused (docs/networking.md).
+    allow_host_in_use_nics: bool = False
     # NVIDIA (docs/nvidia.md): where the user-space driver is installed on the host (a host path,
     # read under root), whether to ask NVML for GPU facts, and whether to use the node's own
     # NVIDIA CDI spec (nvidia-ctk cdi generate) instead of putting the driver in our specs.
@@ -259,7 +270,7 @@ class Settings(BaseModel):
 
     @classmethod
     def of(cls, values: dict[str, Any]) -> Settings:
-        """Settings from outside values (also ``"gpu,nic"`` for ``share``, YAML text for
+        """Settings from outside values (also ``"gpu,nic"`` for ``share`` and ``exclude_devices``, YAML text for
         ``skip_node_operations``); ConfigError names the first bad one."""
         return cls(**_before(values))
 
@@ -288,11 +299,11 @@ class Settings(BaseModel):
 
 
 def _before(values: dict[str, Any]) -> dict[str, Any]:
-    """The spellings a field's type does not take as they are: a comma list for ``share``,
+    """The spellings a field's type does not take as they are: a comma list for ``share`` and ``exclude_devices``,
     YAML text for ``skip_node_operations`` and ``nvidia_mps_pod`` (from SYSDRA_*)."""
     out = dict(values)
     for name, value in values.items():
-        if name == "share" and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
+        if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
         elif name in ("skip_node_operations", "nvidia_mps_pod") and isinstance(value, str):  # '{accelerator: ["*"]}'
             import yaml

@@ -11,8 +11,10 @@ import os
 
 from discovery.accel import read_accel
 from discovery.attributes import DeviceParts, device_attributes, quantity
+from discovery.away import Away, kept
 from discovery.classify import ALVEO_IDS, ALVEO_MGMT_TO_USER, classify
 from discovery.devnodes import NodeResolver
+from discovery.exclude import Exclusions
 from discovery.fpga import read_alveo, read_dfl
 from discovery.gpu import read_gpu
 from discovery.models import Device, Inventory, PciFunction, Problem, Skipped
@@ -66,11 +68,16 @@ class _Scanner:
     or the function's half of an Alveo card (both halves become one device). ``_results``
     keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
 
-    def __init__(self, root: str, list_attributes: bool, nvml=None, publish_uplink: bool = False):
+    def __init__(self, root: str, list_attributes: bool, nvml=None, publish_uplink: bool = False,
+                 exclude: Exclusions = Exclusions(), away: Away | None = None):
         self.fs = HostFS(root)
         self.list_attributes = list_attributes
         self.publish_uplink = publish_uplink
         self.uplink: dict[str, str] = {}  # bdf -> why it is the host's uplink (read by full scans)
+        self.exclude = exclude
+        self.away = away  # asked once per scan: the functions whose netdevs are in pods (discovery/away.py)
+        self._away: dict = {}
+        self._before: dict[str, object] = {}  # the scan's previous results, for the facts of netdevs away
         self.nvml = nvml
         self._nvidia: NvidiaNode | None = None  # read when the scan meets its first NVIDIA GPU
         self.numa_problems: list[Problem] = []
@@ -95,6 +102,8 @@ class _Scanner:
         if (held := self.uplink.get(bdf) or self.uplink.get(fn.physfn or "")) is not None:
             return Skipped(bdf=bdf, reason=f"the host's uplink: {held}", class_code=fn.class_code,
                            vendor_id=fn.vendor_id, device_id=fn.device_id)
+        if (rule := self.exclude.function(bdf, kind)) is not None:
+            return _excluded(fn, rule)
         if kind is None or fn.driver is None:
             reason = f"not offered: {why}" if kind is None else f"no driver bound ({why})"
             return Skipped(bdf=bdf, reason=reason, class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
@@ -112,6 +121,8 @@ class _Scanner:
             # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
             return Skipped(bdf=fn.bdf, reason="DFL function without FME or port: nothing a container can open",
                            class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
+        if dev.nic is not None and (rule := self.exclude.interfaces(i.name for i in dev.nic.interfaces)) is not None:
+            return _excluded(fn, rule)
         return dev
 
     def run(self, changed: set[str] | None = None, previous: _Scanner | None = None) -> Inventory:
@@ -140,6 +151,7 @@ class _Scanner:
         alveo: dict[tuple, dict] = {}
         # what each function read before: a full scan's previous scanner, else these very tables
         before, cards_before = (previous._results, previous._cards) if previous is not None else (results, dict(cards))
+        self._before, self._away = before, self._ask_away()
         for bdf in sorted(todo):
             results[bdf] = _unchanged(before.get(bdf), self._read(bdf, alveo))
         # a function that appeared or changed may name a PF we have not re-read (VF created);
@@ -208,6 +220,8 @@ class _Scanner:
                 info["gpu"], nodes, capacity = read_gpu(fs, res, fn, d, problems, self._nvidia_node)
             elif kind == "nic":
                 info["nic"], nodes = read_nic(fs, res, fn, d, problems)
+                if (away := self._away.get(fn.bdf)) is not None:  # sysfs no longer shows them: as last seen
+                    info["nic"] = kept(info["nic"], self._last_interfaces(fn.bdf), away)
             elif kind == "fpga":
                 info["fpga"], nodes = read_dfl(fs, res, fn, d, problems)
             elif kind == "accelerator":
@@ -217,6 +231,19 @@ class _Scanner:
             log.warning("device %s: unexpected error while reading details: %r", fn.bdf, err)
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
         return self._finish(name, kind, fn, [], {}, problems)  # its PCI attributes only
+
+    def _ask_away(self) -> dict:
+        if self.away is None:
+            return {}
+        try:
+            return dict(self.away())
+        except Exception as err:  # noqa: BLE001 - the scan goes on: the netdevs read as sysfs shows them
+            log.warning("which netdevs are in pods is not known: %r", err)
+            return {}
+
+    def _last_interfaces(self, bdf: str) -> tuple:
+        last = self._before.get(bdf)
+        return last.nic.interfaces if isinstance(last, Device) and last.nic is not None else ()
 
     def _nvidia_node(self) -> NvidiaNode:
         if self._nvidia is None:
@@ -239,13 +266,16 @@ class _Scanner:
         return self._finish(device_name("fpga", fn.bdf), "fpga", fn, [], {}, problems, fpga=None)
 
 
-def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False) -> Inventory:
+def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,
+         exclude: Exclusions = Exclusions(), away: Away | None = None) -> Inventory:
     """Discover the node under ``root``. Read-only; never raises for bad sysfs content.
     ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only).
-    The host's uplink (discovery/routes.py) is skipped unless ``publish_uplink``."""
+    The host's uplink (discovery/routes.py) is skipped unless ``publish_uplink``, and so are the
+    operator's ``exclude`` rules' devices (discovery/exclude.py); ``away``: the NIC functions whose
+    netdevs are in pods, which keep their netdev facts (discovery/away.py)."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
-    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink).run()
+    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink, exclude, away).run()
 
 
 class IncrementalScanner:
@@ -259,19 +289,22 @@ class IncrementalScanner:
     equals a full scan whenever ``changed`` names every function whose sysfs files changed.
     """
 
-    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False):
+    def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,
+                 exclude: Exclusions = Exclusions(), away: Away | None = None):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"scan root {root!r} is not a directory")
         self.root = os.path.abspath(root)
         self.list_attributes = list_attributes
         self.nvml = nvml
         self.publish_uplink = publish_uplink
+        self.exclude, self.away = exclude, away
         self._scanner: _Scanner | None = None
         self.inventory: Inventory | None = None
 
     def full(self) -> Inventory:
         """Everything read again; what reads as before keeps its objects (``_unchanged``)."""
-        previous, self._scanner = self._scanner, _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink)
+        previous, self._scanner = self._scanner, _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink,
+                                                          self.exclude, self.away)
         self.inventory = self._scanner.run(previous=previous)
         return self.inventory
 
@@ -281,6 +314,11 @@ class IncrementalScanner:
             return self.full()
         self.inventory = self._scanner.run(set(changed))
         return self.inventory
+
+
+def _excluded(fn: PciFunction, rule: str) -> Skipped:
+    return Skipped(bdf=fn.bdf, reason=f"excluded by the node's exclude_devices ({rule})", class_code=fn.class_code,
+                   vendor_id=fn.vendor_id, device_id=fn.device_id)
 
 
 def bdf_of_path(path: str) -> str | None:

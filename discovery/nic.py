@@ -32,6 +32,17 @@ def _net_dirs(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
     return dirs + [f"{d.path}/{n}/net" for n in virtio]
 
 
+def netdev_names(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
+    """The names of the function's netdevs as sysfs shows them now (those ``read_nic`` reads)."""
+    out: list[str] = []
+    for net_dir in _net_dirs(fs, fn, d):
+        try:
+            out += [name for name in fs.subdirs(net_dir) if printable_name(name) and _IFNAME.match(name)]
+        except AttrError:
+            continue
+    return out
+
+
 # A netdev's published files and how each is parsed (``str``: as read).
 _NETDEV_FILES = (("address", str), ("mtu", int), ("phys_port_name", str), ("speed", int))
 

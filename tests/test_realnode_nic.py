@@ -114,6 +114,28 @@ def test_the_netdev_is_in_the_pod_configured_with_its_metadata_and_status(realno
     assert not rtnl.has_link(HOST_NET, "data0")
 
 
+def test_a_netdev_holding_the_hosts_address_stays_with_the_host_until_it_no_longer_does(realnode, veth):
+    """The host's address on the NIC's netdev (a storage network, say): the kubelet's prepare fails
+    with why (prepare/hostuse.py), the pod waits and the netdev keeps its address on the host. Once
+    the host no longer uses it, the kubelet's retry prepares the claim and the pod gets it."""
+    from agent.prepare import rtnl
+
+    subprocess.run(["ip", "addr", "add", "198.18.0.1/24", "dev", IFNAME], check=True)
+    ns = nic_pod(realnode, "ip -o link show net1")
+    failed = wait(lambda: [e for e in realnode.plane.list("Event", ns) if e.get("reason") == "FailedPrepareDynamicResources"],
+                  "the kubelet's failed prepare", realnode, log="agent")  # fmt: skip
+    message = failed[0]["message"]
+    assert f"the host uses it: netdev {IFNAME} (0000:3c:00.0): it holds the host's address 198.18.0.1/24" in message, message
+    assert "allow_host_in_use_nics is off" in message, message
+    assert realnode.plane.get("Pod", "app", ns)["status"]["phase"] == "Pending"
+    assert rtnl.has_link(HOST_NET, IFNAME) and not moves(realnode)
+    subprocess.run(["ip", "addr", "del", "198.18.0.1/24", "dev", IFNAME], check=True)
+    lines = running_log(realnode, ns, "app")  # the kubelet's retry
+    assert any(re.match(r"\d+: net1[@:]", line) for line in lines), lines
+    delete_pod(realnode, ns, "app")
+    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+
+
 def test_sigkill_between_the_move_and_the_metadata_write_is_finished_at_restart(realnode, veth):
     """The agent dies (SIGKILL) right after the kernel moved the netdev, before its record says
     so and before the metadata is written. containerd closes the dead plugin and runs the pod.

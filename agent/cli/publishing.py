@@ -9,7 +9,7 @@ naming the setting (exit 78).
 
 from __future__ import annotations
 
-VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml")
+VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml", "exclude-devices")
 SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups",
                                  "publish-uplink")
 # One line each; docs/operations.md has the whole story of every setting.
@@ -24,6 +24,7 @@ HELP = {
     "nvidia-driver-root": "host directory holding the NVIDIA user-space driver (default /; e.g. /run/nvidia/driver, /usr/local/nvidia)",
     "nvml": "ask NVML (the driver's libnvidia-ml) for GPU memory, architecture and versions: true or false (default true)",
     "publish-uplink": "publish the NICs of the host's default routes too (bond slaves, bridge ports, VFs of the PF)",
+    "exclude-devices": "devices never published, comma-separated: pci:<glob>, interface:<glob>, kind:<kind> (e.g. interface:ens1f*)",
     "share": "device kinds shared by several claims (consumable capacity), e.g. gpu,nic; policies: share_policies in the config file",
 }
 

@@ -9,7 +9,7 @@ from agent.cli import publishing
 VALUE_FLAGS = ("root", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
                "log-level", "log-format", "metrics-address", "rolling-update-uid", "device-metadata",
                "claim-status", "health-interval", "status-socket", "nvidia-cdi-spec", "cdi-host-root", "nri-socket")
-SWITCH_FLAGS: tuple[str, ...] = ()
+SWITCH_FLAGS: tuple[str, ...] = ("allow-host-in-use-nics",)
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
     "root": "host root to discover hardware under (default /; a fixture tree for tests and demos)",
@@ -28,6 +28,7 @@ HELP = {
     "nvidia-cdi-spec": "give NVIDIA GPUs the devices of the node's own NVIDIA CDI spec (nvidia-ctk) instead of the driver in ours: true or false",
     "cdi-host-root": "the host's / as the container runtime sees it, for host paths in CDI specs (default /; a fixture tree in tests)",
     "nri-socket": "the container runtime's NRI socket, where the agent registers as a plugin (default /var/run/nri/nri.sock; empty disables)",
+    "allow-host-in-use-nics": "a claim whose NicConfig/VfioConfig says allowHostInUse may take a NIC the host uses (an address, a bond or bridge port)",
     "status-socket": "unix socket of `sysdra status` (default <plugin dir>/status.sock)",
 }
 

@@ -79,14 +79,34 @@ def _nvml(args, settings):
     return Nvml.open(args.root, driver_root)
 
 
+def _exclusions(args, settings):
+    """``exclude_devices`` as ``sysdra run`` would apply them (only -o slices reads the config file);
+    ValueError for a bad rule of the flag."""
+    from discovery.exclude import Exclusions
+
+    if settings is not None:
+        return Exclusions.parse(settings.exclude_devices)
+    return Exclusions.parse(x for x in (args.exclude_devices or "").split(",") if x.strip())
+
+
+def _away(settings):
+    """-o slices: the NICs whose netdevs the agent moved into pods keep their facts, as run publishes them."""
+    if settings is None:
+        return None
+    from agent.service.inpod import InPodNetdevs
+
+    return InPodNetdevs(settings.plugin_dir)
+
+
 def run(args) -> int:
     # only -o slices loads the settings (config file and all); the others read no more than the flags
     settings = _settings(args) if args.output == "slices" else None
     list_attributes = settings.list_attributes if settings is not None else bool(args.list_attributes)
     try:
         uplink = settings.publish_uplink if settings is not None else bool(args.publish_uplink)
-        inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink)
-    except FileNotFoundError as err:
+        inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink,
+                   exclude=_exclusions(args, settings), away=_away(settings))
+    except (FileNotFoundError, ValueError) as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2
     if args.output == "json":

@@ -85,6 +85,9 @@ class NicConfig(_Kind):
     mtu: int | None = Field(default=None, ge=68, le=65535)  # IPv4's minimum; IPv6 needs 1280
     addresses: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)
     routes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
+    # move a netdev the host uses (an address, a bond/bridge port: prepare/hostuse.py); only
+    # where the node's allow_host_in_use_nics allows it (docs/networking.md)
+    allowHostInUse: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> NicConfig:
@@ -97,6 +100,7 @@ class NicConfig(_Kind):
 
 class VfioConfig(_Kind):
     kind: Literal["VfioConfig"]
+    allowHostInUse: bool = False  # as NicConfig's: bind a NIC whose netdev the host uses
 
 
 Config = Union[GpuConfig, NicConfig, VfioConfig]

@@ -26,6 +26,7 @@ NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
 NLMSG_DONE, NLM_F_DUMP = 3, 0x300
 IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_NET_NS_FD, IFLA_PARENT_DEV_NAME = 1, 3, 4, 28, 56
+IFLA_LINK, IFLA_MASTER, IFLA_LINKINFO, IFLA_INFO_KIND = 5, 10, 18, 1
 MAX_LINKS = 4096  # links read from one namespace's dump: a host with more is refused, not half-read
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 IFA_F_NODAD = 0x02
@@ -46,13 +47,19 @@ class LinkError(OSError):
 
 class Link(NamedTuple):
     """A link as the kernel reports it. ``parent``: the bus device it belongs to (a PCI
-    function's address for a NIC's netdev, Linux >= 5.14), None for a virtual link."""
+    function's address for a NIC's netdev, Linux >= 5.14), None for a virtual link. ``master``:
+    the index of the bond, bridge, team or OVS datapath it is a port of; ``lower``: the link it
+    sits on (a VLAN's or macvlan's; a veth's peer); ``kind``: a virtual link's type (``vlan``,
+    ``bond``, ...), None for a NIC's netdev."""
 
     name: str
     index: int
     mac: str | None
     mtu: int | None
     parent: str | None
+    master: int | None = None
+    lower: int | None = None
+    kind: str | None = None
 
 
 def netlink_in(netns: str) -> contextlib.AbstractContextManager[socket.socket]:
@@ -162,9 +169,26 @@ def _parse_link(body: bytes | memoryview) -> Link | None:
     name = _text(attrs.get(IFLA_IFNAME))
     if name is None:
         return None
-    mtu = attrs.get(IFLA_MTU)
     return Link(name, _IFINFO.unpack_from(body)[2], ":".join(f"{b:02x}" for b in attrs.get(IFLA_ADDRESS, b"")) or None,
-                struct.unpack("=I", mtu)[0] if mtu is not None and len(mtu) == 4 else None, _text(attrs.get(IFLA_PARENT_DEV_NAME)))
+                _u32(attrs.get(IFLA_MTU)), _text(attrs.get(IFLA_PARENT_DEV_NAME)), _u32(attrs.get(IFLA_MASTER)) or None,
+                _u32(attrs.get(IFLA_LINK)) or None, _kind(attrs.get(IFLA_LINKINFO)))
+
+
+def _u32(raw: bytes | None) -> int | None:
+    return struct.unpack("=I", raw)[0] if raw is not None and len(raw) == 4 else None
+
+
+def _kind(linkinfo: bytes | None) -> str | None:
+    """IFLA_INFO_KIND of a nested IFLA_LINKINFO: a virtual link's type."""
+    off = 0
+    while linkinfo and off + _RTA.size <= len(linkinfo):
+        length, kind = _RTA.unpack_from(linkinfo, off)
+        if length < _RTA.size or off + length > len(linkinfo):
+            break
+        if kind & 0x3FFF == IFLA_INFO_KIND:
+            return _text(linkinfo[off + _RTA.size:off + length])
+        off += (length + 3) & ~3
+    return None
 
 
 def link(netns: str, name: str) -> Link | None:

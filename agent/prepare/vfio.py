@@ -5,7 +5,9 @@ that runs them as a transaction (records, undo, recovery) is prepare/steps/vfio.
 Refused, with the reason, before anything is written: the IOMMU is off; the function's
 IOMMU group holds another function that is in use and not allocated to this claim (bridges
 and idle functions are fine); the function is the host's own (it carries a default route,
-or it is the boot VGA device); a PF with SR-IOV VFs enabled (unbinding it destroys them)."""
+or it is the boot VGA device); a NIC whose netdev the host uses (an address, a bond or bridge
+port: prepare/hostuse.py) unless the node and the claim allow it; a PF with SR-IOV VFs enabled
+(unbinding it destroys them)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import logging
 import os
 from typing import Callable
 
-from agent.prepare import claimconfig
+from agent.prepare import claimconfig, hostuse
 from agent.prepare.records import VfioFunction
 from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Problem
-from discovery.pci import read_function
+from discovery.nic import netdev_names
+from discovery.pci import PciError, read_function
 from discovery.routes import default_route_functions
 from discovery.sysfs import AttrError, HostFS
 from discovery.vfio import vfio_nodes
@@ -30,16 +33,28 @@ class VfioError(Exception):
     """The claim's VFIO request cannot be done; the message is that claim's error."""
 
 
-def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device]) -> list[str]:
-    """PCI addresses of the results whose config (class, then claim: the last that applies,
-    agent/prepare/claimconfig.py) is a ``VfioConfig``; ClaimFailed for a bad config."""
+def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device]) -> dict[str, claimconfig.VfioConfig]:
+    """PCI address -> config of the results whose config (class, then claim: the last that
+    applies, agent/prepare/claimconfig.py) is a ``VfioConfig``; ClaimFailed for a bad config."""
     configs = claimconfig.opaque_configs(claim, driver_name)
-    out: list[str] = []
+    out: dict[str, claimconfig.VfioConfig] = {}
     for r in results:
         dev = by_name.get(r.device)
-        if dev is not None and isinstance(claimconfig.config_for(configs, r.request, dev.kind, dev.name), claimconfig.VfioConfig):
-            out.append(dev.pci.bdf)
-    return list(dict.fromkeys(out))
+        cfg = claimconfig.config_for(configs, r.request, dev.kind, dev.name) if dev is not None else None
+        if isinstance(cfg, claimconfig.VfioConfig) and (dev.pci.bdf not in out or not cfg.allowHostInUse):
+            out[dev.pci.bdf] = cfg  # two results of one function: allowed only if both allow
+    return out
+
+
+def host_used(root: str, netns: Callable[[], str], bdf: str, node_allows: bool, claim_allows: bool) -> str | None:
+    """Why unbinding ``bdf`` would take a netdev the host uses (prepare/hostuse.py), or None."""
+    fs = HostFS(root)
+    try:
+        fn, _, d = read_function(fs, bdf)
+    except PciError as err:
+        return f"its netdevs cannot be read: {err}"
+    names = netdev_names(fs, fn, d)
+    return hostuse.refusal(netns, dict.fromkeys(names, bdf), node_allows, claim_allows, "bound to vfio-pci", "VfioConfig")
 
 
 def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
@@ -55,8 +70,10 @@ def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
     return None
 
 
-def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: set[str]) -> list[VfioFunction]:
-    """The records for ``functions`` (this claim's), after every refusal check."""
+def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: set[str],
+         host_uses: Callable[[str], str | None] = lambda bdf: None) -> list[VfioFunction]:
+    """The records for ``functions`` (this claim's), after every refusal check (``host_uses``:
+    why the host uses a function's netdev, ``host_used`` with the node's and claim's say)."""
     mine = set(functions)
     records = []
     for bdf in functions:
@@ -68,6 +85,8 @@ def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: s
             raise VfioError(f"{bdf} is in use by another prepared claim (a shared device cannot go to a VM)")
         if (why := host_own(root, kernel, bdf)) is not None:
             raise VfioError(f"{bdf} is the host's own: {why}")
+        if (why := host_uses(bdf)) is not None:
+            raise VfioError(f"{bdf}: {why}")
         if kernel.num_vfs(bdf) > 0:
             raise VfioError(f"{bdf} has {kernel.num_vfs(bdf)} SR-IOV VFs enabled: unbinding the PF would destroy them")
         for other in kernel.group_members(group):

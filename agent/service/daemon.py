@@ -21,6 +21,7 @@ from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketErro
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, loops, scanning, sdnotify, startup
 from agent.service import reload as reloading
+from agent.service.inpod import InPodNetdevs
 from agent.service.scanning import default_scan
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
@@ -56,6 +57,8 @@ class Agent:
         self.rescans = 0
         self.resync_changed = asyncio.Event()  # a SIGHUP changed resync_interval: loops.periodic_rescan recomputes
         self._scanner = None  # discovery.inventory.IncrementalScanner of the default scan
+        # the NICs whose netdevs the NRI plugin moved into pods keep their facts (discovery/away.py)
+        self._in_pod = InPodNetdevs(settings.plugin_dir, lambda: getattr(getattr(self.kubelet_plugin, "driver", None), "saved", None))
         self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
         self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
         self._scanning = asyncio.Lock()
@@ -85,7 +88,7 @@ class Agent:
         an injected ``scan`` function (tests) always scans everything."""
         if self.scan is not default_scan:
             return self.scan(settings)
-        self._scanner, inventory = scanning.update(self._scanner, settings, changed)
+        self._scanner, inventory = scanning.update(self._scanner, settings, changed, away=self._in_pod)
         return inventory
 
     async def rescan(self, changed_at: float | None = None, changed: set[str] | None = None) -> bool:

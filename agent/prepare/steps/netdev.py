@@ -11,14 +11,18 @@ and after each kernel change. ``undo`` (unprepare, a failed or interrupted prepa
 whatever a record says may be away, before the claim leaves the checkpoint; the runtime's
 Synchronize after a crash or restart finishes or undoes what records say is under way, and
 ``recover`` gives back a netdev whose namespace is gone (a reboot, a runtime that forgot its pods).
+A netdev the host uses (an address, a bond or bridge port: prepare/hostuse.py) is refused at
+prepare unless the node and the claim's ``NicConfig`` allow it (``moves``: the NRI plugin is on;
+without it nothing moves and nothing is refused).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
-from agent.prepare import netmove, rdma, rtnl
+from agent.prepare import hostuse, netmove, rdma, rtnl
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.claimconfig import NicConfig, VfioConfig, config_for
 from agent.prepare.netdevs import IFNAME_ROOM, valid_name
@@ -36,9 +40,10 @@ class NetdevStep(RecordsOf):
     key = "netdevs"
     what = "netdev"  # the stage named in a claim error
 
-    def __init__(self, root: str, host_netns: Callable[[], str]):
+    def __init__(self, root: str, host_netns: Callable[[], str], moves: bool = True, allow_host_in_use: bool = False):
         self.root = root
         self.host_netns = host_netns  # the host's network namespace (a path), asked when needed
+        self.moves, self.allow_host_in_use = moves, allow_host_in_use
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         mode = None
@@ -58,7 +63,15 @@ class NetdevStep(RecordsOf):
                                   mtu=cfg.mtu if cfg else None, addresses=list(cfg.addresses) if cfg else [],
                                   routes=list(cfg.routes) if cfg else [],
                                   rdma=nic.rdma[0].name if nic.rdma and mode == "exclusive" else None))
+            self._refuse_host_used(out[-1], cfg)
         return tuple(out) or None
+
+    def _refuse_host_used(self, move: NetdevMove, cfg: NicConfig | None) -> None:
+        """ClaimFailed for a netdev the host uses, unless the node and the claim allow it."""
+        netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
+        if self.moves and (why := hostuse.refusal(netns, {move.host: move.bdf}, self.allow_host_in_use,
+                                                  bool(cfg and cfg.allowHostInUse), "moved into a pod", "NicConfig")):
+            raise ClaimFailed(f"request {move.request!r}: {move.device}: {why}")
 
     @staticmethod
     def _name(request: str, host: str, cfg: NicConfig | None, taken: list[NetdevMove]) -> str:

@@ -7,13 +7,15 @@ failure at any point gives every function of the claim back; start-up recovery g
 functions of a claim that was being prepared and re-binds those of a prepared claim after a
 reboot (the kernel forgets bindings). Unprepare gives the functions back *before* the claim
 leaves the checkpoint, so a crash in between is repaired by the kubelet's retry. A function
-held by another claim in any way, or one of its IOMMU group's, is refused (ownership.py)."""
+held by another claim in any way, or one of its IOMMU group's, is refused (ownership.py); so is
+a NIC whose netdev the host uses, unless the node and the claim allow it (prepare/hostuse.py)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
-from agent.prepare import vfio
+from agent.prepare import hostuse, vfio
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
 from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
@@ -28,15 +30,22 @@ class VfioStep(RecordsOf):
     key = "vfio"
     what = "VFIO binding"  # the stage named in a claim error
 
-    def __init__(self, root: str, driver_name: str, kernel: PciKernel, fault: Callable[[str], None]):
+    def __init__(self, root: str, driver_name: str, kernel: PciKernel, fault: Callable[[str], None],
+                 host_netns: Callable[[], str] = lambda: "/proc/self/ns/net", allow_host_in_use: bool = False):
         self.root, self.driver_name, self.kernel, self.fault = root, driver_name, kernel, fault
+        self.host_netns, self.allow_host_in_use = host_netns, allow_host_in_use  # whose netdevs the host uses
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
-        bdfs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory)
-        if not bdfs:
+        configs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory)
+        if not configs:
             return None
         in_use = {bdf for bdf in owners.held() if owners.holders(bdf, but=planned.uid)}
-        return tuple(vfio.plan(self.root, self.kernel, bdfs, in_use))
+
+        def host_uses(bdf: str) -> str | None:
+            netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
+            return vfio.host_used(self.root, netns, bdf, self.allow_host_in_use, configs[bdf].allowHostInUse)
+
+        return tuple(vfio.plan(self.root, self.kernel, list(configs), in_use, host_uses))
 
     def holds(self, record: Record) -> list[Hold]:
         return [Hold(r.bdf, "vfio") for r in record]
