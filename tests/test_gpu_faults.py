@@ -118,8 +118,28 @@ def test_a_first_publish_carries_the_kept_faults_taint_with_its_effect(node):
         kubernetes_validate.validate(obj, "1.37", strict=True)
 
 
+def test_a_gpu_discovered_later_gets_its_kept_fault(node):
+    """The GPU is not in the first inventory (its driver loaded after the agent started): the
+    kept fault is its own the moment a rescan finds it."""
+    async def main():
+        await _fault(node)
+        inv = scan(node.root)
+        without = inv.replace(devices=tuple(d for d in inv.devices if d.name != GPU))
+        monitor = HealthMonitor(node, lambda: without)
+        await monitor.start()
+        try:
+            assert GPU not in monitor.states
+            monitor.on_inventory(inv)
+            await until(lambda: GPU in monitor.states)
+            assert monitor.states[GPU].verdict.reason == "xid-79"
+        finally:
+            await monitor.stop()
+
+    asyncio.run(main())
+
+
 def test_taint_effects_by_reason():
-    rules = {"xid-79": "None", "xid-*": "NoExecute", "link-*": "NoSchedule"}
+    rules = {"xid-*": "NoExecute", "xid-79": "None", "link-*": "NoSchedule"}
     assert effect_for("xid-79", "NoSchedule", rules) == "None"  # exact first, whatever the order
     assert effect_for("xid-48", "NoSchedule", rules) == "NoExecute"
     assert effect_for("ecc-double-bit", "NoSchedule", rules) == "NoSchedule"
