@@ -72,6 +72,7 @@ class FaultStore:
     def __init__(self, plugin_dir: str, root: str = "/", boot_id: str | None = None):
         self.path, self.lock_path = os.path.join(plugin_dir, FILE), os.path.join(plugin_dir, LOCK)
         self.root, self._boot_id = root, boot_id
+        self.problems: list[str] = []  # what the last read found wrong (logged too), for sysdra doctor
 
     @property
     def boot_id(self) -> str:
@@ -88,31 +89,35 @@ class FaultStore:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def read(self) -> list[GpuFault]:
-        """Every valid entry, of any boot; problems logged, never raised."""
+        """Every valid entry, of any boot; problems logged (and in ``problems``), never raised."""
+        self.problems = []
         try:
             raw = _read_bounded(self.path)
         except FileNotFoundError:
             return []
         except (OSError, ValueError) as err:
-            log.warning("GPU fault file %s unreadable (%s): treated as empty, so GPUs it held "
-                        "unhealthy are not; fix or remove it", self.path, err)
-            return []
+            return self._problem(f"GPU fault file {self.path} unreadable ({err}): treated as empty, so GPUs it held "
+                                 "unhealthy are not; fix or remove it")
         try:
             doc = _FaultFile.model_validate(json.loads(raw))
         except (ValueError, ValidationError) as err:
             why = "not JSON" if isinstance(err, json.JSONDecodeError) else _first_error(err)
-            log.warning("GPU fault file %s is damaged (%s): treated as empty, so GPUs it held "
-                        "unhealthy are not; fix or remove it", self.path, why)
-            return []
+            return self._problem(f"GPU fault file {self.path} is damaged ({why}): treated as empty, so GPUs it "
+                                 "held unhealthy are not; fix or remove it")
         faults: dict[str, GpuFault] = {}
         for i, entry in enumerate(doc.faults):
             try:
                 fault = GpuFault.model_validate(entry)
             except ValidationError as err:
-                log.warning("GPU fault file %s: entry %d skipped: %s", self.path, i, _first_error(err))
+                self._problem(f"GPU fault file {self.path}: entry {i} skipped: {_first_error(err)}")
                 continue
             faults[fault.uuid] = fault  # the last of a UUID wins, as the last write does
         return list(faults.values())
+
+    def _problem(self, text: str) -> list:
+        log.warning("%s", text)
+        self.problems.append(text)
+        return []
 
     def load(self) -> dict[str, GpuFault]:
         """This boot's faults by UUID; those of another boot are ignored (logged) and left out
