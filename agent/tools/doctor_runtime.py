@@ -2,10 +2,13 @@
 plugin's state (from the running agent), containerd's config (CDI and NRI on, the same NRI
 socket and CDI dir as the agent's), and the GPU faults kept across restarts.
 
-containerd 2.x (config ``version = 3``) has CDI and NRI on unless the config turns them off;
+containerd 2.x (config ``version = 3``; 2.4 writes 4) has CDI and NRI on unless the config turns
+them off, and imports ``/etc/containerd/conf.d/*.toml`` besides the config's own ``imports``;
 containerd 1.7 (``version = 2``) has both off unless it turns them on (``enable_cdi = true``, an
 NRI section with ``disable = false``). A version 2 file may also be read by containerd 2.x (which
-migrates it, with its own defaults on), so an unset key there is a warning, not a failure.
+migrates it, with its own defaults on), so an unset key there is a warning, not a failure. An
+imported file's plugin keys are merged into the config's, key by key (``containerd config dump``
+of 2.4 shows so; tests/test_doctor_runtime.py compares with it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from agent.tools.findings import Finding, ok
 
 CONTAINERD_CONFIG = "etc/containerd/config.toml"  # under the root
 NRI = "io.containerd.nri.v1.nri"
-CRI = {3: "io.containerd.cri.v1.runtime", 2: "io.containerd.grpc.v1.cri"}  # where enable_cdi lives, by config version
+# where enable_cdi and cdi_spec_dirs live, by config version
+CRI = {2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime", 4: "io.containerd.cri.v1.runtime"}
+DEFAULT_IMPORTS = "/etc/containerd/conf.d/*.toml"  # containerd 2.x's, always read
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # containerd's default cdi_spec_dirs
 
 
@@ -46,8 +51,7 @@ def check_nri(status: dict | None) -> list[Finding]:
 # --- containerd's config -------------------------------------------------------------------------
 def check_containerd(root: str, nri_socket: str, cdi_dir: str, path: str | None = None) -> list[Finding]:
     """containerd's config at ``path`` (default ``<root>/etc/containerd/config.toml``), its
-    imports merged as containerd merges them (an imported file's plugin section replaces the
-    main file's)."""
+    imports merged as containerd merges them."""
     path = path or os.path.join(root, CONTAINERD_CONFIG)
     try:
         config = _load(path, root)
@@ -70,19 +74,28 @@ def _load(path: str, root: str) -> dict:
     with open(path, "rb") as f:
         config = tomllib.load(f)
     imports = config.get("imports") or []
-    if not isinstance(imports, list):
-        raise ValueError("imports is not a list")
-    for pattern in imports:
-        if not isinstance(pattern, str):
-            raise ValueError("an import is not a path")
+    if not isinstance(imports, list) or not all(isinstance(i, str) for i in imports):
+        raise ValueError("imports is not a list of paths")
+    version = config.get("version", 1)
+    if isinstance(version, int) and version >= 3:
+        imports = [DEFAULT_IMPORTS, *imports]
+    for pattern in dict.fromkeys(imports):
         pattern = os.path.join(root, pattern.lstrip("/")) if os.path.isabs(pattern) else os.path.join(os.path.dirname(path), pattern)
         for name in sorted(glob.glob(pattern)):
             with open(name, "rb") as f:
-                imported = tomllib.load(f)
-            plugins = imported.get("plugins")
+                plugins = tomllib.load(f).get("plugins")
             if isinstance(plugins, dict):
-                config.setdefault("plugins", {}).update(plugins)
+                _merge(config.setdefault("plugins", {}), plugins)
     return config
+
+
+def _merge(into: dict, more: dict) -> None:
+    """``more``'s keys into ``into``, tables merged key by key, anything else replaced."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def _table(plugins: dict, name: str) -> dict | None:
@@ -96,8 +109,11 @@ def _cdi(path: str, version: int, cri: dict | None, disabled: list, cdi_dir: str
     if CRI[version] in disabled:
         return Finding("containerd-cdi", "fail", f"{path}: the CRI plugin {CRI[version]} is disabled", f"remove it from disabled_plugins; {fix}")
     enabled = (cri or {}).get("enable_cdi")
-    if enabled is False:
+    if enabled is False and version == 2:
         return Finding("containerd-cdi", "fail", f"{path}: enable_cdi = false: containers get none of the claims' devices", fix)
+    if enabled is False:  # containerd 2.0 honours it; later 2.x dropped the key (CDI always on)
+        return Finding("containerd-cdi", "warn", f"{path}: enable_cdi = false: a containerd 2.x that still knows the key "
+                                                 "gives containers none of the claims' devices", f"remove enable_cdi = false from {section}")
     if enabled is None and version == 2:
         return Finding("containerd-cdi", "warn", f"{path}: enable_cdi is not set: containerd 1.7 then ignores CDI (2.x has "
                                                  "it on): containers would get none of the claims' devices", fix)
@@ -114,6 +130,9 @@ def _nri(path: str, version: int, nri: dict | None, disabled: list, nri_socket: 
         return [Finding("containerd-nri", "skip", "nri_socket is empty: the agent does not use NRI")]
     if NRI in disabled or (nri or {}).get("disable") is True:
         return [Finding("containerd-nri", "fail", f"{path}: NRI is disabled: claimed NICs' netdevs stay on the host", fix)]
+    if (nri or {}).get("disable_connections") is True:
+        return [Finding("containerd-nri", "fail", f"{path}: NRI's disable_connections = true: no external plugin, the agent "
+                                                  "included, may connect", f"set disable_connections = false in [plugins.\"{NRI}\"]")]
     if nri is None and version == 2:
         return [Finding("containerd-nri", "warn", f"{path}: no [plugins.\"{NRI}\"] section: containerd 1.7 then has NRI off "
                                                   "(2.x on): claimed NICs' netdevs would stay on the host", fix)]
