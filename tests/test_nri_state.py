@@ -204,3 +204,38 @@ def test_the_agent_says_whether_nri_works(tmp_path):
     assert len(lines) == 1 and "WARNING" in lines[0], err  # once, however often it was tried
     told = [line for line in err.splitlines() if "claim ml/net-0 prepared with netdev(s)" in line]
     assert len(told) == 1 and "WARNING" in told[0] and "NRI is failed" in told[0], err
+
+
+def test_the_board_and_metrics_follow_the_plugin(caplog):
+    """Without NRI (nri_socket ""): disabled, 0; a NIC claim prepared meanwhile is named (INFO:
+    the operator chose it); registered: 1 and nothing waits; the text of `sysdra status`."""
+    from agent.cli.status import render_text
+    from agent.service.metrics import Metrics
+    from agent.service.status import StatusBoard
+
+    metrics = Metrics(process=False, bridge_global=False)
+    board = StatusBoard("node-a", "sysdra.io", metrics=metrics)
+
+    def sample(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value(name, labels or None)
+
+    assert board.snapshot()["nri"]["state"] == "disabled" and sample("sysdra_nri_connected") == 0
+    assert sample("sysdra_nri", sysdra_nri="disabled") == 1
+    caplog.set_level(logging.INFO, logger="sysdra.daemon")
+    entry = {"namespace": "ml", "name": "net-0", "state": "PrepareCompleted", "devices": [{"device": "nic-0"}],
+             "netdevs": [{"device": "nic-0", "request": "net1", "host": "ens1f0", "pod": "net1"},
+                         {"device": "nic-1", "request": "net1", "host": "ens2f0", "pod": "net2", "state": "in-pod"}]}
+    board.set_prepared_claims({"u1": entry, "u2": {**entry, "name": "gpu-0", "netdevs": []}})
+    board.set_prepared_claims({"u1": entry})  # told once
+    (told,) = [r for r in caplog.records if "prepared with netdev(s)" in r.getMessage()]
+    assert told.levelno == logging.INFO and "ml/net-0" in told.getMessage() and "ens1f0" in told.getMessage()
+    assert board.snapshot()["nri"]["claimsWaiting"] == [{"uid": "u1", "namespace": "ml", "name": "net-0", "netdevs": ["ens1f0"]}]
+    text = render_text(board.snapshot())
+    assert "nri:          disabled: nri_socket is empty\n" in text and "ml/net-0 (u1): netdev(s) ens1f0 stay on the host" in text
+    board.set_nri({"state": "registered", "reason": None, "since": 1.0, "socket": "/s", "runtime": "containerd v2.4.2"})
+    assert board.snapshot()["nri"]["claimsWaiting"] == [] and sample("sysdra_nri_connected") == 1
+    assert sample("sysdra_nri", sysdra_nri="registered") == 1 and sample("sysdra_nri", sysdra_nri="disabled") == 0
+    assert "nri:          registered with containerd v2.4.2 on /s" in render_text(board.snapshot())
+    board.set_nri({"state": "failed", "reason": "no NRI socket at /s", "since": 2.0, "socket": "/s"})
+    assert sample("sysdra_nri_connected") == 0 and board.snapshot()["lastError"]["where"] == "nri"
+    assert [r.levelno for r in caplog.records if "prepared with netdev(s)" in r.getMessage()] == [logging.INFO]

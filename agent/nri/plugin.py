@@ -163,7 +163,7 @@ class NriPlugin:
             self._warned = None
             log.info("NRI: registered as %s-%s on %s%s", self.index, self.name, self.socket_path, after)
             await serving
-            failure = "the runtime closed the connection"
+            failure = f"the runtime closed the connection on {self.socket_path}"
         except (ConnectionError, ProtocolError, OSError, TimeoutError) as err:
             failure = f"connection to {self.socket_path} lost: {err}"
         except Exception as err:  # a refused registration: the runtime said why

@@ -113,8 +113,9 @@ class StatusBoard:
             if c["uid"] not in self._nri_told:
                 self._nri_told.add(c["uid"])
                 log.log(logging.INFO if state == "disabled" else logging.WARNING,
-                        "claim %s/%s prepared with netdev(s) %s to move into its pod, but NRI is %s (%s): they stay "
-                        "on the host until the agent registers with the runtime (sysdra doctor)", c["namespace"],
+                        "claim %s/%s prepared with netdev(s) %s to move into its pod, but NRI is %s (%s): a pod that "
+                        "starts before the agent registers with the runtime runs without them, and they stay on the "
+                        "host (sysdra doctor)", c["namespace"],
                         c["name"], ", ".join(c["netdevs"]), state, self.nri.get("reason") or "no reason given")
 
     @property
