@@ -186,6 +186,9 @@ def test_a_damaged_file_is_said_and_counts_as_empty(node, caplog, content, why):
     assert why in line and "treated as empty" in line and FILE in line
     monitor = asyncio.run(_check_once(node))
     assert monitor == HEALTHY
+    asyncio.run(_fault(node))  # a new fault writes the file anew: the damaged one is kept aside, not overwritten
+    (aside,) = glob.glob(os.path.join(node.plugin_dir, FILE + ".damaged-*"))
+    assert open(aside, "rb").read() == content and list(FaultStore(node.plugin_dir, node.root).load()) == [UUID]
 
 
 async def _check_once(s) -> str:

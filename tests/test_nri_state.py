@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +25,7 @@ from tests.conftest import REPO
 from tests.kubelet_standin import KubeletStandIn, claim
 from tests.nri_standin import Runtime
 from tests.test_agent_service import _agent, _free_port, _stop
+from tests.test_node_operations import _wait
 from tests.test_nri_protocol import Recorder
 
 
@@ -143,13 +143,8 @@ def _cli(*args: str) -> str:
     return out.stdout
 
 
-def _until(probe, proc, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (got := probe()):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return got
+def _until(probe, proc, what: str):
+    return _wait(what, probe, proc)
 
 
 def test_the_agent_says_whether_nri_works(tmp_path):

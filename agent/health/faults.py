@@ -155,7 +155,11 @@ class FaultStore:
             read = self.read()
             current = [f for f in read if f.bootId == self.boot_id]
             new = change(current)
-            if new != read:
+            if self.problems:  # what could not be read is kept for the operator, not overwritten
+                aside = f"{self.path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+                os.replace(self.path, aside)
+                log.warning("GPU fault file %s moved aside to %s before it is written again", self.path, aside)
+            if new != read or self.problems:
                 atomic_write_json(self.path, {"version": 1, "faults": [f.model_dump() for f in new]}, mode=0o600)
 
 
