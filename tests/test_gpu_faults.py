@@ -138,6 +138,39 @@ def test_a_gpu_discovered_later_gets_its_kept_fault(node):
     asyncio.run(main())
 
 
+def test_a_gpu_without_a_uuid_in_discovery_is_matched_by_nvmls(node):
+    """Discovery could not read the GPU's UUID (procfs ``information`` without it): the fault is
+    kept under NVML's UUID, and found again by the GPU's PCI address; clearing it works so too."""
+    from agent.health.faults import FaultStore as Store
+
+    inv = scan(node.root)
+    gpu = inv.by_name()[GPU]
+    plain = inv.replace(devices=tuple(d.replace(gpu=gpu.gpu.replace(nvidia_uuid=None)) if d.name == GPU else d
+                                      for d in inv.devices))
+    sim = SimNvmlEvents()
+
+    async def main():
+        monitor = HealthMonitor(node, lambda: plain)
+        await monitor.start()
+        try:
+            assert await monitor.watch_gpu_events(nvml=open_sim(node.root, sim)) and monitor.xid.uuids == {BDF: UUID}
+            sim.emit(BDF, sim.nvmlEventTypeDoubleBitEccError)
+            await until(lambda: UUID in Store(node.plugin_dir, node.root).load())
+        finally:
+            await monitor.stop()
+        again = HealthMonitor(node, lambda: plain)
+        await again.start()
+        try:
+            assert again.states[GPU].verdict.reason == "ecc-double-bit"
+            assert [f.uuid for f in Store(node.plugin_dir, node.root).clear(GPU)] == [UUID]
+            await again.check_now()
+            assert again.states[GPU].verdict.health == HEALTHY
+        finally:
+            await again.stop()
+
+    asyncio.run(main())
+
+
 def test_taint_effects_by_reason():
     rules = {"xid-*": "NoExecute", "xid-79": "None", "link-*": "NoSchedule"}
     assert effect_for("xid-79", "NoSchedule", rules) == "None"  # exact first, whatever the order

@@ -212,14 +212,14 @@ class KeptFaults:
         self.store = store
         self.kept: dict[str, GpuFault] = {}
         self._sig: tuple | None | bool = False  # False: never read
-        self._gone: set[str] = set()  # UUIDs whose fault left the file (cleared), not yet applied
+        self._gone: dict[str, str] = {}  # UUID -> device of the faults that left the file (cleared), not yet applied
 
     @property
     def pending(self) -> bool:
         return bool(self._gone)
 
     def _adopt(self, faults: dict[str, GpuFault]) -> None:
-        self._gone |= self.kept.keys() - faults.keys()
+        self._gone.update((u, f.device) for u, f in self.kept.items() if u not in faults)
         self.kept = faults
         self._sig = self.store.signature()
 
@@ -243,13 +243,16 @@ class KeptFaults:
         self._adopt(self.store.load())
 
     def apply(self, known: dict, memory: dict) -> None:
-        """Kept faults onto their GPUs' memory (matched by UUID), cleared ones off."""
-        gone, self._gone = self._gone, set()
+        """Kept faults onto their GPUs' memory, cleared ones off: matched by UUID, or by PCI address
+        for a GPU whose UUID discovery could not read (the fault was kept under NVML's)."""
+        gone, self._gone = self._gone, {}
+        by_device = {f.device: u for u, f in self.kept.items()}
+        gone_devices = {d: u for u, d in gone.items()}
         for name, dev in known.items():
-            uuid = dev.gpu.nvidia_uuid if dev.gpu is not None else None
             mem = memory.get(name)
-            if not uuid or mem is None:
+            if dev.gpu is None or mem is None:
                 continue
+            uuid = dev.gpu.nvidia_uuid or by_device.get(name) or gone_devices.get(name)
             if uuid in gone and mem.event_fault is not None:
                 log.info("device %s (%s): fault %s cleared (no longer in %s)", name, uuid, mem.event_fault[0],
                          self.store.path)
