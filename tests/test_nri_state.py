@@ -233,4 +233,5 @@ def test_the_board_and_metrics_follow_the_plugin(caplog):
     assert "nri:          registered with containerd v2.4.2 on /s" in render_text(board.snapshot())
     board.set_nri({"state": "failed", "reason": "no NRI socket at /s", "since": 2.0, "socket": "/s"})
     assert sample("sysdra_nri_connected") == 0 and board.snapshot()["lastError"]["where"] == "nri"
+    assert board.summary().endswith("; NRI failed (sysdra status)")
     assert [r.levelno for r in caplog.records if "prepared with netdev(s)" in r.getMessage()] == [logging.INFO]

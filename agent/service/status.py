@@ -199,6 +199,8 @@ class StatusBoard:
             parts.append(f"last publish {self.publish['result']} {ago}s ago")
         if self.claim_status_failed:
             parts.append(f"{self.claim_status_failed} claim status writes failed")
+        if self.nri.get("state") == "failed":
+            parts.append("NRI failed (sysdra status)")
         return "; ".join(parts)
 
 
