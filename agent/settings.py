@@ -110,6 +110,14 @@ def _exclude(v: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f"{what}:{pattern}" for what, pattern in Exclusions.parse(v).rules)
 
 
+def _taint_effects(v: dict[str, str]) -> dict[str, str]:
+    """Fault reason code (or pattern: ``xid-*``) -> DeviceTaint effect."""
+    for pattern in v:
+        if not re.fullmatch(r"[a-z0-9*?\[\]-]{1,63}", pattern):
+            raise ValueError(f"{pattern!r} is not a reason code or pattern (docs/health.md: xid-79, xid-*, link-down)")
+    return v
+
+
 def _shm_size(v: str) -> str:
     """A Kubernetes quantity of whole bytes, at least 1Mi (an MPS daemon's shm tmpfs)."""
     from agent.quantity import parse_quantity
@@ -171,6 +179,7 @@ _CHECKS = {
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
     "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size, "exclude_devices": _exclude,
+    "taint_effects": _taint_effects,
 }
 
 
@@ -203,9 +212,13 @@ class Settings(BaseModel):
     # Publish per-PF shared counters so a PF and its VFs are never allocated together;
     # needs the DRAPartitionableDevices feature gate on the cluster (docs/attributes.md "SR-IOV").
     pf_vf_exclusive: bool = False
-    # Publish unhealthy devices with a NoSchedule DeviceTaint sysdra.io/unhealthy (docs/health.md).
+    # Publish unhealthy devices with a DeviceTaint sysdra.io/unhealthy (docs/health.md).
     taint_unhealthy: bool = False
     taint_hold: float = 60.0  # seconds a recovered device stays tainted (a flapping link stays tainted)
+    # The taints' effect (resource.k8s.io/v1 DeviceTaint: None, NoSchedule, NoExecute evicts the pods
+    # using the device), and per fault reason code or pattern (xid-*: NoExecute), which wins.
+    taint_effect: Literal["None", "NoSchedule", "NoExecute"] = "NoSchedule"
+    taint_effects: dict[str, Literal["None", "NoSchedule", "NoExecute"]] = Field(default_factory=dict, max_length=64)
     # GPU partitions as devices with shared counters; compatibility groups need the cluster's
     # DRADeviceCompatibilityGroups gate (docs/partitions.md). Seconds a mode switch may take.
     partitions: bool = False
@@ -300,16 +313,16 @@ class Settings(BaseModel):
 
 def _before(values: dict[str, Any]) -> dict[str, Any]:
     """The spellings a field's type does not take as they are: a comma list for ``share`` and ``exclude_devices``,
-    YAML text for ``skip_node_operations`` and ``nvidia_mps_pod`` (from SYSDRA_*)."""
+    YAML text for ``skip_node_operations``, ``nvidia_mps_pod`` and ``taint_effects`` (from SYSDRA_*)."""
     out = dict(values)
     for name, value in values.items():
         if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
-        elif name in ("skip_node_operations", "nvidia_mps_pod") and isinstance(value, str):  # '{accelerator: ["*"]}'
+        elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects") and isinstance(value, str):  # '{accelerator: ["*"]}'
             import yaml
 
             try:
-                out[name] = yaml.safe_load(value) or ({} if name == "skip_node_operations" else None)
+                out[name] = yaml.safe_load(value) or (None if name == "nvidia_mps_pod" else {})
             except yaml.YAMLError as err:
                 raise ConfigError(f"invalid setting {name.replace('_', '-')}: not a YAML mapping: {err}") from None
     return out

@@ -16,7 +16,7 @@ NEUTRAL = {"agent.settings", "agent.fsutil", "agent.protos"}
 # Who may import whom among agent's wings (besides neutral modules and discovery/cdi).
 WING_DEPENDS = {
     "cli": {"service", "kubeletplugin", "prepare", "publish", "health", "tools"},
-    "tools": {"service", "kubeletplugin", "prepare", "publish"},
+    "tools": {"service", "kubeletplugin", "prepare", "publish", "health"},
     "service": {"kubeletplugin", "prepare", "publish", "health", "nri"},
     "nri": {"prepare", "kubeletplugin"},
     "prepare": {"kubeletplugin"},

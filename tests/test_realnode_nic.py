@@ -17,9 +17,11 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import pytest
 
+from tests.conftest import REPO
 from tests.controlplane import peer
 from tests.realnode import DRIVER, RealNode
 from tests.realnode_leftovers import HostState
@@ -79,6 +81,13 @@ def host_metadata(node: RealNode, ns: str) -> dict:
 
     with open(layout.host_file(os.path.join(node.kubelet_dir, "plugins", DRIVER), ns, "nic", "net1")) as f:
         return json.JSONDecoder().raw_decode(f.read())[0]
+
+
+def nri_status(node: RealNode) -> dict:
+    """The NRI plugin's state as `sysdra status` reports it."""
+    out = subprocess.run([sys.executable, "-m", "agent", "status", "-o", "json", "--kubelet-dir", node.kubelet_dir],
+                         cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(out.stdout)["nri"]
 
 
 def network_status(node: RealNode, ns: str) -> dict | None:
@@ -172,11 +181,17 @@ def test_containerd_restarted_under_a_running_pod_leaves_nothing_stranded(realno
     ns = nic_pod(realnode, "true")
     running_log(realnode, ns, "app")
     assert [m["state"] for m in moves(realnode)] == ["in-pod"]
+    before = nri_status(realnode)
+    assert before["state"] == "registered" and before["runtime"].startswith("containerd") and before["socket"] == realnode.nri_socket
     synced = agent_count(realnode, "NRI: synchronized with")
     realnode.stop_process("containerd")
+    down = wait(lambda: (s := nri_status(realnode))["state"] == "failed" and s, "sysdra status: NRI failed", realnode, log="agent")
+    assert realnode.nri_socket in down["reason"]  # the connection lost, then no socket or refused
     realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
     wait(lambda: agent_count(realnode, "NRI: synchronized with") > synced, "the NRI plugin synchronized after containerd's restart",
          realnode, log="agent")  # fmt: skip
+    after = wait(lambda: (s := nri_status(realnode))["state"] == "registered" and s, "sysdra status: NRI registered", realnode)
+    assert after["connections"] == before["connections"] + 1 and after["claimsWaiting"] == []
     assert [m["state"] for m in moves(realnode)] == ["in-pod"] and not rtnl.has_link(HOST_NET, IFNAME)
     delete_pod(realnode, ns, "app")
     wait(lambda: not moves(realnode) or [m.get("state", "planned") for m in moves(realnode)] == ["planned"],

@@ -10,7 +10,7 @@ import pytest
 from agent import names
 from agent.fsutil import UnsafePath, inside, make_dirs
 from agent.prepare.allocation import ClaimFailed, our_results
-from agent.prepare.bootid import read_boot_id
+from agent.bootid import read_boot_id
 from agent.prepare.metadata import layout
 from agent.service.startup import unsafe_reason
 

@@ -10,7 +10,8 @@ _MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="check kubelet sockets, registration, CDI specs, metadata, API access and clock")
+    p = sub.add_parser("doctor", help="check kubelet sockets, registration, NRI, containerd's config, CDI specs, metadata, "
+                                      "kept GPU faults, API access and clock")
     p.add_argument("--config", metavar="FILE", help="config file (default $SYSDRA_CONFIG or /etc/sysdra/config.yaml)")
     p.add_argument("--kubelet-dir", help="kubelet root directory (default /var/lib/kubelet)")
     p.add_argument("--driver-name", help="driver name (default sysdra.io)")
@@ -20,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rolling-update-uid", help="pod UID the agent runs with (changes the socket names)")
     p.add_argument("--status-socket", help="the agent's status socket")
     p.add_argument("--no-api", action="store_true", help="skip the API server checks")
+    p.add_argument("--root", help="host root (default /): its boot ID, and its etc/containerd/config.toml")
+    p.add_argument("--containerd-config", metavar="FILE", help="containerd's config (default <root>/etc/containerd/config.toml)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     p.set_defaults(func=run)
 
@@ -30,7 +33,7 @@ def _settings(args):
     from agent.tools.findings import Finding
 
     flags = {"kubelet_dir": args.kubelet_dir, "driver_name": args.driver_name, "node_name": args.node_name,
-             "cluster": args.cluster, "rolling_update_uid": args.rolling_update_uid}
+             "cluster": args.cluster, "rolling_update_uid": args.rolling_update_uid, "root": args.root}
     from agent.cli.publishing import checked
 
     try:  # as `sysdra run` judges them (share policies too)
@@ -56,7 +59,8 @@ def run(args) -> int:
     settings, config_finding = _settings(args)
     status_socket = resolve_status_socket(args.status_socket, settings.kubelet_dir, settings.driver_name, args.config)
     cdi_dirs = args.cdi_dir or [settings.cdi_dir, "/etc/cdi"]
-    findings = [config_finding] + run_all(settings, status_socket, cdi_dirs, api=not args.no_api)
+    findings = [config_finding] + run_all(settings, status_socket, cdi_dirs, api=not args.no_api,
+                                          containerd_config=args.containerd_config)
     if args.output == "json":
         json.dump([f.__dict__ for f in findings], sys.stdout, indent=2)
         sys.stdout.write("\n")

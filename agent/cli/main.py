@@ -14,7 +14,7 @@ import os
 import sys
 
 # Subcommands in help order; each is the module agent/cli/<name>.py.
-COMMANDS = ("scan", "run", "status", "doctor", "record", "metadata")
+COMMANDS = ("scan", "run", "status", "doctor", "health", "record", "metadata")
 
 
 class _Version(argparse.Action):

@@ -9,7 +9,7 @@ naming the setting (exit 78).
 
 from __future__ import annotations
 
-VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml", "exclude-devices")
+VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml", "exclude-devices", "taint-effect")
 SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups",
                                  "publish-uplink")
 # One line each; docs/operations.md has the whole story of every setting.
@@ -18,7 +18,8 @@ HELP = {
     "driver-name": "DRA driver name in slices, claims and CDI kinds (default sysdra.io)",
     "list-attributes": "publish list-typed attributes (needs the DRAListTypeAttributes gate on the cluster)",
     "pf-vf-exclusive": "publish per-PF counters so a PF and its VFs are never allocated together (partitionable devices)",
-    "taint-unhealthy": "publish unhealthy devices with a NoSchedule device taint sysdra.io/unhealthy",
+    "taint-unhealthy": "publish unhealthy devices with a device taint sysdra.io/unhealthy (effect: --taint-effect)",
+    "taint-effect": "the taints' effect: None, NoSchedule (default) or NoExecute (evicts the pods using the device); per reason: taint_effects",
     "partitions": "publish GPU partitions (AMD compute partitions, NVIDIA MIG instances) with shared counters",
     "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
     "nvidia-driver-root": "host directory holding the NVIDIA user-space driver (default /; e.g. /run/nvidia/driver, /usr/local/nvidia)",

@@ -50,6 +50,20 @@ def _claim_status_lines(now: float, cs: dict) -> list[str]:
     return lines
 
 
+def _nri_lines(now: float, nri: dict) -> list[str]:
+    state = nri.get("state")
+    if state == "registered":
+        line = f"nri:          registered with {nri.get('runtime') or 'the runtime'} on {nri.get('socket')} since {_ago(now, nri.get('since'))}"
+    else:
+        line = f"nri:          {state}" + (f" since {_ago(now, nri['since'])}" if nri.get("since") else "")
+        line += f": {_one_line(nri['reason'])}" if nri.get("reason") else ""
+    lines = [line]
+    for c in nri.get("claimsWaiting") or []:
+        lines.append(f"  {c.get('namespace')}/{c.get('name')} ({c.get('uid')}): netdev(s) {', '.join(map(str, c.get('netdevs') or []))} "
+                     "stay on the host (NRI not registered)")
+    return lines
+
+
 def render_text(s: dict) -> str:
     now = s.get("now") or time.time()
     reg = s.get("registration") or {}
@@ -78,6 +92,8 @@ def render_text(s: dict) -> str:
         lines.append(f"mps daemons:  {len(daemons)}")
         lines += [f"  {d.get('gpu')}: {d.get('daemon')}, {d.get('state')} ({d.get('restarts')} restarts in the window)"
                   for d in daemons]
+    if s.get("nri") is not None:  # (an older agent's document has none)
+        lines += _nri_lines(now, s["nri"])
     lines.append(f"last error:   {err['where']}: {err['message']} ({_ago(now, err['time'])})" if err else "last error:   none")
     if proc := s.get("process"):  # (an older agent's document has none)
         lines.append(f"process:      {proc['rssBytes'] / 2**20:.1f} MB resident, {proc['cpuSeconds']:.1f} s CPU, "

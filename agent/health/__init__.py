@@ -10,7 +10,7 @@ Wiring (the daemon)::
     await plugin.start()
     watcher: monitor.on_inventory(inv) after every rescan (any thread)
     monitor.snapshot()            # {device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}
-    monitor.taints()              # {device: [{"key": "sysdra.io/unhealthy", "value": reason, "effect": "NoSchedule"}]}
+    monitor.taints()              # {device: [{"key": "sysdra.io/unhealthy", "value": reason, "effect": taint_effect}]}
     await monitor.stop()          # ends open streams; then plugin.stop()
 """
 
@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Callable
 
 from agent.health.checks import HEALTHY, UNHEALTHY, UNKNOWN
-from agent.health.monitor import TAINT_KEY, HealthMonitor
+from agent.health.monitor import HealthMonitor
 from agent.health.service import HealthV1, HealthV1alpha1
+from agent.health.taints import TAINT_KEY
 from agent.protos import dra_health_v1_pb2_grpc, dra_health_v1alpha1_pb2_grpc
 from agent.settings import Settings
 from discovery.models import Inventory

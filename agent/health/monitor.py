@@ -26,19 +26,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, truncate
+from agent.health.faults import FaultStore, KeptFaults
+from agent.health.gpuevents import GpuEvents
 from agent.health.linkwatch import LinkWatch
-from agent.health.xid import XidWatch
+from agent.health.taints import taint_for
 from agent.rtnetlink import listen_on_host
 from agent.settings import Settings
 from discovery.gpuways import partition_names, whole_unusable
-from discovery.inventory import device_name
 from discovery.models import Device, Inventory
 from discovery.nvidia_driver import DriverFilesCache
 from discovery.sysfs import HostFS
 
 log = logging.getLogger(__name__)
 
-TAINT_KEY = "sysdra.io/unhealthy"
 FULL_SWEEP = 60.0  # seconds: event-reported signals are re-read at least this often anyway
 
 
@@ -56,12 +56,15 @@ class Subscriber:
         self.closed = False
 
 
-class HealthMonitor:
+class HealthMonitor(GpuEvents):
+    """Device health: rounds, verdicts, streams; NVIDIA events and MPS daemons' faults from ``GpuEvents``."""
+
     def __init__(self, settings: Settings, inventory_fn: Callable[[], Inventory | None]):
         self.fs = HostFS(settings.root)
         self.nvidia_files = DriverFilesCache(settings.root, settings.nvidia_driver_root)
         self.settings = settings
-        self.xid: XidWatch | None = None
+        self.xid = None  # agent.health.xid.XidWatch once NVML's events are watched
+        self.kept = KeptFaults(FaultStore(settings.plugin_dir, settings.root))  # XID/ECC faults across restarts
         self._nvml_missing = False  # watch_gpu_events found no NVML: rounds ask again
         self.nvml_up: Callable[[], None] = lambda: None  # NVML came up after the agent (the daemon rescans)
         self.pool = settings.node_name
@@ -72,6 +75,7 @@ class HealthMonitor:
         self._memory: dict[str, Memory] = {}
         self.states: dict[str, DeviceState] = {}
         self.taint_hold = settings.taint_hold  # seconds a recovered device stays tainted (taints)
+        self.taint_effect, self.taint_effects = settings.taint_effect, settings.taint_effects  # (SIGHUP sets them)
         self._tainted: dict[str, tuple[float, list[dict]]] = {}  # device -> (last seen unhealthy, its taint)
         self.clock = time.monotonic
         self._subscribers: set[Subscriber] = set()
@@ -98,66 +102,6 @@ class HealthMonitor:
         self._wake = asyncio.Event()
         await self.check_now()
         self._task = asyncio.create_task(self._run(), name="health-monitor")
-
-    async def watch_gpu_events(self, nvml=None) -> bool:
-        """NVIDIA XID/ECC events from NVML (agent/health/xid.py) mark their GPU unhealthy at
-        once. Call after ``start``; False when NVML is off, absent or refuses. An NVML not up yet
-        (the driver loads after the agent) is asked for again after each round while a GPU is
-        bound to nvidia (discovery/nvml.py backs off); ``nvml_up`` is called once it is."""
-        s = self.settings
-        if nvml is None and s.nvml:
-            from discovery.nvml import Nvml
-
-            nvml = await asyncio.to_thread(Nvml.shared, s.root, s.nvidia_driver_root, self._nvidia_bound())
-            if self._nvml_missing and nvml is not None:
-                self.nvml_up()
-            self._nvml_missing = nvml is None
-        if nvml is None:
-            return False
-        xid = XidWatch(nvml, self._on_gpu_fault, ignored=s.nvidia_ignored_xids)
-        if not await asyncio.to_thread(xid.start):
-            return False
-        self.xid = xid
-        return True
-
-    def _nvidia_bound(self) -> bool:
-        return any(self._known[n].pci.driver == "nvidia" for n in self._present_names)
-
-    def _watch_late_nvml(self) -> None:
-        """After a round: ask for the NVML that was not up, in a thread, the round not waiting."""
-        asking = any(t.get_name() == "late-nvml" for t in self._link_checks)
-        if self._nvml_missing and not asking and self._nvidia_bound():
-            task = asyncio.create_task(self.watch_gpu_events(), name="late-nvml")
-            self._link_checks.add(task)
-            task.add_done_callback(self._link_checks.discard)
-
-    def _on_gpu_fault(self, bdf: str, code: str, message: str) -> None:
-        """From the event thread: the GPU's fault is remembered and the GPU checked now."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._gpu_fault, device_name("gpu", bdf), code, message)
-
-    def _gpu_fault(self, name: str, code: str, message: str) -> None:
-        mem = self._memory.setdefault(name, Memory())
-        mem.event_fault = (code, message)
-        task = asyncio.create_task(self.check_devices([name]))
-        self._link_checks.add(task)
-        task.add_done_callback(self._link_checks.discard)
-
-    def gpu_daemon_fault(self, uuid: str, fault: tuple[str, str] | None) -> None:
-        """From any thread: the MPS control daemon of the NVIDIA GPU ``uuid`` is down (``fault``:
-        code, message) or back (None); its GPU is checked now, and stays unhealthy until back."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._daemon_fault, uuid, fault)
-
-    def _daemon_fault(self, uuid: str, fault: tuple[str, str] | None) -> None:
-        self._daemon_faults[uuid] = fault
-        names = [n for n, d in self._known.items() if d.gpu is not None and d.gpu.nvidia_uuid == uuid]
-        for name in names:
-            self._memory.setdefault(name, Memory()).daemon_fault = fault
-        if names:
-            task = asyncio.create_task(self.check_devices(names))
-            self._link_checks.add(task)
-            task.add_done_callback(self._link_checks.discard)
 
     async def watch_links(self, kernel: bool) -> bool:
         """Re-check a NIC as soon as the kernel reports a link change on its interface, in the
@@ -188,9 +132,7 @@ class HealthMonitor:
             return
         names = [n for n, d in self._known.items() if d.nic and any(i.name in interfaces for i in d.nic.interfaces)]
         if names:
-            task = asyncio.get_running_loop().create_task(self.check_devices(names))
-            self._link_checks.add(task)
-            task.add_done_callback(self._link_checks.discard)
+            self._spawn(self.check_devices(names))
 
     async def stop(self) -> None:
         if self.xid is not None:
@@ -307,7 +249,10 @@ class HealthMonitor:
         return verdict
 
     def _check_all(self, full: bool = True) -> dict[str, DeviceState]:
+        seen = self._present_of
         present = self._present()
+        if self.kept.refresh() or self._present_of is not seen or self.kept.pending:  # kept faults onto new GPUs too
+            self.kept.apply(self._known, self._memory)
         now = time.time()
         files = functools.cache(self.nvidia_files.get)  # the driver's files looked up once a round, not once a GPU
         if full:
@@ -354,9 +299,9 @@ class HealthMonitor:
         now = self.clock()
         for n, s in self.states.items():
             if s.verdict.health == UNHEALTHY:
-                self._tainted[n] = (now, [{"key": TAINT_KEY, "value": s.verdict.reason, "effect": "NoSchedule"}])
+                self._tainted[n] = (now, [taint_for(s.verdict.reason, self.taint_effect, self.taint_effects)])
         for n, (seen, _) in list(self._tainted.items()):
-            if n not in self.states or now - seen >= self.taint_hold:
+            if n not in self.states or (seen != now and now - seen >= self.taint_hold):  # (taint_hold 0: until it recovers)
                 del self._tainted[n]
         return {n: taint for n, (_, taint) in sorted(self._tainted.items())}
 

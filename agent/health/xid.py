@@ -5,12 +5,14 @@ double-bit ECC error, ...) or an ECC event. NVML delivers them to an event set t
 our own waits on (a blocking call by design, so never the event loop or NVML's query thread).
 Application errors (XIDs 13, 31, 43, 45, 68, 109 by default: a program's own fault, not the
 GPU's) are ignored, as NVIDIA's driver ignores them; a double-bit ECC error is a fault; a
-single-bit one is corrected and only logged. A fault holds until the agent restarts: a GPU
-that raised one needs a reset (and so a restart of what uses it) to be trusted again.
+single-bit one is corrected and only logged. A fault holds until the node reboots (kept across
+agent restarts: agent/health/faults.py) or the operator clears it: a GPU that raised one needs a
+reset (and so a restart of what uses it) to be trusted again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -40,6 +42,10 @@ def bus_id(text) -> str | None:
     return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
 
 
+def _text(value) -> str:
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+
+
 class XidWatch:
     """Calls ``on_fault(bdf, code, message)`` (from its own thread) for every fault event."""
 
@@ -50,6 +56,7 @@ class XidWatch:
         self.ignored = frozenset(ignored)
         self.wait_ms = wait_ms
         self.registered: list[str] = []  # bus IDs of the GPUs whose events are watched
+        self.uuids: dict[str, str] = {}  # bus ID -> the GPU's UUID (NVML's), for faults kept across restarts
         self.events = 0
         self.clock = time.monotonic
         self._noted: dict[str, tuple[float, int]] = {}  # what -> (when last logged, how many since)
@@ -63,7 +70,7 @@ class XidWatch:
 
         def register():
             event_set = nv.nvmlEventSetCreate()
-            done = []
+            done, uuids = [], {}
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 try:
@@ -72,13 +79,15 @@ class XidWatch:
                     log.warning("NVML events of GPU %d not watched: %s", i, err)
                     continue
                 done.append(bus_id(nv.nvmlDeviceGetPciInfo(h).busId))
-            return event_set, done
+                with contextlib.suppress(nv.NVMLError):  # discovery's UUID (procfs) is used first anyway
+                    uuids[done[-1]] = _text(nv.nvmlDeviceGetUUID(h))
+            return event_set, done, uuids
 
         got = self.nvml.call("registering for XID/ECC events", register)
         if not got or not got[1]:
             log.warning("NVML XID/ECC events not watched: GPU faults are seen by the sysfs checks only")
             return False
-        self._set, self.registered = got
+        self._set, self.registered, self.uuids = got
         threading.Thread(target=self._run, name="nvml-events", daemon=True).start()
         log.info("NVML XID/ECC events watched on %s (XIDs ignored: %s)", ", ".join(self.registered),
                  ", ".join(map(str, sorted(self.ignored))) or "none")

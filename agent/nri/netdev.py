@@ -361,10 +361,11 @@ def crash_at(point: str):
     return lambda at: os.kill(os.getpid(), signal.SIGKILL) if at == point else None
 
 
-def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
+def follow_pod_sandboxes(settings, kubelet_plugin=None, on_state=None) -> list[asyncio.Task]:
     """The agent's NRI plugin as a task (none when ``nri_socket`` is empty): it moves the
     netdevs of the claims the driver prepared (their checkpoint) into their pods; the kubelet
-    plugin's claim status writer (if any) gets the claims' networkData after a move."""
+    plugin's claim status writer (if any) gets the claims' networkData after a move; ``on_state``
+    its state at every change (agent.nri.plugin.State.report)."""
     if not settings.nri_socket:
         return []
     status = getattr(kubelet_plugin, "status", None)
@@ -376,7 +377,7 @@ def follow_pod_sandboxes(settings, kubelet_plugin=None) -> list[asyncio.Task]:
                         saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None,
                         repair=getattr(driver, "repair_checkpoint", None))
     loop = asyncio.get_running_loop()
-    return [loop.create_task(NriPlugin(settings.nri_socket, mover).run(), name="nri"),
+    return [loop.create_task(NriPlugin(settings.nri_socket, mover, on_state=on_state).run(), name="nri"),
             loop.create_task(mover.watch(), name="nri-netdevs"),
             loop.create_task(asyncio.to_thread(_say_what_moves_lack, settings.root), name="nri-rights")]
 

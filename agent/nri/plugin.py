@@ -6,12 +6,20 @@ runtime then calls ``Configure`` (the plugin answers with the events it wants an
 policy), ``Synchronize`` (the pods and containers that exist, maybe in several batches) and
 the subscribed events. When the runtime restarts the socket closes; the plugin connects
 again, with a growing pause, until it is stopped.
+
+Whether it works is never silent (docs/networking.md, "Is NRI working?"): ``state.phase`` is
+``connecting``, ``registered`` or ``failed`` with the reason, handed to ``on_state`` (the daemon:
+``sysdra status``, ``sysdra_nri_connected``, doctor) at every change; a failure is logged at
+WARNING the first time, when its reason changes, and then once per ``WARN_EVERY`` with how many
+attempts failed since; the registration that ends a run of failures at INFO.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +34,7 @@ PKG = "nri.pkg.api.v1alpha1"
 # container's creation has nothing for us to do (its sandbox's namespace already has the netdevs).
 EVENTS = (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX)
 RETRY_FIRST, RETRY_MAX = 0.5, 10.0
+WARN_EVERY = 600.0  # seconds between WARNING lines of one unchanged failure
 
 
 def event_mask(events) -> int:
@@ -66,37 +75,79 @@ class PodEvents(Protocol):
 
 @dataclass
 class State:
-    """What the plugin knows of its runtime, for logs, status and tests."""
+    """What the plugin knows of its runtime, for logs, status and tests. ``phase``: connecting
+    (no answer yet), registered, failed (``reason`` says why; tried again meanwhile)."""
     connected: bool = False
     runtime: str = ""
     synchronized: bool = False
     connections: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    phase: str = "connecting"
+    reason: str | None = None
+    since: float = field(default_factory=time.time)  # Unix seconds of the phase's (or reason's) start
+    failures: int = 0  # attempts failed since the last registration
+
+    def report(self, socket: str) -> dict:
+        """For ``sysdra status`` (JSON ``nri``)."""
+        return {"state": self.phase, "reason": self.reason, "since": self.since, "socket": socket,
+                "runtime": self.runtime or None, "synchronized": self.synchronized, "connections": self.connections,
+                "failedAttempts": self.failures}
+
+
+def why_not(err: OSError, path: str) -> str:
+    """A failed connection to the NRI socket, as the operator needs to read it."""
+    if isinstance(err, FileNotFoundError):
+        return (f"no NRI socket at {path}: NRI is off in the container runtime, or it serves another path "
+                "(containerd 1.7: [plugins.\"io.containerd.nri.v1.nri\"] disable = false; sysdra doctor checks the config)")
+    if isinstance(err, ConnectionRefusedError):
+        return f"connection to {path} refused: nobody serves it (the runtime is down, or NRI is off)"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"{path}: permission denied (the agent runs as root, or the DaemonSet mounts /var/run/nri)"
+    return f"{path}: {err.strerror or err}"
 
 
 class NriPlugin:
     """The plugin for one runtime socket; :meth:`run` until cancelled."""
 
     def __init__(self, socket_path: str, events: PodEvents, *, name: str = "sysdra", index: str = "50",
-                 fail_request: bool = True):
+                 fail_request: bool = True, on_state: Callable[[dict], None] | None = None):
         self.socket_path, self.name, self.index = socket_path, name, index
         self._events, self._fail_request = events, fail_request
         self.state = State()
+        self.on_state = on_state  # called on the loop with state.report() after every change
+        self.clock = time.monotonic
+        self._warned: tuple[str, float] | None = None  # (reason, when) of the last WARNING
         self._sync_pods: list[Pod] = []
         self.changed = asyncio.Condition()
 
     async def run(self) -> None:
         delay = RETRY_FIRST
+        await self._note()  # the first report: connecting
         while True:
             try:
                 reader, writer = await asyncio.open_unix_connection(self.socket_path)
             except OSError as err:
-                log.debug("NRI socket %s: %s", self.socket_path, err)
+                await self._failed(why_not(err, self.socket_path))
             else:
                 delay = RETRY_FIRST
                 await self._session(reader, writer)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX)
+
+    async def _failed(self, reason: str) -> None:
+        """One failed attempt: WARNING the first time, on a new reason and once per WARN_EVERY."""
+        st, now = self.state, self.clock()
+        changes = {"failures": st.failures + 1, "connected": False, "synchronized": False}
+        if st.phase != "failed" or st.reason != reason:
+            changes.update(phase="failed", reason=reason, since=time.time())
+        if self._warned is None or self._warned[0] != reason or now - self._warned[1] >= WARN_EVERY:
+            since = f" ({st.failures} attempts failed before)" if st.failures and self._warned else ""
+            log.warning("NRI: %s%s; claimed NICs' netdevs stay on the host until the agent registers "
+                        "(tried again every %g s)", reason, since, RETRY_MAX)
+            self._warned = (reason, now)
+        else:
+            log.debug("NRI: %s", reason)
+        await self._note(**changes)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         endpoint = Endpoint(reader, writer, self._services())
@@ -106,22 +157,31 @@ class NriPlugin:
             await endpoint.call(RUNTIME_CONN, f"{PKG}.Runtime", "RegisterPlugin",
                                 api.RegisterPluginRequest(plugin_name=self.name, plugin_idx=self.index),
                                 api.Empty)
-            await self._note(connected=True, connections=self.state.connections + 1)
-            log.info("NRI: registered as %s-%s on %s", self.index, self.name, self.socket_path)
+            after = f" (after {self.state.failures} failed attempts)" if self.state.failures else ""
+            await self._note(connected=True, connections=self.state.connections + 1, phase="registered", reason=None,
+                             since=time.time(), failures=0)
+            self._warned = None
+            log.info("NRI: registered as %s-%s on %s%s", self.index, self.name, self.socket_path, after)
             await serving
+            failure = f"the runtime closed the connection on {self.socket_path}"
         except (ConnectionError, ProtocolError, OSError, TimeoutError) as err:
-            log.warning("NRI: connection to %s lost: %s", self.socket_path, err)
+            failure = f"connection to {self.socket_path} lost: {err}"
         except Exception as err:  # a refused registration: the runtime said why
-            log.warning("NRI: registration on %s failed: %s", self.socket_path, err)
+            failure = f"registration on {self.socket_path} refused: {err}"
         finally:
             endpoint.close()
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
-            await self._note(connected=False, synchronized=False)
+        await self._failed(failure)
 
     async def _note(self, **changes) -> None:
         for key, value in changes.items():
             setattr(self.state, key, value)
+        if self.on_state is not None:
+            try:
+                self.on_state(self.state.report(self.socket_path))
+            except Exception:  # noqa: BLE001 - a report's failure must not end the session
+                log.exception("NRI state not reported")
         async with self.changed:
             self.changed.notify_all()
 

@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 from agent.kubeletplugin.types import ClaimRef, PrepareResult
 from agent.prepare import cdifiles, claimstatus, planner, recovery
 from agent.prepare.allocation import ClaimFailed, our_results
-from agent.prepare.bootid import read_boot_id
+from agent.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from agent.prepare.checkpoint_entries import again_refusal
 from agent.prepare.checkpoint_view import Saved

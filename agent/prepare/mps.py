@@ -94,7 +94,7 @@ class MpsDaemons:
         # as the agent runs it (under --root), or how to find it when needed; None: the node has none
         self._binary = binary
         self._env = env if env is not None else {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
-        self.boot_id = boot_id  # this boot's (prepare/bootid.py): records of another are stale
+        self.boot_id = boot_id  # this boot's (agent/bootid.py): records of another are stale
         self.shm_size = shm_size  # bytes
         self.runtime_pid = runtime_namespace_pid()  # where the shm tmpfs must be seen too; None: not checked
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time

@@ -44,6 +44,8 @@ class Agent:
             metrics = Metrics(process=False)
         self.metrics = metrics  # agent.service.metrics.Metrics, or NullMetrics without an endpoint
         self.board = StatusBoard(settings.node_name, settings.driver_name, metrics=self.metrics)
+        if settings.nri_socket:  # the NRI plugin starts after the kubelet side; its first report replaces this
+            self.board.set_nri({"state": "connecting", "reason": "the agent is starting", "socket": settings.nri_socket})
         self.store, self._client = (store, None) if store is not None else startup.make_store(settings)
         self.publisher = Publisher(self.store, node_name=settings.node_name, driver_name=settings.driver_name,
                                    resync_interval=settings.resync_interval, debounce=settings.debounce,
@@ -290,7 +292,8 @@ class Agent:
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         from agent.nri.netdev import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
-        tasks += [loop.create_task(self._report_status(), name="sd-status"), *follow_pod_sandboxes(self.settings, self.kubelet_plugin)]
+        tasks += [loop.create_task(self._report_status(), name="sd-status"),
+                  *follow_pod_sandboxes(self.settings, self.kubelet_plugin, on_state=self.board.set_nri)]
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)

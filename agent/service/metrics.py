@@ -36,6 +36,7 @@ log = logging.getLogger("sysdra.metrics")
 KINDS = ("gpu", "nic", "fpga", "accelerator")
 HEALTH_STATES = ("healthy", "unhealthy", "unknown")
 REGISTRATION_STATES = ("not_started", "waiting", "registered", "failed")
+NRI_STATES = ("disabled", "connecting", "registered", "failed")  # agent.nri.plugin.State.phase, or no plugin
 # agent.kubeletplugin.statuswriter.RESULTS, written out: importing the writer here would load the
 # kubelet side before the first publish (tests/test_claim_status_reporting.py keeps the two equal)
 CLAIM_STATUS_RESULTS = ("written", "unchanged", "refused", "invalid", "failed")
@@ -99,6 +100,9 @@ class Metrics:
         self.registration = Enum("sysdra_registration", "Kubelet plugin registration state", states=list(REGISTRATION_STATES), registry=r)
         self.claim_status_writes = Counter("sysdra_claim_status_writes_total", "ResourceClaim status.devices writes by result",
                                            ["result"], registry=r)
+        self.nri_connected = Gauge("sysdra_nri_connected", "1 while the NRI plugin is registered with the container "
+                                   "runtime (claimed NICs' netdevs move into their pods), else 0", registry=r)
+        self.nri = Enum("sysdra_nri", "NRI plugin state", states=list(NRI_STATES), registry=r)
         self.last_publish = Gauge("sysdra_last_successful_publish_timestamp_seconds", "Unix time of the last successful sync", registry=r)
         for kind in KINDS:
             self.published_devices.labels(kind).set(0)
@@ -142,6 +146,10 @@ class Metrics:
 
     def set_registration(self, state: str) -> None:
         self.registration.state(state if state in REGISTRATION_STATES else "failed")
+
+    def set_nri(self, state: str) -> None:
+        self.nri.state(state if state in NRI_STATES else "failed")
+        self.nri_connected.set(1 if state == "registered" else 0)
 
     # --- publishing -----------------------------------------------------------------------
     def set_published_devices(self, counts: dict[str, int]) -> None:

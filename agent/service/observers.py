@@ -23,7 +23,7 @@ class NullMetrics:
     def _ignore(self, *args, **kwargs) -> None:
         return None
 
-    observe_prepare = observe_unprepare = set_registration = set_published_devices = _ignore
+    observe_prepare = observe_unprepare = set_registration = set_published_devices = set_nri = _ignore
     observe_publish = observe_change_to_slice = count_watcher_event = set_health = observe_claim_status = _ignore
 
 

@@ -12,9 +12,11 @@ log = logging.getLogger("sysdra.daemon")
 # Settings a SIGHUP applies without a restart; the others need one (sockets, paths, identity, and
 # share/share_policies: prepare's ownership and MPS steps are built from them once, at start).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
-                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "skip_node_operations"})
+                           "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "taint_effect",
+                           "taint_effects", "skip_node_operations"})
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
-REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "skip_node_operations"})
+REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_effect", "taint_effects",
+                                "skip_node_operations"})
 # Of those, the ones the scan itself reads (list attributes are made at scan time): a full rescan.
 RESCAN_SETTINGS = frozenset({"list_attributes"})
 
@@ -46,6 +48,7 @@ def apply(agent, new: Settings) -> None:
         agent.debouncer.delay = s.debounce
     if agent.health is not None:
         agent.health.interval, agent.health.taint_hold = s.health_interval, s.taint_hold
+        agent.health.taint_effect, agent.health.taint_effects = s.taint_effect, s.taint_effects
     if "log_level" in live or "log_format" in live:
         from agent.service.logs import setup_logging
 

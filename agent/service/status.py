@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import os
 import socket
 import stat
 import time
 from collections import Counter, deque
 
+from agent.prepare.checkpoint_format import COMPLETED
 from agent.service import procstats
 from agent.settings import DEFAULT_CONFIG_FILE, ConfigError, load_config_file
+
+log = logging.getLogger("sysdra.daemon")
 
 SOCKET_NAME = "status.sock"
 RECENT_CLAIM_STATUS_FAILURES = 5  # kept for `sysdra status`; the count and the log have all of them
@@ -57,8 +61,12 @@ class StatusBoard:
         self.claim_status_failed = 0
         self._claim_status_failures: deque[dict] = deque(maxlen=RECENT_CLAIM_STATUS_FAILURES)
         self.mps_daemons: list[dict] = []  # the MPS daemons supervised: gpu, daemon (pid or pod), state, restarts
+        self.nri: dict = {"state": "disabled", "reason": "nri_socket is empty"}  # agent.nri.plugin.State.report()
+        self._nri_waiting: list[dict] | None = []  # None: to be computed
+        self._nri_told: set[str] = set()  # claims already logged as waiting for NRI
         if metrics is not None:
             metrics.set_registration("not_started")
+            metrics.set_nri("disabled")
 
     # --- setters the daemon calls -------------------------------------------------------
     def set_registration(self, state: str, error: str | None = None) -> None:
@@ -85,6 +93,36 @@ class StatusBoard:
         Called after every prepare: keeps a shallow copy, the list is built when asked for."""
         self._claims = dict(claims)
         self._prepared = None
+        self._nri_changed()
+
+    def set_nri(self, report: dict) -> None:
+        """The NRI plugin's state (``agent.nri.plugin.State.report``), at every change."""
+        self.nri = dict(report)
+        if self.metrics is not None:
+            self.metrics.set_nri(report.get("state", "failed"))
+        if report.get("state") == "failed":
+            self.record_error("nri", report.get("reason") or "failed")
+        self._nri_changed()
+
+    def _nri_changed(self) -> None:
+        """Prepared NIC claims whose netdevs would move into their pods while NRI is not registered:
+        the netdevs stay on the host. Each such claim is logged once (a WARNING, INFO with NRI off)."""
+        self._nri_waiting = None
+        state = self.nri.get("state")
+        for c in self.nri_waiting:
+            if c["uid"] not in self._nri_told:
+                self._nri_told.add(c["uid"])
+                log.log(logging.INFO if state == "disabled" else logging.WARNING,
+                        "claim %s/%s prepared with netdev(s) %s to move into its pod, but NRI is %s (%s): a pod that "
+                        "starts before the agent registers with the runtime runs without them, and they stay on the "
+                        "host (sysdra doctor)", c["namespace"],
+                        c["name"], ", ".join(c["netdevs"]), state, self.nri.get("reason") or "no reason given")
+
+    @property
+    def nri_waiting(self) -> list[dict]:
+        if self._nri_waiting is None:
+            self._nri_waiting = [] if self.nri.get("state") == "registered" else _unmoved(self._claims)
+        return self._nri_waiting
 
     @property
     def prepared(self) -> list[dict]:
@@ -145,6 +183,7 @@ class StatusBoard:
                             "failed": self.claim_status_failed,
                             "recentFailures": [dict(f) for f in reversed(list(self._claim_status_failures))]},  # newest first
             "mpsDaemons": [dict(r) for r in self.mps_daemons],
+            "nri": {**self.nri, "claimsWaiting": [dict(c) for c in self.nri_waiting]},
             "lastError": dict(self.last_error) if self.last_error else None,
             "process": procstats.usage(),
         }
@@ -160,7 +199,19 @@ class StatusBoard:
             parts.append(f"last publish {self.publish['result']} {ago}s ago")
         if self.claim_status_failed:
             parts.append(f"{self.claim_status_failed} claim status writes failed")
+        if self.nri.get("state") == "failed":
+            parts.append("NRI failed (sysdra status)")
         return "; ".join(parts)
+
+
+def _unmoved(claims: dict[str, dict]) -> list[dict]:
+    """Prepared claims (checkpoint-shaped) with netdevs still on the host (``planned``)."""
+    out = []
+    for uid, c in claims.items():
+        netdevs = [m.get("host") for m in c.get("netdevs") or () if isinstance(m, dict) and m.get("state", "planned") == "planned"]
+        if netdevs and c.get("state") == COMPLETED:
+            out.append({"uid": uid, "namespace": c.get("namespace"), "name": c.get("name"), "netdevs": netdevs})
+    return sorted(out, key=lambda c: (c["namespace"] or "", c["name"] or "", c["uid"]))
 
 
 def status_socket_path(settings) -> str:

@@ -248,9 +248,26 @@ def check_nvml(root: str, driver_root: str, enabled: bool = True) -> list[Findin
 
 
 # --- everything ---------------------------------------------------------------------------------
-def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True) -> list[Finding]:
+def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True,
+            containerd_config: str | None = None) -> list[Finding]:
+    from agent.service.status import AgentNotRunning, query_status
+    from agent.tools.doctor_runtime import check_containerd, check_gpu_faults, check_nri
+
+    try:  # asked once: registration and NRI read the same document
+        status: dict | AgentNotRunning = query_status(status_socket)
+    except AgentNotRunning as err:
+        status = err
+
+    def answer(_path: str) -> dict:
+        if isinstance(status, AgentNotRunning):
+            raise status
+        return status
+
     found = check_kubelet(settings)
-    found += check_registration(status_socket)
+    found += check_registration(status_socket, answer)
+    found += check_nri(status if isinstance(status, dict) else None)
+    found += check_containerd(settings.root, settings.nri_socket, settings.cdi_dir, containerd_config)
+    found += check_gpu_faults(settings.plugin_dir, settings.root)
     found += check_cdi_dirs(cdi_dirs)
     found += check_metadata(settings.plugin_dir)
     found += check_checkpoint(settings.plugin_dir)
