@@ -35,7 +35,7 @@ class ListFallback:
 
     def applied(self, settings: Settings) -> Settings:
         """The settings to scan with: without list attributes while they are refused."""
-        return settings
+        return settings.replace(list_attributes=False) if self.active and settings.list_attributes else settings
 
     def retry(self, new: Settings) -> bool:
         """SIGHUP: list attributes are tried again (True: rescan) when ``new`` still asks for them."""
