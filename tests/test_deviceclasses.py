@@ -17,7 +17,7 @@ import yaml
 from agent.publish.sharing import share_plan
 from tests.controlplane import APIError, Unschedulable, allocate, resource_path, unique, with_allocation
 from tests.helm import render
-from tests.test_allocator import CLASSES, NODE, claim, devices, exactly, picked, published
+from tests.test_allocator import CLASSES, NODE, claim, devices, picked, published
 
 MIG_GPU, PLAIN_GPU = "gpu-0000-18-00-0", "gpu-0000-3a-00-0"  # h100-mig: one GPU with MIG instances, one without
 AMD_GPUS = ["gpu-0000-05-00-0", "gpu-0000-27-00-0"]  # mi300x-partitions: CPX/NPS1 and SPX/NPS1

@@ -6,7 +6,6 @@ clear message while the agent's event loop is wedged, and passes again once the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -15,11 +14,10 @@ import time
 
 import yaml
 
-from agent.service.daemon import Agent
 from agent.service.status import status_socket_path
 from tests.conftest import REPO, profile_root
 from tests.helm import render
-from tests.kubelet_standin import KubeletStandIn, claim, find_registration_sockets, settings_for, store_claim
+from tests.kubelet_standin import claim, running_agent, settings_for, store_claim
 from tests.partition_node import SPX_GPU, Node, mode_of
 from tests.test_partitions_allocator import gpu_bdf
 
@@ -81,10 +79,7 @@ def test_a_wedged_event_loop_fails_the_probe_and_a_running_one_passes(tmp_path):
     socket = status_socket_path(settings)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        agent_task = asyncio.create_task(Agent(settings).run(stop))
-        try:
-            await _wait_for(lambda: find_registration_sockets(settings.registry_dir) or agent_task.done())
+        async with running_agent(settings):
             assert await probe_async(socket) == 0
             wedged: dict = {}
             prober = threading.Thread(target=lambda: wedged.update(result=run_probe(socket)))
@@ -94,10 +89,6 @@ def test_a_wedged_event_loop_fails_the_probe_and_a_running_one_passes(tmp_path):
             assert result.returncode != 0
             assert f"the agent at {socket} did not answer within 5s (event loop stuck?)" in result.stderr
             assert await probe_async(socket) == 0  # the loop runs again: alive
-        finally:
-            stop.set()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(agent_task, 30)
 
     asyncio.run(main())
 
@@ -109,12 +100,7 @@ def test_a_slow_prepare_never_fails_the_probe(tmp_path):
     a = store_claim(settings, claim("a", [("gpu", f"{SPX_GPU}-dpx-nps1-0")]))  # needs the GPU switched to DPX
 
     async def main() -> None:
-        stop = asyncio.Event()
-        agent_task = asyncio.create_task(Agent(settings).run(stop))
-        try:
-            await _wait_for(lambda: find_registration_sockets(settings.registry_dir) or agent_task.done())
-            kubelet = KubeletStandIn(settings.registry_dir)
-            await kubelet.register()
+        async with running_agent(settings) as kubelet:
             prepare = asyncio.create_task(kubelet.prepare(a))
             await _wait_for(lambda: mode_of(node.root, gpu_bdf(SPX_GPU)) != "SPX/NPS1" or prepare.done())
             probes = 0
@@ -123,10 +109,6 @@ def test_a_slow_prepare_never_fails_the_probe(tmp_path):
                 probes += not prepare.done()  # answered while the prepare still ran
             assert probes >= 1, "the prepare ended before a probe: the test shows nothing"
             assert not (await prepare).claims[a["metadata"]["uid"]].error
-        finally:
-            stop.set()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(agent_task, 30)
 
     with node.sim:
         asyncio.run(main())
