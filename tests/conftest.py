@@ -88,6 +88,21 @@ def apiserver(tmp_path_factory):
     plane.stop()
 
 
+@pytest.fixture(scope="session")
+def older_apiserver(tmp_path_factory):
+    """A kube-apiserver v1.37.2 like ``apiserver`` but with DRAListTypeAttributes at its 1.37
+    default (off) and DRAConsumableCapacity off (its default before 1.36, and so
+    DRAFractionalCapacityRange, which needs it): a cluster whose
+    operator did not turn these on. Shared by the tests that need it (one more server is ~10 s)."""
+    from tests.controlplane import FEATURE_GATES, ControlPlane
+
+    off = {"DRAConsumableCapacity": False, "DRAFractionalCapacityRange": False}  # the latter needs the former
+    gates = {**{k: v for k, v in FEATURE_GATES.items() if k != "DRAListTypeAttributes"}, **off}
+    plane = ControlPlane(dir=str(tmp_path_factory.mktemp("older")), gates=gates).start()
+    yield plane
+    plane.stop()
+
+
 @pytest.fixture(autouse=True)
 def no_simulated_mps_daemon_left(tmp_path_factory):
     """The fixture nodes' simulated MPS control daemon (tests/fake_mps_control.py) runs for shared

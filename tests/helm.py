@@ -35,9 +35,10 @@ def helm(*args: str, check: bool = True, env: dict | None = None) -> subprocess.
     return subprocess.run([peer("helm"), *args], capture_output=True, text=True, check=check, env=environ)
 
 
-def render(*values_files: str, sets: tuple[str, ...] = (), release: str = RELEASE, namespace: str = NAMESPACE) -> str:
-    """``helm template`` of the chart: the release's objects as one YAML stream."""
-    args = ["template", release, CHART, "--namespace", namespace, "--kube-version", KUBE_VERSION]
+def render(*values_files: str, sets: tuple[str, ...] = (), release: str = RELEASE, namespace: str = NAMESPACE,
+           kube_version: str = KUBE_VERSION) -> str:
+    """``helm template`` of the chart for a cluster of ``kube_version``: the release's objects as one YAML stream."""
+    args = ["template", release, CHART, "--namespace", namespace, "--kube-version", kube_version]
     for path in values_files:
         args += ["--values", path]
     for s in sets:

@@ -88,3 +88,31 @@ async def registered_plugin(settings: Settings, inv: Inventory, source, writer):
         yield kubelet
     finally:
         await plugin.stop()
+
+
+@asynccontextmanager
+async def running_agent(settings: Settings):
+    """The whole agent (``agent.service.daemon.Agent``) on this loop, and a kubelet stand-in
+    registered with it once its sockets are served; the agent is stopped on the way out."""
+    import asyncio
+    import time
+
+    from agent.service.daemon import Agent
+
+    stop = asyncio.Event()
+    agent_task = asyncio.create_task(Agent(settings).run(stop))
+    try:
+        deadline = time.monotonic() + 60
+        while not (find_registration_sockets(settings.registry_dir) or agent_task.done()):
+            assert time.monotonic() < deadline, "the agent served no registration socket"
+            await asyncio.sleep(0.05)
+        kubelet = KubeletStandIn(settings.registry_dir)
+        await kubelet.register()
+        yield kubelet
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(agent_task, 30)
+        except asyncio.TimeoutError:
+            pass
+        assert agent_task.done()

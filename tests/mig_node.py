@@ -17,6 +17,7 @@ from tests.kubelet_standin import DRIVER, NODE, settings_for
 from tests.simnvml import SimGpu, open_sim
 from tests.simnvml_mig import SimMigNvml, write_mig_minors
 from tests.test_allocator import CLASSES, claim, exactly
+from tests.test_partitions_allocator import Partitions
 
 GPU, BDF = "gpu-0000-00-06-0", "0000:00:06.0"
 
@@ -26,7 +27,7 @@ def sel(expr: str) -> list[dict]:
 
 
 def profile(name: str) -> list[dict]:
-    return sel(f'device.attributes["sysdra.io"].?migProfile.orValue("") == "{name}"')
+    return Partitions(sel(f'device.attributes["sysdra.io"].?migProfile.orValue("") == "{name}"'))
 
 
 def whole() -> list[dict]:
@@ -34,7 +35,13 @@ def whole() -> list[dict]:
 
 
 def req(name: str, selectors: list[dict], count: int = 1) -> dict:
-    return exactly(name, "gpu.sysdra.io", selectors=selectors, count=count)
+    return exactly(name, getattr(selectors, "device_class", "gpu.sysdra.io"), selectors=selectors, count=count)
+
+
+def shared_request(request: dict) -> dict:
+    if request["exactly"]["deviceClassName"] != "gpu.sysdra.io":
+        return request
+    return {**request, "exactly": {**request["exactly"], "deviceClassName": "gpu-share.sysdra.io"}}
 
 
 class MigNode:
@@ -62,6 +69,10 @@ class MigNode:
         return render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
 
     def allocated(self, name: str, *requests: dict, prepared: list[dict] = ()) -> dict:
+        """``requests`` allocated; on a node that shares its GPUs (``share``), a request for a whole
+        GPU asks for a share of it, as a claim there must (gpu.sysdra.io holds unshared GPUs only)."""
+        if "gpu" in self.settings.share:
+            requests = tuple(shared_request(r) for r in requests)
         c = claim_from(claim(name, *requests))
         (alloc,) = allocate(self.slices(), CLASSES, c, node=NODE, allocated=list(prepared))
         return with_allocation(c, alloc)

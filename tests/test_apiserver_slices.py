@@ -92,15 +92,10 @@ def test_counters_and_devices_never_share_a_slice_on_the_server_either(apiserver
     assert err.value.status == 422
 
 
-@pytest.fixture(scope="module")
-def without_list_attributes(tmp_path_factory):
-    """A server like the session's, but with DRAListTypeAttributes at its 1.37 default (off)."""
-    from tests.controlplane import FEATURE_GATES, ControlPlane
-
-    gates = {k: v for k, v in FEATURE_GATES.items() if k != "DRAListTypeAttributes"}
-    plane = ControlPlane(dir=str(tmp_path_factory.mktemp("nolists")), gates=gates).start()
-    yield plane
-    plane.stop()
+@pytest.fixture
+def without_list_attributes(older_apiserver):
+    """A server with DRAListTypeAttributes at its 1.37 default (off): the session's older_apiserver."""
+    return older_apiserver
 
 
 def test_list_attributes_cost_the_whole_slice_on_a_server_without_the_gate(without_list_attributes):

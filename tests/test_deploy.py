@@ -32,13 +32,14 @@ def _by_kind(kind):
 
 
 def test_deviceclasses_cover_every_kind():
+    """One class per kind, whole devices only where a kind has partitions or shares (tests/test_deviceclasses.py)."""
     from discovery.models import KINDS
 
     classes = {d["metadata"]["name"]: d for d in _by_kind("DeviceClass")}
-    assert set(classes) == {f"{k}.sysdra.io" for k in KINDS}
+    assert set(classes) == {f"{k}.sysdra.io" for k in KINDS} | {"gpu-partition.sysdra.io", "gpu-share.sysdra.io", "nic-share.sysdra.io"}
     for kind in KINDS:
         expr = classes[f"{kind}.sysdra.io"]["spec"]["selectors"][0]["cel"]["expression"]
-        assert expr == f'device.driver == "sysdra.io" && device.attributes["sysdra.io"].type == "{kind}"'
+        assert expr.startswith(f'device.driver == "sysdra.io" && device.attributes["sysdra.io"].type == "{kind}"')
 
 
 def test_rbac_matches_what_the_agent_calls():
@@ -61,3 +62,6 @@ def test_daemonset_mounts_and_downward_api():
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     sys_mount = [m for m in c["volumeMounts"] if m["mountPath"] == "/host/sys"][0]
     assert sys_mount["readOnly"] is True
+    # ready once registered; alive while the event loop answers (tests/test_liveness.py runs the probe)
+    assert "status --socket=/tmp/status.sock" in c["readinessProbe"]["exec"]["command"][2]
+    assert "status --socket=/tmp/status.sock --timeout=" in c["livenessProbe"]["exec"]["command"][2]

@@ -9,6 +9,7 @@ generateName ``<pod>-extended-resources-``, the Pod as controller owner, annotat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -22,9 +23,11 @@ from agent.kubeletplugin.statuswriter import StatusWriter
 from agent.prepare import cdifiles
 from agent.publish import Reconciler
 from agent.publish.kubestore import KubeStore
+from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool
+from discovery.inventory import scan
 from discovery.models import AttributeValue
-from tests.conftest import REPO
+from tests.conftest import REPO, profile_root
 from tests.controlplane import APIError, allocate, load_yaml, resource_path, unique
 from tests.kubelet_standin import gpu, inventory, registered_plugin, settings_for
 
@@ -38,11 +41,10 @@ def run(coro, timeout: float = 90):
 
 
 def test_deviceclasses_carry_extended_resource_names_the_server_accepts(apiserver):
-    assert {n: c["spec"]["extendedResourceName"] for n, c in CLASSES.items()} == {
-        f"{k}.sysdra.io": f"sysdra.io/{k}" for k in ("gpu", "nic", "fpga", "accelerator")}
+    names = {n: c["spec"]["extendedResourceName"] for n, c in CLASSES.items() if "extendedResourceName" in c["spec"]}
+    assert names == {f"{k}.sysdra.io": f"sysdra.io/{k}" for k in ("gpu", "nic", "fpga", "accelerator")}
     stored = apiserver.apply(f"{REPO}/deploy/deviceclasses.yaml")
-    assert {c["metadata"]["name"]: c["spec"]["extendedResourceName"] for c in stored} == {
-        n: c["spec"]["extendedResourceName"] for n, c in CLASSES.items()}
+    assert {c["metadata"]["name"]: c["spec"]["extendedResourceName"] for c in stored if "extendedResourceName" in c["spec"]} == names
     # the server does check the name: kubernetes.io is reserved
     bad = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": unique("bad")},
            "spec": {"extendedResourceName": "kubernetes.io/gpu"}}  # fmt: skip
@@ -52,7 +54,10 @@ def test_deviceclasses_carry_extended_resource_names_the_server_accepts(apiserve
 
 
 class Node:
-    def __init__(self, plane, tmp, prefix: str):
+    """A node in the API with the pool the agent publishes for ``inv`` (two GPUs by default) with
+    ``options`` (build_pool's: partitions, share, ...)."""
+
+    def __init__(self, plane, tmp, prefix: str, inv=None, **options):
         self.plane = plane
         plane.apply(f"{REPO}/deploy/deviceclasses.yaml")
         self.node = plane.create_node(unique(prefix))
@@ -61,16 +66,16 @@ class Node:
         plane.create_namespace(self.ns)
         plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": self.ns}})
         devices = [d.replace(attributes={"type": AttributeValue(string="gpu")}) for d in (gpu(0), gpu(1))]
-        self.inv = inventory(*devices)
+        self.inv = inv if inv is not None else inventory(*devices)
         self.settings = settings_for(str(tmp), node_name=self.name, cluster="kube")
-        run(self._publish())
+        run(self._publish(options))
 
-    async def _publish(self):
+    async def _publish(self, options: dict):
         client = AsyncClient(config=KubeConfig.from_file(self.plane.kubeconfig), field_manager=DRIVER)
         try:
             store = KubeStore(client, node_name=self.name, driver_name=DRIVER)
             await Reconciler(store, node_name=self.name, driver_name=DRIVER).sync(
-                build_pool(self.inv, node_name=self.name, driver_name=DRIVER))
+                build_pool(self.inv, node_name=self.name, driver_name=DRIVER, **options))
         finally:
             await client.close()
 
@@ -144,20 +149,36 @@ def test_prepare_handles_the_claim_the_scheduler_creates_for_an_extended_resourc
     node.check_prepared(claim, "container-0-request-0", devices, after)
 
 
+@contextlib.contextmanager
+def scheduler(plane):
+    proc = plane.start_scheduler()
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        plane._procs.remove(proc)
+
+
+def wait_for(plane, what: str, probe, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        assert time.monotonic() < deadline, f"{what}\n" + plane.log_tail("kube-scheduler", 40)
+        time.sleep(0.2)
+    return value
+
+
+def scheduled(plane, node: Node, pod: str) -> dict | None:
+    got = plane.get("Pod", pod, node.ns)
+    return got if got["spec"].get("nodeName") else None
+
+
 @pytest.mark.slow
 def test_kube_scheduler_creates_allocates_and_prepare_follows(apiserver, tmp_path):
     node = Node(apiserver, tmp_path, "extsched")
-    scheduler = apiserver.start_scheduler()
-    try:
+    with scheduler(apiserver):
         pod = node.pod("inference")
-        deadline = time.monotonic() + 90
-        while not (got := apiserver.get("Pod", "inference", node.ns))["spec"].get("nodeName"):
-            assert time.monotonic() < deadline, apiserver.log_tail("kube-scheduler", 40)
-            time.sleep(0.2)
-    finally:
-        scheduler.terminate()
-        scheduler.wait(15)
-        apiserver._procs.remove(scheduler)
+        got = wait_for(apiserver, "pod inference scheduled", lambda: scheduled(apiserver, node, "inference"))
     assert got["spec"]["nodeName"] == node.name
     status = got["status"]["extendedResourceClaimStatus"]
     assert status["requestMappings"] == [{"containerName": "app", "resourceName": "sysdra.io/gpu",
@@ -172,3 +193,30 @@ def test_kube_scheduler_creates_allocates_and_prepare_follows(apiserver, tmp_pat
     devices, after = node.prepare(claim)
     assert devices == ["gpu-0000-1b-00-0"]
     node.check_prepared(claim, "container-0-request-0", devices, after)
+
+
+@pytest.mark.slow
+def test_kube_scheduler_gives_the_extended_resource_a_whole_gpu_only(apiserver, tmp_path):
+    """Beside partitions and shares (tests/test_deviceclasses.py with the allocator alone): on an
+    h100-mig node with --partitions, whose pool holds a GPU's MIG instances before the other, plain
+    GPU, ``sysdra.io/gpu: 1`` gets the plain GPU; on a node with --share gpu, where every GPU is
+    shared and a claim without capacity requests would get 1Gi and 10% of one, it is not scheduled."""
+    mig = Node(apiserver, tmp_path / "mig", "extmig", inv=scan(profile_root("h100-mig")), partitions=True)
+    shared = Node(apiserver, tmp_path / "shared", "extshare", inv=scan(profile_root("server-2s-gpu-nic")),
+                  share=share_plan(("gpu",), None))  # fmt: skip
+    first = next(d["name"] for s in apiserver.list("ResourceSlice", fields={"spec.nodeName": mig.name})
+                 for d in s["spec"].get("devices", []))  # fmt: skip
+    assert first.startswith("gpu-0000-18-00-0-mig-")  # what the allocator meets first
+    with scheduler(apiserver):
+        mig.pod("whole")
+        shared.pod("whole")
+        got = wait_for(apiserver, "pod whole scheduled on the MIG node", lambda: scheduled(apiserver, mig, "whole"))
+        # decided either way: found unschedulable, or (wrongly) placed on a share
+        other = wait_for(apiserver, "the shared node's pod decided", lambda: scheduled(apiserver, shared, "whole") or next(
+            (c for c in apiserver.get("Pod", "whole", shared.ns)["status"].get("conditions", [])
+             if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"), None))  # fmt: skip
+    assert got["spec"]["nodeName"] == mig.name
+    claim = apiserver.get("ResourceClaim", got["status"]["extendedResourceClaimStatus"]["resourceClaimName"], mig.ns)
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["device"] == "gpu-0000-3a-00-0" and "shareID" not in result
+    assert other.get("status") == "False", f"scheduled on a share: {other.get('status')}"

@@ -84,7 +84,10 @@ def test_every_feature_reaches_the_agent(tmp_path):
     assert pod["serviceAccountName"] == "sysdra-agent"
     assert pod["nodeSelector"] and pod["tolerations"] and pod["affinity"]
     classes = {o["metadata"]["name"]: o["spec"].get("extendedResourceName") for o in objs if o["kind"] == "DeviceClass"}
-    assert classes == {"gpu.sysdra.io": "example.com/gpu", "nic.sysdra.io": None, "accelerator.sysdra.io": "sysdra.io/accelerator"}
+    assert classes == {"gpu.sysdra.io": "example.com/gpu", "gpu-partition.sysdra.io": "example.com/gpu-partition",
+                       "nic.sysdra.io": None, "nic-share.sysdra.io": None, "accelerator.sysdra.io": "sysdra.io/accelerator"}
+    selectors = {o["metadata"]["name"]: o["spec"]["selectors"][0]["cel"]["expression"] for o in objs if o["kind"] == "DeviceClass"}
+    assert selectors["gpu-partition.sysdra.io"].endswith('.gpuVendor == "nvidia"')
     monitor = _one(objs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics" and monitor["metadata"]["labels"]["release"] == "prometheus"
     policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"}

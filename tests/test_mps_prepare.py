@@ -114,8 +114,8 @@ def test_mps_shares_of_two_gpus_in_one_claim_are_refused(tmp_path):
     from tests.test_allocator import claim, exactly
 
     slices = published(PROFILE, share=share_plan(("gpu",), None))
-    two = claim("two", exactly("a", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
-                exactly("b", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}))
+    two = claim("two", exactly("a", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
+                exactly("b", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}))
     two["spec"]["devices"]["constraints"] = [{"distinctAttribute": "resource.kubernetes.io/pciBusID"}]
     (c,) = _allocated(slices, two)
     gpus = [r["device"] for r in c["status"]["allocation"]["devices"]["results"]]

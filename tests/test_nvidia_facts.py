@@ -218,7 +218,7 @@ def _shared_h200(nvml) -> list[dict]:
 def test_a_claim_for_20gi_of_a_shared_h200_is_allocated(source):
     root = profile_root("h200-vm")
     slices = _shared_h200(open_sim(root, SimNvml()) if source == "nvml" else None)
-    c = claim("infer", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
+    c = claim("infer", exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
     (a,) = allocate(slices, CLASSES, c, node=NODE)
     (result,) = a["devices"]["results"]
     assert result["device"] == H200 and result["consumedCapacity"]["memory"] == "20Gi"
@@ -228,6 +228,6 @@ def test_a_memory_request_cannot_land_on_a_gpu_whose_memory_is_unknown():
     root = profile_root("vm-numa-none")
     pool = build_pool(scan(root), node_name=NODE, driver_name=DRIVER, share=share_plan(("gpu",), None))
     slices = render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
-    c = claim("infer", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
+    c = claim("infer", exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
     with pytest.raises(Unschedulable):
         allocate(slices, CLASSES, c, node=NODE)

@@ -17,6 +17,13 @@ def _sel(expr: str) -> list[dict]:
     return [{"cel": {"expression": expr}}]
 
 
+class Partitions(list):
+    """Selectors of partitions and MIG devices: a request for them names the partition class
+    (gpu.sysdra.io holds whole GPUs only, deploy/deviceclasses.yaml)."""
+
+    device_class = PARTITION_CLASS = "gpu-partition.sysdra.io"
+
+
 def whole(gpu: str) -> list[dict]:
     return _sel(f'device.attributes["sysdra.io"].pciAddress == "{gpu_bdf(gpu)}" && '
                 f'!has(device.attributes["sysdra.io"].partitionOf)')
@@ -28,7 +35,7 @@ def part_of(gpu: str, mode: str | None = None) -> list[dict]:
         compute, memory = mode.split("/")
         expr += (f' && device.attributes["sysdra.io"].computePartition == "{compute}"'
                  f' && device.attributes["sysdra.io"].memoryPartition == "{memory}"')
-    return _sel(expr)
+    return Partitions(_sel(expr))
 
 
 def gpu_bdf(name: str) -> str:
@@ -36,7 +43,7 @@ def gpu_bdf(name: str) -> str:
 
 
 def req(name: str, selectors: list[dict], count: int = 1) -> dict:
-    return exactly(name, "gpu.sysdra.io", selectors=selectors, count=count)
+    return exactly(name, getattr(selectors, "device_class", "gpu.sysdra.io"), selectors=selectors, count=count)
 
 
 def amd(groups: bool) -> list[dict]:
@@ -153,7 +160,7 @@ def test_a_tainted_gpu_taints_its_partitions(profile, gpu, groups):
     assert not [n for n, d in names.items() if d.get("taints") and n not in whole and n not in parts]
     with pytest.raises(Unschedulable):
         allocate(slices, CLASSES, claim("p", req("p", part_of(gpu))), node=NODE)
-    tolerating = exactly("p", "gpu.sysdra.io", selectors=part_of(gpu), tolerations=[{"key": taint["key"], "operator": "Exists"}])
+    tolerating = exactly("p", "gpu-partition.sysdra.io", selectors=part_of(gpu), tolerations=[{"key": taint["key"], "operator": "Exists"}])
     (a,) = allocate(slices, CLASSES, claim("p", tolerating), node=NODE)
     assert picked(a)["p"][0] in parts
 

@@ -7,7 +7,6 @@ is delayed by more than MAX_LAG while the driver works (issue 36)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
@@ -15,9 +14,8 @@ import time
 import grpc
 
 from agent.protos import dra_health_v1_pb2, dra_health_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
-from agent.service.daemon import Agent
 from agent.service.status import status_socket_path
-from tests.kubelet_standin import KubeletStandIn, claim, find_registration_sockets, store_claim
+from tests.kubelet_standin import claim, find_registration_sockets, running_agent, store_claim
 from tests.partition_node import CPX_GPU, SPX_GPU, Node, mode_of
 from tests.test_partitions_allocator import gpu_bdf
 
@@ -85,12 +83,7 @@ def test_a_blocking_prepare_stalls_nothing_else(tmp_path):
     a = store_claim(settings, claim("a", [("gpu", f"{SPX_GPU}-dpx-nps1-0")]))
 
     async def main() -> None:
-        stop = asyncio.Event()
-        agent_task = asyncio.create_task(Agent(settings).run(stop))
-        try:
-            await _wait_for(lambda: find_registration_sockets(settings.registry_dir) or agent_task.done())
-            kubelet = KubeletStandIn(settings.registry_dir)
-            await kubelet.register()
+        async with running_agent(settings) as kubelet:
             assert not (await kubelet.prepare(b)).claims[b["metadata"]["uid"]].error
 
             async with grpc.aio.insecure_channel("unix:" + kubelet.info.endpoint) as ch:
@@ -122,11 +115,6 @@ def test_a_blocking_prepare_stalls_nothing_else(tmp_path):
             assert resp_b.claims[b["metadata"]["uid"]].error == ""
             assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "DPX/NPS1"
             assert health_sent >= 2, "the health stream stalled while the driver worked"
-        finally:
-            stop.set()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(agent_task, 30)
-            assert agent_task.done()
 
     with node.sim:
         asyncio.run(main())

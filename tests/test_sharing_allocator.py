@@ -25,9 +25,9 @@ def one_gpu(slices: list[dict]) -> tuple[list[dict], str]:
     return slices, gpu
 
 
-def gpu_share(name: str, **requests: str) -> dict:
+def gpu_share(name: str, cls: str = "gpu-share.sysdra.io", **requests: str) -> dict:
     cap = {"capacity": {"requests": requests}} if requests else {}
-    return claim(name, exactly("gpu", "gpu.sysdra.io", **cap))
+    return claim(name, exactly("gpu", cls, **cap))
 
 
 def fill(slices: list[dict], make, limit: int = 200) -> list[dict]:
@@ -96,15 +96,15 @@ def test_default_consumption_bounds_the_number_of_shares():
 def test_distinct_attribute_spreads_shares_over_distinct_gpus():
     slices = shared()
     by_name = devices(slices)
-    two = claim("two", exactly("a", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
-                exactly("b", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
+    two = claim("two", exactly("a", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
+                exactly("b", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
                 constraints=[{"distinctAttribute": "resource.kubernetes.io/pciBusID"}])  # fmt: skip
     (a,) = allocate(slices, CLASSES, two, node=NODE)
     picked = [r["device"] for r in a["devices"]["results"]]
     assert len(set(picked)) == 2 and all(kind(by_name[d]) == "gpu" for d in picked)
     # without the constraint both shares may come from one GPU (first fit)
-    same = claim("same", exactly("a", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
-                 exactly("b", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}))
+    same = claim("same", exactly("a", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
+                 exactly("b", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}))
     (b,) = allocate(slices, CLASSES, same, node=NODE)
     res = b["devices"]["results"]
     assert res[0]["device"] == res[1]["device"] and res[0]["shareID"] != res[1]["shareID"]
@@ -117,8 +117,8 @@ def test_distinct_attribute_spreads_shares_over_distinct_gpus():
 def test_gpu_share_and_nic_share_under_one_pcie_root():
     slices = shared()
     by_name = devices(slices)
-    pair = claim("pair", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "10Gi"}}),
-                 exactly("nic", "nic.sysdra.io", capacity={"requests": {"bandwidth": "25G"}}),
+    pair = claim("pair", exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": {"memory": "10Gi"}}),
+                 exactly("nic", "nic-share.sysdra.io", capacity={"requests": {"bandwidth": "25G"}}),
                  constraints=[{"matchAttribute": "resource.kubernetes.io/pcieRoot"}])  # fmt: skip
     (a,) = allocate(slices, CLASSES, pair, node=NODE)
     r = {x["request"]: x for x in a["devices"]["results"]}
@@ -131,9 +131,9 @@ def test_nic_bandwidth_and_slots_bound_the_shares():
     slices = shared()
     ten_g = next(n for n, d in devices(slices).items() if kind(d) == "nic" and d["capacity"]["bandwidth"]["value"] == "10G")
     pick = [{"cel": {"expression": f'device.attributes["sysdra.io"].pciAddress == "{devices(slices)[ten_g]["attributes"]["pciAddress"]["string"]}"'}}]
-    got = fill(slices, lambda i: claim(f"n{i}", exactly("nic", "nic.sysdra.io", selectors=pick, capacity={"requests": {"bandwidth": "3G"}})))
+    got = fill(slices, lambda i: claim(f"n{i}", exactly("nic", "nic-share.sysdra.io", selectors=pick, capacity={"requests": {"bandwidth": "3G"}})))
     assert len(got) == 3  # 3 x 3G of 10G
-    got = fill(slices, lambda i: claim(f"s{i}", exactly("nic", "nic.sysdra.io", selectors=pick)))
+    got = fill(slices, lambda i: claim(f"s{i}", exactly("nic", "nic-share.sysdra.io", selectors=pick)))
     assert len(got) == 10  # default 1G each: bandwidth runs out before the 32 slots
 
 
@@ -141,10 +141,12 @@ def test_exclusive_devices_are_unchanged_without_share():
     plain = published(GPU_PROFILE)
     assert not any("allowMultipleAllocations" in d for d in devices(plain).values())
     # an unshared GPU is allocated whole: a capacity request only has to fit its capacity
-    (a,) = allocate(plain, CLASSES, gpu_share("m", memory="1Gi"), node=NODE)
+    (a,) = allocate(plain, CLASSES, gpu_share("m", "gpu.sysdra.io", memory="1Gi"), node=NODE)
     assert "shareID" not in a["devices"]["results"][0] and "consumedCapacity" not in a["devices"]["results"][0]
     with pytest.raises(Unschedulable):
-        allocate(plain, CLASSES, gpu_share("big", memory="75Gi"), node=NODE)
+        allocate(plain, CLASSES, gpu_share("big", "gpu.sysdra.io", memory="75Gi"), node=NODE)
+    with pytest.raises(Unschedulable):  # and no share of it is to be had
+        allocate(plain, CLASSES, gpu_share("s", memory="1Gi"), node=NODE)
 
 
 def test_demo_share_claims_get_what_the_demo_hands_out(tmp_path):
@@ -157,7 +159,7 @@ def test_demo_share_claims_get_what_the_demo_hands_out(tmp_path):
     hand = demo.make_share_claims(str(tmp_path), gpus[1])
     allocated: list[dict] = []
     # the demo's first claim takes gpus[0] whole (its default share); the sharing claims then land where the demo says
-    first = claim("train", exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": "74Gi"}}))
+    first = claim("train", exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": {"memory": "74Gi"}}))
     (a,) = allocate(slices, CLASSES, first, node=NODE)
     allocated.append(with_allocation(first, a))
     for c in hand:

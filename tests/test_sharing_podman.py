@@ -48,7 +48,7 @@ def test_two_claims_share_one_gpu_in_two_containers(tmp_path):
     s, inv, slices, dev = _node(tmp_path)
     claims, done = [], []
     for name, memory in (("alpha", "4Gi"), ("beta", "12Gi")):
-        c = claim(name, exactly("gpu", "gpu.sysdra.io", capacity={"requests": {"memory": memory, "compute": "50"}}))
+        c = claim(name, exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": {"memory": memory, "compute": "50"}}))
         c["metadata"]["uid"] = f"00000000-0000-4000-8000-00000000000{len(claims)}"
         (a,) = allocate(slices, CLASSES, c, node=NODE, allocated=done)
         done.append(with_allocation(c, a))
@@ -106,8 +106,8 @@ def test_one_container_with_two_shares_of_a_gpu_gets_their_sum(tmp_path):
     either order: the runtime keeps one value per variable, and every value is the claim's sum."""
     busybox = require_podman()
     s, inv, slices, dev = _node(tmp_path)
-    c = claim("two", exactly("a", "gpu.sysdra.io", capacity={"requests": {"memory": "4Gi", "compute": "30"}}),
-              exactly("b", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi", "compute": "20"}}))
+    c = claim("two", exactly("a", "gpu-share.sysdra.io", capacity={"requests": {"memory": "4Gi", "compute": "30"}}),
+              exactly("b", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi", "compute": "20"}}))
     c["metadata"]["uid"] = "00000000-0000-4000-8000-000000000009"
     (a,) = allocate(slices, CLASSES, c, node=NODE)
     c = store_claim(s, with_allocation(c, a))

@@ -51,7 +51,7 @@ def _env(spec: dict, cdi_name: str) -> dict[str, str]:
 
 def memory_claim(name: str, memory: str, compute: str | None = None) -> dict:
     req = {"memory": memory, **({"compute": compute} if compute else {})}
-    return claim(name, exactly("gpu", "gpu.sysdra.io", capacity={"requests": req}))
+    return claim(name, exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": req}))
 
 
 def test_claims_sharing_one_gpu_each_get_their_own_share(tmp_path):
@@ -104,8 +104,8 @@ def test_claims_sharing_one_gpu_each_get_their_own_share(tmp_path):
 
 def test_two_shares_of_one_gpu_in_one_claim(tmp_path):
     slices, gpu = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
-    two = claim("two", exactly("a", "gpu.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
-                exactly("b", "gpu.sysdra.io", capacity={"requests": {"memory": "16Gi"}}))
+    two = claim("two", exactly("a", "gpu-share.sysdra.io", capacity={"requests": {"memory": "8Gi"}}),
+                exactly("b", "gpu-share.sysdra.io", capacity={"requests": {"memory": "16Gi"}}))
     (c,) = _allocated(slices, two)
     d = _driver(tmp_path)
     uid = c["metadata"]["uid"]

@@ -90,6 +90,13 @@ def test_cli_text_and_json(tmp_path, board, capsys):
                      text)  # (an earlier query than the JSON one: the counts may differ)
 
 
+@pytest.mark.parametrize("bad", ["0", "-1", "x", "nan", "3601"])
+def test_cli_timeout_must_be_seconds(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["status", "--timeout", bad])
+    assert exit_.value.code == 2 and "not a number of seconds" in capsys.readouterr().err
+
+
 def test_cli_agent_not_running(tmp_path, capsys):
     assert cli_main(["status", "--socket", str(tmp_path / "none.sock")]) == 1
     assert "is the agent running" in capsys.readouterr().err

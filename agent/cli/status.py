@@ -14,7 +14,22 @@ def add_parser(sub) -> None:
     p.add_argument("--driver-name", help="driver name (default sysdra.io)")
     p.add_argument("--config", metavar="FILE", help="config file to take the socket from (default /etc/sysdra/config.yaml)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    # the agent's event loop answers: no answer within this is a wedged loop (the DaemonSet's liveness probe)
+    p.add_argument("--timeout", type=_seconds, default=3.0, metavar="SECONDS", help="how long to wait for the answer (default 3)")
     p.set_defaults(func=run)
+
+
+def _seconds(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 3600):
+        raise argparse.ArgumentTypeError(f"not a number of seconds between 0 and 3600: {text!r}")
+    return value
 
 
 def _ago(now: float, then: float | None) -> str:
@@ -106,7 +121,7 @@ def run(args) -> int:
 
     path = resolve_status_socket(args.socket, args.kubelet_dir, args.driver_name, args.config)
     try:
-        status = query_status(path)
+        status = query_status(path, timeout=args.timeout)
     except AgentNotRunning as err:
         print(f"sysdra status: {err}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ from lightkube import ApiError, AsyncClient
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceSlice
 
-from agent.publish.store import Conflict, Gone, NotFound, StoreError
+from agent.publish.store import Conflict, Gone, Invalid, NotFound, StoreError
 
 log = logging.getLogger("sysdra.publish")
 
@@ -28,6 +28,9 @@ def _mapped(err: Exception) -> StoreError:
             return NotFound(message)
         if code == 410:
             return Gone(message)
+        if code == 422:
+            causes = err.status.details.causes if err.status.details is not None else None
+            return Invalid(message, tuple(c.field for c in causes or () if c.field))
         return StoreError(message)
     return StoreError(f"API request failed: {type(err).__name__}: {err}")
 

@@ -12,4 +12,6 @@ from agent.counts import Count
 SLICE_WRITES = Count("sysdra_resourceslice_writes_total", "ResourceSlice writes", ("op",))
 INVALID_DEVICES = Count("sysdra_invalid_devices_total", "Devices left out of a slice because they would not validate")
 POOL_GENERATION = Count("sysdra_pool_generation", "Generation of the published pool", kind="gauge")
-ALL = (SLICE_WRITES, INVALID_DEVICES, POOL_GENERATION)
+LIST_ATTRIBUTES_REFUSED = Count("sysdra_list_attributes_refused", "1 while the API server refuses list-typed attributes "
+                                "(DRAListTypeAttributes off) and the pool is published without them", kind="gauge")
+ALL = (SLICE_WRITES, INVALID_DEVICES, POOL_GENERATION, LIST_ATTRIBUTES_REFUSED)

@@ -9,6 +9,7 @@ import logging
 import time
 
 from agent.publish.backoff import Backoff
+from agent.publish.listattrs import ListAttributesRefused
 from agent.publish.reconcile import Reconciler, SyncStats
 from agent.publish.slices import PoolContent
 from agent.publish.store import Conflict, SliceStore, StoreError
@@ -18,8 +19,10 @@ log = logging.getLogger("sysdra.publish")
 
 class Publisher:
     def __init__(self, store: SliceStore, *, node_name: str, driver_name: str, resync_interval: float = 300.0,
-                 debounce: float = 0.25, backoff: Backoff | None = None, observer=None):
+                 debounce: float = 0.25, backoff: Backoff | None = None, observer=None, on_lists_refused=None):
         self.store = store
+        # called with ListAttributesRefused: the daemon publishes without list attributes (agent/service/listfallback.py)
+        self.on_lists_refused = on_lists_refused
         # agent.service.metrics.Metrics (or None): observe_publish(ok, secs, reason), observe_change_to_slice(secs)
         self.observer = observer
         self.reconciler = Reconciler(store, node_name=node_name, driver_name=driver_name)
@@ -88,6 +91,12 @@ class Publisher:
                     await self.sync_once()
                     self.backoff.reset()
                     break
+                except ListAttributesRefused as err:
+                    # the same pool would be refused again: wait for the next (the handler's, or the resync)
+                    self._count_error("list_attributes", err, quiet=self.on_lists_refused is not None)
+                    if self.on_lists_refused is not None:
+                        self.on_lists_refused(err)
+                    break
                 except Conflict as err:
                     # someone else wrote in between: re-list and try again, briefly backed off
                     self._count_error("conflict", err)
@@ -100,12 +109,13 @@ class Publisher:
                     self._count_error("internal", err)
                     await asyncio.sleep(self.backoff.next())
 
-    def _count_error(self, reason: str, err: Exception) -> None:
+    def _count_error(self, reason: str, err: Exception, quiet: bool = False) -> None:
         self.errors += 1
         self.last_error = f"{reason}: {err}"
         if self.observer is not None:
             self.observer.observe_publish(False, 0.0, reason)
-        log.warning("publishing slices failed (%s): %s; retrying", reason, err)
+        if not quiet:  # (the handler of a refusal says it once, as an error)
+            log.warning("publishing slices failed (%s): %s; retrying", reason, err)
 
     async def wait_synced(self, predicate=lambda p: True, timeout: float = 10.0) -> None:
         """For tests and start-up: wait until a sync has completed and ``predicate(self)`` holds."""

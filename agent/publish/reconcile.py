@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from agent.publish import metrics
 from agent.publish.dropped import Dropped
+from agent.publish.listattrs import refusal
 from agent.publish.slices import PoolContent, parse_index, render_slice
-from agent.publish.store import NotFound, SliceStore, StoreError
+from agent.publish.store import Invalid, NotFound, SliceStore, StoreError
 from agent.publish.validation import parse_quantity
 
 log = logging.getLogger("sysdra.publish")
@@ -143,6 +144,17 @@ class Reconciler:
             log.info("Node %s was re-created (UID %s, was %s): slices now owned by it", self.node_name, uid, self.node_uid)
         self.node_uid = uid
 
+    @staticmethod
+    async def _write(write, obj: dict) -> dict:
+        """``write(obj)``; a 422 on the list attributes it carries raises ListAttributesRefused."""
+        try:
+            return await write(obj)
+        except Invalid as err:
+            refused = refusal(obj, err)
+            if refused is None:
+                raise
+            raise refused from err
+
     async def sync(self, pool: PoolContent) -> SyncStats:
         """Raises StoreError (Conflict included) on failure; the caller retries with backoff."""
         existing = sorted((s for s in await self.store.list_slices() if self._ours(s, pool)), key=lambda s: s["metadata"]["name"])
@@ -179,12 +191,12 @@ class Reconciler:
             old = matched[i]["metadata"]
             obj["metadata"].pop("generateName", None)
             obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
-            self.dropped.learn(obj, await self.store.update(obj))
+            self.dropped.learn(obj, await self._write(self.store.update, obj))
             stats.updated += 1
             metrics.SLICE_WRITES.labels("update").inc()
         for i in missing:  # (a device moved to a new slice keeps its taints' times too)
             obj = _keep_taint_times(self._desired(pool, i, generation), times)
-            self.dropped.learn(obj, await self.store.create(obj))
+            self.dropped.learn(obj, await self._write(self.store.create, obj))
             stats.created += 1
             metrics.SLICE_WRITES.labels("create").inc()
         self.generation_floor = generation

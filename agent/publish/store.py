@@ -13,6 +13,14 @@ class Conflict(StoreError):
     """Stale resourceVersion / failed precondition / name taken (HTTP 409): re-list and retry."""
 
 
+class Invalid(StoreError):
+    """The server refused the object (HTTP 422); ``fields``: the paths its field errors name."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.fields = fields
+
+
 class NotFound(StoreError):
     """The object is gone (HTTP 404)."""
 

@@ -20,6 +20,7 @@ from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, loops, scanning, sdnotify, startup
+from agent.service.listfallback import ListFallback
 from agent.service import reload as reloading
 from agent.service.inpod import InPodNetdevs
 from agent.service.scanning import default_scan
@@ -47,9 +48,10 @@ class Agent:
         if settings.nri_socket:  # the NRI plugin starts after the kubelet side; its first report replaces this
             self.board.set_nri({"state": "connecting", "reason": "the agent is starting", "socket": settings.nri_socket})
         self.store, self._client = (store, None) if store is not None else startup.make_store(settings)
+        self.lists = ListFallback(self._rescan_soon)  # list attributes the API server refuses: published without
         self.publisher = Publisher(self.store, node_name=settings.node_name, driver_name=settings.driver_name,
                                    resync_interval=settings.resync_interval, debounce=settings.debounce,
-                                   observer=PublishObserver(self))
+                                   observer=PublishObserver(self), on_lists_refused=self.lists.refused)
         self.debouncer: Debouncer | None = None
         self.health = None  # agent.health.HealthMonitor once the kubelet plugin runs
         self._health_task: asyncio.Task | None = None  # its verdicts to status, metrics and taints
@@ -98,7 +100,7 @@ class Agent:
         publisher a new pool only if what we publish changed."""
         self.rescans += 1
         async with self._scanning:  # one scan at a time: events, resyncs and prepare's mode switches all ask
-            settings = self.settings
+            settings = self.lists.applied(self.settings)
             inventory = await asyncio.to_thread(self._scan, settings, changed)
             if self.settings.taint_unhealthy and self.health is None:  # no unhealthy device published untainted
                 from agent.health.monitor import first_taints

@@ -33,6 +33,8 @@ def apply(agent, new: Settings) -> None:
     ones need a restart."""
     old = agent.settings
     live, restart = changes(old, new)
+    if agent.lists.retry(new) and "list_attributes" not in live:
+        agent._rescan_soon()  # refused before (agent/service/listfallback.py): the cluster may take them now
     if not live and not restart:
         log.info("SIGHUP: configuration unchanged")
         return

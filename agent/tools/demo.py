@@ -117,7 +117,7 @@ def make_share_claims(cluster: str, gpu: str) -> list[dict]:
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": "demo", "uid": str(uuid.uuid4())},
             "spec": {"devices": {"requests": [
-                {"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io", "capacity": {"requests": requests}}}]}},
+                {"name": "gpu", "exactly": {"deviceClassName": "gpu-share.sysdra.io", "capacity": {"requests": requests}}}]}},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": gpu, "shareID": str(uuid.uuid4()),
                  "consumedCapacity": consumed}]}}},

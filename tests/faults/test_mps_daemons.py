@@ -29,7 +29,7 @@ ENV = {"SYSDRA_SHARE": "gpu", "SYSDRA_HEALTH_INTERVAL": "10"}
 def _shared_claim(node: Node, gpu: str) -> tuple[str, str, str]:
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
              "metadata": {"name": "mps", "namespace": "default", "uid": UID},
-             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu-share.sysdra.io"}}]}},
              "status": {"allocation": {"devices": {"results": [
                  {"request": "gpu", "driver": DRIVER, "pool": node.name, "device": gpu, "shareID": SHARE,
                   "consumedCapacity": {"memory": "8Gi", "compute": "25"}}]}}}}

@@ -157,7 +157,7 @@ def store_claim(tmp: str, gpu: str, share: dict | None) -> dict:
         result.update({"shareID": str(uuid.uuid4()), "consumedCapacity": share})
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
              "metadata": {"name": "cuda", "namespace": "check", "uid": str(uuid.uuid4())},
-             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu-share.sysdra.io" if share else "gpu.sysdra.io"}}]}},
              "status": {"allocation": {"devices": {"results": [result]}}}}
     d = os.path.join(tmp, "cluster", "resourceclaims", "check")
     os.makedirs(d, exist_ok=True)

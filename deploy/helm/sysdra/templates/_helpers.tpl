@@ -36,3 +36,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "sysdra.underRoot" -}}
 {{- printf "/host/%s" (trimPrefix "/" .) | trimSuffix "/" -}}
 {{- end -}}
+
+{{/* Whether the API server has DRAConsumableCapacity (beta and on since 1.36, alpha before): only
+then may a DeviceClass's CEL name device.allowMultipleAllocations; the server refuses it otherwise. */}}
+{{- define "sysdra.consumableCapacity" -}}
+{{- $v := .Values.deviceClasses.consumableCapacity -}}
+{{- if kindIs "bool" $v -}}
+{{- $v -}}
+{{- else if eq (toString $v) "auto" -}}
+{{- semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version -}}
+{{- else -}}
+{{- fail (printf "deviceClasses.consumableCapacity must be auto, true or false, not %q" (toString $v)) -}}
+{{- end -}}
+{{- end -}}
