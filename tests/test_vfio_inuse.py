@@ -243,7 +243,8 @@ def test_the_scan_skips_what_vanishes_and_says_names_safely(tmp_path):
     os.makedirs(dev)
     os.mknod(os.path.join(dev, "held"), 0o600 | 0o020000, os.makedev(*FULL))
     proc = os.path.join(root, "proc")
-    _fake_pid(proc, "10", b"evil\x1b[31m\n", {"0": os.path.join(dev, "held"), "1": "/nonexistent/closed-meanwhile"})
+    _fake_pid(proc, "10", b"evil\x1b[31m\n", {"0": os.path.join(dev, "held"), "1": "/nonexistent/closed-meanwhile",
+                                              "2": os.path.join(proc, "10", "fd", "2")})  # a loop: ELOOP, skipped too
     _fake_pid(proc, "11", b"other\n", {"4": "/dev/null"})
     os.makedirs(os.path.join(proc, "12"))  # ended between the listing and the read: no fd dir
     os.symlink("/proc/999999999", os.path.join(proc, "13"))  # a process that is gone
