@@ -27,10 +27,9 @@ from agent.prepare import devusers, vfio_kernel
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
 from discovery.inventory import scan
-from tests.conftest import profile_root
 from tests.kubelet_standin import claim, settings_for
 from tests.simkernel import SimPciKernel
-from tests.test_vfio import vfio_claim
+from tests.test_vfio import node_root, vfio_claim
 
 GPU, GPU_BDF = "gpu-0000-3b-00-0", "0000:3b:00.0"  # NVIDIA minor 1, alone in IOMMU group 37
 NIC, NIC_BDF = "nic-0000-3c-00-0", "0000:3c:00.0"  # mlx5 with /dev/infiniband/uverbs0, group 39
@@ -41,11 +40,7 @@ UID, UID2, UID3 = (f"00000000-0000-4000-8000-0000000f02{i:02d}" for i in range(1
 
 @pytest.fixture
 def node(tmp_path):
-    root = str(tmp_path / "root")
-    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
-    os.makedirs(os.path.join(root, "proc/sys/kernel/random"))
-    with open(os.path.join(root, "proc/sys/kernel/random/boot_id"), "w") as f:
-        f.write("boot-1\n")
+    root = node_root(tmp_path, "server-2s-gpu-nic")
     sim = SimPciKernel(root, real_nodes=True).start()
     s = settings_for(str(tmp_path), root=root)
     children: list[subprocess.Popen] = []
