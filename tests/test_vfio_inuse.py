@@ -101,8 +101,10 @@ def nic_as_full(root: str) -> str:
 
 
 @pytest.mark.parametrize("device, bdf, driver_name, setup, holder, words", [
-    (GPU, GPU_BDF, "nvidia", gpu_as_full, "nvidia-persistenced", "persistence daemon must release it"),
-    (NIC, NIC_BDF, "mlx5_core", nic_as_full, "ib_send_bw", ""),
+    (GPU, GPU_BDF, "nvidia", gpu_as_full, "nvidia-persistenced",
+     "until they close it. nvidia-persistenced keeps the GPU open: the persistence daemon must release it first "
+     "(stop it, or restart it without this GPU); `nvidia-smi -i <id> -pm 0` is the GPU's persistence-mode setting"),
+    (NIC, NIC_BDF, "mlx5_core", nic_as_full, "ib_send_bw", "; its driver would not let go of it until they close it"),
 ])
 def test_a_function_whose_device_files_are_open_is_refused_and_nothing_written(node, device, bdf, driver_name, setup,
                                                                               holder, words):
@@ -115,7 +117,7 @@ def test_a_function_whose_device_files_are_open_is_refused_and_nothing_written(n
     err = d.prepare_claims([vfio_claim("vm", [device], UID)])[UID].error
     held = os.path.join(s.root, path.lstrip("/"))  # the path the process opened
     assert err.startswith(f"{bdf} is in use on the host: {held} is open by pid {child.pid} ({holder[:15]})"), err
-    assert words in err
+    assert err.endswith(words), err
     assert sim.driver(bdf) == driver_name and sim.override(bdf) is None
     assert os.stat(override).st_mtime_ns == before and sim.log == []  # not a write: refused while planning
     assert UID not in Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims
@@ -244,16 +246,20 @@ def test_the_scan_skips_what_vanishes_and_says_names_safely(tmp_path):
     os.makedirs(os.path.join(proc, "12"))  # ended between the listing and the read: no fd dir
     os.symlink("/proc/999999999", os.path.join(proc, "13"))  # a process that is gone
     os.makedirs(os.path.join(proc, "self-not-a-pid", "fd"))
+    os.makedirs(os.path.join(proc, "\u00b2", "fd"))  # a digit to str.isdigit(), not to int()
     found = devusers.holders(root, {os.makedev(*FULL)})
     assert found.holders == [devusers.Holder(10, "evil?[31m", os.path.join(dev, "held"))]
     assert found.incomplete == "" and found.unreadable == 0
-    assert "pid 10 (evil?[31m)" in devusers.describe(found.holders)
+    assert devusers.describe(found.holders) == f"{dev}/held is open by pid 10 (evil?[31m)"
+    assert devusers.advice(found.holders) == ""
 
 
 def test_the_scan_is_capped(tmp_path, monkeypatch):
     root = str(tmp_path)
     for pid in range(1, 6):
         _fake_pid(os.path.join(root, "proc"), str(pid), b"x\n", {str(fd): "/dev/null" for fd in range(4)})
+    everyone = devusers.holders(root, {os.stat("/dev/null").st_rdev})
+    assert devusers.describe(everyone.holders) == "/dev/null is open by pid 1 (x), pid 2 (x), pid 3 (x) and 2 more"
     monkeypatch.setattr(devusers, "MAX_FDS", 8)
     found = devusers.holders(root, {os.stat("/dev/null").st_rdev})
     assert len(found.holders) == 2 and found.incomplete.startswith("stopped after 8 open files")
@@ -269,4 +275,7 @@ def test_a_functions_nodes_are_its_class_devices_and_nvidia_minor(node):
     card = os.path.join(fs.path("sys/bus/pci/devices", GPU_BDF), "drm", "card3")
     os.makedirs(os.path.join(card, "card3-DP-1"))
     open(os.path.join(card, "dev"), "w").write("226:3\n")
+    assert devusers.function_nodes(fs, fs.path("sys/bus/pci/devices", GPU_BDF), GPU_BDF) == gpu | {os.makedev(226, 3)}
+    os.makedirs(os.path.join(card, "..", "renderD128"))
+    open(os.path.join(card, "..", "renderD128", "dev"), "w").write("99999999999:1\n")  # no such number: skipped
     assert devusers.function_nodes(fs, fs.path("sys/bus/pci/devices", GPU_BDF), GPU_BDF) == gpu | {os.makedev(226, 3)}

@@ -59,7 +59,7 @@ def function_nodes(fs: HostFS, dev_dir: str, bdf: str) -> set[int]:
             sub = f"{path}/{name}"
             try:
                 found.add(os.makedev(*parse_dev(fs.read_attr(f"{sub}/dev"))))
-            except (AttrError, ValueError):  # no node of its own (net/eth0, hwmon), or not one we can read
+            except (AttrError, ValueError, OverflowError):  # no node of its own (net/eth0, hwmon), or a bad one
                 pass
             todo.append((sub, depth + 1))
     if (minor := _nvidia_minor(fs, bdf)) is not None:
@@ -103,7 +103,7 @@ def holders(root: str, rdevs: set[int] = frozenset(), files: set[tuple[int, int]
         return scan
     proc = os.path.join(root, "proc")
     try:
-        pids = [n for n in os.listdir(proc) if n.isdigit()][:MAX_PIDS]
+        pids = sorted(int(n) for n in os.listdir(proc) if n.isascii() and n.isdigit())[:MAX_PIDS]  # in order: the message names the first
     except OSError as err:
         scan.incomplete = f"cannot list {proc}: {err.strerror or err}"
         return scan
@@ -112,7 +112,7 @@ def holders(root: str, rdevs: set[int] = frozenset(), files: set[tuple[int, int]
         if budget <= 0 or time.monotonic() > deadline:
             scan.incomplete = f"stopped after {MAX_FDS - budget} open files (at most {MAX_FDS}, {BUDGET:g} s)"
             break
-        budget -= _scan_pid(os.path.join(proc, pid), int(pid), rdevs, files, scan, budget)
+        budget -= _scan_pid(os.path.join(proc, str(pid)), pid, rdevs, files, scan, budget)
     return scan
 
 
@@ -159,8 +159,7 @@ def _printable(text: str, limit: int) -> str:
 
 
 def describe(found: list[Holder]) -> str:
-    """``/dev/nvidia0 is open by pid 812 (nvidia-persiste), pid 90 (python3) and 2 more``, with
-    what to do about nvidia-persistenced."""
+    """``/dev/nvidia0 is open by pid 812 (nvidia-persiste), pid 90 (python3) and 2 more``."""
     by_path: dict[str, list[Holder]] = {}
     for h in found:
         by_path.setdefault(h.path, []).append(h)
@@ -168,8 +167,12 @@ def describe(found: list[Holder]) -> str:
     for path, hs in by_path.items():
         names = ", ".join(f"pid {h.pid} ({h.comm})" for h in hs[:SHOWN])
         parts.append(f"{path} is open by {names}" + (f" and {len(hs) - SHOWN} more" if len(hs) > SHOWN else ""))
-    text = "; ".join(parts[:SHOWN]) + (f"; and {len(parts) - SHOWN} more files" if len(parts) > SHOWN else "")
+    return "; ".join(parts[:SHOWN]) + (f"; and {len(parts) - SHOWN} more files" if len(parts) > SHOWN else "")
+
+
+def advice(found: list[Holder]) -> str:
+    """What to do about a holder that is no workload ("" for none)."""
     if any(h.comm == PERSISTENCED for h in found):
-        text += (". nvidia-persistenced keeps the GPU open: the persistence daemon must release it first "
-                 "(stop it, or restart it without this GPU); `nvidia-smi -i <id> -pm 0` is the GPU's persistence-mode setting")
-    return text
+        return (". nvidia-persistenced keeps the GPU open: the persistence daemon must release it first "
+                "(stop it, or restart it without this GPU); `nvidia-smi -i <id> -pm 0` is the GPU's persistence-mode setting")
+    return ""

@@ -151,8 +151,8 @@ class PciKernel:
         if self.driver(bdf) == VFIO_DRIVER and (group := self.group(bdf)) is not None:
             try:
                 rdevs.add(os.makedev(*parse_dev(self.fs.read_attr(self.fs.path(f"sys/class/vfio/{group}/dev")))))
-            except (AttrError, ValueError):
-                pass  # no group node: nobody can have it open
+            except (AttrError, ValueError, OverflowError):
+                pass  # no group node (or none the kernel could have written): nobody can have it open
         scan = devusers.holders(self.fs.root, rdevs)
         if scan.unreadable or scan.incomplete:
             log.warning("%s: who holds its device files open is partly unknown: %d processes' files unreadable "
@@ -160,7 +160,7 @@ class PciKernel:
         if not scan.holders:
             return None
         return (f"{bdf} is in use on the host: {devusers.describe(scan.holders)}; its driver would not let go of it "
-                "until they close it")
+                f"until they close it{devusers.advice(scan.holders)}")
 
     def in_flight(self, bdf: str) -> str | None:
         """This process's earlier write for the function that has not returned yet, or None."""
