@@ -103,7 +103,8 @@ def holders(root: str, rdevs: set[int] = frozenset(), files: set[tuple[int, int]
         return scan
     proc = os.path.join(root, "proc")
     try:
-        pids = sorted(int(n) for n in os.listdir(proc) if n.isascii() and n.isdigit())[:MAX_PIDS]  # in order: the message names the first
+        # in order (the message names the first); str.isdigit() alone takes "²", which int() does not
+        pids = sorted(int(n) for n in os.listdir(proc) if n.isascii() and n.isdigit())[:MAX_PIDS]
     except OSError as err:
         scan.incomplete = f"cannot list {proc}: {err.strerror or err}"
         return scan
