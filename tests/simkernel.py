@@ -13,13 +13,19 @@ neither. The behaviour follows drivers/base/bus.c and drivers/pci/pci-driver.c:
   when ``real_nodes``, so podman can inject it) and ``sys/class/vfio/<group>``;
 - failures to inject: a file ``<root>/.simkernel/fail-bind-<driver>`` makes binds to that
   driver have no effect (probe failed), as in the NVIDIA driver issue where unbind worked
-  and the bind to vfio-pci did not.
+  and the bind to vfio-pci did not;
+- a write that does not return (``hang``): the control file becomes a FIFO whose pipe is full,
+  so a writer blocks in ``write()`` with the file open, as it does in a driver's ``remove``
+  that waits for the device's users (NVIDIA's, issue #1076 of its DRA driver); ``release``
+  drains it: the blocked write lands and is handled like any other.
 
 It polls (a few ms) instead of using inotify so it also sees writes made while it was
 stopped (it processes them when started again, like a kernel that was never down)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import stat
@@ -48,6 +54,7 @@ class SimPciKernel:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.log: list[str] = []
+        self._fifos: dict[str, tuple[int, bool]] = {}  # control file -> (the FIFO's fd, held full)
         drivers = self.p(SYS_PCI, "drivers")
         if vfio_loaded:
             os.makedirs(os.path.join(drivers, "vfio-pci"), exist_ok=True)
@@ -75,6 +82,43 @@ class SimPciKernel:
             open(flag, "w").close()
         elif os.path.exists(flag):
             os.unlink(flag)
+
+    def hang(self, driver: str, op: str = "unbind") -> None:
+        """Writes to ``drivers/<driver>/<op>`` block from now on (until ``release``)."""
+        path = self.p(SYS_PCI, "drivers", driver, op)
+        if path not in self._fifos:
+            os.unlink(path)
+            os.mkfifo(path, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # both ends: a writer's open does not block
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096)
+            self._fifos[path] = (fd, False)
+        fd, _ = self._fifos[path]
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except BlockingIOError:  # full: a writer's write() waits for room
+            pass
+        self._fifos[path] = (fd, True)
+
+    def release(self, driver: str, op: str = "unbind") -> None:
+        """Writes to it return again; a blocked one lands and is handled."""
+        path = self.p(SYS_PCI, "drivers", driver, op)
+        fd, _ = self._fifos[path]
+        self._fifos[path] = (fd, False)
+
+    def _drain(self, path: str) -> str:
+        """What was written to a FIFO control file (its filler left out); empty while held full."""
+        fd, full = self._fifos[path]
+        if full:
+            return ""
+        data = b""
+        try:
+            while chunk := os.read(fd, 65536):
+                data += chunk
+        except OSError as err:
+            if err.errno != errno.EAGAIN:
+                raise
+        return data.replace(b"\0", b"").decode().strip()
 
     # --- the driver core --------------------------------------------------------------
     def dev(self, bdf: str) -> str:
@@ -181,9 +225,9 @@ class SimPciKernel:
         for d in sorted(os.listdir(drivers)):
             for op in ("unbind", "bind"):
                 path = os.path.join(drivers, d, op)
-                value = _take(path)
-                if value:
-                    (self.unbind if op == "unbind" else self.bind)(d, value)
+                value = self._drain(path) if path in self._fifos else _take(path)
+                for one in value.split():  # a FIFO may hold several writes
+                    (self.unbind if op == "unbind" else self.bind)(d, one)
         value = _take(self.p(SYS_PCI, "drivers_probe"))
         if value:
             self.probe(value)
@@ -204,6 +248,16 @@ class SimPciKernel:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def close(self) -> None:
+        """Stopped, and every hung write released (its writer's thread ends) and the FIFOs closed."""
+        for path, (fd, _) in list(self._fifos.items()):
+            self._fifos[path] = (fd, False)
+            self._drain(path)
+        self.stop()
+        for fd, _ in self._fifos.values():
+            os.close(fd)
+        self._fifos.clear()
 
 
 def _take(path: str) -> str:

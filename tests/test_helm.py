@@ -148,6 +148,13 @@ def test_without_nri_the_agent_keeps_dac_override_alone():
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
 
 
+def test_sysfs_writable_adds_sys_ptrace_without_nri():
+    """VFIO looks for processes holding a device open before unbinding it: other users'
+    /proc/<pid>/fd need CAP_SYS_PTRACE (docs/vfio.md)."""
+    (c,) = _one(_objects_set("nri.enabled=false", "sysfsWritable=true"), "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "SYS_PTRACE"]}
+
+
 @pytest.mark.parametrize("sets, privileged", [
     (("nvidia.enabled=true",), True),  # NVML opens the GPUs' device nodes, which only a privileged container has
     (("nvidia.enabled=true", "config.nvml=false"), False),  # facts from the PCI ID table: no need

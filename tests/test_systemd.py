@@ -254,11 +254,13 @@ def test_the_nri_drop_in_adds_only_what_netdev_moves_need(installed):
 
 def test_the_sysfs_drop_in_opens_only_sys(installed):
     """SYSDRA_SYSFS=1: /sys writable for VFIO and partition mode switches (the chart's
-    sysfsWritable), no path setting (the MPS drop-in needs the unit without a mount namespace)."""
+    sysfsWritable), no path setting (the MPS drop-in needs the unit without a mount namespace);
+    CAP_SYS_PTRACE, to see which processes hold a device open before unbinding it."""
     tool = require_tool("systemd-analyze")
     root, binary = installed
     env = {**os.environ, "DESTDIR": str(root), "SYSDRA_BIN": binary, "SYSDRA_SYSFS": "1", "SYSDRA_MPS": "1", "SYSDRA_NRI": "1"}
     subprocess.run(["sh", os.path.join(SYSTEMD, "install.sh")], env=env, check=True, capture_output=True)
-    assert dict(_directives(str(root / "etc/systemd/system/sysdra.service.d/sysfs.conf"))) == {"ProtectKernelTunables": "no"}
+    assert dict(_directives(str(root / "etc/systemd/system/sysdra.service.d/sysfs.conf"))) == {
+        "ProtectKernelTunables": "no", "CapabilityBoundingSet": "CAP_SYS_PTRACE"}
     out = subprocess.run([tool, "verify", str(root / "etc/systemd/system/sysdra.service")], capture_output=True, text=True)
     assert out.returncode == 0 and not out.stderr.strip() and not out.stdout.strip(), out.stdout + out.stderr

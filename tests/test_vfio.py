@@ -26,13 +26,19 @@ UID = "00000000-0000-4000-8000-0000000f0001"
 UID2 = "00000000-0000-4000-8000-0000000f0002"
 
 
-@pytest.fixture
-def node(tmp_path):
+def node_root(tmp_path, profile: str) -> str:
+    """A private copy of a fixture node, with a boot ID."""
     root = str(tmp_path / "root")
-    shutil.copytree(profile_root("sriov-nic"), root, symlinks=True)
+    shutil.copytree(profile_root(profile), root, symlinks=True)
     os.makedirs(os.path.join(root, "proc/sys/kernel/random"))
     with open(os.path.join(root, "proc/sys/kernel/random/boot_id"), "w") as f:
         f.write("boot-1\n")
+    return root
+
+
+@pytest.fixture
+def node(tmp_path):
+    root = node_root(tmp_path, "sriov-nic")
     sim = SimPciKernel(root).start()
     s = settings_for(str(tmp_path), root=root)
     state = {"inv": scan(root)}

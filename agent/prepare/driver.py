@@ -296,11 +296,14 @@ class Driver:
             metadata.write_claim(self.settings, uid, entry)
         except Exception as err:  # noqa: BLE001 - one claim's failure, whatever it is, stays its own
             problems = self._undo(call.started[uid], {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
-            if isinstance(err, NotUndone):
+            kept = dict(call.started[uid])
+            if isinstance(err, NotUndone):  # raised by the step being applied (``step``)
+                if err.record is not None:
+                    kept[step.key] = step.write(err.record)
                 err, problems = err.err, err.problems + problems
             self.files.remove(entry, uid, entry["namespace"], entry["name"])
             if problems:  # the host is not as before: its PrepareStarted entry stays, devices held, the undo retried
-                cp.claims[uid] = {**call.started[uid], "devices": entry["devices"]}
+                cp.claims[uid] = {**kept, "devices": entry["devices"]}
             else:
                 del cp.claims[uid]
             call.out[uid] = PrepareResult(error=claim_error(uid, stage, err) + (

@@ -62,12 +62,21 @@ class Record(BaseModel):
 
 # --- step records ---------------------------------------------------------------------------
 class VfioFunction(Record):
-    """A function moved to vfio-pci: what to give it back to."""
+    """A function moved to vfio-pci: what to give it back to. ``pending``: a write for it (the
+    unbind from a driver that waits for the device's users) did not return: the kernel may
+    still finish it, so it is given back only once no write for it is in flight."""
 
     bdf: Bdf
     group: int
     driver: KernelDriver | None = None
     override: KernelDriver | None = None
+    pending: bool = False
+
+    def dump(self) -> dict:
+        out = super().dump()
+        if not self.pending:  # the entry as a sysdra without the field writes (and reads) it
+            del out["pending"]
+        return out
 
 
 class ModeSwitch(Record):

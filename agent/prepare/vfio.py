@@ -7,7 +7,12 @@ IOMMU group holds another function that is in use and not allocated to this clai
 and idle functions are fine); the function is the host's own (it carries a default route,
 or it is the boot VGA device); a NIC whose netdev the host uses (an address, a bond or bridge
 port: prepare/hostuse.py) unless the node and the claim allow it; a PF with SR-IOV VFs enabled
-(unbinding it destroys them)."""
+(unbinding it destroys them); a function whose device files a process holds open (its driver
+would not let go of it: the unbind would wait for them).
+
+An unbind that still does not return in time (opened after the check) fails the claim and
+marks the function's record ``pending``: the claim keeps its entry, and the function is given
+back only once no write for it is in flight (``restore``)."""
 
 from __future__ import annotations
 
@@ -15,9 +20,9 @@ import logging
 import os
 from typing import Callable
 
-from agent.prepare import claimconfig, hostuse
+from agent.prepare import claimconfig, devusers, hostuse
 from agent.prepare.records import VfioFunction
-from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, PciKernel
+from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, KernelHung, PciKernel
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Problem
 from discovery.nic import netdev_names
@@ -30,7 +35,12 @@ log = logging.getLogger(__name__)
 
 
 class VfioError(Exception):
-    """The claim's VFIO request cannot be done; the message is that claim's error."""
+    """The claim's VFIO request cannot be done; the message is that claim's error. ``records``:
+    the claim's records as they are now (a function whose write did not return is ``pending``)."""
+
+    def __init__(self, msg: str, records: list[VfioFunction] | None = None):
+        super().__init__(msg)
+        self.records = records
 
 
 def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device]) -> dict[str, claimconfig.VfioConfig]:
@@ -89,6 +99,8 @@ def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: s
             raise VfioError(f"{bdf}: {why}")
         if kernel.num_vfs(bdf) > 0:
             raise VfioError(f"{bdf} has {kernel.num_vfs(bdf)} SR-IOV VFs enabled: unbinding the PF would destroy them")
+        if kernel.driver(bdf) not in (None, VFIO_DRIVER) and (why := kernel.in_use(bdf)) is not None:
+            raise VfioError(why)
         for other in kernel.group_members(group):
             if other in mine or kernel.class_code(other) >> 8 == 0x0604:  # PCI bridges may share a group
                 continue
@@ -113,15 +125,24 @@ def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[st
                 kernel.bind(bdf, VFIO_DRIVER)
                 fault("vfio:bound")
             kernel.wait_group_node(bdf, rec.group)
+    except KernelHung as err:  # the function stays the claim's; the others go back
+        records = [r.model_copy(update={"pending": True}) if r.bdf == err.bdf else r for r in records]
+        problems = restore_all(kernel, [r for r in records if not r.pending], fault)
+        raise VfioError(f"{err}; the claim's record keeps the function, its retry (or the agent's next start) gives it "
+                        "back once the kernel is done" + (f"; not given back: {'; '.join(problems)}" if problems else ""),
+                        records) from None
     except KernelError as err:
         problems = restore_all(kernel, records, fault)
         msg = f"binding to vfio-pci failed: {err}; original drivers restored"
-        raise VfioError(msg if not problems else f"{msg} except: {'; '.join(problems)}") from None
+        raise VfioError(msg if not problems else f"{msg} except: {'; '.join(problems)}", records) from None
 
 
 def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] = lambda p: None) -> None:
     """Give one function back to its original driver (idempotent)."""
     bdf, original = rec.bdf, rec.driver
+    kernel.settled(bdf)  # a write of ours still in the kernel: nothing until it returns
+    if rec.pending and (writers := kernel.writers(bdf, [original, VFIO_DRIVER])):  # another instance's
+        raise KernelError(f"{bdf}: a write for it is still in the kernel: {devusers.describe(writers)}")
     if original == VFIO_DRIVER:  # it came to us on vfio-pci and stays: only the override bind_all set goes
         if kernel.override(bdf) != rec.override:
             kernel.set_override(bdf, rec.override)

@@ -122,3 +122,55 @@ def test_reboot_while_a_vm_claim_is_prepared(tmp_path, faults):
         node.stop()
         sim.stop()
     faults.add("Reboot", "reboot while a VFIO claim is prepared", 1, "re-bound to vfio-pci at start; unprepare gives it back")
+
+
+def _pending(node: Node) -> bool | None:
+    """The claim's record says its unbind may still be in the kernel (None: no entry)."""
+    entry = Checkpoint.load(os.path.join(node.plugin_dir, "checkpoint.json"), move_corrupt=False).claims.get(UID)
+    return None if entry is None else entry["vfio"][0].get("pending", False)
+
+
+def test_an_unbind_that_hangs_frees_the_node_and_survives_sigkill(tmp_path, faults):
+    """The unbind write blocks (tests/simkernel.py ``hang``: a writer waits in write() with the
+    file open, as in a driver's remove that waits for the device's users). The real agent
+    answers the claim's prepare with its error after the kernel deadline (10 s), another
+    claim's prepare completes while the write is still in the kernel, and the record says the
+    unbind is pending. SIGKILL before and after that record is saved, and once the claim failed:
+    after each restart the function is back on its driver with no claim (the killed write
+    died with its process: no process has the unbind file open), and once the kernel lets go the
+    kubelet's retry prepares it."""
+    node = Node(tmp_path, profile="sriov-nic")
+    sim = SimPciKernel(node.root).start()
+    plain = node.write_claim("net", [("net", "nic-0000-06-00-3")], uid="00000000-0000-4000-8000-0000000f0102")
+    seen = {}
+    try:
+        c = vfio_claim(node)
+        sim.hang(ORIGINAL)
+        for point in ("prepare:specs-written", "prepare:completed"):  # the pending record not saved, saved
+            _crash_at(node, point, lambda: node.prepare(c))
+            seen[point] = _pending(node)
+            node.start()
+            assert _state(node, sim) == "rolled back"
+            node.stop()
+        node.start()
+        err = errors_of(run(node.prepare(c), timeout=60))[UID]
+        assert f"{VF_BDF}: the kernel has not finished unbinding it from {ORIGINAL} after 10s" in err, err
+        assert _pending(node) is True
+        assert not errors_of(run(node.prepare(plain)))[plain["metadata"]["uid"]]  # the node goes on meanwhile
+        assert "the kernel has not finished it" in errors_of(run(node.unprepare(c)))[UID]  # nothing races the write
+        node.kill()
+        node.start()
+        assert _state(node, sim) == "rolled back"
+        sim.release(ORIGINAL)
+        assert not errors_of(run(node.prepare(c)))[UID]  # the kubelet's retry
+        assert _state(node, sim) == "prepared"
+        assert not errors_of(run(node.unprepare(c)))[UID]
+        assert _state(node, sim) == "rolled back"
+    finally:
+        node.stop()
+        sim.close()
+    assert seen == {"prepare:specs-written": False, "prepare:completed": True}
+    faults.add("Crash anywhere", "SIGKILL while a VFIO unbind hangs (before/after its pending record)", 2,
+               "after restart: given back, no claim; retry completes once the kernel lets go")
+    faults.add("Hung kernel", "unbind write that does not return", 1,
+               "claim fails after 10 s, lock freed (another claim prepared meanwhile), record pending; retry completes")

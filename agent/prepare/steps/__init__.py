@@ -8,7 +8,8 @@ claim's checkpoint entry under the step's ``key``:
 - ``holds(record)`` -> what the change holds (prepare/ownership.py), refused on conflict.
 - ``apply(planned, record)`` -> (the record to keep once prepared, devices as they are after
   the change); on its own failure it puts the host back as it was and raises, ``NotUndone``
-  when it could not (the claim keeps its entry, as for ``undo``'s problems).
+  when it could not (the claim keeps its entry, as for ``undo``'s problems, with the record
+  ``NotUndone`` gives, if any).
 - ``undo(record, others)`` -> ``Undone``: on a later failure, on unprepare, and at start for an
   interrupted prepare. ``others``: the other claims' entries. With problems the host is not
   as before: the claim keeps its entry and the undo is retried.
@@ -55,11 +56,13 @@ class Undone:
 
 
 class NotUndone(Exception):
-    """``apply`` failed (``err``, the claim's error) and could not put the host back (``problems``)."""
+    """``apply`` failed (``err``, the claim's error) and could not put the host back (``problems``).
+    ``record``: the step's record to keep in the claim's entry instead of the planned one (what
+    is left to undo is not what was planned: a VFIO write still in the kernel), or None."""
 
-    def __init__(self, err: Exception, problems: list[str]):
+    def __init__(self, err: Exception, problems: list[str], record: Any = None):
         super().__init__(f"{err}; not undone: {'; '.join(problems)}")
-        self.err, self.problems = err, problems
+        self.err, self.problems, self.record = err, problems, record
 
 
 class RecordsOf:

@@ -56,8 +56,9 @@ class VfioStep(RecordsOf):
             return record, self.devices_now(record, {r.device: planned.inventory[r.device] for r in planned.results
                                                      if r.device in planned.inventory})
         except vfio.VfioError as err:  # all given back (again: idempotent); one still away keeps the claim's entry
-            if (undone := self.undo(record, {})).problems:
-                raise NotUndone(err, undone.problems) from err
+            now = tuple(err.records) if err.records is not None else record  # a write still in the kernel: pending
+            if (undone := self.undo(now, {})).problems:
+                raise NotUndone(err, undone.problems, now if now != record else None) from err
             raise
 
     def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
