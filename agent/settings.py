@@ -265,6 +265,11 @@ class Settings(BaseModel):
     # The container runtime's NRI socket: a NIC's netdev goes into its pod's network namespace
     # (docs/networking.md); "" turns the NRI plugin off.
     nri_socket: str = "/var/run/nri/nri.sock"
+    # on: a claim's CDI device adds the host groups of its group-owned nodes to the container
+    # process (additionalGids, CDI 0.7.0), so a non-root container opens root:render 0660 nodes;
+    # off by default: runtimes on a CDI library < 0.7 reject the whole spec file for the field,
+    # and nothing the agent reliably sees tells it the runtime's (docs/kubelet-plugin.md).
+    cdi_additional_gids: Literal["off", "on"] = "off"
 
     def __init__(self, **values: Any) -> None:
         try:

@@ -5,7 +5,8 @@ Layout (documented in docs/kubelet-plugin.md, keep the env names stable):
   ``<claimUID>-<device>-<shareID>``, with the share's environment, docs/sharing.md) with
   its device nodes (``hostPath`` only where the host's path differs from the container's: the
   agent's ``--root`` is its own view of the host, never part of a path the runtime reads) and
-  ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated);
+  ``SYSDRA_DEVICE_<NAME>=<pci bus id>`` (unique per device, so never duplicated), and with
+  ``cdi_additional_gids`` on the host groups of its group-owned nodes (``additionalGids``);
 - spec-level edits (applied once when any device of the claim is injected) carry the
   claim-wide lists: ``SYSDRA_CLAIM_UID``, ``SYSDRA_DEVICES``,
   ``SYSDRA_<KIND>_PCI_BUS_IDS`` per kind and ``SYSDRA_NIC_INTERFACES``, and what a vendor's
@@ -22,11 +23,14 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cdi.spec import SpecError, claim_kind, finish, qualified_name
-from discovery.models import Device
+from discovery.models import Device, DeviceNode
+
+# a device node -> the host gid a non-root container process needs to open it (cdi/nodegroup.py)
+GroupOf = Callable[[DeviceNode], "int | None"]
 
 # what a share sets besides its capacities: SYSDRA_SHARE_<key> and SYSDRA_DEVICE_<NAME>_<key>
 SHARE_KEYS = ("ID", "DEVICE")
@@ -122,7 +126,8 @@ def host_path(node_host_path: str, root: str) -> str:
     return node_host_path if rel == ".." or rel.startswith("../") else "/" + rel
 
 
-def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = ()) -> dict:
+def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = (),
+                  group_of: GroupOf | None = None) -> dict:
     nodes = []
     for n in dev.device_nodes:
         node = {"path": n.path}
@@ -134,16 +139,21 @@ def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mount
     edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env]}
     if nodes:
         edits["deviceNodes"] = nodes
+    gids = sorted({g for n in dev.device_nodes if (g := group_of(n))}) if group_of else []
+    if gids:  # device-level: only a container given this device joins its groups (cdiVersion 0.7.0)
+        edits["additionalGids"] = gids
     if mounts:
         edits["mounts"] = [dict(m) for m in mounts]
     return edits
 
 
 def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | ClaimDevice], root: str = "/",
-                     extra_edits: dict | None = None) -> dict:
+                     extra_edits: dict | None = None, group_of: GroupOf | None = None) -> dict:
     """The finished, validated spec dict for ``entries`` (each once, in allocation order; a
     plain Device is its own key). Claim-wide lists name each device once, however many shares.
-    ``extra_edits``: claim-wide edits a vendor needs once per claim (cdi/nvidia.py)."""
+    ``extra_edits``: claim-wide edits a vendor needs once per claim (cdi/nvidia.py).
+    ``group_of``: with ``cdi_additional_gids`` on, each device's ``additionalGids`` (the groups
+    of its group-owned nodes, cdi/nodegroup.py); None writes no such field."""
     if not entries:
         raise ValueError("a CDI spec needs at least one device")
     cdi_devices = [e if isinstance(e, ClaimDevice) else ClaimDevice(e, e.name) for e in entries]
@@ -158,7 +168,7 @@ def build_claim_spec(driver_name: str, claim_uid: str, entries: list[Device | Cl
     spec = {
         "kind": claim_kind(driver_name),
         "devices": [
-            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, root, c.env, c.mounts)}
+            {"name": cdi_device_name(claim_uid, c.key), "containerEdits": _device_edits(c.device, root, c.env, c.mounts, group_of)}
             for c in cdi_devices
         ],
         "containerEdits": {"env": env},

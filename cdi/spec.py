@@ -100,6 +100,9 @@ def _check_edits(edits: object, where: str) -> None:
         perms = node.get("permissions", "")
         if perms and perms != "none" and set(perms) - set("rwm"):
             raise SpecError(f"{w}: invalid permissions {perms!r}")
+    gids = edits.get("additionalGids", [])
+    if not isinstance(gids, list) or not all(type(g) is int and 0 <= g < 2**32 for g in gids):
+        raise SpecError(f"{where}.additionalGids: must be a list of uint32 group ids")
     for i, mount in enumerate(edits.get("mounts") or []):
         w = f"{where}.mounts[{i}]"
         _check_keys(mount, _MOUNT_KEYS, w)

@@ -8,7 +8,8 @@ from agent.cli import publishing
 # The publishing flags (what goes into the slices) are agent/cli/publishing.py's, shared with `sysdra scan`.
 VALUE_FLAGS = ("root", "kubelet-dir", "cdi-dir", "cluster", "resync-interval", "debounce",
                "log-level", "log-format", "metrics-address", "rolling-update-uid", "device-metadata",
-               "claim-status", "health-interval", "status-socket", "nvidia-cdi-spec", "cdi-host-root", "nri-socket")
+               "claim-status", "health-interval", "status-socket", "nvidia-cdi-spec", "cdi-host-root", "nri-socket",
+               "cdi-additional-gids")
 SWITCH_FLAGS: tuple[str, ...] = ("allow-host-in-use-nics",)
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
@@ -29,6 +30,8 @@ HELP = {
     "cdi-host-root": "the host's / as the container runtime sees it, for host paths in CDI specs (default /; a fixture tree in tests)",
     "nri-socket": "the container runtime's NRI socket, where the agent registers as a plugin (default /var/run/nri/nri.sock; empty disables)",
     "allow-host-in-use-nics": "a claim whose NicConfig/VfioConfig says allowHostInUse may take a NIC the host uses (an address, a bond or bridge port)",
+    "cdi-additional-gids": "on: claim specs add the host groups of group-owned device nodes (additionalGids, CDI 0.7: "
+                           "containerd >= 1.7.16, CRI-O >= 1.30, podman >= 5.1); off (default): not written",
     "status-socket": "unix socket of `sysdra status` (default <plugin dir>/status.sock)",
 }
 

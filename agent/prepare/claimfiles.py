@@ -16,6 +16,7 @@ from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.metadata import store as metadata
 from agent.settings import Settings
 from cdi.claim import build_claim_spec
+from cdi.nodegroup import group_reader
 from cdi.spec import SpecError
 from discovery.models import Device, Inventory
 
@@ -44,7 +45,8 @@ class ClaimFiles:
             recorded = [(self.nvidia.with_mps(c, share), share) for c, share in recorded]
         devs = list({c.key: c for c, _ in recorded}.values())
         edits = self.nvidia.claim_edits([c.device for c in devs]) if self.nvidia else None
-        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root, edits)
+        return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root, edits,
+                                group_reader(self.settings.cdi_additional_gids))
 
     def remove(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
         """The claim spec, the metadata specs and the metadata directory (which is keyed by

@@ -58,6 +58,7 @@ from agent.prepare.mig import MigDevices, shared_nvml
 from agent.prepare.steps.mig import MigStep
 from agent.prepare.steps.migmode import MigModeStep
 from agent.prepare.steps.mps import MpsStep
+from cdi.nodegroup import group_reader
 from agent.prepare.steps.netdev import NetdevStep
 from agent.prepare.steps.partition import PartitionStep
 from agent.prepare.steps.timeslice import TimeSliceStep
@@ -235,7 +236,7 @@ class Driver:
         records = {st.key: rec for st in self.steps if (rec := st.plan(planned, owners)) is not None}
         s = self.settings
         devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs,
-                                                         self.nvidia)
+                                                         self.nvidia, group_reader(s.cdi_additional_gids))
         entry_plan = {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": self.boot_id,
                       "allocation": fp, "devices": [planner.device_record(d, e, r) for d, e, r in zip(devices, envs, results)],
                       "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None, "metadata": None,
@@ -288,7 +289,8 @@ class Driver:
             if now:  # devices as the host changes left them (new partitions, VFIO group nodes)
                 s = self.settings
                 _, spec, _ = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, planned.results,
-                                                      {**planned.names, **now}, planned.configs, self.nvidia)
+                                                      {**planned.names, **now}, planned.configs, self.nvidia,
+                                                      group_reader(s.cdi_additional_gids))
                 entry["cdiSpec"] = {"path": self._spec_path(uid), "spec": spec} if spec else None
             if entry["cdiSpec"]:  # built by cdi.spec.finish just now: already valid
                 cdifiles.write_spec(entry["cdiSpec"]["path"], entry["cdiSpec"]["spec"], check=False)

@@ -16,7 +16,7 @@ from agent.prepare.claimconfig import OpaqueConfig, config_for
 from agent.prepare.checkpoint import STARTED
 from agent.prepare.ownership import Hold
 from agent.quantity import parse_quantity
-from cdi.claim import build_claim_spec, cdi_id
+from cdi.claim import GroupOf, build_claim_spec, cdi_id
 from discovery import gpuways
 from discovery.models import Device
 
@@ -51,10 +51,12 @@ def started(entry: dict, step_keys: Iterable[str]) -> dict:
 
 
 def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[Result], names: dict[str, Device],
-                     configs: list[OpaqueConfig] = (), nvidia=None) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
+                     configs: list[OpaqueConfig] = (), nvidia=None,
+                     group_of: GroupOf | None = None) -> tuple[list[PreparedDevice], dict | None, list[tuple[str, ...]]]:
     """Map allocation results to devices -> (response devices, CDI spec, each device's own
     environment). One CDI device per result: a share is its own (prepare/shares.py).
-    ``nvidia`` (prepare/nvidia.py): the user-space driver's edits, or NVIDIA's own CDI IDs."""
+    ``nvidia`` (prepare/nvidia.py): the user-space driver's edits, or NVIDIA's own CDI IDs.
+    ``group_of``: the groups of group-owned device nodes (``cdi_additional_gids``, cdi/nodegroup.py)."""
     entries = []
     for r in results:
         if r.pool != node:
@@ -79,7 +81,7 @@ def devices_and_spec(driver: str, node: str, root: str, uid: str, results: list[
     cds = list(picked.values())
     shares.one_mps_gpu(cds)
     edits = nvidia.claim_edits([c.device for c in cds]) if nvidia else None
-    return prepared, build_claim_spec(driver, uid, cds, root, edits), envs
+    return prepared, build_claim_spec(driver, uid, cds, root, edits, group_of), envs
 
 
 # a device -> the capacities its shares are accounted against (None: it is not published shared)
