@@ -146,6 +146,7 @@ def test_doctor_api_check_passes_as_the_agent_and_fails_without_the_binding(apis
     monkeypatch.setenv("KUBECONFIG", agent.kubeconfig)
     found = {f.check: f for f in check_api("kube", agent.name)}
     assert found["api"].level == "ok" and found["rbac"].level == "ok", found
+    assert found["identity"].level == "ok", found["identity"]
     assert found["clock"].level == "ok"
     # a ServiceAccount without the binding: doctor names what is missing
     apiserver.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "unbound", "namespace": "sysdra"}})
@@ -153,6 +154,31 @@ def test_doctor_api_check_passes_as_the_agent_and_fails_without_the_binding(apis
     monkeypatch.setenv("KUBECONFIG", apiserver.write_kubeconfig(str(tmp_path / "unbound.kubeconfig"), token=token))
     found = {f.check: f for f in check_api("kube", agent.name)}
     assert found["rbac"].level == "fail" and "create resourceslices" in found["rbac"].message
+
+
+def _doctor_as(apiserver, monkeypatch, path, node, **identity):
+    from agent.tools.doctor import check_api
+
+    monkeypatch.setenv("KUBECONFIG", apiserver.write_kubeconfig(str(path), namespace="sysdra", **identity))
+    return {f.check: f for f in check_api("kube", node)}
+
+
+def test_doctor_fails_the_agents_own_rbac_without_a_node_bound_token(apiserver, agent, monkeypatch, tmp_path):
+    """The systemd unit's credential: RBAC alone passes the access reviews, but a token bound to
+    no node (or another node) cannot write claim status. The SelfSubjectReview tells them apart."""
+    unbound = apiserver.token("sysdra", "sysdra")  # TokenRequest without boundObjectRef
+    assert "node" not in token_claims(unbound)["kubernetes.io"]
+    found = _doctor_as(apiserver, monkeypatch, tmp_path / "unbound", agent.name, token=unbound)
+    assert found["rbac"].level == "ok", found["rbac"]  # what doctor said before: all fine
+    assert found["identity"].level == "fail", found["identity"]
+    assert "system:serviceaccount:sysdra:sysdra is bound to no node" in found["identity"].message
+    assert "claim status writes" in found["identity"].message
+    assert f"--bound-object-kind Node --bound-object-name {agent.name}" in found["identity"].fix
+    other = apiserver.token("sysdra", "sysdra", node=agent.other)
+    found = _doctor_as(apiserver, monkeypatch, tmp_path / "other", agent.name, token=other)
+    assert found["identity"].level == "fail" and f"bound to node {agent.other}, not to this node" in found["identity"].message
+    found = _doctor_as(apiserver, monkeypatch, tmp_path / "bound", agent.name, token=agent.token)
+    assert found["identity"].level == "ok" and found["rbac"].level == "ok", found
 
 
 def test_rbac_alone_lets_the_agent_write_another_nodes_slices(apiserver, agent):
