@@ -181,6 +181,51 @@ def test_doctor_fails_the_agents_own_rbac_without_a_node_bound_token(apiserver, 
     assert found["identity"].level == "ok" and found["rbac"].level == "ok", found
 
 
+def test_a_token_file_replaced_before_its_token_dies_needs_no_restart(apiserver, agent, tmp_path):
+    """The systemd unit's rotation (docs/operations.md, "Credentials"): the kubeconfig names a
+    tokenFile; a refresh replaces the file; when the old token is refused (401) both of the
+    agent's clients (lightkube for slices, apihttp for claims) read the file again. The old token
+    is killed by deleting the Node it is bound to: a TokenRequest lives 10 minutes at least."""
+    doomed = apiserver.create_node(unique("rbac-doomed"))["metadata"]["name"]
+    token_file = tmp_path / "token"
+    first = apiserver.token("sysdra", "sysdra", node=doomed)
+    token_file.write_text(first + "\n")
+    kubeconfig = apiserver.write_kubeconfig(str(tmp_path / "kubeconfig"), token_file=str(token_file), namespace="sysdra")
+    ns = unique("rotate")
+    apiserver.create_namespace(ns)
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c", "namespace": ns},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}}  # fmt: skip
+    apiserver.create(claim)
+
+    async def scenario():
+        client = AsyncClient(config=KubeConfig.from_file(kubeconfig), field_manager=DRIVER)
+        store, source = KubeStore(client, node_name=agent.name, driver_name=DRIVER), KubeClaimSource(client)
+        try:
+            assert await store.node_uid() == agent.node["metadata"]["uid"]  # the first token read
+            assert (await asyncio.to_thread(source.read_claim, ns, "c"))["metadata"]["name"] == "c"
+            fresh = apiserver.token("sysdra", "sysdra", node=agent.name)
+            token_file.with_name("token.new").write_text(fresh + "\n")
+            os.replace(token_file.with_name("token.new"), token_file)  # the refresh, atomically
+            apiserver.delete("Node", doomed)
+            await asyncio.to_thread(_until_refused, apiserver, first)
+            assert await store.node_uid() == agent.node["metadata"]["uid"]  # a 401, the file again
+            assert (await asyncio.to_thread(source.read_claim, ns, "c"))["metadata"]["name"] == "c"
+        finally:
+            await client.close()
+
+    run(scenario())
+
+
+def _until_refused(apiserver, token: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    with apiserver.http(token=token) as http:
+        while http.get("/api").status_code != 401:  # the server may cache a good token a few seconds
+            assert time.monotonic() < deadline, "a token bound to a deleted Node is still accepted"
+            time.sleep(0.2)
+
+
 def test_rbac_alone_lets_the_agent_write_another_nodes_slices(apiserver, agent):
     """RBAC cannot look at spec.nodeName: with deploy/rbac.yaml only, the agent's token can
     create a slice for a node it does not run on. The node binding in its token
