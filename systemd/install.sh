@@ -72,5 +72,5 @@ fi
 if [ -z "$DESTDIR" ] && [ "$(id -u)" = 0 ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
   systemd-tmpfiles --create "$TMPFILESDIR/sysdra.conf"
   systemctl daemon-reload
-  echo "next: put a kubeconfig in $CONFDIR/kubeconfig (mode 0600), then: systemctl enable --now sysdra"
+  echo "next: put a kubeconfig in $CONFDIR/kubeconfig (mode 0600; tokenFile: a token bound to this node, docs/operations.md \"Credentials\"), then: systemctl enable --now sysdra"
 fi

@@ -408,11 +408,14 @@ class ControlPlane:
         return ctx
 
     def write_kubeconfig(self, path: str, *, token: str | None = None, cert: tuple[str, str] | None = None,
-                         namespace: str = "default", server: str | None = None) -> str:  # fmt: skip
-        """A kubeconfig for lightkube / the agent ($KUBECONFIG) as a token or a client cert."""
+                         namespace: str = "default", server: str | None = None, token_file: str | None = None) -> str:  # fmt: skip
+        """A kubeconfig for lightkube / the agent ($KUBECONFIG) as a token (inline, or the file
+        ``token_file`` that clients read again on a 401) or a client cert."""
         user: dict = {}
         if token:
             user["token"] = token
+        if token_file:
+            user["tokenFile"] = token_file
         if cert:
             user["client-certificate"], user["client-key"] = cert
         config = {

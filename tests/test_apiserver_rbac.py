@@ -146,6 +146,7 @@ def test_doctor_api_check_passes_as_the_agent_and_fails_without_the_binding(apis
     monkeypatch.setenv("KUBECONFIG", agent.kubeconfig)
     found = {f.check: f for f in check_api("kube", agent.name)}
     assert found["api"].level == "ok" and found["rbac"].level == "ok", found
+    assert found["identity"].level == "ok", found["identity"]
     assert found["clock"].level == "ok"
     # a ServiceAccount without the binding: doctor names what is missing
     apiserver.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "unbound", "namespace": "sysdra"}})
@@ -153,6 +154,76 @@ def test_doctor_api_check_passes_as_the_agent_and_fails_without_the_binding(apis
     monkeypatch.setenv("KUBECONFIG", apiserver.write_kubeconfig(str(tmp_path / "unbound.kubeconfig"), token=token))
     found = {f.check: f for f in check_api("kube", agent.name)}
     assert found["rbac"].level == "fail" and "create resourceslices" in found["rbac"].message
+
+
+def _doctor_as(apiserver, monkeypatch, path, node, **identity):
+    from agent.tools.doctor import check_api
+
+    monkeypatch.setenv("KUBECONFIG", apiserver.write_kubeconfig(str(path), namespace="sysdra", **identity))
+    return {f.check: f for f in check_api("kube", node)}
+
+
+def test_doctor_fails_the_agents_own_rbac_without_a_node_bound_token(apiserver, agent, monkeypatch, tmp_path):
+    """The systemd unit's credential: RBAC alone passes the access reviews, but a token bound to
+    no node (or another node) cannot write claim status. The SelfSubjectReview tells them apart."""
+    unbound = apiserver.token("sysdra", "sysdra")  # TokenRequest without boundObjectRef
+    assert "node" not in token_claims(unbound)["kubernetes.io"]
+    found = _doctor_as(apiserver, monkeypatch, tmp_path / "unbound", agent.name, token=unbound)
+    assert found["rbac"].level == "ok", found["rbac"]  # what doctor said before: all fine
+    assert found["identity"].level == "fail", found["identity"]
+    assert "system:serviceaccount:sysdra:sysdra is bound to no node" in found["identity"].message
+    assert "claim status writes" in found["identity"].message
+    assert f"--bound-object-kind Node --bound-object-name {agent.name}" in found["identity"].fix
+    other = apiserver.token("sysdra", "sysdra", node=agent.other)
+    found = _doctor_as(apiserver, monkeypatch, tmp_path / "other", agent.name, token=other)
+    assert found["identity"].level == "fail" and f"bound to node {agent.other}, not to this node" in found["identity"].message
+    found = _doctor_as(apiserver, monkeypatch, tmp_path / "bound", agent.name, token=agent.token)
+    assert found["identity"].level == "ok" and found["rbac"].level == "ok", found
+
+
+def test_a_token_file_replaced_before_its_token_dies_needs_no_restart(apiserver, agent, tmp_path):
+    """The systemd unit's rotation (docs/operations.md, "Credentials"): the kubeconfig names a
+    tokenFile; a refresh replaces the file; when the old token is refused (401) both of the
+    agent's clients (lightkube for slices, apihttp for claims) read the file again. The old token
+    is killed by deleting the Node it is bound to: a TokenRequest lives 10 minutes at least."""
+    doomed = apiserver.create_node(unique("rbac-doomed"))["metadata"]["name"]
+    token_file = tmp_path / "token"
+    first = apiserver.token("sysdra", "sysdra", node=doomed)
+    token_file.write_text(first + "\n")
+    kubeconfig = apiserver.write_kubeconfig(str(tmp_path / "kubeconfig"), token_file=str(token_file), namespace="sysdra")
+    ns = unique("rotate")
+    apiserver.create_namespace(ns)
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c", "namespace": ns},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}}  # fmt: skip
+    apiserver.create(claim)
+
+    async def scenario():
+        client = AsyncClient(config=KubeConfig.from_file(kubeconfig), field_manager=DRIVER)
+        store, source = KubeStore(client, node_name=agent.name, driver_name=DRIVER), KubeClaimSource(client)
+        try:
+            assert await store.node_uid() == agent.node["metadata"]["uid"]  # the first token read
+            assert (await asyncio.to_thread(source.read_claim, ns, "c"))["metadata"]["name"] == "c"
+            fresh = apiserver.token("sysdra", "sysdra", node=agent.name)
+            token_file.with_name("token.new").write_text(fresh + "\n")
+            os.replace(token_file.with_name("token.new"), token_file)  # the refresh, atomically
+            apiserver.delete("Node", doomed)
+            await asyncio.to_thread(_until_refused, apiserver, first)
+            assert await store.node_uid() == agent.node["metadata"]["uid"]  # a 401, the file again
+            assert (await asyncio.to_thread(source.read_claim, ns, "c"))["metadata"]["name"] == "c"
+        finally:
+            await client.close()
+
+    run(scenario())
+
+
+def _until_refused(apiserver, token: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    with apiserver.http(token=token) as http:
+        while http.get("/api").status_code != 401:  # the server may cache a good token a few seconds
+            assert time.monotonic() < deadline, "a token bound to a deleted Node is still accepted"
+            time.sleep(0.2)
 
 
 def test_rbac_alone_lets_the_agent_write_another_nodes_slices(apiserver, agent):

@@ -196,6 +196,34 @@ def test_registration_from_status_socket(tmp_path):
     assert levels(doctor.check_registration(path)) == [("registration", "fail")]
 
 
+def bound_to(*nodes, username="system:serviceaccount:sysdra:sysdra"):
+    return lambda: {"username": username, "extra": {doctor.NODE_NAME_EXTRA: list(nodes)} if nodes else {}}
+
+
+@pytest.mark.parametrize("user,why", [
+    (bound_to(), "bound to no node"),
+    (bound_to("node-b"), "bound to node node-b, not to this node node-a"),
+    (bound_to("node-a", "node-b"), "bound to node node-a, node-b"),  # the server wants exactly one
+    (bound_to("node-a", username="system:node:node-a"), "system:node:node-a is not a ServiceAccount"),
+    (lambda: {}, "(anonymous) is not a ServiceAccount"),
+])  # fmt: skip
+def test_identity_not_bound_to_this_node_fails_and_says_what_breaks(user, why):
+    """The cases the real server cannot give us (tests/test_apiserver_rbac.py has the token kinds)."""
+    found = doctor.check_identity(user(), "node-a")
+    assert found.level == "fail" and why in found.message, found
+    assert "claim status writes" in found.message and "--bound-object-name node-a" in found.fix
+    assert doctor.check_identity(bound_to("node-a")(), "node-a").level == "ok"
+
+
+def test_identity_question_failing_is_a_warning_and_the_rest_is_checked():
+    def refused():
+        raise PermissionError("selfsubjectreviews is forbidden")
+
+    found = doctor.check_api("kube", "node-a", lambda *a: (True, None), whoami=refused)
+    assert levels(found) == [("api", "ok"), ("rbac", "ok"), ("identity", "warn"), ("clock", "skip")]
+    assert "selfsubjectreviews is forbidden" in found[2].message
+
+
 def test_api_permissions_and_clock():
     now = 1_800_000_000.0
     date = email.utils.formatdate(now, usegmt=True)
@@ -205,12 +233,12 @@ def test_api_permissions_and_clock():
         calls.append((verb, resource, name))
         return (verb != "delete"), date
 
-    found = doctor.check_api("kube", "node-a", review, now=lambda: now + 1)
-    assert levels(found) == [("api", "ok"), ("rbac", "fail"), ("clock", "ok")]
+    found = doctor.check_api("kube", "node-a", review, now=lambda: now + 1, whoami=bound_to("node-a"))
+    assert levels(found) == [("api", "ok"), ("rbac", "fail"), ("identity", "ok"), ("clock", "ok")]
     assert "delete resourceslices" in found[1].message
     assert ("get", "nodes", "node-a") in calls
-    skewed = doctor.check_api("kube", "node-a", lambda *a: (True, date), now=lambda: now + 60)
-    assert levels(skewed) == [("api", "ok"), ("rbac", "ok"), ("clock", "fail")]
+    skewed = doctor.check_api("kube", "node-a", lambda *a: (True, date), now=lambda: now + 60, whoami=bound_to("node-a"))
+    assert levels(skewed) == [("api", "ok"), ("rbac", "ok"), ("identity", "ok"), ("clock", "fail")]
     assert doctor.check_api("dir:/x", "node-a")[0].level == "skip"
 
     def unreachable(*a):
@@ -224,9 +252,10 @@ def test_api_permissions_and_clock():
         pods.append((verb, resource, namespace)) if resource == "pods" else None
         return not (resource == "pods" and verb == "delete"), date
 
-    found = doctor.check_api("kube", "node-a", no_pod_delete, now=lambda: now, mps_namespace="gpu-system")
-    assert levels(found) == [("api", "ok"), ("rbac", "ok"), ("rbac-mps", "fail"), ("clock", "ok")]
-    assert "gpu-system, not allowed: delete pods" in found[2].message
+    found = doctor.check_api("kube", "node-a", no_pod_delete, now=lambda: now, mps_namespace="gpu-system",
+                             whoami=bound_to("node-a"))
+    assert levels(found) == [("api", "ok"), ("rbac", "ok"), ("identity", "ok"), ("rbac-mps", "fail"), ("clock", "ok")]
+    assert "gpu-system, not allowed: delete pods" in found[3].message
     assert pods == [(v, "pods", "gpu-system") for v in ("get", "list", "create", "delete")]
 
 

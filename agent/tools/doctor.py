@@ -124,20 +124,25 @@ API_PERMISSIONS = (
     ("associated-node:patch", "resource.k8s.io", "resourceclaims/driver"),
     ("get", "", "nodes"),
 )
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"  # set from a token's node claim (KEP-4193)
+SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 # with nvidia_mps_pod, in its namespace: the MPS daemons' pods (prepare/mps_pods.py)
 MPS_POD_PERMISSIONS = tuple((verb, "", "pods") for verb in ("get", "list", "create", "delete"))
 
 
 def check_api(cluster: str, node_name: str, review: Callable[..., tuple[bool, str | None]] | None = None,
               now: Callable[[], float] = time.time, driver_name: str = "sysdra.io",
-              mps_namespace: str | None = None) -> list[Finding]:
+              mps_namespace: str | None = None, whoami: Callable[[], dict] | None = None) -> list[Finding]:
     """``review(verb, group, resource, name[, namespace]) -> (allowed, server Date header)``;
-    the default asks the API server with SelfSubjectAccessReviews through lightkube.
+    ``whoami() -> userInfo`` (``username``, ``extra``); the defaults ask the API server through
+    lightkube (SelfSubjectAccessReviews, a SelfSubjectReview).
     ``mps_namespace``: where the MPS daemons' pods are made (``nvidia_mps_pod``)."""
     if cluster.startswith("dir:"):
         return [Finding("api", "skip", f"--cluster {cluster}: offline cluster directory, no API server to check")]
     try:
-        review = review or _lightkube_review()
+        if review is None or whoami is None:
+            default_review, default_whoami = _lightkube_api()
+            review, whoami = review or default_review, whoami or default_whoami
         allowed_first, date = review(*API_PERMISSIONS[0], None)
     except Exception as err:  # noqa: BLE001 - any failure here means "not reachable"
         return [Finding("api", "fail", f"API server not reachable: {type(err).__name__}: {str(err)[:200]}",
@@ -155,10 +160,43 @@ def check_api(cluster: str, node_name: str, review: Callable[..., tuple[bool, st
     else:
         found.append(ok("rbac", "can list/watch/create/update/delete ResourceSlices, get ResourceClaims and "
                                   "Nodes, patch claim status for its driver"))
+    found.append(_ask_identity(whoami, node_name))
     if mps_namespace:
         found.append(_check_mps_pods(review, mps_namespace))
     found.append(check_clock(date, now()))
     return found
+
+
+def _ask_identity(whoami: Callable[[], dict], node_name: str) -> Finding:
+    try:
+        user = whoami()
+    except Exception as err:  # noqa: BLE001 - reachable a moment ago: say what failed, check the rest
+        return Finding("identity", "warn", f"could not ask the API server who we are (SelfSubjectReview): "
+                                           f"{type(err).__name__}: {str(err)[:200]}", "see the API server's log")
+    return check_identity(user, node_name)
+
+
+def check_identity(user: dict, node_name: str) -> Finding:
+    """RBAC passes for any credential of the agent's ServiceAccount, but the API server lets a
+    client write claim status (``associated-node:patch`` on resourceclaims/driver) only as a
+    ServiceAccount whose token is bound to exactly the claim's node (its node-name extra), and
+    deploy/admission-policy.yaml checks the same extra for ResourceSlice writes
+    (docs/cluster-integration.md). A Secret-based token or a client certificate has none."""
+    name = user.get("username") or "(anonymous)"
+    nodes = list((user.get("extra") or {}).get(NODE_NAME_EXTRA) or [])
+    if name.startswith(SERVICE_ACCOUNT_PREFIX) and nodes == [node_name]:
+        return ok("identity", f"{name}, its token bound to node {node_name}")
+    if not name.startswith(SERVICE_ACCOUNT_PREFIX):
+        why = f"the agent's identity {name} is not a ServiceAccount"
+    elif not nodes:
+        why = f"the token of {name} is bound to no node ({NODE_NAME_EXTRA} missing)"
+    else:
+        why = f"the token of {name} is bound to node {', '.join(nodes)}, not to this node {node_name}"
+    return Finding("identity", "fail", f"{why}: the API server refuses the agent's claim status writes (status.devices) "
+                                       "and, where deploy/admission-policy.yaml is installed, its ResourceSlice writes",
+                   f"give the agent a token of ServiceAccount sysdra bound to this node: kubectl create token sysdra "
+                   f"-n sysdra --bound-object-kind Node --bound-object-name {node_name} --duration 168h, into the "
+                   "kubeconfig's tokenFile (docs/operations.md, \"Credentials\"); the DaemonSet's pod token has it")
 
 
 def _check_mps_pods(review: Callable[..., tuple[bool, str | None]], namespace: str) -> Finding:
@@ -185,9 +223,11 @@ def check_clock(date_header: str | None, local: float) -> Finding:
     return ok("clock", f"within {MAX_CLOCK_SKEW:g}s of the API server")
 
 
-def _lightkube_review():
+def _lightkube_api():
+    """(review, whoami) on one lightkube client."""
     from lightkube import Client
     from lightkube.models.authorization_v1 import ResourceAttributes, SelfSubjectAccessReviewSpec
+    from lightkube.resources.authentication_v1 import SelfSubjectReview
     from lightkube.resources.authorization_v1 import SelfSubjectAccessReview
 
     client = Client(timeout=10.0)
@@ -202,7 +242,12 @@ def _lightkube_review():
         result = generic.handle_response("post", response, request)
         return bool(result.status and result.status.allowed), response.headers.get("date")
 
-    return review
+    def whoami() -> dict:
+        status = client.create(SelfSubjectReview()).status
+        user = status.userInfo if status else None
+        return {"username": user.username, "extra": user.extra or {}} if user else {}
+
+    return review, whoami
 
 
 def check_nvidia_driver(root: str, driver_root: str) -> list[Finding]:
