@@ -17,7 +17,7 @@ import pytest
 
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri.netdev import NetdevMover
-from agent.prepare import hostuse, rtnl
+from agent.prepare import hostuse, netmove, rtnl
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
 from agent.prepare.steps.netdev import NetdevStep
@@ -133,6 +133,17 @@ def test_a_bridge_port_is_refused_and_without_nri_nothing_moves_so_nothing_is_re
 def test_an_idle_netdev_is_moved_as_before(tmp_path, ifname_nets):  # noqa: F811
     d = netdev_driver(tmp_path, ifname_nets)
     assert d.prepare_claims([nic_claim()])[CLAIM].error is None
+
+
+def test_a_move_is_checked_in_the_namespace_it_takes_the_netdev_from(tmp_path, ifname_nets, monkeypatch):  # noqa: F811
+    """An agent that may not open the init's namespace (systemd without CAP_SYS_PTRACE, a sandbox
+    whose PID 1 is another user namespace's) moves netdevs from and to its own: the check reads
+    that one, so an idle netdev there is prepared and one with an address there is refused."""
+    monkeypatch.setattr(netmove, "host_netns_problem", lambda root: f"{root}/proc/1/ns/net: Permission denied")
+    assert netdev_driver(tmp_path / "a", ifname_nets).prepare_claims([nic_claim()])[CLAIM].error is None
+    ip(ifname_nets, "addr", "add", "10.9.8.7/24", "dev", IFNAME)
+    assert "it holds the host's address 10.9.8.7/24" in netdev_driver(tmp_path / "b", ifname_nets).prepare_claims(
+        [nic_claim()])[CLAIM].error
 
 
 # --- VFIO --------------------------------------------------------------------------------

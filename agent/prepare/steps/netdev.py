@@ -18,7 +18,6 @@ without it nothing moves and nothing is refused).
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Callable
 
@@ -67,9 +66,11 @@ class NetdevStep(RecordsOf):
         return tuple(out) or None
 
     def _refuse_host_used(self, move: NetdevMove, cfg: NicConfig | None) -> None:
-        """ClaimFailed for a netdev the host uses, unless the node and the claim allow it."""
-        netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
-        if self.moves and (why := hostuse.refusal(netns, {move.host: move.bdf}, self.allow_host_in_use,
+        """ClaimFailed for a netdev the host uses, unless the node and the claim allow it. Read in
+        the namespace the move takes it from (``host_netns``: the init's, else the agent's own,
+        which is the host's under systemd and with hostNetwork): a netdev not there cannot be
+        moved (its sandbox fails), so the host cannot lose it to the move."""
+        if self.moves and (why := hostuse.refusal(self.host_netns, {move.host: move.bdf}, self.allow_host_in_use,
                                                   bool(cfg and cfg.allowHostInUse), "moved into a pod", "NicConfig")):
             raise ClaimFailed(f"request {move.request!r}: {move.device}: {why}")
 
