@@ -311,7 +311,7 @@ class Checkpoint:
             elif durable and self._unsynced:
                 self._append(b"", durable=True)
             self.stamp = self.disk_stamp(self.path)
-            remember_saved(self.path, self.claims, self._journal_size)
+            remember_saved(self.path, self.claims, self._journal_size, self.stamp)
 
     def _updates(self, changed: Iterable[str] | None) -> dict[str, bytes | None]:
         """uid -> new canonical encoding (None: removed) for entries that differ from the files."""
@@ -396,4 +396,4 @@ class Checkpoint:
             except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
                 log.warning("checkpoint saved as a snapshot only; %s", err)
             self.stamp = self.disk_stamp(self.path)
-            remember_saved(self.path, self.claims, self._journal_size)
+            remember_saved(self.path, self.claims, self._journal_size, self.stamp)

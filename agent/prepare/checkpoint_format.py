@@ -61,10 +61,11 @@ def check_snapshot(data: object) -> tuple[int, dict]:
 _LAST_SAVED: dict[str, tuple[dict[str, dict], tuple, int | None]] = {}
 
 
-def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None) -> None:
+def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None, stamp: tuple) -> None:
     """Called by every save (under the serialize lock, so in the order the files were written),
-    once the files hold ``claims``, the journal's records ending at ``journal_end``."""
-    inodes = tuple(s and s[0] for s in disk_stamp(path))
+    once the files hold ``claims``, the journal's records ending at ``journal_end``; ``stamp``:
+    their ``disk_stamp`` taken since."""
+    inodes = tuple(s and s[0] for s in stamp)
     _LAST_SAVED[os.path.abspath(path)] = (dict(claims), inodes, journal_end)  # entries are replaced, never changed in place
 
 
