@@ -92,7 +92,8 @@ def check_unique_env(spec: dict) -> None:
     for dev in spec["devices"]:
         edits = dev["containerEdits"]
         names = common + _names(edits.get("env", ()))
-        if twice := sorted(n for n, c in Counter(names).items() if c > 1):
+        if len(set(names)) != len(names):  # (a Counter per device only to name them)
+            twice = sorted(n for n, c in Counter(names).items() if c > 1)
             raise SpecError(f"device {dev['name']}: environment variable(s) {', '.join(twice)} set twice")
         for e in edits.get("env", ()):
             name, _, value = e.partition("=")
