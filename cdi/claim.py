@@ -96,7 +96,8 @@ def check_unique_env(spec: dict) -> None:
     for dev in spec["devices"]:
         edits = dev["containerEdits"]
         names = common + _names(edits.get("env", ()))
-        if twice := sorted(n for n, c in Counter(names).items() if c > 1):
+        if len(set(names)) != len(names):  # (a Counter per device only to name them)
+            twice = sorted(n for n, c in Counter(names).items() if c > 1)
             raise SpecError(f"device {dev['name']}: environment variable(s) {', '.join(twice)} set twice")
         for e in edits.get("env", ()):
             name, _, value = e.partition("=")
@@ -118,24 +119,46 @@ def cdi_id(driver_name: str, claim_uid: str, device_name: str) -> str:
     return qualified_name(claim_kind(driver_name), cdi_device_name(claim_uid, device_name))
 
 
+def _normal(path: str) -> str:
+    path = os.path.abspath(path)
+    return path[1:] if path.startswith("//") else path  # POSIX keeps a leading "//"; relpath does not
+
+
 def host_path(node_host_path: str, root: str) -> str:
     """A device node's path as the container runtime on the host sees it: the agent's view
     (under ``--root``, ``/host/dev/...`` in the DaemonSet) without the root. Without a
     ``hostPath`` the runtime stats the node itself and keeps its mode, owner and group."""
-    rel = os.path.relpath(node_host_path, root)
-    return node_host_path if rel == ".." or rel.startswith("../") else "/" + rel
+    path, base = _normal(node_host_path), _normal(root)  # os.path.relpath's view, a tenth its cost
+    if path == base:
+        return "/."
+    if base == "/":
+        return path
+    return path[len(base):] if path.startswith(base + "/") else node_host_path
+
+
+# device name -> (the device object, root, its CDI device nodes): built once per device object
+# (discovery keeps an unchanged device's object across rescans), not at every prepare
+_nodes: dict[str, tuple[Device, str, tuple[dict, ...]]] = {}
+
+
+def _device_nodes(dev: Device, root: str) -> list[dict]:
+    hit = _nodes.get(dev.name)
+    if hit is None or hit[0] is not dev or hit[1] != root:
+        nodes = []
+        for n in dev.device_nodes:
+            node = {"path": n.path}
+            on_host = host_path(n.host_path, root)
+            if on_host != n.path:
+                node["hostPath"] = on_host
+            node.update({"type": n.type, "major": n.major, "minor": n.minor})
+            nodes.append(node)
+        hit = _nodes[dev.name] = (dev, root, tuple(nodes))
+    return [dict(n) for n in hit[2]]  # each spec its own dicts
 
 
 def _device_edits(dev: Device, root: str, extra_env: tuple[str, ...] = (), mounts: tuple[dict, ...] = (),
                   group_of: GroupOf | None = None) -> dict:
-    nodes = []
-    for n in dev.device_nodes:
-        node = {"path": n.path}
-        on_host = host_path(n.host_path, root)
-        if on_host != n.path:
-            node["hostPath"] = on_host
-        node.update({"type": n.type, "major": n.major, "minor": n.minor})
-        nodes.append(node)
+    nodes = _device_nodes(dev, root)
     edits: dict = {"env": [f"{env_name(dev.name)}={dev.pci.bdf}", *extra_env]}
     if nodes:
         edits["deviceNodes"] = nodes

@@ -75,9 +75,8 @@ def minimum_version(spec: dict) -> str:
 def _check_keys(obj: object, allowed: set[str], where: str) -> dict:
     if not isinstance(obj, dict):
         raise SpecError(f"{where}: must be an object")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    if not obj.keys() <= allowed:
+        raise SpecError(f"{where}: unknown field(s) {', '.join(sorted(set(obj) - allowed))}")
     return obj
 
 

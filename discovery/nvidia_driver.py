@@ -234,13 +234,16 @@ class DriverFilesCache:
         self.root, self.driver_root = root, driver_root
         self._key: tuple | None = None
         self._files: DriverFiles | None = None
+        dirs = [os.path.join(driver_root, d) for d in LIB_DIRS + BIN_DIRS + FIRMWARE_DIRS]
+        # what _stamp looks at, joined once: every prepare of a GPU claim asks (18 paths)
+        self._watched = tuple(_under(root, p) for p in
+                              ("/sys/module/nvidia/version", "/run/nvidia-persistenced", "/run/nvidia-fabricmanager", *dirs))
 
     def _stamp(self) -> tuple:
-        dirs = [os.path.join(self.driver_root, d) for d in LIB_DIRS + BIN_DIRS + FIRMWARE_DIRS]
         out = []
-        for path in ["/sys/module/nvidia/version", "/run/nvidia-persistenced", "/run/nvidia-fabricmanager", *dirs]:
+        for path in self._watched:
             try:
-                st = os.stat(_under(self.root, path))
+                st = os.stat(path)
                 out.append((st.st_ino, st.st_mtime_ns))
             except OSError:
                 out.append(None)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from agent.prepare import cdifiles
-from cdi.claim import ClaimDevice, build_claim_spec
+from cdi.claim import ClaimDevice, build_claim_spec, host_path
 from cdi.spec import SpecError, minimum_version, validate
 from tests.conftest import REPO
 from tests.kubelet_standin import gpu, nic
@@ -56,6 +56,33 @@ def test_claim_spec_versions_follow_content():
     assert rooted["cdiVersion"] == "0.3.0"
     assert rooted["devices"][0]["containerEdits"]["deviceNodes"][0] == {
         "path": "/dev/dri/renderD128", "type": "c", "major": 226, "minor": 128}
+
+
+def test_claim_spec_follows_a_rescanned_device_and_the_root():
+    """A device's nodes are built once per device object: a rescan's new object (new numbers after
+    a reboot, a driver reload) and another root are seen, and no spec shares another's dicts."""
+    uid = "a" + "0" * 7 + "-0000-4000-8000-000000000000"
+    nodes = lambda spec: spec["devices"][0]["containerEdits"]["deviceNodes"]
+    first = build_claim_spec("sysdra.io", uid, [gpu(0, minor=128)])
+    assert nodes(first)[0]["minor"] == 128
+    assert nodes(build_claim_spec("sysdra.io", uid, [gpu(0, minor=140)]))[0]["minor"] == 140
+    dev = gpu(0, root="/host")
+    assert "hostPath" not in nodes(build_claim_spec("sysdra.io", uid, [dev], root="/host"))[0]
+    assert nodes(build_claim_spec("sysdra.io", uid, [dev]))[0]["hostPath"] == "/host/dev/dri/renderD128"
+    again = build_claim_spec("sysdra.io", uid, [dev], root="/host")
+    nodes(again)[0]["minor"] = 0
+    assert nodes(build_claim_spec("sysdra.io", uid, [dev], root="/host"))[0]["minor"] == 128
+
+
+@pytest.mark.parametrize("root", ["/", "/host", "/host/", "//host", "/tmp/x/../host", "/ho"])
+def test_host_path_is_the_path_relative_to_the_root(root):
+    """``host_path`` answers as ``os.path.relpath`` does (its former body), without its cost."""
+    def reference(path: str) -> str:
+        rel = os.path.relpath(path, root)
+        return path if rel == ".." or rel.startswith("../") else "/" + rel
+    for path in ["/host/dev/nvidia0", "/host", "/host/", "/hostx/dev/a", "/dev/dri/card0", "/", "/host/../dev/x",
+                 "//host//dev/./a", "/ho/dev/a", "/tmp/host/dev/a"]:
+        assert host_path(path, root) == reference(path), (path, root)
 
 
 def test_claim_spec_layout_and_env():

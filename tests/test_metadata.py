@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -226,6 +227,32 @@ def test_unprepare_removes_dir_and_specs_orphans_removed_at_start(tmp_path):
     assert len(report.metadata_orphans_removed) == 2
     assert list(layout.list_specs(s.cdi_dir, DRIVER)) == [keep["metadata"]["uid"]]
     assert os.listdir(layout.host_root(s.plugin_dir)) == ["default_keep"]
+
+
+def test_unprepare_removes_leftovers_and_never_follows_links(tmp_path):
+    """Unprepare removes what prepare wrote by name; anything else in the directory (a crash's
+    temp file, a request the entry does not record) goes too, and a link is removed, never followed."""
+    s, state = env(tmp_path)
+    outside = tmp_path / "outside"
+    (outside / "a").mkdir(parents=True)
+    (outside / "a" / "metadata.json").write_text("not ours")
+    (outside / "metadata.json").write_text("not ours")
+    cases = {"temp": lambda d: open(os.path.join(d, "a", ".metadata.json.1.2.tmp"), "w").close(),
+             "extra": lambda d: os.makedirs(os.path.join(d, "zz")),
+             "linked-request": lambda d: shutil.rmtree(os.path.join(d, "a")) or os.symlink(outside, os.path.join(d, "a")),
+             "linked-dir": lambda d: shutil.rmtree(d) or os.symlink(outside, d)}
+    d = Driver(s, lambda: state["inv"])
+    d.recover()
+    for name, spoil in cases.items():
+        c = claim(name, [("a", GPU0)])
+        uid = c["metadata"]["uid"]
+        assert d.prepare_claims([c])[uid].error is None
+        path = layout.claim_dir(s.plugin_dir, "default", name)
+        spoil(path)
+        assert d.unprepare_claims([ClaimRef("default", name, uid)]) == {uid: None}, name
+        assert not os.path.lexists(path), name
+        assert (outside / "a" / "metadata.json").read_text() == "not ours", name
+        assert (outside / "metadata.json").read_text() == "not ours", name
 
 
 def test_crash_after_metadata_written_rolls_back(tmp_path):

@@ -294,7 +294,7 @@ class Checkpoint:
             elif durable and self._unsynced:
                 self._append(b"", durable=True)
             self.stamp = self.disk_stamp(self.path)
-            remember_saved(self.path, self.claims, self._journal_size, self.foreign)
+            remember_saved(self.path, self.claims, self._journal_size, self.stamp, self.foreign)
 
     def _encoding(self, uid: str) -> bytes | None:
         """What the files are to hold for ``uid`` (None: no entry). A foreign entry is written as it
@@ -392,4 +392,4 @@ class Checkpoint:
             except WriteError as err:  # the snapshot holds everything: saved; the next save compacts again
                 log.warning("checkpoint saved as a snapshot only; %s", err)
             self.stamp = self.disk_stamp(self.path)
-            remember_saved(self.path, self.claims, self._journal_size, self.foreign)
+            remember_saved(self.path, self.claims, self._journal_size, self.stamp, self.foreign)

@@ -68,11 +68,13 @@ def check_snapshot(data: object) -> tuple[int, dict]:
 _LAST_SAVED: dict[str, tuple[dict[str, dict], dict[str, bytes], tuple, int | None]] = {}
 
 
-def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None, foreign: dict | None = None) -> None:
+def remember_saved(path: str, claims: dict[str, dict], journal_end: int | None, stamp: tuple,
+                   foreign: dict | None = None) -> None:
     """Called by every save (under the serialize lock, so in the order the files were written),
-    once the files hold ``claims``, the journal's records ending at ``journal_end``; ``foreign``:
-    uid -> checkpoint_entries.Foreign, the entries written as a newer sysdra wrote them."""
-    inodes = tuple(s and s[0] for s in disk_stamp(path))
+    once the files hold ``claims``, the journal's records ending at ``journal_end``; ``stamp``:
+    their ``disk_stamp`` taken since; ``foreign``: uid -> checkpoint_entries.Foreign, the entries
+    written as a newer sysdra wrote them."""
+    inodes = tuple(s and s[0] for s in stamp)
     raw = {uid: f.raw for uid, f in (foreign or {}).items()}
     _LAST_SAVED[os.path.abspath(path)] = (dict(claims), raw, inodes, journal_end)  # entries are replaced, never changed in place
 

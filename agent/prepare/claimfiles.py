@@ -55,7 +55,8 @@ class ClaimFiles:
         cp = self.checkpoint()
         shared = cp is not None and any(
             u != uid and (e.get("namespace"), e.get("name")) == (namespace, name) for u, e in cp.claims.items())
-        metadata.remove_claim(self.settings, uid, namespace, name, keep_dir=shared)
+        metadata.remove_claim(self.settings, uid, namespace, name, keep_dir=shared,
+                              requests=((entry or {}).get("metadata") or {}).get("requests") or ())
 
     def _remove_spec(self, entry: dict | None, uid: str) -> None:
         # The uid's own spec path, also for unknown claims (e.g. adopted after a corrupt checkpoint).
