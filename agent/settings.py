@@ -318,7 +318,8 @@ class Settings(BaseModel):
 
 def _before(values: dict[str, Any]) -> dict[str, Any]:
     """The spellings a field's type does not take as they are: a comma list for ``share`` and ``exclude_devices``,
-    YAML text for ``skip_node_operations``, ``nvidia_mps_pod`` and ``taint_effects`` (from SYSDRA_*)."""
+    YAML text for ``skip_node_operations``, ``nvidia_mps_pod`` and ``taint_effects`` (from SYSDRA_*), a
+    YAML bool for ``cdi_additional_gids`` (``on``/``off`` unquoted)."""
     out = dict(values)
     for name, value in values.items():
         if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
@@ -330,6 +331,8 @@ def _before(values: dict[str, Any]) -> dict[str, Any]:
                 out[name] = yaml.safe_load(value) or (None if name == "nvidia_mps_pod" else {})
             except yaml.YAMLError as err:
                 raise ConfigError(f"invalid setting {name.replace('_', '-')}: not a YAML mapping: {err}") from None
+        elif name == "cdi_additional_gids" and isinstance(value, bool):  # YAML reads a bare on/off as a bool
+            out[name] = "on" if value else "off"
     return out
 
 

@@ -103,3 +103,8 @@ def test_the_setting():
     assert Settings.of({"cdi_additional_gids": "on"}).cdi_additional_gids == "on"
     with pytest.raises(ConfigError, match="cdi.additional.gids"):
         Settings.of({"cdi_additional_gids": "auto"})
+    # a config file's bare on/off, which YAML reads as a bool
+    import yaml
+
+    for text, value in (("cdi_additional_gids: off", "off"), ("cdi_additional_gids: on", "on")):
+        assert Settings.of(yaml.safe_load(text)).cdi_additional_gids == value
