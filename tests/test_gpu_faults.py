@@ -104,18 +104,35 @@ def test_a_fault_outlives_a_restart_and_a_reboot_forgets_it(node, caplog):
 
 
 def test_a_first_publish_carries_the_kept_faults_taint_with_its_effect(node):
-    """The slices published before the monitor runs (first_taints), with NoExecute for XIDs."""
+    """The slices published before the monitor runs (first_round), with NoExecute for XIDs."""
     import kubernetes_validate
 
-    from agent.health.monitor import first_taints
+    from agent.health.monitor import first_round
     from agent.publish.slices import slices_list
 
     asyncio.run(_fault(node, xid=48))
     s = node.replace(taint_effects={"xid-79": "None", "xid-*": "NoExecute"})
-    taints = first_taints(s, scan(s.root))
+    taints, health = first_round(s, scan(s.root))
     assert taints == {GPU: [{"key": "sysdra.io/unhealthy", "value": "xid-48", "effect": "NoExecute"}]}
+    assert health[GPU][0] == "UNHEALTHY"  # what `sysdra status` reports until the monitor runs
     for obj in slices_list(scan(s.root), s, taints=taints)["items"]:
         kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+def test_the_status_before_the_monitor_runs_agrees_with_the_first_taints(node):
+    """The first scan's slices carry the kept fault's taint; `sysdra status` read in the same
+    moment (before the monitor's first round) says the GPU is unhealthy, not unknown."""
+    from agent.service.daemon import Agent
+
+    asyncio.run(_fault(node))
+
+    async def main():
+        agent = Agent(node)
+        await agent.rescan()
+        assert agent.health is None  # the monitor has not started
+        assert agent.pool is not None and agent.board.devices_by_health.get("unhealthy") == 1
+
+    asyncio.run(main())
 
 
 def test_a_gpu_discovered_later_gets_its_kept_fault(node):

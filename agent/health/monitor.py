@@ -320,6 +320,8 @@ class HealthMonitor(GpuEvents):
         self._subscribers.discard(sub)
 
 
-def first_taints(settings: Settings, inventory: Inventory) -> dict[str, list[dict]]:
-    """The taints of one round on ``inventory``, for the slices published before the monitor runs."""
-    return HealthMonitor(settings, lambda: inventory).check_once()
+def first_round(settings: Settings, inventory: Inventory) -> tuple[dict[str, list[dict]], dict[str, tuple[str, str]]]:
+    """The taints and health of one round on ``inventory``, for the slices published (and the
+    status reported) before the monitor runs: a kept fault is tainted and reported from the start."""
+    monitor = HealthMonitor(settings, lambda: inventory)
+    return monitor.check_once(), monitor.snapshot()

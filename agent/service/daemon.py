@@ -69,14 +69,14 @@ class Agent:
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
-        self._first_taints: dict | None = None  # --taint-unhealthy until the health monitor runs
+        self._first_round: tuple[dict, dict] | None = None  # --taint-unhealthy: (taints, health) until the monitor runs
 
     # --- inventory -> pool ---------------------------------------------------------------
     def _pool_for(self, inventory) -> PoolContent:
         s = self.settings
         taints = None
         if s.taint_unhealthy:  # before the monitor runs (the first publish): the first scan's round
-            taints = self.health.taints() if self.health is not None else self._first_taints
+            taints = self.health.taints() if self.health is not None else (self._first_round or ({}, {}))[0]
         # validated against what the scan made: a SIGHUP's new list_attributes waits for its rescan
         options = {**pool_options(s), "list_attributes": self._listed}
         pool = build_pool(inventory, **options, taints=taints, previous=self.pool, cache=self._slice_cache)
@@ -103,8 +103,8 @@ class Agent:
             settings = self.lists.applied(self.settings)
             inventory = await asyncio.to_thread(self._scan, settings, changed)
             if self.settings.taint_unhealthy and self.health is None:  # no unhealthy device published untainted
-                from agent.health.monitor import first_taints
-                self._first_taints = await asyncio.to_thread(first_taints, self.settings, inventory)
+                from agent.health.monitor import first_round
+                self._first_round = await asyncio.to_thread(first_round, self.settings, inventory)
         self.inventory, self._listed = inventory, settings.list_attributes  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
@@ -210,10 +210,15 @@ class Agent:
             self.board.set_registration("failed", status.error or "registration rejected")
 
     def health_states(self) -> dict[str, str] | None:
-        """Device name -> healthy/unhealthy/unknown, once the health monitor runs."""
-        if self.health is None:
+        """Device name -> healthy/unhealthy/unknown: the monitor's, else the first round's (the
+        status then agrees with the taints first published), else None."""
+        if self.health is not None:
+            snapshot = self.health.snapshot()
+        elif self._first_round is not None:
+            snapshot = self._first_round[1]
+        else:
             return None
-        return {name: state.lower() for name, (state, _msg) in self.health.snapshot().items()}
+        return {name: state.lower() for name, (state, _msg) in snapshot.items()}
 
     def _node_operations(self, configured: dict) -> dict:
         """``configured`` skip_node_operations, or the applied ones while prepared claims forbid the change."""
