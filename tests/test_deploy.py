@@ -62,6 +62,6 @@ def test_daemonset_mounts_and_downward_api():
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     sys_mount = [m for m in c["volumeMounts"] if m["mountPath"] == "/host/sys"][0]
     assert sys_mount["readOnly"] is True
-    # ready once registered; alive while the event loop answers (tests/test_liveness.py runs the probe)
-    assert "status --socket=/tmp/status.sock" in c["readinessProbe"]["exec"]["command"][2]
+    # ready once registered (tests/test_readiness.py runs that probe); alive while the event loop answers (tests/test_liveness.py)
+    assert c["readinessProbe"]["exec"]["command"] == ["sysdra", "status", "--socket=/tmp/status.sock", "--registered"]
     assert "status --socket=/tmp/status.sock --timeout=" in c["livenessProbe"]["exec"]["command"][2]

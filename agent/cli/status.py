@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     # the agent's event loop answers: no answer within this is a wedged loop (the DaemonSet's liveness probe)
     p.add_argument("--timeout", type=_seconds, default=3.0, metavar="SECONDS", help="how long to wait for the answer (default 3)")
+    # the DaemonSet's readiness: a surge update removes the old pod only once the new one is registered
+    p.add_argument("--registered", action="store_true",
+                   help="exit 1 unless the kubelet has registered the agent (its readiness), saying why on stderr")
     p.set_defaults(func=run)
 
 
@@ -125,9 +128,20 @@ def run(args) -> int:
     except AgentNotRunning as err:
         print(f"sysdra status: {err}", file=sys.stderr)
         return 1
+    if args.registered:
+        return _registered(status)
     if args.output == "json":
         json.dump(status, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_text(status))
     return 0
+
+
+def _registered(status: dict) -> int:
+    reg = status.get("registration") or {}
+    if reg.get("state") == "registered":
+        return 0
+    why = f" ({_one_line(reg['error'])})" if reg.get("error") else ""
+    print(f"sysdra status: not registered with the kubelet: {reg.get('state')}{why}", file=sys.stderr)
+    return 1

@@ -1,0 +1,60 @@
+"""The DaemonSet's readinessProbe (deploy/helm/sysdra rendered by the real helm, and
+deploy/daemonset.yaml) run as the kubelet runs it, a command in the agent's container, against a
+real status socket: ready only once the kubelet has registered the agent. A surge update deletes
+the old agent pod when the new one is ready, so a probe that passed on anything else (the NRI
+plugin's own "registered", which may come first) left claims with no registered driver."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from agent.service.status import StatusBoard
+from tests.conftest import REPO
+from tests.helm import render
+from tests.test_status import _Serving
+
+POD_SOCKET = "/tmp/status.sock"  # the pod's --status-socket
+ENV = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), PYTHONPATH=REPO)
+
+
+def _container(docs) -> dict:
+    (ds,) = [d for d in docs if d and d["kind"] == "DaemonSet"]
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _probes() -> dict[str, list[str]]:
+    with open(os.path.join(REPO, "deploy", "daemonset.yaml")) as f:
+        plain = _container(yaml.safe_load_all(f))
+    chart = _container(yaml.safe_load_all(render()))
+    return {"chart": chart["readinessProbe"]["exec"]["command"], "deploy": plain["readinessProbe"]["exec"]["command"]}
+
+
+def _probe(command: list[str], socket: str) -> subprocess.CompletedProcess:
+    assert sum(a.count(POD_SOCKET) for a in command) == 1
+    command = [a.replace(POD_SOCKET, socket) for a in command]
+    return subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=120)
+
+
+@pytest.mark.parametrize("where", ["chart", "deploy"])
+def test_ready_only_once_the_kubelet_registered_the_agent(tmp_path, where):
+    command = _probes()[where]
+    board = StatusBoard("node-a", "sysdra.io")
+    socket = str(tmp_path / "status.sock")
+    with _Serving(board, socket):
+        board.set_registration("waiting")
+        board.set_nri({"state": "registered", "reason": None, "socket": "/var/run/nri/nri.sock", "runtime": "containerd v2.4.2"})
+        waiting = _probe(command, socket)
+        assert waiting.returncode == 1 and "not registered with the kubelet: waiting" in waiting.stderr
+        board.set_registration("failed", "none of the services supported")
+        failed = _probe(command, socket)
+        assert failed.returncode == 1 and "failed (none of the services supported)" in failed.stderr
+        board.set_registration("registered")
+        assert _probe(command, socket).returncode == 0
+    gone = _probe(command, socket)  # no agent answering: not ready either
+    assert gone.returncode == 1 and "sysdra status:" in gone.stderr
