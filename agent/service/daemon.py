@@ -32,6 +32,7 @@ from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
 
 log = logging.getLogger("sysdra.daemon")
+REGISTRATION_WAIT = 10.0  # seconds the first publish to the API waits for the kubelet's registration
 
 
 class Agent:
@@ -69,6 +70,7 @@ class Agent:
         self._rejected_seen: set[tuple[str, str]] = set()
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
+        self._registration_answered = asyncio.Event()  # the kubelet called NotifyRegistrationStatus
         self._first_round: tuple[dict, dict] | None = None  # --taint-unhealthy: (taints, health) until the monitor runs
 
     # --- inventory -> pool ---------------------------------------------------------------
@@ -140,7 +142,8 @@ class Agent:
                                                                    name="health-follow")
 
     async def _first_publish(self, wait: float = 1.0) -> None:
-        """Let the first slices go out before the kubelet side starts. A store that does not
+        """Let the first slices go out before what starts after them (a fixture root's file watch;
+        publishing to a directory, the kubelet side). A store that does not
         answer within ``wait`` seconds (API server down) does not hold it up. Then the garbage
         of building and writing the pool goes back to the OS."""
         with contextlib.suppress(asyncio.TimeoutError):
@@ -203,6 +206,7 @@ class Agent:
             self.board.set_prepared_claims(driver.checkpoint.claims)
 
     def _on_registration(self, status) -> None:
+        self._registration_answered.set()
         if status.registered:
             self.board.set_registration("registered")
         else:
@@ -284,6 +288,13 @@ class Agent:
         if not await startup.unless_stopped(stop, self.rescan()):
             return
         debouncer.release()  # what changed since the watchers were armed is re-read now
+        # Slices in the API reach the scheduler at once, and a pod allocated from them before the
+        # kubelet registered the driver fails prepare ("not registered"): there the kubelet side
+        # starts first and the first publish waits for the registration. A directory has no reader.
+        kubelet_first = self.settings.cluster_dir is None
+        if kubelet_first and not (await self._start_kubelet_side(stop, started)
+                                  and await startup.unless_stopped(stop, self._until_registered())):
+            return
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(loops.periodic_rescan(self), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
@@ -292,9 +303,7 @@ class Agent:
             if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (in a worker thread)
                 return
             debouncer.trigger()  # a full rescan: what changed between the first scan and the watch
-        started.push_async_callback(self._stop_kubelet_side)
-        # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
-        if not await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False):
+        if not kubelet_first and not await self._start_kubelet_side(stop, started):
             return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
@@ -308,6 +317,22 @@ class Agent:
         await stop.wait()
         log.info("stopping")
         sdnotify.stopping("stopping")
+
+    async def _start_kubelet_side(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> bool:
+        started.push_async_callback(self._stop_kubelet_side)
+        # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
+        return await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False)
+
+    async def _until_registered(self) -> None:
+        """The kubelet's answer to the registration (it looks for new sockets about once a second),
+        or REGISTRATION_WAIT seconds: a kubelet that is down must not keep the devices unpublished."""
+        if self.kubelet_plugin is None:  # no kubelet side here (tests): nothing will register
+            return
+        try:
+            await asyncio.wait_for(self._registration_answered.wait(), REGISTRATION_WAIT)
+        except asyncio.TimeoutError:
+            log.warning("the kubelet has not registered the plugin within %.0f s: publishing anyway (a pod allocated "
+                        "before it does fails prepare with \"not registered\" until then)", REGISTRATION_WAIT)
 
     async def _stop_kubelet_side(self) -> None:
         if self.health is not None:
