@@ -139,7 +139,8 @@ def _entries(dev: Device | DeviceParts, list_attributes: bool) -> list[tuple[str
     if dev.gpu is not None:
         entries += [("gpuVendor", dev.gpu.vendor), ("model", dev.gpu.model), ("uuid", dev.gpu.nvidia_uuid)]
         if (nv := dev.gpu.nvidia) is not None:  # the names NVIDIA's own driver publishes (docs/nvidia.md)
-            entries += [("productName", nv.product_name), ("brand", nv.brand), ("architecture", nv.architecture)]
+            entries += [("productName", nv.product_name), ("brand", nv.brand), ("architecture", nv.architecture),
+                        ("addressingMode", nv.addressing_mode)]
             entries += [(name, Version(v) if v else None) for name, v in (
                 ("driverVersion", nv.driver_version), ("cudaDriverVersion", nv.cuda_driver_version),
                 ("cudaComputeCapability", nv.compute_capability))]

@@ -242,6 +242,7 @@ class NvidiaFacts(Record):
     driver_version: str | None = None
     cuda_driver_version: str | None = None  # "13.0.0"
     memory_bytes: int | None = None
+    addressing_mode: str | None = None  # "None", "HMM", "ATS": how the GPU reaches the host's memory (NVML only)
     source: str = "table"  # "nvml" when NVML answered for this GPU
 
 

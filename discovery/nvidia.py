@@ -20,6 +20,9 @@ ARCHITECTURES = {2: "Kepler", 3: "Maxwell", 4: "Pascal", 5: "Volta", 6: "Turing"
 BRANDS = {0: "Unknown", 1: "Quadro", 2: "Tesla", 3: "NVS", 4: "Grid", 5: "GeForce", 6: "Titan",
           7: "NvidiaVApps", 8: "NvidiaVPC", 9: "NvidiaVCS", 10: "NvidiaVWS", 11: "NvidiaCloudGaming",
           12: "QuadroRTX", 13: "NvidiaRTX", 14: "Nvidia", 15: "GeForceRTX", 16: "TitanRTX"}
+# NVML's nvmlDeviceAddressingModeType_t -> its name (as go-nvlib spells them): whether the GPU
+# addresses the host's malloc'd memory, by mirrored page tables (HMM) or shared ones (ATS)
+ADDRESSING_MODES = {0: "None", 1: "HMM", 2: "ATS"}
 
 GB = 10**9
 
@@ -78,6 +81,7 @@ class NvmlDevice:
     architecture: int | None = None
     compute_capability: tuple[int, int] | None = None
     brand: int | None = None
+    addressing_mode: int | None = None
     mig_profiles: tuple[MigProfile, ...] = ()  # MIG GPU-instance profiles (discovery/mig.py); empty: no MIG
 
 
@@ -127,6 +131,7 @@ def facts(device_id: str, nvml: NvmlDevice | None, driver_version: str | None,
         driver_version=semver(driver_version),
         cuda_driver_version=cuda_version(cuda_driver),
         memory_bytes=nv.memory_bytes if nv.memory_bytes else (row.memory_gb * GB if row else None),
+        addressing_mode=ADDRESSING_MODES.get(nv.addressing_mode),
         source="nvml" if nvml is not None else "table",
     )
 

@@ -281,6 +281,8 @@ class Nvml:
         mem = optional(nv.nvmlDeviceGetMemoryInfo)
         cc = optional(nv.nvmlDeviceGetCudaComputeCapability)
         arch, brand = optional(nv.nvmlDeviceGetArchitecture), optional(nv.nvmlDeviceGetBrand)
+        # (older bindings lack the call; an older driver answers FunctionNotFound, an NVMLError)
+        addressing = optional(nv.nvmlDeviceGetAddressingMode) if hasattr(nv, "nvmlDeviceGetAddressingMode") else None
         total = getattr(mem, "total", None)
         try:
             profiles = mig.profiles(nv, h)
@@ -291,6 +293,7 @@ class Nvml:
             name=_text(optional(nv.nvmlDeviceGetName)), uuid=_text(optional(nv.nvmlDeviceGetUUID)),
             memory_bytes=total if _is_int(total) and total > 0 else None,
             architecture=arch if _is_int(arch) else None, brand=brand if _is_int(brand) else None,
+            addressing_mode=addressing if _is_int(addressing) else None,
             compute_capability=tuple(cc) if isinstance(cc, tuple) and len(cc) == 2 and all(map(_is_int, cc)) else None,
         )
 

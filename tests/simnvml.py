@@ -29,6 +29,7 @@ class SimGpu:
     architecture: int = 9  # Hopper
     compute_capability: tuple[int, int] = (9, 0)
     brand: int = 14  # NVML_BRAND_NVIDIA
+    addressing_mode: int = 0  # NVML_DEVICE_ADDRESSING_MODE_NONE, as the real H200 answers
     unsupported: set[str] = field(default_factory=set)  # queries answered NOT_SUPPORTED
     minor: int = 0  # /dev/nvidia<minor>
     mig_capable: bool = False  # MIG: tests/simnvml_mig.py (the H200 is; off here, so no MIG profiles)
@@ -111,6 +112,9 @@ class SimNvml:
 
     def nvmlDeviceGetBrand(self, h):
         return self._answer(h, "brand", h.brand)
+
+    def nvmlDeviceGetAddressingMode(self, h):
+        return self._answer(h, "addressing", h.addressing_mode)
 
     def nvmlDeviceGetMigMode(self, h):
         raise NVMLError()  # NOT_SUPPORTED: a GPU without MIG (tests/simnvml_mig.py has MIG)

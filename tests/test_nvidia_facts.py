@@ -39,6 +39,7 @@ def test_nvml_answers_are_published():
     gpu = _gpu(scan(root, nvml=open_sim(root, sim)))
     a = _attrs(gpu)
     assert (a["productName"], a["brand"], a["architecture"]) == ("NVIDIA H200", "Nvidia", "Hopper")
+    assert a["addressingMode"] == "None"  # the real H200's answer (0): no HMM, no ATS
     assert (a["cudaComputeCapability"], a["driverVersion"], a["cudaDriverVersion"]) == ("9.0.0", "580.159.4", "13.0.0")
     assert gpu.capacity == {"memory": "143771Mi"}  # NVML's 150,754,820,096 bytes
     assert gpu.gpu.nvidia.source == "nvml" and sim.calls == ["0000:00:06.0"]
@@ -48,7 +49,7 @@ def test_without_nvml_the_table_and_the_kernel_module_answer():
     gpu = _gpu(scan(profile_root("h200-vm")))  # no libnvidia-ml under driver root /
     a = _attrs(gpu)
     assert (a["architecture"], a["cudaComputeCapability"], a["driverVersion"]) == ("Hopper", "9.0.0", "580.159.4")
-    assert "productName" not in a and "brand" not in a and "cudaDriverVersion" not in a  # NVML only: never guessed
+    assert {"productName", "brand", "cudaDriverVersion", "addressingMode"}.isdisjoint(a)  # NVML only: never guessed
     assert gpu.capacity == {"memory": "141G"}  # the datasheet's 141 GB
     assert gpu.gpu.nvidia.source == "table"
 
@@ -66,6 +67,14 @@ def test_a_gpu_in_neither_gets_no_memory_and_shares_offer_none(caplog):
     assert "gpu-0000-06-00-0 has no known memory" in caplog.text
 
 
+@pytest.mark.parametrize("mode, published", [(1, "HMM"), (2, "ATS"), (7, None), ("unsupported", None)])
+def test_the_addressing_mode_as_nvidias_driver_names_it(mode, published):
+    gpu = SimGpu(unsupported={"addressing"}) if mode == "unsupported" else SimGpu(addressing_mode=mode)
+    root = profile_root("h200-vm")
+    a = _attrs(_gpu(scan(root, nvml=open_sim(root, SimNvml([gpu])))))
+    assert a.get("addressingMode") == published and a["productName"] == "NVIDIA H200"
+
+
 def test_an_unsupported_query_leaves_the_table_to_answer():
     sim = SimNvml([SimGpu(unsupported={"memory", "architecture"})])
     root = profile_root("h200-vm")
@@ -76,10 +85,10 @@ def test_an_unsupported_query_leaves_the_table_to_answer():
 
 def test_nvml_answers_are_input():
     sim = SimNvml([SimGpu(name="H200\x1b[31m", memory_total=-5, architecture=99, brand=True,
-                          compute_capability=(9, "x"))], driver="not a version", cuda=-1)
+                          compute_capability=(9, "x"), addressing_mode="ATS")], driver="not a version", cuda=-1)
     root = profile_root("h200-vm")
     a = _attrs(_gpu(scan(root, nvml=open_sim(root, sim))))
-    assert "productName" not in a and "brand" not in a and "cudaDriverVersion" not in a
+    assert {"productName", "brand", "cudaDriverVersion", "addressingMode"}.isdisjoint(a)
     assert a["architecture"] == "Hopper" and a["cudaComputeCapability"] == "9.0.0"  # the table's
     assert a["driverVersion"] == "580.159.4"  # the kernel module's
 
