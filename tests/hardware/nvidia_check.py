@@ -41,6 +41,8 @@ import uuid
 
 import psutil
 
+from discovery.nvidia import ADDRESSING_MODES
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE, DRIVER = "gpu-check", "sysdra.io"
@@ -95,10 +97,20 @@ def nvml_facts() -> list[dict]:
                 "cudaComputeCapability": list(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
                 "driverVersion": pynvml.nvmlSystemGetDriverVersion(),
                 "cudaDriverVersion": pynvml.nvmlSystemGetCudaDriverVersion_v2(),
+                "addressingMode": _optional(pynvml.nvmlDeviceGetAddressingMode, h),
             })
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+def _optional(fn, *args):
+    import pynvml
+
+    try:
+        return fn(*args)
+    except pynvml.NVMLError:
+        return None
 
 
 def step_scan(log: Log, out: str, root: str, driver_root: str) -> dict | None:
@@ -119,10 +131,11 @@ def step_scan(log: Log, out: str, root: str, driver_root: str) -> dict | None:
     attrs = {k: next(iter(v.values())) for k, v in gpu.get("attributes", {}).items()}
     log(f"published {gpu['name']}: " + json.dumps({k: attrs.get(k) for k in (
         "productName", "brand", "architecture", "cudaComputeCapability", "driverVersion", "cudaDriverVersion",
-        "uuid")}) + f" capacity {gpu.get('capacity')}")
+        "addressingMode", "uuid")}) + f" capacity {gpu.get('capacity')}")
     log(f"NVML: {json.dumps(nv)}")
     log.check(attrs.get("productName") == nv["name"], "productName equals NVML's name")
     log.check(attrs.get("uuid") == nv["uuid"], "uuid equals NVML's")
+    log.check(attrs.get("addressingMode") == ADDRESSING_MODES.get(nv["addressingMode"]), "addressingMode names NVML's")
     log.check(gpu.get("capacity", {}).get("memory", {}).get("value") is not None, "memory capacity published")
     log.check(attrs.get("cudaComputeCapability") == "{}.{}.0".format(*nv["cudaComputeCapability"]),
               "cudaComputeCapability equals NVML's")
