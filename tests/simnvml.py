@@ -30,6 +30,7 @@ class SimGpu:
     compute_capability: tuple[int, int] = (9, 0)
     brand: int = 14  # NVML_BRAND_NVIDIA
     addressing_mode: int = 0  # NVML_DEVICE_ADDRESSING_MODE_NONE, as the real H200 answers
+    remapped_rows: tuple = (0, 0, 0, 0)  # (correctable, uncorrectable, pending, failure): a healthy GPU
     unsupported: set[str] = field(default_factory=set)  # queries answered NOT_SUPPORTED
     minor: int = 0  # /dev/nvidia<minor>
     mig_capable: bool = False  # MIG: tests/simnvml_mig.py (the H200 is; off here, so no MIG profiles)
@@ -78,7 +79,7 @@ class SimNvml:
             self.hang.wait()
         gpu = self.gpus.get(bus_id.lower().replace("00000000:", "0000:"))
         if gpu is None:
-            raise NVMLError(13)  # NVML_ERROR_NOT_FOUND
+            raise NVMLError(6)  # NVML_ERROR_NOT_FOUND
         return gpu
 
     def nvmlDeviceGetCount(self):
@@ -115,6 +116,9 @@ class SimNvml:
 
     def nvmlDeviceGetAddressingMode(self, h):
         return self._answer(h, "addressing", h.addressing_mode)
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        return self._answer(h, "remapped_rows", h.remapped_rows)
 
     def nvmlDeviceGetMigMode(self, h):
         raise NVMLError()  # NOT_SUPPORTED: a GPU without MIG (tests/simnvml_mig.py has MIG)

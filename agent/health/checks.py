@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from agent.health.gpumemory import RowRemaps
+from agent.health.gpumemory import fault as gpu_memory_fault
 from discovery.models import Device
 from discovery.nic import VIRTIO_VENDOR
 from discovery.nvidia_driver import DriverFiles
@@ -205,8 +207,18 @@ def _check_nvidia_driver(files: DriverFiles, f: _Findings) -> None:
         f.good.append(f"NVIDIA user-space driver {files.version} matches the kernel module")
 
 
+def _check_nvidia_memory(remaps: RowRemaps | None, f: _Findings) -> None:
+    if remaps is None:  # NVML off, or no row remapping on this GPU: no signal either way
+        return
+    if (found := gpu_memory_fault(remaps)) is not None:
+        f.faults.append(found)
+    else:
+        f.good.append("no GPU memory row remap pending or failed")
+
+
 def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None,
-          nvidia_files: Callable[[], DriverFiles] | None = None) -> Verdict:
+          nvidia_files: Callable[[], DriverFiles] | None = None,
+          nvidia_memory: Callable[[str], RowRemaps | None] | None = None) -> Verdict:
     now = time.time() if now is None else now
     f = _Findings()
     pci_dir = fs.path(dev.pci.sysfs_path)
@@ -241,8 +253,11 @@ def check(fs: HostFS, dev: Device, mem: Memory, now: float | None = None,
         _check_habanalabs(fs, pci_dir, f)
     elif dev.kind == "fpga" and dev.fpga and dev.fpga.family == "alveo":
         _check_alveo(fs, dev, f)
-    elif nvidia_files is not None and driver == "nvidia" and dev.kind == "gpu":
-        _check_nvidia_driver(nvidia_files(), f)
+    elif driver == "nvidia" and dev.kind == "gpu":
+        if nvidia_files is not None:
+            _check_nvidia_driver(nvidia_files(), f)
+        if nvidia_memory is not None:
+            _check_nvidia_memory(nvidia_memory(dev.pci.bdf), f)
     if driver and not f.good and not f.faults:
         f.unknown.append(f"driver {driver} bound; no health signal for this device")
     return f.verdict()

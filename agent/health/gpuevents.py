@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 from agent.health.checks import Memory
+from agent.health.gpumemory import RowRemapReader
 from agent.health.xid import XidWatch
 from discovery.inventory import device_name
 
@@ -38,6 +39,7 @@ class GpuEvents:
             self._nvml_missing = nvml is None
         if nvml is None:
             return False
+        self.row_remaps = RowRemapReader(nvml)  # read by the rounds, whatever the events do
         xid = XidWatch(nvml, self._on_gpu_fault, ignored=s.nvidia_ignored_xids)
         if not await asyncio.to_thread(xid.start):
             return False

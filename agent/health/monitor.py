@@ -28,6 +28,7 @@ from typing import Callable
 from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, truncate
 from agent.health.faults import FaultStore, KeptFaults
 from agent.health.gpuevents import GpuEvents
+from agent.health.gpumemory import RowRemapReader
 from agent.health.linkwatch import LinkWatch
 from agent.health.taints import taint_for
 from agent.rtnetlink import listen_on_host
@@ -64,6 +65,7 @@ class HealthMonitor(GpuEvents):
         self.nvidia_files = DriverFilesCache(settings.root, settings.nvidia_driver_root)
         self.settings = settings
         self.xid = None  # agent.health.xid.XidWatch once NVML's events are watched
+        self.row_remaps: RowRemapReader | None = None  # NVIDIA GPUs' memory repairs, once NVML is open
         self.kept = KeptFaults(FaultStore(settings.plugin_dir, settings.root))  # XID/ECC faults across restarts
         self._nvml_missing = False  # watch_gpu_events found no NVML: rounds ask again
         self.nvml_up: Callable[[], None] = lambda: None  # NVML came up after the agent (the daemon rescans)
@@ -242,7 +244,8 @@ class HealthMonitor(GpuEvents):
         return present
 
     def _verdict(self, name: str, present: set[str], now: float, nvidia_files=None) -> Verdict:
-        verdict = check(self.fs, self._known[name], self._memory[name], now, nvidia_files or self.nvidia_files.get)
+        remaps = self.row_remaps.read if self.row_remaps is not None else None
+        verdict = check(self.fs, self._known[name], self._memory[name], now, nvidia_files or self.nvidia_files.get, remaps)
         if name not in present and verdict.health != UNHEALTHY:
             verdict = Verdict(UNHEALTHY, truncate(f"no longer discovered on this node ({verdict.message})"),
                               "not-discovered")
