@@ -225,6 +225,48 @@ def test_a_pending_write_of_another_instance_holds_back_the_give_back(node):
     assert sim.log == [f"unbind {NIC_BDF} mlx5_core", f"bind {NIC_BDF} mlx5_core"]
 
 
+def _rebooted(s, sim) -> None:
+    """The node rebooted: the kernel comes back with the NIC on its own driver, no override."""
+    sim.stop()
+    sim.unbind("vfio-pci", NIC_BDF)
+    with open(os.path.join(s.root, "sys/bus/pci/devices", NIC_BDF, "driver_override"), "w") as f:
+        f.write("(null)\n")
+    sim.bind("mlx5_core", NIC_BDF)
+    with open(os.path.join(s.root, "proc/sys/kernel/random/boot_id"), "w") as f:
+        f.write("rebooted\n")
+    sim.start()
+
+
+@pytest.mark.parametrize("where", ["start", "re-prepare"])
+def test_a_rebind_after_a_reboot_that_does_not_return_is_written_down(node, where):
+    """A prepared claim's function is moved to vfio-pci again after a reboot (at the agent's
+    start, or at the kubelet's re-prepare), and the unbind does not return: the claim's entry
+    on disk says the write is pending, so an agent started later does not give the function
+    back under a write still in the kernel; once it returns, the claim is served again."""
+    s, sim, driver, children = node
+    d = driver(wait=1.0)
+    assert d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None
+    _rebooted(s, sim)
+    sim.hang("mlx5_core")
+    if where == "start":
+        d = driver(wait=1.0)
+        d.recover()
+    else:  # the function left vfio-pci under this running agent (its start is done): the kubelet prepares again
+        err = d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error
+        assert f"{NIC_BDF}: the kernel has not finished unbinding it from mlx5_core after 1s" in err, err
+    (rec,) = Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[UID]["vfio"]
+    assert rec["pending"] is True and rec["driver"] == "mlx5_core"
+    sim.release("mlx5_core")
+    deadline = time.monotonic() + 30
+    while sim.driver(NIC_BDF) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None
+    assert sim.driver(NIC_BDF) == "vfio-pci"
+    assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
+    assert sim.driver(NIC_BDF) == "mlx5_core" and sim.override(NIC_BDF) is None
+
+
 # --- the scan on its own: procfs as untrusted, changing input ------------------------------------
 def _fake_pid(proc: str, pid: str, comm: bytes, fds: dict[str, str]) -> None:
     os.makedirs(os.path.join(proc, pid, "fd"))

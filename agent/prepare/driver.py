@@ -53,7 +53,7 @@ from agent.prepare.nvidia import NvidiaDriver
 from agent.prepare.outcome import claim_error, log_outcome
 from agent.prepare.partitions import Partitions
 from agent.prepare.recovery import RecoveryReport
-from agent.prepare.steps import NotUndone, Planned
+from agent.prepare.steps import NotRecovered, NotUndone, Planned
 from agent.prepare.mig import MigDevices, shared_nvml
 from agent.prepare.steps.mig import MigStep
 from agent.prepare.steps.migmode import MigModeStep
@@ -266,7 +266,12 @@ class Driver:
         if entry.get("netdevs") and (pods := reserved_pods(claim)) != entry.get("pods"):
             entry = cp.claims[uid] = {**entry, "pods": pods}  # entries are replaced, never changed in place
             call.changed.add(uid)
-        moved = any([st.recover(rec) for st in self.steps if (rec := st.read(entry)) is not None])
+        try:
+            moved = any([st.recover(rec) for st in self.steps if (rec := st.read(entry)) is not None])
+        except NotRecovered as err:  # the claim's error; its entry keeps what is left to undo
+            cp.claims[uid] = {**entry, err.key: err.record}
+            call.changed.add(uid)
+            raise err.err from None
         if self.files.ensure_spec(uid, entry, rebuild=moved) | metadata.ensure_claim(self.settings, uid, entry):
             call.changed.add(uid)
         return PrepareResult([planner.device_from_record(d) for d in entry["devices"]], status=entry.get("deviceStatus"))

@@ -27,7 +27,7 @@ from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.checkpoint_format import last_saved
 from agent.prepare.checkpoint_view import Saved
 from agent.prepare.metadata import store as metadata
-from agent.prepare.steps import Undone
+from agent.prepare.steps import NotRecovered, Undone
 from cdi.claim import cdi_device_name
 from cdi.spec import SpecError, claim_kind
 
@@ -91,6 +91,9 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
                 moved = step.recover(rec)
                 report.kernel_changed |= moved
                 rebooted |= moved
+            except NotRecovered as err:  # kept in the entry, saved below: a later start must know
+                log.error("claim %s: %s not made again: %s", uid, step.what, err)
+                entry[err.key] = err.record
             except Exception as err:  # noqa: BLE001 - logged; the claim stays prepared, the kubelet's re-prepare retries
                 log.error("claim %s: %s not made again: %s", uid, step.what, err)
         if driver.ensure_spec(uid, entry, rebuild=rebooted):

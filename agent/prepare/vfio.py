@@ -176,7 +176,11 @@ def ensure_bound(kernel: PciKernel, records: list[VfioFunction], fault: Callable
     """A prepared claim's functions on vfio-pci again (after a reboot); True if any was moved."""
     moved = [r for r in records if kernel.driver(r.bdf) != VFIO_DRIVER]
     if moved:
-        bind_all(kernel, moved, fault)
+        try:
+            bind_all(kernel, moved, fault)
+        except VfioError as err:  # the claim's records as they are now, not only the moved ones'
+            now = {r.bdf: r for r in err.records or ()}
+            raise VfioError(str(err), [now.get(r.bdf, r) for r in records]) from None
     return bool(moved)
 
 

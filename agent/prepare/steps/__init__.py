@@ -65,6 +65,16 @@ class NotUndone(Exception):
         self.err, self.problems, self.record = err, problems, record
 
 
+class NotRecovered(Exception):
+    """``recover`` failed (``err``) and what is left to undo is not the claim's record: ``record``
+    (written form) goes into the claim's entry under ``key`` (a VFIO write still in the kernel:
+    ``pending``, so that an agent started later does not give the function back under it)."""
+
+    def __init__(self, err: Exception, key: str, record: Any):
+        super().__init__(str(err))
+        self.err, self.key, self.record = err, key, record
+
+
 class RecordsOf:
     """``read``/``write`` of a step whose record is a tuple of ``model`` (a records.py model)."""
 

@@ -18,7 +18,7 @@ from typing import Callable
 from agent.prepare import hostuse, vfio
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
-from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
+from agent.prepare.steps import NotRecovered, NotUndone, Planned, RecordsOf, Undone
 from agent.prepare.vfio_kernel import PciKernel
 from discovery.models import Device
 
@@ -72,4 +72,9 @@ class VfioStep(RecordsOf):
         return Undone(problems=problems, notes=[] if problems else [f"{r.bdf} given back to {r.driver or 'no driver'}" for r in record])
 
     def recover(self, record: Record) -> bool:
-        return vfio.ensure_bound(self.kernel, list(record), self.fault)
+        try:
+            return vfio.ensure_bound(self.kernel, list(record), self.fault)
+        except vfio.VfioError as err:
+            if err.records is None or (now := tuple(err.records)) == record:
+                raise
+            raise NotRecovered(err, self.key, self.write(now)) from None
