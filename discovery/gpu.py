@@ -9,7 +9,7 @@ from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, GpuInfo, Partitioning, PciFunction, Problem
 from discovery.nvidia import NvidiaNode
-from discovery.partitions import read_amd, read_mig
+from discovery.partitions import COMPUTE_PARTS, amd_kfd_nodes, compute_units, read_amd, read_mig
 from discovery.sysfs import AttrError, Dir, HostFS
 
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
@@ -93,8 +93,12 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         vram = _vram_bytes(fs, d, problems)
         if vram:
             capacity["memory"] = vram
+        topology = amd_kfd_nodes(fs, fn.bdf, problems)
         if d.has("current_compute_partition"):
-            partitioning = read_amd(fs, resolver, fn, d, problems)
+            partitioning = read_amd(fs, resolver, fn, d, problems, topology)
+        whole = partitioning is None or len(topology) == COMPUTE_PARTS.get(partitioning.compute_mode or "", 0)
+        if whole and (counts := compute_units(topology)) is not None:  # (a partition missing: not the GPU's count)
+            capacity["computeUnits"], capacity["simdUnits"] = str(counts[0]), str(counts[1])
     if fn.driver not in ("nvidia", "vfio-pci") and card is None and render is None:
         problems.append(Problem(what="drm", reason=f"driver {fn.driver} exposes no DRM card or render node"))
     if model is not None and not re.fullmatch(r"[\x20-\x7e]{1,64}", model):

@@ -189,6 +189,9 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
         attrs["memoryPartition"] = _value("string", way.memory)
         if "memory" in parent.capacity:
             capacity["memory"] = quantity(quantity_bytes(parent.capacity["memory"]) // way.parts)
+        for count in ("computeUnits", "simdUnits"):  # a mode splits the XCCs, so their CUs, evenly
+            if count in parent.capacity:
+                capacity[count] = str(int(parent.capacity[count]) // way.parts)
         nodes = ()
         pt = now if now is not None else partitioning(parent)
         if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == (way.compute, way.memory):

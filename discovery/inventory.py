@@ -201,7 +201,8 @@ class _Scanner:
         return out & present
 
     def _finish(self, name: str, kind: str, fn: PciFunction, nodes, capacity: dict, problems, **info) -> Device:
-        quantities = {k: quantity(v) for k, v in capacity.items()} if capacity else {}
+        # bytes become their shortest quantity; counts come as strings already
+        quantities = {k: quantity(v) if isinstance(v, int) else v for k, v in capacity.items()} if capacity else {}
         parts = DeviceParts(kind, fn, quantities, **info)
         attrs, attr_problems = device_attributes(parts, self.numa, self.list_attributes)
         return Device(name=name, kind=kind, pci=fn, device_nodes=tuple(nodes), capacity=quantities,

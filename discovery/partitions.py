@@ -126,21 +126,38 @@ def _available(fs: HostFS, d: Dir, name: str, known: dict[str, int]) -> tuple[st
         return ()
 
 
-def read_amd(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]) -> Partitioning | None:
-    """The GPU's compute/memory modes and the partitions the kernel exposes now (None: the
-    GPU has no compute partitions)."""
-    compute = _mode(fs, d, "current_compute_partition", COMPUTE_PARTS, problems)
-    if compute is None:
-        return None
-    memory = _mode(fs, d, "current_memory_partition", MEMORY_PARTS, problems)
-    dom, bus, dev, _ = _bus_dev(fn.bdf)
+def amd_kfd_nodes(fs: HostFS, bdf: str, problems: list[Problem]) -> list[dict[str, int]]:
+    """The KFD GPU nodes of the amdgpu GPU at ``bdf``, by partition number: one per compute
+    partition (one for a GPU without partitions)."""
+    dom, bus, dev, _ = _bus_dev(bdf)
     mine = [p for p in kfd_gpu_nodes(fs, problems)
             if (p.get("domain", 0), p["location_id"] >> 8, (p["location_id"] >> 3) & 0x1F) == (dom, bus, dev)]
     first = next((p for p in mine if p["location_id"] & 7 == 0), None)
     if first is not None and first.get("unique_id"):  # a multi-function card's other functions are not partitions
         mine = [p for p in mine if p.get("unique_id") == first["unique_id"]]
+    return sorted(mine, key=lambda p: p["location_id"] & 7)
+
+
+def compute_units(nodes: list[dict[str, int]]) -> tuple[int, int] | None:
+    """(compute units, SIMDs) of these KFD nodes together (a CU is ``simd_per_cu`` SIMDs), as
+    AMD's DRA driver counts them; None without nodes or with a node that does not say."""
+    if not nodes or not all(p.get("simd_per_cu") for p in nodes):
+        return None
+    return sum(p["simd_count"] // p["simd_per_cu"] for p in nodes), sum(p["simd_count"] for p in nodes)
+
+
+def read_amd(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem],
+             mine: list[dict[str, int]] | None = None) -> Partitioning | None:
+    """The GPU's compute/memory modes and the partitions the kernel exposes now (None: the
+    GPU has no compute partitions). ``mine``: its KFD nodes, when the caller has read them."""
+    compute = _mode(fs, d, "current_compute_partition", COMPUTE_PARTS, problems)
+    if compute is None:
+        return None
+    memory = _mode(fs, d, "current_memory_partition", MEMORY_PARTS, problems)
+    if mine is None:
+        mine = amd_kfd_nodes(fs, fn.bdf, problems)
     parts = []
-    for p in sorted(mine, key=lambda p: p["location_id"] & 7):
+    for p in mine:
         node = _render_node(fs, resolver, d.path, p["drm_render_minor"], problems)
         if node is not None:
             parts.append(GpuPartition(index=p["location_id"] & 7, nodes=(node,), xcds=p.get("num_xcc") or None))

@@ -126,6 +126,25 @@ def test_any_mode_across_claims_picks_one_mode_per_gpu():
     assert sorted(got) == [f"{SPX_GPU}-dpx-nps1-0", f"{SPX_GPU}-dpx-nps1-1"], got
 
 
+def test_a_request_by_compute_units_gets_a_partition_that_big():
+    """AMD's counts as AMD's driver publishes them (KFD simd_count / simd_per_cu): an MI300X has
+    304 CUs, a mode's partition its share. At least 100 CUs: a DPX partition (152), never a
+    QPX (76) or CPX (38) one; the allocator reads the capacity."""
+    slices = amd(True)
+    caps = {name: d.get("capacity", {}) for name, d in devices(slices).items()}
+    assert caps[SPX_GPU]["computeUnits"] == {"value": "304"} and caps[SPX_GPU]["simdUnits"] == {"value": "1216"}
+    assert caps[CPX_GPU]["computeUnits"] == {"value": "304"}  # the sum over its eight partitions' KFD nodes
+    assert caps[f"{CPX_GPU}-cpx-nps1-0"]["computeUnits"] == {"value": "38"}
+    assert caps[f"{SPX_GPU}-qpx-nps1-3"]["simdUnits"] == {"value": "304"}
+    def at_least(cus: int) -> Partitions:
+        return Partitions(part_of(SPX_GPU) + _sel(f'device.capacity["sysdra.io"].computeUnits.compareTo(quantity("{cus}")) >= 0'))
+
+    (a,) = allocate(slices, CLASSES, claim("big", req("p", at_least(100))), node=NODE)
+    assert [caps[n]["computeUnits"]["value"] for n in picked(a)["p"]] == ["152"], picked(a)
+    with pytest.raises(Unschedulable):  # no partition has more than the whole GPU
+        allocate(slices, CLASSES, claim("huge", req("p", at_least(305))), node=NODE)
+
+
 @pytest.mark.parametrize("groups", [False, True])
 def test_as_many_partitions_of_a_mode_fit_as_counters_allow(groups):
     slices = amd(groups)

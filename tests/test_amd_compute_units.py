@@ -1,0 +1,56 @@
+"""AMD GPUs' compute units and SIMDs (discovery/partitions.py ``compute_units``), read from the
+KFD topology as AMD's DRA driver reads it, on copies of the mi300x-partitions fixture: a GPU
+whose partitions are not all exposed, or whose KFD nodes do not say, gets no count rather than
+a wrong one; the published slices pass the real kube-apiserver's schema."""
+
+from __future__ import annotations
+
+import os
+
+import kubernetes_validate
+
+from agent.publish.slices import build_pool, render
+from discovery.inventory import scan
+from tests.conftest import profile_root
+from tests.partition_node import CPX_GPU, SPX_GPU, copy_node
+from tests.test_allocator import DRIVER, NODE
+
+KFD = "sys/class/kfd/kfd/topology/nodes"
+
+
+def _gpus(root: str) -> dict[str, dict]:
+    return {d.name: d.capacity for d in scan(root).devices if d.kind == "gpu"}
+
+
+def _edit(root: str, node: str, key: str, value: str) -> None:
+    path = os.path.join(root, KFD, node, "properties")
+    lines = [f"{key} {value}" if line.split(" ")[0] == key else line for line in open(path).read().splitlines()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_both_modes_count_the_whole_gpu():
+    caps = _gpus(profile_root("mi300x-partitions"))
+    for gpu in (CPX_GPU, SPX_GPU):  # eight CPX nodes of 152 SIMDs, or one SPX node of 1216
+        assert (caps[gpu]["computeUnits"], caps[gpu]["simdUnits"]) == ("304", "1216")
+
+
+def test_a_partition_missing_from_kfd_gives_no_count(tmp_path):
+    root = copy_node(str(tmp_path / "host"))
+    _edit(root, "9", "simd_count", "0")  # CPX partition 7's node no longer a GPU node
+    caps = _gpus(root)
+    assert "computeUnits" not in caps[CPX_GPU] and "simdUnits" not in caps[CPX_GPU]
+    assert caps[SPX_GPU]["computeUnits"] == "304"
+
+
+def test_a_node_that_does_not_say_gives_no_count(tmp_path):
+    root = copy_node(str(tmp_path / "host"))
+    _edit(root, "10", "simd_per_cu", "0")  # the SPX GPU's one node
+    assert "computeUnits" not in _gpus(root)[SPX_GPU]
+
+
+def test_the_slices_pass_the_api_schema():
+    inv = scan(profile_root("mi300x-partitions"), list_attributes=True)
+    pool = build_pool(inv, node_name=NODE, driver_name=DRIVER, list_attributes=True, partitions=True, compatibility_groups=True)
+    for obj in render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True):
+        kubernetes_validate.validate(obj, "1.37", strict=True)
