@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from agent.service import daemon
+from agent.service import startup
 from agent.service.daemon import Agent
 from agent.settings import Settings
 from tests.conftest import profile_root
@@ -57,7 +57,7 @@ def test_the_first_slices_wait_for_the_kubelets_registration(apiserver, tmp_path
 
 def test_a_kubelet_that_never_registers_delays_the_first_slices_only_so_long(apiserver, tmp_path, monkeypatch, caplog):
     node, settings = _agent(apiserver, tmp_path, monkeypatch)
-    monkeypatch.setattr(daemon, "REGISTRATION_WAIT", 1.0)
+    monkeypatch.setattr(startup, "REGISTRATION_WAIT", 1.0)
     caplog.set_level(logging.WARNING)
 
     async def scenario():

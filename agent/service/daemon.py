@@ -32,7 +32,6 @@ from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
 from agent.settings import ConfigError, Settings
 
 log = logging.getLogger("sysdra.daemon")
-REGISTRATION_WAIT = 10.0  # seconds the first publish to the API waits for the kubelet's registration
 
 
 class Agent:
@@ -292,9 +291,12 @@ class Agent:
         # kubelet registered the driver fails prepare ("not registered"): there the kubelet side
         # starts first and the first publish waits for the registration. A directory has no reader.
         kubelet_first = self.settings.cluster_dir is None
-        if kubelet_first and not (await self._start_kubelet_side(stop, started)
-                                  and await startup.unless_stopped(stop, self._until_registered())):
-            return
+        if kubelet_first:
+            if not await self._start_kubelet_side(stop, started):
+                return
+            if self.kubelet_plugin is not None and not await startup.unless_stopped(  # (some tests run none)
+                    stop, startup.until_registered(self._registration_answered)):
+                return
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(loops.periodic_rescan(self), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
@@ -322,17 +324,6 @@ class Agent:
         started.push_async_callback(self._stop_kubelet_side)
         # not cancelled midway: a grpc.aio server cancelled in its start() breaks in its shutdown
         return await startup.unless_stopped(stop, self.start_kubelet_plugin(), cancel=False)
-
-    async def _until_registered(self) -> None:
-        """The kubelet's answer to the registration (it looks for new sockets about once a second),
-        or REGISTRATION_WAIT seconds: a kubelet that is down must not keep the devices unpublished."""
-        if self.kubelet_plugin is None:  # no kubelet side here (tests): nothing will register
-            return
-        try:
-            await asyncio.wait_for(self._registration_answered.wait(), REGISTRATION_WAIT)
-        except asyncio.TimeoutError:
-            log.warning("the kubelet has not registered the plugin within %.0f s: publishing anyway (a pod allocated "
-                        "before it does fails prepare with \"not registered\" until then)", REGISTRATION_WAIT)
 
     async def _stop_kubelet_side(self) -> None:
         if self.health is not None:

@@ -103,6 +103,19 @@ def resolve(settings: Settings) -> Settings:
     return resolved
 
 
+REGISTRATION_WAIT = 10.0  # seconds the first publish to the API waits for the kubelet's registration
+
+
+async def until_registered(answered: asyncio.Event) -> None:
+    """The kubelet's answer to the registration (it looks for new sockets about once a second),
+    or REGISTRATION_WAIT seconds: a kubelet that is down must not keep the devices unpublished."""
+    try:
+        await asyncio.wait_for(answered.wait(), REGISTRATION_WAIT)
+    except asyncio.TimeoutError:
+        log.warning("the kubelet has not registered the plugin within %.0f s: publishing anyway (a pod allocated "
+                    "before it does fails prepare with \"not registered\" until then)", REGISTRATION_WAIT)
+
+
 async def unless_stopped(stop: asyncio.Event, step, cancel: bool = True) -> bool:
     """Run a start-up step unless ``stop`` is set first (SIGTERM during start-up): then the
     step is cancelled (``cancel=False``: let finish) and False returned."""
