@@ -167,4 +167,5 @@ async def listen_on_host(listener_start: Callable[[socket.socket], None], root: 
 
 
 _WITHOUT = {"link": "NIC links are checked every health interval",
-            "route": "a new default route's NIC is seen at the next resync"}
+            "route": "a new default route's NIC is seen at the next resync",
+            "address": "which NICs the host uses (their taint) is read again at the next scan"}

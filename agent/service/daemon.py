@@ -22,6 +22,7 @@ from agent.prepare.checkpoint import CheckpointError
 from agent.service import heap, loops, scanning, sdnotify, startup
 from agent.service.listfallback import ListFallback
 from agent.service import reload as reloading
+from agent.service.hostnics import HostNics
 from agent.service.inpod import InPodNetdevs
 from agent.service.scanning import default_scan
 from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
@@ -70,6 +71,7 @@ class Agent:
         self.kubelet_plugin = None
         self.watcher: HardwareWatcher | None = None
         self._registration_answered = asyncio.Event()  # the kubelet called NotifyRegistrationStatus
+        self.host_nics = HostNics(lambda: self.settings, lambda: self._republish())  # their taints (docs/networking.md)
         self._first_round: tuple[dict, dict] | None = None  # --taint-unhealthy: (taints, health) until the monitor runs
 
     # --- inventory -> pool ---------------------------------------------------------------
@@ -78,6 +80,7 @@ class Agent:
         taints = None
         if s.taint_unhealthy:  # before the monitor runs (the first publish): the first scan's round
             taints = self.health.taints() if self.health is not None else (self._first_round or ({}, {}))[0]
+            taints = self.host_nics.with_taints(taints)
         # validated against what the scan made: a SIGHUP's new list_attributes waits for its rescan
         options = {**pool_options(s), "list_attributes": self._listed}
         pool = build_pool(inventory, **options, taints=taints, previous=self.pool, cache=self._slice_cache)
@@ -106,6 +109,7 @@ class Agent:
             if self.settings.taint_unhealthy and self.health is None:  # no unhealthy device published untainted
                 from agent.health.monitor import first_round
                 self._first_round = await asyncio.to_thread(first_round, self.settings, inventory)
+            await self.host_nics.scanned(inventory)
         self.inventory, self._listed = inventory, settings.list_attributes  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
@@ -282,6 +286,8 @@ class Agent:
         started.callback(watcher.stop)
         if (routes := await follow_default_routes(self.settings, watcher.uevents, lambda: debouncer.trigger(None))) is not None:
             started.callback(routes.stop)  # armed at once, like the uevents: before the first scan
+        if self.settings.taint_unhealthy and await self.host_nics.follow(watcher.uevents):
+            started.callback(self.host_nics.stop)
         if watcher.arms_at_once and not await startup.unless_stopped(stop, watcher.start(), cancel=False):
             return
         if not await startup.unless_stopped(stop, self.rescan()):

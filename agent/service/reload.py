@@ -17,8 +17,9 @@ LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "deboun
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
 REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_effect", "taint_effects",
                                 "skip_node_operations"})
-# Of those, the ones the scan itself reads (list attributes are made at scan time): a full rescan.
-RESCAN_SETTINGS = frozenset({"list_attributes"})
+# Of those, the ones a scan reads (list attributes are made at scan time; with taints, which NICs the
+# host uses is read after it): a full rescan.
+RESCAN_SETTINGS = frozenset({"list_attributes", "taint_unhealthy"})
 
 
 def changes(old: Settings, new: Settings) -> tuple[dict[str, Any], list[str]]:

@@ -1,0 +1,118 @@
+"""NICs the host uses, tainted so that the scheduler keeps claims away (docs/networking.md,
+"Keeping the scheduler away").
+
+Prepare refuses a NIC whose netdev the host uses (agent/prepare/hostuse.py: a global address, a
+bond/bridge port or master, a VLAN or macvlan on it) unless the node and the claim allow it; the
+scheduler cannot know that, so a claim allocated such a NIC would wait on a prepare that fails.
+With ``taint_unhealthy`` (the cluster takes device taints) the NIC is published with the taint
+``sysdra.io/host-in-use=<netdev>:NoSchedule``: claims keep away unless they tolerate it (the ones
+meant to take it, with ``allowHostInUse``). The host's use is read in its network namespace, as
+prepare reads it, after every scan and again on the kernel's address and link events there
+(debounced): the taint follows DHCP, a network manager, a bond being built, a netdev back from a pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from typing import Callable
+
+from agent import rtnetlink
+from agent.prepare import hostuse, netmove
+from agent.rtnetlink import Listener, listen_on_host
+
+log = logging.getLogger(__name__)
+
+TAINT_KEY = "sysdra.io/host-in-use"
+RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR = 0x1, 0x10, 0x100
+SETTLE = 0.5  # seconds of quiet after an event before the host is read again (a pod start is a burst)
+_LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+
+
+def host_used(root: str, inventory) -> dict[str, str] | None:
+    """Device name -> the first of its netdevs the host uses, for the inventory's NICs; None when
+    the host's network namespace is not the one under ``root`` or cannot be read (a fixture tree
+    without its own ``proc/1``; the DaemonSet without CAP_SYS_PTRACE). Blocking: a worker thread."""
+    netns = rtnetlink.init_netns(root)
+    if not os.path.lexists(netns) or netmove.host_netns_problem(root) is not None:
+        return None
+    netdevs = {i.name: dev.pci.bdf for dev in inventory.devices if dev.kind == "nic" and dev.nic for i in dev.nic.interfaces}
+    try:
+        used = hostuse.host_uses(netns, netdevs)
+    except OSError as err:
+        log.warning("which NICs the host uses cannot be read (%s): none is tainted %s", err, TAINT_KEY)
+        return None
+    return {dev.name: name for dev in inventory.devices if dev.kind == "nic" and dev.nic
+            for name in [next((i.name for i in dev.nic.interfaces if i.name in used), None)] if name}
+
+
+def taint(netdev: str) -> dict:
+    """The taint of a NIC whose netdev ``netdev`` the host uses (ResourceSlice encoding): the value
+    names it where a label value can (an interface name may hold characters one cannot)."""
+    return {"key": TAINT_KEY, "value": netdev if _LABEL_VALUE.match(netdev) else "", "effect": "NoSchedule"}
+
+
+class HostNics:
+    """The NICs the host uses now (``used``), read after each scan (``scanned``) and on the host's
+    address and link events (``follow``), which call ``changed()`` when the set changes."""
+
+    def __init__(self, settings: Callable[[], object], changed: Callable[[], None]):
+        self.settings, self.changed = settings, changed
+        self.used: dict[str, str] = {}
+        self._inventory = None
+        self._listener: Listener | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None
+
+    def with_taints(self, taints: dict[str, list[dict]]) -> dict[str, list[dict]]:
+        """``taints`` (the health monitor's) and those of the NICs the host uses."""
+        return {**taints, **{name: [*taints.get(name, ()), taint(netdev)] for name, netdev in self.used.items()}}
+
+    async def scanned(self, inventory) -> None:
+        self._inventory = inventory
+        self.used = await self._read()
+
+    async def _read(self) -> dict[str, str]:
+        s = self.settings()
+        if not s.taint_unhealthy or self._inventory is None:
+            return {}
+        return await asyncio.to_thread(host_used, s.root, self._inventory) or {}
+
+    async def follow(self, kernel: bool) -> bool:
+        """Listen to the host's address and link events (``kernel``: the root's sys is the
+        kernel's); False where they cannot be heard (then the scans alone keep the taints)."""
+        listener = Listener(RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR, self._batch, "address events")
+        if not await listen_on_host(listener.start, self.settings().root, kernel, "address"):
+            return False
+        self._listener = listener
+        return True
+
+    def stop(self) -> None:
+        for pending in (self._timer, self._task):
+            if pending is not None:
+                pending.cancel()
+        if self._listener is not None:
+            self._listener.stop()
+
+    def _batch(self, _datagrams) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(SETTLE, self._reread)
+
+    def _reread(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._again(), name="host-nics")
+        else:  # a read is under way: one more after it
+            self._timer = asyncio.get_running_loop().call_later(SETTLE, self._reread)
+
+    async def _again(self) -> None:
+        used = await self._read()
+        if used != self.used:
+            for name in sorted(used.keys() - self.used.keys()):
+                log.info("NIC %s: the host uses its netdev %s: tainted %s", name, used[name], TAINT_KEY)
+            for name in sorted(self.used.keys() - used.keys()):
+                log.info("NIC %s: the host no longer uses it: untainted", name)
+            self.used = used
+            self.changed()
