@@ -62,6 +62,7 @@ class HostNics:
         self.settings, self.changed = settings, changed
         self.used: dict[str, str] = {}
         self._inventory = None
+        self._said = False  # that the host's namespace cannot be read here
         self._listener: Listener | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
@@ -78,7 +79,12 @@ class HostNics:
         s = self.settings()
         if not s.taint_unhealthy or self._inventory is None:
             return {}
-        return await asyncio.to_thread(host_used, s.root, self._inventory) or {}
+        used = await asyncio.to_thread(host_used, s.root, self._inventory)
+        if used is None and not self._said and any(d.kind == "nic" for d in self._inventory.devices):
+            self._said = True
+            log.info("the host's network namespace is not readable here (%s): NICs the host uses are not tainted %s; "
+                     "prepare still refuses them", netmove.host_netns_problem(s.root) or "no proc/1 under the root", TAINT_KEY)
+        return used or {}
 
     async def follow(self, kernel: bool) -> bool:
         """Listen to the host's address and link events (``kernel``: the root's sys is the
