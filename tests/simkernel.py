@@ -87,11 +87,14 @@ class SimPciKernel:
         """Writes to ``drivers/<driver>/<op>`` block from now on (until ``release``)."""
         path = self.p(SYS_PCI, "drivers", driver, op)
         if path not in self._fifos:
-            os.unlink(path)
-            os.mkfifo(path, 0o600)
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # both ends: a writer's open does not block
+            # made aside and known to the loop before it takes the control file's name: the loop
+            # must never read it as a plain file (a read of a FIFO waits for a writer's end)
+            tmp = path + ".fifo"
+            os.mkfifo(tmp, 0o600)
+            fd = os.open(tmp, os.O_RDWR | os.O_NONBLOCK)  # both ends: a writer's open does not block
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096)
             self._fifos[path] = (fd, False)
+            os.rename(tmp, path)
         fd, _ = self._fifos[path]
         try:
             while True:

@@ -23,6 +23,12 @@ def levels(findings) -> dict[str, str]:
     return {f.check: f.level for f in findings}
 
 
+def expect(found, levels_by_check: dict[str, str]) -> None:
+    """The findings have these levels, and every warning or failure says its fix."""
+    assert levels(found) == levels_by_check, [f.message for f in found]
+    assert all(f.fix for f in found if f.level in ("warn", "fail"))
+
+
 def write(tmp_path, text: str, name: str = "config.toml") -> str:
     path = tmp_path / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,9 +51,7 @@ def write(tmp_path, text: str, name: str = "config.toml") -> str:
     ("version = 4\n", "ok", "ok"),  # what containerd 2.4 writes
 ])
 def test_containerd_configs(tmp_path, text, cdi, nri):
-    found = check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, text))
-    assert levels(found) == {"containerd-cdi": cdi, "containerd-nri": nri}, [f.message for f in found]
-    assert all(f.fix for f in found if f.level in ("warn", "fail"))
+    expect(check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, text)), {"containerd-cdi": cdi, "containerd-nri": nri})
 
 
 def test_the_config_under_the_root_and_its_imports(tmp_path):

@@ -213,6 +213,18 @@ def test_a_function_held_by_another_claim_is_refused(node):
     assert sim.driver(VF_BDF) == "mlx5_core"
 
 
+def rebooted(root: str, sim, bdf: str, driver: str) -> None:
+    """The node rebooted: the kernel comes back with ``bdf`` on its own ``driver``, no override."""
+    sim.stop()
+    sim.unbind("vfio-pci", bdf)
+    with open(os.path.join(root, "sys/bus/pci/devices", bdf, "driver_override"), "w") as f:
+        f.write("(null)\n")
+    sim.bind(driver, bdf)
+    with open(os.path.join(root, "proc/sys/kernel/random/boot_id"), "w") as f:
+        f.write("rebooted\n")
+    sim.start()
+
+
 def test_recovery_gives_back_an_interrupted_bind_and_rebinds_after_reboot(node):
     s, sim, state, driver = node
 
@@ -233,14 +245,7 @@ def test_recovery_gives_back_an_interrupted_bind_and_rebinds_after_reboot(node):
     # prepared, then the node reboots: the kernel comes back with the original driver
     d = driver()
     assert d.prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error is None
-    sim.stop()
-    sim.unbind("vfio-pci", VF_BDF)
-    with open(os.path.join(s.root, "sys/bus/pci/devices", VF_BDF, "driver_override"), "w") as f:
-        f.write("(null)\n")
-    sim.bind("mlx5_core", VF_BDF)
-    with open(os.path.join(s.root, "proc/sys/kernel/random/boot_id"), "w") as f:
-        f.write("rebooted\n")
-    sim.start()
+    rebooted(s.root, sim, VF_BDF, "mlx5_core")
     report = driver().recover()
     assert report.boot_changed and UID in report.rebuilt
     assert sim.driver(VF_BDF) == "vfio-pci"

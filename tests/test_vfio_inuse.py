@@ -29,7 +29,7 @@ from agent.prepare.driver import Driver
 from discovery.inventory import scan
 from tests.kubelet_standin import claim, settings_for
 from tests.simkernel import SimPciKernel
-from tests.test_vfio import node_root, vfio_claim
+from tests.test_vfio import node_root, rebooted, vfio_claim
 
 GPU, GPU_BDF = "gpu-0000-3b-00-0", "0000:3b:00.0"  # NVIDIA minor 1, alone in IOMMU group 37
 NIC, NIC_BDF = "nic-0000-3c-00-0", "0000:3c:00.0"  # mlx5 with /dev/infiniband/uverbs0, group 39
@@ -225,18 +225,6 @@ def test_a_pending_write_of_another_instance_holds_back_the_give_back(node):
     assert sim.log == [f"unbind {NIC_BDF} mlx5_core", f"bind {NIC_BDF} mlx5_core"]
 
 
-def _rebooted(s, sim) -> None:
-    """The node rebooted: the kernel comes back with the NIC on its own driver, no override."""
-    sim.stop()
-    sim.unbind("vfio-pci", NIC_BDF)
-    with open(os.path.join(s.root, "sys/bus/pci/devices", NIC_BDF, "driver_override"), "w") as f:
-        f.write("(null)\n")
-    sim.bind("mlx5_core", NIC_BDF)
-    with open(os.path.join(s.root, "proc/sys/kernel/random/boot_id"), "w") as f:
-        f.write("rebooted\n")
-    sim.start()
-
-
 @pytest.mark.parametrize("where", ["start", "re-prepare"])
 def test_a_rebind_after_a_reboot_that_does_not_return_is_written_down(node, where):
     """A prepared claim's function is moved to vfio-pci again after a reboot (at the agent's
@@ -246,7 +234,7 @@ def test_a_rebind_after_a_reboot_that_does_not_return_is_written_down(node, wher
     s, sim, driver, children = node
     d = driver(wait=1.0)
     assert d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None
-    _rebooted(s, sim)
+    rebooted(s.root, sim, NIC_BDF, "mlx5_core")
     sim.hang("mlx5_core")
     if where == "start":
         d = driver(wait=1.0)
