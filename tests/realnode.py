@@ -186,20 +186,27 @@ class RealNode:
                  "--cdi-host-root", self.root,
                  "--nri-socket", self.nri_socket, *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
-        registered = self.registrations(name)
+        registered, published = self.registrations(name), self.publishes(name)
         # slave: the pods' network namespaces mounted under /run/netns later reach the agent (NRI)
         proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", propagation, "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
-        if wait:  # published, and registered (it publishes first: a pod's prepare before that would fail)
-            self._until(lambda: self.slices() and self.registrations(name) > registered, "the agent published and registered",
-                        timeout, proc, name)  # fmt: skip
+        if wait:  # registered, and then its first publish done (an earlier agent's slices may still be there)
+            self._until(lambda: self.registrations(name) > registered and self.publishes(name) > published and self.slices(),
+                        "the agent registered and published", timeout, proc, name)  # fmt: skip
         return proc
 
     def registrations(self, name: str = "agent") -> int:
         """How often the kubelet has registered the agent (its NotifyRegistrationStatus, as the agent logs it)."""
+        return self._log_count(name, "registered with the kubelet as DRA driver")
+
+    def publishes(self, name: str = "agent") -> int:
+        """How many agent runs logged under ``name`` finished their first publish."""
+        return self._log_count(name, "ResourceSlices in sync:")
+
+    def _log_count(self, name: str, text: str) -> int:
         try:
             with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
-                return f.read().count("registered with the kubelet as DRA driver")
+                return f.read().count(text)
         except OSError:
             return 0
 

@@ -63,6 +63,9 @@ class Publisher:
         self.total.updated += stats.updated
         self.total.deleted += stats.deleted
         self.syncs += 1
+        if self.syncs == 1:  # the node's devices are in the cluster as this agent sees them
+            devices = sum(len(s.get("devices") or ()) for s in self.pool.slices)
+            log.info("ResourceSlices in sync: %d devices in %d slices (%d written)", devices, len(self.pool.slices), stats.writes)
         if self._pending_since is not None:
             self.last_change_latency = time.monotonic() - self._pending_since
             if self.observer is not None:
