@@ -1,7 +1,8 @@
 """`sysdra run`'s start-up order, seen from inside a real agent process: the first slices are
 written before anything the kubelet side needs is even imported (gRPC, the kubelet plugin,
 health), the YAML parser is not loaded for an empty config file, nor prometheus_client without a
-metrics endpoint, nor libcurl (the API client's) with an offline cluster directory, and the kubelet's registration socket appears only after the first publish."""
+metrics endpoint, nor libcurl (the API client's) with an offline cluster directory, and the kubelet's registration socket appears only after the first publish
+(publishing to a directory; to the API it comes first: tests/test_startup_registration.py)."""
 
 from __future__ import annotations
 
