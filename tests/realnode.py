@@ -30,6 +30,8 @@ from tests.realnode_setup import BUSYBOX, containerd_config, kubelet_config, rea
 DRIVER = "sysdra.io"
 PROFILE = "server-2s-gpu-nic"
 
+RUNNING = "sysdra running: node"  # the agent's line once started (its NRI plugin connects then)
+
 
 @dataclass
 class RealNode:
@@ -186,13 +188,14 @@ class RealNode:
                  "--cdi-host-root", self.root,
                  "--nri-socket", self.nri_socket, *self.agent_args, *args]  # fmt: skip
         inner = 'mount --rbind "$1" "$2" && shift 2 && cd "$0" && exec "$@"'
-        registered, published = self.registrations(name), self.publishes(name)
+        registered, published, running = self.registrations(name), self.publishes(name), self._log_count(name, RUNNING)
         # slave: the pods' network namespaces mounted under /run/netns later reach the agent (NRI)
         proc = self._spawn(name, [*self.enter, "unshare", "-m", "--propagation", propagation, "sh", "-c", inner,
                                      REPO, self.root, self.host, *agent], env=env)  # fmt: skip
-        if wait:  # registered, and then its first publish done (an earlier agent's slices may still be there)
-            self._until(lambda: self.registrations(name) > registered and self.publishes(name) > published and self.slices(),
-                        "the agent registered and published", timeout, proc, name)  # fmt: skip
+        if wait:  # registered, its first publish done (an earlier agent's slices may still be there), running
+            self._until(lambda: self.registrations(name) > registered and self.publishes(name) > published
+                        and self._log_count(name, RUNNING) > running and self.slices(),
+                        "the agent registered, published and running", timeout, proc, name)  # fmt: skip
         return proc
 
     def registrations(self, name: str = "agent") -> int:
