@@ -72,7 +72,8 @@ def test_the_whole_check_on_a_simulated_h200(tmp_path):
     for passed in ("scan found 1 GPU(s)", "uuid equals NVML's", "--share gpu offers memory and compute",
                    "NVML lists 7 MIG profiles", "the same profiles as nvidia-smi mig -lgip",
                    "7g.141gb: placements [(0, 8)] equal -lgipp's [(0, 8)]", "--partitions publishes 25 placement devices",
-                   "MIG mode unchanged by the check", "the claim for the GPU prepared",
+                   "MIG mode unchanged by the check", "sysdra reads the GPU's row remapping as NVML answers it",
+                   "the claim for the GPU prepared",
                    "the share is a client of the agent's MPS daemon", "the share's /dev/shm is the daemon's shm tmpfs",
                    "the claim's CDI spec is gone after unprepare", "the MPS control daemon stopped with the last share",
                    "the agent watches the GPU's XID/ECC events", "the agent stopped cleanly (exit 0)"):

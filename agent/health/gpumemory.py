@@ -40,7 +40,7 @@ def fault(remaps: RowRemaps) -> tuple[str, str] | None:
 
 def _parse(answer) -> RowRemaps | None:
     """NVML's (corrRows, uncRows, isPending, failureOccurred); anything else is no answer."""
-    if not (isinstance(answer, tuple) and len(answer) == 4):
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 4):
         return None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in answer):
         return None

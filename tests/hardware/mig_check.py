@@ -117,3 +117,25 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def step_memory(log: Log, root: str, driver_root: str, bdf: str) -> None:
+    """Read-only: the row remapping sysdra's health rounds read (agent/health/gpumemory.py)
+    against NVML's own answer, and the verdict it gives."""
+    import pynvml
+
+    from agent.health.gpumemory import RowRemapReader, fault
+    from discovery.nvml import Nvml
+
+    pynvml.nvmlInit()
+    try:
+        direct = pynvml.nvmlDeviceGetRemappedRows(pynvml.nvmlDeviceGetHandleByPciBusId(bdf))
+    except pynvml.NVMLError as err:
+        direct = str(err)
+    finally:
+        pynvml.nvmlShutdown()
+    nvml = Nvml.open(root, driver_root)
+    ours = RowRemapReader(nvml).read(bdf) if nvml is not None else None
+    log(f"row remapping of {bdf}: NVML {direct}; sysdra reads {ours}, fault {fault(ours) if ours else None}")
+    mine = (ours.correctable, ours.uncorrectable, int(ours.pending), int(ours.failed)) if ours else None
+    log.check(mine is not None and mine == tuple(direct), "sysdra reads the GPU's row remapping as NVML answers it")

@@ -307,12 +307,15 @@ def main(argv: list[str]) -> int:
         log.check(False, f"scan step: {type(err).__name__}: {err}")
         gpu = None
     if gpu:  # read-only: the MIG profiles NVML lists against nvidia-smi's, MIG mode left as it is
-        from tests.hardware.mig_check import step_mig
+        from tests.hardware.mig_check import step_memory, step_mig
 
-        try:
-            step_mig(log, args.out, args.root, args.driver_root, gpu["attributes"]["pciAddress"]["string"])
-        except Exception as err:  # noqa: BLE001
-            log.check(False, f"MIG step: {type(err).__name__}: {err}")
+        bdf = gpu["attributes"]["pciAddress"]["string"]
+        for what, step in (("MIG", lambda: step_mig(log, args.out, args.root, args.driver_root, bdf)),
+                           ("row remapping", lambda: step_memory(log, args.root, args.driver_root, bdf))):
+            try:
+                step()
+            except Exception as err:  # noqa: BLE001 - the later steps still run and report
+                log.check(False, f"{what} step: {type(err).__name__}: {err}")
     tmp = tempfile.mkdtemp(prefix="sysdra-gpu-")
     program = build_program(log, tmp)
     agent = start_agent(tmp, args.root, args.driver_root)
