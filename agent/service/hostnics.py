@@ -20,7 +20,6 @@ import re
 from typing import Callable
 
 from agent import rtnetlink
-from agent.prepare import hostuse, netmove
 from agent.rtnetlink import Listener, listen_on_host
 
 log = logging.getLogger(__name__)
@@ -35,6 +34,8 @@ def host_used(root: str, inventory) -> dict[str, str] | None:
     """Device name -> the first of its netdevs the host uses, for the inventory's NICs; None when
     the host's network namespace is not the one under ``root`` or cannot be read (a fixture tree
     without its own ``proc/1``; the DaemonSet without CAP_SYS_PTRACE). Blocking: a worker thread."""
+    from agent.prepare import hostuse, netmove  # (their models: not before the first publish, where nothing is tainted)
+
     netns = rtnetlink.init_netns(root)
     if not os.path.lexists(netns) or netmove.host_netns_problem(root) is not None:
         return None
@@ -81,6 +82,8 @@ class HostNics:
             return {}
         used = await asyncio.to_thread(host_used, s.root, self._inventory)
         if used is None and not self._said and any(d.kind == "nic" for d in self._inventory.devices):
+            from agent.prepare import netmove
+
             self._said = True
             log.info("the host's network namespace is not readable here (%s): NICs the host uses are not tainted %s; "
                      "prepare still refuses them", netmove.host_netns_problem(s.root) or "no proc/1 under the root", TAINT_KEY)
