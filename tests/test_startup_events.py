@@ -117,6 +117,31 @@ def test_changes_while_held_after_the_first_scan_are_published(tmp_path, monkeyp
     assert GONE[1] in first and NEW[1] not in first  # the first scan saw the node as it was before the hold
 
 
+def test_a_slice_file_deleted_while_running_is_written_again(tmp_path):
+    """The offline dir's file watch (armed in a worker thread after the first publish) hears
+    someone delete our slice files and the next sync writes them again; no resync runs here."""
+    cluster = str(tmp_path / "cluster")
+    settings = Settings(root=profile_root("server-2s-gpu-nic"), node_name="node-a", cluster=f"dir:{cluster}", debounce=0.05,
+                        resync_interval=0, kubelet_dir=str(tmp_path / "kubelet"), cdi_dir=str(tmp_path / "cdi"), metrics_address="")
+
+    async def scenario():
+        agent = Agent(settings)
+        agent.start_kubelet_plugin = _no_plugin  # this test is about publishing
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(agent.run(stop))
+        try:
+            await _until(lambda: agent.pool is not None and len(_slices(cluster)) == len(agent.pool.slices), "the first slices")
+            await asyncio.sleep(0.5)  # the file watch armed (after the first publish)
+            for path in _slices(cluster):
+                os.unlink(path)
+            await _until(lambda: len(_slices(cluster)) == len(agent.pool.slices), "the deleted slices written again")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, PATIENCE)
+
+    asyncio.run(scenario())
+
+
 VM_NIC, VM_NIC_NET = "nic-0000-05-00-0", "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0/virtio12/net/eth0"
 
 

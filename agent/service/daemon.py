@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -153,13 +154,18 @@ class Agent:
             await self.publisher.wait_synced(timeout=wait)
         heap.trim()
 
-    def _watch_slices(self, started: contextlib.AsyncExitStack, tasks: list[asyncio.Task]) -> None:
-        """Someone else's change to our slices (the kubelet's wipe) asks for a sync: file events
-        on the offline dir, a watch on the API."""
-        if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
-            started.callback(watch_dir(self.store.directory, self.publisher, start_file_observer).stop)
-        elif hasattr(self.store, "watch"):
+    def _watch_slices(self, tasks: list[asyncio.Task]) -> None:
+        """Someone else's change to our slices in the API (the kubelet's wipe) asks for a sync."""
+        if self.settings.cluster_dir is None and hasattr(self.store, "watch"):
             tasks.append(asyncio.get_running_loop().create_task(watch_api(self.store, self.publisher), name="slice-watch"))
+
+    async def _watch_slice_dir(self, started: contextlib.AsyncExitStack) -> None:
+        """The offline dir's file events (someone deleting or editing our files), armed in a worker
+        thread after the first publish (arming blocks), then a sync covers what changed before."""
+        if self.settings.cluster_dir is not None and hasattr(self.store, "directory"):
+            observe = functools.partial(start_file_observer, loop=asyncio.get_running_loop())
+            started.callback((await asyncio.to_thread(watch_dir, self.store.directory, self.publisher, observe)).stop)
+            self.publisher.request_sync()
 
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
@@ -278,7 +284,7 @@ class Agent:
         # covers what changed before it.
         tasks: list[asyncio.Task] = []
         started.push_async_callback(startup.cancel_all, tasks)
-        self._watch_slices(started, tasks)
+        self._watch_slices(tasks)
         debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
                                                with_changes=True, held=True)
         started.callback(debouncer.cancel)
@@ -307,6 +313,7 @@ class Agent:
                   loop.create_task(loops.periodic_rescan(self), name="resync")]
         if not await startup.unless_stopped(stop, self._first_publish()):
             return
+        await self._watch_slice_dir(started)
         if not watcher.arms_at_once:
             if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (in a worker thread)
                 return
