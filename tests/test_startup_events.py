@@ -6,6 +6,7 @@ board without waiting for a periodic resync or the next health round."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -125,21 +126,28 @@ def test_a_slice_file_deleted_while_running_is_written_again(tmp_path):
                         resync_interval=0, kubelet_dir=str(tmp_path / "kubelet"), cdi_dir=str(tmp_path / "cdi"), metrics_address="")
 
     async def scenario():
-        agent = Agent(settings)
-        agent.start_kubelet_plugin = _no_plugin  # this test is about publishing
-        stop = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(agent.run(stop))
-        try:
+        async with publishing(settings) as agent:
             await _until(lambda: agent.pool is not None and len(_slices(cluster)) == len(agent.pool.slices), "the first slices")
             await asyncio.sleep(0.5)  # the file watch armed (after the first publish)
             for path in _slices(cluster):
                 os.unlink(path)
             await _until(lambda: len(_slices(cluster)) == len(agent.pool.slices), "the deleted slices written again")
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, PATIENCE)
 
     asyncio.run(scenario())
+
+
+@contextlib.asynccontextmanager
+async def publishing(settings: Settings):
+    """The whole agent without its kubelet side (these tests are about publishing), stopped on the way out."""
+    agent = Agent(settings)
+    agent.start_kubelet_plugin = _no_plugin
+    stop = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(agent.run(stop))
+    try:
+        yield agent
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, PATIENCE)
 
 
 VM_NIC, VM_NIC_NET = "nic-0000-05-00-0", "sys/devices/pci0000:00/0000:00:01.4/0000:05:00.0/virtio12/net/eth0"
