@@ -55,6 +55,9 @@ class SimPciKernel:
         self._thread: threading.Thread | None = None
         self.log: list[str] = []
         self._fifos: dict[str, tuple[int, bool]] = {}  # control file -> (the FIFO's fd, held full)
+        # the loop's drain and a test's hang or release, one at a time: a drain that read "not held"
+        # must not empty the FIFO after hang() filled it (a writer's write would then not block)
+        self._fifo_lock = threading.Lock()
         drivers = self.p(SYS_PCI, "drivers")
         if vfio_loaded:
             os.makedirs(os.path.join(drivers, "vfio-pci"), exist_ok=True)
@@ -86,6 +89,10 @@ class SimPciKernel:
     def hang(self, driver: str, op: str = "unbind") -> None:
         """Writes to ``drivers/<driver>/<op>`` block from now on (until ``release``)."""
         path = self.p(SYS_PCI, "drivers", driver, op)
+        with self._fifo_lock:
+            self._hang(path)
+
+    def _hang(self, path: str) -> None:
         if path not in self._fifos:
             # made aside and known to the loop before it takes the control file's name: the loop
             # must never read it as a plain file (a read of a FIFO waits for a writer's end)
@@ -106,21 +113,23 @@ class SimPciKernel:
     def release(self, driver: str, op: str = "unbind") -> None:
         """Writes to it return again; a blocked one lands and is handled."""
         path = self.p(SYS_PCI, "drivers", driver, op)
-        fd, _ = self._fifos[path]
-        self._fifos[path] = (fd, False)
+        with self._fifo_lock:
+            fd, _ = self._fifos[path]
+            self._fifos[path] = (fd, False)
 
     def _drain(self, path: str) -> str:
         """What was written to a FIFO control file (its filler left out); empty while held full."""
-        fd, full = self._fifos[path]
-        if full:
-            return ""
-        data = b""
-        try:
-            while chunk := os.read(fd, 65536):
-                data += chunk
-        except OSError as err:
-            if err.errno != errno.EAGAIN:
-                raise
+        with self._fifo_lock:
+            fd, full = self._fifos[path]
+            if full:
+                return ""
+            data = b""
+            try:
+                while chunk := os.read(fd, 65536):
+                    data += chunk
+            except OSError as err:
+                if err.errno != errno.EAGAIN:
+                    raise
         return data.replace(b"\0", b"").decode().strip()
 
     # --- the driver core --------------------------------------------------------------
@@ -264,13 +273,17 @@ class SimPciKernel:
 
 
 def _take(path: str) -> str:
-    """The value written to a control file, which is then emptied (a write is one event)."""
+    """The value written to a control file, which is then emptied (a write is one event). A FIFO
+    (a hang() that took the name after the loop looked) is not a plain file: nothing here."""
     try:
-        with open(path, "r+") as f:
-            value = f.read().strip()
-            if value:
-                f.seek(0)
-                f.truncate()
-            return value
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
     except FileNotFoundError:
         return ""
+    with os.fdopen(fd, "r+") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        value = f.read().strip()
+        if value:
+            f.seek(0)
+            f.truncate()
+        return value
