@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+
+import pytest
 
 from agent.service import startup
 from agent.service.daemon import Agent
@@ -29,10 +30,12 @@ def _agent(apiserver, tmp_path, monkeypatch) -> tuple[Node, Settings]:
 
 
 async def _until(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (got := await asyncio.to_thread(predicate)):
-        assert time.monotonic() < deadline, f"not reached: {what}"
-        await asyncio.sleep(0.05)
+    try:
+        async with asyncio.timeout(timeout):
+            while not (got := await asyncio.to_thread(predicate)):
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pytest.fail(f"not reached: {what}")
     return got
 
 

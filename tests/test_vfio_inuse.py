@@ -146,6 +146,15 @@ def test_giving_back_waits_for_the_vfio_user(node):
     assert sim.driver(NIC_BDF) == "mlx5_core"
 
 
+def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` until true; a test failure naming ``what`` if it never is."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            pytest.fail(f"still {what}")
+        time.sleep(0.01)
+
+
 def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
     out: list = []
     t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
@@ -182,10 +191,7 @@ def test_an_unbind_that_does_not_return_lets_go_of_the_node(node):
     assert "the kernel has not finished it" in d.unprepare_claims([ClaimRef("default", "vm", UID)])[UID]
     assert sim.driver(NIC_BDF) == "mlx5_core" and sim.log == []
     sim.release("mlx5_core")  # the holder let go: the kernel finishes the unbind
-    deadline = time.monotonic() + 30
-    while sim.driver(NIC_BDF) is not None:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: sim.driver(NIC_BDF) is None, f"bound, the unbind of {NIC_BDF} not landed")
     assert d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None  # given back, then bound again
     assert sim.driver(NIC_BDF) == "vfio-pci" and "pending" not in d.checkpoint.claims[UID]["vfio"][0]
     assert sim.log[-2:] == [f"unbind {NIC_BDF} mlx5_core", f"bind {NIC_BDF} vfio-pci"]
@@ -209,10 +215,8 @@ def test_a_pending_write_of_another_instance_holds_back_the_give_back(node):
     children.append(old)
     see(s.root, old.pid)
     vfio_kernel._IN_FLIGHT.clear()  # a new instance knows nothing of the old one's threads
-    deadline = time.monotonic() + 30
-    while not driver().kernel.writers(NIC_BDF, ["mlx5_core"]):  # sh has opened it and waits in write()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    # sh has opened it and waits in write()
+    wait_until(lambda: driver().kernel.writers(NIC_BDF, ["mlx5_core"]), "no process blocked in its write")
     report = driver().recover()
     assert UID not in report.rolled_back and UID in Checkpoint.load(driver().checkpoint_path, move_corrupt=False).claims
     assert sim.driver(NIC_BDF) == "mlx5_core" and sim.override(NIC_BDF) == "vfio-pci" and sim.log == []  # nothing written
@@ -245,10 +249,7 @@ def test_a_rebind_after_a_reboot_that_does_not_return_is_written_down(node, wher
     (rec,) = Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[UID]["vfio"]
     assert rec["pending"] is True and rec["driver"] == "mlx5_core"
     sim.release("mlx5_core")
-    deadline = time.monotonic() + 30
-    while sim.driver(NIC_BDF) is not None:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: sim.driver(NIC_BDF) is None, f"bound, the unbind of {NIC_BDF} not landed")
     assert d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None
     assert sim.driver(NIC_BDF) == "vfio-pci"
     assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
