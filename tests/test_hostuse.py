@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from agent.kubeletplugin.types import ClaimRef
-from agent.nri.netdev import NetdevMover
+from agent.nri.netdev import NetdevError, NetdevMover
 from agent.prepare import hostuse, netmove, rtnl
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
@@ -114,9 +114,51 @@ def test_a_netdev_with_the_hosts_address_is_not_moved_unless_node_and_claim_allo
     assert "the claim's NicConfig does not say allowHostInUse: true" in d.prepare_claims([nic_claim()])[CLAIM].error
     assert CLAIM not in Checkpoint.load(d.checkpoint_path).claims  # nothing recorded, nothing moves
     assert where(nets, IFNAME) == (True, False)
-    # both: prepared, and the hook moves it
+    # both: prepared (the record keeps the claim's say), and the hook moves it
     assert d.prepare_claims([nic_claim({"allowHostInUse": True})])[CLAIM].error is None
-    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host).pod_started(pod(nets)))
+    assert Checkpoint.load(d.checkpoint_path).claims[CLAIM]["netdevs"][0]["allowHostInUse"] is True
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_started(pod(nets)))
+    assert where(nets, IFNAME) == (False, True)
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+
+
+def test_a_netdev_the_host_took_after_prepare_stays_until_the_host_lets_it_go(tmp_path, ifname_nets):  # noqa: F811
+    """Prepare found the netdev idle; before the pod's sandbox the host gave it an address (a
+    network manager configuring a netdev back from a pod, DHCP): the move checks again, the
+    sandbox fails with why and the netdev stays with its address; the runtime's next sandbox of
+    the pod gets it once the host no longer uses it."""
+    nets = ifname_nets
+    d = netdev_driver(tmp_path, nets)
+    assert d.prepare_claims([nic_claim()])[CLAIM].error is None
+    ip(nets, "addr", "add", "10.9.8.7/24", "dev", IFNAME)
+    mover = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
+    with pytest.raises(NetdevError) as refused:
+        run(mover.pod_started(pod(nets)))
+    assert str(refused.value) == (
+        f"pod ns/app: claim {CLAIM}: nic-0000-3c-00-0: the host uses it: netdev {IFNAME} ({BDF}): it holds the "
+        "host's address 10.9.8.7/24; not moved into a pod, which would cut the node off that network (the node's "
+        "setting allow_host_in_use_nics is off; docs/networking.md)")
+    assert where(nets, IFNAME) == (True, False)
+    assert [m.get("state", "planned") for m in Checkpoint.load(d.checkpoint_path).claims[CLAIM]["netdevs"]] == ["planned"]
+    ip(nets, "addr", "flush", "dev", IFNAME)
+    run(mover.pod_started(pod(nets, sandbox="sb2")))
+    assert where(nets, IFNAME) == (False, True)
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+
+
+def test_a_move_of_a_claim_that_allowed_it_needs_the_node_to_allow_it_at_the_move(tmp_path, ifname_nets):  # noqa: F811
+    """The claim said allowHostInUse on a node that allowed it; the agent now runs with the
+    setting off (changed, restarted): the node's say at the move is the one that counts."""
+    nets = ifname_nets
+    d = netdev_driver(tmp_path, nets, allow_host_in_use_nics=True)
+    assert d.prepare_claims([nic_claim({"allowHostInUse": True})])[CLAIM].error is None
+    ip(nets, "link", "add", "sdtbr0", "type", "bridge")
+    ip(nets, "link", "set", IFNAME, "master", "sdtbr0")
+    off = d.settings.replace(allow_host_in_use_nics=False)
+    with pytest.raises(NetdevError, match=r"it is a port of bridge sdtbr0; .*allow_host_in_use_nics is off"):
+        run(NetdevMover(off.plugin_dir, host_netns=nets.host, settings=off).pod_started(pod(nets)))
+    assert where(nets, IFNAME) == (True, False)
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_started(pod(nets, sandbox="sb2")))
     assert where(nets, IFNAME) == (False, True)
     assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
 

@@ -21,17 +21,16 @@ import asyncio
 import errno
 import logging
 import os
-import signal
 import threading
 
 from pydantic import ValidationError
 
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
-from agent.nri.plugin import NriPlugin, Pod
+from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
-from agent.prepare import netmove, rtnl
+from agent.prepare import hostuse, netmove, rtnl
 from agent.prepare.checkpoint import Checkpoint, CheckpointError
 from agent.prepare.checkpoint_format import COMPLETED
 from agent.prepare.checkpoint_view import CheckpointView
@@ -87,6 +86,7 @@ class NetdevMover(Sandboxes):
                  fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None, repair=None):
         super().__init__()
         self.root = settings.root if settings is not None else "/"  # whose sysfs says a NIC function is on the bus
+        self.allow_host_in_use = bool(settings is not None and settings.allow_host_in_use_nics)
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
         self.lock_path = os.path.join(plugin_dir, "serialize.lock")
         self.host_netns, self.settings, self.status = host_netns, settings, status
@@ -226,6 +226,10 @@ class NetdevMover(Sandboxes):
                     for uid, i, _ in mine]
         except ValidationError as err:  # the runtime's words: never saved unless valid
             raise NetdevError(f"pod {pod.namespace}/{pod.name}: its sandbox is not one a record can name: {err}") from None
+        for uid, _, m in mine:  # the host may have taken a netdev since prepare checked (a DHCP address, a bond)
+            if m.state == "planned" and (why := hostuse.refusal(lambda: self.host_netns, {m.host: m.bdf}, self.allow_host_in_use,
+                                                                m.allowHostInUse, "moved into a pod", "NicConfig")):
+                raise NetdevError(f"pod {pod.namespace}/{pod.name}: claim {uid}: {m.device}: {why}")
         try:
             for uid, i, m in mine:
                 self._move_in(claims, uid, i, m)
@@ -354,41 +358,3 @@ def _away(raw: dict) -> bool:
 def _away_in(raw: dict, sandbox: str) -> bool:
     """A record (as saved) says its netdev may be in ``sandbox``."""
     return isinstance(raw, dict) and raw.get("state", "planned") != "planned" and raw.get("sandbox") == sandbox
-
-
-def crash_at(point: str):
-    """The mover's fault hook for the real-node tests (``SYSDRA_TEST_CRASH_AT``): SIGKILL at ``point``."""
-    return lambda at: os.kill(os.getpid(), signal.SIGKILL) if at == point else None
-
-
-def follow_pod_sandboxes(settings, kubelet_plugin=None, on_state=None) -> list[asyncio.Task]:
-    """The agent's NRI plugin as a task (none when ``nri_socket`` is empty): it moves the
-    netdevs of the claims the driver prepared (their checkpoint) into their pods; the kubelet
-    plugin's claim status writer (if any) gets the claims' networkData after a move; ``on_state``
-    its state at every change (agent.nri.plugin.State.report)."""
-    if not settings.nri_socket:
-        return []
-    status = getattr(kubelet_plugin, "status", None)
-    driver = getattr(kubelet_plugin, "driver", None)
-    point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
-    mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
-                        status=status.submit if status is not None else None,
-                        fault=crash_at(point) if point else (lambda at: None),
-                        saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None,
-                        repair=getattr(driver, "repair_checkpoint", None))
-    loop = asyncio.get_running_loop()
-    return [loop.create_task(NriPlugin(settings.nri_socket, mover, on_state=on_state).run(), name="nri"),
-            loop.create_task(mover.watch(), name="nri-netdevs"),
-            loop.create_task(asyncio.to_thread(_say_what_moves_lack, settings.root), name="nri-rights")]
-
-
-def _say_what_moves_lack(root: str) -> None:
-    """Logged once at start (procfs reads: a worker thread): what would keep claimed NICs on the host."""
-    lacking = netmove.missing_move_capabilities()
-    if lacking:
-        log.warning("claimed NICs cannot move into their pods: the agent lacks %s (a move needs %s)",
-                    ", ".join(lacking), netmove.MOVE_RIGHTS)
-    problem = netmove.host_netns_problem(root)
-    if problem:  # a systemd service is in the host's namespace (the unit has no PrivateNetwork=)
-        level = logging.INFO if os.environ.get("INVOCATION_ID") else logging.WARNING
-        log.log(level, "the host's network namespace: %s", problem)

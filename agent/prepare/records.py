@@ -160,7 +160,8 @@ class NetdevMove(Record):
     ``dev<index>`` when its name is taken, another link may take its names), is read before it
     first moves (prepare/netmove.py ``identify``): ``parent`` (its bus device: a NIC's netdev,
     never a link the pod made), else ``index`` and ``mac``; ``hostMtu`` is set again when it
-    comes back. ``rdma``: the RDMA device that moves with it (exclusive RDMA netns mode only)."""
+    comes back. ``rdma``: the RDMA device that moves with it (exclusive RDMA netns mode only).
+    ``allowHostInUse``: the claim's ``NicConfig`` said so (each move checks the host's use again)."""
 
     device: Name
     request: Name
@@ -171,6 +172,7 @@ class NetdevMove(Record):
     addresses: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)
     routes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
     rdma: RdmaName | None = None
+    allowHostInUse: bool = False
     state: Literal["planned", "moving", "in-pod", "returning"] = "planned"
     sandbox: SandboxId | None = None
     netns: NetnsPath | None = None

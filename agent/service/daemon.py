@@ -322,7 +322,7 @@ class Agent:
             return
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
-        from agent.nri.netdev import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
+        from agent.nri.start import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
         tasks += [loop.create_task(self._report_status(), name="sd-status"),
                   *follow_pod_sandboxes(self.settings, self.kubelet_plugin, on_state=self.board.set_nri)]
         watchdog = sdnotify.start_watchdog(loop)

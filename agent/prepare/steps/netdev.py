@@ -13,7 +13,8 @@ Synchronize after a crash or restart finishes or undoes what records say is unde
 ``recover`` gives back a netdev whose namespace is gone (a reboot, a runtime that forgot its pods).
 A netdev the host uses (an address, a bond or bridge port: prepare/hostuse.py) is refused at
 prepare unless the node and the claim's ``NicConfig`` allow it (``moves``: the NRI plugin is on;
-without it nothing moves and nothing is refused).
+without it nothing moves and nothing is refused); the record keeps the claim's say, and every
+move from the host checks again (the host may have taken the netdev since, agent/nri/netdev.py).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class NetdevStep(RecordsOf):
             out.append(NetdevMove(device=r.device, request=r.request, bdf=dev.pci.bdf, host=host, pod=self._name(r.request, host, cfg, out),
                                   mtu=cfg.mtu if cfg else None, addresses=list(cfg.addresses) if cfg else [],
                                   routes=list(cfg.routes) if cfg else [],
-                                  rdma=nic.rdma[0].name if nic.rdma and mode == "exclusive" else None))
+                                  rdma=nic.rdma[0].name if nic.rdma and mode == "exclusive" else None,
+                                  allowHostInUse=bool(cfg and cfg.allowHostInUse)))
             self._refuse_host_used(out[-1], cfg)
         return tuple(out) or None
 
