@@ -12,10 +12,10 @@ import socket
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
-from pydantic.alias_generators import to_camel
 
 from agent.names import is_subdomain
 from agent.settings_errors import error_message
+from agent.settings_mps import MpsPodSettings, host_path as _host_path
 
 EX_CONFIG = 78
 DEFAULT_CONFIG_FILE = "/etc/sysdra/config.yaml"
@@ -128,51 +128,6 @@ def _shm_size(v: str) -> str:
     return v
 
 
-def _host_path(v: str) -> str:
-    """A host path (read under root, not resolved here: it names a directory of the host)."""
-    if not v.startswith("/") or "\x00" in v or len(v) > 4096:
-        raise ValueError(f"{v!r} is not an absolute path")
-    return os.path.normpath(v)
-
-
-class MpsPodSettings(BaseModel):
-    """``nvidia_mps_pod``: the MPS control daemons run in pods of their own on this node (the
-    DaemonSet's agent, whose pod may end while shares run: prepare/mps_pods.py). The chart
-    writes it; keys as in YAML (camelCase) or snake_case."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
-    image: str = Field(min_length=1, max_length=1024)  # one with sh, grep and tail (the agent's own)
-    namespace: str  # the agent's
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    image_pull_secrets: tuple[str, ...] = ()
-    priority_class_name: str = ""
-    # the pods' ServiceAccount (no token is mounted): one that exists, the agent's; "": the namespace's default
-    service_account_name: str = ""
-    # the host directory of the driver root (nvidia_driver_root as the host has it); None: that one
-    host_driver_root: str | None = None
-    start_timeout: float = Field(default=120.0, gt=0, le=3600)  # seconds: an image pull, a sandbox
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, v: str) -> str:
-        if len(v) > 63 or not is_subdomain(v) or "." in v:
-            raise ValueError(f"{v!r} is not a DNS label")
-        return v
-
-    @field_validator("image_pull_secrets", "priority_class_name", "service_account_name")
-    @classmethod
-    def _names(cls, v: Any) -> Any:
-        for name in (v,) if isinstance(v, str) else v:
-            if name and not is_subdomain(name):
-                raise ValueError(f"{name!r} is not an object name")
-        return v
-
-    @field_validator("host_driver_root")
-    @classmethod
-    def _host_root(cls, v: str | None) -> str | None:
-        return None if v is None else _host_path(v)
-
-
 _CHECKS = {
     "root": _root, "kubelet_dir": _absolute, "cdi_dir": _absolute, "driver_name": _driver, "node_name": _node,
     "cluster": _cluster, "resync_interval": _non_negative, "debounce": _non_negative, "health_interval": _health, "taint_hold": _non_negative,
@@ -252,6 +207,9 @@ class Settings(BaseModel):
     nvidia_mps: bool = True
     # The size of each MPS daemon's shm tmpfs (its and its clients' /dev/shm), a quantity (1Gi).
     nvidia_mps_shm_size: str = "1Gi"
+    # While a GPU's MPS daemon runs, its compute mode is EXCLUSIVE_PROCESS (set through NVML, set back when
+    # the daemon stops): a share's container that bypasses the daemon gets no GPU (docs/sharing.md).
+    nvidia_mps_exclusive: bool = False
     # The MPS daemons in pods of their own (the DaemonSet: docs/sharing.md); None: the agent's processes.
     nvidia_mps_pod: MpsPodSettings | None = None
     # MIG mode through NVML, by the agent: on for a claim of a MIG device (--partitions) of a GPU not

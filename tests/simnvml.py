@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 
-_STRINGS = {2: "Invalid Argument", 3: "Not Supported", 6: "Not Found", 10: "Timeout", 13: "Function Not Found",
+_STRINGS = {2: "Invalid Argument", 3: "Not Supported", 4: "Insufficient Permissions", 6: "Not Found", 10: "Timeout", 13: "Function Not Found",
             16: "GPU requires restart", 19: "In use by another client", 23: "Insufficient Resources"}  # nvmlErrorString's wording
 
 
@@ -39,6 +39,8 @@ class SimGpu:
     # 16 (RESET_REQUIRED) or 19 (IN_USE) it stays pending until a GPU reset
     mig_activation: int = 0
     gis: dict = field(default_factory=dict)  # GPU instances (tests/simnvml_mig.py)
+    compute_mode: int = 0  # NVML_COMPUTEMODE_DEFAULT, as the real H200 answers; "set_compute_mode" in unsupported:
+    # a set is refused with NO_PERMISSION, as NVML answers a caller without root
 
 
 @dataclass
@@ -122,6 +124,26 @@ class SimNvml:
 
     def nvmlDeviceGetMigMode(self, h):
         raise NVMLError()  # NOT_SUPPORTED: a GPU without MIG (tests/simnvml_mig.py has MIG)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        if self.hang is not None:
+            self.hang.wait()
+        gpu = next((g for g in self.gpus.values() if g.uuid == uuid), None)
+        if gpu is None:
+            raise NVMLError(6)  # NVML_ERROR_NOT_FOUND
+        return gpu
+
+    def nvmlDeviceGetComputeMode(self, h):
+        return self._answer(h, "compute_mode", h.compute_mode)
+
+    def nvmlDeviceSetComputeMode(self, h, mode: int):
+        self.calls.append(f"set-compute-mode {h.uuid} {mode}")
+        if "set_compute_mode" in h.unsupported:
+            raise NVMLError(4)  # NVML_ERROR_NO_PERMISSION
+        if mode not in (0, 2, 3):
+            raise NVMLError(2)  # INVALID_ARGUMENT (1, EXCLUSIVE_THREAD, is no longer supported)
+        h.compute_mode = mode
 
 
 def open_sim(root: str, sim: SimNvml, driver_root: str = "/usr/local/nvidia", timeout: float = 5.0):

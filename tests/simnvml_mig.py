@@ -297,11 +297,25 @@ class SimMigNvml(SimNvmlEvents):
         with self._locked(False):
             return json.loads(json.dumps(self.gpus[bus_id].gis))
 
+    # --- compute mode (prepare/computemode.py) ---------------------------------------------
+    def nvmlDeviceGetComputeMode(self, h):
+        with self._locked(False):
+            return super().nvmlDeviceGetComputeMode(self._gpu(h))
+
+    def nvmlDeviceSetComputeMode(self, h, mode: int):
+        with self._locked(True):
+            super().nvmlDeviceSetComputeMode(self._gpu(h), mode)
+
+    def compute_mode(self, bus_id: str = "0000:00:06.0") -> int:
+        with self._locked(False):
+            return self.gpus[bus_id].compute_mode
+
     def reboot(self) -> None:
         """Every GPU and compute instance gone, as after a reboot (MIG mode stays; a pending one
-        takes effect)."""
+        takes effect); compute modes back to Default (the driver does not keep them)."""
         with self._locked(True):
             for gpu in self.gpus.values():
+                gpu.compute_mode = 0
                 gpu.mig[0] = gpu.mig[1]
                 for gid, gi in list(gpu.gis.items()):
                     for ci in gi["cis"]:

@@ -73,6 +73,7 @@ def test_the_whole_check_on_a_simulated_h200(tmp_path):
                    "NVML lists 7 MIG profiles", "the same profiles as nvidia-smi mig -lgip",
                    "7g.141gb: placements [(0, 8)] equal -lgipp's [(0, 8)]", "--partitions publishes 25 placement devices",
                    "MIG mode unchanged by the check", "sysdra reads the GPU's row remapping as NVML answers it",
+                   "sysdra reads the GPU's compute mode as nvidia-smi shows it",
                    "the claim for the GPU prepared",
                    "the share is a client of the agent's MPS daemon", "the share's /dev/shm is the daemon's shm tmpfs",
                    "the claim's CDI spec is gone after unprepare", "the MPS control daemon stopped with the last share",

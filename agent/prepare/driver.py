@@ -36,7 +36,7 @@ from fractions import Fraction
 from typing import Callable, Iterable
 
 from agent.kubeletplugin.types import ClaimRef, PrepareResult
-from agent.prepare import cdifiles, claimstatus, planner, recovery
+from agent.prepare import cdifiles, claimstatus, computemode, planner, recovery
 from agent.prepare.allocation import ClaimFailed, our_results
 from agent.bootid import read_boot_id
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
@@ -104,7 +104,7 @@ class Driver:
         self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
                                    settings.cdi_host_root, mps, self.boot_id, int(parse_quantity(settings.nvidia_mps_shm_size)),
                                    (settings.nvidia_mps_pod, settings.node_name, settings.driver_name) if settings.nvidia_mps_pod else None,
-                                   os.path.join(settings.plugin_dir, "nvidia-lib"))
+                                   os.path.join(settings.plugin_dir, "nvidia-lib"), computemode.DaemonModes.of(settings))
         self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
                                      fault=lambda point: self.fault(point)) if settings.partitions else None
         # host changes, applied in this order and undone in reverse (prepare/steps/)

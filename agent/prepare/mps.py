@@ -21,7 +21,9 @@ shares hold: it adopts a live daemon of a record (never a reused PID, never anot
 same name), starts missing ones, restarts dead ones, stops those no share needs and removes the
 directories of records from another boot (a tmpfs below unmounted) and of daemons nobody
 recorded. ``restart`` is the supervisor's (prepare/mps_watch.py): the same GPU, directories and
-environment again. Both run in worker threads and block, one at a time.
+environment again. Both run in worker threads and block, one at a time. With
+``nvidia_mps_exclusive`` the GPU's compute mode is EXCLUSIVE_PROCESS while its daemon runs
+(prepare/computemode.py; the mode before is in the record before it changes).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Callable, Protocol
 
 from agent.fsutil import make_dirs
 from agent.prepare import mps_records
+from agent.prepare.computemode import ComputeModeError, DaemonModes
 from agent.prepare.mps_process import BINARY, STOP_TIMEOUT, LaunchError, ProcessLauncher
 from agent.prepare.mps_records import MpsRecord
 
@@ -88,7 +91,7 @@ class Launcher(Protocol):
 class MpsDaemons:
     def __init__(self, plugin_dir: str, binary: str | None | Callable[[], str | None],
                  env: dict[str, str] | Callable[[], dict[str, str]] | None = None, boot_id: str = "",
-                 shm_size: int = SHM_SIZE, launcher: Launcher | None = None):
+                 shm_size: int = SHM_SIZE, launcher: Launcher | None = None, modes: DaemonModes | None = None):
         self.base = os.path.join(plugin_dir, "mps")
         self.path = os.path.join(self.base, "daemons.json")
         # as the agent runs it (under --root), or how to find it when needed; None: the node has none
@@ -101,6 +104,8 @@ class MpsDaemons:
         self._flock: int | None = None  # the records' lock file, held while ``lock`` is (``_exclusive``)
         self._depth = 0
         self.launcher = launcher or ProcessLauncher(boot_id)
+        self.modes = modes or DaemonModes(None, exclusive=False)  # the GPUs' compute modes while daemons run
+        self.fault: Callable[[str], None] = lambda point: None  # tests: a crash between steps
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
         self.on_change: Callable[[], None] = lambda: None  # the supervisor looks again
         self.state = mps_records.load(self.path)
@@ -225,16 +230,18 @@ class MpsDaemons:
         control = os.path.join(dirs["pipe"], "control")
         with contextlib.suppress(FileNotFoundError):  # a killed daemon's: its readiness is this appearing
             os.unlink(control)
-        intent = self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id)  # before the daemon
-        self._save()
+        known = self.state.daemons.get(uuid)  # a start that did not finish, a dead daemon: the mode before stays
+        self.state.daemons[uuid] = MpsRecord(uuid=uuid, boot_id=self.boot_id, mode_before=known.mode_before if known else None)
+        self._save()  # before the daemon
         try:
             self._end_strays(uuid)
             self._mount_shm(uuid)
+            mode_before = self._exclusive_mode(uuid)
             rec = self.launcher.launch(uuid, dirs, self._daemon_env(uuid), str(self.binary))
         except (MpsError, LaunchError) as err:
-            self._stop(intent, keep_dirs=True)  # nothing runs: the intent goes (the dirs: see _stop)
+            self._stop(self.state.daemons[uuid], keep_dirs=True)  # nothing runs: the intent goes (the dirs: see _stop)
             raise MpsError(str(err) if isinstance(err, MpsError) else f"GPU {uuid}: {err}") from err
-        self.state.daemons[uuid] = rec
+        rec = self.state.daemons[uuid] = rec.model_copy(update={"mode_before": mode_before})
         self._save()
         deadline = time.monotonic() + self.launcher.start_timeout
         while not os.path.exists(control):
@@ -262,11 +269,29 @@ class MpsDaemons:
             except (OSError, subprocess.TimeoutExpired) as err:
                 log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
         self.launcher.end(rec, quitting)
+        self.fault("ended")
+        self.modes.set_back(rec.uuid, rec.mode_before)
+        self.fault("mode-back")
         self.state.daemons.pop(rec.uuid, None)
         self._save()
         if not keep_dirs:
             self._remove_dirs(rec.uuid)
         log.info("MPS control daemon for GPU %s stopped%s", rec.uuid, " (its directories kept)" if keep_dirs else "")
+
+    def _exclusive_mode(self, uuid: str) -> int | None:
+        """EXCLUSIVE_PROCESS for the GPU (prepare/computemode.py), the mode before saved in its
+        record first -> that mode (None: unchanged). Raises ``MpsError``."""
+        rec = self.state.daemons[uuid]
+        try:
+            if (before := self.modes.before(uuid, rec.mode_before)) != rec.mode_before:
+                self.state.daemons[uuid] = rec.model_copy(update={"mode_before": before})
+                self._save()
+                self.fault("mode-recorded")
+            self.modes.make_exclusive(uuid, before)
+            self.fault("exclusive")
+        except ComputeModeError as err:
+            raise MpsError(f"{err} (nvidia_mps_exclusive; docs/sharing.md)") from err
+        return before
 
     def _remove_dirs(self, uuid: str) -> None:
         for problem in mps_records.remove_dirs(os.path.join(self.base, uuid)):

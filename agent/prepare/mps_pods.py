@@ -33,7 +33,7 @@ from agent.names import is_subdomain
 from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
 from agent.prepare.mps_process import BINARY, STOP_TIMEOUT, LaunchError
 from agent.prepare.mps_records import MpsRecord
-from agent.settings import MpsPodSettings
+from agent.settings_mps import MpsPodSettings
 from discovery.nvidia_driver import Library
 
 log = logging.getLogger("agent.prepare.mps")

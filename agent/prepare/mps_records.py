@@ -46,6 +46,9 @@ class MpsRecord(BaseModel):
     boot_id: str | None = Field(default=None, max_length=128)
     cmdline: list[Arg] | None = Field(default=None, max_length=16)
     pod_uid: str | None = Field(default=None, pattern=r"^[0-9a-fA-F-]{1,64}$")  # the pod's name is derived, never recorded
+    # the GPU's compute mode (NVML's number) before the agent made it EXCLUSIVE_PROCESS for this daemon
+    # (prepare/computemode.py), saved before the change and set back when the daemon stops; None: unchanged
+    mode_before: int | None = Field(default=None, ge=0, le=3)
 
 
 class MpsState(BaseModel):
@@ -75,7 +78,13 @@ def load(path: str) -> MpsState:
 
 def save(path: str, state: MpsState) -> None:
     make_dirs(os.path.dirname(path), 0o700)
-    atomic_write_json(path, state.model_dump(mode="json"), mode=0o600)
+    # a record of an unchanged mode is written as an agent without ``mode_before`` wrote it, which
+    # that agent (a rollback) reads; one with it is refused there (moved aside): docs/sharing.md
+    doc = state.model_dump(mode="json")
+    for rec in doc["daemons"].values():
+        if rec["mode_before"] is None:
+            del rec["mode_before"]
+    atomic_write_json(path, doc, mode=0o600)
 
 
 def start_ticks(pid: int) -> int | None:

@@ -19,9 +19,10 @@ from dataclasses import replace
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
 from agent.prepare.mps import BINARY as MPS_BINARY
+from agent.prepare.computemode import DaemonModes
 from agent.prepare.mps import SHM_SIZE, MpsDaemons
 from agent.prepare.mps_pods import PodLauncher
-from agent.settings import MpsPodSettings
+from agent.settings_mps import MpsPodSettings
 from cdi.claim import ClaimDevice
 from cdi.nvidia import VISIBLE_VOID, driver_edits
 from discovery.models import Device
@@ -41,7 +42,8 @@ def needs_driver(dev: Device) -> bool:
 class NvidiaDriver:
     def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
                  host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE,
-                 mps_pod: tuple[MpsPodSettings, str, str] | None = None, lib_dir: str | None = None):
+                 mps_pod: tuple[MpsPodSettings, str, str] | None = None, lib_dir: str | None = None,
+                 mps_modes: DaemonModes | None = None):
         self.root, self.host_root = root, host_root
         # under another root: links to the driver's libraries alone, the loader path of its tools (link_libraries)
         self.lib_dir = lib_dir
@@ -59,7 +61,7 @@ class NvidiaDriver:
             if mps_pod is not None:
                 launcher = PodLauncher(mps_pod[0], os.path.join(mps_dir, "mps"), mps_pod[1], mps_pod[2], boot_id,
                                        driver_root, self._mps_host_paths)
-            self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id, mps_shm_size, launcher)
+            self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id, mps_shm_size, launcher, mps_modes)
 
     def _mps_binary(self) -> str | None:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""

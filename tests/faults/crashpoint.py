@@ -2,6 +2,7 @@
 armed at one chosen point. Test-only; production code is not changed.
 
 - ``SYSDRA_FAULT_KILL_POINT``: ``driver:<Driver.fault point>`` (e.g. ``driver:prepare:started``),
+  ``mps:<MpsDaemons.fault point>`` (e.g. ``mps:exclusive``),
   ``rename-before:<what>`` (the temp file is written, the rename not done) or
   ``rename-after:<what>`` (renamed, directory not fsynced), ``<what>`` one of
   ``checkpoint``, ``journal``, ``cdi-claim``, ``cdi-metadata``, ``metadata``, ``slice``;
@@ -89,6 +90,16 @@ def install() -> None:
             self.fault = lambda point: _hit("driver:" + point)
 
         driver.Driver.__init__ = patched
+    elif POINT.startswith("mps:"):
+        from agent.prepare import mps
+
+        mps_init = mps.MpsDaemons.__init__
+
+        def patched_mps(self, *a, **kw):
+            mps_init(self, *a, **kw)
+            self.fault = lambda point: _hit("mps:" + point)
+
+        mps.MpsDaemons.__init__ = patched_mps
     elif POINT.startswith("rename-"):
         real = os.rename
 

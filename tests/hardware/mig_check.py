@@ -139,3 +139,18 @@ def step_memory(log: Log, root: str, driver_root: str, bdf: str) -> None:
     log(f"row remapping of {bdf}: NVML {direct}; sysdra reads {ours}, fault {fault(ours) if ours else None}")
     mine = (ours.correctable, ours.uncorrectable, int(ours.pending), int(ours.failed)) if ours else None
     log.check(mine is not None and mine == tuple(direct), "sysdra reads the GPU's row remapping as NVML answers it")
+
+
+def step_compute_mode(log: Log, root: str, driver_root: str, uuid: str) -> None:
+    """Read-only: the compute mode sysdra reads before an MPS daemon with ``nvidia_mps_exclusive``
+    (agent/prepare/computemode.py) against ``nvidia-smi``'s. Never set here: the lent GPU's
+    settings stay as they are."""
+    from agent.prepare.computemode import NAMES, ComputeModes
+    from discovery.nvml import Nvml
+
+    nvml = Nvml.open(root, driver_root)
+    ours = ComputeModes(lambda: nvml).get(uuid)
+    smi = subprocess.run([nvidia_smi(driver_root) or "nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader",
+                          "-i", uuid], capture_output=True, text=True, timeout=60)  # fmt: skip
+    log(f"compute mode of {uuid}: sysdra reads {ours} ({NAMES[ours]}); nvidia-smi says {smi.stdout.strip()!r}")
+    log.check(NAMES[ours] == smi.stdout.strip(), "sysdra reads the GPU's compute mode as nvidia-smi shows it")

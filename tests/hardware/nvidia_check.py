@@ -307,11 +307,13 @@ def main(argv: list[str]) -> int:
         log.check(False, f"scan step: {type(err).__name__}: {err}")
         gpu = None
     if gpu:  # read-only: the MIG profiles NVML lists against nvidia-smi's, MIG mode left as it is
-        from tests.hardware.mig_check import step_memory, step_mig
+        from tests.hardware.mig_check import step_compute_mode, step_memory, step_mig
 
         bdf = gpu["attributes"]["pciAddress"]["string"]
         for what, step in (("MIG", lambda: step_mig(log, args.out, args.root, args.driver_root, bdf)),
-                           ("row remapping", lambda: step_memory(log, args.root, args.driver_root, bdf))):
+                           ("row remapping", lambda: step_memory(log, args.root, args.driver_root, bdf)),
+                           ("compute mode", lambda: step_compute_mode(log, args.root, args.driver_root,
+                                                                      gpu["attributes"]["uuid"]["string"]))):
             try:
                 step()
             except Exception as err:  # noqa: BLE001 - the later steps still run and report
