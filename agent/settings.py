@@ -118,6 +118,14 @@ def _taint_effects(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
+def _ipam(v: dict[str, dict]) -> dict[str, dict]:
+    if not v:  # (the module is not imported for nothing: every start checks the default)
+        return v
+    from agent.prepare.ipam import check_pools
+
+    return check_pools(v)
+
+
 def _shm_size(v: str) -> str:
     """A Kubernetes quantity of whole bytes, at least 1Mi (an MPS daemon's shm tmpfs)."""
     from agent.quantity import parse_quantity
@@ -134,7 +142,7 @@ _CHECKS = {
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
     "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size, "exclude_devices": _exclude,
-    "taint_effects": _taint_effects,
+    "taint_effects": _taint_effects, "nic_ipam": _ipam, "cni_bin_dir": _host_path,
 }
 
 
@@ -194,6 +202,11 @@ class Settings(BaseModel):
     # A claim may take a NIC the host uses (an address, a bond or bridge port: prepare/hostuse.py)
     # if its NicConfig/VfioConfig says allowHostInUse; off: refused (docs/networking.md).
     allow_host_in_use_nics: bool = False
+    # IPAM pools for claimed NICs' netdevs (a NicConfig's ipamPool): name -> a CNI IPAM plugin's
+    # configuration ({type: host-local, ranges: ...}), the plugin run from cni_bin_dir (a host path,
+    # read under root) at each pod sandbox (docs/networking.md, "Addresses from an IPAM pool").
+    nic_ipam: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=64)
+    cni_bin_dir: str = "/opt/cni/bin"
     # NVIDIA (docs/nvidia.md): where the user-space driver is installed on the host (a host path,
     # read under root), whether to ask NVML for GPU facts, and whether to use the node's own
     # NVIDIA CDI spec (nvidia-ctk cdi generate) instead of putting the driver in our specs.
@@ -276,13 +289,13 @@ class Settings(BaseModel):
 
 def _before(values: dict[str, Any]) -> dict[str, Any]:
     """The spellings a field's type does not take as they are: a comma list for ``share`` and ``exclude_devices``,
-    YAML text for ``skip_node_operations``, ``nvidia_mps_pod`` and ``taint_effects`` (from SYSDRA_*), a
+    YAML text for ``skip_node_operations``, ``nvidia_mps_pod``, ``taint_effects`` and ``nic_ipam`` (from SYSDRA_*), a
     YAML bool for ``cdi_additional_gids`` (``on``/``off`` unquoted)."""
     out = dict(values)
     for name, value in values.items():
         if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
-        elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects") and isinstance(value, str):  # '{accelerator: ["*"]}'
+        elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects", "nic_ipam") and isinstance(value, str):  # '{accelerator: ["*"]}'
             import yaml
 
             try:

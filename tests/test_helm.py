@@ -75,6 +75,10 @@ def test_every_feature_reaches_the_agent(tmp_path):
     # a driver container mounts the driver there (again at each upgrade) after the agent started
     assert mounts["/host/run/nvidia/driver"]["mountPropagation"] == "HostToContainer"
     assert mounts["/host/sys"]["readOnly"] is False
+    # config.nicIpam: the node's CNI plugins under --root, read-only, where the agent runs them
+    assert s.nic_ipam["data"]["type"] == "host-local" and s.cni_bin_dir == "/usr/libexec/cni"
+    assert mounts["/host/usr/libexec/cni"]["readOnly"] is True
+    assert volumes[mounts["/host/usr/libexec/cni"]["name"]]["hostPath"]["path"] == "/usr/libexec/cni"
     # nvidia.mps: the MPS daemons' shm tmpfs, mounted by a privileged agent, reaches the host
     assert mounts["/var/lib/kubelet/plugins"]["mountPropagation"] == "Bidirectional"
     assert c["securityContext"]["privileged"] is True and c["securityContext"]["allowPrivilegeEscalation"] is True

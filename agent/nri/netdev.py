@@ -1,7 +1,9 @@
 """A claim's netdev goes into its pod: at RunPodSandbox the agent moves each netdev its claims'
 ``netdevs`` step planned at prepare (prepare/steps/netdev.py) into the sandbox's network
 namespace under its pod name, configured (prepare/netmove.py); at StopPodSandbox/RemovePodSandbox
-it moves it back under its host name.
+it moves it back under its host name. A netdev whose ``NicConfig`` names an IPAM pool gets the
+pool's lease for the sandbox (prepare/ipam.py), in its record before it is used, and gives it back
+when it comes back.
 
 The records are the claim's checkpoint entry, the step protocol's (prepare/records.py,
 ``NetdevMove``): every move is saved there before the kernel is touched (``moving``/``returning``)
@@ -31,6 +33,7 @@ from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
 from agent.prepare import hostuse, netmove, rtnl
+from agent.prepare.ipam import Ipam, IpamError
 from agent.prepare.checkpoint import Checkpoint, CheckpointError
 from agent.prepare.checkpoint_format import COMPLETED
 from agent.prepare.checkpoint_view import CheckpointView
@@ -87,6 +90,7 @@ class NetdevMover(Sandboxes):
         super().__init__()
         self.root = settings.root if settings is not None else "/"  # whose sysfs says a NIC function is on the bus
         self.allow_host_in_use = bool(settings is not None and settings.allow_host_in_use_nics)
+        self.ipam = Ipam.of(settings) if settings is not None else None  # the node's IPAM pools (NicConfig ipamPool)
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
         self.lock_path = os.path.join(plugin_dir, "serialize.lock")
         self.host_netns, self.settings, self.status = host_netns, settings, status
@@ -233,9 +237,9 @@ class NetdevMover(Sandboxes):
         try:
             for uid, i, m in mine:
                 self._move_in(claims, uid, i, m)
-        except (rtnl.LinkError, OSError) as err:
+        except (rtnl.LinkError, OSError, IpamError) as err:
             self._take_back(claims, pod.id)
-            hint = f" (a move needs {netmove.MOVE_RIGHTS})" if err.errno in (errno.EPERM, errno.EACCES) else ""
+            hint = f" (a move needs {netmove.MOVE_RIGHTS})" if getattr(err, "errno", None) in (errno.EPERM, errno.EACCES) else ""
             raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{hint}") from None
         return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
@@ -247,6 +251,11 @@ class NetdevMover(Sandboxes):
         claims.put(uid, i, move := move.changed(state="moving"))
         claims.save()
         self.fault("netdev:recorded")
+        if move.ipamPool and not move.leased:  # one lease per sandbox, recorded before it is used
+            addresses, routes = self._ipam().lease(move.ipamPool, move.sandbox, move.netns, move.pod)
+            self.fault("netdev:leased")
+            claims.put(uid, i, move := move.changed(leased=addresses, leasedRoutes=routes))
+            claims.save()
         move = netmove.move_in(move, self.host_netns)
         self.fault("netdev:moved")
         claims.put(uid, i, move := move.changed(state="in-pod"))
@@ -274,7 +283,7 @@ class NetdevMover(Sandboxes):
             if move.away and move.sandbox == sandbox:
                 try:
                     self._move_out(claims, uid, i, move)
-                except (rtnl.LinkError, OSError) as err:
+                except (rtnl.LinkError, OSError, IpamError) as err:
                     problems.append(f"{move.pod}: {err}")
         if problems:  # the record stays: the next event, unprepare or start tries again
             raise NetdevError("giving netdevs back to the host failed: " + "; ".join(problems))
@@ -285,8 +294,15 @@ class NetdevMover(Sandboxes):
         self.fault("netdev:returning")
         netmove.move_out(returning, self.host_netns, self.root)
         self.fault("netdev:returned")
-        claims.put(uid, i, move.changed(state="planned", **dict.fromkeys(_SEEN)))
+        if move.ipamPool and move.sandbox:  # a lease the sandbox may hold, recorded or not: DEL takes either
+            self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod)
+        claims.put(uid, i, move.changed(state="planned", leased=[], leasedRoutes=[], **dict.fromkeys(_SEEN)))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
+
+    def _ipam(self) -> Ipam:
+        if self.ipam is None:
+            raise IpamError("this mover has no IPAM pools (no settings)")
+        return self.ipam
 
     def _reconcile(self, claims: _Claims) -> None:
         """Records of sandboxes whose network namespace is gone, without the runtime telling
@@ -298,7 +314,7 @@ class NetdevMover(Sandboxes):
             if move.state == "returning" or (move.state == "in-pod" and not netmove.in_pod(move)):
                 try:
                     self._move_out(claims, uid, i, move)
-                except (rtnl.LinkError, OSError) as err:
+                except (rtnl.LinkError, OSError, IpamError) as err:
                     log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
 
     async def reconcile(self) -> None:
@@ -328,7 +344,7 @@ class NetdevMover(Sandboxes):
                     done[uid] = claims.cp.claims[uid]
                 else:
                     self._move_out(claims, uid, i, move)
-            except (rtnl.LinkError, OSError) as err:
+            except (rtnl.LinkError, OSError, IpamError) as err:
                 log.error("netdev %s of pod sandbox %s: finishing its move failed: %s", move.host, move.sandbox, err)
         return done
 

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def network_data(move: NetdevMove) -> NetworkData:
-    return NetworkData(interface_name=move.pod, hardware_address=move.mac, ips=list(move.addresses))
+    return NetworkData(interface_name=move.pod, hardware_address=move.mac, ips=[*move.addresses, *move.leased])
 
 
 def record(settings, uid: str, entry: dict, move: NetdevMove) -> bool:

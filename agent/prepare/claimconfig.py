@@ -28,7 +28,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from agent.apilimits import MAX_ALLOCATION_CONFIGS, MAX_OPAQUE_PARAMETERS_BYTES
 from agent.kubeletplugin.types import base_request
 from agent.prepare.allocation import ClaimFailed, allocated
-from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, Route
+from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, PoolName, Route
 
 API_VERSION = "sysdra.io/v1alpha1"
 MAX_ENV = 32
@@ -85,6 +85,8 @@ class NicConfig(_Kind):
     mtu: int | None = Field(default=None, ge=68, le=65535)  # IPv4's minimum; IPv6 needs 1280
     addresses: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)
     routes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
+    # addresses (and routes) from one of the node's IPAM pools, a lease per pod sandbox (prepare/ipam.py)
+    ipamPool: PoolName | None = None
     # move a netdev the host uses (an address, a bond/bridge port: prepare/hostuse.py); only
     # where the node's allow_host_in_use_nics allows it (docs/networking.md)
     allowHostInUse: bool = False

@@ -114,8 +114,7 @@ class Driver:
             self.steps += ([MigStep(self.mig, self.partitions.ways)] if self.partitions else []) + [MigModeStep(self.mig, inventory)]
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point),
                                    lambda: host_netns(settings.root), settings.allow_host_in_use_nics))
-        self.steps.append(NetdevStep(settings.root, lambda: host_netns(settings.root), moves=bool(settings.nri_socket),
-                                     allow_host_in_use=settings.allow_host_in_use_nics))
+        self.steps.append(NetdevStep(settings, lambda: host_netns(settings.root)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-from agent.names import is_uid
+from agent.names import is_label, is_uid
 
 IFNAMSIZ = 16
 IFNAME_ROOM = 12  # a base name's room when a number follows (names are at most 15 bytes)
@@ -31,7 +31,7 @@ def _ifname(v: str) -> str:
     return v
 
 
-def _cidr(v: str) -> str:
+def cidr(v: str) -> str:
     """``ip/prefix`` as the kernel gets it (the host bits kept: 192.0.2.5/24, not a network)."""
     try:
         iface = ipaddress.ip_interface(v)
@@ -58,8 +58,15 @@ def _ip(v: str) -> str:
         raise ValueError(f"{v[:64]!r} is not an IP address") from None
 
 
+def _pool(v: str) -> str:
+    if not is_label(v):
+        raise ValueError(f"{v[:64]!r} is not an IPAM pool's name (a DNS label)")
+    return v
+
+
 IfName = Annotated[str, AfterValidator(_ifname)]
-Cidr = Annotated[str, AfterValidator(_cidr)]
+PoolName = Annotated[str, AfterValidator(_pool)]  # one of the node's nic_ipam pools (prepare/ipam.py)
+Cidr = Annotated[str, AfterValidator(cidr)]
 Destination = Annotated[str, AfterValidator(_destination)]
 Ip = Annotated[str, AfterValidator(_ip)]
 

@@ -76,9 +76,9 @@ def move_in(move: NetdevMove, host_netns: str) -> NetdevMove:
     if move.mtu is not None:
         rtnl.set_mtu(move.netns, move.pod, move.mtu)
     rtnl.set_up(move.netns, move.pod)  # before routes: a gateway is reached over an up link
-    for address in move.addresses:
+    for address in [*move.addresses, *move.leased]:
         rtnl.add_address(move.netns, move.pod, address)
-    for route in move.routes:
+    for route in [*move.routes, *move.leasedRoutes]:
         rtnl.add_route(move.netns, move.pod, route.destination, route.gateway)
     if move.rdma:
         rdma.move(host_netns, move.rdma, move.netns)

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
-from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, Route
+from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, PoolName, Route
 from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
@@ -161,7 +161,9 @@ class NetdevMove(Record):
     first moves (prepare/netmove.py ``identify``): ``parent`` (its bus device: a NIC's netdev,
     never a link the pod made), else ``index`` and ``mac``; ``hostMtu`` is set again when it
     comes back. ``rdma``: the RDMA device that moves with it (exclusive RDMA netns mode only).
-    ``allowHostInUse``: the claim's ``NicConfig`` said so (each move checks the host's use again)."""
+    ``allowHostInUse``: the claim's ``NicConfig`` said so (each move checks the host's use again).
+    ``ipamPool``: the node's IPAM pool its addresses come from, ``leased`` (and ``leasedRoutes``)
+    what the pool gave for ``sandbox`` (prepare/ipam.py), beside the config's ``addresses``."""
 
     device: Name
     request: Name
@@ -173,6 +175,9 @@ class NetdevMove(Record):
     routes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
     rdma: RdmaName | None = None
     allowHostInUse: bool = False
+    ipamPool: PoolName | None = None
+    leased: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)  # the pool's lease for ``sandbox``
+    leasedRoutes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
     state: Literal["planned", "moving", "in-pod", "returning"] = "planned"
     sandbox: SandboxId | None = None
     netns: NetnsPath | None = None

@@ -25,6 +25,7 @@ from typing import Callable
 from agent.prepare import hostuse, netmove, rdma, rtnl
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.claimconfig import NicConfig, VfioConfig, config_for
+from agent.prepare.ipam import Ipam, IpamError
 from agent.prepare.netdevs import IFNAME_ROOM, valid_name
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import NetdevMove
@@ -40,10 +41,11 @@ class NetdevStep(RecordsOf):
     key = "netdevs"
     what = "netdev"  # the stage named in a claim error
 
-    def __init__(self, root: str, host_netns: Callable[[], str], moves: bool = True, allow_host_in_use: bool = False):
-        self.root = root
+    def __init__(self, settings, host_netns: Callable[[], str]):
+        self.root = settings.root
         self.host_netns = host_netns  # the host's network namespace (a path), asked when needed
-        self.moves, self.allow_host_in_use = moves, allow_host_in_use
+        self.moves, self.allow_host_in_use = bool(settings.nri_socket), settings.allow_host_in_use_nics
+        self.ipam = Ipam.of(settings)  # the node's IPAM pools (a lease per pod sandbox, given back here too)
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         mode = None
@@ -63,7 +65,9 @@ class NetdevStep(RecordsOf):
                                   mtu=cfg.mtu if cfg else None, addresses=list(cfg.addresses) if cfg else [],
                                   routes=list(cfg.routes) if cfg else [],
                                   rdma=nic.rdma[0].name if nic.rdma and mode == "exclusive" else None,
-                                  allowHostInUse=bool(cfg and cfg.allowHostInUse)))
+                                  allowHostInUse=bool(cfg and cfg.allowHostInUse), ipamPool=cfg.ipamPool if cfg else None))
+            if self.moves and cfg and cfg.ipamPool and (why := self.ipam.refusal(cfg.ipamPool)):
+                raise ClaimFailed(f"request {r.request!r}: {why}")
             self._refuse_host_used(out[-1], cfg)
         return tuple(out) or None
 
@@ -108,7 +112,9 @@ class NetdevStep(RecordsOf):
             try:
                 netmove.move_out(move, self.host_netns(), self.root)
                 notes.append(f"netdev {move.host} back on the host (from pod sandbox {move.sandbox})")
-            except (rtnl.LinkError, OSError) as err:
+                if move.ipamPool and move.sandbox:  # the sandbox's lease, which no later event gives back
+                    self.ipam.release(move.ipamPool, move.sandbox, move.netns, move.pod)
+            except (rtnl.LinkError, OSError, IpamError) as err:
                 problems.append(f"netdev {move.host} ({move.pod} in pod sandbox {move.sandbox}): {err}")
         return Undone(problems=problems, notes=notes)
 

@@ -1,0 +1,161 @@
+"""Addresses for a claimed NIC's netdev from an IPAM pool of the node (agent/prepare/ipam.py): the
+real CNI ``host-local`` plugin (Debian's containernetworking-plugins, as a node has it in
+/opt/cni/bin) leases an address per pod sandbox when the NRI hook moves the netdev, the lease is in
+the record before it is used, the pod gets it with the pool's routes and its metadata says it, and
+it is given back when the netdev comes back (or the claim goes while it is away). A crash between
+the lease and its record, or after it, is finished at the next synchronization without a second
+lease or a lost one. On the real kernel with the namespaces and veth of tests/test_nri_netdev.py.
+Root only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from agent.kubeletplugin.types import ClaimRef
+from agent.nri.netdev import NetdevError, NetdevMover
+from agent.prepare.checkpoint import Checkpoint
+from agent.prepare.driver import Driver
+from agent.prepare.ipam import Ipam
+from agent.prepare.metadata import layout
+from agent.prepare.steps.netdev import NetdevStep
+from agent.settings import ConfigError
+from discovery.inventory import scan
+from tests.conftest import profile_root, require_root
+from tests.kubelet_standin import settings_for
+from tests.test_nri_netdev import CLAIM, IFNAME, Crash, ifname_nets, ip_json, nets, nic_claim, pod, run, where  # noqa: F401
+
+CNI_BIN = "/usr/lib/cni"  # Debian's containernetworking-plugins (the CI installs it)
+POOL = {"type": "host-local", "ranges": [[{"subnet": "10.77.0.0/24", "rangeStart": "10.77.0.10", "rangeEnd": "10.77.0.11",
+                                            "gateway": "10.77.0.1"}]], "routes": [{"dst": "0.0.0.0/0"}]}  # fmt: skip
+
+
+@pytest.fixture
+def root(tmp_path) -> str:
+    """A copy of the NIC's fixture node whose /opt/cni/bin is this machine's CNI plugins."""
+    require_root()
+    if not os.access(os.path.join(CNI_BIN, "host-local"), os.X_OK):
+        pytest.fail(f"{CNI_BIN}/host-local is missing: install containernetworking-plugins (.ci/run does)")
+    r = tmp_path / "root"
+    shutil.copytree(profile_root("server-2s-gpu-nic"), r, symlinks=True)
+    os.makedirs(r / "opt" / "cni")
+    os.symlink(CNI_BIN, r / "opt" / "cni" / "bin")
+    return str(r)
+
+
+def driver(tmp_path, root: str, nets, **settings) -> Driver:  # noqa: F811
+    s = settings_for(str(tmp_path), root=root, nic_ipam=settings.pop("pools", {"data": POOL}), **settings)
+    inv = scan(root)
+    d = Driver(s, lambda: inv)
+    next(st for st in d.steps if isinstance(st, NetdevStep)).host_netns = lambda: nets.host
+    return d
+
+
+def leases(d: Driver) -> list[str]:
+    """The addresses host-local holds for the pool (its files under <plugin dir>/ipam)."""
+    store = os.path.join(d.settings.plugin_dir, "ipam", "sysdra-data")
+    return sorted(n for n in os.listdir(store) if n[0].isdigit()) if os.path.isdir(store) else []
+
+
+def record(d: Driver) -> dict:
+    (rec,) = Checkpoint.load(d.checkpoint_path).claims[CLAIM]["netdevs"]
+    return rec
+
+
+def test_each_sandbox_gets_a_lease_that_goes_when_the_netdev_comes_back(tmp_path, root, ifname_nets):
+    nets = ifname_nets
+    d = driver(tmp_path, root, nets)
+    assert d.prepare_claims([nic_claim({"ipamPool": "data", "addresses": ["192.0.2.5/24"]})])[CLAIM].error is None
+    assert record(d)["ipamPool"] == "data" and leases(d) == []  # nothing leased before a sandbox exists
+    mover = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
+    run(mover.pod_started(pod(nets)))
+    assert where(nets, IFNAME) == (False, True) and leases(d) == ["10.77.0.10"]
+    rec = record(d)
+    assert rec["leased"] == ["10.77.0.10/24"] and rec["leasedRoutes"] == [{"destination": "default", "gateway": "10.77.0.1"}]
+    addrs = {a["local"] + "/" + str(a["prefixlen"]) for a in ip_json(nets, "addr", "show", "net1")[0]["addr_info"]}
+    assert {"192.0.2.5/24", "10.77.0.10/24"} <= addrs  # the config's and the pool's
+    assert ip_json(nets, "route", "show", "default")[0]["gateway"] == "10.77.0.1"
+    with open(layout.host_file(d.settings.plugin_dir, "default", "nic", "net1")) as f:
+        meta = json.JSONDecoder().raw_decode(f.read())[0]
+    (dev,) = [dev for r in meta["requests"] for dev in r["devices"]]
+    assert dev["networkData"]["ips"] == ["192.0.2.5/24", "10.77.0.10/24"]
+    run(mover.pod_removed(pod(nets)))
+    assert where(nets, IFNAME) == (True, False) and leases(d) == []
+    assert "leased" not in record(d) and "sandbox" not in record(d)
+    run(mover.pod_started(pod(nets, sandbox="sb2")))  # the pod's next sandbox: a lease of its own
+    (held,) = leases(d)  # host-local goes round the range: the next address
+    assert record(d)["leased"] == [f"{held}/24"] and record(d)["sandbox"] == "sb2"
+    # unprepared while the netdev is in the pod (no StopPodSandbox came): the step gives the lease back
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert where(nets, IFNAME) == (True, False) and leases(d) == []
+
+
+def test_a_pool_the_node_does_not_have_fails_the_claim(tmp_path, root, ifname_nets):
+    d = driver(tmp_path, root, ifname_nets)
+    err = d.prepare_claims([nic_claim({"ipamPool": "storage"})])[CLAIM].error
+    assert "request 'net1': NicConfig ipamPool 'storage' is not one of this node's IPAM pools (data: nic_ipam)" in err
+    assert CLAIM not in Checkpoint.load(d.checkpoint_path).claims
+
+
+def test_a_plugin_that_gives_no_lease_fails_the_sandbox_and_the_netdev_stays(tmp_path, root, ifname_nets):
+    nets = ifname_nets
+    full = {**POOL, "ranges": [[{"subnet": "10.77.0.0/24", "rangeStart": "10.77.0.10", "rangeEnd": "10.77.0.10"}]]}
+    d = driver(tmp_path, root, nets, pools={"data": full})
+    assert d.prepare_claims([nic_claim({"ipamPool": "data"})])[CLAIM].error is None
+    taken = Ipam.of(d.settings)
+    taken.lease("data", "someone-else", nets.pod, "eth9")  # the range's one address, another sandbox's
+    mover = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
+    with pytest.raises(NetdevError, match=r"pod ns/app: moving its netdevs failed: IPAM pool 'data': ADD failed: "
+                                          r"failed to allocate for range 0: no IP addresses available in range set"):
+        run(mover.pod_started(pod(nets)))
+    assert where(nets, IFNAME) == (True, False) and leases(d) == ["10.77.0.10"]
+    assert record(d).get("state", "planned") == "planned" and "leased" not in record(d)
+    taken.release("data", "someone-else", nets.pod, "eth9")
+    run(mover.pod_started(pod(nets, sandbox="sb2")))  # the runtime's next sandbox
+    assert where(nets, IFNAME) == (False, True) and record(d)["leased"] == ["10.77.0.10/24"]
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert leases(d) == []
+
+
+@pytest.mark.parametrize("point,running", [("netdev:leased", True), ("netdev:leased", False),
+                                           ("netdev:moved", True), ("netdev:moved", False)])
+def test_a_crash_around_the_lease_is_finished_without_a_second_or_a_lost_one(tmp_path, root, ifname_nets, point, running):
+    """Killed after the plugin leased, before the record says so (the lease is unrecorded), or
+    after the move: the next synchronization completes the move into the running sandbox with one
+    lease, or gives the netdev and the lease back."""
+    nets = ifname_nets
+    d = driver(tmp_path, root, nets)
+    assert d.prepare_claims([nic_claim({"ipamPool": "data"})])[CLAIM].error is None
+
+    def crash(at):
+        if at == point:
+            raise Crash(at)
+
+    with pytest.raises(Crash):
+        run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings, fault=crash).pod_started(pod(nets)))
+    assert leases(d) == ["10.77.0.10"]
+    again = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
+    run(again.synchronized([pod(nets)] if running else []))
+    if running:
+        (held,) = leases(d)  # one: an unrecorded lease was given back before the next
+        assert where(nets, IFNAME) == (False, True)
+        assert record(d)["leased"] == [f"{held}/24"] and record(d)["state"] == "in-pod"
+    else:
+        assert where(nets, IFNAME) == (True, False) and leases(d) == []
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert leases(d) == []
+
+
+def test_a_pool_is_the_admins_and_checked(tmp_path):
+    for bad, said in (({"x": {"ranges": []}}, "needs a 'type'"), ({"x": {"type": "../../bin/sh"}}, "needs a 'type'"),
+                      ({"Data": POOL}, "not a DNS label")):
+        with pytest.raises(ConfigError, match=said):
+            settings_for(str(tmp_path), nic_ipam=bad)
+    from agent.settings import Settings
+
+    env = Settings.of({"node_name": "n", "nic_ipam": '{data: {type: host-local, ranges: [[{subnet: 10.77.0.0/24}]]}}'})
+    assert env.nic_ipam["data"]["type"] == "host-local"  # SYSDRA_NIC_IPAM as YAML text
