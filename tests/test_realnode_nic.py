@@ -145,6 +145,38 @@ def test_a_netdev_holding_the_hosts_address_stays_with_the_host_until_it_no_long
     wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
 
 
+def test_a_pods_netdev_gets_a_lease_from_the_nodes_ipam_pool(realnode, veth):
+    """An agent with an IPAM pool (Debian's host-local, the node's CNI plugin under the root's
+    /opt/cni/bin): the claim's NicConfig names the pool, the pod's netdev has the leased address
+    and the pool's default route in its sandbox before the app starts, its status and metadata say
+    it, and the lease is given back when the pod goes."""
+    from agent.prepare import rtnl
+
+    cni = os.path.join(realnode.root, "opt", "cni")
+    os.makedirs(cni, exist_ok=True)
+    if not os.path.islink(os.path.join(cni, "bin")):
+        os.symlink("/usr/lib/cni", os.path.join(cni, "bin"))
+    pool = {"type": "host-local", "ranges": [[{"subnet": "10.77.0.0/24", "rangeStart": "10.77.0.10", "gateway": "10.77.0.1"}]],
+            "routes": [{"dst": "0.0.0.0/0"}]}  # fmt: skip
+    store = os.path.join(realnode.kubelet_dir, "plugins", DRIVER, "ipam", "sysdra-data")
+    realnode.stop_process("agent")
+    realnode.start_agent(env={"SYSDRA_NIC_IPAM": json.dumps({"data": pool})})
+    try:
+        ns = nic_pod(realnode, "ip -o addr show net1; ip route show default", {"ipamPool": "data"})
+        lines = running_log(realnode, ns, "app")
+        assert any("inet 10.77.0.10/24" in line for line in lines), lines
+        assert any(line.startswith("default via 10.77.0.1 dev net1") for line in lines), lines
+        status = wait(lambda: network_status(realnode, ns), "status.devices[].networkData with the lease", realnode, log="agent")
+        assert status["ips"] == ["10.77.0.10/24"] and host_metadata(realnode, ns)["metadata"]["generation"] == 2
+        assert "10.77.0.10" in os.listdir(store) and [m["leased"] for m in moves(realnode)] == [["10.77.0.10/24"]]
+        delete_pod(realnode, ns, "app")
+        wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+        wait(lambda: "10.77.0.10" not in os.listdir(store), "the lease given back", realnode, log="agent")
+    finally:
+        realnode.stop_process("agent")
+        realnode.start_agent()
+
+
 def test_sigkill_between_the_move_and_the_metadata_write_is_finished_at_restart(realnode, veth):
     """The agent dies (SIGKILL) right after the kernel moved the netdev, before its record says
     so and before the metadata is written. containerd closes the dead plugin and runs the pod.
