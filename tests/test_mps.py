@@ -37,7 +37,12 @@ def daemons(tmp_path, binary):
         return d
 
     yield make
-    for d in made:  # nothing outlives the test
+    kill_daemons(made)
+
+
+def kill_daemons(made: list[MpsDaemons]) -> None:
+    """Nothing of a test's daemons outlives it."""
+    for d in made:
         for rec in list(d.state.daemons.values()):
             if d.alive(rec):
                 os.kill(rec.pid, signal.SIGKILL)

@@ -19,7 +19,7 @@ from agent.prepare.computemode import ComputeModes, DaemonModes
 from agent.prepare.mps import MpsDaemons
 from tests.conftest import profile_root
 from tests.simnvml import SimGpu, SimNvml, open_sim
-from tests.test_mps import UUID, binary  # noqa: F401 - the stand-in control binary
+from tests.test_mps import UUID, binary, kill_daemons  # noqa: F401 - the stand-in control binary
 
 DEFAULT, EXCLUSIVE = 0, 3
 
@@ -45,10 +45,7 @@ def daemons(tmp_path, binary, gpu):  # noqa: F811
         return d
 
     yield make
-    for d in made:  # nothing outlives the test
-        for rec in list(d.state.daemons.values()):
-            if d.alive(rec):
-                os.kill(rec.pid, signal.SIGKILL)
+    kill_daemons(made)
 
 
 def recorded(d: MpsDaemons) -> dict:

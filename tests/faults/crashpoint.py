@@ -66,6 +66,17 @@ def _is_journal(fd: int) -> bool:
         return False
 
 
+def _hook(cls, prefix: str) -> None:
+    """Every new ``cls`` object's ``fault`` hook hits ``<prefix><point>``."""
+    init = cls.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        self.fault = lambda point: _hit(prefix + point)
+
+    cls.__init__ = patched
+
+
 def install() -> None:
     signal.signal(signal.SIGUSR1, _arm)
     from agent.prepare.checkpoint import Checkpoint
@@ -83,23 +94,11 @@ def install() -> None:
     if POINT.startswith("driver:"):
         from agent.prepare import driver
 
-        init = driver.Driver.__init__
-
-        def patched(self, *a, **kw):
-            init(self, *a, **kw)
-            self.fault = lambda point: _hit("driver:" + point)
-
-        driver.Driver.__init__ = patched
+        _hook(driver.Driver, "driver:")
     elif POINT.startswith("mps:"):
         from agent.prepare import mps
 
-        mps_init = mps.MpsDaemons.__init__
-
-        def patched_mps(self, *a, **kw):
-            mps_init(self, *a, **kw)
-            self.fault = lambda point: _hit("mps:" + point)
-
-        mps.MpsDaemons.__init__ = patched_mps
+        _hook(mps.MpsDaemons, "mps:")
     elif POINT.startswith("rename-"):
         real = os.rename
 
