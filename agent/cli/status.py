@@ -109,7 +109,7 @@ def render_text(s: dict) -> str:
     if daemons := s.get("mpsDaemons"):
         lines.append(f"mps daemons:  {len(daemons)}")
         lines += [f"  {d.get('gpu')}: {d.get('daemon')}, {d.get('state')} ({d.get('restarts')} restarts in the window)"
-                  for d in daemons]
+                  + (f", Exclusive_Process (was {d['modeBefore']})" if d.get("modeBefore") else "") for d in daemons]
     if s.get("nri") is not None:  # (an older agent's document has none)
         lines += _nri_lines(now, s["nri"])
     lines.append(f"last error:   {err['where']}: {err['message']} ({_ago(now, err['time'])})" if err else "last error:   none")

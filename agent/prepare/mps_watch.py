@@ -28,6 +28,7 @@ from collections import deque
 from typing import Callable
 
 from agent.counts import Count
+from agent.prepare.computemode import NAMES
 from agent.prepare.mps import MpsDaemons, MpsError
 from agent.prepare.mps_records import MpsRecord
 
@@ -131,7 +132,8 @@ class MpsSupervisor:
     def _report(self, watched: dict[str, MpsRecord | None]) -> None:
         now = time.monotonic()
         rows = [{"gpu": uuid, "daemon": self.daemons.describe(rec), "state": self._state(uuid),
-                 "restarts": sum(now - t <= self.window for t in self._recent.get(uuid, ()))}
+                 "restarts": sum(now - t <= self.window for t in self._recent.get(uuid, ())),
+                 **({"modeBefore": NAMES[rec.mode_before]} if rec is not None and rec.mode_before is not None else {})}
                 for uuid, rec in watched.items()]
         if rows != self._rows:
             self._rows = rows

@@ -16,8 +16,9 @@ import pytest
 
 from tests.faults.harness import Node, run
 from tests.faults.test_mig_crash import _crash
-from tests.faults.test_mps_daemons import UID, _shared_claim
+from tests.faults.test_mps_daemons import UID, _shared_claim, _status_until
 from tests.simnvml import SimGpu
+from tests.test_mps import UUID
 from tests.simnvml_mig import SimMigNvml
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,12 @@ def test_sigkill_at_every_step_of_the_compute_mode(tmp_path, faults):
             node.check_clean()
             node.stop()
         assert outcomes == ["undone", "undone", "kept", "kept"], outcomes  # a prepare's crash undone, an unprepare's kept
+        node.start()  # sysdra status says what the agent changed
+        assert not run(node.prepare(claim)).claims[UID].error
+        (pid,) = node.daemons()
+        _status_until(node, f"  {UUID}: pid {pid}, serving (0 restarts in the window), Exclusive_Process (was Default)")
+        assert not run(node.unprepare(claim)).claims[UID].error
+        node.stop()
         # a reboot under a prepared claim: the mode is Default again, the record is another boot's
         node.start()
         assert not run(node.prepare(claim)).claims[UID].error
