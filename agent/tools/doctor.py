@@ -297,6 +297,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True,
             containerd_config: str | None = None) -> list[Finding]:
     from agent.service.status import AgentNotRunning, query_status
     from agent.tools.doctor_crio import check_crio
+    from agent.tools.doctor_ipam import check_ipam
     from agent.tools.doctor_runtime import check_containerd, check_gpu_faults, check_nri
 
     try:  # asked once: registration and NRI read the same document
@@ -314,6 +315,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True,
     found += check_nri(status if isinstance(status, dict) else None)
     found += check_containerd(settings.root, settings.nri_socket, settings.cdi_dir, containerd_config)
     found += check_crio(settings.root, settings.nri_socket, settings.cdi_dir)
+    found += check_ipam(settings)
     found += check_gpu_faults(settings.plugin_dir, settings.root)
     found += check_cdi_dirs(cdi_dirs)
     found += check_metadata(settings.plugin_dir)
