@@ -300,6 +300,21 @@ def test_a_re_prepare_follows_the_pods_the_claim_is_reserved_for(tmp_path):
     assert Checkpoint.load(d.checkpoint_path).claims[CLAIM]["pods"] == [POD_UID, second]
 
 
+def test_a_claim_reserved_for_a_pod_group_cannot_give_its_netdev_to_a_pod(tmp_path):
+    """DRAWorkloadResourceClaims: a claim reserved for a PodGroup, not its pods. Its netdev would
+    stay on the host whatever pod starts (a sandbox names its pod, not its group): the claim fails
+    saying so, and without NRI (nothing moves) it is prepared as any."""
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    inv = scan(s.root)
+    c = nic_claim()
+    c["status"]["reservedFor"] = [{"apiGroup": "scheduling.k8s.io", "resource": "podgroups", "name": "trainers",
+                                   "uid": "33333333-4444-4555-8666-777777777777"}]
+    err = Driver(s, lambda: inv).prepare_claims([c])[CLAIM].error
+    assert "the claim is reserved for podgroups/trainers, not for pods (DRAWorkloadResourceClaims)" in err
+    no_nri = s.replace(nri_socket="", kubelet_dir=str(tmp_path / "other"))
+    assert Driver(no_nri, lambda: inv).prepare_claims([c])[CLAIM].error is None
+
+
 def test_an_init_namespace_the_agent_may_not_open_is_said_at_start(tmp_path):
     """The host's network namespace is the init's: a fixture root has none (the agent's own is
     used, nothing to say); a root with the real init's link names why it cannot be opened by a

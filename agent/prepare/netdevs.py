@@ -93,3 +93,13 @@ def reserved_pods(claim: dict) -> list[str]:
     status = claim.get("status") if isinstance(claim.get("status"), dict) else {}
     return [r["uid"] for r in status.get("reservedFor") or () if isinstance(r, dict) and r.get("resource") == "pods"
             and is_uid(r.get("uid"))]
+
+
+def group_consumers(claim: dict) -> str | None:
+    """The consumers a claim is reserved for that are not pods (a PodGroup: DRAWorkloadResourceClaims),
+    when it is reserved for no pod, as ``resource/name``; None otherwise."""
+    status = claim.get("status") if isinstance(claim.get("status"), dict) else {}
+    others = [r for r in status.get("reservedFor") or () if isinstance(r, dict) and r.get("resource") != "pods"]
+    if not others or reserved_pods(claim):
+        return None
+    return ", ".join(f"{r.get('resource')}/{r.get('name')}" for r in others[:4])

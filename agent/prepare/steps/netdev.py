@@ -26,7 +26,7 @@ from agent.prepare import hostuse, netmove, rdma, rtnl
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.claimconfig import NicConfig, VfioConfig, config_for
 from agent.prepare.ipam import Ipam, IpamError
-from agent.prepare.netdevs import IFNAME_ROOM, valid_name
+from agent.prepare.netdevs import IFNAME_ROOM, group_consumers, valid_name
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import NetdevMove
 from agent.prepare.steps import Planned, RecordsOf, Undone
@@ -69,6 +69,10 @@ class NetdevStep(RecordsOf):
             if self.moves and cfg and cfg.ipamPool and (why := self.ipam.refusal(cfg.ipamPool)):
                 raise ClaimFailed(f"request {r.request!r}: {why}")
             self._refuse_host_used(out[-1], cfg)
+        if out and self.moves and (group := group_consumers(planned.claim)):
+            raise ClaimFailed(f"the claim is reserved for {group}, not for pods (DRAWorkloadResourceClaims): its NIC's "
+                              "netdev goes into one pod, and which pods a group has cannot be told at a pod's sandbox: "
+                              "give each pod a claim of its own (docs/networking.md)")
         return tuple(out) or None
 
     def _refuse_host_used(self, move: NetdevMove, cfg: NicConfig | None) -> None:
