@@ -36,7 +36,9 @@ from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Route, cidr
 log = logging.getLogger(__name__)
 
 CNI_VERSION = "1.0.0"
-TIMEOUT = 30.0  # seconds a plugin may take (dhcp waits for its daemon's lease)
+# seconds a plugin may take: it runs holding the netdev records' lock, which every pod with a
+# netdev waits for (at most LOCK_TIMEOUT); the runtime gives up on the sandbox after ~2 s anyway
+TIMEOUT = 10.0
 PLUGIN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # a file in the CNI bin dir, never a path
 MAX_POOL_BYTES = 16 << 10
 _DEFAULT = {4: "0.0.0.0/0", 6: "::/0"}
