@@ -6,6 +6,7 @@ code 78 (EX_CONFIG), which the systemd unit excludes from restarts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -13,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from agent.names import is_subdomain
+from agent.names import is_label, is_subdomain
 from agent.settings_errors import error_message
 from agent.settings_mps import MpsPodSettings, host_path as _host_path
 
@@ -119,11 +120,16 @@ def _taint_effects(v: dict[str, str]) -> dict[str, str]:
 
 
 def _ipam(v: dict[str, dict]) -> dict[str, dict]:
-    if not v:  # (the module is not imported for nothing: every start checks the default)
-        return v
-    from agent.prepare.ipam import check_pools
-
-    return check_pools(v)
+    """``nic_ipam``: pool name (a DNS label) -> a CNI IPAM configuration whose ``type`` names a
+    plugin file of ``cni_bin_dir``, never a path (agent/prepare/ipam.py runs it as root)."""
+    for name, config in v.items():
+        if not is_label(name):
+            raise ValueError(f"pool {name!r}: not a DNS label")
+        if not isinstance(config, dict) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", str(config.get("type"))):
+            raise ValueError(f"pool {name!r}: needs a 'type' naming a CNI IPAM plugin (host-local, whereabouts, ...)")
+        if len(json.dumps(config)) > 16 << 10:
+            raise ValueError(f"pool {name!r}: larger than 16 KiB")
+    return v
 
 
 def _shm_size(v: str) -> str:

@@ -25,7 +25,6 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import subprocess
 from collections.abc import Mapping
 
@@ -39,28 +38,11 @@ CNI_VERSION = "1.0.0"
 # seconds a plugin may take: it runs holding the netdev records' lock, which every pod with a
 # netdev waits for (agent/nri/netdev.py LOCK_TIMEOUT); the runtime gives up on the sandbox after ~2 s anyway
 TIMEOUT = 10.0
-PLUGIN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # a file in the CNI bin dir, never a path
-MAX_POOL_BYTES = 16 << 10
 _DEFAULT = {4: "0.0.0.0/0", 6: "::/0"}
 
 
 class IpamError(Exception):
     """The pool's plugin gave no lease (or could not release one); the sandbox's error."""
-
-
-def check_pools(pools: dict) -> dict:
-    """The settings' check of ``nic_ipam``: pool name (a DNS label) -> a CNI IPAM configuration
-    with a ``type`` naming a plugin file."""
-    from agent.names import is_label
-
-    for name, config in pools.items():
-        if not is_label(name):
-            raise ValueError(f"pool {name!r}: not a DNS label")
-        if not isinstance(config, dict) or not isinstance(config.get("type"), str) or not PLUGIN.match(config["type"]):
-            raise ValueError(f"pool {name!r}: needs a 'type' naming a CNI IPAM plugin (host-local, whereabouts, ...)")
-        if len(json.dumps(config)) > MAX_POOL_BYTES:
-            raise ValueError(f"pool {name!r}: larger than {MAX_POOL_BYTES} bytes")
-    return pools
 
 
 class Ipam:
