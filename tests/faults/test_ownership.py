@@ -105,10 +105,9 @@ def test_shares_and_admin_access_of_one_device_go_together(tmp_path, faults):
 
 
 def kubelet_prepare(node: Node, claim: dict, timeout: float = 30.0) -> str:
-    """NodePrepareResources -> the claim's error, sent again as the kubelet does while the device is
-    between drivers: a function given back is bound to its driver before the driver has made its
-    netdev (the kernel sets the driver first, then probes), and a rescan in between does not see
-    the NIC for a moment."""
+    """NodePrepareResources -> the claim's error, sent again as the kubelet does while the agent's
+    inventory misses the device: a rescan that read the function between the give-back's unbind and
+    bind (no driver: not offered) can finish after the give-back, until the bind's own rescan."""
     uid, deadline = claim["metadata"]["uid"], time.monotonic() + timeout
     while "is not on this node any more" in (err := errors_of(run(node.prepare(claim)))[uid]) and time.monotonic() < deadline:
         time.sleep(0.1)
