@@ -21,7 +21,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 # nvmlComputeMode_t (nvml.h); 1 (EXCLUSIVE_THREAD) is no longer supported
-DEFAULT, PROHIBITED, EXCLUSIVE_PROCESS = 0, 2, 3
+EXCLUSIVE_PROCESS = 3
 NAMES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}  # as nvidia-smi says them
 
 

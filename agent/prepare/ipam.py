@@ -69,10 +69,14 @@ class Ipam:
             config.setdefault("dataDir", self.data_dir)
         return json.dumps({"cniVersion": CNI_VERSION, "name": f"sysdra-{pool}", "ipam": config}).encode()
 
+    def plugin(self, pool: str) -> str:
+        """The pool's plugin as the agent runs it."""
+        return os.path.join(self.bin_dir, self.pools[pool]["type"])
+
     def _run(self, command: str, pool: str, sandbox: str, netns: str | None, ifname: str) -> bytes:
         if pool not in self.pools:
             raise IpamError(f"IPAM pool {pool!r} is not configured (nic_ipam) any more")
-        plugin = os.path.join(self.bin_dir, self.pools[pool]["type"])
+        plugin = self.plugin(pool)
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
                "CNI_CONTAINERID": sandbox, "CNI_NETNS": netns or "", "CNI_IFNAME": ifname, "CNI_PATH": self.bin_dir}
         try:

@@ -6,7 +6,6 @@ they serve (leases are made when it moves a netdev)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 from agent.tools.findings import Finding, ok
@@ -25,7 +24,7 @@ def check_ipam(settings) -> list[Finding]:
         found.append(Finding(CHECK, "warn", "nic_ipam has pools but NRI is off (nri_socket: \"\"): no netdev moves, so no "
                              "lease is ever made", "turn NRI on (docs/networking.md) or remove nic_ipam"))
     for name, config in sorted(settings.nic_ipam.items()):
-        plugin = os.path.join(ipam.bin_dir, config["type"])
+        plugin = ipam.plugin(name)
         fix = f"install the CNI plugin {config['type']!r} in {settings.cni_bin_dir} (containernetworking-plugins), or set cni_bin_dir"
         try:
             done = subprocess.run([plugin], input=b"{}", env={"CNI_COMMAND": "VERSION"}, capture_output=True, timeout=10)

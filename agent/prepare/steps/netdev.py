@@ -50,6 +50,7 @@ class NetdevStep(RecordsOf):
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         mode = None
         out: list[NetdevMove] = []
+        group = group_consumers(planned.claim) if self.moves else None
         for r in planned.results:
             dev = planned.names.get(r.device)
             nic = getattr(dev, "nic", None)
@@ -58,6 +59,10 @@ class NetdevStep(RecordsOf):
             cfg = config_for(planned.configs, r.request, dev.kind, dev.name)
             if isinstance(cfg, VfioConfig) or not valid_name(host := nic.interfaces[0].name):
                 continue
+            if group:  # before anything of the host's is read
+                raise ClaimFailed(f"the claim is reserved for {group}, not for pods (DRAWorkloadResourceClaims): its NIC's "
+                                  "netdev goes into one pod, and which pods a group has cannot be told at a pod's "
+                                  "sandbox: give each pod a claim of its own (docs/networking.md)")
             cfg = cfg if isinstance(cfg, NicConfig) else None
             if nic.rdma and mode is None:
                 mode = rdma.netns_mode(self.root)
@@ -69,10 +74,6 @@ class NetdevStep(RecordsOf):
             if self.moves and cfg and cfg.ipamPool and (why := self.ipam.refusal(cfg.ipamPool)):
                 raise ClaimFailed(f"request {r.request!r}: {why}")
             self._refuse_host_used(out[-1], cfg)
-        if out and self.moves and (group := group_consumers(planned.claim)):
-            raise ClaimFailed(f"the claim is reserved for {group}, not for pods (DRAWorkloadResourceClaims): its NIC's "
-                              "netdev goes into one pod, and which pods a group has cannot be told at a pod's sandbox: "
-                              "give each pod a claim of its own (docs/networking.md)")
         return tuple(out) or None
 
     def _refuse_host_used(self, move: NetdevMove, cfg: NicConfig | None) -> None:
