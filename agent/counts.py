@@ -1,6 +1,10 @@
 """Process-wide counts as plain numbers, for wings that must not load prometheus_client (its
 import pulls in http.server, urllib and email: ~15 ms and ~2.5 MB; an agent without a metrics
-endpoint never loads it). ``agent.service.metrics`` exports them on the agent's registry."""
+endpoint never loads it). ``agent.service.metrics`` exports them on the agent's registry.
+
+Every series an alert may watch exists from the start, at 0: a counter without labels, and a
+labelled one for each of its ``known`` label values. Prometheus's ``increase()`` cannot see the
+first count of a series that appears with it (deploy/helm/sysdra/files/alerts.yaml)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,14 @@ from __future__ import annotations
 class Count:
     """A counter (``inc``) or gauge (``set``), optionally per label values (``labels(...)``)."""
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (), kind: str = "counter"):
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (), kind: str = "counter",
+                 known: tuple[str, ...] = ()):
+        """``known``: the values of a single label exported at 0 before they are counted."""
         self.name, self.documentation, self.labelnames, self.kind = name, documentation, labelnames, kind
-        self.values: dict[tuple[str, ...], float] = {}  # label values -> value
+        if known and len(labelnames) != 1:
+            raise ValueError(f"{name}: known values need exactly one label")
+        keys = [(v,) for v in known] if labelnames else [()]
+        self.values: dict[tuple[str, ...], float] = dict.fromkeys(keys, 0.0)  # label values -> value
 
     def labels(self, *values: str) -> "_Labelled":
         if len(values) != len(self.labelnames):

@@ -94,6 +94,11 @@ def test_every_feature_reaches_the_agent(tmp_path):
     assert selectors["gpu-partition.sysdra.io"].endswith('.gpuVendor == "nvidia"')
     monitor = _one(objs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics" and monitor["metadata"]["labels"]["release"] == "prometheus"
+    # the alerts name the node: the scraped pod's node as `node`
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in monitor["spec"]["endpoints"][0]["relabelings"]
+    rule = _one(objs, "PrometheusRule")  # the rule file as it is (tests/test_alerts.py tests the file)
+    with open(os.path.join(CHART, "files", "alerts.yaml")) as f:
+        assert rule["spec"] == yaml.safe_load(f) and rule["metadata"]["labels"]["release"] == "prometheus"
     policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"}
     assert sorted(policies) == ["sysdra-own-node-mps-pods", "sysdra-own-node-slices"]
     for policy in policies.values():
@@ -126,7 +131,7 @@ def test_default_daemonset():
     for path in ("/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"):
         assert hostpaths[mounts[path]["name"]] == path and not mounts[path].get("readOnly")
     assert not any(m.startswith("/host/run") or m == "/host" for m in mounts)  # no driver root unless asked
-    assert c["image"] == "ghcr.io/sysdra/sysdra:0.1.0" and "ServiceMonitor" not in {o["kind"] for o in objs}
+    assert c["image"] == "ghcr.io/sysdra/sysdra:0.1.0" and not {"ServiceMonitor", "PrometheusRule"} & {o["kind"] for o in objs}
     # netdevs into pods (docs/networking.md): the runtime's NRI socket, the pods' namespaces as they
     # come (propagated), the host's init for its namespace, and what moving netdevs needs
     assert "--nri-socket=/var/run/nri/nri.sock" in c["args"] and pod["hostPID"] is True
@@ -222,7 +227,7 @@ def test_server_accepts_every_object(apiserver, values):
     apiserver.apply(namespaces or [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}])
     checked = set()
     for obj in objs:
-        if obj["kind"] in ("Namespace", "ServiceMonitor"):  # the ServiceMonitor's CRD is prometheus-operator's
+        if obj["kind"] in ("Namespace", "ServiceMonitor", "PrometheusRule"):  # their CRDs are prometheus-operator's
             continue
         path = resource_path(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
         try:

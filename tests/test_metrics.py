@@ -7,7 +7,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.kubeletplugin.types import PrepareResult
 from agent.service.metrics import Metrics, parse_address, start_server
+from agent.service.observers import call_observer
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -31,11 +33,10 @@ def served():
 
 def test_scrape_over_http(served):
     m, server = served
-    with m.timed("prepare"):
-        pass
-    with pytest.raises(RuntimeError), m.timed("prepare"):
-        raise RuntimeError("boom")
-    m.observe_unprepare(True, 0.003)
+    on_call = call_observer(m)
+    # every claim of a call counts, also one refused before the driver (not read, a bad reference)
+    on_call("prepare", {"a": PrepareResult(devices=[]), "b": PrepareResult(error="ResourceClaim x/y: not found")}, 0.02)
+    on_call("unprepare", {"a": None}, 0.003)
     m.set_published_devices({"gpu": 2, "nic": 4})
     m.observe_publish(True, 0.05)
     m.observe_publish(False, 0.5, reason="conflict")
@@ -103,8 +104,6 @@ def test_null_metrics_take_every_call_metrics_take():
     assert public <= set(dir(null)), public - set(dir(null))
     null.observe_publish(True, 0.1)
     null.count_watcher_event("file")
-    with null.timed("prepare"):
-        pass
 
 
 def test_publish_counts_are_exported_with_their_labels():
@@ -118,3 +117,19 @@ def test_publish_counts_are_exported_with_their_labels():
     assert m.registry.get_sample_value("sysdra_pool_generation") == 7
     with pytest.raises(ValueError):
         publish_metrics.SLICE_WRITES.labels("a", "b")
+
+
+def test_every_publish_failure_reason_is_exported_from_the_start():
+    """The reasons the publisher counts (its ``_count_error`` calls) are the ones exported at 0."""
+    import ast
+    import inspect
+
+    from agent.publish import metrics as publish_metrics
+    from agent.publish import publisher
+
+    counted = {node.args[0].value for node in ast.walk(ast.parse(inspect.getsource(publisher)))
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_count_error"}
+    assert counted == set(publish_metrics.FAILURE_REASONS)
+    m = Metrics(process=False)
+    for reason in counted:
+        assert m.registry.get_sample_value("sysdra_slice_publish_failures_total", {"reason": reason}) == 0

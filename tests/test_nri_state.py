@@ -133,9 +133,9 @@ def test_a_refused_registration_says_the_runtimes_reason(tmp_path):
 
 
 # --- the real agent ------------------------------------------------------------------------------
-def _nri_connected(port: int) -> float:
+def _nri_connected(port: int, name: str = "sysdra_nri_connected") -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "sysdra_nri_connected")
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def _cli(*args: str) -> str:
@@ -169,6 +169,7 @@ def test_the_agent_says_whether_nri_works(tmp_path):
         doc = _until(lambda: (d := json.loads(_cli(*status) or "null")) and d["nri"]["state"] == "failed" and d,
                      proc, "NRI failed")
         assert f"no NRI socket at {sock}" in doc["nri"]["reason"] and _nri_connected(port) == 0
+        assert _nri_connected(port, "sysdra_nri_claims_waiting") == 0  # failed, but no claim waits (no alert)
         kubelet = KubeletStandIn(str(kubelet_dir / "plugins_registry"))
 
         async def prepare():
@@ -180,6 +181,7 @@ def test_the_agent_says_whether_nri_works(tmp_path):
         doc = _until(lambda: (d := json.loads(_cli(*status))) and d["nri"]["claimsWaiting"] and d, proc, "the claim named")
         (waiting,) = doc["nri"]["claimsWaiting"]
         assert (waiting["namespace"], waiting["name"], waiting["uid"]) == ("ml", "net-0", c["metadata"]["uid"])
+        assert _nri_connected(port, "sysdra_nri_claims_waiting") == 1  # SysdraNetdevsWaitForNri
         assert "ml/net-0 (" in _cli(*status[:1], *status[3:]) and "stay on the host" in _cli(*status[:1], *status[3:])
         (finding,) = [f for f in json.loads(_cli(*doctor)) if f["check"] == "nri"]
         assert finding["level"] == "fail" and "ml/net-0" in finding["message"] and "disable = false" in finding["fix"]
@@ -188,6 +190,7 @@ def test_the_agent_says_whether_nri_works(tmp_path):
         assert json.loads(runtime.stdout.readline()) == {"registered": ""}
         doc = _until(lambda: (d := json.loads(_cli(*status))) and d["nri"]["state"] == "registered" and d, proc, "registered")
         assert doc["nri"]["claimsWaiting"] == [] and doc["nri"]["socket"] == sock and _nri_connected(port) == 1
+        assert _nri_connected(port, "sysdra_nri_claims_waiting") == 0
         (finding,) = [f for f in json.loads(_cli(*doctor)) if f["check"] == "nri"]
         assert finding["level"] == "ok"
     finally:

@@ -63,8 +63,9 @@ class KubeletPlugin:
     """See the package docstring for the contract."""
 
     def __init__(self, settings: Settings, driver: DriverProtocol, claims: ClaimSource,
-                 status: StatusWriter | None = None):
+                 status: StatusWriter | None = None, observe: Callable[[str, dict, float], None] | None = None):
         self.settings = settings
+        self.observe = observe  # each call's results, for metrics (agent.kubeletplugin.service.Prepare)
         self.driver = driver
         self.claims = claims
         self.status = status  # writes results' status.devices entries; None: not reported
@@ -90,7 +91,7 @@ class KubeletPlugin:
         self._extra.append(add_to_server)
 
     def _add_dra(self, server: grpc.aio.Server) -> None:
-        core = self._core = Prepare(self.driver, self.claims, self._lock, self.status)
+        core = self._core = Prepare(self.driver, self.claims, self._lock, self.status, self.observe)
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1(core), server)
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1beta1(core), server)
         for add in self._extra:

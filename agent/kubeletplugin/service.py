@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
@@ -124,11 +125,13 @@ class SerializeLock:
 class Prepare:
     """The version-neutral prepare/unprepare flow."""
 
-    def __init__(self, driver: DriverProtocol, claims: ClaimSource, lock: SerializeLock, status=None):
+    def __init__(self, driver: DriverProtocol, claims: ClaimSource, lock: SerializeLock, status=None,
+                 observe: Callable[[str, dict, float], None] | None = None):
         self.driver = driver
         self.claims = claims
         self.lock = lock
         self.status = status  # a StatusWriter: results' status.devices, written in the background
+        self.observe = observe  # ("prepare" | "unprepare", each claim's result, the call's seconds): metrics
         self.read_budget = READ_BUDGET
         # The kubelet's calls wait here for the lock, off the default executor that health
         # checks and the NRI plugin use; more calls than threads queue as they would for the lock.
@@ -269,13 +272,19 @@ class Prepare:
         return out
 
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        t0 = time.perf_counter()
         errors, ok = self._screen(refs)
         out = {uid: PrepareResult(error=e) for uid, e in errors.items()}
         for uid, err in errors.items():
             log.warning("prepare claim %s: %s", uid, err)
         if ok:
             out.update(await self._in_thread("prepare", self._prepare, list(ok.values())))
+        self._observed("prepare", out, t0)
         return out
+
+    def _observed(self, what: str, results: dict, t0: float) -> None:
+        if self.observe is not None:
+            self.observe(what, results, time.perf_counter() - t0)
 
     def _unprepare_locked(self, refs: list[ClaimRef]) -> dict[str, str | None]:
         # An unprepare the kubelet gave up on still runs: late, it does what was asked; the
@@ -301,12 +310,14 @@ class Prepare:
         return out
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
+        t0 = time.perf_counter()
         errors, ok = self._screen(refs)
         out: dict[str, str | None] = dict(errors)
         for uid, err in errors.items():  # the driver logs the outcome of the claims it gets
             log.warning("unprepare claim %s: %s", uid, err)
         if ok:
             out.update(await self._in_thread("unprepare", self._unprepare, list(ok.values())))
+        self._observed("unprepare", out, t0)
         return out
 
 

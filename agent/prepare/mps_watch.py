@@ -35,7 +35,7 @@ from agent.prepare.mps_records import MpsRecord
 log = logging.getLogger("agent.prepare.mps")
 
 RESTARTS = Count("sysdra_mps_daemon_restarts_total", "MPS control daemons started again after they died, by result",
-                 ("result",))
+                 ("result",), known=("started", "failed"))
 Fault = tuple[str, str] | None  # (code, message) for device health; None: healthy again
 
 

@@ -26,7 +26,7 @@ from agent.service import reload as reloading
 from agent.service.hostnics import HostNics
 from agent.service.inpod import InPodNetdevs
 from agent.service.scanning import default_scan
-from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver
+from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver, call_observer
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.routewatch import follow_default_routes
@@ -181,12 +181,13 @@ class Agent:
         loop = asyncio.get_running_loop()
         # a GPU mode switch at prepare (any thread): rescan and republish
         core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
-        driver = ObservedDriver(core, self.metrics, self.board, loop=loop)  # the board is the loop's only
+        driver = ObservedDriver(core, self.board, loop=loop)  # the board is the loop's only
         api = None if self.settings.cluster_dir is not None else ClaimApi(field_manager=self.settings.driver_name)  # reads + writes
         status = (status_writer(self.settings, api, observer=ClaimStatusObserver(self.metrics, self.board))
                   if self.settings.claim_status else None)
         self.board.claim_status_enabled = self.settings.claim_status
-        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings, api), status)
+        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings, api), status,
+                                            observe=call_observer(self.metrics))
         self.kubelet_plugin.registration.listeners.append(self._on_registration)
         self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
         self._follow_health()

@@ -11,10 +11,8 @@ The daemon calls the ``observe_*``/``set_*`` methods; see docs/operations.md "Me
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from typing import Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -40,6 +38,7 @@ NRI_STATES = ("disabled", "connecting", "registered", "failed")  # agent.nri.plu
 # agent.kubeletplugin.statuswriter.RESULTS, written out: importing the writer here would load the
 # kubelet side before the first publish (tests/test_claim_status_reporting.py keeps the two equal)
 CLAIM_STATUS_RESULTS = ("written", "unchanged", "refused", "invalid", "failed")
+PREPARE_RESULTS = ("ok", "error")
 _FAST = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -103,13 +102,22 @@ class Metrics:
         self.nri_connected = Gauge("sysdra_nri_connected", "1 while the NRI plugin is registered with the container "
                                    "runtime (claimed NICs' netdevs move into their pods), else 0", registry=r)
         self.nri = Enum("sysdra_nri", "NRI plugin state", states=list(NRI_STATES), registry=r)
+        self.nri_claims_waiting = Gauge("sysdra_nri_claims_waiting", "Prepared claims with netdevs to move into their "
+                                        "pods while the NRI plugin is not registered (they stay on the host)", registry=r)
         self.last_publish = Gauge("sysdra_last_successful_publish_timestamp_seconds", "Unix time of the last successful sync", registry=r)
         for kind in KINDS:
             self.published_devices.labels(kind).set(0)
         for state in HEALTH_STATES:
             self.device_health.labels(state).set(0)
-        for result in CLAIM_STATUS_RESULTS:  # present at 0, so a rate() alert works from the first failure
+        # every series an alert watches is present at 0: increase() cannot see the first count of a
+        # series that appears with it (deploy/helm/sysdra/files/alerts.yaml)
+        for result in CLAIM_STATUS_RESULTS:
             self.claim_status_writes.labels(result)
+        for result in PREPARE_RESULTS:
+            self.prepare_total.labels(result)
+            self.unprepare_total.labels(result)
+        for reason in publish_metrics.FAILURE_REASONS:
+            self.publish_failures.labels(reason)
         if process:
             r.register(_ProcessStats())
             PlatformCollector(registry=r)
@@ -128,18 +136,6 @@ class Metrics:
         self.unprepare_total.labels(result).inc()
         self.unprepare_seconds.labels(result).observe(seconds)
 
-    @contextlib.contextmanager
-    def timed(self, what: str) -> Iterator[None]:
-        """``with metrics.timed("prepare"):`` one claim; an exception counts as an error."""
-        observe = {"prepare": self.observe_prepare, "unprepare": self.observe_unprepare}[what]
-        t0 = time.perf_counter()
-        try:
-            yield
-        except BaseException:
-            observe(False, time.perf_counter() - t0)
-            raise
-        observe(True, time.perf_counter() - t0)
-
     def observe_claim_status(self, result: str) -> None:
         """One finished status.devices write; ``result`` one of CLAIM_STATUS_RESULTS."""
         self.claim_status_writes.labels(result).inc()
@@ -150,6 +146,9 @@ class Metrics:
     def set_nri(self, state: str) -> None:
         self.nri.state(state if state in NRI_STATES else "failed")
         self.nri_connected.set(1 if state == "registered" else 0)
+
+    def set_nri_claims_waiting(self, count: int) -> None:
+        self.nri_claims_waiting.set(count)
 
     # --- publishing -----------------------------------------------------------------------
     def set_published_devices(self, counts: dict[str, int]) -> None:

@@ -3,9 +3,7 @@ board, so each fact is reported in one place; ``NullMetrics`` when there is no e
 
 from __future__ import annotations
 
-import contextlib
-import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from agent.service.status import StatusBoard
 
@@ -17,32 +15,26 @@ class NullMetrics:
     """``agent.service.metrics.Metrics``' interface, keeping nothing: with the endpoint
     disabled nobody can read metrics, so the agent does not load prometheus_client."""
 
-    def timed(self, what: str):
-        return contextlib.nullcontext()
-
     def _ignore(self, *args, **kwargs) -> None:
         return None
 
     observe_prepare = observe_unprepare = set_registration = set_published_devices = set_nri = _ignore
     observe_publish = observe_change_to_slice = count_watcher_event = set_health = observe_claim_status = _ignore
+    set_nri_claims_waiting = _ignore
 
 
 class ObservedDriver:
-    """The driver, timed per claim for metrics, refreshing the status board's claim list.
-    Its methods run in the plugin's worker thread; the board is the loop's, so its update is
-    handed to ``loop`` (None: called on the board's thread already)."""
+    """The driver, refreshing the status board's claim list after each call. Its methods run in
+    the plugin's worker thread; the board is the loop's, so its update is handed to ``loop``
+    (None: called on the board's thread already)."""
 
-    def __init__(self, driver, metrics: Metrics, board: StatusBoard, loop=None):
-        self.driver, self.metrics, self.board, self.loop = driver, metrics, board, loop
+    def __init__(self, driver, board: StatusBoard, loop=None):
+        self.driver, self.board, self.loop = driver, board, loop
 
     def __getattr__(self, name):  # recover(), checkpoint, ... pass through
         return getattr(self.driver, name)
 
-    def _observe(self, observe, results: dict, seconds: float) -> None:
-        per_claim = seconds / max(1, len(results))
-        for result in results.values():
-            failed = getattr(result, "error", result)  # PrepareResult or unprepare's error string
-            observe(not failed, per_claim)
+    def _refresh(self) -> None:
         cp = getattr(self.driver, "checkpoint", None)
         if cp is not None:
             claims = dict(cp.claims)
@@ -52,16 +44,29 @@ class ObservedDriver:
                 self.loop.call_soon_threadsafe(self.board.set_prepared_claims, claims)
 
     def prepare_claims(self, claims):
-        t0 = time.perf_counter()
         results = self.driver.prepare_claims(claims)
-        self._observe(self.metrics.observe_prepare, results, time.perf_counter() - t0)
+        self._refresh()
         return results
 
     def unprepare_claims(self, claims):
-        t0 = time.perf_counter()
         results = self.driver.unprepare_claims(claims)
-        self._observe(self.metrics.observe_unprepare, results, time.perf_counter() - t0)
+        self._refresh()
         return results
+
+
+def call_observer(metrics: Metrics) -> Callable[[str, dict, float], None]:
+    """The kubelet's calls as it sees them, for metrics: every claim of a NodePrepareResources or
+    NodeUnprepareResources call counts ok or error, those that failed before the driver too (not
+    read, refused, the kubelet gone), each with its share of the call's time."""
+    observe = {"prepare": metrics.observe_prepare, "unprepare": metrics.observe_unprepare}
+
+    def on_call(what: str, results: dict, seconds: float) -> None:
+        per_claim = seconds / max(1, len(results))
+        for result in results.values():
+            failed = getattr(result, "error", result)  # PrepareResult or unprepare's error string
+            observe[what](not failed, per_claim)
+
+    return on_call
 
 
 class ClaimStatusObserver:
