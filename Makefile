@@ -28,7 +28,7 @@ test: $(STAMP) peers
 
 # Unit and integration tests only (they need the control plane's peers and helm, not the real node's).
 test-fast: $(STAMP)
-	tests/peers/build.sh control-plane helm
+	tests/peers/build.sh control-plane helm crds
 	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)

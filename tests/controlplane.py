@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import datetime
+import glob
 import itertools
 import json
 import os
@@ -70,6 +71,15 @@ def peer(name: str) -> str:
     if not os.access(path, os.X_OK):
         raise PeerMissing(f"test peer {name!r} is not built ({path} missing): {BUILD_HINT}")
     return path
+
+
+def peer_crds() -> list[str]:
+    """The CRD files ``tests/peers/build.sh crds`` put beside the peers' binaries."""
+    crds = os.path.join(os.path.dirname(PEERS_BIN), "crds")
+    paths = sorted(glob.glob(os.path.join(crds, "*.yaml")))
+    if not paths:
+        raise PeerMissing(f"no CRDs in {crds}: {BUILD_HINT}")
+    return paths
 
 
 def free_port() -> int:
@@ -234,6 +244,10 @@ _KINDS = {
     "DeviceTaintRule": ("/apis/resource.k8s.io/v1", "devicetaintrules", False),
     "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
     "ValidatingAdmissionPolicyBinding": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicybindings", False),
+    "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
+    # prometheus-operator's, for the chart's objects (tests/peers/build.sh crds)
+    "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors", True),
+    "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules", True),
 }
 
 

@@ -6,6 +6,7 @@ the config file accepted by the agent's own settings, deploy/*.yaml not stale.""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import yaml
@@ -13,7 +14,7 @@ import yaml
 from agent.cli import publishing
 from agent.settings import Settings, load_config_file
 from tests.conftest import REPO
-from tests.controlplane import APIError, resource_path
+from tests.controlplane import APIError, peer_crds, resource_path, wait_until
 from tests.helm import CHART, MANIFESTS, render, stale
 from tests.helm import helm as run_helm
 
@@ -215,10 +216,37 @@ def _objects_set(*sets: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(render(sets=sets)) if d]
 
 
+def _prometheus_operator_crds(apiserver) -> None:
+    """prometheus-operator's CRDs of the chart's ServiceMonitor and PrometheusRule (their schemas
+    validate those objects), established on the server."""
+    for path in peer_crds():
+        (crd,) = apiserver.apply(path)
+        name = crd["metadata"]["name"]
+        wait_until(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in
+                               (apiserver.get("CustomResourceDefinition", name).get("status") or {}).get("conditions") or []),
+                   30, what=f"CRD {name} established")  # fmt: skip
+
+
+def _dry_run(apiserver, obj: dict, path: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            apiserver.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                              params={"fieldManager": "helm-dry-run", "force": "true", "dryRun": "All"})  # fmt: skip
+            return
+        except APIError as err:
+            # a CRD just established may not be served for a moment yet
+            if err.status != 404 or obj["kind"] not in ("ServiceMonitor", "PrometheusRule") or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 @pytest.mark.parametrize("values", ["default", "all"])
 def test_server_accepts_every_object(apiserver, values):
     """Each rendered object through the real kube-apiserver's admission and validation
-    (dryRun=All): nothing is stored but the namespace the namespaced objects need."""
+    (dryRun=All), the ServiceMonitor and PrometheusRule against prometheus-operator's CRDs:
+    nothing is stored but the namespace the namespaced objects need (and those CRDs)."""
+    _prometheus_operator_crds(apiserver)
     ns = DRY_RUN_NS[values]
     objs = _objects(*([ALL] if values == "all" else []), namespace=ns)
     namespaces = [o for o in objs if o["kind"] == "Namespace"]  # only with namespace.create (all)
@@ -227,16 +255,15 @@ def test_server_accepts_every_object(apiserver, values):
     apiserver.apply(namespaces or [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}])
     checked = set()
     for obj in objs:
-        if obj["kind"] in ("Namespace", "ServiceMonitor", "PrometheusRule"):  # their CRDs are prometheus-operator's
+        if obj["kind"] == "Namespace":
             continue
         path = resource_path(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
         try:
-            apiserver.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
-                              params={"fieldManager": "helm-dry-run", "force": "true", "dryRun": "All"})  # fmt: skip
+            _dry_run(apiserver, obj, path)
         except APIError as err:
             pytest.fail(f"{values} values: {obj['kind']} {obj['metadata']['name']}: {err}")
         checked.add(obj["kind"])
     assert checked >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "DeviceClass",
                        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
     if values == "all":
-        assert "Service" in checked
+        assert {"Service", "ServiceMonitor", "PrometheusRule"} <= checked

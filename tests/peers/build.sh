@@ -8,6 +8,7 @@
 #   tests/peers/build.sh control-plane     # allocator etcd kube-apiserver kube-scheduler
 #   tests/peers/build.sh node              # kube-controller-manager kubelet containerd ctr containerd-shim-runc-v2 draplugin
 #   tests/peers/build.sh helm              # helm v3 (docs/install.md)
+#   tests/peers/build.sh crds              # prometheus-operator's ServiceMonitor and PrometheusRule CRDs
 #   tests/peers/build.sh --gen-replace     # print go.mod's replace block
 #
 # The Kubernetes peers share one module (tests/peers/go.mod); containerd v2 has a module of its
@@ -56,11 +57,39 @@ for t in "$@"; do
     *) targets+=("$t") ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=("${control_plane[@]}" "${node[@]}" helm)
+[ ${#targets[@]} -gt 0 ] || targets=("${control_plane[@]}" "${node[@]}" helm crds)
+
+# The CRDs of the chart's ServiceMonitor and PrometheusRule, from prometheus-operator's module (its
+# example/ holds the generated CRDs), into .peers/crds: tests/test_helm.py validates the chart's objects
+# of those kinds on the real API server against them. The module's hash is checked (and the sumdb's).
+PROM_OPERATOR=v0.85.0
+PROM_OPERATOR_SUM="h1:M5xLCLEoaW2IJfnuCwFzzpL+jSVQu3KGT84Pye+fW8s="
+crds() {
+  local out="$peers/crds" json dir
+  if [ "$(cat "$out/.version" 2>/dev/null)" = "$PROM_OPERATOR" ]; then
+    echo "peers: crds up to date ($out)"
+    return
+  fi
+  json="$(cd "$peers" && GOFLAGS=-modcacherw go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROM_OPERATOR")"
+  if ! grep -q "\"Sum\": \"$PROM_OPERATOR_SUM\"" <<<"$json"; then
+    echo "tests/peers/build.sh: prometheus-operator $PROM_OPERATOR does not have the hash $PROM_OPERATOR_SUM" >&2
+    exit 1
+  fi
+  dir="$(sed -n 's/.*"Dir": "\(.*\)",/\1/p' <<<"$json")"
+  mkdir -p "$out"
+  for kind in servicemonitors prometheusrules; do
+    cp "$dir/example/prometheus-operator-crd/monitoring.coreos.com_$kind.yaml" "$out/"
+  done
+  echo "$PROM_OPERATOR" > "$out/.version"
+  echo "peers: crds of prometheus-operator $PROM_OPERATOR in $out"
+}
 
 for t in "${targets[@]}"; do
   tags=""
   case "$t" in
+    crds)
+      crds
+      continue ;;
     containerd|ctr|containerd-shim-runc-v2)
       # CGO_ENABLED=0 leaves out the btrfs snapshotter's cgo; no_btrfs says so to the build
       mod="$here/containerd"; pkg="github.com/containerd/containerd/v2/cmd/$t"; tags="-tags=no_btrfs" ;;
