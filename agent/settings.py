@@ -119,16 +119,23 @@ def _taint_effects(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
+def ipam_config_problem(config: object) -> str | None:
+    """Why ``config`` is not a CNI IPAM configuration the agent runs: its ``type`` names a plugin
+    file of ``cni_bin_dir``, never a path (agent/prepare/ipam.py runs it as root); at most 16 KiB."""
+    if not isinstance(config, dict) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", str(config.get("type"))):
+        return "needs a 'type' naming a CNI IPAM plugin (host-local, whereabouts, ...)"
+    if len(json.dumps(config)) > 16 << 10:
+        return "larger than 16 KiB"
+    return None
+
+
 def _ipam(v: dict[str, dict]) -> dict[str, dict]:
-    """``nic_ipam``: pool name (a DNS label) -> a CNI IPAM configuration whose ``type`` names a
-    plugin file of ``cni_bin_dir``, never a path (agent/prepare/ipam.py runs it as root)."""
+    """``nic_ipam``: pool name (a DNS label) -> a CNI IPAM configuration (``ipam_config_problem``)."""
     for name, config in v.items():
         if not is_label(name):
             raise ValueError(f"pool {name!r}: not a DNS label")
-        if not isinstance(config, dict) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", str(config.get("type"))):
-            raise ValueError(f"pool {name!r}: needs a 'type' naming a CNI IPAM plugin (host-local, whereabouts, ...)")
-        if len(json.dumps(config)) > 16 << 10:
-            raise ValueError(f"pool {name!r}: larger than 16 KiB")
+        if problem := ipam_config_problem(config):
+            raise ValueError(f"pool {name!r}: {problem}")
     return v
 
 

@@ -94,6 +94,43 @@ def test_each_sandbox_gets_a_lease_that_goes_when_the_netdev_comes_back(tmp_path
     assert where(nets, IFNAME) == (True, False) and leases(d) == []
 
 
+@pytest.mark.parametrize("now", ["removed", "moved"])
+def test_a_lease_goes_back_with_the_configuration_it_was_asked_with(tmp_path, root, ifname_nets, now):
+    """The admin removes the pool, or gives it another dataDir, while a sandbox holds a lease of it
+    (the agent restarted with the new config): the DEL gets the ADD's configuration, as CNI asks,
+    and host-local frees the address where it leased it. New sandboxes get the pool as it is then."""
+    nets = ifname_nets
+    d = driver(tmp_path, root, nets)
+    assert d.prepare_claims([nic_claim({"ipamPool": "data"})])[CLAIM].error is None
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_started(pod(nets)))
+    assert leases(d) == ["10.77.0.10"]
+    assert record(d)["ipamConfig"] == {**POOL, "dataDir": os.path.join(d.settings.plugin_dir, "ipam")}
+    elsewhere = str(tmp_path / "elsewhere")
+    pools = {} if now == "removed" else {"data": {**POOL, "dataDir": elsewhere}}
+    restarted = d.settings.replace(nic_ipam=pools)
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=restarted).pod_removed(pod(nets)))
+    assert where(nets, IFNAME) == (True, False) and leases(d) == []
+    assert "ipamConfig" not in record(d) and "leased" not in record(d)
+    if now == "moved":  # the next sandbox: the pool as it is now
+        run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=restarted).pod_started(pod(nets, sandbox="sb2")))
+        assert record(d)["ipamConfig"]["dataDir"] == elsewhere and os.listdir(os.path.join(elsewhere, "sysdra-data"))
+    else:  # a removed pool leases no more: the sandbox fails, the netdev stays
+        with pytest.raises(NetdevError, match="IPAM pool 'data' is not configured"):
+            run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=restarted).pod_started(pod(nets, sandbox="sb2")))
+        assert where(nets, IFNAME) == (True, False)
+
+
+def test_a_claim_unprepared_after_its_pool_was_removed_gives_the_lease_back(tmp_path, root, ifname_nets):
+    nets = ifname_nets
+    d = driver(tmp_path, root, nets)
+    assert d.prepare_claims([nic_claim({"ipamPool": "data"})])[CLAIM].error is None
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_started(pod(nets)))
+    assert leases(d) == ["10.77.0.10"]
+    restarted = driver(tmp_path, root, nets, pools={})  # the agent restarted without the pool
+    assert restarted.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert where(nets, IFNAME) == (True, False) and leases(d) == []
+
+
 def test_a_pool_the_node_does_not_have_fails_the_claim(tmp_path, root, ifname_nets):
     d = driver(tmp_path, root, ifname_nets)
     err = d.prepare_claims([nic_claim({"ipamPool": "storage"})])[CLAIM].error
@@ -155,6 +192,15 @@ def test_a_pool_is_the_admins_and_checked(tmp_path):
                       ({"Data": POOL}, "not a DNS label")):
         with pytest.raises(ConfigError, match=said):
             settings_for(str(tmp_path), nic_ipam=bad)
+    # the configuration a move recorded is input too (a checkpoint's): the same checks
+    from pydantic import ValidationError
+
+    from agent.prepare.records import NetdevMove
+
+    for bad in ({"type": "../../bin/sh"}, {"ranges": []}, {**POOL, "pad": "x" * (16 << 10)}):
+        with pytest.raises(ValidationError, match="IPAM configuration"):
+            NetdevMove.model_validate({"device": "nic-a", "request": "net1", "host": "eth1", "pod": "net1",
+                                       "ipamPool": "data", "ipamConfig": bad})  # fmt: skip
     from agent.settings import Settings
 
     env = Settings.of({"node_name": "n", "nic_ipam": '{data: {type: host-local, ranges: [[{subnet: 10.77.0.0/24}]]}}'})

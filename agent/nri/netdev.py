@@ -248,11 +248,13 @@ class NetdevMover(Sandboxes):
             return  # the runtime repeated the event
         if move.state == "planned":  # on the host under its name: which link it is, before it moves
             move = netmove.identify(move, self.host_netns)
-        claims.put(uid, i, move := move.changed(state="moving"))
+        leasing = move.ipamPool and not move.leased  # one lease per sandbox, recorded before it is used
+        asked = {"ipamConfig": self._ipam().config_for(move.ipamPool)} if leasing and move.ipamConfig is None else {}
+        claims.put(uid, i, move := move.changed(state="moving", **asked))
         claims.save()
         self.fault("netdev:recorded")
-        if move.ipamPool and not move.leased:  # one lease per sandbox, recorded before it is used
-            addresses, routes = self._ipam().lease(move.ipamPool, move.sandbox, move.netns, move.pod)
+        if leasing:
+            addresses, routes = self._ipam().lease(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig)
             self.fault("netdev:leased")
             claims.put(uid, i, move := move.changed(leased=addresses, leasedRoutes=routes))
             claims.save()
@@ -295,7 +297,7 @@ class NetdevMover(Sandboxes):
         netmove.move_out(returning, self.host_netns, self.root)
         self.fault("netdev:returned")
         if move.ipamPool and move.sandbox:  # a lease the sandbox may hold, recorded or not: DEL takes either
-            self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod)
+            self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig)
         claims.put(uid, i, move.changed(state="planned", leased=[], leasedRoutes=[], **dict.fromkeys(_SEEN)))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
@@ -349,7 +351,7 @@ class NetdevMover(Sandboxes):
         return done
 
 
-_SEEN = ("sandbox", "netns", "mac", "index", "parent", "hostMtu")  # of one stay in a pod: read again for the next
+_SEEN = ("sandbox", "netns", "mac", "index", "parent", "hostMtu", "ipamConfig")  # of one stay in a pod: anew for the next
 
 
 def _for_pod(entry: dict, pod: Pod) -> bool:

@@ -63,43 +63,53 @@ class Ipam:
             return None
         return f"NicConfig ipamPool {pool!r} is not one of this node's IPAM pools ({', '.join(sorted(self.pools)) or 'none'}: nic_ipam)"
 
-    def _netconf(self, pool: str) -> bytes:
+    def config_for(self, pool: str) -> dict:
+        """The configuration a lease of ``pool`` is asked with now (host-local's leases where the
+        agent keeps them unless the pool says). The move records it before the ADD, and the DEL that
+        gives the lease back uses it, as CNI asks (a DEL gets the ADD's configuration): a pool
+        changed or removed meanwhile still gives back what it leased."""
+        if pool not in self.pools:
+            raise IpamError(f"IPAM pool {pool!r} is not configured (nic_ipam) any more")
         config = dict(self.pools[pool])
         if config["type"] == "host-local":
             config.setdefault("dataDir", self.data_dir)
-        return json.dumps({"cniVersion": CNI_VERSION, "name": f"sysdra-{pool}", "ipam": config}).encode()
+        return config
 
     def plugin(self, pool: str) -> str:
         """The pool's plugin as the agent runs it."""
         return os.path.join(self.bin_dir, self.pools[pool]["type"])
 
-    def _run(self, command: str, pool: str, sandbox: str, netns: str | None, ifname: str) -> bytes:
-        if pool not in self.pools:
-            raise IpamError(f"IPAM pool {pool!r} is not configured (nic_ipam) any more")
-        plugin = self.plugin(pool)
+    def _run(self, command: str, pool: str, config: dict, sandbox: str, netns: str | None, ifname: str) -> bytes:
+        plugin = os.path.join(self.bin_dir, config["type"])
+        netconf = json.dumps({"cniVersion": CNI_VERSION, "name": f"sysdra-{pool}", "ipam": config}).encode()
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
                "CNI_CONTAINERID": sandbox, "CNI_NETNS": netns or "", "CNI_IFNAME": ifname, "CNI_PATH": self.bin_dir}
         try:
-            done = subprocess.run([plugin], input=self._netconf(pool), env=env, capture_output=True, timeout=TIMEOUT)
+            done = subprocess.run([plugin], input=netconf, env=env, capture_output=True, timeout=TIMEOUT)
         except (OSError, subprocess.TimeoutExpired) as err:
             raise IpamError(f"IPAM pool {pool!r}: {plugin}: {err}") from None
         if done.returncode != 0:
             raise IpamError(f"IPAM pool {pool!r}: {command} failed: {_error(done.stdout, done.stderr)}")
         return done.stdout
 
-    def lease(self, pool: str, sandbox: str, netns: str, ifname: str) -> tuple[list[str], list[Route]]:
-        """A lease for the sandbox's netdev -> (addresses with their prefix, routes). Whatever the
-        pair held before (an ADD whose result was never recorded) is released first."""
-        self.release(pool, sandbox, netns, ifname)
-        out = self._run("ADD", pool, sandbox, netns, ifname)
+    def lease(self, pool: str, sandbox: str, netns: str, ifname: str,
+              config: dict | None = None) -> tuple[list[str], list[Route]]:
+        """A lease for the sandbox's netdev -> (addresses with their prefix, routes), asked with
+        ``config`` (the move's ``ipamConfig``; None: the pool's now). Whatever the pair held before
+        (an ADD whose result was never recorded) is released first."""
+        config = config if config is not None else self.config_for(pool)
+        self.release(pool, sandbox, netns, ifname, config)
+        out = self._run("ADD", pool, config, sandbox, netns, ifname)
         try:
             return _result(json.loads(out))
         except (ValueError, KeyError, TypeError, ValidationError) as err:
-            self.release(pool, sandbox, netns, ifname)
+            self.release(pool, sandbox, netns, ifname, config)
             raise IpamError(f"IPAM pool {pool!r}: the plugin's result is not one this agent can use: {err}") from None
 
-    def release(self, pool: str, sandbox: str, netns: str | None, ifname: str) -> None:
-        self._run("DEL", pool, sandbox, netns, ifname)
+    def release(self, pool: str, sandbox: str, netns: str | None, ifname: str, config: dict | None = None) -> None:
+        """The sandbox's lease given back with ``config``, the one it was asked with (None: the
+        pool's now, for a move recorded without it)."""
+        self._run("DEL", pool, config if config is not None else self.config_for(pool), sandbox, netns, ifname)
 
 
 def _error(stdout: bytes, stderr: bytes) -> str:

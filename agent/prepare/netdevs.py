@@ -8,11 +8,12 @@ The step that plans them at prepare is agent/prepare/steps/netdev.py; the NRI pl
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from agent.names import is_label, is_uid
+from agent.settings import ipam_config_problem
 
 IFNAMSIZ = 16
 IFNAME_ROOM = 12  # a base name's room when a number follows (names are at most 15 bytes)
@@ -64,8 +65,15 @@ def _pool(v: str) -> str:
     return v
 
 
+def _ipam_config(v: dict) -> dict:
+    if problem := ipam_config_problem(v):
+        raise ValueError(f"IPAM configuration: {problem}")
+    return v
+
+
 IfName = Annotated[str, AfterValidator(_ifname)]
 PoolName = Annotated[str, AfterValidator(_pool)]  # one of the node's nic_ipam pools (prepare/ipam.py)
+IpamConfig = Annotated[dict[str, Any], AfterValidator(_ipam_config)]  # a pool's configuration, as a lease was asked with
 Cidr = Annotated[str, AfterValidator(cidr)]
 Destination = Annotated[str, AfterValidator(_destination)]
 Ip = Annotated[str, AfterValidator(_ip)]

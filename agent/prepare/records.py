@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.names import is_label, is_subdomain, is_uid
 from agent.prepare.checkpoint_format import COMPLETED, STARTED
-from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, PoolName, Route
+from agent.prepare.netdevs import MAX_ADDRESSES, MAX_ROUTES, Cidr, IfName, IpamConfig, PoolName, Route
 from agent.quantity import parse_quantity
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS
 
@@ -163,7 +163,8 @@ class NetdevMove(Record):
     comes back. ``rdma``: the RDMA device that moves with it (exclusive RDMA netns mode only).
     ``allowHostInUse``: the claim's ``NicConfig`` said so (each move checks the host's use again).
     ``ipamPool``: the node's IPAM pool its addresses come from, ``leased`` (and ``leasedRoutes``)
-    what the pool gave for ``sandbox`` (prepare/ipam.py), beside the config's ``addresses``."""
+    what the pool gave for ``sandbox`` (prepare/ipam.py), beside the config's ``addresses``;
+    ``ipamConfig``: the pool's configuration the sandbox's lease is asked and given back with."""
 
     device: Name
     request: Name
@@ -178,6 +179,7 @@ class NetdevMove(Record):
     ipamPool: PoolName | None = None
     leased: list[Cidr] = Field(default_factory=list, max_length=MAX_ADDRESSES)  # the pool's lease for ``sandbox``
     leasedRoutes: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES)
+    ipamConfig: IpamConfig | None = None  # recorded before the ADD: the DEL uses it, whatever the pool says by then
     state: Literal["planned", "moving", "in-pod", "returning"] = "planned"
     sandbox: SandboxId | None = None
     netns: NetnsPath | None = None
