@@ -244,6 +244,7 @@ _KINDS = {
     "DeviceTaintRule": ("/apis/resource.k8s.io/v1", "devicetaintrules", False),
     "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
     "ValidatingAdmissionPolicyBinding": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicybindings", False),
+    "ResourceQuota": ("/api/v1", "resourcequotas", True),
     "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
     # prometheus-operator's, for the chart's objects (tests/peers/build.sh crds)
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors", True),

@@ -22,7 +22,7 @@ CHART = os.path.join(REPO, "deploy", "helm", "sysdra")
 KUBE_VERSION = "v1.37.2"  # the control plane's (tests/peers/go.mod)
 RELEASE, NAMESPACE = "sysdra", "sysdra"
 # the templates that deploy/ holds as plain manifests, rendered with the default values (and the namespace)
-MANIFESTS = ("namespace", "rbac", "admission-policy", "deviceclasses", "configmap", "daemonset")
+MANIFESTS = ("namespace", "resourcequota", "rbac", "admission-policy", "deviceclasses", "configmap", "daemonset")
 HEADER = ("# Generated from deploy/helm/sysdra (helm template, default values, namespace.create=true) by `make manifests`:\n"
           "# edit the chart, never this file. `helm install` is the way to install (docs/install.md).\n")  # fmt: skip
 _SOURCE = re.compile(r"^# Source: [^/]+/templates/(?P<name>[^\n]+)\.yaml\n", re.M)

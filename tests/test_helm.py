@@ -133,6 +133,9 @@ def test_default_daemonset():
         assert hostpaths[mounts[path]["name"]] == path and not mounts[path].get("readOnly")
     assert not any(m.startswith("/host/run") or m == "/host" for m in mounts)  # no driver root unless asked
     assert c["image"] == "ghcr.io/sysdra/sysdra:0.1.0" and not {"ServiceMonitor", "PrometheusRule"} & {o["kind"] for o in objs}
+    # the pods' system-critical priority is admitted where a quota covers it (GKE; tests/test_helm_realnode.py)
+    (scope,) = _one(objs, "ResourceQuota")["spec"]["scopeSelector"]["matchExpressions"]
+    assert scope == {"scopeName": "PriorityClass", "operator": "In", "values": [pod["priorityClassName"]]}
     # netdevs into pods (docs/networking.md): the runtime's NRI socket, the pods' namespaces as they
     # come (propagated), the host's init for its namespace, and what moving netdevs needs
     assert "--nri-socket=/var/run/nri/nri.sock" in c["args"] and pod["hostPID"] is True
@@ -241,6 +244,12 @@ def _dry_run(apiserver, obj: dict, path: str) -> None:
             time.sleep(0.2)
 
 
+@pytest.mark.parametrize("sets", [("criticalPodsQuota=false",), ("priorityClassName=",),
+                                  ("priorityClassName=sysdra-high",)])
+def test_no_quota_where_no_critical_priority_needs_one(sets):
+    assert "ResourceQuota" not in {o["kind"] for o in yaml.safe_load_all(render(sets=sets)) if o}
+
+
 @pytest.mark.parametrize("values", ["default", "all"])
 def test_server_accepts_every_object(apiserver, values):
     """Each rendered object through the real kube-apiserver's admission and validation
@@ -264,6 +273,6 @@ def test_server_accepts_every_object(apiserver, values):
             pytest.fail(f"{values} values: {obj['kind']} {obj['metadata']['name']}: {err}")
         checked.add(obj["kind"])
     assert checked >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "DeviceClass",
-                       "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+                       "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ResourceQuota"}  # fmt: skip
     if values == "all":
         assert {"Service", "ServiceMonitor", "PrometheusRule"} <= checked

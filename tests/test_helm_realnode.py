@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, require_root, require_tool
-from tests.controlplane import load_yaml, peer, unique
+from tests.controlplane import APIError, load_yaml, peer, unique
 from tests.helm import CHART, helm
 from tests.podman import build_agent_image
 from tests.realnode import DRIVER, RealNode
@@ -33,14 +33,29 @@ VERSION, NEXT = "0.1.0", "0.1.0-next"
 GPU_REQUEST = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}
 
 
+# GKE's policy for the system-critical priority classes (the ResourceQuota admission's
+# limitedResources): their pods only in namespaces with a quota that covers them
+CRITICAL_PODS_ONLY_WITH_A_QUOTA = {
+    "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
+    "plugins": [{"name": "ResourceQuota", "configuration": {
+        "apiVersion": "apiserver.config.k8s.io/v1", "kind": "ResourceQuotaConfiguration",
+        "limitedResources": [{"resource": "pods", "matchScopes": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical", "system-cluster-critical"]}]}]}}],
+}  # fmt: skip
+
+
 class HelmNode(RealNode):
     """The real node without deploy/'s manifests and the agent process: the chart brings both.
     The runtime's CDI dir is the node's /var/run/cdi (the chart's default), which is ``cdi_dir``
-    outside the node's mount namespace."""
+    outside the node's mount namespace. Its API server admits system-critical pods as GKE does."""
 
     def __post_init__(self):
         super().__post_init__()
         self.cdi_dir = os.path.join(self.dir, "ns", "run", "cdi")
+        config = os.path.join(self.dir, "admission.yaml")
+        with open(config, "w") as f:
+            yaml.safe_dump(CRITICAL_PODS_ONLY_WITH_A_QUOTA, f)
+        self.apiserver_args = [*self.apiserver_args, f"--admission-control-config-file={config}"]
 
     def _apply_deploy(self) -> None:
         pass
@@ -232,6 +247,11 @@ def test_install_upgrade_uninstall(node):
     ns = unique("helm")
     node.plane.create_namespace(ns)
     node.plane.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
+    # the GKE-like policy is on: a system-node-critical pod where no quota covers it is refused
+    critical = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "critical", "namespace": ns},
+                "spec": {"priorityClassName": "system-node-critical", "containers": [{"name": "c", "image": "busybox"}]}}
+    with pytest.raises(APIError, match="insufficient quota to match these scopes"):
+        node.plane.request("POST", f"/api/v1/namespaces/{ns}/pods", body=critical, params={"dryRun": "All"})
 
     # install: the DaemonSet's pod publishes, registers, and prepares a claim
     run_helm(node, "install", "sysdra", CHART, "--namespace", "sysdra", "--create-namespace", "--values", node.values)
