@@ -119,13 +119,13 @@ def _taint_effects(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
-def ipam_config_problem(config: object) -> str | None:
+def ipam_config_problem(config: object, limit: int = 16 << 10) -> str | None:
     """Why ``config`` is not a CNI IPAM configuration the agent runs: its ``type`` names a plugin
-    file of ``cni_bin_dir``, never a path (agent/prepare/ipam.py runs it as root); at most 16 KiB."""
+    file of ``cni_bin_dir``, never a path (agent/prepare/ipam.py runs it as root); at most ``limit`` bytes."""
     if not isinstance(config, dict) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", str(config.get("type"))):
         return "needs a 'type' naming a CNI IPAM plugin (host-local, whereabouts, ...)"
-    if len(json.dumps(config)) > 16 << 10:
-        return "larger than 16 KiB"
+    if len(json.dumps(config)) > limit:
+        return f"larger than {limit >> 10} KiB"
     return None
 
 

@@ -131,8 +131,8 @@ def test_a_real_prometheus_alerts_on_a_real_agent(tmp_path):
     prometheus = None
     try:
         prometheus = _Prometheus(tmp_path, f"127.0.0.1:{port}")
-        prometheus.wait("the agent scraped", lambda: [t for t in prometheus.get("/api/v1/targets")["activeTargets"]
-                                                      if t["health"] == "up"])  # fmt: skip
+        # `up` is stored with the scrape's samples (a target's health is reported before they are)
+        prometheus.wait("the agent scraped", lambda: prometheus.query('up{job="sysdra"} == 1'))
         # every series the rules select, from the first scrape on
         for rule in _rules():
             for selector in _SELECTOR.findall(rule["expr"]):

@@ -21,6 +21,7 @@ import pytest
 
 from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource, KubeClaimSource
+from agent.kubeletplugin.service import GAVE_UP as GAVE_UP_ERROR
 from agent.kubeletplugin.service import SerializeLock
 from agent.prepare.driver import Driver
 from tests.controlplane import unique, wait_until
@@ -80,6 +81,8 @@ def test_a_prepare_the_kubelet_gave_up_on_prepares_nothing(tmp_path, caplog):
     """Its thread waited for the lock (another instance held it) past the kubelet's deadline."""
     caplog.set_level(logging.WARNING, logger="agent.kubeletplugin.service")
     e = Env(tmp_path)
+    calls = []  # what the agent's metrics count (agent.service.observers.call_observer)
+    e.plugin.observe = lambda what, results, seconds: calls.append((what, {u: r.error for u, r in results.items()}))
     held, release = threading.Event(), threading.Event()
     lock_path = os.path.join(e.settings.plugin_dir, "serialize.lock")
 
@@ -99,9 +102,10 @@ def test_a_prepare_the_kubelet_gave_up_on_prepares_nothing(tmp_path, caplog):
             await asyncio.to_thread(wait_until, lambda: ended[0] == 1, 30, what="the abandoned prepare's thread")
             uid = c["metadata"]["uid"]
             assert uid not in e.driver.checkpoint.claims and not os.path.exists(_spec(e.settings, uid))
+            assert calls == [("prepare", {uid: GAVE_UP_ERROR})]  # an error, as the kubelet saw it
             # nothing stays behind: the kubelet's retry prepares it
             assert (await e.kubelet.prepare(c)).claims[uid].error == ""
-            assert os.path.exists(_spec(e.settings, uid))
+            assert os.path.exists(_spec(e.settings, uid)) and calls[1:] == [("prepare", {uid: None})]
     asyncio.run(main())
 
 

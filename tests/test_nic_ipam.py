@@ -197,7 +197,7 @@ def test_a_pool_is_the_admins_and_checked(tmp_path):
 
     from agent.prepare.records import NetdevMove
 
-    for bad in ({"type": "../../bin/sh"}, {"ranges": []}, {**POOL, "pad": "x" * (16 << 10)}):
+    for bad in ({"type": "../../bin/sh"}, {"ranges": []}, {**POOL, "pad": "x" * (20 << 10)}):
         with pytest.raises(ValidationError, match="IPAM configuration"):
             NetdevMove.model_validate({"device": "nic-a", "request": "net1", "host": "eth1", "pod": "net1",
                                        "ipamPool": "data", "ipamConfig": bad})  # fmt: skip

@@ -27,6 +27,7 @@ from tests.nri_standin import Runtime
 from tests.test_agent_service import _agent, _free_port, _stop
 from tests.test_node_operations import _wait
 from tests.test_nri_protocol import Recorder
+from tests.test_nri_netdev import nets  # noqa: F401  (the fixture)
 
 
 def run(coro):
@@ -238,3 +239,27 @@ def test_the_board_and_metrics_follow_the_plugin(caplog):
     assert sample("sysdra_nri_connected") == 0 and board.snapshot()["lastError"]["where"] == "nri"
     assert board.summary().endswith("; NRI failed (sysdra status)")
     assert [r.levelno for r in caplog.records if "prepared with netdev(s)" in r.getMessage()] == [logging.INFO]
+
+
+def test_netdevs_in_their_pods_do_not_wait_for_nri_when_it_goes(tmp_path, nets):
+    """The board learns each move as it is saved (the mover's ``on_saved``), so an NRI connection
+    lost later counts only the claims whose netdevs are still on the host; NRI off on purpose
+    (``nri_socket: ""``) counts none in the metric. Real kernel namespaces (tests/test_nri_netdev.py)."""
+    from agent.prepare.checkpoint import Checkpoint
+    from agent.service.metrics import Metrics
+    from agent.service.status import StatusBoard
+    from tests.test_nri_netdev import mover, pod, run, write_checkpoint
+
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    metrics = Metrics(process=False)
+    board = StatusBoard("node-a", "sysdra.io", metrics=metrics)
+    board.set_prepared_claims(Checkpoint.load(str(tmp_path / "checkpoint.json")).claims)  # as prepare left them
+    waiting = lambda: metrics.registry.get_sample_value("sysdra_nri_claims_waiting")  # noqa: E731
+    board.set_nri({"state": "registered", "socket": "/run/nri.sock"})
+    run(mover(tmp_path, nets, on_saved=board.set_prepared_claims).pod_started(pod(nets)))
+    board.set_nri({"state": "failed", "reason": "connection to /run/nri.sock lost"})
+    assert board.nri_waiting == [] and waiting() == 0  # the netdev is in its pod
+    run(mover(tmp_path, nets, on_saved=board.set_prepared_claims).pod_stopped(pod(nets)))
+    assert [c["netdevs"] for c in board.nri_waiting] == [[nets.nic]] and waiting() == 1  # back: its next sandbox waits
+    board.set_nri({"state": "disabled", "reason": "nri_socket is empty"})
+    assert board.nri_waiting and waiting() == 0  # NRI off on purpose: no alert (sysdra status still lists it)

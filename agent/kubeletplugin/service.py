@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MAX_CLAIMS = 1000  # per call; the kubelet sends the claims of one pod
 THREADS = 8  # kubelet calls in worker threads at once (reading claims, or waiting for the lock)
 READ_THREADS = 8  # claim reads at once, all calls together: each waits on the API server, not a CPU
+GAVE_UP = "the kubelet gave up on this call (deadline or cancel)"  # how such a call's claims count in metrics
 READ_BUDGET = 30.0  # seconds for a call's claim reads: the rest of the kubelet's 45 s is the lock's and the driver's
 
 
@@ -277,8 +278,12 @@ class Prepare:
         out = {uid: PrepareResult(error=e) for uid, e in errors.items()}
         for uid, err in errors.items():
             log.warning("prepare claim %s: %s", uid, err)
-        if ok:
-            out.update(await self._in_thread("prepare", self._prepare, list(ok.values())))
+        try:
+            if ok:
+                out.update(await self._in_thread("prepare", self._prepare, list(ok.values())))
+        except asyncio.CancelledError:  # the kubelet gave up: to it, every claim of the call failed
+            self._observed("prepare", {**dict.fromkeys(ok, PrepareResult(error=GAVE_UP)), **out}, t0)
+            raise
         self._observed("prepare", out, t0)
         return out
 
@@ -315,8 +320,12 @@ class Prepare:
         out: dict[str, str | None] = dict(errors)
         for uid, err in errors.items():  # the driver logs the outcome of the claims it gets
             log.warning("unprepare claim %s: %s", uid, err)
-        if ok:
-            out.update(await self._in_thread("unprepare", self._unprepare, list(ok.values())))
+        try:
+            if ok:
+                out.update(await self._in_thread("unprepare", self._unprepare, list(ok.values())))
+        except asyncio.CancelledError:
+            self._observed("unprepare", {**dict.fromkeys(ok, GAVE_UP), **out}, t0)
+            raise
         self._observed("unprepare", out, t0)
         return out
 

@@ -55,6 +55,7 @@ class _Claims:
     def __init__(self, cp: Checkpoint):
         self.cp = cp
         self.changed: set[str] = set()
+        self.saved = False
 
     def moves(self) -> list[tuple[str, int, NetdevMove]]:
         """(claim UID, index in its ``netdevs``, record) of every prepared claim."""
@@ -74,7 +75,7 @@ class _Claims:
     def save(self) -> None:
         if self.changed:
             self.cp.save(changed=self.changed)
-            self.changed = set()
+            self.changed, self.saved = set(), True
 
 
 class NetdevMover(Sandboxes):
@@ -83,10 +84,11 @@ class NetdevMover(Sandboxes):
     none written); ``status``: the claim status writer (its ``submit``), or None; ``saved``: the
     in-process driver's last save (``Driver.saved``), which spares a look reading the files;
     ``repair``: the in-process driver's recovery of a damaged checkpoint (``Driver.repair_checkpoint``),
-    run holding the locks when the files cannot be read."""
+    run holding the locks when the files cannot be read; ``on_saved``: the claims as saved, after an
+    event changed records (the status board's view of which netdevs are in their pods)."""
 
     def __init__(self, plugin_dir: str, host_netns: str = "/proc/self/ns/net", settings=None, status=None,
-                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None, repair=None):
+                 fault=lambda point: None, lock_timeout: float = LOCK_TIMEOUT, saved=None, repair=None, on_saved=None):
         super().__init__()
         self.root = settings.root if settings is not None else "/"  # whose sysfs says a NIC function is on the bus
         self.allow_host_in_use = bool(settings is not None and settings.allow_host_in_use_nics)
@@ -101,7 +103,7 @@ class NetdevMover(Sandboxes):
         self.fault = fault  # tests: a crash between steps
         self._view = CheckpointView(self.checkpoint_path, saved)  # the look without the plugin's lock
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
-        self.repair = repair
+        self.repair, self.on_saved = repair, on_saved
 
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
@@ -180,6 +182,8 @@ class NetdevMover(Sandboxes):
                     return work(claims, *args)
                 finally:
                     claims.save()  # what was done before a failure stays recorded
+                    if claims.saved and self.on_saved is not None:
+                        self.on_saved(dict(claims.cp.claims))
         finally:
             self._lock.release()
 

@@ -21,22 +21,26 @@ def crash_at(point: str):
     return lambda at: os.kill(os.getpid(), signal.SIGKILL) if at == point else None
 
 
-def follow_pod_sandboxes(settings, kubelet_plugin=None, on_state=None) -> list[asyncio.Task]:
+def follow_pod_sandboxes(settings, kubelet_plugin=None, board=None) -> list[asyncio.Task]:
     """The agent's NRI plugin as a task (none when ``nri_socket`` is empty): it moves the
     netdevs of the claims the driver prepared (their checkpoint) into their pods; the kubelet
-    plugin's claim status writer (if any) gets the claims' networkData after a move; ``on_state``
-    its state at every change (agent.nri.plugin.State.report)."""
+    plugin's claim status writer (if any) gets the claims' networkData after a move; the status
+    board (agent.service.status.StatusBoard, if any) the plugin's state at every change and the
+    claims as the moves saved them."""
     if not settings.nri_socket:
         return []
     status = getattr(kubelet_plugin, "status", None)
     driver = getattr(kubelet_plugin, "driver", None)
     point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
+    loop = asyncio.get_running_loop()
     mover = NetdevMover(settings.plugin_dir, netmove.host_netns(settings.root), settings=settings,
                         status=status.submit if status is not None else None,
                         fault=crash_at(point) if point else (lambda at: None),
                         saved=(lambda: getattr(driver, "saved", None)) if driver is not None else None,
-                        repair=getattr(driver, "repair_checkpoint", None))
-    loop = asyncio.get_running_loop()
+                        repair=getattr(driver, "repair_checkpoint", None),
+                        on_saved=(lambda claims: loop.call_soon_threadsafe(board.set_prepared_claims, claims))
+                        if board is not None else None)  # (the mover's threads: the board is the loop's)
+    on_state = board.set_nri if board is not None else None
     return [loop.create_task(NriPlugin(settings.nri_socket, mover, on_state=on_state).run(), name="nri"),
             loop.create_task(mover.watch(), name="nri-netdevs"),
             loop.create_task(asyncio.to_thread(_say_what_moves_lack, settings.root), name="nri-rights")]

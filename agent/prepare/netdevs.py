@@ -66,7 +66,8 @@ def _pool(v: str) -> str:
 
 
 def _ipam_config(v: dict) -> dict:
-    if problem := ipam_config_problem(v):
+    # a pool's configuration (at most 16 KiB) and the dataDir the agent writes into host-local's
+    if problem := ipam_config_problem(v, limit=20 << 10):
         raise ValueError(f"IPAM configuration: {problem}")
     return v
 

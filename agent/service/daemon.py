@@ -20,9 +20,8 @@ from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
 from agent.prepare.checkpoint import CheckpointError
-from agent.service import heap, loops, scanning, sdnotify, startup
+from agent.service import heap, loops, reload as reloading, scanning, sdnotify, startup
 from agent.service.listfallback import ListFallback
-from agent.service import reload as reloading
 from agent.service.hostnics import HostNics
 from agent.service.inpod import InPodNetdevs
 from agent.service.scanning import default_scan
@@ -90,6 +89,7 @@ class Agent:
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)
                 publish_metrics.INVALID_DEVICES.inc()
         self._rejected_seen = set(pool.rejected)
+        publish_metrics.LEFT_OUT.set(len(pool.rejected))
         return pool
 
     def _scan(self, settings: Settings, changed: set[str] | None) -> object:
@@ -325,7 +325,7 @@ class Agent:
         sdnotify.ready(self.board.summary())
         from agent.nri.start import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
         tasks += [loop.create_task(self._report_status(), name="sd-status"),
-                  *follow_pod_sandboxes(self.settings, self.kubelet_plugin, on_state=self.board.set_nri)]
+                  *follow_pod_sandboxes(self.settings, self.kubelet_plugin, board=self.board)]
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)

@@ -109,8 +109,8 @@ class StatusBoard:
         the netdevs stay on the host. Each such claim is logged once (a WARNING, INFO with NRI off)."""
         self._nri_waiting = None
         state = self.nri.get("state")
-        if self.metrics is not None:
-            self.metrics.set_nri_claims_waiting(len(self.nri_waiting))
+        if self.metrics is not None:  # NRI off on purpose (nri_socket ""): nothing waits for it
+            self.metrics.set_nri_claims_waiting(0 if state == "disabled" else len(self.nri_waiting))
         for c in self.nri_waiting:
             if c["uid"] not in self._nri_told:
                 self._nri_told.add(c["uid"])
