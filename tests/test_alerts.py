@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, require_tool
+from tests.controlplane import wait_until
 from tests.kubelet_standin import KubeletStandIn, claim
 from tests.test_agent_service import _agent, _free_port, _stop
 
@@ -98,16 +98,9 @@ class _Prometheus:
                 if a["labels"]["alertname"] != but}
 
     def wait(self, what: str, check, timeout: float = 60.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if got := check():
-                    return got
-            except OSError:  # not listening yet
-                pass
-            assert time.monotonic() < deadline, f"{what}: not within {timeout} s; alerts {self.alerts()}"
-            time.sleep(0.25)
+        """The first true ``check()`` (tests.controlplane.wait_until), with the alerts and the log if none."""
+        return wait_until(check, timeout, what=what, proc=self.proc,
+                          tail=lambda: f"alerts {self.alerts()}\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -75,12 +75,12 @@ class Ipam:
             config.setdefault("dataDir", self.data_dir)
         return config
 
-    def plugin(self, pool: str) -> str:
-        """The pool's plugin as the agent runs it."""
-        return os.path.join(self.bin_dir, self.pools[pool]["type"])
+    def plugin(self, pool: str, config: dict | None = None) -> str:
+        """The plugin of ``config`` (None: the pool's now) as the agent runs it."""
+        return os.path.join(self.bin_dir, (config if config is not None else self.pools[pool])["type"])
 
     def _run(self, command: str, pool: str, config: dict, sandbox: str, netns: str | None, ifname: str) -> bytes:
-        plugin = os.path.join(self.bin_dir, config["type"])
+        plugin = self.plugin(pool, config)
         netconf = json.dumps({"cniVersion": CNI_VERSION, "name": f"sysdra-{pool}", "ipam": config}).encode()
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
                "CNI_CONTAINERID": sandbox, "CNI_NETNS": netns or "", "CNI_IFNAME": ifname, "CNI_PATH": self.bin_dir}
