@@ -181,6 +181,34 @@ def test_every_claim_answered_with_its_own_error(env):
     run(main())
 
 
+def test_a_result_the_kubelet_cannot_be_sent_is_that_claims_error_and_counted_so(env):
+    """A driver bug (a device the answer cannot carry) fails only its claim, on both the kubelet's
+    answer and the metrics; no status entries are handed on for it."""
+    prepare_claims = env.driver.prepare_claims
+
+    def buggy(claims):
+        out = prepare_claims(claims)
+        for uid, res in out.items():
+            if any(c["metadata"]["name"] == "bad" and c["metadata"]["uid"] == uid for c in claims):
+                res.devices[0].cdi_ids = [*res.devices[0].cdi_ids, 7]
+        return out
+
+    env.driver.prepare_claims = buggy
+    calls = []
+    env.plugin.observe = lambda what, results, seconds: calls.append({u: r.error for u, r in results.items()})
+
+    async def main():
+        async with env as e:
+            good = store_claim(e.settings, claim("good", [("r", "gpu-0000-1b-00-0")]))
+            bad = store_claim(e.settings, claim("bad", [("r", "gpu-0000-1c-00-0")]))
+            resp = await e.kubelet.prepare(good, bad)
+            assert resp.claims[good["metadata"]["uid"]].error == "" and resp.claims[good["metadata"]["uid"]].devices
+            err = resp.claims[bad["metadata"]["uid"]]
+            assert err.error.startswith("internal error encoding the result") and not err.devices
+            assert calls == [{good["metadata"]["uid"]: None, bad["metadata"]["uid"]: err.error}]
+    run(main())
+
+
 @pytest.mark.parametrize("ns,name,uid,msg", [
     ("default", "c", "", "uid is empty"),
     ("", "c", "7f1c7a52-0000-4000-8000-000000000000", "namespace is empty"),

@@ -36,7 +36,7 @@ class ApiFailure(Exception):
 
 
 def _path(namespace: str, name: str) -> str:
-    # namespace and name were checked as DNS names (service.check_ref): nothing to escape
+    # namespace and name were checked as DNS names (claimcheck.check_ref): nothing to escape
     return f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 
 

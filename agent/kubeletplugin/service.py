@@ -4,11 +4,11 @@ The core (``Prepare``) checks every claim, fetches ResourceClaims *before* takin
 serialization lock (an API round trip must not block other calls), and answers every
 requested UID; a bad claim gets its own ``error``, never a gRPC error for the call.
 
-A prepare is one trip to a worker thread of the core's own: the claims' reads (a call's several
-claims at once, in reader threads, within a budget), then the driver under the lock, then the
-results' ``status.devices`` entries handed to the status writer (whose threads write them later). Each trip between the event loop and a thread costs about 0.3 ms of
-CPU on a small node (measured, issue 43), as much as the claim's read itself; the loop only
-decodes the kubelet's request and encodes the answer.
+A prepare is one trip to a worker thread of the core's own (a trip costs as much CPU as a
+claim's read, measured in issue 43): the claims' reads (a call's several claims at once, in
+reader threads, within a budget), then the driver under the lock, then the results'
+``status.devices`` entries handed to the status writer (whose threads write them later). The
+loop only decodes the kubelet's request and encodes the answer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import grpc
 
-from agent import names
+from agent.kubeletplugin.claimcheck import check_claim, check_ref
 from agent.kubeletplugin.claims import ClaimError, ClaimSource
 from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PrepareResult, base_request
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
@@ -35,62 +35,8 @@ MAX_CLAIMS = 1000  # per call; the kubelet sends the claims of one pod
 THREADS = 8  # kubelet calls in worker threads at once (reading claims, or waiting for the lock)
 READ_THREADS = 8  # claim reads at once, all calls together: each waits on the API server, not a CPU
 GAVE_UP = "the kubelet gave up on this call (deadline or cancel)"  # how such a call's claims count in metrics
+NO_RESULT = "internal error: driver returned no result"
 READ_BUDGET = 30.0  # seconds for a call's claim reads: the rest of the kubelet's 45 s is the lock's and the driver's
-
-
-def check_ref(ref: ClaimRef) -> str | None:
-    """Why the kubelet's claim reference is unusable, or None. Nothing unchecked reaches a path."""
-    for field, value in (("uid", ref.uid), ("namespace", ref.namespace), ("name", ref.name)):
-        if not value:
-            return f"claim {field} is empty"
-        if len(value) > 253:
-            return f"claim {field} is {len(value)} characters long (at most 253)"
-        if "/" in value or "\\" in value or ".." in value or "\x00" in value:
-            return f"claim {field} {value!r} contains a path separator or '..'"
-    if not names.is_uid(ref.uid):
-        return f"claim uid {ref.uid!r} is malformed"
-    if not names.is_label(ref.namespace):
-        return f"claim namespace {ref.namespace!r} is not a DNS label"
-    if not names.is_subdomain(ref.name):
-        return f"claim name {ref.name!r} is not a DNS subdomain"
-    return None
-
-
-def check_claim(ref: ClaimRef, claim: object) -> str | None:
-    """Why the fetched ResourceClaim cannot be used for ``ref``, or None. Its identity must be
-    the request's (the object, not the kubelet, would otherwise choose our paths), and the
-    parts the driver reads must have their API types."""
-    what = f"ResourceClaim {ref.namespace}/{ref.name}"
-    if not isinstance(claim, dict):
-        return f"{what} is not an object"
-    meta = claim.get("metadata")
-    if not isinstance(meta, dict):
-        return f"{what}: metadata is not an object"
-    for field, want in (("namespace", ref.namespace), ("name", ref.name)):
-        if meta.get(field) != want:
-            return f"{what}: its metadata.{field} is {meta.get(field)!r}, not the requested {want!r}"
-    uid = meta.get("uid")
-    if uid != ref.uid:
-        return f"{what} has UID {uid}, not {ref.uid}: it was replaced"
-    annotations = meta.get("annotations")
-    if annotations is not None and not (isinstance(annotations, dict)
-                                        and all(isinstance(k, str) and isinstance(v, str) for k, v in annotations.items())):
-        return f"{what}: metadata.annotations is not a map of strings"
-    status = claim.get("status")
-    if status is not None and not isinstance(status, dict):
-        return f"{what}: status is not an object"
-    alloc = (status or {}).get("allocation")
-    if not alloc:
-        return f"{what} is not allocated"
-    if not isinstance(alloc, dict):
-        return f"{what}: status.allocation is not an object"
-    devices = alloc.get("devices")
-    if devices is not None and not isinstance(devices, dict):
-        return f"{what}: status.allocation.devices is not an object"
-    results = (devices or {}).get("results")
-    if results is not None and not isinstance(results, list):
-        return f"{what}: status.allocation.devices.results is not a list"
-    return None
 
 
 class SerializeLock:
@@ -247,7 +193,7 @@ class Prepare:
                 results = {c["metadata"]["uid"]: PrepareResult(error=f"internal error: {err}") for c in claims}
             for c in claims:
                 uid = c["metadata"]["uid"]
-                res = out[uid] = results.get(uid) or PrepareResult(error="internal error: driver returned no result")
+                res = out[uid] = encodable(uid, results.get(uid) or PrepareResult(error=NO_RESULT))
                 if self.status is not None and not res.error and res.status is not None:
                     self.status.submit(by_uid[uid], res.status, seen=c)
         return out
@@ -308,7 +254,7 @@ class Prepare:
         except Exception as err:
             log.exception("driver failed to unprepare claims")
             return {r.uid: f"internal error: {err}" for r in refs}
-        out = {r.uid: results[r.uid] if r.uid in results else "internal error: driver returned no result" for r in refs}
+        out = {r.uid: results[r.uid] if r.uid in results else NO_RESULT for r in refs}
         for ref in refs:
             if self.status is not None and out[ref.uid] is None:
                 self.status.release(ref)  # our entries go with the prepared devices
@@ -338,6 +284,28 @@ def _request_names(requests: list[str]) -> list[str]:
     return list(dict.fromkeys(base_request(r) for r in requests))
 
 
+def encode_devices(entry: Any, devices: list, share_id: bool) -> None:
+    """A claim's prepared devices into its answer ``entry`` (either version's message)."""
+    for d in devices:
+        dev = entry.devices.add(request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
+                                cdi_device_ids=d.cdi_ids)
+        if d.share_id and share_id:
+            dev.share_id = d.share_id
+
+
+def encodable(uid: str, res: PrepareResult) -> PrepareResult:
+    """``res``, or an error when the kubelet cannot be sent it: a driver bug stays one claim's
+    error, and is counted so (metrics count before the answer is encoded)."""
+    if res.error:
+        return res
+    try:
+        encode_devices(dra_v1_pb2.NodePrepareResourceResponse(), res.devices, True)  # v1 is v1beta1 + share_id
+    except (TypeError, ValueError, AttributeError) as err:
+        log.exception("claim %s: cannot encode the prepare result", uid)
+        return PrepareResult(error=f"internal error encoding the result: {err}")
+    return res
+
+
 class _DRAPluginServicer:
     """NodePrepare/NodeUnprepare for one API version; ``pb`` is that version's messages.
 
@@ -357,18 +325,7 @@ class _DRAPluginServicer:
             if res.error:
                 entry.error = res.error
                 continue
-            try:
-                for d in res.devices:
-                    dev = entry.devices.add(
-                        request_names=_request_names(d.requests), pool_name=d.pool, device_name=d.device,
-                        cdi_device_ids=d.cdi_ids,
-                    )
-                    if d.share_id and self.has_share_id:
-                        dev.share_id = d.share_id
-            except (TypeError, ValueError) as err:  # the driver validates; this only keeps one claim's bug its own
-                log.exception("claim %s: cannot encode the prepare result", uid)
-                entry.Clear()
-                entry.error = f"internal error encoding the result: {err}"
+            encode_devices(entry, res.devices, self.has_share_id)  # the core made sure it can
         return resp
 
     async def NodeUnprepareResources(self, request, context: grpc.aio.ServicerContext):

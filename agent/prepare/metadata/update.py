@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from agent.apilimits import MAX_HARDWARE_ADDRESS, MAX_INTERFACE_NAME, MAX_IPS
 from agent.kubeletplugin import devicestatus
-from agent.kubeletplugin.service import check_ref
+from agent.kubeletplugin.claimcheck import check_ref
 from agent.kubeletplugin.types import ClaimRef, base_request
 from agent.prepare.checkpoint import COMPLETED, Checkpoint, CheckpointError
 from agent.prepare.metadata import layout, store
