@@ -3,39 +3,38 @@ scheduler's own DRA allocator, all built from upstream Go modules by tests/peers
 into .peers/bin (docs/control-plane.md).
 
 ``ControlPlane`` starts etcd and kube-apiserver on 127.0.0.1 (random free ports, data and
-certificates in a temporary directory made at test time), with ``--authorization-mode=Node,RBAC``
-and the DRA feature gates the agent relies on. The session fixture ``apiserver``
-(tests/conftest.py) yields one; tests isolate themselves by node name / namespace
-(``unique``). ``allocate`` runs the upstream allocator on slices + classes + claims.
+certificates in a temporary directory made at test time, tests/controlplane_pki.py), with
+``--authorization-mode=Node,RBAC`` and the DRA feature gates the agent relies on. The session
+fixture ``apiserver`` (tests/conftest.py) yields one; tests isolate themselves by node name /
+namespace (``unique``). ``allocate`` runs the upstream allocator on slices + classes + claims
+(tests/controlplane_allocator.py).
 
-A missing peer binary is a failure, never a skip: run ``tests/peers/build.sh`` (``make peers``).
+A missing peer binary is a failure, never a skip: run ``tests/peers/build.sh`` (``make peers``;
+tests/controlplane_peers.py).
 """
 
 from __future__ import annotations
 
 import base64
-import ctypes
 import datetime
-import glob
-import itertools
 import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
-import time
-import uuid
 from dataclasses import dataclass, field
 
 import httpx2
 import yaml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS_BIN = os.environ.get("SYSDRA_PEERS_BIN") or os.path.join(REPO, ".peers", "bin")
-BUILD_HINT = "run tests/peers/build.sh (or `make peers`; needs Go >= 1.26 and the Go module proxy)"
+# The tests import these from here, beside the control plane's own names.
+from tests.controlplane_allocator import Unschedulable, allocate, claim_from, run_allocator, with_allocation  # noqa: F401
+from tests.controlplane_peers import (  # noqa: F401
+    BUILD_HINT, PEERS_BIN, REPO, PeerMissing, _die_with_parent, free_port, log_tail, peer, peer_crds, unique, wait_until,
+)
+from tests.controlplane_pki import Pki
 
 # The DRA gates of k8s.io/kubernetes v1.37.2 (pkg/features/kube_features.go) behind what the
 # agent can publish, switched on. Gates that are GA and locked in 1.37 (DRAAdminAccess,
@@ -60,165 +59,6 @@ FEATURE_GATES = {
 RUNTIME_CONFIG = "resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN = "sysdra-test-admin"
-
-
-class PeerMissing(RuntimeError):
-    pass
-
-
-def peer(name: str) -> str:
-    path = os.path.join(PEERS_BIN, name)
-    if not os.access(path, os.X_OK):
-        raise PeerMissing(f"test peer {name!r} is not built ({path} missing): {BUILD_HINT}")
-    return path
-
-
-def peer_crds() -> list[str]:
-    """The CRD files ``tests/peers/build.sh crds`` put beside the peers' binaries."""
-    crds = os.path.join(os.path.dirname(PEERS_BIN), "crds")
-    paths = sorted(glob.glob(os.path.join(crds, "*.yaml")))
-    if not paths:
-        raise PeerMissing(f"no CRDs in {crds}: {BUILD_HINT}")
-    return paths
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_counter = itertools.count(1)
-
-
-def log_tail(dir_: str, name: str, lines: int = 40) -> str:
-    """The last ``lines`` of ``dir_/<name>.log`` ("" when there is none)."""
-    try:
-        with open(os.path.join(dir_, f"{name}.log"), errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def wait_until(probe, timeout: float, *, what: str, proc: subprocess.Popen | None = None, tail=lambda: "", interval: float = 0.2):
-    """The first true value of ``probe()`` (connection errors count as not yet); RuntimeError
-    with ``tail()`` (a log's end) when ``proc`` exits first or after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail()}")
-        try:
-            value = probe()
-            if value:
-                return value
-        except (httpx2.HTTPError, OSError):
-            pass
-        time.sleep(interval)
-    raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{tail()}")
-
-
-def unique(prefix: str) -> str:
-    """A DNS-label name unique within the test session (tests share one server)."""
-    return f"{prefix}-{os.getpid() % 10000}-{next(_counter)}"
-
-
-def _die_with_parent() -> None:
-    # the peers must not outlive a killed pytest
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-# --- certificates (generated at test time, never stored) ------------------------------------
-@dataclass
-class Pki:
-    dir: str
-    ca_cert: str = ""
-    ca_key: object = None
-    ca_obj: object = None
-
-    def __post_init__(self):
-        from cryptography import x509
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self.ca_key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sysdra-test-ca")])
-        now = datetime.datetime.now(datetime.timezone.utc)
-        self.ca_obj = (
-            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(self.ca_key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
-            .sign(self.ca_key, _sha256())
-        )  # fmt: skip
-        self.ca_cert = self._write("ca.crt", _pem_cert(self.ca_obj))
-
-    def _write(self, name: str, data: bytes) -> str:
-        path = os.path.join(self.dir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return path
-
-    def issue(self, name: str, common_name: str, *, orgs: tuple[str, ...] = (), server: bool = False) -> tuple[str, str]:
-        """A leaf certificate signed by the CA: (cert path, key path)."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-        key = ec.generate_private_key(ec.SECP256R1())
-        attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
-        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
-        now = datetime.datetime.now(datetime.timezone.utc)
-        builder = (
-            x509.CertificateBuilder().subject_name(x509.Name(attrs)).issuer_name(self.ca_obj.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-        )  # fmt: skip
-        if server:
-            import ipaddress
-
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.DNSName("kubernetes"), x509.DNSName("kubernetes.default.svc"),
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            ]), critical=False)  # fmt: skip
-        cert = builder.sign(self.ca_key, _sha256())
-        return self._write(f"{name}.crt", _pem_cert(cert)), self._write(f"{name}.key", _pem_key(key))
-
-    def service_account_keys(self) -> tuple[str, str]:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import rsa
-
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-        return self._write("sa.pub", pub), self._write("sa.key", _pem_key(key))
-
-
-def _sha256():
-    from cryptography.hazmat.primitives import hashes
-
-    return hashes.SHA256()
-
-
-def _pem_cert(cert) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def _pem_key(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
 # --- REST paths for the kinds the tests write ----------------------------------------------
@@ -549,57 +389,3 @@ def token_claims(token: str) -> dict:
     """The (unverified) JWT payload of a token: the tests read the node binding from it."""
     payload = token.split(".")[1]
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-
-
-# --- the upstream allocator -------------------------------------------------------------------
-class Unschedulable(AssertionError):
-    pass
-
-
-def claim_from(obj: dict, name: str | None = None) -> dict:
-    """A ResourceClaim from a ResourceClaim or a ResourceClaimTemplate (what the
-    resourceclaim controller would create from it for a pod)."""
-    if obj["kind"] == "ResourceClaimTemplate":
-        meta = obj["metadata"]
-        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                "metadata": {"name": name or meta["name"], "namespace": meta.get("namespace", "default"), "uid": str(uuid.uuid4())},
-                "spec": obj["spec"]["spec"]}  # fmt: skip
-    claim = json.loads(json.dumps(obj))
-    claim.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
-    claim.pop("status", None)
-    return claim
-
-
-def allocate(slices: list[dict], classes: list[dict], claims: list[dict] | dict, *, node: str | dict,
-             allocated: list[dict] = (), features: dict[str, bool] | None = None, timeout: float = 60) -> list[dict]:  # fmt: skip
-    """The allocation results (``status.allocation`` per claim, in order) the scheduler's
-    allocator computes for ``claims`` on ``node``. Raises ``Unschedulable`` when they do not fit."""
-    doc: dict = {
-        "resourceSlices": list(slices), "deviceClasses": list(classes),
-        "claims": [claims] if isinstance(claims, dict) else list(claims), "allocatedClaims": list(allocated),
-    }  # fmt: skip
-    doc["node" if isinstance(node, dict) else "nodeName"] = node
-    if features:
-        doc["features"] = features
-    out = run_allocator(doc, timeout=timeout)
-    if out.get("unschedulable"):
-        raise Unschedulable(out["reason"])
-    return [r["allocation"] for r in out["results"]]
-
-
-def run_allocator(doc: dict, timeout: float = 60) -> dict:
-    proc = subprocess.run([peer("allocator")], input=json.dumps(doc), capture_output=True, text=True, timeout=timeout)
-    try:
-        out = json.loads(proc.stdout)
-    except ValueError:
-        raise RuntimeError(f"allocator exited {proc.returncode} without JSON: {proc.stderr[-2000:]}") from None
-    if proc.returncode not in (0, 2) or "error" in out:
-        raise RuntimeError(f"allocator: {out.get('error')} (exit {proc.returncode}) {proc.stderr[-2000:]}")
-    return out
-
-
-def with_allocation(claim: dict, allocation: dict) -> dict:
-    """The claim as the scheduler leaves it: status.allocation set."""
-    claim = json.loads(json.dumps(claim))
-    claim["status"] = {"allocation": allocation}
-    return claim
