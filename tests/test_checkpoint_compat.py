@@ -23,10 +23,10 @@ from agent.prepare.checkpoint_entries import FOREIGN_ENTRIES, sort_entry
 from agent.prepare.checkpoint_format import canonical, journal_line
 from agent.prepare.driver import Driver
 from agent.prepare.metadata.update import NetworkData, UpdateError, update_request
+from tests.checkpoint_files import entry, uid
 from tests.conftest import REPO
 from tests.kubelet_standin import claim, gpu, inventory
 from tests.test_checkpoint import make_env, new_driver, ref
-from tests.test_checkpoint_journal import entry, uid
 
 FUTURE = {"futureThing": {"gpu": "0000:1c:00.0", "was": "on"}}
 GPUS = {"keep": "1b", "newer": "1c", "other": "1d", "churn": "1e", "taken": "1c"}  # "taken": "newer"'s device

@@ -12,15 +12,10 @@ import pytest
 
 from agent.prepare.checkpoint import CORRUPT, Checkpoint
 from agent.prepare.driver import Driver
+from tests.checkpoint_files import entry, journal_lines, path, uid  # noqa: F401 - path: the fixture
 from tests.kubelet_standin import claim, gpu, inventory, settings_for
-from tests.test_checkpoint_journal import entry, journal_lines, uid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def path(tmp_path):
-    return str(tmp_path / "plugin" / "checkpoint.json")
 
 
 def history(path: str) -> Checkpoint:
