@@ -1,5 +1,5 @@
 """agent/kubeletplugin/apihttp.py against a local HTTP/1.1 server on 127.0.0.1 (the real API
-server is tests/test_claims.py's and test_claim_status.py's): kept connections the server closed,
+server is tests/test_claims.py's and test_claim_status*.py's): kept connections the server closed,
 rotated token files, a server behind a path, and which configurations go to lightkube's client."""
 
 from __future__ import annotations

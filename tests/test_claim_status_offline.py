@@ -1,5 +1,5 @@
 """status.devices without a server: the ``dir:`` store's claim file, the entry builder and the
-address readers (the real-server side is tests/test_claim_status.py)."""
+address readers (the real-server side is tests/test_claim_status.py and test_claim_status_writes.py)."""
 
 from __future__ import annotations
 

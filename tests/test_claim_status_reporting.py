@@ -2,7 +2,7 @@
 (`sysdra run`, offline `dir:` cluster) prepares a claim for the kubelet stand-in, the claim is
 replaced in the store, and the unprepare's removal is refused. `/metrics` counts it under
 `sysdra_claim_status_writes_total{result="refused"}` and `sysdra status` (text and JSON) names
-the claim and the reason. The real-server side (retries exhausted) is in tests/test_claim_status.py."""
+the claim and the reason. The real-server side (retries exhausted) is in tests/test_claim_status_writes.py."""
 
 from __future__ import annotations
 
