@@ -1,8 +1,10 @@
 """Test helpers for the kubelet plugin: inventories with device nodes, ResourceClaims in a
-``dir:`` store; the kubelet stand-in itself is agent.kubeletplugin.kubelet_client (re-exported)."""
+``dir:`` store, a plugin serving a small inventory with the stand-in registered (``Env``); the
+kubelet stand-in itself is agent.kubeletplugin.kubelet_client (re-exported)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -116,3 +118,39 @@ async def running_agent(settings: Settings):
         except asyncio.TimeoutError:
             pass
         assert agent_task.done()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Env:
+    """A real kubelet plugin and driver over GPUs 0 and 1 and NIC 0, claims from a ``dir:`` store;
+    entered, the plugin serves and the kubelet stand-in (``kubelet``) is registered with it."""
+
+    def __init__(self, tmp, **kw):
+        from agent.kubeletplugin import KubeletPlugin
+        from agent.kubeletplugin.claims import DirClaimSource
+        from agent.prepare.driver import Driver
+
+        self.settings = settings_for(str(tmp), **kw)
+        self.inv = inventory(gpu(0), gpu(1), nic(0))
+        self.driver = Driver(self.settings, lambda: self.inv)
+        self.plugin = KubeletPlugin(self.settings, self.driver, DirClaimSource(self.settings.cluster_dir))
+
+    async def __aenter__(self):
+        await self.plugin.start()
+        self.kubelet = KubeletStandIn(self.settings.registry_dir)
+        await self.kubelet.register()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.plugin.stop()
+
+
+def _waiting_for_flock(path: str) -> bool:
+    """Someone waits for a flock of ``path`` (a blocked request in /proc/locks)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return any(p[1] == "->" and p[2] == "FLOCK" and int(p[6].rsplit(":", 1)[1]) == ino
+                   for p in (line.split() for line in f) if len(p) > 6)

@@ -25,8 +25,9 @@ from agent.kubeletplugin.service import GAVE_UP as GAVE_UP_ERROR
 from agent.kubeletplugin.service import SerializeLock
 from agent.prepare.driver import Driver
 from tests.controlplane import unique, wait_until
-from tests.kubelet_standin import DRIVER, KubeletStandIn, claim, gpu, inventory, settings_for, store_claim
-from tests.test_kubeletplugin import Env, _waiting_for_flock
+from tests.kubelet_standin import (
+    DRIVER, Env, KubeletStandIn, _waiting_for_flock, claim, gpu, inventory, settings_for, store_claim,
+)
 
 GAVE_UP = 0.5  # the short deadline of a kubelet that gives up: every call it is used for is held past it
 

@@ -1,5 +1,6 @@
 """Kubelet plugin over real unix sockets: registration, prepare/unprepare on v1 and v1beta1,
-socket handling, input checks. A kubelet stand-in drives the plugin like the real one."""
+input checks, restarts and concurrent calls. A kubelet stand-in drives the plugin like the real
+one. Socket handling and rolling updates are tests/test_kubeletplugin_sockets.py's."""
 
 from __future__ import annotations
 
@@ -7,43 +8,13 @@ import asyncio
 import json
 import os
 import uuid
-import shutil
-import socket
 import stat
-import tempfile
 
 import grpc
 import pytest
 
-from agent.kubeletplugin import KubeletPlugin, SocketError
-from agent.kubeletplugin import sockets
-from agent.kubeletplugin.claims import DirClaimSource
-from agent.prepare.driver import Driver
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
-from tests.kubelet_standin import (
-    DRIVER, KubeletStandIn, claim, find_registration_sockets, gpu, inventory, nic, settings_for, store_claim,
-)
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-class Env:
-    def __init__(self, tmp, **kw):
-        self.settings = settings_for(str(tmp), **kw)
-        self.inv = inventory(gpu(0), gpu(1), nic(0))
-        self.driver = Driver(self.settings, lambda: self.inv)
-        self.plugin = KubeletPlugin(self.settings, self.driver, DirClaimSource(self.settings.cluster_dir))
-
-    async def __aenter__(self):
-        await self.plugin.start()
-        self.kubelet = KubeletStandIn(self.settings.registry_dir)
-        await self.kubelet.register()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.plugin.stop()
+from tests.kubelet_standin import DRIVER, Env, claim, run, store_claim
 
 
 @pytest.fixture
@@ -245,96 +216,6 @@ def test_oversize_request(env):
     run(main())
 
 
-def test_stale_socket_replaced_other_files_refused(tmp_path):
-    e = Env(tmp_path)
-    os.makedirs(e.settings.plugin_dir)
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(e.plugin.dra_socket)  # left over from a killed instance
-    s.close()
-
-    async def main():
-        async with e:
-            assert stat.S_ISSOCK(os.stat(e.plugin.dra_socket).st_mode)
-    run(main())
-
-    os.makedirs(e.settings.registry_dir, exist_ok=True)
-    with open(e.plugin.registration_socket, "w") as f:
-        f.write("precious")
-    e2 = Env(tmp_path)
-    with pytest.raises(SocketError, match="is a file, not a socket"):
-        run(e2.plugin.start())
-    assert open(e.plugin.registration_socket).read() == "precious"
-    assert not os.path.exists(e2.plugin.dra_socket)  # cleaned up after the failed start
-
-
-def test_world_writable_registry_dir_refused(tmp_path):
-    e = Env(tmp_path)
-    os.makedirs(e.settings.registry_dir)
-    os.chmod(e.settings.registry_dir, 0o777)
-    with pytest.raises(SocketError, match="world-writable"):
-        run(e.plugin.start())
-
-
-def test_rolling_update_names(tmp_path):
-    uid = "4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
-    s = settings_for(str(tmp_path), kubelet_dir="/var/lib/kubelet", rolling_update_uid=uid)
-    assert sockets.dra_socket_path(s).endswith(f"/plugins/{DRIVER}/dra-{uid}.sock")
-    assert sockets.registration_socket_path(s) == os.path.join(s.registry_dir, f"{DRIVER}-{uid}-reg.sock")
-    h8 = sockets.short_hash(uid, 8)
-    h16 = sockets.short_hash(DRIVER + "\0" + uid, 16)
-    assert len(h8) == 11 and len(h16) == 22 and "=" not in h8 + h16
-    name1 = f"{DRIVER}-{uid}-reg.sock"
-    for size, expected in [(108, name1), (109, f"{DRIVER}-{h8}-reg.sock")]:
-        d = "/" + "d" * (size - len(name1) - 2)
-        assert len(d + "/" + name1) == size
-        assert sockets.rolling_update_registrar_name(d, DRIVER, uid) == expected
-    name2 = f"{DRIVER}-{h8}-reg.sock"
-    d = "/" + "d" * (109 - len(name2) - 2)
-    assert sockets.rolling_update_registrar_name(d, DRIVER, uid) == f"dra-{h16}-reg.sock"
-    assert sockets.rolling_update_registrar_name("/" + "d" * 200, DRIVER, uid) == f"dra-{h16}-reg.sock"
-
-
-def test_rolling_update_two_instances_and_108_byte_path(tmp_path, request):
-    """Two instances share the plugin dir; a registration path of exactly 108 bytes binds."""
-    uid1 = "4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11"
-    name1 = f"{DRIVER}-{uid1}-reg.sock"
-    short = tempfile.mkdtemp(prefix="kp", dir="/tmp")  # pytest's tmp_path is too long for this
-    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
-    kubelet = os.path.join(short, "k")
-    kubelet += "x" * (108 - len(kubelet + "/plugins_registry/" + name1))
-    s1 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid=uid1)
-    s2 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid="9a9a9a9a-0000-4000-8000-000000000000")
-    inv = inventory(gpu(0))
-
-    async def main():
-        p1 = KubeletPlugin(s1, Driver(s1, lambda: inv), DirClaimSource(s1.cluster_dir))
-        p2 = KubeletPlugin(s2, Driver(s2, lambda: inv), DirClaimSource(s2.cluster_dir))
-        await p1.start()
-        await p2.start()
-        try:
-            assert len(p1.registration_socket) == 108
-            socks = find_registration_sockets(s1.registry_dir)
-            assert socks == sorted([p1.registration_socket, p2.registration_socket])
-            c = store_claim(s1, claim("c", [("r", "gpu-0000-1b-00-0")]))
-            for sock in socks:  # prepare in one instance, unprepare in the other
-                k = KubeletStandIn(os.path.dirname(sock))
-                k.registry_dir = sock  # os.walk on a file yields nothing: talk to this one directly
-                dfd = os.open(os.path.dirname(sock), os.O_PATH)  # grpc clients stop at 107 bytes
-                request.addfinalizer(lambda fd=dfd: os.close(fd))
-                async with grpc.aio.insecure_channel(f"unix:/proc/self/fd/{dfd}/{os.path.basename(sock)}") as ch:
-                    k.info = await pluginregistration_pb2_grpc.RegistrationStub(ch).GetInfo(
-                        pluginregistration_pb2.InfoRequest())
-                k.service = "v1.DRAPlugin"
-                resp = await (k.prepare(c) if sock == socks[0] else k.unprepare(c))
-                assert resp.claims[c["metadata"]["uid"]].error == ""
-            assert os.listdir(s1.cdi_dir) == []
-        finally:
-            await p2.stop()
-            await p1.stop()
-        assert find_registration_sockets(s1.registry_dir) == []
-    run(main())
-
-
 def test_restart_over_same_directories(tmp_path):
     async def main():
         e = Env(tmp_path)
@@ -358,58 +239,3 @@ def test_concurrent_prepares_are_serialized(tmp_path):
             assert all(r.claims[c["metadata"]["uid"]].error == "" for r, c in zip(resps, claims))
             assert len(e.driver.checkpoint.claims) == 16
     run(main())
-
-
-def _waiting_for_flock(path: str) -> bool:
-    """Someone waits for a flock of ``path`` (a blocked request in /proc/locks)."""
-    ino = os.stat(path).st_ino
-    with open("/proc/locks") as f:
-        return any(p[1] == "->" and p[2] == "FLOCK" and int(p[6].rsplit(":", 1)[1]) == ino
-                   for p in (line.split() for line in f) if len(p) > 6)
-
-
-def test_start_up_recovery_waits_for_the_other_instance_of_a_rolling_update(tmp_path, request):
-    """The old agent of a surge update still serves the kubelet while the new one starts: the new
-    one's recovery (rolling back interrupted prepares, sweeping what no entry knows) holds the
-    serialize lock, so it never takes the old one's prepare in progress for an interrupted one."""
-    import threading
-
-    from agent.kubeletplugin.service import SerializeLock
-    from agent.prepare.checkpoint import COMPLETED, Checkpoint
-    from tests.controlplane import wait_until
-
-    kubelet = tempfile.mkdtemp(prefix="kp", dir="/tmp")  # pytest's tmp_path is too long for the sockets
-    request.addfinalizer(lambda: shutil.rmtree(kubelet, ignore_errors=True))
-    s1 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid="4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11")
-    s2 = settings_for(str(tmp_path), kubelet_dir=kubelet, rolling_update_uid="9a9a9a9a-0000-4000-8000-000000000000")
-    inv = inventory(gpu(0))
-    c = store_claim(s1, claim("c", [("r", "gpu-0000-1b-00-0")]))
-    old, entered, proceed = Driver(s1, lambda: inv), threading.Event(), threading.Event()
-    old.recover()
-    old.fault = lambda point: (entered.set(), proceed.wait(30)) if point == "prepare:started" else None
-    os.makedirs(s1.plugin_dir, exist_ok=True)
-    lock = os.path.join(s1.plugin_dir, "serialize.lock")
-    results = []
-    preparing = threading.Thread(target=lambda: results.append(SerializeLock(lock).run(lambda _: old.prepare_claims([c]), None)))
-    preparing.start()
-    assert entered.wait(30)  # its intent saved (PrepareStarted), its steps under way, the lock held
-
-    async def main():
-        new = KubeletPlugin(s2, Driver(s2, lambda: inv), DirClaimSource(s2.cluster_dir))
-        starting = asyncio.get_running_loop().create_task(new.start())
-        try:
-            await asyncio.to_thread(wait_until, lambda: starting.done() or _waiting_for_flock(lock), 30, what="the new start")
-            assert not starting.done(), "recovery ran beside the old instance's prepare"
-            proceed.set()
-            await starting
-            uid = c["metadata"]["uid"]
-            assert results[0][uid].error is None
-            assert Checkpoint.load(old.checkpoint_path).claims[uid]["state"] == COMPLETED  # not rolled back under it
-            assert os.path.exists(old._spec_path(uid))
-        finally:
-            proceed.set()
-            if not starting.done():
-                await starting
-            await new.stop()
-    run(main())
-    preparing.join()
