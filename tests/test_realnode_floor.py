@@ -12,7 +12,7 @@ import pytest
 from tests import realnode_floor as floor
 from tests.realnode import RealNode
 from tests.realnode_leftovers import HostState
-from tests.test_realnode import METADATA, create_pod, delete_pod, module_node, namespace, running_log, wait
+from tests.realnode_pods import METADATA, create_pod, delete_pod, module_node, namespace, running_log, wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 SCRIPT = ("for n in $(ls /dev | grep nvidia); do stat -c '%n %F %t:%T %a' /dev/$n; done; env | grep ^SYSDRA_ | sort; "

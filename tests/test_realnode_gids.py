@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import REPO
 from tests.realnode import PROFILE, RealNode
+from tests.realnode_pods import GPU_REQUEST, allocated, module_node, namespace, running_log, wait
 from tests.realnode_setup import real_device_nodes
-from tests.test_realnode import GPU_REQUEST, allocated, module_node, namespace, running_log, wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 GROUP = 4242

@@ -25,7 +25,7 @@ from tests.conftest import REPO
 from tests.controlplane import peer
 from tests.realnode import DRIVER, RealNode
 from tests.realnode_leftovers import HostState
-from tests.test_realnode import allocated, create_pod, delete_pod, module_node, namespace, running_log, wait
+from tests.realnode_pods import allocated, create_pod, delete_pod, module_node, namespace, running_log, wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 METADATA = "/var/run/kubernetes.io/dra-device-attributes"
