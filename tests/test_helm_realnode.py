@@ -1,14 +1,12 @@
-"""`helm install` on the real node (tests/realnode.py: kubelet v1.37.2, containerd v2.4.2): the
+"""`helm install` on the real node (tests/realnode.py: kubelet v1.37.2, containerd v2.4.2; the
+chart's node is tests/helm_node.py): the
 agent's image (Containerfile) imported into the node's containerd, the chart's DaemonSet pod
 registers with the kubelet, publishes, prepares a workload pod's claim and moves a claimed NIC's
 netdev into its pod (NRI, as the chart grants it); `helm upgrade` to
 another tag rolls the agent with surge while pods keep being prepared; `helm uninstall` leaves
 no slice, socket or CDI spec. With `nvidia.mps` the image's agent runs a shared GPU's MPS daemon
 whose shm tmpfs reaches the node's containerd. With the node's own /sys the agent hears the
-kernel's uevents. Root, podman and debootstrap (the image's base) needed.
-
-The node's pods reach the API server only on 127.0.0.1 (no kube-proxy, no CNI but loopback):
-the DaemonSet runs on the host network here, KUBERNETES_SERVICE_HOST pointed at the server."""
+kernel's uevents. Root, podman and debootstrap (the image's base) needed."""
 
 from __future__ import annotations
 
@@ -17,59 +15,19 @@ import shutil
 import subprocess
 import threading
 import time
-from urllib.parse import urlparse
 
 import pytest
-import yaml
 
 from tests.conftest import REPO, require_root, require_tool
 from tests.controlplane import APIError, load_yaml, peer, unique
-from tests.helm import CHART, helm
-from tests.podman import build_agent_image
+from tests.helm import CHART
+from tests.helm_node import (
+    NEXT, VERSION, HelmNode, agent_logs, agent_pods, build_images, claim_pod, delete_claim_pod, is_agent, mps_pods,
+    run_helm, running_agents, wait, warnings, write_values,
+)
 from tests.realnode import DRIVER, RealNode
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
-VERSION, NEXT = "0.1.0", "0.1.0-next"
-GPU_REQUEST = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.sysdra.io"}}]}}
-
-
-# GKE's policy for the system-critical priority classes (the ResourceQuota admission's
-# limitedResources): their pods only in namespaces with a quota that covers them
-CRITICAL_PODS_ONLY_WITH_A_QUOTA = {
-    "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
-    "plugins": [{"name": "ResourceQuota", "configuration": {
-        "apiVersion": "apiserver.config.k8s.io/v1", "kind": "ResourceQuotaConfiguration",
-        "limitedResources": [{"resource": "pods", "matchScopes": [
-            {"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical", "system-cluster-critical"]}]}]}}],
-}  # fmt: skip
-
-
-class HelmNode(RealNode):
-    """The real node without deploy/'s manifests and the agent process: the chart brings both.
-    The runtime's CDI dir is the node's /var/run/cdi (the chart's default), which is ``cdi_dir``
-    outside the node's mount namespace. Its API server admits system-critical pods as GKE does."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.cdi_dir = os.path.join(self.dir, "ns", "run", "cdi")
-        config = os.path.join(self.dir, "admission.yaml")
-        with open(config, "w") as f:
-            yaml.safe_dump(CRITICAL_PODS_ONLY_WITH_A_QUOTA, f)
-        self.apiserver_args = [*self.apiserver_args, f"--admission-control-config-file={config}"]
-
-    def _apply_deploy(self) -> None:
-        pass
-
-    def start_agent(self, *args, **kwargs):
-        return None
-
-
-def build_images(out: str) -> list[str]:
-    archives = []
-    for tag in (VERSION, NEXT):
-        build_agent_image(out, tag)
-        archives.append(os.path.join(out, f"sysdra-{tag}.oci.tar"))
-    return archives
 
 
 @pytest.fixture(scope="module")
@@ -97,75 +55,6 @@ def node(tmp_path_factory):
         init.wait()
 
 
-def write_values(node: RealNode) -> str:
-    """The chart's values for this node: the fixture's sysfs and procfs, its NVIDIA driver (the
-    fixture root is the driver root, and where the runtime finds the driver files), the host
-    network (above)."""
-    values = {
-        "hostPaths": {"sys": os.path.join(node.root, "sys"), "proc": os.path.join(node.root, "proc"), "dev": "/dev"},
-        "nvidia": {"enabled": True, "hostDriverRoot": node.root},
-        "config": {"cdiHostRoot": node.root},
-        "hostNetwork": True,
-        "metrics": {"enabled": False},
-        "nri": {"socket": node.nri_socket},  # the node's containerd's; the pods' namespaces at the default
-        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(urlparse(node.plane.url).port)}],
-    }  # fmt: skip
-    path = os.path.join(node.dir, "values.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(values, f)
-    return path
-
-
-def run_helm(node: RealNode, *args: str) -> str:
-    result = helm(*args, "--kubeconfig", node.plane.kubeconfig, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
-
-def wait(predicate, what: str, node: RealNode, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s\n--- kubelet:\n{node.log_tail('kubelet', 30)}\n"
-                         f"--- agent pods:\n{agent_logs(node)}")  # fmt: skip
-
-
-def is_agent(pod: dict) -> bool:
-    """The DaemonSet's pods, not the MPS daemons' (which share the namespace)."""
-    return (pod["metadata"].get("labels") or {}).get("app.kubernetes.io/name") == "sysdra"
-
-
-def agent_pods(node: RealNode) -> list[dict]:
-    return [p for p in node.plane.list("Pod", "sysdra") if is_agent(p)]
-
-
-def mps_pods(node: RealNode) -> list[dict]:
-    return [p for p in node.plane.list("Pod", "sysdra") if not is_agent(p)]
-
-
-def agent_logs(node: RealNode, lines: int = 20) -> str:
-    out = []
-    for pod in agent_pods(node):
-        name = pod["metadata"]["name"]
-        r = node.plane.request("GET", f"/api/v1/namespaces/sysdra/pods/{name}/log", params={"tailLines": str(lines)}, ok=False)
-        out.append(f"{name} ({pod['status'].get('phase')}):\n{r.text}")
-    return "\n".join(out)
-
-
-def running_agents(node: RealNode) -> list[tuple[str, str]]:
-    """(pod, image) of the agent pods running and ready."""
-    out = []
-    for pod in agent_pods(node):
-        conds = {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
-        if pod["status"].get("phase") == "Running" and conds.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp"):
-            out.append((pod["metadata"]["name"], pod["spec"]["containers"][0]["image"]))
-    return out
-
-
 def count_running(node: RealNode, seen: set, stop: threading.Event) -> None:
     """How many agent pods run at once, sampled until ``stop``: a surge update runs two."""
     client = node.plane.http(cert=node.plane.admin_cert)  # a client of its own: the test's is busy meanwhile
@@ -174,28 +63,6 @@ def count_running(node: RealNode, seen: set, stop: threading.Event) -> None:
         seen.add(sum(p["status"].get("phase") == "Running" for p in pods if is_agent(p)))
         time.sleep(0.1)
     client.close()
-
-
-def claim_pod(node: RealNode, ns: str, name: str) -> str:
-    """A pod with a GPU claim of its own, running: the claim prepared by the agent. -> the claim's UID."""
-    claim = node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                               "metadata": {"name": name, "namespace": ns}, "spec": GPU_REQUEST})  # fmt: skip
-    container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
-                 "command": ["sh", "-c", "env | grep ^SYSDRA_CLAIM_UID=; exec sleep 3600"],
-                 "resources": {"claims": [{"name": "gpu"}]}}  # fmt: skip
-    node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
-                       "spec": {"automountServiceAccountToken": False, "hostNetwork": True, "terminationGracePeriodSeconds": 1,
-                                "resourceClaims": [{"name": "gpu", "resourceClaimName": name}], "containers": [container]}})  # fmt: skip
-    wait(lambda: node.plane.get("Pod", name, ns)["status"].get("phase") == "Running", f"pod {ns}/{name} running", node)
-    return claim["metadata"]["uid"]
-
-
-def delete_claim_pod(node: RealNode, ns: str, name: str, uid: str) -> None:
-    node.plane.delete("Pod", name, ns)
-    wait(lambda: node.plane.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}", ok=False).status_code == 404,
-         f"pod {ns}/{name} gone", node)  # fmt: skip
-    wait(lambda: not [f for f in os.listdir(node.cdi_dir) if uid in f], f"claim {name} unprepared", node)
-    node.plane.delete("ResourceClaim", name, ns)
 
 
 NIC, IFNAME = "nic-0000-3c-00-0", "enp60s0np0"  # the fixture's NIC and its netdev's name
@@ -236,11 +103,6 @@ def nic_pod_gets_its_netdev(node: RealNode, ns: str) -> None:
         node.plane.delete("ResourceClaim", "nic", ns)
     finally:
         subprocess.run(["ip", "link", "del", IFNAME], check=False)
-
-
-def warnings(node: RealNode, ns: str) -> list[str]:
-    return [f"{e['reason']}: {e.get('message')}" for e in node.plane.request("GET", f"/api/v1/namespaces/{ns}/events").json()["items"]
-            if e.get("type") == "Warning"]  # fmt: skip
 
 
 def test_install_upgrade_uninstall(node):
