@@ -9,11 +9,11 @@ the DaemonSet runs on the host network here, KUBERNETES_SERVICE_HOST pointed at 
 from __future__ import annotations
 
 import os
-import time
 from urllib.parse import urlparse
 
 import yaml
 
+from tests.controlplane import wait_until
 from tests.helm import helm
 from tests.podman import build_agent_image
 from tests.realnode import RealNode
@@ -87,14 +87,8 @@ def run_helm(node: RealNode, *args: str) -> str:
 
 
 def wait(predicate, what: str, node: RealNode, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s\n--- kubelet:\n{node.log_tail('kubelet', 30)}\n"
-                         f"--- agent pods:\n{agent_logs(node)}")  # fmt: skip
+    return wait_until(predicate, timeout, what=what, interval=0.5,
+                      tail=lambda: f"--- kubelet:\n{node.log_tail('kubelet', 30)}\n--- agent pods:\n{agent_logs(node)}")
 
 
 def is_agent(pod: dict) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from agent.publish.slices import build_pool
 from discovery.models import AttributeValue
 from lightkube import AsyncClient, KubeConfig
 from tests.conftest import REPO
-from tests.controlplane import load_yaml, unique
+from tests.controlplane import load_yaml, unique, wait_until
 from tests.kubelet_standin import KubeletStandIn, gpu, inventory, nic, settings_for
 
 pytestmark = pytest.mark.slow
@@ -39,13 +38,7 @@ def scheduler(apiserver):
 
 
 def wait_for(predicate, what: str, plane, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"{what} not within {timeout:.0f}s:\n{plane.log_tail('kube-scheduler', 30)}")
+    return wait_until(predicate, timeout, what=what, tail=lambda: plane.log_tail("kube-scheduler", 30))
 
 
 def test_scheduler_allocates_the_claim_binds_the_pod_and_prepare_follows(apiserver, scheduler, tmp_path):
