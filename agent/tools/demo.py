@@ -233,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copytree(os.path.join(REPO, "fixtures", "sysfs", args.profile), root, symlinks=True)
 
     say(f"the node: fixture profile {args.profile} (sysdra scan -o tree)")
-    show(sysdra("scan", "--root", root, "-o", "tree"), limit=80)
+    show(tree := sysdra("scan", "--root", root, "-o", "tree"), limit=80)
+    if "NVML:" in tree:
+        print("   (the fixture's NVIDIA driver files are empty placeholders, there for the CDI spec's mounts:\n"
+              "    NVML cannot load from them, so the GPUs' facts come from the PCI ID table, as on a node without NVML)")
 
     say("starting the agent: sysdra run --cluster dir:... (offline mode)")
     cmd = [sys.executable, "-m", "agent", "run", "--root", root, "--node-name", NODE, "--cluster", f"dir:{cluster}",
