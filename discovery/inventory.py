@@ -130,21 +130,10 @@ class _Scanner:
         ``changed`` (plus their slot siblings, their PFs, and functions that appeared)
         and reuse the previous results for the others. A record read again that reads the same
         is the previous object (:func:`_unchanged`); ``previous``: a full scan's scanner before it."""
-        fs = self.fs
         self.problems = []
         self.resolver.shared_nodes.clear()
-        try:
-            bdfs = list_bdfs(fs)
-        except AttrError as err:
-            self.problems.append(Problem(what="/sys/bus/pci/devices", reason=err.reason))
-            bdfs = []
-        present = set(bdfs)
-        if changed is None:
-            todo = present
-            self._results, self._cards, self._node_problems = {}, {}, []
-            self.uplink = {} if self.publish_uplink else uplink(fs.root).functions
-        else:
-            todo = self._expand(set(changed) | (present ^ set(self._results)), present)
+        present = self._present()
+        todo = self._to_read(changed, present)
         results, cards = self._results, self._cards
         for bdf in set(results) - present:
             del results[bdf]
@@ -154,15 +143,43 @@ class _Scanner:
         self._before, self._away = before, self._ask_away()
         for bdf in sorted(todo):
             results[bdf] = _unchanged(before.get(bdf), self._read(bdf, alveo))
-        # a function that appeared or changed may name a PF we have not re-read (VF created);
-        # a full scan has read every function
-        for bdf in sorted(todo) if changed is not None else ():
+        if changed is not None:  # a full scan has read every function
+            self._read_pfs_named(todo, present, before, alveo)
+        self._build_cards(todo, alveo, cards_before)
+        return self._inventory()
+
+    def _present(self) -> set[str]:
+        """The functions on the bus now; none, and the scan's problem, when it cannot be listed."""
+        try:
+            bdfs = list_bdfs(self.fs)
+        except AttrError as err:
+            self.problems.append(Problem(what="/sys/bus/pci/devices", reason=err.reason))
+            bdfs = []
+        return set(bdfs)
+
+    def _to_read(self, changed: set[str] | None, present: set[str]) -> set[str]:
+        """Every function for a full scan (the tables and the uplink started afresh), else the
+        changed ones and those that appeared or went, expanded (``_expand``)."""
+        if changed is None:
+            self._results, self._cards, self._node_problems = {}, {}, []
+            self.uplink = {} if self.publish_uplink else uplink(self.fs.root).functions
+            return present
+        return self._expand(set(changed) | (present ^ set(self._results)), present)
+
+    def _read_pfs_named(self, todo: set[str], present: set[str], before: dict, alveo: dict) -> None:
+        """A function that appeared or changed may name a PF we have not re-read (VF created):
+        that PF's slot is read too (and added to ``todo``)."""
+        results = self._results
+        for bdf in sorted(todo):
             pf = getattr(getattr(results[bdf], "pci", None), "physfn", None)
             if pf and pf in present and pf not in todo:
                 for sibling in sorted(b for b in present - todo if _slot(b) == _slot(pf)):
                     todo.add(sibling)
                     results[sibling] = _unchanged(before.get(sibling), self._read(sibling, alveo))
-        # Alveo cards: re-read together; a card with a re-read half is rebuilt from both halves
+
+    def _build_cards(self, todo: set[str], alveo: dict[tuple, dict], cards_before: dict) -> None:
+        """Alveo cards: re-read together; a card with a re-read half is rebuilt from both halves."""
+        results, cards = self._results, self._cards
         if cards:  # an incremental scan's cards (a full scan starts without any)
             touched = {r[1] for bdf, r in results.items() if bdf in todo and isinstance(r, tuple)}
             touched |= {_slot(b) for b in todo}
@@ -176,7 +193,11 @@ class _Scanner:
                 fn = (halves.get("mgmt") or halves["user"])[0]
                 results[fn.bdf] = Skipped(bdf=fn.bdf, reason=f"unexpected error: {err!r}"[:200],
                                           class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
-        devices = [r for r in results.values() if isinstance(r, Device)] + list(cards.values())
+
+    def _inventory(self) -> Inventory:
+        """The results as an :class:`Inventory`; the device-node problems of every scan so far kept."""
+        results = self._results
+        devices = [r for r in results.values() if isinstance(r, Device)] + list(self._cards.values())
         devices.sort(key=lambda dev: dev.name)
         skipped = sorted((r for r in results.values() if isinstance(r, Skipped)), key=lambda s: s.bdf)
         for p in self.resolver.problems:
@@ -184,7 +205,7 @@ class _Scanner:
                 self._node_problems.append(p)
         self.resolver.problems = []
         return Inventory(
-            root=fs.root, devices=tuple(devices), skipped=tuple(skipped), numa_nodes=self.numa,
+            root=self.fs.root, devices=tuple(devices), skipped=tuple(skipped), numa_nodes=self.numa,
             problems=tuple(self.numa_problems + self.problems + self._node_problems),
         )  # fmt: skip
 

@@ -90,7 +90,14 @@ def _port_rate(fs: HostFS, ibdev_dir: str) -> float | None:
 
 def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, problems: list[Problem]):
     """-> (NicInfo, device nodes)."""
-    pci_dir = d.path
+    interfaces = _interfaces(fs, fn, d, problems)
+    nodes, verbs_by_ibdev = _uverbs(fs, resolver, d, problems)
+    rdma = _rdma_devices(fs, d, verbs_by_ibdev, problems)
+    return NicInfo(interfaces=tuple(interfaces), rdma=tuple(rdma)), nodes
+
+
+def _interfaces(fs: HostFS, fn: PciFunction, d: Dir, problems: list[Problem]) -> list[NetInterface]:
+    """The function's netdevs; a name that is not printable is left out, as a problem."""
     interfaces = []
     for net_dir in _net_dirs(fs, fn, d):
         try:
@@ -102,8 +109,12 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
                 problems.append(_bad_name("netdev", name))
             elif _IFNAME.match(name):
                 interfaces.append(read_interface(fs, f"{net_dir}/{name}", name, problems))
+    return interfaces
 
-    rdma: list[RdmaDevice] = []
+
+def _uverbs(fs: HostFS, resolver: NodeResolver, d: Dir, problems: list[Problem]) -> tuple[list[DeviceNode], dict[str, str]]:
+    """The ``/dev/infiniband/uverbsN`` nodes (by N) and which RDMA device each is for."""
+    pci_dir = d.path
     nodes: list[DeviceNode] = []
     verbs_by_ibdev: dict[str, str] = {}
     verbs: list[tuple[int, str]] = []
@@ -123,14 +134,21 @@ def read_nic(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         node = resolver.resolve(f"/dev/infiniband/{uverbs}", problems, sysfs_dev=f"{base}/dev")
         if node is not None:
             nodes.append(node)
+    return nodes, verbs_by_ibdev
+
+
+def _rdma_devices(fs: HostFS, d: Dir, verbs_by_ibdev: dict[str, str], problems: list[Problem]) -> list[RdmaDevice]:
+    """The function's RDMA devices with their uverbs node and port 1's rate."""
+    pci_dir = d.path
     try:
         ibdevs = fs.listdir(f"{pci_dir}/infiniband") if d.has("infiniband") else []
     except AttrError:
         ibdevs = []
+    rdma: list[RdmaDevice] = []
     for ib in ibdevs:
         if not printable_name(ib):
             problems.append(_bad_name("RDMA device", ib))
             continue
         rate = _port_rate(fs, f"{pci_dir}/infiniband/{ib}")
         rdma.append(RdmaDevice(name=ib, uverbs=verbs_by_ibdev.get(ib), rate_gbps=rate))
-    return NicInfo(interfaces=tuple(interfaces), rdma=tuple(rdma)), nodes
+    return rdma

@@ -126,12 +126,28 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
     Optional attributes that the listing lacks are not looked for, and callers reuse the
     listing (class views) instead of listing again."""
     real_host, real = _real_dir(fs, fs.path(f"{PCI_DEVICES}/{bdf}"))
+    d = _list_function(fs, real_host)
+    values, failed = _read_values(fs, d, real_host)
+    _check_identity(values, failed)
+    # an optional value that is absent is None; one that is there but unreadable is a problem
+    problems = [Problem(what=n, reason=e.reason) for n, e in failed.items()]
+    links, physfn = _links(fs, d, values, problems)
+    return _record(bdf, real, d, values, links, physfn), problems, d
+
+
+def _list_function(fs: HostFS, real_host: str) -> Dir:
+    """The function's directory listed; one that cannot be (permission denied) has its files read by path."""
     try:
-        d = fs.list_dir(real_host)
+        return fs.list_dir(real_host)
     except AttrError as err:
         if err.reason != "permission denied":  # missing, a symlink (ELOOP) or not a directory
             raise PciError("device directory missing or not a directory") from None
-        d = Dir(real_host)  # cannot be listed: its files are read by path
+        return Dir(real_host)
+
+
+def _read_values(fs: HostFS, d: Dir, real_host: str) -> tuple[dict, dict[str, AttrError]]:
+    """The function's values, parsed (the ids from ``uevent``, the id files only where it lacks
+    them), and the files that could not be read or parsed."""
     texts, failed = fs.read_attrs(d, _FILES)
     uevent = texts.pop("uevent", None)
     failed.pop("uevent", None)  # the id files say it then
@@ -145,22 +161,28 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
             values[name] = _PARSE[name](text)
         except ValueError as err:
             failed[name] = AttrError(f"{real_host}/{name}", str(err))
+    return values, failed
+
+
+def _check_identity(values: dict, failed: dict[str, AttrError]) -> None:
+    """:class:`PciError` unless vendor, device and a class in range are known."""
     for name in ("vendor", "device", "class"):
         if name not in values:
             raise PciError(f"{name}: {failed[name].reason if name in failed else 'missing'}")
     class_code = values["class"]
     if not 0 <= class_code <= 0xFFFFFF:
         raise PciError(f"class: out of range {class_code:#x}")
-    # an optional value that is absent is None; one that is there but unreadable is a problem
-    problems = [Problem(what=n, reason=e.reason) for n, e in failed.items()]
-    links, physfn = _links(fs, d, values, problems)
+
+
+def _record(bdf: str, real: str, d: Dir, values: dict, links: dict[str, str], physfn: str | None) -> PciFunction:
+    """The record of an identified function: ``real`` its path as on the node."""
     iommu = links.get("iommu_group")
     pcie_root, bridges = split_sysfs_path(real)
     sriov = None
     if d.entries is not None and "sriov_totalvfs" in d.entries:
         # the VFs are not read from the PF's virtfnN links: each VF's physfn link says the same
         sriov = Sriov(total_vfs=values.get("sriov_totalvfs"), num_vfs=values.get("sriov_numvfs"))
-    fn = PciFunction(
+    return PciFunction(
         bdf=bdf,
         sysfs_path=real,
         pcie_root=pcie_root,
@@ -169,7 +191,7 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
         device_id=values["device"],
         subsystem_vendor_id=values.get("subsystem_vendor"),
         subsystem_device_id=values.get("subsystem_device"),
-        class_code=class_code,
+        class_code=values["class"],
         driver=values["driver"] if "driver" in values else links.get("driver"),
         numa_node=values.get("numa_node"),
         iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
@@ -177,7 +199,6 @@ def read_function(fs: HostFS, bdf: str) -> tuple[PciFunction, list[Problem], Dir
         sriov=sriov,
         physfn=physfn,
     )
-    return fn, problems, d
 
 
 def _links(fs: HostFS, d: Dir, values: dict, problems: list[Problem]) -> tuple[dict[str, str], str | None]:

@@ -18,6 +18,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from agent.prepare.checkpoint_format import JOURNAL_SUFFIX, VERSION, check_snapshot, parse_journal_line
 
@@ -58,16 +59,30 @@ def salvage(path: str, raw: bytes | None) -> Salvage:
     except OSError:
         return out  # nothing certain: the journal may have changed any entry
     lines = data.rstrip(b"\0").split(b"\n")[:-1]  # what follows the last newline: a torn append
+    header = _header(lines)
+    if header is None or header.get("journal") != VERSION or header.get("generation") != generation:
+        if header is not None and type(header.get("generation")) is int and header["generation"] < generation:
+            out.certain = set(out.state)  # an older journal is contained in the snapshot
+        return out
+    _replay(lines[1:], out, usable)
+    return out
+
+
+def _header(lines: list[bytes]) -> dict | None:
+    """The journal's first line, None when it is missing or not a header."""
     try:
         header = parse_journal_line(lines[0])
     except (ValueError, IndexError):
-        header = None
-    if not isinstance(header, dict) or header.get("journal") != VERSION or header.get("generation") != generation:
-        if isinstance(header, dict) and type(header.get("generation")) is int and header["generation"] < generation:
-            out.certain = set(out.state)  # an older journal is contained in the snapshot
-        return out
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _replay(records: list[bytes], out: Salvage, usable: Callable[[str, object], bool]) -> None:
+    """The journal's ``records`` (of the snapshot's generation) applied to ``out``: after a damaged
+    line that good records follow, only the claims recorded after it are certain; damaged last
+    lines are a torn append."""
     out.certain, damaged = set(out.state), False
-    for line in lines[1:]:
+    for line in records:
         try:
             rec = parse_journal_line(line)
             uid, entry = rec["uid"], rec["entry"]
@@ -86,7 +101,6 @@ def salvage(path: str, raw: bytes | None) -> Salvage:
             out.certain.add(uid)
         else:  # a whole record of an entry that is not valid: the claim's last word is unusable
             out.certain.discard(uid)
-    return out
 
 
 def move_aside(*paths: str) -> list[str]:

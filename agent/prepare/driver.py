@@ -221,41 +221,32 @@ class Driver:
             return
         owners = call.owners = call.owners or Ownership.of(cp.claims, self.holds)
         if entry:  # half-prepared or allocation changed: undo before redoing
-            if problems := self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid}):
-                raise ClaimFailed("undoing the earlier prepare's host changes failed: " + "; ".join(problems))
-            self.files.remove(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
-            del cp.claims[uid]
-            owners.release(uid)
-            call.changed.add(uid)
+            self._forget(cp, call, uid, entry, owners)
         inv = self.inventory()  # the daemon may rescan meanwhile: one inventory for the claim
         by_name = inv.by_name()
         planned = Planned(uid, claim, results, configs, inventory=by_name, names=by_name,
                           others={u: e for u, e in cp.claims.items() if u != uid},
                           ways=self.partitions.ways(inv) if self.partitions else {})
         records = {st.key: rec for st in self.steps if (rec := st.plan(planned, owners)) is not None}
-        s = self.settings
-        devices, spec, envs = planner.devices_and_spec(s.driver_name, s.node_name, s.root, uid, results, planned.names, configs,
-                                                         self.nvidia, group_reader(s.cdi_additional_gids))
-        entry_plan = {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": self.boot_id,
-                      "allocation": fp, "devices": [planner.device_record(d, e, r) for d, e, r in zip(devices, envs, results)],
-                      "cdiSpec": {"path": self._spec_path(uid), "spec": spec} if spec else None, "metadata": None,
-                      **{st.key: st.write(records[st.key]) for st in self.steps if st.key in records}}
+        devices, entry_plan = planner.entry(planned, fp, records, self.steps, self.settings, self.boot_id,
+                                            self._spec_path, self.nvidia)
         if why := owners.refusal(uid, holds := self.holds(uid, entry_plan)):
             raise ClaimFailed(why)
-        if s.device_metadata:
-            entry_plan["metadata"] = meta_rec = metadata.plan(s, claim, devices, planned.names)
-            if meta_rec and entry and entry.get("metadata"):  # keep generations growing for this UID
-                for base, rec in meta_rec["requests"].items():
-                    rec["generation"] = entry["metadata"]["requests"].get(base, {}).get("generation", 0)
-        if "netdevs" in records:  # the pods the NRI plugin gives the netdevs to (agent/nri/netdev.py)
-            entry_plan["pods"] = reserved_pods(claim)
-        if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
-            entry_plan["deviceStatus"] = claimstatus.build_for(s, devices, by_name)
+        planner.add_records(entry_plan, planned, devices, records, self.settings, earlier=entry)
         owners.take(uid, holds, f"{meta['namespace']}/{meta['name']}")
         cp.claims[uid] = call.started[uid] = planner.started(entry_plan, records)
         call.plans[uid] = (entry_plan, planned, records)
         call.out[uid] = PrepareResult(devices, status=entry_plan.get("deviceStatus"))
         call.todo.append(uid)
+        call.changed.add(uid)
+
+    def _forget(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, owners: Ownership) -> None:
+        """The claim's earlier prepare undone, its files and entry gone, what it held released."""
+        if problems := self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid}):
+            raise ClaimFailed("undoing the earlier prepare's host changes failed: " + "; ".join(problems))
+        self.files.remove(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
+        del cp.claims[uid]
+        owners.release(uid)
         call.changed.add(uid)
 
     def _again(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, claim: dict) -> PrepareResult:

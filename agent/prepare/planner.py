@@ -10,13 +10,18 @@ from fractions import Fraction
 from typing import Callable, Iterable
 
 from agent.kubeletplugin.types import PreparedDevice
-from agent.prepare import shares
+from agent.prepare import claimstatus, shares
 from agent.prepare.allocation import ClaimFailed, Result
 from agent.prepare.claimconfig import OpaqueConfig, config_for
-from agent.prepare.checkpoint import STARTED
+from agent.prepare.checkpoint import COMPLETED, STARTED
+from agent.prepare.metadata import store as metadata
+from agent.prepare.netdevs import reserved_pods
 from agent.prepare.ownership import Hold
+from agent.prepare.steps import Planned
 from agent.quantity import parse_quantity
+from agent.settings import Settings
 from cdi.claim import GroupOf, build_claim_spec, cdi_id
+from cdi.nodegroup import group_reader
 from discovery import gpuways
 from discovery.models import Device
 
@@ -39,6 +44,35 @@ def device_record(d: PreparedDevice, env: tuple[str, ...] = (), result: Result |
     if result is not None and result.share_id and result.consumed:
         rec["consumedCapacity"] = dict(result.consumed)
     return rec
+
+
+def entry(planned: Planned, fp: str, records: dict, steps: list, s: Settings, boot_id: str,
+          spec_path: Callable[[str], str], nvidia) -> tuple[list[PreparedDevice], dict]:
+    """(the claim's devices, its PrepareCompleted entry as planned): the allocation's devices and
+    CDI spec, each step's record; what ``add_records`` adds once its holds are granted not yet."""
+    uid, meta = planned.uid, planned.claim["metadata"]
+    devices, spec, envs = devices_and_spec(s.driver_name, s.node_name, s.root, uid, planned.results, planned.names,
+                                           planned.configs, nvidia, group_reader(s.cdi_additional_gids))
+    return devices, {"state": COMPLETED, "namespace": meta["namespace"], "name": meta["name"], "bootID": boot_id,
+                     "allocation": fp, "devices": [device_record(d, e, r) for d, e, r in zip(devices, envs, planned.results)],
+                     "cdiSpec": {"path": spec_path(uid), "spec": spec} if spec else None, "metadata": None,
+                     **{st.key: st.write(records[st.key]) for st in steps if st.key in records}}
+
+
+def add_records(entry: dict, planned: Planned, devices: list[PreparedDevice], records: dict, s: Settings,
+                earlier: dict | None) -> None:
+    """What a planned ``entry`` records beside its devices: its metadata files (``earlier``: the
+    claim's entry before, whose generations keep growing), the pods its netdevs go to, its
+    ``status.devices``. ``devices`` get the metadata's CDI IDs."""
+    if s.device_metadata:
+        entry["metadata"] = meta_rec = metadata.plan(s, planned.claim, devices, planned.names)
+        if meta_rec and earlier and earlier.get("metadata"):  # keep generations growing for this UID
+            for base, rec in meta_rec["requests"].items():
+                rec["generation"] = earlier["metadata"]["requests"].get(base, {}).get("generation", 0)
+    if "netdevs" in records:  # the pods the NRI plugin gives the netdevs to (agent/nri/netdev.py)
+        entry["pods"] = reserved_pods(planned.claim)
+    if s.claim_status:  # KEP-4817 status.devices, written by the kubelet plugin
+        entry["deviceStatus"] = claimstatus.build_for(s, devices, planned.inventory)
 
 
 def started(entry: dict, step_keys: Iterable[str]) -> dict:

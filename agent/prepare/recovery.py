@@ -61,64 +61,98 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
     cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
     cp = driver.checkpoint = Checkpoint.load(driver.checkpoint_path)
     report = driver.recovery = RecoveryReport(corrupt_checkpoint=cp.corrupt_path, rejected=sorted(map(str, cp.rejected)))
+    lost = _lost_entries(cp, known, report)
+    report.foreign = sorted(cp.foreign)
+    specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
+    _adopt_unrecorded(driver, cp, specs, lost, report)
+    _sweep_orphans(driver, cp, report)  # first: a leftover must not stand where a claim's change is made again
+    for uid, entry in list(cp.claims.items()):
+        _recover_claim(driver, cp, uid, entry, report)
+    for step in driver.steps:
+        if (settle := getattr(step, "settle", None)) is not None and not cp.foreign:
+            settle(cp.claims)
+    _remove_orphan_files(s, cp, specs, report)
+    if cp.corrupt_path or cp.rejected or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
+        cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
+        driver.saved = Saved.of(cp)
+    _log_report(cp, report)
+    return report
+
+
+def _lost_entries(cp: Checkpoint, known: dict[str, dict] | None, report: RecoveryReport) -> dict[str, tuple[dict, str]]:
+    """The claims whose entries cannot be used -> (the entry, why): those rejected as invalid and,
+    after damage, those neither the files nor ``known`` establish (``_recovered``)."""
     lost = {u: (e, f"its checkpoint entry is not valid ({why}); kept in {cp.rejected_path}")
             for u, (e, why) in cp.rejected.items()}
     if cp.salvage is not None:
         lost.update(_recovered(cp, known or {}, report))
-    report.foreign = sorted(cp.foreign)
-    specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
+    return lost
+
+
+def _adopt_unrecorded(driver, cp: Checkpoint, specs: dict[str, str], lost: dict[str, tuple[dict, str]],
+                      report: RecoveryReport) -> None:
+    """After a corrupt checkpoint (or for rejected entries), the claims whose spec files exist adopted."""
     if cp.corrupt_path or cp.rejected:
         report.adopted = adopt(driver, cp, {u: p for u, p in specs.items()
                                             if u not in cp.claims and (cp.corrupt_path or u in cp.rejected)}, lost)
         report.netdevs_lost = [u for u in report.adopted if cp.claims[u].get("netdevsLost")]
-    _sweep_orphans(driver, cp, report)  # first: a leftover must not stand where a claim's change is made again
-    for uid, entry in list(cp.claims.items()):
-        if entry["state"] == STARTED and uid in cp.foreign:
-            log.warning("claim %s: a newer sysdra's prepare of it was interrupted; its entry (fields %s unknown here) "
-                        "is kept for that sysdra, not rolled back; its devices stay held", uid, cp.foreign[uid].fields)
-            continue
-        if entry["state"] == STARTED:
-            if not _roll_back(driver, cp, uid, entry, report):
-                continue  # keep the intent: the next start tries again
+
+
+def _recover_claim(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryReport) -> None:
+    """One entry: an interrupted prepare rolled back (a newer sysdra's left to it); a prepared
+    claim's changes made again and its files made good (rebuilt after a reboot or a change redone)."""
+    if entry["state"] == STARTED and uid in cp.foreign:
+        log.warning("claim %s: a newer sysdra's prepare of it was interrupted; its entry (fields %s unknown here) "
+                    "is kept for that sysdra, not rolled back; its devices stay held", uid, cp.foreign[uid].fields)
+        return
+    if entry["state"] == STARTED:
+        if _roll_back(driver, cp, uid, entry, report):
             report.rolled_back.append(uid)
-            continue
-        rebooted = entry.get("bootID") != driver.boot_id
-        report.boot_changed |= rebooted
-        for step in driver.steps:
-            if (rec := step.read(entry)) is None:
-                continue
-            try:  # a reboot (or someone) undid the change: the claim is still prepared
-                moved = step.recover(rec)
-                report.kernel_changed |= moved
-                rebooted |= moved
-            except NotRecovered as err:  # kept in the entry, saved below: a later start must know
-                log.error("claim %s: %s not made again: %s", uid, step.what, err)
-                entry[err.key] = err.record
-            except Exception as err:  # noqa: BLE001 - logged; the claim stays prepared, the kubelet's re-prepare retries
-                log.error("claim %s: %s not made again: %s", uid, step.what, err)
-        if driver.ensure_spec(uid, entry, rebuild=rebooted):
-            report.rebuilt.append(uid)
-        if driver.ensure_metadata(uid, entry, rebuild=rebooted):
-            report.metadata_rebuilt.append(uid)
-        entry["bootID"] = driver.boot_id
+        return  # (not rolled back: keep the intent, the next start tries again)
+    rebooted = entry.get("bootID") != driver.boot_id
+    report.boot_changed |= rebooted
+    rebooted |= _make_again(driver, uid, entry, report)
+    if driver.ensure_spec(uid, entry, rebuild=rebooted):
+        report.rebuilt.append(uid)
+    if driver.ensure_metadata(uid, entry, rebuild=rebooted):
+        report.metadata_rebuilt.append(uid)
+    entry["bootID"] = driver.boot_id
+
+
+def _make_again(driver, uid: str, entry: dict, report: RecoveryReport) -> bool:
+    """A prepared claim's host changes that a reboot (or someone) undid made again: whether one was."""
+    made = False
     for step in driver.steps:
-        if (settle := getattr(step, "settle", None)) is not None and not cp.foreign:
-            settle(cp.claims)
+        if (rec := step.read(entry)) is None:
+            continue
+        try:  # a reboot (or someone) undid the change: the claim is still prepared
+            moved = step.recover(rec)
+            report.kernel_changed |= moved
+            made |= moved
+        except NotRecovered as err:  # kept in the entry, saved below: a later start must know
+            log.error("claim %s: %s not made again: %s", uid, step.what, err)
+            entry[err.key] = err.record
+        except Exception as err:  # noqa: BLE001 - logged; the claim stays prepared, the kubelet's re-prepare retries
+            log.error("claim %s: %s not made again: %s", uid, step.what, err)
+    return made
+
+
+def _remove_orphan_files(s, cp: Checkpoint, specs: dict[str, str], report: RecoveryReport) -> None:
+    """CDI specs and metadata files of claims no entry records (adopted ones have entries now)."""
     for uid, path in specs.items():
         if uid not in cp.claims:
             cdifiles.remove_spec(path)
             report.orphans_removed.append(uid)
     report.metadata_orphans_removed = metadata.remove_orphans(s, cp.claims)
-    if cp.corrupt_path or cp.rejected or report.rolled_back or report.boot_changed or report.rebuilt or cp.claims:
-        cp.save()  # journals what changed (compacts only when due: a full disk must not stop the start)
-        driver.saved = Saved.of(cp)
+
+
+def _log_report(cp: Checkpoint, report: RecoveryReport) -> None:
     counts = {k: len(v) for k, v in asdict(report).items() if isinstance(v, list) and v}
     log.info("kubelet plugin state recovered: %d claims prepared%s%s%s", len(cp.claims),
              "".join(f", {n} {k.replace('_', ' ')}" for k, n in counts.items()),
              ", after a reboot" if report.boot_changed else "",
              f", corrupt checkpoint moved to {report.corrupt_checkpoint}" if report.corrupt_checkpoint else "")
     log.debug("recovery details: %s", asdict(report))
-    return report
 
 
 def repair(driver) -> RecoveryReport:

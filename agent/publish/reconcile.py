@@ -102,6 +102,20 @@ def _generation(obj: dict) -> int:
     return int(obj.get("spec", {}).get("pool", {}).get("generation") or 0)
 
 
+def _match(existing: list[dict], count: int, current: int) -> tuple[dict[int, dict], list[dict]]:
+    """The stored slices that stay, by their index in a pool of ``count`` slices, and the obsolete
+    ones: of an older generation, not named as ours for that count, or a second at an index."""
+    matched: dict[int, dict] = {}
+    obsolete: list[dict] = []
+    for s in existing:
+        index = parse_index(s["metadata"]["name"], count)
+        if _generation(s) < current or index is None or index in matched:
+            obsolete.append(s)
+        else:
+            matched[index] = s
+    return matched, obsolete
+
+
 class Reconciler:
     """One pool of one driver on one node. ``sync`` is idempotent; a no-op sync writes nothing."""
 
@@ -160,45 +174,15 @@ class Reconciler:
         existing = sorted((s for s in await self.store.list_slices() if self._ours(s, pool)), key=lambda s: s["metadata"]["name"])
         count = len(pool.slices)
         current = max((_generation(s) for s in existing), default=0)
-        matched: dict[int, dict] = {}
-        obsolete: list[dict] = []
-        for s in existing:
-            index = parse_index(s["metadata"]["name"], count)
-            if _generation(s) < current or index is None or index in matched:
-                obsolete.append(s)
-            else:
-                matched[index] = s
+        matched, obsolete = _match(existing, count, current)
         missing = [i for i in range(count) if i not in matched]
         await self._resolve_owner(again=bool(missing))
-        changed = [i for i, s in matched.items() if not same_slice(s, self.dropped.strip(self._desired(pool, i, current)))]
-        base = max(current, self.generation_floor)
-        if not missing and len(changed) <= 1 and base == current:
-            generation, to_update = current, changed
-        else:
-            generation, to_update = base + 1, sorted(matched)
+        generation, to_update = self._next_generation(pool, matched, missing, current)
         stats = SyncStats(generation=generation)
-        for s in obsolete:
-            meta = s["metadata"]
-            try:
-                await self.store.delete(meta["name"], meta.get("uid", ""), meta.get("resourceVersion", ""))
-            except NotFound:
-                pass  # someone (the kubelet) was faster
-            stats.deleted += 1
-            metrics.SLICE_WRITES.labels("delete").inc()
+        await self._delete(obsolete, stats)
         times = _taint_times(existing)
-        for i in to_update:
-            obj = _keep_taint_times(self._desired(pool, i, generation), times)
-            old = matched[i]["metadata"]
-            obj["metadata"].pop("generateName", None)
-            obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
-            self.dropped.learn(obj, await self._write(self.store.update, obj))
-            stats.updated += 1
-            metrics.SLICE_WRITES.labels("update").inc()
-        for i in missing:  # (a device moved to a new slice keeps its taints' times too)
-            obj = _keep_taint_times(self._desired(pool, i, generation), times)
-            self.dropped.learn(obj, await self._write(self.store.create, obj))
-            stats.created += 1
-            metrics.SLICE_WRITES.labels("create").inc()
+        await self._update(pool, {i: matched[i] for i in to_update}, generation, times, stats)
+        await self._create(pool, missing, generation, times, stats)
         self.generation_floor = generation
         metrics.POOL_GENERATION.set(generation)
         if stats.writes:
@@ -207,4 +191,45 @@ class Reconciler:
                 pool.name, generation, stats.created, stats.updated, stats.deleted,
             )
         return stats
+
+    def _next_generation(self, pool: PoolContent, matched: dict[int, dict], missing: list[int],
+                         current: int) -> tuple[int, list[int]]:
+        """(the generation to publish, the slices to update): one changed slice is updated at the
+        current generation; more changes, a slice missing or a floor above it bump the generation
+        and every slice is written."""
+        changed = [i for i, s in matched.items() if not same_slice(s, self.dropped.strip(self._desired(pool, i, current)))]
+        base = max(current, self.generation_floor)
+        if not missing and len(changed) <= 1 and base == current:
+            return current, changed
+        return base + 1, sorted(matched)
+
+    async def _delete(self, obsolete: list[dict], stats: SyncStats) -> None:
+        """The obsolete slices deleted; one someone else deleted first is counted as ours."""
+        for s in obsolete:
+            meta = s["metadata"]
+            try:
+                await self.store.delete(meta["name"], meta.get("uid", ""), meta.get("resourceVersion", ""))
+            except NotFound:
+                pass  # someone (the kubelet) was faster
+            stats.deleted += 1
+            metrics.SLICE_WRITES.labels("delete").inc()
+
+    async def _update(self, pool: PoolContent, slices: dict[int, dict], generation: int, times: dict,
+                      stats: SyncStats) -> None:
+        """``slices``: index -> the slice in the store that becomes the pool's slice at that index."""
+        for i, existing in slices.items():
+            obj = _keep_taint_times(self._desired(pool, i, generation), times)
+            old = existing["metadata"]
+            obj["metadata"].pop("generateName", None)
+            obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
+            self.dropped.learn(obj, await self._write(self.store.update, obj))
+            stats.updated += 1
+            metrics.SLICE_WRITES.labels("update").inc()
+
+    async def _create(self, pool: PoolContent, missing: list[int], generation: int, times: dict, stats: SyncStats) -> None:
+        for i in missing:  # (a device moved to a new slice keeps its taints' times too)
+            obj = _keep_taint_times(self._desired(pool, i, generation), times)
+            self.dropped.learn(obj, await self._write(self.store.create, obj))
+            stats.created += 1
+            metrics.SLICE_WRITES.labels("create").inc()
 

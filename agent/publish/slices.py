@@ -62,6 +62,20 @@ def chunk_devices(devices: list[dict], previous: list[list[dict]] | None = None)
     if not previous:
         return greedy
     order = {d["name"]: i for i, d in enumerate(devices)}
+    buckets, advanced, new = _keep_places(devices, previous)
+    _place_new(sorted(new, key=lambda d: order[d["name"]]), buckets, advanced)
+    while len(buckets) > 1 and not buckets[-1]:
+        buckets.pop()
+    if len(buckets) > max(2 * len(greedy), len(greedy) + 2):
+        return greedy  # too fragmented: compact (one generation bump)
+    for bucket in buckets:
+        bucket.sort(key=lambda d: order[d["name"]])
+    return buckets
+
+
+def _keep_places(devices: list[dict], previous: list[list[dict]]) -> tuple[list[list[dict]], list[bool], list[dict]]:
+    """Each device that was published back in its slice while that slice has room: (the slices,
+    whether each is an advanced one, the devices left to place: new ones and those moved out)."""
     where = {d["name"]: i for i, chunk in enumerate(previous) for d in chunk}
     buckets: list[list[dict]] = [[] for _ in previous]
     advanced = [False] * len(previous)
@@ -77,7 +91,12 @@ def chunk_devices(devices: list[dict], previous: list[list[dict]] | None = None)
             continue
         buckets[i].append(device)
         advanced[i] = adv
-    for device in sorted(new, key=lambda d: order[d["name"]]):
+    return buckets, advanced, new
+
+
+def _place_new(new: list[dict], buckets: list[list[dict]], advanced: list[bool]) -> None:
+    """Each device in ``new`` into the first slice with room, else a new slice at the end."""
+    for device in new:
         adv_dev = is_advanced(device)
         for i, bucket in enumerate(buckets):
             adv = advanced[i] or adv_dev
@@ -88,13 +107,6 @@ def chunk_devices(devices: list[dict], previous: list[list[dict]] | None = None)
         else:
             buckets.append([device])
             advanced.append(adv_dev)
-    while len(buckets) > 1 and not buckets[-1]:
-        buckets.pop()
-    if len(buckets) > max(2 * len(greedy), len(greedy) + 2):
-        return greedy  # too fragmented: compact (one generation bump)
-    for bucket in buckets:
-        bucket.sort(key=lambda d: order[d["name"]])
-    return buckets
 
 
 def _greedy(devices: list[dict]) -> list[list[dict]]:
@@ -183,6 +195,30 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
     caller across calls; entries (treated as read-only) are reused for unchanged devices.
     ``share``: kinds published multi-allocatable with capacity policies (``sharing.share_plan``).
     ``skip_node_operations``: device kind -> the slice's skipNodeOperations (``publish/nodeops.py``)."""
+    entries, rejected, pf_of, bdf_of = _valid_entries(inventory, driver_name, list_attributes, partitions, taints,
+                                                      cache, share)
+    counter_sets: list[dict] = []
+    if pf_vf_exclusive:
+        entries, counter_sets = _pf_vf_counters(entries, pf_of, bdf_of)
+    if partitions:  # GPU partitions after PF/VF counters: a GPU PF may consume from both
+        entries, gpu_sets, bad = gpu_partitions.expand(entries, inventory.by_name(), groups=compatibility_groups,
+                                                       driver_name=driver_name, list_attributes=list_attributes)
+        counter_sets += gpu_sets
+        rejected += bad
+    # counter slices first: PFs and GPUs come and go less often than devices, so indexes stay put
+    slices = [{"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]} for i in range(0, len(counter_sets), MAX_COUNTER_SETS)]
+    if cache is not None and len(cache) > len(inventory.devices):
+        names = {d.name for d in inventory.devices}
+        for name in [n for n in cache if n not in names]:
+            del cache[name]
+    slices.extend(_device_slices(entries, inventory, previous, skip_node_operations))
+    return PoolContent(name=node_name, slices=tuple(slices), rejected=tuple(rejected))
+
+
+def _valid_entries(inventory, driver_name: str, list_attributes: bool, partitions: bool, taints, cache: dict | None,
+                   share: SharePlan | None) -> tuple[list[dict], list[tuple[str, str]], dict[str, str | None], dict[str, str]]:
+    """The API entries of the devices the API server would take, in inventory order, and the
+    others with why: (entries, rejected, device -> its PF's address, device -> its address)."""
     rejected: list[tuple[str, str]] = []
     entries: list[dict] = []
     seen: set[str] = set()
@@ -200,30 +236,19 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
         seen.add(device.name)
         pf_of[device.name], bdf_of[device.name] = device.pci.physfn, device.pci.bdf
         entries.append(entry)
-    slices: list[dict] = []
-    counter_sets: list[dict] = []
-    if pf_vf_exclusive:
-        entries, counter_sets = _pf_vf_counters(entries, pf_of, bdf_of)
-    if partitions:  # GPU partitions after PF/VF counters: a GPU PF may consume from both
-        entries, gpu_sets, bad = gpu_partitions.expand(entries, inventory.by_name(), groups=compatibility_groups,
-                                                       driver_name=driver_name, list_attributes=list_attributes)
-        counter_sets += gpu_sets
-        rejected += bad
-    # counter slices first: PFs and GPUs come and go less often than devices, so indexes stay put
-    for i in range(0, len(counter_sets), MAX_COUNTER_SETS):
-        slices.append({"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]})
-    if cache is not None and len(cache) > len(inventory.devices):
-        names = {d.name for d in inventory.devices}
-        for name in [n for n in cache if n not in names]:
-            del cache[name]
+    return entries, rejected, pf_of, bdf_of
+
+
+def _device_slices(entries: list[dict], inventory, previous: PoolContent | None,
+                   skip_node_operations: dict[str, list[str]] | None) -> list[dict]:
+    """The device slices, placed as before where they can be (``chunk_devices``); with
+    ``skip_node_operations``, the devices of kinds that differ there in slices of their own."""
     if skip_node_operations:
         kind_of = {d.name: d.kind for d in inventory.devices}
         prev = list(previous.slices) if previous is not None else None
-        slices.extend(grouped_slices(entries, kind_of, skip_node_operations, prev, chunk_devices))
-    else:
-        prev_chunks = [sl["devices"] for sl in previous.slices if "devices" in sl] if previous is not None else None
-        slices.extend({"devices": chunk} for chunk in chunk_devices(entries, prev_chunks))
-    return PoolContent(name=node_name, slices=tuple(slices), rejected=tuple(rejected))
+        return grouped_slices(entries, kind_of, skip_node_operations, prev, chunk_devices)
+    prev_chunks = [sl["devices"] for sl in previous.slices if "devices" in sl] if previous is not None else None
+    return [{"devices": chunk} for chunk in chunk_devices(entries, prev_chunks)]
 
 
 def index_width(count: int) -> int:

@@ -172,43 +172,64 @@ def policy_problems(policy: dict, capacity: Fraction | None) -> list[str]:
     if (values or policy.get("validRange") is not None) and default is None:
         problems.append("default is required with validValues or validRange")
     if values:
-        if len(values) > MAX_VALID_VALUES:
-            problems.append(f"validValues has {len(values)} entries, at most {MAX_VALID_VALUES}")
-        if any(a >= b for a, b in zip(values, values[1:])):
-            problems.append("validValues must be sorted in ascending order, without duplicates")
-        if capacity is not None and any(v > capacity for v in values):
-            problems.append(f"a valid value is larger than the capacity value {capacity}")
-        if default is not None and default not in values:
-            problems.append("default must be one of validValues")
+        problems += _valid_values_problems(values, default, capacity)
     if policy.get("validRange") is not None:
-        lo, hi, step = rng.get("min"), rng.get("max"), rng.get("step")
-        if lo is None:
-            return problems + ["validRange.min is required"]
-        if not all(_milli(q) for q in (lo, hi, step, default) if q is not None):
-            problems.append("validRange and default must have at most 3 decimals (milli units)")
-        if lo < 0:
-            problems.append("validRange.min must not be negative")
-        if capacity is not None and lo > capacity:
-            problems.append(f"validRange.min is larger than the capacity value {capacity}")
-        if default is not None and default < lo:
-            problems.append("default is less than validRange.min")
-        if hi is not None:
-            if lo > hi:
-                problems.append("validRange.min is larger than validRange.max")
-            if capacity is not None and hi > capacity:
-                problems.append(f"validRange.max is larger than the capacity value {capacity}")
-            if default is not None and default > hi:
-                problems.append("default is more than validRange.max")
-        if step is not None:
-            if step <= 0:
-                problems.append("validRange.step must be greater than zero")
-            else:
-                if capacity is not None and lo + step > capacity:
-                    problems.append(f"one step above validRange.min is larger than the capacity value {capacity}")
-                if default is not None and (default - lo) % step:
-                    problems.append("default is not validRange.min plus a multiple of validRange.step")
-                if hi is not None and (hi - lo) % step:
-                    problems.append("validRange.max is not validRange.min plus a multiple of validRange.step")
+        problems += _range_problems(rng, default, capacity)
+    return problems
+
+
+def _valid_values_problems(values: list[Fraction], default: Fraction | None, capacity: Fraction | None) -> list[str]:
+    """A ``validValues`` policy's rules."""
+    problems = []
+    if len(values) > MAX_VALID_VALUES:
+        problems.append(f"validValues has {len(values)} entries, at most {MAX_VALID_VALUES}")
+    if any(a >= b for a, b in zip(values, values[1:])):
+        problems.append("validValues must be sorted in ascending order, without duplicates")
+    if capacity is not None and any(v > capacity for v in values):
+        problems.append(f"a valid value is larger than the capacity value {capacity}")
+    if default is not None and default not in values:
+        problems.append("default must be one of validValues")
+    return problems
+
+
+def _range_problems(rng: dict[str, Fraction], default: Fraction | None, capacity: Fraction | None) -> list[str]:
+    """A ``validRange`` policy's rules: its bounds, then its step."""
+    lo, hi, step = rng.get("min"), rng.get("max"), rng.get("step")
+    if lo is None:
+        return ["validRange.min is required"]
+    problems = []
+    if not all(_milli(q) for q in (lo, hi, step, default) if q is not None):
+        problems.append("validRange and default must have at most 3 decimals (milli units)")
+    if lo < 0:
+        problems.append("validRange.min must not be negative")
+    if capacity is not None and lo > capacity:
+        problems.append(f"validRange.min is larger than the capacity value {capacity}")
+    if default is not None and default < lo:
+        problems.append("default is less than validRange.min")
+    if hi is not None:
+        if lo > hi:
+            problems.append("validRange.min is larger than validRange.max")
+        if capacity is not None and hi > capacity:
+            problems.append(f"validRange.max is larger than the capacity value {capacity}")
+        if default is not None and default > hi:
+            problems.append("default is more than validRange.max")
+    if step is not None:
+        problems += _step_problems(lo, hi, step, default, capacity)
+    return problems
+
+
+def _step_problems(lo: Fraction, hi: Fraction | None, step: Fraction, default: Fraction | None,
+                   capacity: Fraction | None) -> list[str]:
+    """A ``validRange.step``'s rules; none but its sign checked when it is not positive."""
+    if step <= 0:
+        return ["validRange.step must be greater than zero"]
+    problems = []
+    if capacity is not None and lo + step > capacity:
+        problems.append(f"one step above validRange.min is larger than the capacity value {capacity}")
+    if default is not None and (default - lo) % step:
+        problems.append("default is not validRange.min plus a multiple of validRange.step")
+    if hi is not None and (hi - lo) % step:
+        problems.append("validRange.max is not validRange.min plus a multiple of validRange.step")
     return problems
 
 

@@ -18,15 +18,14 @@ from agent.publish import metrics as publish_metrics
 from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool, pool_options
-from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, SocketError, dra_socket_path
-from agent.prepare.checkpoint import CheckpointError
+from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, dra_socket_path
 from agent.service import heap, loops, reload as reloading, scanning, sdnotify, startup
 from agent.service.listfallback import ListFallback
 from agent.service.hostnics import HostNics
 from agent.service.inpod import InPodNetdevs
 from agent.service.scanning import default_scan
-from agent.service.observers import ClaimStatusObserver, NullMetrics, ObservedDriver, PublishObserver, call_observer
-from agent.service.startup import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, StartupError
+from agent.service.observers import NullMetrics, PublishObserver
+from agent.service.startup import EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.routewatch import follow_default_routes
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
@@ -170,50 +169,9 @@ class Agent:
     # --- kubelet plugin hook -------------------------------------------------------------
     async def start_kubelet_plugin(self) -> None:
         """Serve the kubelet (issue 4) next to publishing, when that component is present."""
-        from agent import health
-        from agent.kubeletplugin.claimapi import ClaimApi
-        from agent.kubeletplugin.claims import claim_source
-        from agent.kubeletplugin.plugin import KubeletPlugin
-        from agent.kubeletplugin.statuswriter import status_writer
-        from agent.prepare.driver import Driver
+        from agent.service import kubeletside  # gRPC, the driver, health: not before they are needed
 
-        core = Driver(self.settings, lambda: self.inventory)
-        loop = asyncio.get_running_loop()
-        # a GPU mode switch at prepare (any thread): rescan and republish
-        core.hardware_changed = lambda: loop.call_soon_threadsafe(self._rescan_soon)
-        driver = ObservedDriver(core, self.board, loop=loop)  # the board is the loop's only
-        api = None if self.settings.cluster_dir is not None else ClaimApi(field_manager=self.settings.driver_name)  # reads + writes
-        status = (status_writer(self.settings, api, observer=ClaimStatusObserver(self.metrics, self.board))
-                  if self.settings.claim_status else None)
-        self.board.claim_status_enabled = self.settings.claim_status
-        self.kubelet_plugin = KubeletPlugin(self.settings, driver, claim_source(self.settings, api), status,
-                                            observe=call_observer(self.metrics))
-        self.kubelet_plugin.registration.listeners.append(self._on_registration)
-        self.health = health.attach(self.kubelet_plugin, lambda: self.inventory, self.settings)
-        self._follow_health()
-        await self.health.start()
-        await self.health.watch_links(self.watcher is not None and self.watcher.uevents)
-        # NVML under any root is the host's driver (the DaemonSet's root is /host): its events are the GPUs'
-        self.health.nvml_up = self._nvml_up
-        await self.health.watch_gpu_events()
-        if self.watcher is not None:  # timer rounds need not poll what its events report
-            self.health.events_report(self.watcher.reports)
-        async def rescan_if_moved() -> None:  # recovery moved functions between drivers: re-read them
-            recovery = getattr(driver.driver, "recovery", None)
-            if recovery is not None and recovery.kernel_changed:
-                await self.rescan()
-
-        try:  # the kubelet may call as soon as the sockets exist: the inventory must be current by then
-            await self.kubelet_plugin.start(after_recovery=rescan_if_moved)
-        except SocketError as err:
-            raise StartupError(str(err), EX_CANTCREAT) from None
-        except CheckpointError as err:
-            raise StartupError(str(err), EX_DATAERR) from None
-        loop = asyncio.get_running_loop()  # a dead MPS daemon: its GPU unhealthy until back; the daemons in status
-        core.supervise_mps(self.health.gpu_daemon_fault, lambda rows: loop.call_soon_threadsafe(self.board.set_mps_daemons, rows))
-        self.board.set_registration("waiting")
-        if driver.checkpoint is not None:
-            self.board.set_prepared_claims(driver.checkpoint.claims)
+        await kubeletside.start(self)
 
     def _on_registration(self, status) -> None:
         self._registration_answered.set()
@@ -257,7 +215,43 @@ class Agent:
         return 0
 
     async def _serve(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> None:
-        loop = asyncio.get_running_loop()
+        """Start in the order of docs/architecture.md ("Start-up order"), then serve until ``stop``;
+        a step that ``stop`` abandons ends the start there."""
+        await self._serve_endpoints(started)
+        if self._client is not None:
+            started.push_async_callback(self._client.close)
+        if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
+            self.settings = self.settings.replace(skip_node_operations=ops)
+        # No change between the first scan and the watchers is lost (docs/architecture.md, "Start-up
+        # order"): sources that arm at once (uevents, slice watches) are armed before the scan and
+        # their hardware events wait in the held debouncer until it is done; a fixture tree's file
+        # watch (it walks every directory) is armed after the first publish, then one full rescan
+        # covers what changed before it.
+        tasks: list[asyncio.Task] = []
+        started.push_async_callback(startup.cancel_all, tasks)
+        self._watch_slices(tasks)
+        if not await self._arm_watchers(stop, started) or not await self._first_scan(stop):
+            return
+        # Slices in the API reach the scheduler at once, and a pod allocated from them before the
+        # kubelet registered the driver fails prepare ("not registered"): there the kubelet side
+        # starts first and the first publish waits for the registration. A directory has no reader.
+        kubelet_first = self.settings.cluster_dir is None
+        if kubelet_first and not await self._kubelet_registered(stop, started):
+            return
+        if not await self._publish(stop, tasks):
+            return
+        await self._watch_slice_dir(started)
+        if not await self._arm_file_watch(stop):
+            return
+        if not kubelet_first and not await self._start_kubelet_side(stop, started):
+            return
+        self._running(started, tasks)
+        await stop.wait()
+        log.info("stopping")
+        sdnotify.stopping("stopping")
+
+    async def _serve_endpoints(self, started: contextlib.AsyncExitStack) -> None:
+        """The status socket and the metrics endpoint; one that cannot be served is a warning."""
         status_path = status_socket_path(self.settings)
         status_server = StatusServer(self.board, status_path)
         try:
@@ -274,18 +268,10 @@ class Agent:
                 started.callback(metrics_server.close)
             except (OSError, ValueError) as err:
                 log.warning("metrics endpoint %s not served: %s", self.settings.metrics_address, err)
-        if self._client is not None:
-            started.push_async_callback(self._client.close)
-        if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
-            self.settings = self.settings.replace(skip_node_operations=ops)
-        # No change between the first scan and the watchers is lost (docs/architecture.md, "Start-up
-        # order"): sources that arm at once (uevents, slice watches) are armed before the scan and
-        # their hardware events wait in the held debouncer until it is done; a fixture tree's file
-        # watch (it walks every directory) is armed after the first publish, then one full rescan
-        # covers what changed before it.
-        tasks: list[asyncio.Task] = []
-        started.push_async_callback(startup.cancel_all, tasks)
-        self._watch_slices(tasks)
+
+    async def _arm_watchers(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> bool:
+        """The held debouncer, the hardware watcher (uevents armed now, a file watch later), the
+        default routes and the host's NICs; False if ``stop`` came first."""
         debouncer = self.debouncer = Debouncer(self.settings.debounce, lambda first, changed: self.rescan(first, changed),
                                                with_changes=True, held=True)
         started.callback(debouncer.cancel)
@@ -295,44 +281,51 @@ class Agent:
             started.callback(routes.stop)  # armed at once, like the uevents: before the first scan
         if self.settings.taint_unhealthy and await self.host_nics.follow(watcher.uevents):
             started.callback(self.host_nics.stop)
-        if watcher.arms_at_once and not await startup.unless_stopped(stop, watcher.start(), cancel=False):
-            return
+        return not watcher.arms_at_once or await startup.unless_stopped(stop, watcher.start(), cancel=False)
+
+    async def _first_scan(self, stop: asyncio.Event) -> bool:
+        """The first full scan, then the events held meanwhile; False if ``stop`` came first."""
         if not await startup.unless_stopped(stop, self.rescan()):
-            return
-        debouncer.release()  # what changed since the watchers were armed is re-read now
-        # Slices in the API reach the scheduler at once, and a pod allocated from them before the
-        # kubelet registered the driver fails prepare ("not registered"): there the kubelet side
-        # starts first and the first publish waits for the registration. A directory has no reader.
-        kubelet_first = self.settings.cluster_dir is None
-        if kubelet_first:
-            if not await self._start_kubelet_side(stop, started):
-                return
-            if self.kubelet_plugin is not None and not await startup.unless_stopped(  # (some tests run none)
-                    stop, startup.until_registered(self._registration_answered)):
-                return
+            return False
+        self.debouncer.release()  # what changed since the watchers were armed is re-read now
+        return True
+
+    async def _kubelet_registered(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> bool:
+        """The kubelet side started and its registration answered (or waited for in vain); False if stopped."""
+        if not await self._start_kubelet_side(stop, started):
+            return False
+        return self.kubelet_plugin is None or await startup.unless_stopped(  # (some tests run none)
+            stop, startup.until_registered(self._registration_answered))
+
+    async def _publish(self, stop: asyncio.Event, tasks: list[asyncio.Task]) -> bool:
+        """The publisher and the periodic rescan running, the first publish let out; False if stopped."""
+        loop = asyncio.get_running_loop()
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
                   loop.create_task(loops.periodic_rescan(self), name="resync")]
-        if not await startup.unless_stopped(stop, self._first_publish()):
-            return
-        await self._watch_slice_dir(started)
-        if not watcher.arms_at_once:
-            if not await startup.unless_stopped(stop, watcher.start(), cancel=False):  # (in a worker thread)
-                return
-            debouncer.trigger()  # a full rescan: what changed between the first scan and the watch
-        if not kubelet_first and not await self._start_kubelet_side(stop, started):
-            return
+        return await startup.unless_stopped(stop, self._first_publish())
+
+    async def _arm_file_watch(self, stop: asyncio.Event) -> bool:
+        """A fixture root's file watch (in a worker thread), then a full rescan for what changed
+        between the first scan and the watch; False if ``stop`` came first."""
+        if self.watcher.arms_at_once:
+            return True
+        if not await startup.unless_stopped(stop, self.watcher.start(), cancel=False):
+            return False
+        self.debouncer.trigger()
+        return True
+
+    def _running(self, started: contextlib.AsyncExitStack, tasks: list[asyncio.Task]) -> None:
+        """READY, then what runs beside serving: STATUS= updates, the NRI plugin, the watchdog."""
         # sockets served and state reconciled: ready (publishing may still wait for the API server)
         sdnotify.ready(self.board.summary())
         from agent.nri.start import follow_pod_sandboxes  # pydantic and protobuf: after the first publish
+        loop = asyncio.get_running_loop()
         tasks += [loop.create_task(self._report_status(), name="sd-status"),
                   *follow_pod_sandboxes(self.settings, self.kubelet_plugin, board=self.board)]
         watchdog = sdnotify.start_watchdog(loop)
         if watchdog is not None:
             started.callback(watchdog.cancel)
         log.info("sysdra running: node %s, driver %s, cluster %s", self.settings.node_name, self.settings.driver_name, self.settings.cluster)
-        await stop.wait()
-        log.info("stopping")
-        sdnotify.stopping("stopping")
 
     async def _start_kubelet_side(self, stop: asyncio.Event, started: contextlib.AsyncExitStack) -> bool:
         started.push_async_callback(self._stop_kubelet_side)

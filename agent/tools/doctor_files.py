@@ -209,19 +209,7 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
     from agent.prepare.checkpoint import STARTED, Checkpoint, CheckpointError
 
     path = os.path.join(plugin_dir, "checkpoint.json")
-    found: list[Finding] = []
-    try:
-        aside = sorted(n for n in os.listdir(plugin_dir) if n.startswith("checkpoint.json")
-                       and (".corrupt-" in n or ".rejected-" in n))
-    except OSError:
-        aside = []
-    if aside:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(aside[-1].rsplit("-", 1)[1]))) \
-            if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
-        found.append(Finding("checkpoint:aside", "warn",
-                             f"a corrupt checkpoint or invalid entries were moved aside (last at {when}): {', '.join(aside)}",
-                             f"inspect them (the agent kept what they still established and adopted the claims it found CDI specs "
-                             f"for; an ERROR names claims whose netdev records are lost), then remove them from {plugin_dir}"))
+    found = _checkpoint_aside(plugin_dir)
     if not os.path.exists(path) and not os.path.exists(path + ".journal"):
         return found + [Finding("checkpoint", "skip", f"{path} does not exist (no claim prepared yet)")]
     try:
@@ -234,6 +222,34 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
                                 "restart the agent. Either moves the files aside, logs CHECKPOINT CORRUPT, keeps the "
                                 "entries they still establish (and its last save's) and adopts the claims whose CDI "
                                 "specs exist")]
+    found += _checkpoint_entries(cp)
+    started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
+    found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
+                                  f"generation {cp.generation}, {cp.journal_records} journal records"))
+    return found
+
+
+def _checkpoint_aside(plugin_dir: str) -> list[Finding]:
+    """A warning while corrupt checkpoints or rejected entries moved aside are still there."""
+    try:
+        aside = sorted(n for n in os.listdir(plugin_dir) if n.startswith("checkpoint.json")
+                       and (".corrupt-" in n or ".rejected-" in n))
+    except OSError:
+        aside = []
+    if not aside:
+        return []
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(aside[-1].rsplit("-", 1)[1]))) \
+        if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
+    return [Finding("checkpoint:aside", "warn",
+                    f"a corrupt checkpoint or invalid entries were moved aside (last at {when}): {', '.join(aside)}",
+                    f"inspect them (the agent kept what they still established and adopted the claims it found CDI specs "
+                    f"for; an ERROR names claims whose netdev records are lost), then remove them from {plugin_dir}")]
+
+
+def _checkpoint_entries(cp) -> list[Finding]:
+    """Warnings for entries a loaded checkpoint holds but cannot use as it does the others:
+    invalid ones, a newer sysdra's, adopted claims whose netdev records are lost."""
+    found: list[Finding] = []
     if cp.rejected:
         found.append(Finding("checkpoint:rejected", "warn",
                              f"{len(cp.rejected)} entries are not valid records and are not used: "
@@ -253,7 +269,4 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
                              + "; ".join(f"{u}: {why}" for u, why in list(lost.items())[:3]),
                              "find their NICs' netdevs (in a pod's namespace, or on the host under the name they had "
                              "there), then delete the pods: the kubelet unprepares the claims"))
-    started = [u for u, e in cp.claims.items() if e.get("state") == STARTED]
-    found.append(ok("checkpoint", f"{len(cp.claims)} claims recorded ({len(started)} being prepared), "
-                                  f"generation {cp.generation}, {cp.journal_records} journal records"))
     return found
