@@ -4,6 +4,8 @@ h100-mig fixtures let it allocate. No allocation here is written by hand."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from tests.controlplane import Unschedulable, allocate, with_allocation
@@ -200,6 +202,33 @@ def test_grouped_devices_need_the_gate():
         allocate(slices, CLASSES, claim("p", req("p", part_of(CPX_GPU, "CPX/NPS1"))), node=NODE,
                  features={"CompatibilityGroups": False})
     allocate(slices, CLASSES, claim("p", req("p", part_of(CPX_GPU, "CPX/NPS1"))), node=NODE)
+
+
+def _with_nics(slices: list[dict]) -> list[dict]:
+    """``slices`` plus the NICs of another fixture node in one more slice of the same pool, as the
+    agent publishes a node with partitioned GPUs and NICs (one pool per node)."""
+    (nics,) = copy.deepcopy(published("server-2s-gpu-nic"))
+    nics["spec"]["devices"] = [d for d in nics["spec"]["devices"] if d["name"].startswith("nic-")]
+    nics["metadata"]["name"] = f"{len(slices):05d}-nics"
+    out = copy.deepcopy(slices) + [nics]
+    for s in out:
+        s["spec"]["pool"]["resourceSliceCount"] = len(out)
+    return out
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_without_the_gate_grouped_slices_leave_the_whole_pool_unallocatable(groups):
+    """docs/partitions.md: an allocator without DRADeviceCompatibilityGroups ignores the slices
+    that name a group and counts the node's pool incomplete, so a NIC in it is not allocated
+    either; with the gate (or without groups) the NIC is."""
+    slices = _with_nics(amd(groups))
+    nic = claim("n", exactly("n", "nic.sysdra.io"))
+    allocate(slices, CLASSES, nic, node=NODE)
+    if groups:
+        with pytest.raises(Unschedulable):
+            allocate(slices, CLASSES, nic, node=NODE, features={"CompatibilityGroups": False})
+    else:
+        allocate(slices, CLASSES, nic, node=NODE, features={"CompatibilityGroups": False})
 
 
 def test_the_partition_demo_hands_out_what_the_allocator_picks(tmp_path):
