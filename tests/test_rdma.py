@@ -1,4 +1,5 @@
-"""RDMA devices: which uverbs node is whose (discovery/nic.py), and network namespaces (agent/prepare/rdma.py, the netdev step's RDMA decision).
+"""RDMA devices: which uverbs node is whose (discovery/nic.py); network namespaces
+(agent/prepare/rdma.py, the netdev step's RDMA decision).
 
 This machine has no RDMA hardware and no ib_core: the RDMA netlink messages are checked byte for
 byte against the kernel's uapi (include/uapi/rdma/rdma_netlink.h: RDMA_NL_NLDEV 5,
