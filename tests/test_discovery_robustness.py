@@ -138,7 +138,8 @@ def test_a_class_code_past_24_bits_is_not_published(pristine, tmp_path, class_fi
     open(os.path.join(d, "class"), "w").write(class_file + "\n")
     inv = scan(root)
     assert victim.name not in inv.by_name()
-    assert {s.bdf: s.reason for s in inv.skipped}[victim.pci.bdf] == f"cannot identify: class: out of range {int(class_file, 16):#x}"
+    reason = {s.bdf: s.reason for s in inv.skipped}[victim.pci.bdf]
+    assert reason == f"cannot identify: class: out of range {int(class_file, 16):#x}"
 
 
 @pytest.mark.parametrize("how", ["missing", "empty", "garbled", "not pci", "no driver line"])
