@@ -100,13 +100,12 @@ class _Scanner:
         views = d.names or frozenset()
         kind, why = classify(fn, views)
         if (held := self.uplink.get(bdf) or self.uplink.get(fn.physfn or "")) is not None:
-            return Skipped(bdf=bdf, reason=f"the host's uplink: {held}", class_code=fn.class_code,
-                           vendor_id=fn.vendor_id, device_id=fn.device_id)
+            return _skipped(fn, f"the host's uplink: {held}")
         if (rule := self.exclude.function(bdf, kind)) is not None:
             return _excluded(fn, rule)
         if kind is None or fn.driver is None:
             reason = f"not offered: {why}" if kind is None else f"no driver bound ({why})"
-            return Skipped(bdf=bdf, reason=reason, class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
+            return _skipped(fn, reason)
         if kind == "fpga" and _is_alveo(fn, views):
             card = BDF_RE.match(bdf).groups()[:3]
             alveo.setdefault(card, {})[_alveo_role(fn, views)] = (fn, d, problems)
@@ -115,12 +114,10 @@ class _Scanner:
             dev = self._device(fn, d, kind, problems)
         except Exception as err:  # noqa: BLE001 - even its PCI attributes failed: this one device
             log.warning("device %s: unexpected error: %r", bdf, err)
-            return Skipped(bdf=bdf, reason=f"unexpected error: {err!r}"[:200], class_code=fn.class_code,
-                           vendor_id=fn.vendor_id, device_id=fn.device_id)
+            return _skipped(fn, f"unexpected error: {err!r}"[:200])
         if dev.fpga is not None and dev.fpga.family == "dfl" and not (dev.fpga.fme or dev.fpga.port):
             # extra PFs of DFL cards (N6001 .1/.2/.4) carry only an empty region
-            return Skipped(bdf=fn.bdf, reason="DFL function without FME or port: nothing a container can open",
-                           class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
+            return _skipped(fn, "DFL function without FME or port: nothing a container can open")
         if dev.nic is not None and (rule := self.exclude.interfaces(i.name for i in dev.nic.interfaces)) is not None:
             return _excluded(fn, rule)
         return dev
@@ -171,7 +168,7 @@ class _Scanner:
         that PF's slot is read too (and added to ``todo``)."""
         results = self._results
         for bdf in sorted(todo):
-            pf = getattr(getattr(results[bdf], "pci", None), "physfn", None)
+            pf = _pf_of(results[bdf])
             if pf and pf in present and pf not in todo:
                 for sibling in sorted(b for b in present - todo if _slot(b) == _slot(pf)):
                     todo.add(sibling)
@@ -191,8 +188,7 @@ class _Scanner:
                 cards[card] = _unchanged(cards_before.get(card), self._alveo_device(halves))
             except Exception as err:  # noqa: BLE001 - the card's problem, not the scan's
                 fn = (halves.get("mgmt") or halves["user"])[0]
-                results[fn.bdf] = Skipped(bdf=fn.bdf, reason=f"unexpected error: {err!r}"[:200],
-                                          class_code=fn.class_code, vendor_id=fn.vendor_id, device_id=fn.device_id)
+                results[fn.bdf] = _skipped(fn, f"unexpected error: {err!r}"[:200])
 
     def _inventory(self) -> Inventory:
         """The results as an :class:`Inventory`; the device-node problems of every scan so far kept."""
@@ -216,7 +212,7 @@ class _Scanner:
         out = {b for b in present if b in changed or _slot(b) in slots}
         for bdf in changed:
             prev = self._results.get(bdf)
-            pf = getattr(getattr(prev, "pci", None), "physfn", None)
+            pf = _pf_of(prev)
             if pf:
                 out.add(pf)
         return out & present
@@ -339,8 +335,19 @@ class IncrementalScanner:
 
 
 def _excluded(fn: PciFunction, rule: str) -> Skipped:
-    return Skipped(bdf=fn.bdf, reason=f"excluded by the node's exclude_devices ({rule})", class_code=fn.class_code,
-                   vendor_id=fn.vendor_id, device_id=fn.device_id)
+    return _skipped(fn, f"excluded by the node's exclude_devices ({rule})")
+
+
+def _skipped(fn: PciFunction, reason: str) -> Skipped:
+    """An identified function not offered, with its ids and, for a VF, its PF (``_pf_of``)."""
+    return Skipped(bdf=fn.bdf, reason=reason, class_code=fn.class_code, vendor_id=fn.vendor_id,
+                   device_id=fn.device_id, physfn=fn.physfn)
+
+
+def _pf_of(result: object) -> str | None:
+    """The PF of a VF's result, offered or skipped: a VF no driver took (autoprobe off) is
+    skipped, and when it goes the kernel tells nothing of its PF, whose VF count changed."""
+    return result.pci.physfn if isinstance(result, Device) else getattr(result, "physfn", None)
 
 
 def bdf_of_path(path: str) -> str | None:

@@ -327,6 +327,7 @@ class Skipped(Record):
     class_code: int | None = None
     vendor_id: str | None = None
     device_id: str | None = None
+    physfn: str | None = None  # its PF's address when it is a VF: a rescan after its removal reads the PF again
 
 
 @record

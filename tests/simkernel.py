@@ -54,6 +54,9 @@ class SimPciKernel:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.log: list[str] = []
+        # a group node's minor (default: the group's number); the kernel allocates it when the group is
+        # made (vfio_group_alloc: the lowest free one), so a group made again may get another
+        self.minors: dict[str, int] = {}
         self._fifos: dict[str, tuple[int, bool]] = {}  # control file -> (the FIFO's fd, held full)
         # the loop's drain and a test's hang or release, one at a time: a drain that read "not held"
         # must not empty the FIFO after hang() filled it (a writer's write would then not block)
@@ -207,7 +210,7 @@ class SimPciKernel:
             self.bind(driver, bdf)
 
     def _vfio_nodes(self, group: str) -> None:
-        major, minor = (1, 3) if self.real_nodes else (241, int(group))
+        major, minor = (1, 3) if self.real_nodes else (241, self.minors.get(group, int(group)))
         d = self.p("sys/devices/virtual/vfio", group)
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "dev"), "w") as f:

@@ -14,7 +14,7 @@ import pytest
 from discovery import attributes
 from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, device_attributes
 from discovery.inventory import scan
-from tests.conftest import REPO, profile_root
+from tests.conftest import REPO, copy_profile, profile_root
 from discovery.models import Device, GpuInfo, NetInterface, NicInfo, PciFunction, PciLink, RdmaDevice, Sriov
 
 
@@ -197,3 +197,30 @@ def test_the_values_budget_counts_single_values_too(tmp_path):
     assert len(fits.attributes["interfaceNames"].value) == room and list(fits.problems) == []
     assert "interfaceNames" not in over.attributes
     assert [(p.what, p.reason) for p in over.problems] == [("interfaceNames", f"{room + 1} values, past the device's 48")]
+
+
+DFL_FPGA = "fpga-0000-b1-00-0"  # dfl-fpga: an N6001's FME and port
+DFL_FME = "sys/devices/pci0000:b0/0000:b0:02.0/0000:b1:00.0/fpga_region/region0/dfl-fme.0"
+FIM_ID = "ce3139c959cf528ca27751c50829797a"
+
+
+def test_a_dfl_cards_interface_id_is_its_pr_regions_compat_id(tmp_path):
+    """``interfaceID`` is the FPGA interface manager's id an AFU (green bitstream) is built
+    against: a claim selects on it to get a card its AFU loads into. The kernel shows it as the
+    ``compat_id`` of the partial-reconfiguration region below the FME; of several regions the
+    first (sorted) with a well-formed id (32 hex digits, ``0x`` and case as the kernel may print
+    them) says it; a card without one publishes none."""
+    root = copy_profile(tmp_path, "dfl-fpga")
+    assert _published(root)[DFL_FPGA]["attributes"]["interfaceID"] == {"string": FIM_ID}
+    fme = os.path.join(root, DFL_FME)
+    first = os.path.join(fme, "dfl-fme-region.0/fpga_region/region0")  # sorted before dfl-fme-region.1
+    os.makedirs(first)
+    with open(os.path.join(first, "compat_id"), "w") as f:
+        f.write("not-an-id\n")
+    assert scan(root).by_name()[DFL_FPGA].attributes["interfaceID"].to_api() == {"string": FIM_ID}
+    with open(os.path.join(first, "compat_id"), "w") as f:
+        f.write("0x" + FIM_ID[::-1].upper() + "\n")
+    assert _published(root)[DFL_FPGA]["attributes"]["interfaceID"] == {"string": FIM_ID[::-1]}
+    shutil.rmtree(os.path.join(fme, "dfl-fme-region.0"))
+    os.unlink(os.path.join(fme, "dfl-fme-region.1/fpga_region/region1/compat_id"))
+    assert "interfaceID" not in _published(root)[DFL_FPGA]["attributes"]

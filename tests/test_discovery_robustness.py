@@ -123,6 +123,25 @@ def test_broken_function_goes_to_skipped(pristine, tmp_path):
     assert len(inv.devices) == len(inv0.devices) - 1
 
 
+@pytest.mark.parametrize("class_file", ["0x1030200", "-0x030200"])
+def test_a_class_code_past_24_bits_is_not_published(pristine, tmp_path, class_file):
+    """A PCI class code is 24 bits (base class, subclass, programming interface). A ``class``
+    file saying more (its uevent without PCI_CLASS, so the file answers) cannot be identified:
+    the function is skipped with the value, not classified on its low bits (0x1030200 & the
+    base-class mask reads as a display controller: a GPU published with pciClass "1030200")."""
+    root = str(tmp_path / "root")
+    shutil.copytree(pristine, root, symlinks=True)
+    victim = next(d for d in scan(root).devices if d.kind == "gpu")
+    d = os.path.join(root, victim.pci.sysfs_path.lstrip("/"))
+    uevent = open(os.path.join(d, "uevent")).read()
+    open(os.path.join(d, "uevent"), "w").write(re.sub(r"(?m)^PCI_CLASS=.*\n", "", uevent))
+    open(os.path.join(d, "class"), "w").write(class_file + "\n")
+    inv = scan(root)
+    assert victim.name not in inv.by_name()
+    reason = {s.bdf: s.reason for s in inv.skipped}[victim.pci.bdf]
+    assert reason == f"cannot identify: class: out of range {int(class_file, 16):#x}"
+
+
 @pytest.mark.parametrize("how", ["missing", "empty", "garbled", "not pci", "no driver line"])
 def test_uevent_and_attribute_files_agree(pristine, tmp_path, how):
     """A function's uevent is read instead of five attribute files and the driver link; when

@@ -162,3 +162,42 @@ def test_event_checks_read_off_the_loop_one_round_at_a_time(tmp_path, monkeypatc
         assert [n for n, _, _ in seen[:3]] == [VM_GPU, "files", VM_NIC]  # the event's, in its order
         assert monitor.snapshot()[VM_NIC][:2] == ("UNHEALTHY", "interface eth0 carrier 0")
     run(main())
+
+
+def test_the_agent_tells_its_monitor_what_its_watchers_report(tmp_path):
+    """The daemon hands its hardware watcher's reports to the monitor (service/kubeletside.py):
+    on a fixture root its file watch reports functions and links, so the running agent's timer
+    rounds re-read only the polled signals (a device node gone is still caught), and a link
+    change below sys/ reaches health through the rescan its file event starts, a full round."""
+    from agent.service.daemon import Agent
+
+    root = copy_profile(tmp_path, "vm-numa-none")
+    agent = Agent(settings_for(str(tmp_path), root=root, metrics_address="", health_interval=0.05, debounce=0.05))
+
+    async def until(predicate, what: str) -> None:
+        for _ in range(3000):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not reached: {what}")
+
+    async def main():
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop))
+        try:
+            await until(lambda: agent.health is not None and agent.rescans >= 2,
+                        "the kubelet side, and the rescan after the file watch")
+            await until(lambda: agent.watcher.reports() == (True, True), "the file watch armed")
+            await rounds(agent.health, 2)  # the full round the start-up rescan asked for has run
+            full = agent.health.full_rounds
+            os.unlink(os.path.join(root, "dev/nvidia0"))  # no event: polled
+            await until(lambda: agent.health.snapshot()[VM_GPU][0] == "UNHEALTHY", "the GPU's node missed")
+            await rounds(agent.health, 3)
+            assert agent.health.full_rounds == full, "the agent's timer rounds read everything"
+            write_file(root, VM_NIC_NET + "/carrier", "0\n")
+            await until(lambda: agent.health.snapshot()[VM_NIC][0] == "UNHEALTHY", "the file event's rescan")
+            assert agent.health.full_rounds > full
+        finally:
+            stop.set()
+            assert await asyncio.wait_for(running, 60) == 0
+    run(main())

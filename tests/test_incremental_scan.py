@@ -13,6 +13,7 @@ import pytest
 from discovery.inventory import IncrementalScanner, bdf_of_path, scan
 from discovery.pci import BDF_RE
 from tests.conftest import profile_root, profiles
+from tests.simkernel import set_uevent_driver
 
 BUS = "sys/bus/pci/devices"
 
@@ -100,3 +101,60 @@ def test_a_rescan_keeps_the_objects_of_what_reads_as_before(tmp_path):
         f.write("D3hot\n")
     again = scanner.update({nic.pci.bdf})
     assert again == changed and all(a is b for a, b in zip(again.devices, changed.devices))
+
+
+
+def _move_vfs(root: str, pf: str, vfs: dict[int, str], stash: str, away: bool) -> None:
+    """The PF's VFs (index -> address) taken to ``stash`` or put back, as the kernel removes or
+    makes them: the function (beside its PF), its bus link, the PF's ``virtfnN`` link; and the
+    PF's ``sriov_numvfs``."""
+    pf_dir = os.path.realpath(os.path.join(root, BUS, pf))
+    for i, bdf in vfs.items():
+        for here, there in ((os.path.join(os.path.dirname(pf_dir), bdf), bdf), (os.path.join(root, BUS, bdf), bdf + ".link"),
+                            (os.path.join(pf_dir, f"virtfn{i}"), f"virtfn{i}")):
+            os.rename(*((here, os.path.join(stash, there)) if away else (os.path.join(stash, there), here)))
+    numvfs = len([n for n in os.listdir(pf_dir) if n.startswith("virtfn")])
+    with open(os.path.join(pf_dir, "sriov_numvfs"), "w") as f:
+        f.write(f"{numvfs}\n")
+
+
+def test_a_new_vf_has_its_pf_read_again(tmp_path):
+    """VFs created (``sriov_numvfs`` 6 -> 8): the rescan their events start names them alone, and
+    their PF is read again with them, so its slice entry says 8 VFs at once, not after the next
+    full resync."""
+    root, stash = str(tmp_path / "node"), str(tmp_path / "stash")
+    shutil.copytree(profile_root("sriov-nic"), root, symlinks=True)
+    os.makedirs(stash)
+    pf, vfs = "0000:06:00.1", {6: "0000:06:02.0", 7: "0000:06:02.1"}  # CX-6 Dx port 1, VFs on mlx5_core
+    _move_vfs(root, pf, vfs, stash, away=True)
+    scanner = IncrementalScanner(root)
+    assert scanner.full().by_name()["nic-0000-06-00-1"].attributes["sriovNumVFs"].int_ == 6
+    _move_vfs(root, pf, vfs, stash, away=False)
+    inv = scanner.update(set(vfs.values()))
+    assert inv.by_name()["nic-0000-06-00-1"].attributes["sriovNumVFs"].int_ == 8
+    assert {"nic-0000-06-02-0", "nic-0000-06-02-1"} <= set(inv.by_name()) and inv == scan(root)
+
+
+def test_vfs_without_a_driver_removed_have_their_pf_read_again(tmp_path):
+    """VFs no driver took (``sriov_drivers_autoprobe`` 0, left for vfio-pci or DPDK) removed
+    (``sriov_numvfs`` 16 -> 0): the kernel sends no event for the PF, only the VFs' removals, so
+    the rescan they start reads their PF again from what it knew of them (skipped functions
+    too), and the PF's slice entry says 0 VFs at once."""
+    root, stash = str(tmp_path / "node"), str(tmp_path / "stash")
+    shutil.copytree(profile_root("sriov-nic"), root, symlinks=True)
+    os.makedirs(stash)
+    pf, name = "0000:3b:00.0", "accelerator-0000-3b-00-0"  # QAT: alone in its slot, its 16 VFs in two others
+    pf_dir = os.path.realpath(os.path.join(root, BUS, pf))
+    vfs = {int(n[6:]): os.readlink(os.path.join(pf_dir, n))[3:] for n in os.listdir(pf_dir) if n.startswith("virtfn")}
+    for bdf in vfs.values():  # none bound
+        vf_dir = os.path.join(os.path.dirname(pf_dir), bdf)
+        if os.path.islink(os.path.join(vf_dir, "driver")):
+            os.unlink(os.path.join(vf_dir, "driver"))
+        set_uevent_driver(vf_dir, None)
+    scanner = IncrementalScanner(root)
+    before = scanner.full()
+    assert before.by_name()[name].attributes["sriovNumVFs"].int_ == 16
+    assert set(vfs.values()) <= {s.bdf for s in before.skipped}
+    _move_vfs(root, pf, vfs, stash, away=True)
+    inv = scanner.update(set(vfs.values()))
+    assert inv.by_name()[name].attributes["sriovNumVFs"].int_ == 0 and inv == scan(root)

@@ -163,6 +163,22 @@ def test_generation_monotonic_across_update_lost_file_and_reboot(tmp_path):
     assert read_file(path)["metadata"]["generation"] == 5
 
 
+def test_a_reprepare_with_another_allocation_keeps_counting(tmp_path):
+    """The claim deallocated and allocated again (same UID, another device): the earlier
+    prepare is undone, its files removed, and the new file's generation continues from the
+    last one written, so a consumer comparing generations never sees one go back."""
+    s, state = env(tmp_path)
+    c = claim("c", [("net", NIC0)])
+    uid, path = c["metadata"]["uid"], host(s, c, "net")
+    d, _ = prepared(s, state, c)
+    assert update_request(s, ClaimRef("default", "c", uid), "net", NetworkData("eth1"))[0] == 2
+    again = claim("c", [("net", GPU0)], uid=uid)
+    assert d.prepare_claims([again])[uid].error is None
+    obj = read_file(path)
+    assert obj["metadata"]["generation"] == 3 and obj["requests"][0]["devices"][0]["name"] == GPU0
+    assert d.checkpoint.claims[uid]["metadata"]["requests"]["net"]["generation"] == 3
+
+
 def test_update_errors(tmp_path, capsys):
     s, state = env(tmp_path)
     c = claim("c", [("net", NIC0)])

@@ -82,6 +82,19 @@ def test_the_second_of_one_call_is_refused_and_the_other_device_is_not_held(tmp_
     assert errors[UIDS["b"]] and f"default/a ({UIDS['a']})" in errors[UIDS["b"]]
 
 
+def test_a_claim_allocated_again_lets_go_of_its_old_device_at_once(tmp_path):
+    """Claim a was prepared with GPU 0 and is allocated again with GPU 1 (same UID, the kubelet
+    prepares it again): undoing its earlier prepare releases GPU 0 in that very call, so claim b,
+    allocated GPU 0 and prepared in the same call after it, gets it."""
+    d = _driver(tmp_path)
+    assert _prepare(d, _claim("a", "whole")) == {UIDS["a"]: None}
+    moved, b = _claim("a", "whole", device=gpu(1).name), _claim("b", "whole")
+    assert _prepare(d, moved, b) == {UIDS["a"]: None, UIDS["b"]: None}
+    assert [e["devices"][0]["device"] for e in (d.checkpoint.claims[UIDS["a"]], d.checkpoint.claims[UIDS["b"]])] == [
+        gpu(1).name, GPU]
+    _refused(_driver(tmp_path), _claim("c", "whole"), holder=b)  # and b holds it, after a restart too
+
+
 def test_shares_of_a_shared_device_and_admin_access_go_together(tmp_path):
     d = _driver(tmp_path)
     s1, s2, admin, whole = _claim("a", "share"), _claim("b", "share"), _claim("c", "admin"), _claim("d", "whole")

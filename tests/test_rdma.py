@@ -1,4 +1,5 @@
-"""RDMA devices and network namespaces (agent/prepare/rdma.py, the netdev step's RDMA decision).
+"""RDMA devices: which uverbs node is whose (discovery/nic.py); network namespaces
+(agent/prepare/rdma.py, the netdev step's RDMA decision).
 
 This machine has no RDMA hardware and no ib_core: the RDMA netlink messages are checked byte for
 byte against the kernel's uapi (include/uapi/rdma/rdma_netlink.h: RDMA_NL_NLDEV 5,
@@ -100,3 +101,36 @@ def test_shared_mode_injects_only_the_char_devices(tmp_path, node, mode):
     move, nodes = prepared(tmp_path, node, mode)
     assert "rdma" not in move
     assert "/dev/infiniband/uverbs0" in nodes
+
+
+def _second_rdma_device(root: str) -> None:
+    """NIC's function gets a second RDMA device, mlx5_4, whose node is uverbs0; mlx5_0's is now
+    uverbs7: neither the names' order nor the nodes' says which node is whose, ``ibdev`` does."""
+    fn = os.path.realpath(os.path.join(root, "sys/bus/pci/devices/0000:3c:00.0"))
+    shutil.copytree(os.path.join(fn, "infiniband/mlx5_0"), os.path.join(fn, "infiniband/mlx5_4"), symlinks=True)
+    verbs = os.path.join(fn, "infiniband_verbs")
+    shutil.copytree(os.path.join(verbs, "uverbs0"), os.path.join(verbs, "uverbs7"), symlinks=True)
+    for name, text in (("uverbs0/ibdev", "mlx5_4"), ("uverbs7/ibdev", "mlx5_0"), ("uverbs7/dev", "231:199"),
+                       ("uverbs7/uevent", "MAJOR=231\nMINOR=199\nDEVNAME=infiniband/uverbs7")):
+        with open(os.path.join(verbs, name), "w") as f:
+            f.write(text + "\n")
+    open(os.path.join(root, "dev/infiniband/uverbs7"), "w").close()
+
+
+def test_each_rdma_device_goes_with_its_own_uverbs_node(tmp_path, node):
+    """Which ``/dev/infiniband/uverbsN`` is an RDMA device's is the kernel's
+    ``infiniband_verbs/uverbsN/ibdev``, never an order (the fixture's mlx5_N/uverbsN are not in
+    BDF order either); a claimed NIC's CDI spec has its own function's nodes and no other's."""
+    _second_rdma_device(node)
+    inv = scan(node)
+    nics = {name: inv.by_name()[name] for name in (NIC, "nic-0000-1a-00-0")}
+    assert {r.name: r.uverbs for r in nics[NIC].nic.rdma} == {"mlx5_0": "uverbs7", "mlx5_4": "uverbs0"}
+    assert {r.name: r.uverbs for r in nics["nic-0000-1a-00-0"].nic.rdma} == {"mlx5_1": "uverbs1"}
+    d = Driver(settings_for(str(tmp_path), root=node), lambda: inv)
+    for i, (name, want) in enumerate({NIC: [(0, 192), (7, 199)], "nic-0000-1a-00-0": [(1, 193)]}.items()):
+        uid = UID[:-1] + str(i)
+        assert d.prepare_claims([claim(f"nic{i}", [("net1", name)], uid=uid)])[uid].error is None
+        spec = cdifiles.read_spec(cdifiles.claim_spec_path(d.settings.cdi_dir, d.settings.driver_name, uid))
+        nodes = [(n["path"], n["major"], n["minor"]) for dev in spec["devices"]
+                 for n in dev["containerEdits"].get("deviceNodes", [])]
+        assert nodes == [(f"/dev/infiniband/uverbs{n}", 231, minor) for n, minor in want], name

@@ -213,15 +213,17 @@ def test_a_function_held_by_another_claim_is_refused(node):
     assert sim.driver(VF_BDF) == "mlx5_core"
 
 
-def rebooted(root: str, sim, bdf: str, driver: str) -> None:
-    """The node rebooted: the kernel comes back with ``bdf`` on its own ``driver``, no override."""
+def rebooted(root: str, sim, bdf: str, driver: str, boot: str | None = "rebooted") -> None:
+    """The node rebooted: the kernel comes back with ``bdf`` on its own ``driver``, no override
+    (``boot`` None: no reboot, someone gave it back by hand)."""
     sim.stop()
     sim.unbind("vfio-pci", bdf)
     with open(os.path.join(root, "sys/bus/pci/devices", bdf, "driver_override"), "w") as f:
         f.write("(null)\n")
     sim.bind(driver, bdf)
-    with open(os.path.join(root, "proc/sys/kernel/random/boot_id"), "w") as f:
-        f.write("rebooted\n")
+    if boot is not None:
+        with open(os.path.join(root, "proc/sys/kernel/random/boot_id"), "w") as f:
+            f.write(boot + "\n")
     sim.start()
 
 
@@ -250,6 +252,25 @@ def test_recovery_gives_back_an_interrupted_bind_and_rebinds_after_reboot(node):
     assert report.boot_changed and UID in report.rebuilt
     assert sim.driver(VF_BDF) == "vfio-pci"
     assert spec_nodes(s, UID) == ["/dev/vfio/42", "/dev/vfio/vfio"]
+
+
+def test_a_function_given_back_by_hand_is_bound_again_with_a_spec_of_its_new_node(node):
+    """No reboot: someone gave a prepared VM claim's function back to its driver. The next start
+    binds it to vfio-pci again, and the group node the kernel made now (another minor: the
+    kernel allocates it when the group is made) is what the claim's CDI spec gives the VM."""
+    s, sim, state, driver = node
+    assert driver().prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error is None
+    assert spec_numbers(s, UID)["/dev/vfio/42"] == (241, 42)
+    sim.minors["42"] = 7
+    rebooted(s.root, sim, VF_BDF, "mlx5_core", boot=None)
+    report = driver().recover()
+    assert not report.boot_changed and report.kernel_changed and sim.driver(VF_BDF) == "vfio-pci"
+    assert spec_numbers(s, UID)["/dev/vfio/42"] == (241, 7) and UID in report.rebuilt
+
+
+def spec_numbers(s, uid: str) -> dict[str, tuple[int, int]]:
+    spec = cdifiles.read_spec(cdifiles.claim_spec_path(s.cdi_dir, s.driver_name, uid))
+    return {n["path"]: (n["major"], n["minor"]) for d in spec["devices"] for n in d["containerEdits"].get("deviceNodes", [])}
 
 
 def test_checkpoint_vfio_records_are_checked(node):
