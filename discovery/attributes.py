@@ -160,7 +160,7 @@ def _entries(dev: Device | DeviceParts, list_attributes: bool) -> list[tuple[str
     if dev.fpga is not None:
         fpga = dev.fpga
         entries += [("fpgaFamily", fpga.family), ("afuID", fpga.afu_id), ("interfaceID", fpga.interface_id),
-                    ("userPciAddress", fpga.user_bdf if fpga.user_bdf != fn.bdf else None)]  # fmt: skip
+                    ("bitstreamID", fpga.bitstream_id), ("userPciAddress", fpga.user_bdf if fpga.user_bdf != fn.bdf else None)]  # fmt: skip
     if dev.accel is not None:
         entries.append(("moduleID", dev.accel.module_id))
     return entries

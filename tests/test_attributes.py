@@ -204,6 +204,21 @@ DFL_FME = "sys/devices/pci0000:b0/0000:b0:02.0/0000:b1:00.0/fpga_region/region0/
 FIM_ID = "ce3139c959cf528ca27751c50829797a"
 
 
+def test_a_dfl_cards_bitstream_id_is_its_fmes(tmp_path):
+    """``bitstreamID`` names the FPGA Interface Manager build the card runs (the FME's
+    ``bitstream_id``): a class or claim selects cards that run a given FIM. Only a well-formed id
+    (``0x`` and up to 16 hex digits) is published, in lower case."""
+    root = copy_profile(tmp_path, "dfl-fpga")
+    assert _published(root)[DFL_FPGA]["attributes"]["bitstreamID"] == {"string": "0x5010202aecbd6e5"}
+    path = os.path.join(root, DFL_FME, "bitstream_id")
+    with open(path, "w") as f:
+        f.write("0x5010202AECBD6E6\n")
+    assert _published(root)[DFL_FPGA]["attributes"]["bitstreamID"] == {"string": "0x5010202aecbd6e6"}
+    with open(path, "w") as f:
+        f.write("garbage\n")
+    assert "bitstreamID" not in _published(root)[DFL_FPGA]["attributes"]
+
+
 def test_a_dfl_cards_interface_id_is_its_pr_regions_compat_id(tmp_path):
     """``interfaceID`` is the FPGA interface manager's id an AFU (green bitstream) is built
     against: a claim selects on it to get a card its AFU loads into. The kernel shows it as the
