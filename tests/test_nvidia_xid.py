@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 
 import pytest
 
@@ -24,6 +25,7 @@ def test_bus_ids_as_the_kernel_names_them():
     assert bus_id("00000000:00:06.0") == bus_id(b"0000:00:06.0") == BDF
     assert bus_id("00000001:AF:00.0") == "0001:af:00.0" and bus_id("nonsense") is None and bus_id(None) is None
     assert bus_id("0000zz00:00:06.0") is bus_id("-1:00:06.0") is None
+    assert bus_id("00000000::06.0") is bus_id("00000000:00:") is None  # an empty part: no device's name
 
 
 def test_bus_ids_of_domains_above_ffff_as_discovery_names_them():
@@ -56,6 +58,61 @@ def test_faults_are_reported_and_application_errors_ignored():
         assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
         assert faults.get(timeout=30) == (BDF, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error")
         assert faults.empty() and watch.events == 4
+    finally:
+        watch.stop()
+
+
+def test_a_gpu_nvml_refuses_leaves_the_others_watched():
+    other = "0000:00:07.0"
+    sim = SimNvmlEvents([SimGpu(), SimGpu(bus_id=other)], refuse={BDF})
+    watch, faults = _watch(sim)
+    assert watch.start() and watch.registered == [other]
+    try:
+        sim.emit(other, sim.nvmlEventTypeXidCriticalError, 79)
+        assert faults.get(timeout=30) == (other, "xid-79", "NVML: critical XID 79")
+    finally:
+        watch.stop()
+
+
+def test_the_watch_outlives_quiet_waits():
+    """NVML's wait ends in a timeout whenever no event came (every few seconds on a healthy
+    node): the watch waits again, and the fault that comes later is still seen."""
+    sim = SimNvmlEvents()
+    timeouts, quiet = [], threading.Event()
+    wait = sim.nvmlEventSetWait_v2
+
+    def counted(event_set, timeout_ms):
+        try:
+            return wait(event_set, timeout_ms)
+        except Exception:
+            timeouts.append(1)
+            if len(timeouts) >= 3:
+                quiet.set()
+            raise
+
+    sim.nvmlEventSetWait_v2 = counted
+    watch, faults = _watch(sim)
+    assert watch.start()
+    try:
+        assert quiet.wait(30)
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+    finally:
+        watch.stop()
+
+
+def test_default_settings_ignore_the_application_xids(tmp_path):
+    """The XIDs ignored unless the operator says otherwise (docs/health.md): an application's own
+    faults (13, 31, 43, 45, 68, 109) leave the GPU healthy; XID 79 does not."""
+    s = settings_for(str(tmp_path), root=profile_root("h200-vm"))
+    sim = SimNvmlEvents()
+    watch, faults = _watch(sim, ignored=s.nvidia_ignored_xids)
+    assert watch.start()
+    try:
+        for code in (13, 31, 43, 45, 68, 109, 79):
+            sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, code)
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+        assert faults.empty() and watch.events == 7
     finally:
         watch.stop()
 

@@ -3,9 +3,9 @@
 The driver reports a GPU fault as an XID (a numbered error; 79: the GPU fell off the bus, 48: a
 double-bit ECC error, ...) or an ECC event. NVML delivers them to an event set that one thread of
 our own waits on (a blocking call by design, so never the event loop or NVML's query thread).
-Application errors (XIDs 13, 31, 43, 45, 68, 109 by default: a program's own fault, not the
-GPU's) are ignored, as NVIDIA's driver ignores them; a double-bit ECC error is a fault; a
-single-bit one is corrected and only logged. A fault holds until the node reboots (kept across
+Application errors (``nvidia_ignored_xids``, XIDs 13, 31, 43, 45, 68, 109 by default: a program's
+own fault, not the GPU's) are ignored, as NVIDIA's driver ignores them; a double-bit ECC error is
+a fault; a single-bit one is corrected and only logged. A fault holds until the node reboots (kept across
 agent restarts: agent/health/faults.py) or the operator clears it: a GPU that raised one needs a
 reset (and so a restart of what uses it) to be trusted again.
 """
@@ -22,7 +22,6 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # each wait returns at least this often, so stop() is noticed
-DEFAULT_IGNORED = (13, 31, 43, 45, 68, 109)
 NOTE_EVERY = 600.0  # seconds between log lines of one kind of event that is no fault
 _HEX = re.compile(r"[0-9a-f]{1,8}")
 
@@ -49,7 +48,7 @@ def _text(value) -> str:
 class XidWatch:
     """Calls ``on_fault(bdf, code, message)`` (from its own thread) for every fault event."""
 
-    def __init__(self, nvml, on_fault: Callable[[str, str, str], None], ignored=DEFAULT_IGNORED, wait_ms: int = WAIT_MS):
+    def __init__(self, nvml, on_fault: Callable[[str, str, str], None], ignored, wait_ms: int = WAIT_MS):
         self.nvml = nvml  # discovery.nvml.Nvml
         self.nv = nvml.pynvml
         self.on_fault = on_fault
