@@ -16,7 +16,7 @@ from agent.health.xid import XidWatch, bus_id
 from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
-from tests.simnvml import SimGpu, SimNvmlEvents, open_sim
+from tests.simnvml import SimEvent, SimGpu, SimNvmlEvents, open_sim
 
 BDF, GPU = "0000:00:06.0", "gpu-0000-00-06-0"
 
@@ -113,6 +113,31 @@ def test_default_settings_ignore_the_application_xids(tmp_path):
             sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, code)
         assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
         assert faults.empty() and watch.events == 7
+    finally:
+        watch.stop()
+
+
+def test_the_operators_list_replaces_the_default():
+    sim = SimNvmlEvents()
+    watch, faults = _watch(sim, ignored=(79,))
+    assert watch.start()
+    try:
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 13)
+        assert faults.get(timeout=30) == (BDF, "xid-13", "NVML: critical XID 13")
+    finally:
+        watch.stop()
+
+
+def test_an_event_not_understood_leaves_the_watch_running():
+    sim = SimNvmlEvents()
+    watch, faults = _watch(sim)
+    assert watch.start()
+    try:
+        sim.queue.put(SimEvent(None, sim.nvmlEventTypeXidCriticalError, 79))  # no device NVML could name
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+        assert watch.events == 2
     finally:
         watch.stop()
 
