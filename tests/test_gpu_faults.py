@@ -188,6 +188,17 @@ def test_a_gpu_without_a_uuid_in_discovery_is_matched_by_nvmls(node):
     asyncio.run(main())
 
 
+def test_the_file_holds_this_boots_last_fault_of_each_gpu(tmp_path):
+    """A new fault of a GPU replaces its earlier one, and a write leaves out the faults of earlier
+    boots: the file does not grow towards its entry limit (past it, the whole file is damaged)."""
+    FaultStore(str(tmp_path), boot_id="boot-a").record("GPU-aaaa", "0000:00:06.0", "xid-79", "before the reboot")
+    store = FaultStore(str(tmp_path), boot_id="boot-b")
+    store.record("GPU-bbbb", "0000:00:07.0", "xid-79", "first")
+    store.record("GPU-bbbb", "0000:00:07.0", "xid-48", "second")
+    doc = json.load(open(tmp_path / FILE))
+    assert [(f["uuid"], f["reason"], f["bootId"]) for f in doc["faults"]] == [("GPU-bbbb", "xid-48", "boot-b")]
+
+
 def test_taint_effects_by_reason():
     rules = {"xid-*": "NoExecute", "xid-79": "None", "link-*": "NoSchedule"}
     assert effect_for("xid-79", "NoSchedule", rules) == "None"  # exact first, whatever the order
