@@ -80,6 +80,15 @@ def test_advanced_device_closes_a_large_plain_chunk():
     assert [len(s["devices"]) for s in pool.slices] == [100, 1]
 
 
+def test_plain_devices_after_a_full_advanced_chunk_get_128_again():
+    """The limit of 64 belongs to a slice holding an advanced device; the next slice, all plain,
+    holds 128 again (no more slices than the API server needs)."""
+    numa = {"numas": AttributeValue(ints=(0,))}
+    devs = [device(i, attributes=numa) for i in range(64)] + [device(i) for i in range(64, 164)]
+    pool = build(Inventory(root="/", devices=tuple(devs)))
+    assert [len(s["devices"]) for s in pool.slices] == [64, 100]
+
+
 def test_empty_inventory_publishes_one_empty_slice():
     pool = build(Inventory(root="/"))
     assert pool.slices == ({"devices": []},)
