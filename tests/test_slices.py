@@ -313,3 +313,17 @@ def test_sticky_pool_through_build_pool(tmp_path):
     pool = build_pool(inv, node_name="n", driver_name="sysdra.io", cache=cache)
     again = build_pool(inv, node_name="n", driver_name="sysdra.io", cache=cache, previous=pool)
     assert again == pool == build_pool(inv, node_name="n", driver_name="sysdra.io")
+
+
+def test_cached_entries_follow_the_settings_and_taints():
+    """The entry cache (kept by the daemon across builds) is no reason to publish what the
+    settings now forbid: after the list-attributes fallback a device with a list attribute is
+    left out, and a device's new taint is published."""
+    inv = inventory(2, attributes={"numas": AttributeValue(ints=(0, 1))})
+    cache: dict = {}
+    assert [d["name"] for d in build(inv, cache=cache).slices[0]["devices"]] == [d.name for d in inv.devices]
+    taint = {"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
+    tainted = build(inv, cache=cache, taints={inv.devices[0].name: [taint]})
+    assert [d.get("taints") for d in tainted.slices[0]["devices"]] == [[taint], None]
+    off = build(inv, cache=cache, list_attributes=False)
+    assert off.slices == ({"devices": []},) and [name for name, _ in off.rejected] == [d.name for d in inv.devices]
