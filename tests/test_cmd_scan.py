@@ -136,3 +136,12 @@ def test_a_named_command_parses_as_with_every_command_and_loads_no_other():
     assert helped.returncode == 0 and all(name in helped.stdout for name in cli.COMMANDS)
     wrong = subprocess.run([sys.executable, "-m", "agent", "scna"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "invalid choice: 'scna'" in wrong.stderr and "metadata" in wrong.stderr
+
+
+def test_compatibility_groups_and_skipped_node_operations_reach_the_pool():
+    """``pool_options``: the one place the settings become the pool's shape, for run and scan."""
+    grouped = _from_run("mi300x-partitions", "--partitions", "--compatibility-groups")
+    assert grouped != _from_run("mi300x-partitions", "--partitions")
+    assert _scan_slices("--root", profile_root("mi300x-partitions"), "--partitions", "--compatibility-groups") == grouped
+    skipped = _scan_slices("--root", profile_root("h200-vm"), env={"SYSDRA_SKIP_NODE_OPERATIONS": '{gpu: ["*"]}'})
+    assert ["*"] in [s["spec"].get("skipNodeOperations") for s in skipped]
