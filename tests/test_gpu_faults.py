@@ -197,6 +197,10 @@ def test_the_file_holds_this_boots_last_fault_of_each_gpu(tmp_path):
     store.record("GPU-bbbb", "0000:00:07.0", "xid-48", "second")
     doc = json.load(open(tmp_path / FILE))
     assert [(f["uuid"], f["reason"], f["bootId"]) for f in doc["faults"]] == [("GPU-bbbb", "xid-48", "boot-b")]
+    assert os.stat(tmp_path / FILE).st_mode & 0o777 == 0o600
+    store.record("GPU-cccc", "0000:00:08.0", "xid-79", "another GPU")
+    assert [f.uuid for f in store.clear(None)] == ["GPU-bbbb", "GPU-cccc"]  # `sysdra health clear --all`
+    assert store.load() == {}
 
 
 def test_taint_effects_by_reason():
@@ -277,8 +281,12 @@ def test_not_a_regular_file(node, caplog):
     assert FaultStore(node.plugin_dir, node.root).load() == {}
     assert "not a regular file" in caplog.text
     os.unlink(os.path.join(node.plugin_dir, FILE))
-    os.symlink("/etc/hostname", os.path.join(node.plugin_dir, FILE))
-    assert FaultStore(node.plugin_dir, node.root).load() == {} and "unreadable" in caplog.text
+    elsewhere = os.path.join(node.plugin_dir, "elsewhere")
+    os.mkdir(elsewhere)
+    FaultStore(elsewhere, node.root).record(UUID, BDF, "xid-79", "a fault file of another place")
+    os.symlink(os.path.join(elsewhere, FILE), os.path.join(node.plugin_dir, FILE))
+    caplog.clear()
+    assert FaultStore(node.plugin_dir, node.root).load() == {} and "unreadable" in caplog.text  # not followed
 
 
 # --- the real agent ---------------------------------------------------------------------------
