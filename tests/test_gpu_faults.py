@@ -19,7 +19,7 @@ import pytest
 
 from agent.fsutil import make_dirs
 from agent.health.checks import HEALTHY, UNHEALTHY
-from agent.health.faults import FILE, FaultStore
+from agent.health.faults import FILE, FaultStore, KeptFaults
 from agent.health.monitor import HealthMonitor
 from agent.health.taints import effect_for
 from discovery.inventory import scan
@@ -198,6 +198,10 @@ def test_the_file_holds_this_boots_last_fault_of_each_gpu(tmp_path):
     doc = json.load(open(tmp_path / FILE))
     assert [(f["uuid"], f["reason"], f["bootId"]) for f in doc["faults"]] == [("GPU-bbbb", "xid-48", "boot-b")]
     assert os.stat(tmp_path / FILE).st_mode & 0o777 == 0o600
+    kept = KeptFaults(store)  # the monitor's view: a repeat costs no write, a new reason is one
+    kept.refresh()
+    kept.record("GPU-bbbb", "0000:00:07.0", "ecc-double-bit", "third")
+    assert store.load()["GPU-bbbb"].reason == "ecc-double-bit"
     store.record("GPU-cccc", "0000:00:08.0", "xid-79", "another GPU")
     assert [f.uuid for f in store.clear(None)] == ["GPU-bbbb", "GPU-cccc"]  # `sysdra health clear --all`
     assert store.load() == {}
