@@ -56,11 +56,18 @@ def test_operator_policies_replace_a_capacitys_default_or_drop_it():
     (("gpu",), {"gpu": {"compute": {"value": 50, "default": 10, "validRange": {"min": 1, "max": 100}}}}, "larger than the capacity value"),
     (("gpu",), {"gpu": {"memory": {"default": "1Gi", "validRange": {"min": "1Gi"}, "stepp": "1Gi"}}}, "unknown field"),
     (("gpu",), {"gpu": {"memory": {"default": "lots"}}}, "not a quantity"),
+    (("gpu",), {"gpu": {"memory": {"default": "1Gi", "validRange": {"min": "1Gi", "stpe": "1Gi"}}}}, "mapping of min, max, step"),
+    (("gpu",), {"gpu": {f"c{i}": {"value": 1, "default": 1, "validValues": [1]} for i in range(7)}}, "9 capacities, at most 8"),
     (("gpu",), {"gpu": {"bad-name": {"default": "1"}}}, "share-policies.gpu.bad-name"),
 ])  # fmt: skip
 def test_bad_policies_are_refused(share, policies, message):
     with pytest.raises(ValueError, match=message):
         share_plan(share, policies)
+
+
+def test_eight_capacities_are_allowed():
+    policies = {"memory": None, "compute": None, **{f"c{i}": {"value": 1, "default": 1, "validValues": [1]} for i in range(8)}}
+    assert len(share_plan(("gpu",), {"gpu": policies}).policies["gpu"]) == 8
 
 
 @pytest.mark.parametrize("command", ["run", "scan"])
