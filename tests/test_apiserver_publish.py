@@ -18,6 +18,7 @@ from agent.publish.backoff import Backoff
 from agent.publish.drift import watch_api
 from agent.publish.kubestore import KubeStore
 from agent.publish.publisher import Publisher
+from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool
 from tests.conftest import REPO
 from tests.controlplane import unique
@@ -147,6 +148,28 @@ def test_initial_publish_owner_and_noop_resync(node):
         assert o["metadata"]["name"].startswith(prefix) and len(o["metadata"]["name"]) == len(prefix) + 5  # server's generateName
         assert o["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid, "controller": True}]
         assert o["spec"]["pool"] == {"name": node.name, "generation": 1, "resourceSliceCount": 3}
+
+
+def test_policy_quantities_the_server_respells_do_not_rewrite_the_pool(node):
+    """Share policies as the operator wrote them (2000, 1000, 0.5) come back as the server
+    spells them (2k, 1k, 500m): compared by value, a resync writes nothing (else every sync
+    would write, and each write's watch event ask for the next)."""
+    plan = share_plan(("gpu",), {"gpu": {"memory": None, "compute": {
+        "value": 2000, "default": 1000, "validRange": {"min": "0.5", "step": "0.5"}}}})
+
+    async def scenario():
+        async with Running(node) as r:
+            r.pub.set_pool(node.pool(2, share=plan))
+            await r.pub.wait_synced(lambda p: p.total.created == 1)
+            syncs = r.pub.syncs
+            r.pub.request_sync()
+            await r.pub.wait_synced(lambda p: p.syncs > syncs)
+            return dict(r.store.writes), r.pub.last_stats
+
+    writes, last = run(scenario())
+    assert writes == {"create": 1, "update": 0, "delete": 0} and last.writes == 0
+    compute = node.slices()[0]["spec"]["devices"][0]["capacity"]["compute"]
+    assert compute == {"value": "2k", "requestPolicy": {"default": "1k", "validRange": {"min": "500m", "step": "500m"}}}
 
 
 def test_device_added_and_removed_updates_in_place(node):

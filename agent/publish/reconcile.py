@@ -35,14 +35,27 @@ class SyncStats:
         return self.created + self.updated + self.deleted
 
 
+def _quantity(text):
+    try:
+        return ("quantity", parse_quantity(text))
+    except (ValueError, TypeError):
+        return text
+
+
+def _policy(policy: dict) -> dict:
+    """A capacity's requestPolicy by value: the server respells its quantities too (1000 -> 1k)."""
+    return {k: [_quantity(x) for x in v] if isinstance(v, list) else
+            {rk: _quantity(rv) for rk, rv in v.items()} if isinstance(v, dict) else _quantity(v)
+            for k, v in policy.items() if v not in (None, [], {})}  # fmt: skip
+
+
 def _canonical(value):
     """Compare as the API server stores: quantities by value, absent lists/maps as empty."""
     if isinstance(value, dict):
         if set(value) == {"value"} and isinstance(value["value"], str):
-            try:
-                return ("quantity", parse_quantity(value["value"]))
-            except ValueError:
-                pass
+            return _quantity(value["value"])
+        if isinstance(value.get("requestPolicy"), dict):  # a shared capacity: its value, its policy
+            value = {**value, "value": _quantity(value.get("value")), "requestPolicy": _policy(value["requestPolicy"])}
         return {k: _canonical(v) for k, v in value.items() if v not in (None, [], {})}
     if isinstance(value, list):
         return [_canonical(v) for v in value]
