@@ -60,3 +60,10 @@ def test_a_long_status_still_gives_a_taint_value_the_api_takes(tmp_path):
     write_file(root, dev.pci.sysfs_path.lstrip("/") + "/status", "x" * 80 + "\n")
     v = check(HostFS(root), dev, Memory())
     assert (v.health, v.reason) == (UNHEALTHY, "status-" + "x" * 56)  # a label value: at most 63
+
+
+def test_a_device_rebound_to_another_driver_is_unhealthy(tmp_path):
+    root = copy_profile(tmp_path, "vm-numa-none")
+    gpu = scan(root).by_name()[VM_GPU]
+    v = check(HostFS(root), gpu, Memory(driver="vfio-pci"))  # bound to nvidia now, vfio-pci before
+    assert (v.health, v.reason) == (UNHEALTHY, "driver-changed")
