@@ -94,6 +94,25 @@ def test_one_changed_slice_keeps_generation_more_bump(tmp_path):
     assert len(objs[0]["spec"]["devices"]) == 100
 
 
+def test_two_changed_slices_bump_the_generation(tmp_path):
+    """One device changed in each of two slices: both rewritten at a new generation, so the
+    scheduler never takes a pool half old, half new for a whole one."""
+    from discovery.models import AttributeValue
+    from tests.inventory_factory import device
+
+    changed = Inventory(root="/", devices=tuple(device(i, attributes={"x": AttributeValue(int_=1)} if i in (0, 200) else None)
+                                                for i in range(256)))  # fmt: skip
+
+    async def scenario():
+        rec = Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER)
+        await rec.sync(pool_of(256))  # 128 + 128
+        return await rec.sync(pool_of(changed))
+
+    two = run(scenario())
+    assert (two.updated, two.created, two.generation) == (2, 0, 2)
+    assert [o["spec"]["pool"]["generation"] for o in dir_slices(tmp_path)] == [2, 2]
+
+
 def test_obsolete_deleted_first_with_preconditions(tmp_path):
     async def scenario():
         store = DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER)
