@@ -67,3 +67,15 @@ def test_a_device_rebound_to_another_driver_is_unhealthy(tmp_path):
     gpu = scan(root).by_name()[VM_GPU]
     v = check(HostFS(root), gpu, Memory(driver="vfio-pci"))  # bound to nvidia now, vfio-pci before
     assert (v.health, v.reason) == (UNHEALTHY, "driver-changed")
+
+
+def test_the_nvidia_checks_are_for_nvidia_gpus_only(tmp_path):
+    """A node with AMD and NVIDIA GPUs: a missing NVIDIA user-space driver is the NVIDIA GPUs'
+    fault, never an AMD GPU's."""
+    from discovery.nvidia_driver import DriverFiles
+
+    root = copy_profile(tmp_path, "mi300x-partitions")
+    amd = next(d for d in scan(root).devices if d.kind == "gpu")
+    broken = DriverFiles(driver_root="/", version=None, errors=("no libcuda.so",))
+    v = check(HostFS(root), amd, Memory(), nvidia_files=lambda: broken, nvidia_memory=lambda bdf: None)
+    assert v.reason != "nvidia-userspace-driver" and "NVIDIA" not in v.message
