@@ -113,6 +113,24 @@ def test_two_changed_slices_bump_the_generation(tmp_path):
     assert [o["spec"]["pool"]["generation"] for o in dir_slices(tmp_path)] == [2, 2]
 
 
+def test_a_second_slice_at_one_index_is_deleted(tmp_path):
+    """Two stored slices named for the same index (a create whose answer was lost, then retried):
+    one stays, the other is deleted, so no device is offered twice."""
+    from agent.publish.slices import render
+
+    async def scenario():
+        store = DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER)
+        (obj,) = render(pool_of(3), driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
+        for suffix in ("bbbbb", "ccccc"):  # two names of index 0 (the server's random suffixes)
+            obj["metadata"]["name"] = obj["metadata"]["name"][:-5] + suffix
+            await store.create(json.loads(json.dumps(obj)))
+        rec = Reconciler(store, node_name=NODE, driver_name=DRIVER)
+        return await rec.sync(pool_of(3))
+
+    stats = run(scenario())
+    assert stats.deleted == 1 and len(dir_slices(tmp_path)) == 1
+
+
 def test_obsolete_deleted_first_with_preconditions(tmp_path):
     async def scenario():
         store = DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER)
