@@ -79,3 +79,14 @@ def test_the_nvidia_checks_are_for_nvidia_gpus_only(tmp_path):
     broken = DriverFiles(driver_root="/", version=None, errors=("no libcuda.so",))
     v = check(HostFS(root), amd, Memory(), nvidia_files=lambda: broken, nvidia_memory=lambda bdf: None)
     assert v.reason != "nvidia-userspace-driver" and "NVIDIA" not in v.message
+
+
+def test_an_alveo_card_not_ready_is_unhealthy(tmp_path):
+    root = copy_profile(tmp_path, "alveo")
+    card = next(d for d in scan(root).devices if d.kind == "fpga")
+    fs = HostFS(root)
+    assert check(fs, card, Memory()).health == HEALTHY
+    for bdf in {card.fpga.mgmt_bdf, card.fpga.user_bdf} - {None}:
+        write_file(root, os.path.relpath(os.path.realpath(fs.path("sys/bus/pci/devices", bdf)), root) + "/ready", "0\n")
+    v = check(fs, card, Memory())
+    assert (v.health, v.reason) == (UNHEALTHY, "not-ready")
