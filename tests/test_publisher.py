@@ -199,3 +199,21 @@ def test_published_file_removed_by_someone_else_is_republished(tmp_path):
             task.cancel()
 
     assert run(scenario())
+
+
+def test_resync_interval_zero_means_no_timer_resync(tmp_path):
+    """``resync_interval: 0`` turns the periodic resync off: the publisher then syncs when told,
+    not in a loop listing the store."""
+    async def scenario():
+        pub = Publisher(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER,
+                        resync_interval=0, debounce=0)
+        task = asyncio.get_running_loop().create_task(pub.run())
+        try:
+            pub.set_pool(pool_of(3))
+            await pub.wait_synced()
+            await asyncio.sleep(0.5)  # room for timer resyncs, were there any
+            return pub.syncs
+        finally:
+            task.cancel()
+
+    assert run(scenario()) == 1
