@@ -217,3 +217,18 @@ def test_resync_interval_zero_means_no_timer_resync(tmp_path):
             task.cancel()
 
     assert run(scenario()) == 1
+
+
+def test_a_changed_counter_set_is_rewritten(tmp_path):
+    """Fewer VFs: the PF's counter set shrinks with them; the slice holding it is rewritten, or
+    the PF would consume more than its counter holds and never be allocated."""
+    from tests.inventory_factory import sriov_inventory
+
+    async def scenario():
+        rec = Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER)
+        await rec.sync(pool_of(sriov_inventory(pfs=1, vfs=4), pf_vf_exclusive=True))
+        await rec.sync(pool_of(sriov_inventory(pfs=1, vfs=2), pf_vf_exclusive=True))
+
+    run(scenario())
+    (counters,) = [o["spec"]["sharedCounters"] for o in dir_slices(tmp_path) if "sharedCounters" in o["spec"]]
+    assert [c["counters"]["functions"]["value"] for c in counters] == ["2"]
