@@ -232,3 +232,13 @@ def test_a_changed_counter_set_is_rewritten(tmp_path):
     run(scenario())
     (counters,) = [o["spec"]["sharedCounters"] for o in dir_slices(tmp_path) if "sharedCounters" in o["spec"]]
     assert [c["counters"]["functions"]["value"] for c in counters] == ["2"]
+
+
+def test_a_changed_skip_node_operations_is_rewritten(tmp_path):
+    async def scenario():
+        rec = Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER)
+        await rec.sync(pool_of(3, skip_node_operations={"gpu": ["*"]}))
+        await rec.sync(pool_of(3, skip_node_operations={"gpu": ["NodeUnprepareResources"]}))
+
+    run(scenario())
+    assert [o["spec"].get("skipNodeOperations") for o in dir_slices(tmp_path)] == [["NodeUnprepareResources"]]
