@@ -15,7 +15,8 @@ import pytest
 from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
-from discovery.nvidia import GPU_TABLE, cuda_version, semver
+from discovery.nvidia import GPU_TABLE, cuda_version, kernel_module_version, semver
+from discovery.sysfs import HostFS
 from tests.conftest import REPO, profile_root
 from tests.controlplane import Unschedulable, allocate, unique
 from tests.simnvml import SimGpu, SimNvml, open_sim
@@ -52,6 +53,14 @@ def test_without_nvml_the_table_and_the_kernel_module_answer():
     assert {"productName", "brand", "cudaDriverVersion", "addressingMode"}.isdisjoint(a)  # NVML only: never guessed
     assert gpu.capacity == {"memory": "141G"}  # the datasheet's 141 GB
     assert gpu.gpu.nvidia.source == "table"
+
+
+def test_nvmls_answers_win_over_the_table():
+    """The table is for what NVML does not say: where both answer, NVML's is published."""
+    sim = SimNvml([SimGpu(architecture=10, compute_capability=(10, 0))])  # the table's H200: Hopper, 9.0
+    root = profile_root("h200-vm")
+    a = _attrs(_gpu(scan(root, nvml=open_sim(root, sim))))
+    assert (a["architecture"], a["cudaComputeCapability"]) == ("Blackwell", "10.0.0")
 
 
 def test_a_gpu_in_neither_gets_no_memory_and_shares_offer_none(caplog):
@@ -195,6 +204,16 @@ def test_semver(text, want):
 
 def test_cuda_version():
     assert (cuda_version(13000), cuda_version(12040), cuda_version(0), cuda_version(True)) == ("13.0.0", "12.4.0", None, None)
+    assert cuda_version(12100) == "12.10.0"  # NVML's 1000 * major + 10 * minor: a two-digit minor
+
+
+def test_the_kernel_modules_version_is_its_first_lines_not_the_compilers(tmp_path):
+    """A /proc/driver/nvidia/version whose first line names no version gives none: the GCC
+    version on the next line is not the driver's."""
+    (tmp_path / "proc/driver/nvidia").mkdir(parents=True)
+    (tmp_path / "proc/driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64\nGCC version:  gcc version 12.2.0\n")
+    assert kernel_module_version(HostFS(str(tmp_path))) is None
 
 
 def test_every_table_row_has_a_source_and_a_valid_version():

@@ -1,0 +1,49 @@
+"""An NVIDIA GPU's device nodes (discovery/gpu.py): /dev/nvidiaN and /dev/nvidiactl take the
+major /proc/devices gives the driver (its registered 195 when it names none), and the minor
+of the GPU's ``information`` file, which is input: nvidiactl's minor is no GPU's."""
+
+from __future__ import annotations
+
+import shutil
+
+from discovery.inventory import scan
+from tests.conftest import profile_root
+
+H200 = "gpu-0000-00-06-0"
+INFO = "proc/driver/nvidia/gpus/0000:00:06.0/information"
+
+
+def _node(tmp_path, edit=None):
+    root = tmp_path / "root"
+    shutil.copytree(profile_root("h200-vm"), root, symlinks=True)
+    if edit:
+        edit(root)
+    return scan(str(root)).by_name()[H200]
+
+
+def _nodes(gpu) -> dict[str, tuple[int, int]]:
+    return {n.path: (n.major, n.minor) for n in gpu.device_nodes}
+
+
+def _rewrite(path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def test_the_majors_are_the_ones_proc_devices_gives(tmp_path):
+    gpu = _node(tmp_path, lambda root: _rewrite(root / "proc/devices", "195 nvidia-frontend", "196 nvidia-frontend"))
+    nodes = _nodes(gpu)
+    assert (nodes["/dev/nvidia0"], nodes["/dev/nvidiactl"]) == ((196, 0), (196, 255))
+
+
+def test_without_an_nvidia_major_in_proc_devices_the_registered_one(tmp_path):
+    gpu = _node(tmp_path, lambda root: _rewrite(root / "proc/devices", "195 nvidia-frontend\n", ""))
+    nodes = _nodes(gpu)
+    assert (nodes["/dev/nvidia0"], nodes["/dev/nvidiactl"]) == ((195, 0), (195, 255))
+
+
+def test_a_gpu_minor_of_nvidiactls_is_refused_with_a_problem(tmp_path):
+    gpu = _node(tmp_path, lambda root: _rewrite(root / INFO, "Device Minor: \t 0", "Device Minor: \t 255"))
+    assert gpu.gpu.nvidia_minor is None and not any(p.startswith("/dev/nvidia") for p in _nodes(gpu))
+    assert any(p.what == "/dev/nvidiaN" and "bad or missing Device Minor '255'" in p.reason for p in gpu.problems)
