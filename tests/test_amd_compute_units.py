@@ -54,3 +54,19 @@ def test_the_slices_pass_the_api_schema():
     pool = build_pool(inv, node_name=NODE, driver_name=DRIVER, list_attributes=True, partitions=True, compatibility_groups=True)
     for obj in render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True):
         kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+VRAM = {CPX_GPU: "sys/devices/pci0000:00/0000:00:01.1/0000:05:00.0/mem_info_vram_total",
+        SPX_GPU: "sys/devices/pci0000:20/0000:20:01.1/0000:27:00.0/mem_info_vram_total"}
+
+
+def test_a_vram_size_that_is_no_size_gives_no_memory(tmp_path):
+    """An unreadable size is a problem of the GPU's; a size of none (negative) is no memory."""
+    root = copy_node(str(tmp_path / "host"))
+    for gpu, text in ((CPX_GPU, "lots\n"), (SPX_GPU, "-5\n")):
+        with open(os.path.join(root, VRAM[gpu]), "w") as f:
+            f.write(text)
+    devices = scan(root).by_name()
+    assert "memory" not in devices[CPX_GPU].capacity and "memory" not in devices[SPX_GPU].capacity
+    assert any(p.what == "memory" and "not an integer" in p.reason for p in devices[CPX_GPU].problems)
+    assert devices[CPX_GPU].capacity["computeUnits"] == "304"  # the rest of the GPU stands
