@@ -1,6 +1,7 @@
-"""An NVIDIA GPU's device nodes (discovery/gpu.py): /dev/nvidiaN and /dev/nvidiactl take the
-major /proc/devices gives the driver (its registered 195 when it names none), and the minor
-of the GPU's ``information`` file, which is input: nvidiactl's minor is no GPU's."""
+"""An NVIDIA GPU's device nodes and procfs ``information`` (discovery/gpu.py): /dev/nvidiaN and
+/dev/nvidiactl take the major /proc/devices gives the driver (its registered 195 when it names
+none), and the minor of the GPU's ``information`` file, which is input: nvidiactl's minor is no
+GPU's, and a model name that is not printable is not published."""
 
 from __future__ import annotations
 
@@ -47,3 +48,9 @@ def test_a_gpu_minor_of_nvidiactls_is_refused_with_a_problem(tmp_path):
     gpu = _node(tmp_path, lambda root: _rewrite(root / INFO, "Device Minor: \t 0", "Device Minor: \t 255"))
     assert gpu.gpu.nvidia_minor is None and not any(p.startswith("/dev/nvidia") for p in _nodes(gpu))
     assert any(p.what == "/dev/nvidiaN" and "bad or missing Device Minor '255'" in p.reason for p in gpu.problems)
+
+
+def test_a_model_name_that_is_not_printable_is_not_published(tmp_path):
+    gpu = _node(tmp_path, lambda root: _rewrite(root / INFO, "Model: \t\t NVIDIA H200", "Model: \t\t NVIDIA H200\x1b[2J"))
+    assert gpu.gpu.model is None and "model" not in gpu.attributes
+    assert gpu.gpu.nvidia_minor == 0  # the rest of the file stands
