@@ -41,8 +41,11 @@ def test_both_modes_count_the_whole_gpu():
 def test_a_partition_missing_from_kfd_gives_no_count(tmp_path):
     root = copy_node(str(tmp_path / "host"))
     _edit(root, "9", "simd_count", "0")  # CPX partition 7's node no longer a GPU node
-    caps = _gpus(root)
+    devices = scan(root).by_name()
+    caps = {name: d.capacity for name, d in devices.items()}
     assert "computeUnits" not in caps[CPX_GPU] and "simdUnits" not in caps[CPX_GPU]
+    assert any(p.what == "partitions" and "CPX has 8 partitions, the kernel exposes 7" in p.reason
+               for p in devices[CPX_GPU].problems)
     assert caps[SPX_GPU]["computeUnits"] == "304"
 
 

@@ -6,7 +6,11 @@ order prepare changes them in (agent/prepare/partitions.py)."""
 
 from __future__ import annotations
 
+import os
+
+from discovery.inventory import scan
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS, modes_fit, parse_modes
+from tests.partition_node import CPX_GPU, copy_node
 
 
 def _fits(memory: str | None, xcds: int | None) -> list[str]:
@@ -32,3 +36,12 @@ def test_without_an_xcc_count_only_the_memory_mode_decides():
 def test_available_modes_are_the_known_ones_once_in_the_kernels_order():
     assert parse_modes("spx, DPX,SPX  cpx XYZ", COMPUTE_PARTS) == ("SPX", "DPX", "CPX")
     assert parse_modes("NPS1, NPS4, NPS1", MEMORY_PARTS) == ("NPS1", "NPS4")
+
+
+def test_a_current_mode_the_agent_does_not_know_is_a_problem_and_the_gpu_stays(tmp_path):
+    root = copy_node(str(tmp_path / "host"))
+    with open(os.path.join(root, "sys/devices/pci0000:00/0000:00:01.1/0000:05:00.0/current_compute_partition"), "w") as f:
+        f.write("XPX\n")
+    gpu = scan(root).by_name()[CPX_GPU]
+    assert gpu.gpu.partitioning is None and "memory" in gpu.capacity
+    assert any(p.what == "current_compute_partition" and "unknown mode 'XPX'" in p.reason for p in gpu.problems)
