@@ -61,3 +61,15 @@ def test_a_shared_node_is_resolved_once_and_its_problems_are_every_askers():
 
 def test_the_first_major_of_a_name_in_proc_devices_wins():
     assert parse_proc_devices("Character devices:\n 10 misc\n 11 misc\n") == {"misc": 10}
+
+
+def test_a_dev_file_that_does_not_say_is_a_problem_not_a_guess(tmp_path):
+    (tmp_path / "sys/class/drm/renderD128").mkdir(parents=True)
+    (tmp_path / "sys/class/drm/renderD128/dev").write_text("226\n")
+    fs = HostFS(str(tmp_path))
+    problems: list[Problem] = []
+    for name in ("renderD128", "renderD129"):
+        assert NodeResolver(fs).resolve(f"/dev/dri/{name}", problems, sysfs_dev=fs.path(f"sys/class/drm/{name}/dev")) is None
+    assert [(p.what, p.reason) for p in problems] == [
+        ("/dev/dri/renderD128", "/sys/class/drm/renderD128/dev: not MAJOR:MINOR: '226'"),
+        ("/dev/dri/renderD129", "/sys/class/drm/renderD129/dev: missing")]
