@@ -96,10 +96,19 @@ def test_nvml_answers_are_input():
     sim = SimNvml([SimGpu(name="H200\x1b[31m", memory_total=-5, architecture=99, brand=True,
                           compute_capability=(9, "x"), addressing_mode="ATS")], driver="not a version", cuda=-1)
     root = profile_root("h200-vm")
-    a = _attrs(_gpu(scan(root, nvml=open_sim(root, sim))))
+    gpu = _gpu(scan(root, nvml=open_sim(root, sim)))
+    a = _attrs(gpu)
     assert {"productName", "brand", "cudaDriverVersion", "addressingMode"}.isdisjoint(a)
     assert a["architecture"] == "Hopper" and a["cudaComputeCapability"] == "9.0.0"  # the table's
     assert a["driverVersion"] == "580.159.4"  # the kernel module's
+    assert gpu.capacity == {"memory": "141G"}  # the table's, not NVML's -5
+
+
+def test_numbers_past_an_int64_or_below_zero_are_not_nvmls_answers():
+    root = profile_root("h200-vm")
+    gpu = _gpu(scan(root, nvml=open_sim(root, SimNvml([SimGpu(memory_total=2**64, compute_capability=(9, -1))]))))
+    assert gpu.capacity == {"memory": "141G"} and _attrs(gpu)["cudaComputeCapability"] == "9.0.0"  # the table's
+    assert _attrs(gpu)["productName"] == "NVIDIA H200"  # the rest of NVML's answer stands
 
 
 def test_a_hung_nvml_is_given_up_and_never_asked_again(caplog):
@@ -115,6 +124,22 @@ def test_a_hung_nvml_is_given_up_and_never_asked_again(caplog):
         assert sim.calls == ["0000:00:06.0"]  # not asked again
     finally:
         sim.hang.set()
+
+
+def test_a_hung_nvml_that_answers_again_is_still_not_asked():
+    """Once given up, NVML stays given up: the facts never flap between NVML's and the table's."""
+    sim = SimNvml()
+    sim.hang = threading.Event()
+    root = profile_root("h200-vm")
+    nvml = open_sim(root, sim, timeout=0.2)
+    try:
+        assert _gpu(scan(root, nvml=nvml)).gpu.nvidia.source == "table"
+    finally:
+        sim.hang.set()
+    with nvml.worker.changed:  # the hung query ends
+        assert nvml.worker.changed.wait_for(lambda: nvml.worker.running is None, timeout=30)
+    gpu = _gpu(scan(root, nvml=nvml))
+    assert gpu.gpu.nvidia.source == "table" and sim.calls == ["0000:00:06.0"]
 
 
 def test_no_library_under_the_driver_root_means_no_nvml(caplog):
