@@ -175,6 +175,14 @@ def test_the_chain_below_a_bond_and_a_bridge(tmp_path):
     assert not {ENO1, PF1} & names(scan(root)) and PF0 in names(scan(root))
 
 
+def test_a_chain_that_loops_ends(tmp_path):
+    """sysfs is input: lower links in a cycle (which the kernel never makes) end the walk."""
+    root = node(tmp_path, v4=[("bond0", 0)])
+    _upper(root, "bond0", ["bond1", "eno1"])
+    _upper(root, "bond1", ["bond0"])
+    assert set(uplink(root).functions) == {ENO1}
+
+
 def test_incremental_scans_keep_a_new_vf_of_the_uplink_out(tmp_path):
     root = node(tmp_path, v4=[("enp6s0f0", 0)])
     sc = IncrementalScanner(root)
