@@ -15,6 +15,8 @@ from discovery.sysfs import AttrError, Dir, HostFS
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
 NVIDIACTL_MINOR = 255
 _VENDORS = {"10de": "nvidia", "1002": "amd", "8086": "intel"}
+# a GPU UUID as the driver spells it: it is published, and names the GPU's MPS directory (prepare/mps.py)
+_GPU_UUID = re.compile(r"GPU-[0-9A-Za-z-]{1,60}")
 
 
 def parse_nvidia_information(text: str) -> dict[str, str]:
@@ -50,6 +52,9 @@ def _nvidia(fs: HostFS, resolver: NodeResolver, fn: PciFunction, problems: list[
             if node is not None:
                 nodes.append(node)
     uuid = info.get("GPU UUID") or None
+    if uuid is not None and not _GPU_UUID.fullmatch(uuid):
+        problems.append(Problem(what="uuid", reason=f"GPU UUID {uuid[:40]!r} is not GPU-<letters, digits, dashes>"))
+        uuid = None
     model = info.get("Model") or None
     return minor, uuid, model, nodes
 

@@ -1,7 +1,8 @@
 """An NVIDIA GPU's device nodes and procfs ``information`` (discovery/gpu.py): /dev/nvidiaN and
 /dev/nvidiactl take the major /proc/devices gives the driver (its registered 195 when it names
 none), and the minor of the GPU's ``information`` file, which is input: nvidiactl's minor is no
-GPU's, and a model name that is not printable is not published."""
+GPU's, a model name that is not printable is not published, nor a UUID that is not one (it
+also names the GPU's MPS directory)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,11 @@ def test_a_model_name_that_is_not_printable_is_not_published(tmp_path):
     gpu = _node(tmp_path, lambda root: _rewrite(root / INFO, "Model: \t\t NVIDIA H200", "Model: \t\t NVIDIA H200\x1b[2J"))
     assert gpu.gpu.model is None and "model" not in gpu.attributes
     assert gpu.gpu.nvidia_minor == 0  # the rest of the file stands
+
+
+def test_a_uuid_that_is_not_one_is_a_problem_not_an_attribute(tmp_path):
+    uuid = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70"
+    gpu = _node(tmp_path, lambda root: _rewrite(root / INFO, uuid, "GPU-../../../etc\x1b"))
+    assert gpu.gpu.nvidia_uuid is None and "uuid" not in gpu.attributes
+    assert any(p.what == "uuid" and "is not GPU-" in p.reason for p in gpu.problems)
+    assert _node(tmp_path / "b").gpu.nvidia_uuid == uuid
