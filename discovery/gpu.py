@@ -104,7 +104,7 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         whole = partitioning is None or len(topology) == COMPUTE_PARTS.get(partitioning.compute_mode or "", 0)
         if whole and (counts := compute_units(topology)) is not None:  # (a partition missing: not the GPU's count)
             capacity["computeUnits"], capacity["simdUnits"] = str(counts[0]), str(counts[1])
-    if fn.driver not in ("nvidia", "vfio-pci") and card is None and render is None:
+    if fn.driver != "nvidia" and card is None and render is None:  # (vfio-pci: never read here, discovery/vfio.py)
         problems.append(Problem(what="drm", reason=f"driver {fn.driver} exposes no DRM card or render node"))
     if model is not None and not re.fullmatch(r"[\x20-\x7e]{1,64}", model):
         model = None

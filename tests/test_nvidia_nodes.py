@@ -10,6 +10,7 @@ import shutil
 
 from discovery.inventory import scan
 from tests.conftest import profile_root
+from tests.simkernel import SimPciKernel
 
 H200 = "gpu-0000-00-06-0"
 INFO = "proc/driver/nvidia/gpus/0000:00:06.0/information"
@@ -63,3 +64,15 @@ def test_a_uuid_that_is_not_one_is_a_problem_not_an_attribute(tmp_path):
     assert gpu.gpu.nvidia_uuid is None and "uuid" not in gpu.attributes
     assert any(p.what == "uuid" and "is not GPU-" in p.reason for p in gpu.problems)
     assert _node(tmp_path / "b").gpu.nvidia_uuid == uuid
+
+
+def test_a_gpu_on_vfio_pci_has_its_groups_nodes_and_no_drm_problem(tmp_path):
+    """A GPU handed to VMs has no DRM nodes by design: that is no problem of the GPU's."""
+    root = str(tmp_path / "root")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    sim = SimPciKernel(root)
+    sim.unbind("nvidia", "0000:18:00.0")
+    sim.bind("vfio-pci", "0000:18:00.0")
+    gpu = scan(root).by_name()["gpu-0000-18-00-0"]
+    assert gpu.pci.driver == "vfio-pci" and [n.path for n in gpu.device_nodes] == ["/dev/vfio/27", "/dev/vfio/vfio"]
+    assert not gpu.problems
