@@ -15,6 +15,8 @@ from discovery.sysfs import AttrError, Dir, HostFS
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
 NVIDIACTL_MINOR = 255
 _VENDORS = {"10de": "nvidia", "1002": "amd", "8086": "intel"}
+# a GPU UUID as the driver spells it: it is published, and names the GPU's MPS directory (prepare/mps.py)
+_GPU_UUID = re.compile(r"GPU-[0-9A-Za-z-]{1,60}")
 
 
 def parse_nvidia_information(text: str) -> dict[str, str]:
@@ -50,6 +52,9 @@ def _nvidia(fs: HostFS, resolver: NodeResolver, fn: PciFunction, problems: list[
             if node is not None:
                 nodes.append(node)
     uuid = info.get("GPU UUID") or None
+    if uuid is not None and not _GPU_UUID.fullmatch(uuid):
+        problems.append(Problem(what="uuid", reason=f"GPU UUID {uuid[:40]!r} is not GPU-<letters, digits, dashes>"))
+        uuid = None
     model = info.get("Model") or None
     return minor, uuid, model, nodes
 
@@ -99,7 +104,7 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         whole = partitioning is None or len(topology) == COMPUTE_PARTS.get(partitioning.compute_mode or "", 0)
         if whole and (counts := compute_units(topology)) is not None:  # (a partition missing: not the GPU's count)
             capacity["computeUnits"], capacity["simdUnits"] = str(counts[0]), str(counts[1])
-    if fn.driver not in ("nvidia", "vfio-pci") and card is None and render is None:
+    if fn.driver != "nvidia" and card is None and render is None:  # (vfio-pci: never read here, discovery/vfio.py)
         problems.append(Problem(what="drm", reason=f"driver {fn.driver} exposes no DRM card or render node"))
     if model is not None and not re.fullmatch(r"[\x20-\x7e]{1,64}", model):
         model = None

@@ -6,6 +6,7 @@ a wrong one; the published slices pass the real kube-apiserver's schema."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import kubernetes_validate
 
@@ -16,6 +17,8 @@ from tests.partition_node import CPX_GPU, SPX_GPU, copy_node
 from tests.test_allocator import DRIVER, NODE
 
 KFD = "sys/class/kfd/kfd/topology/nodes"
+VRAM = {CPX_GPU: "sys/devices/pci0000:00/0000:00:01.1/0000:05:00.0/mem_info_vram_total",
+        SPX_GPU: "sys/devices/pci0000:20/0000:20:01.1/0000:27:00.0/mem_info_vram_total"}
 
 
 def _gpus(root: str) -> dict[str, dict]:
@@ -38,15 +41,27 @@ def test_both_modes_count_the_whole_gpu():
 def test_a_partition_missing_from_kfd_gives_no_count(tmp_path):
     root = copy_node(str(tmp_path / "host"))
     _edit(root, "9", "simd_count", "0")  # CPX partition 7's node no longer a GPU node
-    caps = _gpus(root)
+    devices = scan(root).by_name()
+    caps = {name: d.capacity for name, d in devices.items()}
     assert "computeUnits" not in caps[CPX_GPU] and "simdUnits" not in caps[CPX_GPU]
+    assert any(p.what == "partitions" and "CPX has 8 partitions, the kernel exposes 7" in p.reason
+               for p in devices[CPX_GPU].problems)
     assert caps[SPX_GPU]["computeUnits"] == "304"
 
 
 def test_a_node_that_does_not_say_gives_no_count(tmp_path):
     root = copy_node(str(tmp_path / "host"))
     _edit(root, "10", "simd_per_cu", "0")  # the SPX GPU's one node
-    assert "computeUnits" not in _gpus(root)[SPX_GPU]
+    caps = _gpus(root)[SPX_GPU]
+    assert "computeUnits" not in caps and "memory" in caps  # only the count is left out
+
+
+def test_a_gpu_without_kfd_nodes_gives_no_count(tmp_path):
+    root = copy_node(str(tmp_path / "host"))
+    shutil.rmtree(os.path.join(root, KFD))  # amdgpu without its compute driver (KFD) up
+    os.unlink(os.path.join(root, os.path.dirname(VRAM[SPX_GPU]), "current_compute_partition"))  # one without partitions
+    for caps in _gpus(root).values():
+        assert "computeUnits" not in caps and "simdUnits" not in caps and "memory" in caps
 
 
 def test_the_slices_pass_the_api_schema():
@@ -54,3 +69,15 @@ def test_the_slices_pass_the_api_schema():
     pool = build_pool(inv, node_name=NODE, driver_name=DRIVER, list_attributes=True, partitions=True, compatibility_groups=True)
     for obj in render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True):
         kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+def test_a_vram_size_that_is_no_size_gives_no_memory(tmp_path):
+    """An unreadable size is a problem of the GPU's; a size of none (negative) is no memory."""
+    root = copy_node(str(tmp_path / "host"))
+    for gpu, text in ((CPX_GPU, "lots\n"), (SPX_GPU, "-5\n")):
+        with open(os.path.join(root, VRAM[gpu]), "w") as f:
+            f.write(text)
+    devices = scan(root).by_name()
+    assert "memory" not in devices[CPX_GPU].capacity and "memory" not in devices[SPX_GPU].capacity
+    assert any(p.what == "memory" and "not an integer" in p.reason for p in devices[CPX_GPU].problems)
+    assert devices[CPX_GPU].capacity["computeUnits"] == "304"  # the rest of the GPU stands

@@ -235,3 +235,18 @@ def test_a_links_target_is_joined_as_os_path_joins_it(tmp_path):
                 assert fs.resolve_link(link) == os.path.normpath(os.path.join(os.path.dirname(link), target)), link
             else:  # no link: follow gives the path itself
                 assert fs.follow(link) == link
+
+
+def test_whole_files_past_their_limit_and_a_file_swapped_for_a_link_after_the_listing(tmp_path):
+    fs = HostFS(str(tmp_path))
+    (tmp_path / "table").write_text("x" * 5000)
+    assert len(fs.read_text(str(tmp_path / "table"), limit=5000)) == 5000
+    with pytest.raises(AttrError, match="larger than 4999 bytes"):  # an error, never a table cut short
+        fs.read_text(str(tmp_path / "table"), limit=4999)
+    (tmp_path / "vendor").write_text("0x10de\n")
+    (tmp_path / "elsewhere").write_text("0x8086\n")
+    listed = fs.list_dir(str(tmp_path))  # "vendor" a regular file here
+    os.unlink(tmp_path / "vendor")
+    os.symlink("elsewhere", tmp_path / "vendor")
+    values, errors = fs.read_attrs(listed, ("vendor",))
+    assert values == {} and errors["vendor"].reason == "symlink loop"  # not followed

@@ -30,6 +30,14 @@ def test_rules_are_parsed_strictly():
         with pytest.raises(ValueError, match=said):
             Exclusions.parse([bad])
     assert not Exclusions.parse([])
+    assert len(Exclusions.parse([f"interface:eth{i}" for i in range(256)]).rules) == 256
+    with pytest.raises(ValueError, match="257 rules, at most 256"):
+        Exclusions.parse([f"interface:eth{i}" for i in range(257)])
+
+
+def test_an_interface_rule_takes_a_nic_by_any_of_its_netdevs():
+    rules = Exclusions.parse(["interface:ens1f*"])
+    assert rules.interfaces(["eth9", "ens1f0"]) == "interface:ens1f*" and rules.interfaces(["eth9"]) is None
 
 
 def test_excluded_devices_are_not_offered_and_say_which_rule():

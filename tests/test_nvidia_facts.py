@@ -15,7 +15,8 @@ import pytest
 from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
-from discovery.nvidia import GPU_TABLE, cuda_version, semver
+from discovery.nvidia import GPU_TABLE, cuda_version, kernel_module_version, semver
+from discovery.sysfs import HostFS
 from tests.conftest import REPO, profile_root
 from tests.controlplane import Unschedulable, allocate, unique
 from tests.simnvml import SimGpu, SimNvml, open_sim
@@ -54,6 +55,14 @@ def test_without_nvml_the_table_and_the_kernel_module_answer():
     assert gpu.gpu.nvidia.source == "table"
 
 
+def test_nvmls_answers_win_over_the_table():
+    """The table is for what NVML does not say: where both answer, NVML's is published."""
+    sim = SimNvml([SimGpu(architecture=10, compute_capability=(10, 0))])  # the table's H200: Hopper, 9.0
+    root = profile_root("h200-vm")
+    a = _attrs(_gpu(scan(root, nvml=open_sim(root, sim))))
+    assert (a["architecture"], a["cudaComputeCapability"]) == ("Blackwell", "10.0.0")
+
+
 def test_a_gpu_in_neither_gets_no_memory_and_shares_offer_none(caplog):
     root = profile_root("vm-numa-none")  # a Tesla P100 (10de:15f8): not in the table
     gpu = _gpu(scan(root), "gpu-0000-06-00-0")
@@ -87,10 +96,19 @@ def test_nvml_answers_are_input():
     sim = SimNvml([SimGpu(name="H200\x1b[31m", memory_total=-5, architecture=99, brand=True,
                           compute_capability=(9, "x"), addressing_mode="ATS")], driver="not a version", cuda=-1)
     root = profile_root("h200-vm")
-    a = _attrs(_gpu(scan(root, nvml=open_sim(root, sim))))
+    gpu = _gpu(scan(root, nvml=open_sim(root, sim)))
+    a = _attrs(gpu)
     assert {"productName", "brand", "cudaDriverVersion", "addressingMode"}.isdisjoint(a)
     assert a["architecture"] == "Hopper" and a["cudaComputeCapability"] == "9.0.0"  # the table's
     assert a["driverVersion"] == "580.159.4"  # the kernel module's
+    assert gpu.capacity == {"memory": "141G"}  # the table's, not NVML's -5
+
+
+def test_numbers_past_an_int64_or_below_zero_are_not_nvmls_answers():
+    root = profile_root("h200-vm")
+    gpu = _gpu(scan(root, nvml=open_sim(root, SimNvml([SimGpu(memory_total=2**64, compute_capability=(9, -1))]))))
+    assert gpu.capacity == {"memory": "141G"} and _attrs(gpu)["cudaComputeCapability"] == "9.0.0"  # the table's
+    assert _attrs(gpu)["productName"] == "NVIDIA H200"  # the rest of NVML's answer stands
 
 
 def test_a_hung_nvml_is_given_up_and_never_asked_again(caplog):
@@ -106,6 +124,22 @@ def test_a_hung_nvml_is_given_up_and_never_asked_again(caplog):
         assert sim.calls == ["0000:00:06.0"]  # not asked again
     finally:
         sim.hang.set()
+
+
+def test_a_hung_nvml_that_answers_again_is_still_not_asked():
+    """Once given up, NVML stays given up: the facts never flap between NVML's and the table's."""
+    sim = SimNvml()
+    sim.hang = threading.Event()
+    root = profile_root("h200-vm")
+    nvml = open_sim(root, sim, timeout=0.2)
+    try:
+        assert _gpu(scan(root, nvml=nvml)).gpu.nvidia.source == "table"
+    finally:
+        sim.hang.set()
+    with nvml.worker.changed:  # the hung query ends
+        assert nvml.worker.changed.wait_for(lambda: nvml.worker.running is None, timeout=30)
+    gpu = _gpu(scan(root, nvml=nvml))
+    assert gpu.gpu.nvidia.source == "table" and sim.calls == ["0000:00:06.0"]
 
 
 def test_no_library_under_the_driver_root_means_no_nvml(caplog):
@@ -195,6 +229,16 @@ def test_semver(text, want):
 
 def test_cuda_version():
     assert (cuda_version(13000), cuda_version(12040), cuda_version(0), cuda_version(True)) == ("13.0.0", "12.4.0", None, None)
+    assert cuda_version(12100) == "12.10.0"  # NVML's 1000 * major + 10 * minor: a two-digit minor
+
+
+def test_the_kernel_modules_version_is_its_first_lines_not_the_compilers(tmp_path):
+    """A /proc/driver/nvidia/version whose first line names no version gives none: the GCC
+    version on the next line is not the driver's."""
+    (tmp_path / "proc/driver/nvidia").mkdir(parents=True)
+    (tmp_path / "proc/driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64\nGCC version:  gcc version 12.2.0\n")
+    assert kernel_module_version(HostFS(str(tmp_path))) is None
 
 
 def test_every_table_row_has_a_source_and_a_valid_version():

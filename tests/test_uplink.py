@@ -175,6 +175,14 @@ def test_the_chain_below_a_bond_and_a_bridge(tmp_path):
     assert not {ENO1, PF1} & names(scan(root)) and PF0 in names(scan(root))
 
 
+def test_a_chain_that_loops_ends(tmp_path):
+    """sysfs is input: lower links in a cycle (which the kernel never makes) end the walk."""
+    root = node(tmp_path, v4=[("bond0", 0)])
+    _upper(root, "bond0", ["bond1", "eno1"])
+    _upper(root, "bond1", ["bond0"])
+    assert set(uplink(root).functions) == {ENO1}
+
+
 def test_incremental_scans_keep_a_new_vf_of_the_uplink_out(tmp_path):
     root = node(tmp_path, v4=[("enp6s0f0", 0)])
     sc = IncrementalScanner(root)
@@ -249,3 +257,14 @@ def test_a_default_route_change_is_seen_over_rtnetlink(tmp_path, mode):
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["before default route: False", "after default route: True"]
+
+
+def test_half_default_routes_and_the_kernels_unreachable_one_on_lo_are_no_uplink(tmp_path):
+    """0.0.0.0/1 (a VPN's split default, metric 0) is no default route, nor is the unreachable
+    IPv6 default the kernel keeps on lo."""
+    root = node(tmp_path, v4=[("eno1", 100)])
+    with open(os.path.join(root, "proc/net/route"), "a") as f:
+        f.write("enp6s0f1\t00000000\t0100A8C0\t0003\t0\t0\t0\t00000080\t0\t0\t0\n")
+    with open(os.path.join(root, "proc/net/ipv6_route"), "a") as f:
+        f.write(f"{'0' * 32} 00 {'0' * 32} 00 {'0' * 32} ffffffff 00000001 00000000 00200200       lo\n")
+    assert uplink(root).interfaces == ("eno1",) and PF1 in names(scan(root))
