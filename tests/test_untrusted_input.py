@@ -90,6 +90,7 @@ def test_allocation_results_are_checked_before_use():
         our_results(_claim(r, dict(r)), "sysdra.io")
     with pytest.raises(ClaimFailed, match="not a list"):
         our_results({"status": {"allocation": {"devices": {"results": {"a": 1}}}}}, "sysdra.io")
+    assert our_results({"status": {"allocation": {}}}, "sysdra.io") == ([], [])  # no devices: nothing of ours
 
 
 def test_consumed_capacity_and_pool_are_held_to_the_apis_formats():
