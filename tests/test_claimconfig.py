@@ -128,6 +128,9 @@ def test_nic_config_takes_the_pods_interface_name_mtu_addresses_and_routes():
 @pytest.mark.parametrize("bad, why", [
     ({"interfaceName": "a/b"}, "interfaceName: .*not a netdev name"),
     ({"interfaceName": "x" * 16}, "interfaceName: .*not a netdev name"),
+    ({"interfaceName": ".."}, "interfaceName: .*not a netdev name"),  # a path component in sysfs
+    ({"interfaceName": "a\tb"}, "interfaceName: .*not a netdev name"),
+    ({"interfaceName": "a\x00b"}, "interfaceName: .*not a netdev name"),
     ({"mtu": 67}, "mtu: .*greater than or equal to 68"),
     ({"mtu": "9000"}, "mtu: .*integer"),
     ({"mtu": 65536}, "mtu: .*less than or equal to 65535"),
