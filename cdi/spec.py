@@ -123,9 +123,6 @@ def validate(spec: dict, needed: str | None = None) -> None:
     version = str(spec.get("cdiVersion", "")).removeprefix("v")
     if version not in KNOWN_VERSIONS:
         raise SpecError(f"spec: unknown cdiVersion {spec.get('cdiVersion')!r}")
-    needed = needed or minimum_version(spec)
-    if _version_key(version) < _version_key(needed):
-        raise SpecError(f"spec: cdiVersion {version} is below the {needed} its content needs")
     vendor, _, klass = str(spec.get("kind", "")).partition("/")
     if not VENDOR_CLASS_RE.match(vendor) or not VENDOR_CLASS_RE.match(klass):
         raise SpecError(f"spec: invalid kind {spec.get('kind')!r}")
@@ -146,6 +143,10 @@ def validate(spec: dict, needed: str | None = None) -> None:
         _check_edits(dev["containerEdits"], f"devices[{i}].containerEdits")
     if "containerEdits" in spec:
         _check_edits(spec["containerEdits"], "spec.containerEdits")
+    # after the shape checks: minimum_version reads the content as a spec's
+    needed = needed or minimum_version(spec)
+    if _version_key(version) < _version_key(needed):
+        raise SpecError(f"spec: cdiVersion {version} is below the {needed} its content needs")
 
 
 def finish(spec: dict) -> dict:

@@ -169,8 +169,33 @@ def test_claim_specs_match_cdi_schema(tmp_path):
 def test_files_list_only_ours(tmp_path):
     d = str(tmp_path)
     for name in ("k8s.sysdra.io-claim_u1.json", "k8s.sysdra.io-claim_u2.json", "other.com-claim_u3.json",
-                 "k8s.sysdra.io-claim_u4.yaml", ".k8s.sysdra.io-claim_u5.json.abc.tmp", ".other.tmp"):
+                 "k8s.sysdra.io-claim_u4.yaml", ".k8s.sysdra.io-claim_u5.json.abc.tmp", ".other.tmp",
+                 "k8s.sysdra.io-claim_u 6.json"):  # not a UID: no claim of ours
         open(os.path.join(d, name), "w").close()
     assert sorted(cdifiles.list_claim_specs(d, "sysdra.io")) == ["u1", "u2"]
     assert cdifiles.clean_our_temps(d, "sysdra.io") == 1
     assert os.path.exists(os.path.join(d, ".other.tmp"))
+
+
+def test_a_recorded_path_is_ours_only_directly_in_the_cdi_dir_with_our_prefix(tmp_path):
+    # checkpoint paths are untrusted: only our claim and metadata specs in the CDI dir may be removed
+    d = str(tmp_path / "cdi")
+    ours = cdifiles.claim_spec_path(d, "sysdra.io", "u1")
+    assert cdifiles.is_ours(d, "sysdra.io", ours) and cdifiles.is_ours(d + "/", "sysdra.io", ours)
+    assert cdifiles.is_ours(d, "sysdra.io", f"{d}/sysdra.io_metadata_u1_r.json")
+    for path in (f"{tmp_path}/k8s.sysdra.io-claim_u1.json", f"{d}/sub/k8s.sysdra.io-claim_u1.json",
+                 f"{d}/../k8s.sysdra.io-claim_u1.json", f"{d}/other.com-claim_u1.json",
+                 f"{d}/k8s.sysdra.io-claim_u1.yaml", f"{d}/k8s.sysdra.io-claim_u\x00.json", 5, None):
+        assert not cdifiles.is_ours(d, "sysdra.io", path), path
+    with pytest.raises(ValueError):  # a UID with a separator never makes a path outside the dir
+        cdifiles.claim_spec_path(d, "sysdra.io", "../u1")
+
+
+def test_a_spec_file_that_is_json_but_no_valid_spec_is_unreadable(tmp_path):
+    # (ensure_spec then rewrites it): parsing alone is not enough
+    path = tmp_path / "k8s.sysdra.io-claim_u1.json"
+    # (a SpecError, also where the shape is wrong: it was an AttributeError ensure_spec did not catch)
+    for devices in ("x", [{"name": "d", "containerEdits": "x"}], ["x"]):
+        path.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": "k8s.sysdra.io/claim", "devices": devices}))
+        with pytest.raises(SpecError, match=str(path)):
+            cdifiles.read_spec(str(path))

@@ -123,7 +123,8 @@ def test_entries_fit_the_limits_with_hundreds_of_device_nodes():
 def test_if_inet6_and_netlink_parsers():
     text = ("20010db8000000000000000000000005 05 40 00 80 ens9f0\n"
             "fe800000000000000e42a1fffe000001 05 40 20 80 ens9f0\n"
-            "garbage\n00000000000000000000000000000001 01 80 10 80 lo\n")  # fmt: skip
+            "garbage\n00000000000000000000000000000001 01 80 10 80 lo\n"
+            "20010db8000000000000000000000006 05 81 00 80 ens9f0\n")  # fmt: skip  (a prefix of 129: none)
     assert netaddrs.parse_if_inet6(text) == {"ens9f0": ["2001:db8::5/64"]}
 
     def msg(family, prefix, scope, index, addr):
@@ -136,6 +137,12 @@ def test_if_inet6_and_netlink_parsers():
     done = struct.pack("=IHHII", 20, netaddrs.NLMSG_DONE, 0, 1, 0) + b"\0\0\0\0"
     assert netaddrs.parse_addresses(data + done)[1] is True
     assert netaddrs.parse_addresses(b"\xff" * 7) == ([], False)
+    # a point-to-point IPv4 link: IFA_ADDRESS is the peer's, IFA_LOCAL the link's own
+    attrs = (struct.pack("=HH", 8, netaddrs.IFA_ADDRESS) + bytes([192, 0, 2, 9])
+             + struct.pack("=HH", 8, netaddrs.IFA_LOCAL) + bytes([192, 0, 2, 5]))
+    body = struct.pack("=BBBBI", socket.AF_INET, 32, 0, 0, 3) + attrs
+    p2p = struct.pack("=IHHII", 16 + len(body), netaddrs.RTM_NEWADDR, 0, 1, 0) + body
+    assert netaddrs.parse_addresses(p2p) == ([(3, "192.0.2.5/32")], False)
 
 
 def test_link_name_parser():

@@ -39,12 +39,23 @@ def test_decode_defaults_and_strictness():
         (gpu_config(colour="red"), "colour"),
         (gpu_config(env={"SYSDRA_SHARE_ID": "x"}), "env"),  # the driver's own names
         (gpu_config(env={"1BAD": "x"}), "env"),
+        (gpu_config(env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: names starting"),
+        (gpu_config(env={"A" * 129: "x"}), "env"),  # a name of at most 128
+        (gpu_config(env={"A": "x" * 4097}), "env.A"),  # a value of at most 4096
+        (gpu_config(env={f"V{i}": "x" for i in range(33)}), "env: .*at most 32"),
         ({"apiVersion": "sysdra.io/v1", "kind": "GpuConfig"}, "apiVersion"),
         ({"apiVersion": "sysdra.io/v1alpha1", "kind": "TpuConfig"}, "kind"),
         ("not an object", "object"),
     ):
         with pytest.raises(ValueError, match=why):
             decode(bad)
+    assert decode(gpu_config(env={"A" * 128: "x" * 4096, **{f"V{i}": "x" for i in range(31)}})).env["A" * 128]
+    with pytest.raises(ValueError) as err:  # what is wrong, field by field, a claim's value cut short
+        decode(gpu_config(colour="x" * 5000, env={"1BAD": "x"}))
+    assert "colour" in str(err.value) and "1BAD" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        decode({"apiVersion": "v" * 5000, "kind": "GpuConfig"})
+    assert str(err.value).startswith("apiVersion 'vvv") and len(str(err.value)) < 200
 
 
 def _allocated(class_configs: list[dict], claim_configs: list[dict], *requests: dict) -> dict:
@@ -70,6 +81,8 @@ def test_class_then_claim_last_match_per_request_from_the_allocators_copy():
     assert env_of(config_for(configs, "b", "gpu")) == ["FROM=class"]  # the claim's NicConfig is not for GPUs
     assert env_of(config_for(configs, "n", "nic")) == ["FROM=nic"]
     assert config_for(configs, "a/sub", "gpu") is not None  # "a" covers its subrequests
+    # in the CDI spec in one order, whatever order the claim lists them in
+    assert env_of(decode(gpu_config(env={"B": "1", "A": "2"}))) == ["A=2", "B=1"]
 
 
 def test_config_naming_a_request_of_another_kind_is_the_claims_error():
@@ -95,7 +108,9 @@ def test_vfio_config_is_a_known_kind_for_every_device_kind():
 
     got = _allocated([], [opaque({"apiVersion": "sysdra.io/v1alpha1", "kind": "VfioConfig"})], exactly("a", "gpu.sysdra.io"))
     (only,) = opaque_configs(got, "sysdra.io")
-    assert isinstance(only.config, VfioConfig) and isinstance(config_for([only], "a", "gpu"), VfioConfig)
+    assert isinstance(only.config, VfioConfig)
+    for kind in ("gpu", "nic", "fpga", "accelerator"):
+        assert isinstance(config_for([only], "a", kind), VfioConfig), kind
 
 
 NIC = {"apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig"}
@@ -113,8 +128,12 @@ def test_nic_config_takes_the_pods_interface_name_mtu_addresses_and_routes():
 @pytest.mark.parametrize("bad, why", [
     ({"interfaceName": "a/b"}, "interfaceName: .*not a netdev name"),
     ({"interfaceName": "x" * 16}, "interfaceName: .*not a netdev name"),
+    ({"interfaceName": ".."}, "interfaceName: .*not a netdev name"),  # a path component in sysfs
+    ({"interfaceName": "a\tb"}, "interfaceName: .*not a netdev name"),
+    ({"interfaceName": "a\x00b"}, "interfaceName: .*not a netdev name"),
     ({"mtu": 67}, "mtu: .*greater than or equal to 68"),
     ({"mtu": "9000"}, "mtu: .*integer"),
+    ({"mtu": 65536}, "mtu: .*less than or equal to 65535"),
     ({"mtu": 1000, "addresses": ["2001:db8::5/64"]}, "IPv6 addresses need at least 1280"),
     ({"addresses": ["192.0.2.5"]}, "not an address with its prefix"),
     ({"addresses": ["192.0.2.5/24", "192.0.2.5/24"]}, "listed twice"),

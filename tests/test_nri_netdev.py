@@ -25,6 +25,7 @@ from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.checkpoint_format import COMPLETED
 from agent.prepare.driver import Driver
 from agent.prepare.metadata import layout
+from agent.prepare.netdevs import group_consumers
 from agent.prepare.steps.netdev import NetdevStep
 from discovery.inventory import scan
 from tests.conftest import REPO, profile_root, require_root, require_tool
@@ -313,6 +314,14 @@ def test_a_claim_reserved_for_a_pod_group_cannot_give_its_netdev_to_a_pod(tmp_pa
     assert "the claim is reserved for podgroups/trainers, not for pods (DRAWorkloadResourceClaims)" in err
     no_nri = s.replace(nri_socket="", kubelet_dir=str(tmp_path / "other"))
     assert Driver(no_nri, lambda: inv).prepare_claims([c])[CLAIM].error is None
+    # reserved for a pod beside the group: that pod gets it; an entry without a pod's UID names none
+    c["status"]["reservedFor"] += [{"resource": "pods", "name": "app", "uid": POD_UID},
+                                   {"resource": "pods", "name": "x", "uid": "../x"}]
+    d = Driver(s, lambda: inv)
+    assert d.prepare_claims([c])[CLAIM].error is None
+    assert Checkpoint.load(d.checkpoint_path).claims[CLAIM]["pods"] == [POD_UID]
+    many = {"status": {"reservedFor": [{"resource": "podgroups", "name": f"g{i}"} for i in range(6)]}}
+    assert group_consumers(many) == "podgroups/g0, podgroups/g1, podgroups/g2, podgroups/g3"  # a message's worth
 
 
 def test_an_init_namespace_the_agent_may_not_open_is_said_at_start(tmp_path):

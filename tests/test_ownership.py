@@ -63,6 +63,14 @@ def test_a_refusal_names_the_device_and_the_claim_holding_it():
     assert table.refusal("b", [Hold(GPU, "exclusive", "gpu-0000-18-00-0", admin=True)]) is None
 
 
+def test_a_partition_refusal_names_the_partitions_and_their_modes():
+    table = Ownership()
+    table.take("a", [P0], "ns/a")
+    # the function once: the partition's name is in what each claim holds
+    assert table.refusal("b", [P1_DPX]) == ("0000:18:00.0 is held by prepared claim ns/a (a) partition p0 in "
+                                            "CPX/NPS1; this claim needs it partition p1 in DPX/NPS1")
+
+
 def _share(compute: int, admin: bool = False) -> Hold:
     return Hold(GPU, "shared", "gpu-0000-18-00-0", admin=admin, consumed=(("compute", Fraction(compute)),),
                 capacity=(("compute", Fraction(100)), ("memory", Fraction(80 << 30))))
@@ -79,3 +87,12 @@ def test_shares_beyond_the_devices_capacity_are_refused():
     table.take("c", [_share(90, admin=True)], "ns/c")
     assert table.refusal("b", [_share(40)]) is None
     assert "more than its 100" in table.refusal("a", [_share(101)])  # also alone
+
+
+def test_admin_access_is_not_refused_where_the_shares_already_exceed_the_capacity():
+    # the checkpoint's claims are taken at start unchecked: after the operator lowered a capacity
+    # they may consume more than it; a claim with admin access consumes nothing and still goes
+    table = Ownership()
+    table.take("a", [_share(120)], "ns/a")
+    assert table.refusal("b", [_share(10, admin=True)]) is None
+    assert "consume 130 of compute" in table.refusal("b", [_share(10)])

@@ -14,7 +14,7 @@ import pytest
 
 from agent.prepare.allocation import ClaimFailed, Result
 from agent.prepare.claimconfig import GpuConfig, GpuSharing, NicConfig, VfioConfig
-from agent.prepare.shares import claim_device, claim_devices
+from agent.prepare.shares import claim_device, claim_devices, recorded
 from agent.publish.sharing import share_plan
 from cdi.claim import build_claim_spec, capacity_keys
 from discovery.inventory import scan
@@ -109,3 +109,25 @@ def test_a_policy_whose_variables_would_clash_stops_the_agent_at_start(name):
     with pytest.raises(ValueError, match="share-policies.gpu: capacities .* same environment variable"):
         share_plan(("gpu",), {"gpu": {name: policy}})
 
+
+
+def _mps_env(dev, **consumed) -> dict:
+    share = Result("r", "node-1", dev.name, SHARES[0], tuple(sorted(consumed.items())))
+    return dict(e.split("=", 1) for e in claim_device(dev, share, None).env if e.startswith("CUDA_MPS_"))
+
+
+def test_mps_limits_stay_within_what_cuda_takes_and_only_on_nvidia_gpus():
+    nvidia, amd, _ = _devices()
+    # a thread percentage of 1 to 100 (compute is a plain number the policy allows beyond 100)
+    assert _mps_env(nvidia, compute="250")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    assert _mps_env(nvidia, compute="0")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1"
+    # under 1 MiB of memory sets no limit: 0M would leave the client no device memory
+    assert _mps_env(nvidia, memory="512Ki") == {} and _mps_env(nvidia, memory="1Mi") == {
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1M"}
+    assert _mps_env(amd, compute="25", memory="1Gi") == {}  # no CUDA MPS beside an AMD GPU
+
+
+def test_a_variable_recorded_twice_by_an_older_agent_keeps_its_first_value():
+    nvidia, *_ = _devices()
+    dev = recorded(nvidia, {"shareID": SHARES[0], "cdiEnv": ["A=1", "B=2", "A=3"]})
+    assert dev.env == ("A=1", "B=2") and dev.key == f"{nvidia.name}-{SHARES[0]}"

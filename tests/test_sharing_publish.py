@@ -106,3 +106,15 @@ def test_shared_gpus_and_gpu_partitions_are_refused_together(monkeypatch, capsys
     code = cli.main(["scan", "-o", "slices", "--config", os.devnull, "--root", profile_root("vm-numa-none"),
                      "--node-name", "n", "--share", "gpu", "--partitions"])
     assert code == 78 and "gpu cannot be combined with partitions" in capsys.readouterr().err
+
+
+def test_a_nics_bandwidth_is_its_fastest_port():
+    # a stand-in device: discovered_value reads only these fields, and ports of two rates are the case
+    from types import SimpleNamespace as NS
+
+    from agent.sharecaps import discovered_value
+
+    ports = NS(kind="nic", nic=NS(rdma=[], interfaces=[NS(speed_mbps=10000), NS(speed_mbps=25000), NS(speed_mbps=0)]))
+    assert discovered_value(ports, "bandwidth") == "25G"
+    rdma = NS(kind="nic", nic=NS(rdma=[NS(rate_gbps=200), NS(rate_gbps=400)], interfaces=[NS(speed_mbps=100000)]))
+    assert discovered_value(rdma, "bandwidth") == "400G"  # the RDMA ports' rates, where known

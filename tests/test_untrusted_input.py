@@ -8,6 +8,7 @@ import os
 import pytest
 
 from agent import names
+from agent.apilimits import MAX_ATTRIBUTES_AND_CAPACITIES
 from agent.fsutil import UnsafePath, inside, make_dirs
 from agent.prepare.allocation import ClaimFailed, our_results
 from agent.bootid import read_boot_id
@@ -89,6 +90,25 @@ def test_allocation_results_are_checked_before_use():
         our_results(_claim(r, dict(r)), "sysdra.io")
     with pytest.raises(ClaimFailed, match="not a list"):
         our_results({"status": {"allocation": {"devices": {"results": {"a": 1}}}}}, "sysdra.io")
+    assert our_results({"status": {"allocation": {}}}, "sysdra.io") == ([], [])  # no devices: nothing of ours
+
+
+def test_consumed_capacity_and_pool_are_held_to_the_apis_formats():
+    # a capacity's name becomes part of the share's variable names (prepare/shares.py)
+    r = {"request": "gpu", "driver": "sysdra.io", "pool": "n", "device": "gpu-1",
+         "shareID": "3f2a9a56-7c1e-4d1b-9a4e-2f0c1d2e3f40"}
+    _, (ok,) = our_results(_claim(dict(r, consumedCapacity={"memory": "1Gi", f"{'d' * 63}/{'C' * 32}": "1"})), "sysdra.io")
+    assert [name for name, _ in ok.consumed] == [f"{'d' * 63}/{'C' * 32}", "memory"]  # by name
+    for bad in ({"C" * 33: "1"}, {f"{'d' * 64}/c": "1"}, {"mem ory": "1"}, {"a/b/c": "1"},
+                {f"c{i}": "1" for i in range(MAX_ATTRIBUTES_AND_CAPACITIES + 1)}):
+        with pytest.raises(ClaimFailed, match="consumedCapacity"):
+            our_results(_claim(dict(r, consumedCapacity=bad)), "sysdra.io")
+    pool = "/".join(["p" * 63] * 4)  # each part a subdomain, 255 characters in all
+    with pytest.raises(ClaimFailed, match="at most 253 characters"):
+        our_results(_claim(dict(r, pool=pool)), "sysdra.io")
+    # a device is its pool's: one name in two pools is two devices
+    _, two = our_results(_claim(dict(r, pool="a"), dict(r, pool="b")), "sysdra.io")
+    assert [c.pool for c in two] == ["a", "b"]
 
 
 def test_boot_id_fallbacks(tmp_path, caplog):
