@@ -11,14 +11,12 @@ import socket
 import stat
 import tempfile
 
-import grpc
 import pytest
 
 from agent.kubeletplugin import KubeletPlugin, SocketError
 from agent.kubeletplugin import sockets
 from agent.kubeletplugin.claims import DirClaimSource
 from agent.prepare.driver import Driver
-from agent.protos import pluginregistration_pb2, pluginregistration_pb2_grpc
 from tests.kubelet_standin import (
     DRIVER, Env, KubeletStandIn, _waiting_for_flock, claim, find_registration_sockets, gpu, inventory, run, settings_for,
     store_claim,
@@ -97,14 +95,8 @@ def test_rolling_update_two_instances_and_108_byte_path(tmp_path, request):
             assert socks == sorted([p1.registration_socket, p2.registration_socket])
             c = store_claim(s1, claim("c", [("r", "gpu-0000-1b-00-0")]))
             for sock in socks:  # prepare in one instance, unprepare in the other
-                k = KubeletStandIn(os.path.dirname(sock))
-                k.registry_dir = sock  # os.walk on a file yields nothing: talk to this one directly
-                dfd = os.open(os.path.dirname(sock), os.O_PATH)  # grpc clients stop at 107 bytes
-                request.addfinalizer(lambda fd=dfd: os.close(fd))
-                async with grpc.aio.insecure_channel(f"unix:/proc/self/fd/{dfd}/{os.path.basename(sock)}") as ch:
-                    k.info = await pluginregistration_pb2_grpc.RegistrationStub(ch).GetInfo(
-                        pluginregistration_pb2.InfoRequest())
-                k.service = "v1.DRAPlugin"
+                k = KubeletStandIn(s1.registry_dir)
+                await k.register(sock)  # 108 bytes, as the kubelet takes them (gRPC alone stops at 107)
                 resp = await (k.prepare(c) if sock == socks[0] else k.unprepare(c))
                 assert resp.claims[c["metadata"]["uid"]].error == ""
             assert os.listdir(s1.cdi_dir) == []

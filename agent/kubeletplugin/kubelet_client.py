@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import stat
+from contextlib import asynccontextmanager
 
 import grpc
 
+from agent.kubeletplugin.sockets import UNIX_PATH_MAX
 from agent.protos import (
     dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc,
     pluginregistration_pb2, pluginregistration_pb2_grpc,
@@ -42,6 +44,22 @@ def claim_ref(c: dict | tuple[str, str, str]) -> tuple[str, str, str]:
     return m["namespace"], m["name"], m["uid"]
 
 
+@asynccontextmanager
+async def channel(path: str):
+    """A channel to the unix socket ``path``, of up to 108 bytes as the kubelet (Go) takes; gRPC
+    takes 107, so a longer one is reached through ``/proc/self/fd/<its directory>/<name>``."""
+    if len(path.encode()) < UNIX_PATH_MAX:
+        async with grpc.aio.insecure_channel("unix:" + path) as ch:
+            yield ch
+        return
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_CLOEXEC)
+    try:
+        async with grpc.aio.insecure_channel(f"unix:/proc/self/fd/{fd}/{os.path.basename(path)}") as ch:
+            yield ch
+    finally:
+        os.close(fd)
+
+
 class KubeletClient:
     def __init__(self, registry_dir: str, prefer: str | None = None):
         self.registry_dir = registry_dir
@@ -53,7 +71,7 @@ class KubeletClient:
     async def register(self, socket_path: str | None = None) -> None:
         if socket_path is None:
             (socket_path,) = find_registration_sockets(self.registry_dir)
-        async with grpc.aio.insecure_channel("unix:" + socket_path) as ch:
+        async with channel(socket_path) as ch:
             stub = pluginregistration_pb2_grpc.RegistrationStub(ch)
             self.info = await stub.GetInfo(pluginregistration_pb2.InfoRequest(), timeout=5)
             known = [v for v in self.info.supported_versions if v in KNOWN]
@@ -68,7 +86,7 @@ class KubeletClient:
         pb, pb_grpc = KNOWN[self.service]
         req_cls = pb.NodePrepareResourcesRequest if method == "NodePrepareResources" else pb.NodeUnprepareResourcesRequest
         req = req_cls(claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims])
-        async with grpc.aio.insecure_channel("unix:" + self.info.endpoint) as ch:
+        async with channel(self.info.endpoint) as ch:
             return await getattr(pb_grpc.DRAPluginStub(ch), method)(req, timeout=self.timeout)
 
     async def prepare(self, *claims: dict | tuple[str, str, str]):
