@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -27,6 +28,24 @@ os.environ.pop("INVOCATION_ID", None)
 from tests import checkpoint_guard  # noqa: E402
 
 checkpoint_guard.install()  # every save(changed=...) also checks that the caller named every entry it changed
+
+
+def pytest_configure(config):
+    # Unix socket paths (at most 108 bytes) are built below the tests' temp dirs, and pytest's own
+    # base, /tmp/pytest-of-<user>/pytest-<run counter>, grows with the counter (a machine's 1000th
+    # run made sockets of some tests 109 bytes long): a base of fixed length instead.
+    if config.option.basetemp is None:
+        config.option.basetemp = tempfile.mkdtemp(prefix="sysdra-tests-", dir="/tmp")
+        config.stash[_OWN_BASETEMP] = config.option.basetemp
+
+
+def pytest_sessionfinish(session, exitstatus):
+    own = session.config.stash.get(_OWN_BASETEMP, None)
+    if own is not None and exitstatus == 0:  # a failed run's files stay for a look, as pytest's would
+        shutil.rmtree(own, ignore_errors=True)
+
+
+_OWN_BASETEMP = pytest.StashKey[str]()
 
 
 def _missing(reason: str) -> None:
