@@ -42,11 +42,13 @@ def _quantity(text):
         return text
 
 
-def _policy(policy: dict) -> dict:
-    """A capacity's requestPolicy by value: the server respells its quantities too (1000 -> 1k)."""
-    return {k: [_quantity(x) for x in v] if isinstance(v, list) else
-            {rk: _quantity(rv) for rk, rv in v.items()} if isinstance(v, dict) else _quantity(v)
-            for k, v in policy.items() if v not in (None, [], {})}  # fmt: skip
+def _policy(policy):
+    """A capacity's requestPolicy by value: every leaf is a quantity the server may respell (1000 -> 1k)."""
+    if isinstance(policy, dict):
+        return {k: _policy(v) for k, v in policy.items() if v not in (None, [], {})}
+    if isinstance(policy, list):
+        return [_policy(v) for v in policy]
+    return _quantity(policy)
 
 
 def _canonical(value):
