@@ -145,3 +145,29 @@ def test_compatibility_groups_and_skipped_node_operations_reach_the_pool():
     assert _scan_slices("--root", profile_root("mi300x-partitions"), "--partitions", "--compatibility-groups") == grouped
     skipped = _scan_slices("--root", profile_root("h200-vm"), env={"SYSDRA_SKIP_NODE_OPERATIONS": '{gpu: ["*"]}'})
     assert ["*"] in [s["spec"].get("skipNodeOperations") for s in skipped]
+
+
+
+_FROZEN = """
+import asyncio, gc, sys
+from agent.cli import main as cli
+cli._quick_exit = lambda status: None
+asyncio.run = lambda coro: coro.close()  # run: what start-up left, not the daemon
+code = cli.main(sys.argv[1:], own_process={own})
+print(code, gc.get_freeze_count() > 0)
+"""
+
+
+def test_the_sysdra_process_takes_its_start_up_heap_out_of_the_collectors_walks(tmp_path):
+    """``sysdra scan`` and ``sysdra run`` as their own process freeze what their start-up made
+    (a full scan's collections need not walk it); called in a process of someone else's (tests,
+    tools) they leave that process's collector alone."""
+    root = profile_root("server-2s-gpu-nic")
+    commands = (["scan", "--root", root, "-o", "json"],
+                ["run", "--root", root, "--node-name", "n", "--cluster", f"dir:{tmp_path}", "--metrics-address", ""])
+    for argv in commands:
+        for own in (True, False):
+            out = subprocess.run([sys.executable, "-c", _FROZEN.format(own=own), *argv], cwd=REPO, capture_output=True,
+                                 text=True, timeout=60, env={**os.environ, "SYSDRA_CONFIG": os.devnull})
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.splitlines()[-1].split()[-1] == str(own), (argv[0], own)

@@ -48,10 +48,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Run one command and return its exit status. ``own_process`` (the ``sysdra`` command):
-    a command that asks for it (``quick_exit``, e.g. ``scan``) ends the process when done."""
+    a command that asks for it (``quick_exit``, e.g. ``scan``) ends the process when done, and
+    commands may tune the process's heap (``agent.service.heap.freeze_startup``)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
+    args.own_process = own_process
     try:
         status = int(args.func(args) or 0)
     except KeyboardInterrupt:

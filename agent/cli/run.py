@@ -65,9 +65,11 @@ def run(args) -> int:
     settings = settings_from_args(args)
     setup_logging(settings)
     from agent.service.daemon import serve
-
+    from agent.service.heap import freeze_startup
     from agent.service.startup import StartupError
 
+    if args.own_process:
+        freeze_startup()
     try:
         return asyncio.run(serve(settings, reload_settings=lambda: settings_from_args(args)))
     except StartupError as err:  # one line and a documented exit code (docs/operations.md)

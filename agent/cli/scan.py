@@ -102,6 +102,10 @@ def run(args) -> int:
     # only -o slices loads the settings (config file and all); the others read no more than the flags
     settings = _settings(args) if args.output == "slices" else None
     list_attributes = settings.list_attributes if settings is not None else bool(args.list_attributes)
+    from agent.service.heap import freeze_startup
+
+    if args.own_process:
+        freeze_startup()
     try:
         uplink = settings.publish_uplink if settings is not None else bool(args.publish_uplink)
         inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink,
