@@ -16,6 +16,7 @@ from typing import NamedTuple
 from discovery.models import (LIST_FIELDS, AccelInfo, AttributeValue, Device, FpgaInfo, GpuInfo, NicInfo, NumaNode,
                               PciFunction, Problem)
 from discovery.numa import close_nodes
+from discovery.pci import pcie_switch
 
 STD = "resource.kubernetes.io/"
 PCI_BUS_ID = STD + "pciBusID"
@@ -130,7 +131,7 @@ def _entries(dev: Device | DeviceParts, list_attributes: bool) -> list[tuple[str
         ("pciClass", f"{fn.class_code:06x}"),
         ("pciAddress", fn.bdf),  # also for 5-digit domains, where pciBusID is not published
         ("driver", fn.driver), ("iommuGroup", fn.iommu_group),
-        ("pcieLinkSpeed", fn.link.max_speed), ("pcieLinkWidth", fn.link.max_width),
+        ("pcieLinkSpeed", fn.link.max_speed), ("pcieLinkWidth", fn.link.max_width), ("pcieSwitch", pcie_switch(fn)),
     ]  # fmt: skip
     if fn.physfn is not None:
         entries += [("sriovRole", "vf"), ("pfPciAddress", fn.physfn)]

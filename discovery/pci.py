@@ -46,6 +46,17 @@ def split_sysfs_path(real: str) -> tuple[str | None, tuple[str, ...]]:
     return parts[3], tuple(chain[:-1])
 
 
+def pcie_switch(fn: PciFunction) -> str | None:
+    """The upstream port of the topmost PCIe switch above ``fn``, None where the function sits
+    on its root port (or a bridge without a switch below it). In the function's own PCI domain
+    the bridges run root port, upstream port, downstream port, ... (a VMD controller, the
+    bridge above a VMD domain, belongs to another domain). Two devices with the same switch
+    reach each other without the root complex: the pairing GPUDirect RDMA wants."""
+    domain = fn.bdf.rsplit(":", 2)[0]
+    own = [b for b in fn.bridges if b.rsplit(":", 2)[0] == domain]
+    return own[1] if len(own) >= 3 else None
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

@@ -128,6 +128,23 @@ def test_pcie_root_constraint_pairs_gpu_and_nic_behind_one_root():
     assert root(got["gpu"][0]) == root(got["nic"][0]) != root(first[0])
 
 
+def test_pcie_switch_constraint_pairs_gpu_and_nic_behind_one_switch():
+    """``sysdra.io/pcieSwitch``: on the server each switch holds two GPUs and a NIC (the pair is
+    found); on the workstation every device shares the root complex but no GPU shares a switch
+    with a NIC, so the same claim is unschedulable there while a pcieRoot pair is not."""
+    pair = lambda attribute: claim("pair", exactly("gpu", "gpu.sysdra.io"), exactly("nic", "nic.sysdra.io"),  # noqa: E731
+                                   constraints=[{"matchAttribute": attribute}])
+    slices = published("server-2s-gpu-nic")
+    by_name = devices(slices)
+    (a,) = allocate(slices, CLASSES, pair("sysdra.io/pcieSwitch"), node=NODE)
+    got = picked(a)
+    assert by_name[got["gpu"][0]]["attributes"]["pcieSwitch"] == by_name[got["nic"][0]]["attributes"]["pcieSwitch"]
+    slices = published("workstation-deep-bridges")
+    allocate(slices, CLASSES, pair("resource.kubernetes.io/pcieRoot"), node=NODE)
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, pair("sysdra.io/pcieSwitch"), node=NODE)
+
+
 def test_numa_list_attribute_constraint_is_understood_by_the_allocator():
     # --list-attributes publishes numaNode as a list; DRAListTypeAttributes matches on overlap
     slices = published("server-2s-gpu-nic", list_attributes=True)

@@ -239,3 +239,28 @@ def test_a_dfl_cards_interface_id_is_its_pr_regions_compat_id(tmp_path):
     shutil.rmtree(os.path.join(fme, "dfl-fme-region.0"))
     os.unlink(os.path.join(fme, "dfl-fme-region.1/fpga_region/region1/compat_id"))
     assert "interfaceID" not in _published(root)[DFL_FPGA]["attributes"]
+
+
+@pytest.mark.parametrize("bdf, bridges, switch", [
+    ("0000:18:00.0", ("0000:15:01.0", "0000:16:00.0", "0000:17:00.0"), "0000:16:00.0"),  # root port, switch
+    ("0000:0d:00.0", ("0000:00:03.1", "0000:0b:00.0", "0000:0c:00.0", "0000:0d:00.0", "0000:0e:01.0"),
+     "0000:0b:00.0"),  # a switch below a switch: the topmost one
+    ("0000:0a:00.0", ("0000:00:03.2",), None),  # on its root port
+    ("0000:05:00.0", ("0000:00:1c.0", "0000:04:00.0"), None),  # behind a PCI bridge, no switch
+    ("10000:03:00.0", ("0000:17:05.5", "10000:00:03.0", "10000:01:00.0", "10000:02:00.0"), "10000:01:00.0"),  # VMD
+    ("10000:02:00.0", ("0000:17:05.5", "10000:00:03.0"), None),  # VMD's controller is no switch port
+])
+def test_pcie_switch_is_the_topmost_switch_below_the_root_port(bdf, bridges, switch):
+    attrs, _ = device_attributes(_nic(_fn(bdf, bridges=bridges)), (), False)
+    assert (attrs["pcieSwitch"].string if "pcieSwitch" in attrs else None) == switch
+
+
+def test_pcie_switch_tells_apart_what_one_pcie_root_holds():
+    """The workstation's GPU and NICs share their pcieRoot (one root complex) but no switch: the
+    pairing a claim asks for with ``matchAttribute: sysdra.io/pcieSwitch``."""
+    inv = scan(profile_root("workstation-deep-bridges"))
+    switch = {d.name: d.attributes["pcieSwitch"].string if "pcieSwitch" in d.attributes else None for d in inv.devices}
+    roots = {d.attributes["resource.kubernetes.io/pcieRoot"].string for d in inv.devices}
+    assert roots == {"pci0000:00"}
+    assert switch == {"gpu-0000-0a-00-0": None, "gpu-0000-0d-00-0": "0000:0b:00.0", "nic-0000-03-00-0": "0000:01:00.2",
+                      "nic-0000-06-00-0": "0000:01:00.2", "nic-0000-06-00-1": "0000:01:00.2", "nic-0000-08-00-0": "0000:01:00.2"}
