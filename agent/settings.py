@@ -242,6 +242,10 @@ class Settings(BaseModel):
     # in MIG mode, off for a claim of the whole GPU (or a share of it) of a GPU in MIG mode, where CUDA
     # sees no device, and back on when that claim goes; false fails such claims, saying so (docs/partitions.md).
     nvidia_mig_enable: bool = False
+    # Whose MIG instances: "dynamic" (the agent makes each claim's instance at prepare and destroys, at
+    # start, instances no claim made; with --partitions and NVML) or "static" (the operator's layout,
+    # nvidia-smi or mig-parted: published as it is, with NVML's profiles, never changed by the agent).
+    nvidia_mig: Literal["dynamic", "static"] = "dynamic"
     # The host's / as the container runtime sees it: host paths in CDI specs (driver files) are
     # under it. "/" on a node (also under a DaemonSet's --root=/host); a fixture tree's own path
     # when a runtime runs containers "on" that tree (tests, demos).

@@ -9,7 +9,7 @@ from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, GpuInfo, Partitioning, PciFunction, Problem
 from discovery.nvidia import NvidiaNode
-from discovery.partitions import COMPUTE_PARTS, amd_kfd_nodes, compute_units, read_amd, read_mig
+from discovery.partitions import COMPUTE_PARTS, amd_kfd_nodes, compute_units, read_amd, read_mig, with_profiles
 from discovery.sysfs import AttrError, Dir, HostFS
 
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
@@ -86,8 +86,11 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
             partitioning = read_mig(fs, resolver, minor, problems)
         node = nvidia_node() if nvidia_node else NvidiaNode(fs)
         facts = node.facts(fn.bdf, fn.device_id)
-        if minor is not None and (profiles := node.mig_profiles(fn.bdf)):  # dynamic MIG: every profile and placement
-            partitioning = (partitioning or Partitioning(kind="mig")).replace(profiles=profiles)
+        if minor is not None and (profiles := node.mig_profiles(fn.bdf)):
+            if node.static_mig:  # the operator's instances, with their profiles
+                partitioning = with_profiles(partitioning, profiles, node.mig_instances(fn.bdf), problems)
+            else:  # dynamic MIG: every profile and placement
+                partitioning = (partitioning or Partitioning(kind="mig")).replace(profiles=profiles)
         if facts.memory_bytes:
             capacity["memory"] = facts.memory_bytes
     nodes += drm_nodes(fs, resolver, d.path, card, render, problems)

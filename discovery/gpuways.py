@@ -19,7 +19,7 @@ from discovery.partitions import COMPUTE_PARTS, modes_fit
 
 WHOLE_MODE = ("SPX", "NPS1")  # the whole GPU is its single-partition mode
 _PARENT_ONLY = ("uuid",)  # a MIG instance has its own UUID (NVML's): the GPU's would be wrong
-# parent attributes a dynamic MIG way leaves out first when its own would pass the API's limit
+# parent attributes a MIG device leaves out first when its own would pass the API's limit
 _LEAST_NEEDED = ("subsystemDeviceID", "subsystemVendorID", "pciClass", "pcieLinkSpeed", "pcieLinkWidth", "brand")
 
 
@@ -102,7 +102,7 @@ def published_ways(device: Device, groups: bool) -> list[Way]:
 
 def whole_unusable(device: Device) -> str | None:
     """Why the whole GPU is no device a container can use, or None. A GPU whose MIG instances
-    procfs lists without NVML's profiles (static MIG) is in MIG mode: CUDA sees its MIG devices
+    procfs lists without dynamic MIG (no NVML, or ``nvidia_mig: static``) is in MIG mode: CUDA sees its MIG devices
     only, so its whole GPU is never published and a claim of it fails (as NVIDIA's own driver
     publishes only the MIG devices of a GPU in MIG mode). With NVML (dynamic MIG) the agent can
     turn MIG mode off instead (prepare/steps/migmode.py)."""
@@ -142,14 +142,16 @@ def mig_name(gpu: str, profile: MigProfile, start: int) -> str:
     return f"{gpu}-mig-{profile.name.replace('.', '-').replace('+', '-')}-{start}"
 
 
-def _placement(way: Way, attrs: dict, capacity: dict) -> None:
-    """A dynamic MIG way's own attributes and capacities: its profile's engines."""
-    p = way.profile
+def _profile(p: MigProfile, start: int, engines: bool, attrs: dict, capacity: dict) -> None:
+    """A MIG device's profile, placement and capacities: its GPU instance's memory, and the
+    instance's engines where the device has them all (``engines``: a dynamic MIG way, or the only
+    compute instance of its GPU instance; compute instances of one GI split its engines)."""
     attrs["migProfile"] = _value("string", p.name)
-    attrs["migPlacementStart"] = _value("int_", way.start)
-    capacity.update(memory=quantity(p.memory_mb << 20), multiprocessors=str(p.multiprocessors),
-                    copyEngines=str(p.copy_engines), decoders=str(p.decoders), encoders=str(p.encoders),
-                    jpegEngines=str(p.jpeg), ofaEngines=str(p.ofa))
+    attrs["migPlacementStart"] = _value("int_", start)
+    capacity["memory"] = quantity(p.memory_mb << 20)
+    if engines:
+        capacity.update(multiprocessors=str(p.multiprocessors), copyEngines=str(p.copy_engines),
+                        decoders=str(p.decoders), encoders=str(p.encoders), jpegEngines=str(p.jpeg), ofaEngines=str(p.ofa))
 
 
 def current_mode(device: Device) -> tuple[str | None, str | None]:
@@ -174,15 +176,13 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
         attrs["partitionIndex"] = _value("int_", way.index)
     capacity: dict[str, str] = {}
     if way.kind == "mig-placement":
-        _placement(way, attrs, capacity)
-        for name in _LEAST_NEEDED:  # within resource.k8s.io/v1's 32 attributes and capacities
-            if len(attrs) + len(capacity) <= MAX_ATTRIBUTES_AND_CAPACITIES:
-                break
-            attrs.pop(name, None)
+        _profile(way.profile, way.start, True, attrs, capacity)
         nodes = parent.device_nodes  # its cap nodes once prepare created the instance (prepare/mig.py)
     elif way.kind == "mig":
         attrs["migGpuInstance"] = _value("int_", way.instance.gi)
         attrs["migComputeInstance"] = _value("int_", way.instance.ci)
+        if (instance := way.instance).profile is not None:  # static MIG with NVML
+            _profile(instance.profile, instance.start, instance.sole, attrs, capacity)
         nodes = tuple(n for n in parent.device_nodes) + way.instance.nodes
     else:
         attrs["computePartition"] = _value("string", way.compute)
@@ -198,6 +198,10 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             mine = next((p for p in pt.partitions if p.index == way.index), None)
             kfd = tuple(n for n in parent.device_nodes if n.path == "/dev/kfd")
             nodes = (mine.nodes + kfd) if mine is not None else ()
+    for name in _LEAST_NEEDED:  # a MIG device's own entries within resource.k8s.io/v1's 32 attributes and capacities
+        if len(attrs) + len(capacity) <= MAX_ATTRIBUTES_AND_CAPACITIES:
+            break
+        attrs.pop(name, None)
     return parent.replace(name=way.name, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
                    capacity=capacity, problems=())
 

@@ -69,8 +69,9 @@ class _Scanner:
     keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
 
     def __init__(self, root: str, list_attributes: bool, nvml=None, publish_uplink: bool = False,
-                 exclude: Exclusions = Exclusions(), away: Away | None = None):
+                 exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False):
         self.fs = HostFS(root)
+        self.static_mig = static_mig
         self.list_attributes = list_attributes
         self.publish_uplink = publish_uplink
         self.uplink: dict[str, str] = {}  # bdf -> why it is the host's uplink (read by full scans)
@@ -265,7 +266,7 @@ class _Scanner:
 
     def _nvidia_node(self) -> NvidiaNode:
         if self._nvidia is None:
-            self._nvidia = NvidiaNode(self.fs, self.nvml)
+            self._nvidia = NvidiaNode(self.fs, self.nvml, self.static_mig)
         return self._nvidia
 
     def _alveo_device(self, card: dict) -> Device:
@@ -285,15 +286,17 @@ class _Scanner:
 
 
 def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,
-         exclude: Exclusions = Exclusions(), away: Away | None = None) -> Inventory:
+         exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False) -> Inventory:
     """Discover the node under ``root``. Read-only; never raises for bad sysfs content.
     ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only).
     The host's uplink (discovery/routes.py) is skipped unless ``publish_uplink``, and so are the
     operator's ``exclude`` rules' devices (discovery/exclude.py); ``away``: the NIC functions whose
-    netdevs are in pods, which keep their netdev facts (discovery/away.py)."""
+    netdevs are in pods, which keep their netdev facts (discovery/away.py). ``static_mig``: a GPU's MIG
+    instances are the operator's, published as they are with their NVML profiles, never NVML's
+    profiles and placements (dynamic MIG; docs/partitions.md)."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
-    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink, exclude, away).run()
+    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink, exclude, away, static_mig).run()
 
 
 class IncrementalScanner:
@@ -308,10 +311,11 @@ class IncrementalScanner:
     """
 
     def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,
-                 exclude: Exclusions = Exclusions(), away: Away | None = None):
+                 exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"scan root {root!r} is not a directory")
         self.root = os.path.abspath(root)
+        self.static_mig = static_mig
         self.list_attributes = list_attributes
         self.nvml = nvml
         self.publish_uplink = publish_uplink
@@ -322,7 +326,7 @@ class IncrementalScanner:
     def full(self) -> Inventory:
         """Everything read again; what reads as before keeps its objects (``_unchanged``)."""
         previous, self._scanner = self._scanner, _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink,
-                                                          self.exclude, self.away)
+                                                          self.exclude, self.away, self.static_mig)
         self.inventory = self._scanner.run(previous=previous)
         return self.inventory
 

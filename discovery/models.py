@@ -183,18 +183,6 @@ class RdmaDevice(Record):
 
 
 @record
-class GpuPartition(Record):
-    """One partition the kernel exposes now: an AMD compute partition (``index`` = its KFD
-    function number) or an NVIDIA MIG compute instance (``gi``/``ci``)."""
-
-    index: int
-    nodes: tuple[DeviceNode, ...] = ()  # its own nodes only: a render node, or MIG cap nodes
-    xcds: int | None = None  # AMD: XCCs in this partition (KFD num_xcc)
-    gi: int | None = None
-    ci: int | None = None
-
-
-@record
 class MigProfile(Record):
     """A MIG GPU-instance profile as NVML lists it (discovery/mig.py): its engines and the
     placements (start, size in memory slices) an instance of it may take."""
@@ -210,6 +198,22 @@ class MigProfile(Record):
     jpeg: int
     ofa: int
     placements: tuple[tuple[int, int], ...]  # (start, size)
+
+
+@record
+class GpuPartition(Record):
+    """One partition the kernel exposes now: an AMD compute partition (``index`` = its KFD
+    function number) or an NVIDIA MIG compute instance (``gi``/``ci``)."""
+
+    index: int
+    nodes: tuple[DeviceNode, ...] = ()  # its own nodes only: a render node, or MIG cap nodes
+    xcds: int | None = None  # AMD: XCCs in this partition (KFD num_xcc)
+    gi: int | None = None
+    ci: int | None = None
+    # static MIG with NVML: the GPU instance's profile and placement (discovery/mig.py)
+    profile: MigProfile | None = None
+    start: int | None = None
+    sole: bool = False  # the only compute instance of its GPU instance (it has all the GI's engines)
 
 
 @record

@@ -140,8 +140,9 @@ class NvidiaNode:
     """The node's NVIDIA driver as discovery sees it during one scan: NVML when it answers, the
     kernel module's version otherwise."""
 
-    def __init__(self, fs: HostFS, nvml=None):
+    def __init__(self, fs: HostFS, nvml=None, static_mig: bool = False):
         self.nvml = nvml  # a discovery.nvml.NvmlSource, or None
+        self.static_mig = static_mig  # MIG instances are the operator's (docs/partitions.md, "Static MIG")
         version, cuda = nvml.system() if nvml is not None else (None, None)
         self.driver_version = version if semver(version) else kernel_module_version(fs)
         self.cuda_driver = cuda
@@ -150,6 +151,11 @@ class NvidiaNode:
         """The GPU's MIG profiles from NVML (empty without NVML or MIG): dynamic MIG."""
         ask = getattr(self.nvml, "mig_profiles", None)
         return ask(bdf) if ask is not None else ()
+
+    def mig_instances(self, bdf: str) -> list | None:
+        """The GPU instances NVML lists now (discovery/mig.py ``GpuInstanceNow``), None without an answer."""
+        ask = getattr(self.nvml, "mig_instances", None)
+        return ask(bdf) if ask is not None else None
 
     def facts(self, bdf: str, device_id: str) -> NvidiaFacts:
         answer = self.nvml.device(bdf) if self.nvml is not None else None

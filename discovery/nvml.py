@@ -59,6 +59,9 @@ class NvmlSource(Protocol):
     def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
         """The GPU's MIG GPU-instance profiles (empty: no MIG, or NVML does not say)."""
 
+    def mig_instances(self, bdf: str) -> list[mig.GpuInstanceNow] | None:
+        """The GPU instances that exist now (None: NVML did not answer)."""
+
 
 def find_library(root: str, driver_root: str) -> str | None:
     """``libnvidia-ml.so.1`` of the driver root, as a path the agent can open, or None."""
@@ -237,6 +240,14 @@ class Nvml:
         """Static, so asked with the GPU's other facts, once; empty for a GPU without MIG. A GPU
         whose last query failed is not asked again here: its facts, read first, just asked."""
         return ((None if bdf in self._unanswered else self.device(bdf)) or NvmlDevice()).mig_profiles
+
+    def mig_instances(self, bdf: str) -> list[mig.GpuInstanceNow] | None:
+        """The GPU instances that exist now, of the GPU's profiles (static MIG: the operator's), asked
+        at every scan as they come and go; None when NVML did not answer."""
+        ids = [p.id for p in self.mig_profiles(bdf)]
+        if not ids:
+            return None
+        return self._ask(f"MIG instances of {bdf}", lambda: mig.gpu_instances(self.pynvml, self.handle(bdf), ids))
 
     def _ask(self, what: str, fn: Callable, quiet: bool = False):
         if self.failed:

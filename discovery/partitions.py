@@ -15,9 +15,10 @@ exist for created instances only; ``/proc/driver/nvidia-caps/mig-minors`` gives 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 from discovery.devnodes import NodeResolver
-from discovery.models import DeviceNode, GpuPartition, Partitioning, PciFunction, Problem
+from discovery.models import DeviceNode, GpuPartition, MigProfile, Partitioning, PciFunction, Problem
 from discovery.sysfs import AttrError, Dir, HostFS
 
 # partitions per compute mode, and memory partitions per memory mode (amdgpu_gfx.c / amdgpu_gmc.c)
@@ -226,3 +227,27 @@ def read_mig(fs: HostFS, resolver: NodeResolver, minor: int, problems: list[Prob
                 parts.append(GpuPartition(index=len(parts), nodes=tuple(nodes), gi=gi, ci=ci))
     parts.sort(key=lambda p: (p.gi, p.ci))
     return Partitioning(kind="mig", partitions=tuple(p.replace(index=i) for i, p in enumerate(parts)))
+
+
+def with_profiles(pt: Partitioning | None, profiles: tuple[MigProfile, ...], instances: list | None,
+                  problems: list[Problem]) -> Partitioning | None:
+    """Static MIG with NVML: each compute instance procfs lists gets its GPU instance's profile and
+    placement from NVML's list of the instances that exist (``instances``: discovery/mig.py
+    ``GpuInstanceNow``). One NVML does not list (made between the two reads) keeps none."""
+    if pt is None or not pt.partitions:
+        return pt
+    if instances is None:
+        problems.append(Problem(what="MIG", reason="NVML did not list the GPU instances: MIG devices published without profiles"))
+        return pt
+    by_id = {p.id: p for p in profiles}
+    gis = {g.gi: g for g in instances}
+    cis = Counter(p.gi for p in pt.partitions)
+    parts = []
+    for p in pt.partitions:
+        g = gis.get(p.gi)
+        if g is None or g.profile not in by_id:
+            problems.append(Problem(what=f"MIG gi{p.gi}", reason="NVML does not list this GPU instance: published without its profile"))
+            parts.append(p)
+            continue
+        parts.append(p.replace(profile=by_id[g.profile], start=g.start, sole=cis[p.gi] == 1))
+    return pt.replace(partitions=tuple(parts))

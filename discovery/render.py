@@ -17,7 +17,9 @@ def _partitions(dev: Device) -> str:
     if pt is None or (pt.kind == "amd" and not pt.switchable and len(pt.partitions) <= 1):
         return ""
     if pt.kind == "mig":
-        return f"  MIG: {len(pt.partitions)} instances" + (f", {len(pt.profiles)} profiles (NVML)" if pt.profiles else "")
+        names = sorted({p.profile.name for p in pt.partitions if p.profile is not None})  # static MIG with NVML
+        return (f"  MIG: {len(pt.partitions)} instances" + (f" ({', '.join(names)})" if names else "")
+                + (f", {len(pt.profiles)} profiles (NVML)" if pt.profiles else ""))
     return f"  {pt.compute_mode}/{pt.memory_mode}: {len(pt.partitions)} partitions"
 
 

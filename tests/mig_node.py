@@ -56,7 +56,11 @@ class MigNode:
         self.nvml = open_sim(self.root, self.sim)
         settings.setdefault("partitions", True)
         self.settings = settings_for(tmp, root=self.root, nvidia_driver_root="/usr/local/nvidia", **settings)
-        self.inv = scan(self.root, nvml=self.nvml)
+        self.inv = self.scan()
+
+    def scan(self):
+        """The node as the agent's settings scan it (``nvidia_mig``: dynamic or static MIG)."""
+        return scan(self.root, list_attributes=True, nvml=self.nvml, static_mig=self.settings.nvidia_mig == "static")
 
     def inventory(self):
         return self.inv
@@ -64,7 +68,7 @@ class MigNode:
     def slices(self, taints: dict[str, list[dict]] | None = None) -> list[dict]:
         """As the agent publishes them with its settings (``partitions``, ``share``)."""
         s = self.settings
-        pool = build_pool(scan(self.root, list_attributes=True, nvml=self.nvml), node_name=NODE, driver_name=DRIVER,
+        pool = build_pool(self.scan(), node_name=NODE, driver_name=DRIVER,
                           list_attributes=True, partitions=s.partitions, taints=taints, share=share_plan(s.share, None))
         return render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
 

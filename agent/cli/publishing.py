@@ -9,7 +9,8 @@ naming the setting (exit 78).
 
 from __future__ import annotations
 
-VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml", "exclude-devices", "taint-effect")
+VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml", "nvidia-mig", "exclude-devices",
+                                "taint-effect")
 SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups",
                                  "publish-uplink")
 # One line each; docs/operations.md has the whole story of every setting.
@@ -24,6 +25,7 @@ HELP = {
     "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
     "nvidia-driver-root": "host directory holding the NVIDIA user-space driver (default /; e.g. /run/nvidia/driver, /usr/local/nvidia)",
     "nvml": "ask NVML (the driver's libnvidia-ml) for GPU memory, architecture and versions: true or false (default true)",
+    "nvidia-mig": "whose MIG instances: dynamic (default; made per claim by the agent, with --partitions) or static (the operator's, published as they are)",
     "publish-uplink": "publish the NICs of the host's default routes too (bond slaves, bridge ports, VFs of the PF)",
     "exclude-devices": "devices never published, comma-separated: pci:<glob>, interface:<glob>, kind:<kind> (e.g. interface:ens1f*)",
     "share": "device kinds shared by several claims (consumable capacity), e.g. gpu,nic; policies: share_policies in the config file",

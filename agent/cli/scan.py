@@ -89,6 +89,14 @@ def _exclusions(args, settings):
     return Exclusions.parse(x for x in (args.exclude_devices or "").split(",") if x.strip())
 
 
+def _static_mig(args, settings) -> bool:
+    """``nvidia_mig`` as run would take it (only -o slices reads the config file); ValueError for a bad flag."""
+    mig = settings.nvidia_mig if settings is not None else (args.nvidia_mig or "dynamic")
+    if mig not in ("dynamic", "static"):
+        raise ValueError(f"--nvidia-mig: dynamic or static, not {mig[:20]!r}")
+    return mig == "static"
+
+
 def _away(settings):
     """-o slices: the NICs whose netdevs the agent moved into pods keep their facts, as run publishes them."""
     if settings is None:
@@ -109,7 +117,7 @@ def run(args) -> int:
     try:
         uplink = settings.publish_uplink if settings is not None else bool(args.publish_uplink)
         inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink,
-                   exclude=_exclusions(args, settings), away=_away(settings))
+                   exclude=_exclusions(args, settings), away=_away(settings), static_mig=_static_mig(args, settings))
     except (FileNotFoundError, ValueError) as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2

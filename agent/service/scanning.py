@@ -25,7 +25,7 @@ def _options(settings: Settings, away=None) -> dict:
     from discovery.exclude import Exclusions
 
     return dict(list_attributes=settings.list_attributes, publish_uplink=settings.publish_uplink,
-                exclude=Exclusions.parse(settings.exclude_devices), away=away)
+                exclude=Exclusions.parse(settings.exclude_devices), away=away, static_mig=settings.nvidia_mig == "static")
 
 
 def default_scan(settings: Settings):
