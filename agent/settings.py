@@ -111,6 +111,13 @@ def _exclude(v: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f"{what}:{pattern}" for what, pattern in Exclusions.parse(v).rules)
 
 
+def _device_attributes(v: tuple[dict, ...]) -> tuple[dict, ...]:
+    from discovery.extra_attributes import ExtraAttributes
+
+    ExtraAttributes.parse(v)
+    return v
+
+
 def _taint_effects(v: dict[str, str]) -> dict[str, str]:
     """Fault reason code (or pattern: ``xid-*``) -> DeviceTaint effect."""
     for pattern in v:
@@ -155,7 +162,7 @@ _CHECKS = {
     "rolling_update_uid": _uid, "partition_switch_timeout": _switch_timeout, "share": _share,
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
     "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size, "exclude_devices": _exclude,
-    "taint_effects": _taint_effects, "nic_ipam": _ipam, "cni_bin_dir": _host_path,
+    "device_attributes": _device_attributes, "taint_effects": _taint_effects, "nic_ipam": _ipam, "cni_bin_dir": _host_path,
 }
 
 
@@ -212,6 +219,9 @@ class Settings(BaseModel):
     publish_uplink: bool = False
     # Devices never published (pci:<glob>, interface:<glob>, kind:<kind>; discovery/exclude.py).
     exclude_devices: tuple[str, ...] = ()
+    # Attributes the operator gives devices: [{match: [pci:<glob>|interface:<glob>|kind:<kind>, ...],
+    # attributes: {name: value or {copy: <attribute>}}}] (discovery/extra_attributes.py).
+    device_attributes: tuple[dict[str, Any], ...] = ()
     # A claim may take a NIC the host uses (an address, a bond or bridge port: prepare/hostuse.py)
     # if its NicConfig/VfioConfig says allowHostInUse; off: refused (docs/networking.md).
     allow_host_in_use_nics: bool = False
@@ -312,11 +322,11 @@ def _before(values: dict[str, Any]) -> dict[str, Any]:
     for name, value in values.items():
         if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
-        elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects", "nic_ipam") and isinstance(value, str):  # '{accelerator: ["*"]}'
+        elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects", "nic_ipam", "device_attributes") and isinstance(value, str):  # '{accelerator: ["*"]}'
             import yaml
 
             try:
-                out[name] = yaml.safe_load(value) or (None if name == "nvidia_mps_pod" else {})
+                out[name] = yaml.safe_load(value) or {"nvidia_mps_pod": None, "device_attributes": ()}.get(name, {})
             except yaml.YAMLError as err:
                 raise ConfigError(f"invalid setting {name.replace('_', '-')}: not a YAML mapping: {err}") from None
         elif name == "cdi_additional_gids" and isinstance(value, bool):  # YAML reads a bare on/off as a bool

@@ -15,6 +15,7 @@ from discovery.away import Away, kept
 from discovery.classify import ALVEO_IDS, ALVEO_MGMT_TO_USER, classify
 from discovery.devnodes import NodeResolver
 from discovery.exclude import Exclusions
+from discovery.extra_attributes import ExtraAttributes
 from discovery.fpga import read_alveo, read_dfl
 from discovery.gpu import read_gpu
 from discovery.models import Device, Inventory, PciFunction, Problem, Skipped
@@ -69,9 +70,11 @@ class _Scanner:
     keeps them by BDF for the next incremental scan; ``_cards`` keeps Alveo devices."""
 
     def __init__(self, root: str, list_attributes: bool, nvml=None, publish_uplink: bool = False,
-                 exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False):
+                 exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False,
+                 extra_attributes: ExtraAttributes = ExtraAttributes()):
         self.fs = HostFS(root)
         self.static_mig = static_mig
+        self.extra_attributes = extra_attributes
         self.list_attributes = list_attributes
         self.publish_uplink = publish_uplink
         self.uplink: dict[str, str] = {}  # bdf -> why it is the host's uplink (read by full scans)
@@ -223,6 +226,9 @@ class _Scanner:
         quantities = {k: quantity(v) if isinstance(v, int) else v for k, v in capacity.items()} if capacity else {}
         parts = DeviceParts(kind, fn, quantities, **info)
         attrs, attr_problems = device_attributes(parts, self.numa, self.list_attributes)
+        if self.extra_attributes:
+            names = [i.name for i in info["nic"].interfaces] if info.get("nic") is not None else []
+            attrs = self.extra_attributes.apply(attrs, fn.bdf, kind, names, len(quantities), attr_problems)
         return Device(name=name, kind=kind, pci=fn, device_nodes=tuple(nodes), capacity=quantities,
                       attributes=attrs, problems=tuple(problems + attr_problems), **info)  # fmt: skip
 
@@ -286,17 +292,20 @@ class _Scanner:
 
 
 def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,
-         exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False) -> Inventory:
+         exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False,
+         extra_attributes: ExtraAttributes = ExtraAttributes()) -> Inventory:
     """Discover the node under ``root``. Read-only; never raises for bad sysfs content.
     ``nvml``: a :class:`discovery.nvml.NvmlSource` for NVIDIA GPU facts (None: table only).
     The host's uplink (discovery/routes.py) is skipped unless ``publish_uplink``, and so are the
     operator's ``exclude`` rules' devices (discovery/exclude.py); ``away``: the NIC functions whose
     netdevs are in pods, which keep their netdev facts (discovery/away.py). ``static_mig``: a GPU's MIG
     instances are the operator's, published as they are with their NVML profiles, never NVML's
-    profiles and placements (dynamic MIG; docs/partitions.md)."""
+    profiles and placements (dynamic MIG; docs/partitions.md). ``extra_attributes``: the operator's
+    (discovery/extra_attributes.py)."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"scan root {root!r} is not a directory")
-    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink, exclude, away, static_mig).run()
+    return _Scanner(os.path.abspath(root), list_attributes, nvml, publish_uplink, exclude, away, static_mig,
+                    extra_attributes).run()
 
 
 class IncrementalScanner:
@@ -311,11 +320,12 @@ class IncrementalScanner:
     """
 
     def __init__(self, root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,
-                 exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False):
+                 exclude: Exclusions = Exclusions(), away: Away | None = None, static_mig: bool = False,
+                 extra_attributes: ExtraAttributes = ExtraAttributes()):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"scan root {root!r} is not a directory")
         self.root = os.path.abspath(root)
-        self.static_mig = static_mig
+        self.static_mig, self.extra_attributes = static_mig, extra_attributes
         self.list_attributes = list_attributes
         self.nvml = nvml
         self.publish_uplink = publish_uplink
@@ -326,7 +336,7 @@ class IncrementalScanner:
     def full(self) -> Inventory:
         """Everything read again; what reads as before keeps its objects (``_unchanged``)."""
         previous, self._scanner = self._scanner, _Scanner(self.root, self.list_attributes, self.nvml, self.publish_uplink,
-                                                          self.exclude, self.away, self.static_mig)
+                                                          self.exclude, self.away, self.static_mig, self.extra_attributes)
         self.inventory = self._scanner.run(previous=previous)
         return self.inventory
 

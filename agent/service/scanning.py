@@ -23,9 +23,11 @@ def open_nvml(settings: Settings):
 
 def _options(settings: Settings, away=None) -> dict:
     from discovery.exclude import Exclusions
+    from discovery.extra_attributes import ExtraAttributes
 
     return dict(list_attributes=settings.list_attributes, publish_uplink=settings.publish_uplink,
-                exclude=Exclusions.parse(settings.exclude_devices), away=away, static_mig=settings.nvidia_mig == "static")
+                exclude=Exclusions.parse(settings.exclude_devices), away=away, static_mig=settings.nvidia_mig == "static",
+                extra_attributes=ExtraAttributes.parse(settings.device_attributes))
 
 
 def default_scan(settings: Settings):
