@@ -1,7 +1,7 @@
 """What an NVIDIA GPU's CDI spec adds so a container can run CUDA: the host's user-space driver.
 
 Applied once per claim (spec-level edits), whatever number of NVIDIA devices it holds:
-- the compute libraries of the kernel module's version, each mounted read-only under
+- the compute and video libraries of the kernel module's version, each mounted read-only under
   ``/usr/local/nvidia/lib64`` by its versioned name and by the names programs load it by
   (``libcuda.so.1``, ``libcuda.so``), so no symlink has to be made inside the container;
 - the loader finds them through NVIDIA's ``nvidia-cdi-hook update-ldcache`` when the host has

@@ -2,7 +2,8 @@
 
 A container given an NVIDIA GPU needs the host's driver libraries of the *running kernel
 module's* version (libcuda alone allocates memory but cannot launch a kernel without
-libnvidia-ptxjitcompiler), the driver's tools, its GSP firmware and the sockets of its daemons.
+libnvidia-ptxjitcompiler; NVENC/NVDEC need the video libraries), the driver's tools, its GSP
+firmware and the sockets of its daemons.
 They are looked up under a configurable **driver root** (``/``, ``/run/nvidia/driver`` as the GPU
 operator mounts its driver container, ``/usr/local/nvidia``), itself under the agent's ``--root``.
 Every path recorded here is the **host's** path (without ``--root``), symlinks resolved, because
@@ -41,6 +42,17 @@ COMPUTE_LIBRARIES = {
     "libnvidia-gpucomp": (),
     "libnvidia-allocator": ("libnvidia-allocator.so.1",),
 }
+# The video set: NVDEC, NVENC, the optical flow engine. libnvidia-container's "video" capability
+# (src/nvc_info.c, video_libs) also has libvdpau_nvidia, left out: libvdpau loads it from its own
+# module directory, and a VDPAU device is only created on an X11 display (graphics, not mounted).
+# libnvidia-opticalflow.so too, as the toolkit adds it (internal/discover/symlinks.go). Optional:
+# Debian and Ubuntu package them apart from the driver.
+VIDEO_LIBRARIES = {
+    "libnvcuvid": ("libnvcuvid.so.1",),
+    "libnvidia-encode": ("libnvidia-encode.so.1",),
+    "libnvidia-opticalflow": ("libnvidia-opticalflow.so.1", "libnvidia-opticalflow.so"),
+}
+LIBRARIES = {**COMPUTE_LIBRARIES, **VIDEO_LIBRARIES}
 REQUIRED = "libcuda"
 # Without it a CUDA program allocates memory but fails its first kernel launch (PTX JIT).
 EXPECTED = ("libnvidia-ptxjitcompiler", "libnvidia-ml")
@@ -137,8 +149,8 @@ def _listing(root: str, host_dir: str) -> list[str]:
 
 
 def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[Library], dict[str, set[str]]]:
-    """The compute libraries of ``version`` (first lib dir holding each wins), and every
-    version of each library found, for the mismatch message."""
+    """The compute and video libraries of ``version`` (first lib dir holding each wins), and
+    every version of each library found, for the mismatch message."""
     found: dict[str, Library] = {}
     versions: dict[str, set[str]] = {}
     pattern = re.compile(r"(lib[a-z0-9-]+)\.so\.(\d+\.\d+(?:\.\d+)?)")
@@ -146,7 +158,7 @@ def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[L
         host_dir = os.path.join(driver_root, d)
         for name in _listing(root, host_dir):
             m = pattern.fullmatch(name)
-            if not m or m.group(1) not in COMPUTE_LIBRARIES:
+            if not m or m.group(1) not in LIBRARIES:
                 continue
             base, ver = m.groups()
             versions.setdefault(base, set()).add(ver)
@@ -154,8 +166,8 @@ def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[L
                 continue
             real = _regular(root, os.path.join(host_dir, name))
             if real is not None:
-                found[base] = Library(name, real, COMPUTE_LIBRARIES[base])
-    return [found[b] for b in COMPUTE_LIBRARIES if b in found], versions
+                found[base] = Library(name, real, LIBRARIES[base])
+    return [found[b] for b in LIBRARIES if b in found], versions
 
 
 def _first_files(root: str, dirs: list[str], names: tuple[str, ...]) -> list[str]:

@@ -27,6 +27,8 @@ LIBS = ["libcuda", "libnvidia-ptxjitcompiler", "libnvidia-ml", "libnvidia-nvvm",
 NAMES = {"libcuda": ["libcuda.so.1", "libcuda.so"], "libnvidia-ptxjitcompiler": ["libnvidia-ptxjitcompiler.so.1"],
          "libnvidia-ml": ["libnvidia-ml.so.1"], "libnvidia-nvvm": ["libnvidia-nvvm.so.4"],
          "libcudadebugger": ["libcudadebugger.so.1"]}
+VIDEO = {"libnvcuvid": ["libnvcuvid.so.1"], "libnvidia-encode": ["libnvidia-encode.so.1"],
+         "libnvidia-opticalflow": ["libnvidia-opticalflow.so.1", "libnvidia-opticalflow.so"]}
 TOOLS = ["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
 
 
@@ -34,6 +36,22 @@ def copy_profile(tmp_path, profile: str) -> str:
     root = str(tmp_path / profile)
     shutil.copytree(profile_root(profile), root, symlinks=True)
     return root
+
+
+def add_video_libraries(lib_dir: str, versions: dict[str, str] | None = None) -> None:
+    """The video set in ``lib_dir`` as the installer leaves it (``libnvcuvid.so.1`` ->
+    ``libnvcuvid.so.<ver>``); ``versions`` gives a library another version than the module's."""
+    for lib in VIDEO:
+        real = f"{lib}.so.{(versions or {}).get(lib, VER)}"
+        with open(os.path.join(lib_dir, real), "w") as f:
+            f.write(f"fixture: {real}\n")
+        os.symlink(real, os.path.join(lib_dir, f"{lib}.so.1"))
+
+
+def video_mounts(lib_dir: str, libs=tuple(VIDEO), prefix: str = "") -> list[dict]:
+    ro = ["ro", "nosuid", "nodev", "bind"]
+    return [{"hostPath": f"{prefix}{lib_dir}/{lib}.so.{VER}", "containerPath": f"/usr/local/nvidia/lib64/{name}", "options": ro}
+            for lib in libs for name in [f"{lib}.so.{VER}", *VIDEO[lib]]]
 
 
 def expected_mounts(lib_dir: str, bin_dir: str, fw_dir: str, prefix: str = "") -> list[dict]:
@@ -131,6 +149,35 @@ def test_a_missing_ptxjitcompiler_is_a_warning_and_left_out(tmp_path, caplog):
     assert not any("ptxjit" in m["containerPath"] for m in spec["containerEdits"]["mounts"])
     assert "has no libnvidia-ptxjitcompiler.so.580.159.04" in caplog.text
     assert [f.level for f in check_nvidia_driver(root, "/")] == ["warn", "ok"]
+
+
+def test_the_video_libraries_are_mounted_after_the_compute_ones(tmp_path):
+    """NVENC, NVDEC and optical flow (the toolkit's "video" set) at their sonames, and
+    libnvidia-opticalflow.so, which the toolkit adds too; the fixture's own layout has none, and
+    that is no warning (test_a_distribution_layout_gives_the_exact_spec, ..._doctor_ok)."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    lib = "/usr/lib/x86_64-linux-gnu"
+    add_video_libraries(root + lib)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    mounts = spec["containerEdits"]["mounts"]
+    compute, libs = expected_mounts(lib, "/usr/bin", "/lib/firmware/nvidia"), sum(1 + len(NAMES[n]) for n in LIBS)
+    assert mounts == compute[:libs] + video_mounts(lib) + compute[libs:]
+    assert [f.level for f in check_nvidia_driver(root, "/")] == ["ok"]
+
+
+def test_a_video_library_of_another_version_is_left_out_as_a_compute_one_is(tmp_path, caplog):
+    """Debian packages libnvcuvid1 and libnvidia-encode1 apart from the driver: one of another
+    version would fail in the container, so it is not mounted; the claim is prepared, nothing warns."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    lib = "/usr/lib/x86_64-linux-gnu"
+    add_video_libraries(root + lib, {"libnvidia-encode": "570.195.03"})
+    caplog.set_level(logging.WARNING)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    video = [m for m in spec["containerEdits"]["mounts"] if any(v in m["hostPath"] for v in VIDEO)]
+    assert video == video_mounts(lib, ("libnvcuvid", "libnvidia-opticalflow"))
+    assert "libnvidia-encode" not in caplog.text and [f.level for f in check_nvidia_driver(root, "/")] == ["ok"]
 
 
 def test_claims_after_a_driver_change_get_the_files_found_then(tmp_path):
