@@ -15,6 +15,7 @@ spec would be silently useless. Nothing is guessed.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import stat
@@ -64,6 +65,9 @@ MODESET = "/dev/nvidia-modeset"
 # and the distribution packages install it.
 HOOK = "nvidia-cdi-hook"
 HOOK_DIRS = ("usr/bin", "usr/local/nvidia/toolkit", "usr/local/bin")
+# Its CUDA forward-compatibility subcommand, from toolkit v1.17.5: an older hook exits non-zero on
+# it (v1.17.4: 3, "No help topic") and the runtime then refuses to create the container.
+COMPAT_SUBCOMMAND = b"enable-cuda-compat"
 _MAX_LINKS = 40
 
 
@@ -90,7 +94,8 @@ class DriverFiles:
     firmware: tuple[str, ...] = ()  # host paths of the version's GSP firmware files
     sockets: tuple[str, ...] = ()  # host paths (also the container paths)
     modeset: Node | None = None
-    ldcache_hook: str | None = None  # host path of nvidia-cdi-hook, when the host has one
+    cdi_hook: str | None = None  # host path of nvidia-cdi-hook, when the host has one
+    cuda_compat: bool = False  # that hook has enable-cuda-compat
     errors: tuple[str, ...] = ()  # a spec built from these files would not run CUDA
     warnings: tuple[str, ...] = ()  # it would run CUDA, with something missing
 
@@ -191,6 +196,15 @@ def _firmware(root: str, driver_root: str, version: str | None) -> list[str]:
     return []
 
 
+def _has(root: str, host_path: str, word: bytes) -> bool:
+    """Whether the file has ``word`` in it: a Go program's subcommand names are in its binary."""
+    try:
+        with open(_under(root, host_path), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(word) != -1
+    except (OSError, ValueError):  # ValueError: an empty file cannot be mapped
+        return False
+
+
 def _sockets(root: str) -> list[str]:
     out = []
     for path in SOCKETS:
@@ -233,21 +247,24 @@ def find_driver_files(root: str, driver_root: str = "/") -> DriverFiles:
     return DriverFiles(
         driver_root=driver_root, version=version, libraries=tuple(libraries),
         binaries=tuple(_first_files(root, bin_dirs, BINARIES)), firmware=tuple(_firmware(root, driver_root, version)),
-        sockets=tuple(_sockets(root)), modeset=_modeset(root), ldcache_hook=hooks[0] if hooks else None,
+        sockets=tuple(_sockets(root)), modeset=_modeset(root), cdi_hook=hooks[0] if hooks else None,
+        cuda_compat=bool(hooks) and _has(root, hooks[0], COMPAT_SUBCOMMAND),
         errors=tuple(errors), warnings=tuple(warnings),
     )
 
 
 class DriverFilesCache:
-    """``find_driver_files`` again only when the module's version or a library, tool or firmware
-    directory changed (a driver upgrade), so prepare and the health checks pay a few ``stat``s."""
+    """``find_driver_files`` again only when the module's version or a library, tool, firmware or
+    hook directory changed (a driver or toolkit upgrade), so prepare and the health checks pay a
+    few ``stat``s."""
 
     def __init__(self, root: str, driver_root: str = "/"):
         self.root, self.driver_root = root, driver_root
         self._key: tuple | None = None
         self._files: DriverFiles | None = None
         dirs = [os.path.join(driver_root, d) for d in LIB_DIRS + BIN_DIRS + FIRMWARE_DIRS]
-        # what _stamp looks at, joined once: every prepare of a GPU claim asks (18 paths)
+        dirs += [os.path.join("/", d) for d in HOOK_DIRS]
+        # what _stamp looks at, joined once: every prepare of a GPU claim asks (21 paths)
         self._watched = tuple(_under(root, p) for p in
                               ("/sys/module/nvidia/version", "/run/nvidia-persistenced", "/run/nvidia-fabricmanager", *dirs))
 

@@ -17,7 +17,8 @@ from agent.health.checks import UNHEALTHY, Memory, check
 from agent.prepare.driver import Driver
 from agent.tools.doctor import check_nvidia_driver
 from discovery.inventory import scan
-from discovery.nvidia_driver import DriverFilesCache, find_driver_files, resolve
+from cdi.nvidia import driver_edits
+from discovery.nvidia_driver import DriverFiles, DriverFilesCache, find_driver_files, resolve
 from discovery.sysfs import HostFS
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
@@ -52,6 +53,15 @@ def video_mounts(lib_dir: str, libs=tuple(VIDEO), prefix: str = "") -> list[dict
     ro = ["ro", "nosuid", "nodev", "bind"]
     return [{"hostPath": f"{prefix}{lib_dir}/{lib}.so.{VER}", "containerPath": f"/usr/local/nvidia/lib64/{name}", "options": ro}
             for lib in libs for name in [f"{lib}.so.{VER}", *VIDEO[lib]]]
+
+
+def write_hook(path: str, compat: bool = True) -> None:
+    """A stand-in for nvidia-cdi-hook's Go binary, its subcommand names among its bytes;
+    ``compat``: a toolkit of v1.17.5 or later, which has enable-cuda-compat."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 64 + b"update-ldcache\x00create-symlinks\x00"
+                + (b"enable-cuda-compat\x00" if compat else b"") + b"chmod\x00")
 
 
 def expected_mounts(lib_dir: str, bin_dir: str, fw_dir: str, prefix: str = "") -> list[dict]:
@@ -244,6 +254,54 @@ def test_sockets_modeset_and_the_ldcache_hook(tmp_path):
     assert edits["hooks"] == [{"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
                                "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/local/nvidia/lib64"]}]
     assert [e for e in edits["env"] if not e.startswith("SYSDRA_")] == ["NVIDIA_VISIBLE_DEVICES=void"]  # the hook: no LD_LIBRARY_PATH
+
+
+COMPAT = {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+          "args": ["nvidia-cdi-hook", "enable-cuda-compat", f"--host-driver-version={VER}"]}
+LDCACHE = {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+           "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/local/nvidia/lib64"]}
+
+
+def test_a_hook_with_enable_cuda_compat_runs_it_before_update_ldcache(tmp_path):
+    """NVIDIA's order: the compat entry in ld.so.conf.d is written before ldconfig reads it."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    write_hook(os.path.join(root, "usr/bin/nvidia-cdi-hook"))
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    assert spec["containerEdits"]["hooks"] == [COMPAT, LDCACHE]
+    assert "LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64" not in spec["containerEdits"]["env"]
+    (ok,) = check_nvidia_driver(root, "/")
+    assert ok.message.endswith("ld-cache hook, CUDA forward compatibility"), ok.message
+
+
+def test_an_older_hook_gets_update_ldcache_alone(tmp_path):
+    """A hook without enable-cuda-compat (toolkit < v1.17.5) exits non-zero on it, and the runtime
+    would then refuse to create the container; doctor says the compat libraries are not used."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    write_hook(os.path.join(root, "usr/bin/nvidia-cdi-hook"), compat=False)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None and spec["containerEdits"]["hooks"] == [LDCACHE]
+    (ok,) = check_nvidia_driver(root, "/")
+    assert "no CUDA forward compatibility" in ok.message and "enable-cuda-compat" in ok.message
+
+
+def test_no_compat_hook_without_the_drivers_version():
+    files = DriverFiles(driver_root="/", version=None, cdi_hook="/usr/bin/nvidia-cdi-hook", cuda_compat=True)
+    assert driver_edits(files)["hooks"] == [LDCACHE]
+
+
+def test_a_toolkit_upgrade_is_seen_without_a_restart(tmp_path):
+    """The cache looks at the hook's directories too: a package upgrade replaces the binary there."""
+    root = copy_profile(tmp_path, "h200-vm")
+    toolkit = os.path.join(root, "usr/local/nvidia/toolkit")
+    write_hook(os.path.join(toolkit, "nvidia-cdi-hook"), compat=False)
+    cache = DriverFilesCache(root, "/usr/local/nvidia")
+    assert cache.get().cdi_hook == "/usr/local/nvidia/toolkit/nvidia-cdi-hook" and not cache.get().cuda_compat
+    write_hook(os.path.join(toolkit, "nvidia-cdi-hook.new"))
+    os.replace(os.path.join(toolkit, "nvidia-cdi-hook.new"), os.path.join(toolkit, "nvidia-cdi-hook"))
+    st = os.stat(toolkit)  # the replace's own mtime may fall in the same clock tick as the first write
+    os.utime(toolkit, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert cache.get().cuda_compat
 
 
 def test_a_vfio_bound_or_amd_gpu_gets_no_driver(tmp_path):
