@@ -66,7 +66,9 @@ MODESET = "/dev/nvidia-modeset"
 HOOK = "nvidia-cdi-hook"
 HOOK_DIRS = ("usr/bin", "usr/local/nvidia/toolkit", "usr/local/bin")
 # Its CUDA forward-compatibility subcommand, from toolkit v1.17.5: an older hook exits non-zero on
-# it (v1.17.4: 3, "No help topic") and the runtime then refuses to create the container.
+# it (v1.17.4: 3, "No help topic") and the runtime then refuses to create the container. The GPU
+# operator's toolkit before v1.20.0 installs the binary as nvidia-cdi-hook.real beside a shell
+# wrapper named nvidia-cdi-hook: the subcommand is looked for in either.
 COMPAT_SUBCOMMAND = b"enable-cuda-compat"
 _MAX_LINKS = 40
 
@@ -248,7 +250,7 @@ def find_driver_files(root: str, driver_root: str = "/") -> DriverFiles:
         driver_root=driver_root, version=version, libraries=tuple(libraries),
         binaries=tuple(_first_files(root, bin_dirs, BINARIES)), firmware=tuple(_firmware(root, driver_root, version)),
         sockets=tuple(_sockets(root)), modeset=_modeset(root), cdi_hook=hooks[0] if hooks else None,
-        cuda_compat=bool(hooks) and _has(root, hooks[0], COMPAT_SUBCOMMAND),
+        cuda_compat=bool(hooks) and any(_has(root, p, COMPAT_SUBCOMMAND) for p in (hooks[0], hooks[0] + ".real")),
         errors=tuple(errors), warnings=tuple(warnings),
     )
 

@@ -285,6 +285,18 @@ def test_an_older_hook_gets_update_ldcache_alone(tmp_path):
     assert "no CUDA forward compatibility" in ok.message and "enable-cuda-compat" in ok.message
 
 
+def test_the_gpu_operators_wrapper_is_looked_through(tmp_path):
+    """Its toolkit before v1.20.0: nvidia-cdi-hook a shell script that runs nvidia-cdi-hook.real."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    toolkit = os.path.join(root, "usr/local/nvidia/toolkit")
+    write_hook(os.path.join(toolkit, "nvidia-cdi-hook.real"))
+    with open(os.path.join(toolkit, "nvidia-cdi-hook"), "w") as f:
+        f.write('#! /bin/sh\n\t/usr/local/nvidia/toolkit/nvidia-cdi-hook.real \\\n\t\t"$@"\n')
+    hooks = driver_edits(find_driver_files(root))["hooks"]
+    assert [h["path"] for h in hooks] == ["/usr/local/nvidia/toolkit/nvidia-cdi-hook"] * 2
+    assert [h["args"][1] for h in hooks] == ["enable-cuda-compat", "update-ldcache"]
+
+
 def test_no_compat_hook_without_the_drivers_version():
     files = DriverFiles(driver_root="/", version=None, cdi_hook="/usr/bin/nvidia-cdi-hook", cuda_compat=True)
     assert driver_edits(files)["hooks"] == [LDCACHE]
