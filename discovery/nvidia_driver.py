@@ -2,7 +2,8 @@
 
 A container given an NVIDIA GPU needs the host's driver libraries of the *running kernel
 module's* version (libcuda alone allocates memory but cannot launch a kernel without
-libnvidia-ptxjitcompiler), the driver's tools, its GSP firmware and the sockets of its daemons.
+libnvidia-ptxjitcompiler; NVENC/NVDEC need the video libraries), the driver's tools, its GSP
+firmware and the sockets of its daemons.
 They are looked up under a configurable **driver root** (``/``, ``/run/nvidia/driver`` as the GPU
 operator mounts its driver container, ``/usr/local/nvidia``), itself under the agent's ``--root``.
 Every path recorded here is the **host's** path (without ``--root``), symlinks resolved, because
@@ -14,6 +15,7 @@ spec would be silently useless. Nothing is guessed.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import stat
@@ -41,6 +43,17 @@ COMPUTE_LIBRARIES = {
     "libnvidia-gpucomp": (),
     "libnvidia-allocator": ("libnvidia-allocator.so.1",),
 }
+# The video set: NVDEC, NVENC, the optical flow engine. libnvidia-container's "video" capability
+# (src/nvc_info.c, video_libs) also has libvdpau_nvidia, left out: libvdpau loads it from its own
+# module directory, and a VDPAU device is only created on an X11 display (graphics, not mounted).
+# libnvidia-opticalflow.so too, as the toolkit adds it (internal/discover/symlinks.go). Optional:
+# Debian and Ubuntu package them apart from the driver.
+VIDEO_LIBRARIES = {
+    "libnvcuvid": ("libnvcuvid.so.1",),
+    "libnvidia-encode": ("libnvidia-encode.so.1",),
+    "libnvidia-opticalflow": ("libnvidia-opticalflow.so.1", "libnvidia-opticalflow.so"),
+}
+LIBRARIES = {**COMPUTE_LIBRARIES, **VIDEO_LIBRARIES}
 REQUIRED = "libcuda"
 # Without it a CUDA program allocates memory but fails its first kernel launch (PTX JIT).
 EXPECTED = ("libnvidia-ptxjitcompiler", "libnvidia-ml")
@@ -52,6 +65,11 @@ MODESET = "/dev/nvidia-modeset"
 # and the distribution packages install it.
 HOOK = "nvidia-cdi-hook"
 HOOK_DIRS = ("usr/bin", "usr/local/nvidia/toolkit", "usr/local/bin")
+# Its CUDA forward-compatibility subcommand, from toolkit v1.17.5: an older hook exits non-zero on
+# it (v1.17.4: 3, "No help topic") and the runtime then refuses to create the container. The GPU
+# operator's toolkit before v1.20.0 installs the binary as nvidia-cdi-hook.real beside a shell
+# wrapper named nvidia-cdi-hook: the subcommand is looked for in either.
+COMPAT_SUBCOMMAND = b"enable-cuda-compat"
 _MAX_LINKS = 40
 
 
@@ -78,7 +96,8 @@ class DriverFiles:
     firmware: tuple[str, ...] = ()  # host paths of the version's GSP firmware files
     sockets: tuple[str, ...] = ()  # host paths (also the container paths)
     modeset: Node | None = None
-    ldcache_hook: str | None = None  # host path of nvidia-cdi-hook, when the host has one
+    cdi_hook: str | None = None  # host path of nvidia-cdi-hook, when the host has one
+    cuda_compat: bool = False  # that hook has enable-cuda-compat
     errors: tuple[str, ...] = ()  # a spec built from these files would not run CUDA
     warnings: tuple[str, ...] = ()  # it would run CUDA, with something missing
 
@@ -137,8 +156,8 @@ def _listing(root: str, host_dir: str) -> list[str]:
 
 
 def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[Library], dict[str, set[str]]]:
-    """The compute libraries of ``version`` (first lib dir holding each wins), and every
-    version of each library found, for the mismatch message."""
+    """The compute and video libraries of ``version`` (first lib dir holding each wins), and
+    every version of each library found, for the mismatch message."""
     found: dict[str, Library] = {}
     versions: dict[str, set[str]] = {}
     pattern = re.compile(r"(lib[a-z0-9-]+)\.so\.(\d+\.\d+(?:\.\d+)?)")
@@ -146,7 +165,7 @@ def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[L
         host_dir = os.path.join(driver_root, d)
         for name in _listing(root, host_dir):
             m = pattern.fullmatch(name)
-            if not m or m.group(1) not in COMPUTE_LIBRARIES:
+            if not m or m.group(1) not in LIBRARIES:
                 continue
             base, ver = m.groups()
             versions.setdefault(base, set()).add(ver)
@@ -154,8 +173,8 @@ def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[L
                 continue
             real = _regular(root, os.path.join(host_dir, name))
             if real is not None:
-                found[base] = Library(name, real, COMPUTE_LIBRARIES[base])
-    return [found[b] for b in COMPUTE_LIBRARIES if b in found], versions
+                found[base] = Library(name, real, LIBRARIES[base])
+    return [found[b] for b in LIBRARIES if b in found], versions
 
 
 def _first_files(root: str, dirs: list[str], names: tuple[str, ...]) -> list[str]:
@@ -177,6 +196,15 @@ def _firmware(root: str, driver_root: str, version: str | None) -> list[str]:
         if files:
             return files
     return []
+
+
+def _has(root: str, host_path: str, word: bytes) -> bool:
+    """Whether the file has ``word`` in it: a Go program's subcommand names are in its binary."""
+    try:
+        with open(_under(root, host_path), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(word) != -1
+    except (OSError, ValueError):  # ValueError: an empty file cannot be mapped
+        return False
 
 
 def _sockets(root: str) -> list[str]:
@@ -221,21 +249,24 @@ def find_driver_files(root: str, driver_root: str = "/") -> DriverFiles:
     return DriverFiles(
         driver_root=driver_root, version=version, libraries=tuple(libraries),
         binaries=tuple(_first_files(root, bin_dirs, BINARIES)), firmware=tuple(_firmware(root, driver_root, version)),
-        sockets=tuple(_sockets(root)), modeset=_modeset(root), ldcache_hook=hooks[0] if hooks else None,
+        sockets=tuple(_sockets(root)), modeset=_modeset(root), cdi_hook=hooks[0] if hooks else None,
+        cuda_compat=bool(hooks) and any(_has(root, p, COMPAT_SUBCOMMAND) for p in (hooks[0], hooks[0] + ".real")),
         errors=tuple(errors), warnings=tuple(warnings),
     )
 
 
 class DriverFilesCache:
-    """``find_driver_files`` again only when the module's version or a library, tool or firmware
-    directory changed (a driver upgrade), so prepare and the health checks pay a few ``stat``s."""
+    """``find_driver_files`` again only when the module's version or a library, tool, firmware or
+    hook directory changed (a driver or toolkit upgrade), so prepare and the health checks pay a
+    few ``stat``s."""
 
     def __init__(self, root: str, driver_root: str = "/"):
         self.root, self.driver_root = root, driver_root
         self._key: tuple | None = None
         self._files: DriverFiles | None = None
         dirs = [os.path.join(driver_root, d) for d in LIB_DIRS + BIN_DIRS + FIRMWARE_DIRS]
-        # what _stamp looks at, joined once: every prepare of a GPU claim asks (18 paths)
+        dirs += [os.path.join("/", d) for d in HOOK_DIRS]
+        # what _stamp looks at, joined once: every prepare of a GPU claim asks (21 paths)
         self._watched = tuple(_under(root, p) for p in
                               ("/sys/module/nvidia/version", "/run/nvidia-persistenced", "/run/nvidia-fabricmanager", *dirs))
 

@@ -17,7 +17,8 @@ from agent.health.checks import UNHEALTHY, Memory, check
 from agent.prepare.driver import Driver
 from agent.tools.doctor import check_nvidia_driver
 from discovery.inventory import scan
-from discovery.nvidia_driver import DriverFilesCache, find_driver_files, resolve
+from cdi.nvidia import driver_edits
+from discovery.nvidia_driver import DriverFiles, DriverFilesCache, find_driver_files, resolve
 from discovery.sysfs import HostFS
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
@@ -27,6 +28,8 @@ LIBS = ["libcuda", "libnvidia-ptxjitcompiler", "libnvidia-ml", "libnvidia-nvvm",
 NAMES = {"libcuda": ["libcuda.so.1", "libcuda.so"], "libnvidia-ptxjitcompiler": ["libnvidia-ptxjitcompiler.so.1"],
          "libnvidia-ml": ["libnvidia-ml.so.1"], "libnvidia-nvvm": ["libnvidia-nvvm.so.4"],
          "libcudadebugger": ["libcudadebugger.so.1"]}
+VIDEO = {"libnvcuvid": ["libnvcuvid.so.1"], "libnvidia-encode": ["libnvidia-encode.so.1"],
+         "libnvidia-opticalflow": ["libnvidia-opticalflow.so.1", "libnvidia-opticalflow.so"]}
 TOOLS = ["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
 
 
@@ -34,6 +37,31 @@ def copy_profile(tmp_path, profile: str) -> str:
     root = str(tmp_path / profile)
     shutil.copytree(profile_root(profile), root, symlinks=True)
     return root
+
+
+def add_video_libraries(lib_dir: str, versions: dict[str, str] | None = None) -> None:
+    """The video set in ``lib_dir`` as the installer leaves it (``libnvcuvid.so.1`` ->
+    ``libnvcuvid.so.<ver>``); ``versions`` gives a library another version than the module's."""
+    for lib in VIDEO:
+        real = f"{lib}.so.{(versions or {}).get(lib, VER)}"
+        with open(os.path.join(lib_dir, real), "w") as f:
+            f.write(f"fixture: {real}\n")
+        os.symlink(real, os.path.join(lib_dir, f"{lib}.so.1"))
+
+
+def video_mounts(lib_dir: str, libs=tuple(VIDEO), prefix: str = "") -> list[dict]:
+    ro = ["ro", "nosuid", "nodev", "bind"]
+    return [{"hostPath": f"{prefix}{lib_dir}/{lib}.so.{VER}", "containerPath": f"/usr/local/nvidia/lib64/{name}", "options": ro}
+            for lib in libs for name in [f"{lib}.so.{VER}", *VIDEO[lib]]]
+
+
+def write_hook(path: str, compat: bool = True) -> None:
+    """A stand-in for nvidia-cdi-hook's Go binary, its subcommand names among its bytes;
+    ``compat``: a toolkit of v1.17.5 or later, which has enable-cuda-compat."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 64 + b"update-ldcache\x00create-symlinks\x00"
+                + (b"enable-cuda-compat\x00" if compat else b"") + b"chmod\x00")
 
 
 def expected_mounts(lib_dir: str, bin_dir: str, fw_dir: str, prefix: str = "") -> list[dict]:
@@ -133,6 +161,35 @@ def test_a_missing_ptxjitcompiler_is_a_warning_and_left_out(tmp_path, caplog):
     assert [f.level for f in check_nvidia_driver(root, "/")] == ["warn", "ok"]
 
 
+def test_the_video_libraries_are_mounted_after_the_compute_ones(tmp_path):
+    """NVENC, NVDEC and optical flow (the toolkit's "video" set) at their sonames, and
+    libnvidia-opticalflow.so, which the toolkit adds too; the fixture's own layout has none, and
+    that is no warning (test_a_distribution_layout_gives_the_exact_spec, ..._doctor_ok)."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    lib = "/usr/lib/x86_64-linux-gnu"
+    add_video_libraries(root + lib)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    mounts = spec["containerEdits"]["mounts"]
+    compute, libs = expected_mounts(lib, "/usr/bin", "/lib/firmware/nvidia"), sum(1 + len(NAMES[n]) for n in LIBS)
+    assert mounts == compute[:libs] + video_mounts(lib) + compute[libs:]
+    assert [f.level for f in check_nvidia_driver(root, "/")] == ["ok"]
+
+
+def test_a_video_library_of_another_version_is_left_out_as_a_compute_one_is(tmp_path, caplog):
+    """Debian packages libnvcuvid1 and libnvidia-encode1 apart from the driver: one of another
+    version would fail in the container, so it is not mounted; the claim is prepared, nothing warns."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    lib = "/usr/lib/x86_64-linux-gnu"
+    add_video_libraries(root + lib, {"libnvidia-encode": "570.195.03"})
+    caplog.set_level(logging.WARNING)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    video = [m for m in spec["containerEdits"]["mounts"] if any(v in m["hostPath"] for v in VIDEO)]
+    assert video == video_mounts(lib, ("libnvcuvid", "libnvidia-opticalflow"))
+    assert "libnvidia-encode" not in caplog.text and [f.level for f in check_nvidia_driver(root, "/")] == ["ok"]
+
+
 def test_claims_after_a_driver_change_get_the_files_found_then(tmp_path):
     """The driver's edits are built once per set of files found: a second claim gets the same
     mounts; after the files change (a library removed) the next claim's spec has what is there
@@ -197,6 +254,66 @@ def test_sockets_modeset_and_the_ldcache_hook(tmp_path):
     assert edits["hooks"] == [{"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
                                "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/local/nvidia/lib64"]}]
     assert [e for e in edits["env"] if not e.startswith("SYSDRA_")] == ["NVIDIA_VISIBLE_DEVICES=void"]  # the hook: no LD_LIBRARY_PATH
+
+
+COMPAT = {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+          "args": ["nvidia-cdi-hook", "enable-cuda-compat", f"--host-driver-version={VER}"]}
+LDCACHE = {"hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+           "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/local/nvidia/lib64"]}
+
+
+def test_a_hook_with_enable_cuda_compat_runs_it_before_update_ldcache(tmp_path):
+    """NVIDIA's order: the compat entry in ld.so.conf.d is written before ldconfig reads it."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    write_hook(os.path.join(root, "usr/bin/nvidia-cdi-hook"))
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    assert spec["containerEdits"]["hooks"] == [COMPAT, LDCACHE]
+    assert "LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64" not in spec["containerEdits"]["env"]
+    (ok,) = check_nvidia_driver(root, "/")
+    assert ok.message.endswith("ld-cache hook, CUDA forward compatibility"), ok.message
+
+
+def test_an_older_hook_gets_update_ldcache_alone(tmp_path):
+    """A hook without enable-cuda-compat (toolkit < v1.17.5) exits non-zero on it, and the runtime
+    would then refuse to create the container; doctor says the compat libraries are not used."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    write_hook(os.path.join(root, "usr/bin/nvidia-cdi-hook"), compat=False)
+    res, spec, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None and spec["containerEdits"]["hooks"] == [LDCACHE]
+    (ok,) = check_nvidia_driver(root, "/")
+    assert "no CUDA forward compatibility" in ok.message and "enable-cuda-compat" in ok.message
+
+
+def test_the_gpu_operators_wrapper_is_looked_through(tmp_path):
+    """Its toolkit before v1.20.0: nvidia-cdi-hook a shell script that runs nvidia-cdi-hook.real."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    toolkit = os.path.join(root, "usr/local/nvidia/toolkit")
+    write_hook(os.path.join(toolkit, "nvidia-cdi-hook.real"))
+    with open(os.path.join(toolkit, "nvidia-cdi-hook"), "w") as f:
+        f.write('#! /bin/sh\n\t/usr/local/nvidia/toolkit/nvidia-cdi-hook.real \\\n\t\t"$@"\n')
+    hooks = driver_edits(find_driver_files(root))["hooks"]
+    assert [h["path"] for h in hooks] == ["/usr/local/nvidia/toolkit/nvidia-cdi-hook"] * 2
+    assert [h["args"][1] for h in hooks] == ["enable-cuda-compat", "update-ldcache"]
+
+
+def test_no_compat_hook_without_the_drivers_version():
+    files = DriverFiles(driver_root="/", version=None, cdi_hook="/usr/bin/nvidia-cdi-hook", cuda_compat=True)
+    assert driver_edits(files)["hooks"] == [LDCACHE]
+
+
+def test_a_toolkit_upgrade_is_seen_without_a_restart(tmp_path):
+    """The cache looks at the hook's directories too: a package upgrade replaces the binary there."""
+    root = copy_profile(tmp_path, "h200-vm")
+    toolkit = os.path.join(root, "usr/local/nvidia/toolkit")
+    write_hook(os.path.join(toolkit, "nvidia-cdi-hook"), compat=False)
+    cache = DriverFilesCache(root, "/usr/local/nvidia")
+    assert cache.get().cdi_hook == "/usr/local/nvidia/toolkit/nvidia-cdi-hook" and not cache.get().cuda_compat
+    write_hook(os.path.join(toolkit, "nvidia-cdi-hook.new"))
+    os.replace(os.path.join(toolkit, "nvidia-cdi-hook.new"), os.path.join(toolkit, "nvidia-cdi-hook"))
+    st = os.stat(toolkit)  # the replace's own mtime may fall in the same clock tick as the first write
+    os.utime(toolkit, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert cache.get().cuda_compat
 
 
 def test_a_vfio_bound_or_amd_gpu_gets_no_driver(tmp_path):

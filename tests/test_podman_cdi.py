@@ -21,9 +21,10 @@ import pytest
 from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource
 from agent.prepare.driver import Driver
-from tests.conftest import require_podman
+from tests.conftest import copy_profile, require_podman
 from tests.podman import podman_env
 from tests.kubelet_standin import KubeletStandIn, claim, gpu, inventory, nic, settings_for, store_claim
+from tests.test_nvidia_driver import add_video_libraries, prepare_gpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 IMAGE = "localhost/sysdra-busybox:test"
@@ -116,6 +117,39 @@ async def _prepare_and_run(s, inv, podman: Podman) -> None:
         assert out.returncode != 0 and "unresolvable CDI devices" in out.stderr, out.stderr
     finally:
         await plugin.stop()
+
+
+def test_podman_gets_an_nvidia_gpus_driver(tmp_path):
+    """The driver edits of an NVIDIA GPU (docs/nvidia.md) as runc applies them: a compute and a
+    video library under the names programs load them by, read-only, and nvidia-cdi-hook's two
+    createContainer hooks run in the spec's order. The h200-vm fixture's driver (the spec's host
+    paths point into the copy), its device nodes made by runc from the numbers; the hook is a
+    script that logs its arguments (its text names enable-cuda-compat, as the real binary does)."""
+    busybox = require_podman()
+    root = copy_profile(tmp_path, "h200-vm")
+    add_video_libraries(os.path.join(root, "usr/local/nvidia/lib64"))
+    calls = tmp_path / "hook-calls"
+    hook = os.path.join(root, "usr/local/nvidia/toolkit/nvidia-cdi-hook")
+    os.makedirs(os.path.dirname(hook))
+    with open(hook, "w") as f:
+        f.write(f"#!/bin/sh\n# enable-cuda-compat, update-ldcache\necho \"$*\" >> {calls}\n")
+    os.chmod(hook, 0o755)
+    res, _, d = prepare_gpu(tmp_path, root, "gpu-0000-00-06-0", nvidia_driver_root="/usr/local/nvidia", cdi_host_root=root)
+    assert res.error is None, res.error
+    podman = Podman(str(tmp_path), d.settings.cdi_dir)
+    try:
+        podman.import_busybox(busybox)
+        lib = "/usr/local/nvidia/lib64"
+        script = (f"/bin/busybox cat {lib}/libcuda.so.1 {lib}/libnvcuvid.so.1 {lib}/libnvidia-opticalflow.so; "
+                  f"/bin/busybox touch {lib}/libnvcuvid.so.1 2>/dev/null || echo read-only")
+        out = podman.run([i for dev in res.devices for i in dev.cdi_ids], script)
+    finally:
+        podman.cleanup()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["fixture: libcuda.so.580.159.04", "fixture: libnvcuvid.so.580.159.04",
+                                       "fixture: libnvidia-opticalflow.so.580.159.04", "read-only"]
+    assert calls.read_text().splitlines() == ["enable-cuda-compat --host-driver-version=580.159.04",
+                                              "update-ldcache --folder /usr/local/nvidia/lib64"]
 
 
 def test_podman_container_reads_device_metadata(tmp_path):

@@ -265,8 +265,17 @@ def check_nvidia_driver(root: str, driver_root: str) -> list[Finding]:
     if not files.errors:
         found.append(Finding("nvidia", "ok", f"user-space driver {files.version} under {driver_root}: "
                              f"{len(files.libraries)} libraries, {len(files.binaries)} tools, "
-                             f"{'ld-cache hook' if files.ldcache_hook else 'LD_LIBRARY_PATH'}"))
+                             f"{_loader(files)}"))
     return found
+
+
+def _loader(files) -> str:
+    """How the spec lets the loader find the driver, and whether it enables CUDA forward compatibility."""
+    if not files.cdi_hook:
+        return "LD_LIBRARY_PATH (no CUDA forward compatibility: no nvidia-cdi-hook)"
+    if not files.cuda_compat:
+        return "ld-cache hook (no CUDA forward compatibility: its nvidia-cdi-hook has no enable-cuda-compat, toolkit < v1.17.5)"
+    return "ld-cache hook, CUDA forward compatibility"
 
 
 def check_nvml(root: str, driver_root: str, enabled: bool = True) -> list[Finding]:
