@@ -104,3 +104,30 @@ def test_sysdra_scan_shows_the_profiles_of_the_instances(static):
     from discovery.render import render_tree
 
     assert "MIG: 3 instances (1g.18gb, 3g.71gb)" in render_tree(static.scan())
+
+
+def test_doctor_names_the_instances_dynamic_mig_would_destroy(tmp_path, monkeypatch):
+    """``sysdra doctor``'s ``mig`` check, read-only: under dynamic MIG the operator's layout is named
+    before the agent's start destroys it; a claim's own instance is not; under static all is well."""
+    from agent.tools.doctor_mig import check_mig
+    from discovery.nvml import Nvml
+
+    node = MigNode(str(tmp_path))
+    layout(node)
+    monkeypatch.setattr(Nvml, "probe", classmethod(lambda cls, *a, **kw: (node.nvml, "")))
+    (found,) = check_mig(node.settings)
+    assert found.level == "warn" and "the agent destroys them at its next start" in found.message
+    assert f"{BDF} gi1 (1g.18gb at slice 0)" in found.message and f"{BDF} gi2 (3g.71gb at slice 4)" in found.message
+    assert "nvidia_mig: static" in found.fix
+    d = driver_for(node)
+    d.recover()  # the sweep the warning foretold; then a claim's own instance
+    c = node.allocated("m", req("m", profile("2g.35gb")))
+    assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
+    (found,) = check_mig(node.settings)
+    assert found.level == "ok" and "each made for a prepared claim" in found.message
+    layout_static = MigNode(str(tmp_path / "static"), nvidia_mig="static")
+    layout(layout_static)
+    monkeypatch.setattr(Nvml, "probe", classmethod(lambda cls, *a, **kw: (layout_static.nvml, "")))
+    (found,) = check_mig(layout_static.settings)
+    assert found.level == "ok" and "published as they are" in found.message
+    assert check_mig(layout_static.settings.replace(partitions=False)) == []

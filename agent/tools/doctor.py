@@ -307,6 +307,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True,
     from agent.service.status import AgentNotRunning, query_status
     from agent.tools.doctor_crio import check_crio
     from agent.tools.doctor_ipam import check_ipam
+    from agent.tools.doctor_mig import check_mig
     from agent.tools.doctor_runtime import check_containerd, check_gpu_faults, check_nri
 
     try:  # asked once: registration and NRI read the same document
@@ -331,6 +332,7 @@ def run_all(settings, status_socket: str, cdi_dirs: list[str], api: bool = True,
     found += check_checkpoint(settings.plugin_dir)
     found += check_nvidia_driver(settings.root, settings.nvidia_driver_root)
     found += check_nvml(settings.root, settings.nvidia_driver_root, settings.nvml)
+    found += check_mig(settings)
     if api:
         found += check_api(settings.cluster, settings.node_name, driver_name=settings.driver_name,
                            mps_namespace=settings.nvidia_mps_pod.namespace if settings.nvidia_mps_pod else None)

@@ -1,0 +1,78 @@
+"""``sysdra doctor``'s MIG check: whose the MIG instances on the node's GPUs are, against
+``nvidia_mig`` (docs/partitions.md). Dynamic MIG (``partitions`` with NVML) destroys at the agent's
+start every GPU instance no prepared claim made, so an operator's layout there is lost; with
+``nvidia_mig: static`` it is published as it is. Read-only: NVML is asked, nothing is changed."""
+
+from __future__ import annotations
+
+import os
+
+from agent.tools.findings import Finding, ok
+
+
+def check_mig(settings) -> list[Finding]:
+    if not (settings.partitions and settings.nvml):
+        return []
+    from discovery.nvml import Nvml
+
+    nvml, _why = Nvml.probe(settings.root, settings.nvidia_driver_root)
+    if nvml is None:
+        return []  # the nvml check says why
+    found = nvml.call("listing MIG instances", lambda: _instances(nvml.pynvml))
+    if not found:
+        return []  # no GPU in MIG mode with an instance, or NVML did not answer (the nvml check says so)
+    total = sum(len(gis) for gis in found.values())
+    if settings.nvidia_mig == "static":
+        return [ok("mig", f"{total} MIG GPU instance(s) on {len(found)} GPU(s), published as they are (nvidia_mig: static)")]
+    known = _recorded(settings.plugin_dir)
+    foreign = [f"{bdf} gi{g.gi} ({g.name} at slice {g.start})" for bdf, gis in sorted(found.items())
+               for g in gis if (bdf, g.profile, g.start) not in known]
+    if not foreign:
+        return [ok("mig", f"{total} MIG GPU instance(s), each made for a prepared claim (nvidia_mig: dynamic)")]
+    return [Finding("mig", "warn", f"MIG GPU instances no claim made: {', '.join(foreign[:8])}"
+                    + (", ..." if len(foreign) > 8 else "") + ": the agent destroys them at its next start (nvidia_mig: dynamic)",
+                    "an operator's layout (nvidia-smi, mig-parted) wants nvidia_mig: static; else leave them to the agent")]
+
+
+class _Instance:
+    __slots__ = ("gi", "profile", "start", "name")
+
+    def __init__(self, gi: int, profile: int, start: int, name: str):
+        self.gi, self.profile, self.start, self.name = gi, profile, start, name
+
+
+def _instances(nv) -> dict[str, list[_Instance]]:
+    """PCI address -> the GPU instances of every GPU in MIG mode (on NVML's thread)."""
+    from discovery import mig
+
+    out: dict[str, list[_Instance]] = {}
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        if (mig.mig_mode(nv, h) or (0, 0))[0] != 1:
+            continue
+        bus = nv.nvmlDeviceGetPciInfo(h).busId
+        bdf = (bus.decode() if isinstance(bus, bytes) else str(bus))[-12:].lower()  # NVML's 8-digit domain
+        names = {p.id: p.name for p in mig.profiles(nv, h)}
+        gis = [_Instance(g.gi, g.profile, g.start, names.get(g.profile, f"profile {g.profile}"))
+               for g in mig.gpu_instances(nv, h, list(names))]
+        if gis:
+            out[bdf] = gis
+    return out
+
+
+def _recorded(plugin_dir: str) -> set[tuple[str, int, int]]:
+    """(GPU, profile, start) of every MIG device a checkpoint entry records (checkpoint input: shapes checked)."""
+    from agent.prepare.checkpoint import Checkpoint
+
+    path = os.path.join(plugin_dir, "checkpoint.json")
+    try:
+        cp = Checkpoint.load(path, move_corrupt=False)
+    except Exception:  # noqa: BLE001 - the checkpoint check says what is wrong with it
+        return set()
+    out = set()
+    for entry in cp.claims.values():
+        records = entry.get("mig") if isinstance(entry, dict) else None
+        for rec in records if isinstance(records, list) else ():
+            if isinstance(rec, dict) and all(isinstance(rec.get(k), t) for k, t in (("gpu", str), ("profile", int), ("start", int))):
+                out.add((rec["gpu"], rec["profile"], rec["start"]))
+    return out
