@@ -59,6 +59,7 @@ def test_a_devices_own_attribute_wins_and_the_api_limit_holds():
     ({"match": "kind:gpu", "attributes": {"a" * 33: 1}}, "is not an attribute name"),
     ({"match": "kind:gpu", "attributes": {"Example.com/rail": 1}}, "is not an attribute name"),
     ({"match": "kind:gpu", "attributes": {"resource.kubernetes.io/rail": 1}}, "domain is Kubernetes' own"),
+    ({"match": "kind:gpu", "attributes": {"a" * 60 + ".com/rail": 1}}, "is not an attribute name"),
     ({"match": "kind:gpu", "attributes": {"rail": "x" * 65}}, "rail: a string of 1 to 64 bytes"),
     ({"match": "kind:gpu", "attributes": {"rail": ""}}, "rail: a string of 1 to 64 bytes"),
     ({"match": "kind:gpu", "attributes": {"rail": 1 << 63}}, "past a 64-bit integer"),
@@ -111,3 +112,14 @@ def test_a_claim_aligns_a_gpu_with_another_drivers_vf_by_the_copied_name():
     plain = claim("plain", exactly("gpu", "gpu.sysdra.io"), exactly("vf", "vf.example.com"))
     (b,) = allocate(ours + [_foreign_vfs()], CLASSES + [vf_class], claim_from(plain), node=NODE)
     assert {r["device"] for r in b["devices"]["results"]} != {r["device"] for r in a["devices"]["results"]}
+
+
+def test_the_agents_scans_give_the_devices_the_operators_attributes(tmp_path):
+    from agent.service import scanning
+    from tests.kubelet_standin import settings_for
+
+    settings = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"), nvml=False, device_attributes=RAILS)
+    for inv in (scanning.default_scan(settings), scanning.update(None, settings, None)[1]):
+        assert _api(inv.by_name()["nic-0000-9f-00-0"])["rail"] == {"int": 1}
+    plain = scanning.default_scan(settings.replace(device_attributes=()))
+    assert "rail" not in plain.by_name()["nic-0000-9f-00-0"].attributes

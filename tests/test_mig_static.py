@@ -131,3 +131,37 @@ def test_doctor_names_the_instances_dynamic_mig_would_destroy(tmp_path, monkeypa
     (found,) = check_mig(layout_static.settings)
     assert found.level == "ok" and "published as they are" in found.message
     assert check_mig(layout_static.settings.replace(partitions=False)) == []
+
+
+def test_the_agent_and_sysdra_scan_scan_with_the_setting(static, monkeypatch, capsys):
+    """The daemon's scans (agent/service/scanning.py) and ``sysdra scan --nvidia-mig`` take ``nvidia_mig``."""
+    from agent.cli import main as cli
+    from agent.cli import scan as scan_cmd
+    from agent.service import scanning
+
+    monkeypatch.setattr(scanning, "open_nvml", lambda settings: static.nvml)
+    monkeypatch.setattr(scan_cmd, "_nvml", lambda args, settings: static.nvml)
+
+    def profiles(inv) -> list:
+        (gpu,) = [d for d in inv.devices if d.kind == "gpu"]
+        return [p.profile.name if p.profile else None for p in gpu.gpu.partitioning.partitions]
+
+    assert profiles(scanning.default_scan(static.settings)) == ["1g.18gb", "3g.71gb", "3g.71gb"]
+    _, inv = scanning.update(None, static.settings, None)
+    assert profiles(inv) == ["1g.18gb", "3g.71gb", "3g.71gb"]
+    assert profiles(scanning.default_scan(static.settings.replace(nvidia_mig="dynamic"))) == [None, None, None]
+    assert cli.main(["scan", "--root", static.root, "-o", "tree", "--nvidia-mig", "static"]) == 0
+    assert "MIG: 3 instances (1g.18gb, 3g.71gb)" in capsys.readouterr().out
+    assert cli.main(["scan", "--root", static.root, "-o", "tree"]) == 0
+    assert "MIG: 3 instances, 7 profiles (NVML)" in capsys.readouterr().out
+    assert cli.main(["scan", "--root", static.root, "--nvidia-mig", "statik"]) == 2
+    assert "--nvidia-mig: dynamic or static, not 'statik'" in capsys.readouterr().err
+
+
+def test_an_instance_of_a_profile_nvml_does_not_list_keeps_no_profile(static, monkeypatch):
+    from discovery.mig import GpuInstanceNow
+
+    monkeypatch.setattr(static.nvml, "mig_instances", lambda bdf: [GpuInstanceNow(gi=1, profile=999, start=0, size=1, cis=(0,))])
+    (gpu,) = [d for d in static.scan().devices if d.kind == "gpu"]
+    assert all(p.profile is None for p in gpu.gpu.partitioning.partitions)
+    assert [p.what for p in gpu.problems] == ["MIG gi1", "MIG gi2", "MIG gi2"]
