@@ -69,3 +69,17 @@ def test_the_simulator_refuses_as_nvml_does(tmp_path):
     assert [g["profile"] for g in nv.instances().values()] == [20]
     off = SimMigNvml([SimGpu(mig_capable=True)])
     refused(3, off.nvmlDeviceCreateGpuInstanceWithPlacement, off.nvmlDeviceGetHandleByPciBusId("0000:00:06.0"), 19, P(0, 1))
+
+
+def test_a_gpu_whose_minor_is_unknown_offers_no_mig_devices(tmp_path):
+    """A MIG device is the GPU's nodes plus its instance's cap nodes, all named by the GPU's minor:
+    without a readable Device Minor the GPU is published whole (with the problem), never its placements."""
+    node = MigNode(str(tmp_path))
+    info = f"{node.root}/proc/driver/nvidia/gpus/0000:00:06.0/information"
+    text = open(info).read()
+    with open(info, "w") as f:
+        f.write(text.replace("Device Minor: \t 0\n", ""))
+    gpu = _gpu(node.scan())
+    assert gpu.gpu.partitioning is None
+    assert any(p.what == "/dev/nvidiaN" for p in gpu.problems)
+    assert not [n for n in node.slices()[-1]["spec"]["devices"] if "-mig-" in n["name"]]
