@@ -81,3 +81,26 @@ def test_a_vram_size_that_is_no_size_gives_no_memory(tmp_path):
     assert "memory" not in devices[CPX_GPU].capacity and "memory" not in devices[SPX_GPU].capacity
     assert any(p.what == "memory" and "not an integer" in p.reason for p in devices[CPX_GPU].problems)
     assert devices[CPX_GPU].capacity["computeUnits"] == "304"  # the rest of the GPU stands
+
+
+def _drop(root: str, node: str, key: str) -> None:
+    path = os.path.join(root, KFD, node, "properties")
+    lines = [line for line in open(path).read().splitlines() if line.split(" ")[0] != key]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_kfd_properties_missing_cost_that_fact_only(tmp_path):
+    """KFD property files are input: a GPU node without ``drm_render_minor`` is no partition the
+    agent can hand out (left out, with the count of exposed partitions short), and one without
+    ``num_xcc`` leaves the XCC count unknown; neither costs the GPU its other details."""
+    root = copy_node(str(tmp_path / "host"), "mi300x-partitions")
+    _drop(root, "3", "drm_render_minor")
+    _drop(root, "4", "num_xcc")
+    (gpu,) = [d for d in scan(root).devices if d.name == CPX_GPU]
+    pt = gpu.gpu.partitioning
+    assert pt is not None and pt.compute_mode == "CPX" and len(pt.partitions) == 7 and pt.xcds is None
+    reasons = [p.reason for p in gpu.problems]
+    assert any("CPX has 8 partitions, the kernel exposes 7" in r for r in reasons)
+    assert not any("unexpected error" in r for r in reasons)
+    assert gpu.capacity.get("memory")
