@@ -238,7 +238,24 @@ def check_cuda(log: Log, tmp: str, spec: dict, spec_path: str, device: str, root
     log.check(run.returncode != 0, "without the spec's driver mounts the same program fails")
 
 
-async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str | None) -> None:
+def check_video_and_hooks(log: Log, root: str, driver_root: str, spec: dict, mounts: list[str]) -> None:
+    """The driver root's video libraries (NVENC/NVDEC) are in the spec where the node has them, and
+    the hooks the host's nvidia-cdi-hook can run (docs/nvidia.md); which ones, logged."""
+    from discovery.nvidia_driver import LIB_DIRS
+
+    found = sorted({os.path.basename(p).split(".so")[0] for d in LIB_DIRS
+                    for p in glob.glob(os.path.join(root, driver_root.lstrip("/"), d, "lib*.so.*"))
+                    if os.path.basename(p).startswith(("libnvcuvid.so", "libnvidia-encode.so", "libnvidia-opticalflow.so"))})
+    mounted = sorted({os.path.basename(m).split(".so")[0] for m in mounts
+                      if os.path.basename(m).startswith(("libnvcuvid.so", "libnvidia-encode.so", "libnvidia-opticalflow.so"))})
+    log(f"video libraries: {found or 'none'} under {driver_root}, {mounted or 'none'} in the spec")
+    if found:
+        log.check(mounted == found, "the spec carries the driver root's video libraries")
+    hooks = [h["args"][1] for h in spec.get("containerEdits", {}).get("hooks", []) if len(h.get("args", [])) > 1]
+    log(f"createContainer hooks: {hooks or 'none (no nvidia-cdi-hook: LD_LIBRARY_PATH)'}")
+
+
+async def step_prepare(log: Log, args, tmp: str, gpu: dict, program: str | None) -> None:
     """The claim prepared, its spec run (when the CUDA program was built), unprepared: the agent's
     side (spec, MPS daemon, cleanup) is checked even where no program could be built."""
     from agent.kubeletplugin.kubelet_client import KubeletClient
@@ -257,9 +274,10 @@ async def step_prepare(log: Log, out: str, tmp: str, gpu: dict, program: str | N
     spec_path = claim_spec_path(os.path.join(tmp, "cdi"), DRIVER, claim["metadata"]["uid"])
     with open(spec_path) as f:
         spec = json.load(f)
-    write(out, "spec.json", spec)
+    write(args.out, "spec.json", spec)
     mounts = [m["containerPath"] for m in spec.get("containerEdits", {}).get("mounts", [])]
     log(f"CDI {ids}: {len(mounts)} driver mounts, spec env {spec['containerEdits'].get('env')}")
+    check_video_and_hooks(log, args.root, args.driver_root, spec, mounts)
     device = ids[0].split("=", 1)[1]
     rootfs = build_rootfs(tmp, program) if program else None
     if rootfs is None:
@@ -325,7 +343,7 @@ def main(argv: list[str]) -> int:
         sock = wait_for(lambda: glob.glob(os.path.join(tmp, "kubelet", "plugins_registry", "*.sock")))
         if log.check(bool(sock), "the agent registered its socket") and gpu:
             try:
-                asyncio.run(step_prepare(log, args.out, tmp, gpu, program))
+                asyncio.run(step_prepare(log, args, tmp, gpu, program))
             except Exception as err:  # noqa: BLE001
                 log.check(False, f"prepare step: {type(err).__name__}: {err}")
     finally:
