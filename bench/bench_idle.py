@@ -59,6 +59,22 @@ def _sample(procs: dict, duration: float) -> dict:
     return out
 
 
+def _settle(proc, quiet_ms: float = 20.0, longest: float = 30.0) -> None:
+    """Wait (at least 5 s, at most ``longest``) until the agent's start-up is done: two seconds in
+    a row under ``quiet_ms`` of CPU each. On a busy machine the start (a fixture tree's file watch
+    walks ~10,500 directories, then a full rescan) can outlast a fixed wait and land in the window."""
+    import psutil
+
+    p, t0 = psutil.Process(proc.pid), time.monotonic()
+    time.sleep(5.0)
+    quiet, last = 0, sum(p.cpu_times()[:2])
+    while quiet < 2 and time.monotonic() - t0 < longest:
+        time.sleep(1.0)
+        now = sum(p.cpu_times()[:2])
+        quiet = quiet + 1 if (now - last) * 1000 < quiet_ms else 0
+        last = now
+
+
 def run(duration: float = DURATION) -> list[Figure]:
     root = large_node()
     work = tempfile.mkdtemp(prefix="sysdra-bench-idle-")
@@ -69,7 +85,7 @@ def run(duration: float = DURATION) -> list[Figure]:
         with AgentProcess(root, work, cdi) as agent:
             floor = subprocess.Popen([installed().python, "-c", FLOOR_CODE.format(mods=FLOOR_IMPORTS, secs=duration + 30)],
                                      cwd=installed().cwd, env=installed_env())
-            time.sleep(5.0)  # start-up work (first health round, first syncs) is not idle time
+            _settle(agent.proc)  # start-up work (the file watch's rescan, first health round) is not idle time
             if agent.proc.poll() is not None or floor.poll() is not None:
                 raise RuntimeError("agent or floor process exited early")
             got = _sample({"agent": agent.proc, "floor": floor}, duration)
