@@ -123,3 +123,16 @@ def test_the_agents_scans_give_the_devices_the_operators_attributes(tmp_path):
         assert _api(inv.by_name()["nic-0000-9f-00-0"])["rail"] == {"int": 1}
     plain = scanning.default_scan(settings.replace(device_attributes=()))
     assert "rail" not in plain.by_name()["nic-0000-9f-00-0"].attributes
+
+
+def test_sysdra_scan_shows_them_in_the_slices_run_would_publish(tmp_path, capsys):
+    import json
+
+    from agent.cli import main as cli
+
+    config = tmp_path / "config.yaml"
+    config.write_text("device_attributes:\n- {match: [interface:ibp*], attributes: {rail: 7}}\n")
+    argv = ["scan", "--root", profile_root("server-2s-gpu-nic"), "-o", "slices", "--node-name", NODE, "--config", str(config)]
+    assert cli.main(argv) == 0
+    got = devices(json.loads(capsys.readouterr().out)["items"])
+    assert got["nic-0000-9f-00-0"]["attributes"]["rail"] == {"int": 7} and "rail" not in got["gpu-0000-18-00-0"]["attributes"]

@@ -97,6 +97,13 @@ def _static_mig(args, settings) -> bool:
     return mig == "static"
 
 
+def _extra_attributes(settings):
+    """-o slices: the operator's ``device_attributes`` (the config file), as run publishes them."""
+    from discovery.extra_attributes import ExtraAttributes
+
+    return ExtraAttributes.parse(settings.device_attributes) if settings is not None else ExtraAttributes()
+
+
 def _away(settings):
     """-o slices: the NICs whose netdevs the agent moved into pods keep their facts, as run publishes them."""
     if settings is None:
@@ -117,7 +124,8 @@ def run(args) -> int:
     try:
         uplink = settings.publish_uplink if settings is not None else bool(args.publish_uplink)
         inv = scan(args.root, list_attributes=list_attributes, nvml=_nvml(args, settings), publish_uplink=uplink,
-                   exclude=_exclusions(args, settings), away=_away(settings), static_mig=_static_mig(args, settings))
+                   exclude=_exclusions(args, settings), away=_away(settings), static_mig=_static_mig(args, settings),
+                   extra_attributes=_extra_attributes(settings))
     except (FileNotFoundError, ValueError) as err:
         print(f"sysdra scan: {err}", file=sys.stderr)
         return 2
