@@ -182,7 +182,8 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
         attrs["migGpuInstance"] = _value("int_", way.instance.gi)
         attrs["migComputeInstance"] = _value("int_", way.instance.ci)
         if (instance := way.instance).profile is not None:  # static MIG with NVML
-            _profile(instance.profile, instance.start, instance.sole, attrs, capacity)
+            sole = sum(p.gi == instance.gi for p in partitioning(parent).partitions) == 1
+            _profile(instance.profile, instance.start, sole, attrs, capacity)
         nodes = tuple(n for n in parent.device_nodes) + way.instance.nodes
     else:
         attrs["computePartition"] = _value("string", way.compute)

@@ -213,7 +213,6 @@ class GpuPartition(Record):
     # static MIG with NVML: the GPU instance's profile and placement (discovery/mig.py)
     profile: MigProfile | None = None
     start: int | None = None
-    sole: bool = False  # the only compute instance of its GPU instance (it has all the GI's engines)
 
 
 @record

@@ -15,7 +15,6 @@ exist for created instances only; ``/proc/driver/nvidia-caps/mig-minors`` gives 
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode, GpuPartition, MigProfile, Partitioning, PciFunction, Problem
@@ -241,7 +240,6 @@ def with_profiles(pt: Partitioning | None, profiles: tuple[MigProfile, ...], ins
         return pt
     by_id = {p.id: p for p in profiles}
     gis = {g.gi: g for g in instances}
-    cis = Counter(p.gi for p in pt.partitions)
     parts = []
     for p in pt.partitions:
         g = gis.get(p.gi)
@@ -249,5 +247,5 @@ def with_profiles(pt: Partitioning | None, profiles: tuple[MigProfile, ...], ins
             problems.append(Problem(what=f"MIG gi{p.gi}", reason="NVML does not list this GPU instance: published without its profile"))
             parts.append(p)
             continue
-        parts.append(p.replace(profile=by_id[g.profile], start=g.start, sole=cis[p.gi] == 1))
+        parts.append(p.replace(profile=by_id[g.profile], start=g.start))
     return pt.replace(partitions=tuple(parts))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 from agent.tools.findings import Finding, ok
+from discovery import mig
+from discovery.mig import GpuInstanceNow
 
 
 def check_mig(settings) -> list[Finding]:
@@ -25,8 +27,8 @@ def check_mig(settings) -> list[Finding]:
     if settings.nvidia_mig == "static":
         return [ok("mig", f"{total} MIG GPU instance(s) on {len(found)} GPU(s), published as they are (nvidia_mig: static)")]
     known = _recorded(settings.plugin_dir)
-    foreign = [f"{bdf} gi{g.gi} ({g.name} at slice {g.start})" for bdf, gis in sorted(found.items())
-               for g in gis if (bdf, g.profile, g.start) not in known]
+    foreign = [f"{bdf} gi{g.gi} ({name} at slice {g.start})" for bdf, gis in sorted(found.items())
+               for name, g in gis if (bdf, g.profile, g.start) not in known]
     if not foreign:
         return [ok("mig", f"{total} MIG GPU instance(s), each made for a prepared claim (nvidia_mig: dynamic)")]
     return [Finding("mig", "warn", f"MIG GPU instances no claim made: {', '.join(foreign[:8])}"
@@ -34,18 +36,9 @@ def check_mig(settings) -> list[Finding]:
                     "an operator's layout (nvidia-smi, mig-parted) wants nvidia_mig: static; else leave them to the agent")]
 
 
-class _Instance:
-    __slots__ = ("gi", "profile", "start", "name")
-
-    def __init__(self, gi: int, profile: int, start: int, name: str):
-        self.gi, self.profile, self.start, self.name = gi, profile, start, name
-
-
-def _instances(nv) -> dict[str, list[_Instance]]:
-    """PCI address -> the GPU instances of every GPU in MIG mode (on NVML's thread)."""
-    from discovery import mig
-
-    out: dict[str, list[_Instance]] = {}
+def _instances(nv) -> dict[str, list[tuple[str, GpuInstanceNow]]]:
+    """PCI address -> (profile name, GPU instance) of every GPU in MIG mode (on NVML's thread)."""
+    out: dict[str, list] = {}
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         if (mig.mig_mode(nv, h) or (0, 0))[0] != 1:
@@ -53,26 +46,17 @@ def _instances(nv) -> dict[str, list[_Instance]]:
         bus = nv.nvmlDeviceGetPciInfo(h).busId
         bdf = (bus.decode() if isinstance(bus, bytes) else str(bus))[-12:].lower()  # NVML's 8-digit domain
         names = {p.id: p.name for p in mig.profiles(nv, h)}
-        gis = [_Instance(g.gi, g.profile, g.start, names.get(g.profile, f"profile {g.profile}"))
-               for g in mig.gpu_instances(nv, h, list(names))]
-        if gis:
+        if gis := [(names[g.profile], g) for g in mig.gpu_instances(nv, h, list(names))]:
             out[bdf] = gis
     return out
 
 
 def _recorded(plugin_dir: str) -> set[tuple[str, int, int]]:
-    """(GPU, profile, start) of every MIG device a checkpoint entry records (checkpoint input: shapes checked)."""
+    """The placements prepared claims' MIG devices hold, as the agent's start-up sweep reads them."""
     from agent.prepare.checkpoint import Checkpoint
+    from agent.prepare.steps.mig import placements_recorded
 
-    path = os.path.join(plugin_dir, "checkpoint.json")
     try:
-        cp = Checkpoint.load(path, move_corrupt=False)
+        return placements_recorded(Checkpoint.load(os.path.join(plugin_dir, "checkpoint.json"), move_corrupt=False).claims)
     except Exception:  # noqa: BLE001 - the checkpoint check says what is wrong with it
         return set()
-    out = set()
-    for entry in cp.claims.values():
-        records = entry.get("mig") if isinstance(entry, dict) else None
-        for rec in records if isinstance(records, list) else ():
-            if isinstance(rec, dict) and all(isinstance(rec.get(k), t) for k, t in (("gpu", str), ("profile", int), ("start", int))):
-                out.add((rec["gpu"], rec["profile"], rec["start"]))
-    return out

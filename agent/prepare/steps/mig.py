@@ -110,8 +110,12 @@ class MigStep(RecordsOf):
         dynamic-MIG GPU that no entry records."""
         gpus = {w.parent.pci.bdf: tuple(p.id for p in w.parent.gpu.partitioning.profiles)
                 for w in self.ways().values() if w.kind == "mig-placement"}
-        known = {(r.gpu, r.profile, r.start) for e in entries.values() for r in (self.read(e) or ())}
-        return self.devices.orphans(gpus, known) if gpus else []
+        return self.devices.orphans(gpus, placements_recorded(entries)) if gpus else []
+
+
+def placements_recorded(entries: dict[str, dict]) -> set[tuple[str, int, int]]:
+    """(GPU, profile, placement start) of every MIG device the checkpoint's entries record."""
+    return {(r.gpu, r.profile, r.start) for e in entries.values() for r in map(MigDevice.model_validate, e.get(MigStep.key) or ())}
 
 
 def _records(ways: dict, names: list[str]) -> Record | None:
