@@ -198,5 +198,6 @@ class SimNvmlEvents(SimNvml):
         except queue.Empty:
             raise NVMLError(self.NVML_ERROR_TIMEOUT) from None
 
-    def emit(self, bus_id: str, event_type: int, data: int = 0) -> None:
-        self.queue.put(SimEvent(self.gpus[bus_id], event_type, data))
+    def emit(self, bus_id: str, event_type: int, data: int = 0, gi: int = 0xFFFFFFFF, ci: int = 0xFFFFFFFF) -> None:
+        """``gi``, ``ci``: the MIG instance NVML places the event in (none by default)."""
+        self.queue.put(SimEvent(self.gpus[bus_id], event_type, data, gi, ci))

@@ -63,7 +63,7 @@ async def _fault(s, xid: int = 79) -> None:
         assert monitor.states[GPU].verdict.health == HEALTHY
         assert await monitor.watch_gpu_events(nvml=open_sim(s.root, sim))
         sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, xid)
-        await until(lambda: UUID in FaultStore(s.plugin_dir, s.root).load())
+        await until(lambda: (UUID, None) in FaultStore(s.plugin_dir, s.root).load())
         assert monitor.states[GPU].verdict.reason == f"xid-{xid}"
     finally:
         await monitor.stop()
@@ -172,7 +172,7 @@ def test_a_gpu_without_a_uuid_in_discovery_is_matched_by_nvmls(node):
         try:
             assert await monitor.watch_gpu_events(nvml=open_sim(node.root, sim)) and monitor.xid.uuids == {BDF: UUID}
             sim.emit(BDF, sim.nvmlEventTypeDoubleBitEccError)
-            await until(lambda: UUID in Store(node.plugin_dir, node.root).load())
+            await until(lambda: (UUID, None) in Store(node.plugin_dir, node.root).load())
         finally:
             await monitor.stop()
         again = HealthMonitor(node, lambda: plain)
@@ -201,7 +201,7 @@ def test_the_file_holds_this_boots_last_fault_of_each_gpu(tmp_path):
     kept = KeptFaults(store)  # the monitor's view: a repeat costs no write, a new reason is one
     kept.refresh()
     kept.record("GPU-bbbb", "0000:00:07.0", "ecc-double-bit", "third")
-    assert store.load()["GPU-bbbb"].reason == "ecc-double-bit"
+    assert store.load()[("GPU-bbbb", None)].reason == "ecc-double-bit"
     store.record("GPU-cccc", "0000:00:08.0", "xid-79", "another GPU")
     assert [f.uuid for f in store.clear(None)] == ["GPU-bbbb", "GPU-cccc"]  # `sysdra health clear --all`
     assert store.load() == {}
@@ -257,7 +257,7 @@ def test_a_damaged_file_is_said_and_counts_as_empty(node, caplog, content, why):
     assert monitor == HEALTHY
     asyncio.run(_fault(node))  # a new fault writes the file anew: the damaged one is kept aside, not overwritten
     (aside,) = glob.glob(os.path.join(node.plugin_dir, FILE + ".damaged-*"))
-    assert open(aside, "rb").read() == content and list(FaultStore(node.plugin_dir, node.root).load()) == [UUID]
+    assert open(aside, "rb").read() == content and list(FaultStore(node.plugin_dir, node.root).load()) == [(UUID, None)]
 
 
 async def _check_once(s) -> str:
@@ -274,7 +274,7 @@ def test_a_bad_entry_is_that_entrys_problem(node, caplog):
     with open(os.path.join(node.plugin_dir, FILE), "w") as f:
         json.dump({"version": 1, "faults": [*bad, good]}, f)
     caplog.set_level(logging.WARNING, logger="agent.health.faults")
-    assert list(FaultStore(node.plugin_dir, node.root).load()) == [UUID]
+    assert list(FaultStore(node.plugin_dir, node.root).load()) == [(UUID, None)]
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 4
     assert asyncio.run(_check_once(node)) == UNHEALTHY
 

@@ -55,8 +55,8 @@ def test_faults_are_reported_and_application_errors_ignored():
         sim.emit(BDF, sim.nvmlEventTypeSingleBitEccError)  # corrected
         sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)  # fell off the bus
         sim.emit(BDF, sim.nvmlEventTypeDoubleBitEccError)
-        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
-        assert faults.get(timeout=30) == (BDF, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error")
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79", None)
+        assert faults.get(timeout=30) == (BDF, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error", None)
         assert faults.empty() and watch.events == 4
     finally:
         watch.stop()
@@ -69,7 +69,7 @@ def test_a_gpu_nvml_refuses_leaves_the_others_watched():
     assert watch.start() and watch.registered == [other]
     try:
         sim.emit(other, sim.nvmlEventTypeXidCriticalError, 79)
-        assert faults.get(timeout=30) == (other, "xid-79", "NVML: critical XID 79")
+        assert faults.get(timeout=30) == (other, "xid-79", "NVML: critical XID 79", None)
     finally:
         watch.stop()
 
@@ -96,7 +96,7 @@ def test_the_watch_outlives_quiet_waits():
     try:
         assert quiet.wait(30)
         sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
-        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79", None)
     finally:
         watch.stop()
 
@@ -111,7 +111,7 @@ def test_default_settings_ignore_the_application_xids(tmp_path):
     try:
         for code in (13, 31, 43, 45, 68, 109, 79):
             sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, code)
-        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79", None)
         assert faults.empty() and watch.events == 7
     finally:
         watch.stop()
@@ -124,7 +124,7 @@ def test_the_operators_list_replaces_the_default():
     try:
         sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
         sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 13)
-        assert faults.get(timeout=30) == (BDF, "xid-13", "NVML: critical XID 13")
+        assert faults.get(timeout=30) == (BDF, "xid-13", "NVML: critical XID 13", None)
     finally:
         watch.stop()
 
@@ -136,7 +136,7 @@ def test_an_event_not_understood_leaves_the_watch_running():
     try:
         sim.queue.put(SimEvent(None, sim.nvmlEventTypeXidCriticalError, 79))  # no device NVML could name
         sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
-        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79")
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79", None)
         assert watch.events == 2
     finally:
         watch.stop()

@@ -1,7 +1,8 @@
 """``sysdra health``: the GPU faults the agent keeps across restarts (agent/health/faults.py).
 
-``list`` shows them; ``clear DEVICE`` (a device name, PCI address or GPU UUID; ``--all``) removes
-them once the GPU is trusted again (after ``nvidia-smi -r``: a reboot clears them by itself).
+``list`` shows them; ``clear DEVICE`` (a device name, PCI address or GPU UUID: the GPU's faults and
+its MIG devices'; a MIG device's name: its own; ``--all``) removes them once the GPU is trusted
+again (after ``nvidia-smi -r``: a reboot clears them by itself).
 The running agent reads the file again at its next health round.
 """
 
@@ -19,7 +20,8 @@ def add_parser(sub) -> None:
     ls.add_argument("-o", "--output", choices=("text", "json"), default="text")
     cl = hsub.add_parser("clear", help="forget a GPU's fault: the agent finds it healthy again at its next round")
     which = cl.add_mutually_exclusive_group(required=True)
-    which.add_argument("device", nargs="?", help="device name (gpu-0000-1b-00-0), PCI address or GPU UUID")
+    which.add_argument("device", nargs="?", help="device name (gpu-0000-1b-00-0), PCI address or GPU UUID (with its MIG devices' faults), "
+                                                  "or a MIG device's name")
     which.add_argument("--all", action="store_true", help="every kept fault")
     for q in (ls, cl):
         q.add_argument("--config", metavar="FILE", help="config file (default $SYSDRA_CONFIG or /etc/sysdra/config.yaml)")

@@ -4,6 +4,8 @@ An NVML XID or double-bit ECC event (agent/health/xid.py) says the GPU cannot be
 it is reset; the event is not sent again. So the faults that make a GPU unhealthy are written to
 ``<plugin dir>/gpu-faults.json``, one per GPU UUID with the boot ID they were seen in, and read
 back when the agent starts: an upgrade or a crash does not give a broken GPU back to the pool.
+An XID NVML places in one MIG instance is that MIG device's fault (``partition``: its device's
+name), kept beside its GPU's.
 
 A reboot resets every GPU (and applies the row remapping or page retirement a double-bit ECC
 error asks for), so a fault of another boot is dropped when the file is read. A GPU reset without
@@ -42,6 +44,7 @@ Uuid = Annotated[str, StringConstraints(pattern=r"^GPU-[0-9A-Za-z-]{1,60}$")]
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 Reason = Annotated[str, StringConstraints(pattern=r"^(xid-[0-9]{1,5}|ecc-double-bit)$")]
 BootId = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9][-A-Za-z0-9_.]{0,63})?$")]
+DeviceName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
 
 
 class GpuFault(BaseModel):
@@ -54,10 +57,20 @@ class GpuFault(BaseModel):
     message: str = Field(max_length=1024)
     since: float = Field(ge=0)  # Unix seconds
     bootId: BootId
+    partition: DeviceName | None = None  # a MIG device's own fault (an XID in its instance); None: the GPU's
+
+    @property
+    def gpu(self) -> str:
+        return device_name("gpu", self.bdf)
 
     @property
     def device(self) -> str:
-        return device_name("gpu", self.bdf)
+        """The device the fault makes unhealthy: the GPU, or one of its MIG devices."""
+        return self.partition or self.gpu
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return self.uuid, self.partition
 
 
 class _FaultFile(BaseModel):
@@ -67,7 +80,7 @@ class _FaultFile(BaseModel):
 
 
 class FaultStore:
-    """The file: ``load`` (this boot's faults by UUID), ``record`` one, ``clear`` some."""
+    """The file: ``load`` (this boot's faults by ``GpuFault.key``), ``record`` one, ``clear`` some."""
 
     def __init__(self, plugin_dir: str, root: str = "/", boot_id: str | None = None):
         self.path, self.lock_path = os.path.join(plugin_dir, FILE), os.path.join(plugin_dir, LOCK)
@@ -104,14 +117,14 @@ class FaultStore:
             why = "not JSON" if isinstance(err, json.JSONDecodeError) else _first_error(err)
             return self._problem(f"GPU fault file {self.path} is damaged ({why}): treated as empty, so GPUs it "
                                  "held unhealthy are not; fix or remove it")
-        faults: dict[str, GpuFault] = {}
+        faults: dict[tuple, GpuFault] = {}
         for i, entry in enumerate(doc.faults):
             try:
                 fault = GpuFault.model_validate(entry)
             except ValidationError as err:
                 self._problem(f"GPU fault file {self.path}: entry {i} skipped: {_first_error(err)}")
                 continue
-            faults[fault.uuid] = fault  # the last of a UUID wins, as the last write does
+            faults[fault.key] = fault  # the last of a GPU's (or MIG device's) wins, as the last write does
         return list(faults.values())
 
     def _problem(self, text: str) -> list:
@@ -119,31 +132,32 @@ class FaultStore:
         self.problems.append(text)
         return []
 
-    def load(self) -> dict[str, GpuFault]:
-        """This boot's faults by UUID; those of another boot are ignored (logged) and left out
-        of the next write. Never writes (``sysdra scan`` reads it too)."""
+    def load(self) -> dict[tuple[str, str | None], GpuFault]:
+        """This boot's faults by ``GpuFault.key`` (UUID, MIG device); those of another boot are
+        ignored (logged) and left out of the next write. Never writes (``sysdra scan`` reads it too)."""
         faults = self.read()
         for f in faults:
             if f.bootId != self.boot_id:
                 log.info("GPU %s (%s): fault %s of boot %s ignored: the node rebooted since, which resets the GPU",
                          f.uuid, f.bdf, f.reason, f.bootId or "unknown")
-        return {f.uuid: f for f in faults if f.bootId == self.boot_id}
+        return {f.key: f for f in faults if f.bootId == self.boot_id}
 
-    def record(self, uuid: str, bdf: str, reason: str, message: str) -> GpuFault:
-        """Keep this boot's fault of GPU ``uuid`` (replacing its earlier one). OSError when it
-        cannot be written (logged by the caller)."""
+    def record(self, uuid: str, bdf: str, reason: str, message: str, partition: str | None = None) -> GpuFault:
+        """Keep this boot's fault of GPU ``uuid``, or of its MIG device ``partition``, replacing
+        its earlier one. OSError when it cannot be written (logged by the caller)."""
         fault = GpuFault(uuid=uuid, bdf=bdf, reason=reason, message=message[:1024], since=time.time(),
-                         bootId=self.boot_id)
-        self._update(lambda current: [f for f in current if f.uuid != uuid] + [fault])
+                         bootId=self.boot_id, partition=partition)
+        self._update(lambda current: [f for f in current if f.key != fault.key] + [fault])
         return fault
 
     def clear(self, selector: str | None) -> list[GpuFault]:
-        """Remove the faults of the GPU ``selector`` names (UUID, PCI address or device name;
-        None: all of them); the removed ones."""
+        """Remove the faults ``selector`` names (None: all of them); the removed ones. A GPU's
+        UUID, PCI address or device name names its faults and its MIG devices' (a reset of the
+        GPU resets its instances); a MIG device's name names its own."""
         removed: list[GpuFault] = []
 
         def keep(current: list[GpuFault]) -> list[GpuFault]:
-            removed.extend(f for f in current if selector is None or selector in (f.uuid, f.bdf, f.device))
+            removed.extend(f for f in current if selector is None or selector in (f.uuid, f.bdf, f.gpu, f.device))
             return [f for f in current if f not in removed]
 
         self._update(keep)
@@ -160,7 +174,8 @@ class FaultStore:
                 os.replace(self.path, aside)
                 log.warning("GPU fault file %s moved aside to %s before it is written again", self.path, aside)
             if new != read or self.problems:
-                atomic_write_json(self.path, {"version": 1, "faults": [f.model_dump() for f in new]}, mode=0o600)
+                atomic_write_json(self.path, {"version": 1, "faults": [f.model_dump(exclude_none=True) for f in new]},
+                                  mode=0o600)
 
 
 def _read_bounded(path: str) -> bytes:
@@ -210,16 +225,16 @@ class KeptFaults:
 
     def __init__(self, store: FaultStore):
         self.store = store
-        self.kept: dict[str, GpuFault] = {}
+        self.kept: dict[tuple, GpuFault] = {}
         self._sig: tuple | None | bool = False  # False: never read
-        self._gone: dict[str, str] = {}  # UUID -> device of the faults that left the file (cleared), not yet applied
+        self._gone: dict[tuple, GpuFault] = {}  # the faults that left the file (cleared), not yet applied
 
     @property
     def pending(self) -> bool:
         return bool(self._gone)
 
-    def _adopt(self, faults: dict[str, GpuFault]) -> None:
-        self._gone.update((u, f.device) for u, f in self.kept.items() if u not in faults)
+    def _adopt(self, faults: dict[tuple, GpuFault]) -> None:
+        self._gone.update((k, f) for k, f in self.kept.items() if k not in faults)
         self.kept = faults
         self._sig = self.store.signature()
 
@@ -230,33 +245,42 @@ class KeptFaults:
         self._adopt(self.store.load())
         return True
 
-    def record(self, uuid: str, bdf: str, reason: str, message: str) -> None:
+    def record(self, uuid: str, bdf: str, reason: str, message: str, partition: str | None = None) -> None:
         """Keep a new fault (a repeat of the kept one costs no write: a GPU may raise it often)."""
-        kept = self.kept.get(uuid)
+        kept = self.kept.get((uuid, partition))
         if kept is not None and kept.reason == reason and kept.bdf == bdf:
             return
         try:
-            self.store.record(uuid, bdf, reason, message)
+            self.store.record(uuid, bdf, reason, message, partition)
         except (OSError, ValueError) as err:  # a UUID or address the file's model refuses: in memory only
-            log.error("GPU %s (%s): fault %s not kept across restarts: %s", uuid, bdf, reason, err)
+            log.error("GPU %s (%s): fault %s of %s not kept across restarts: %s", uuid, bdf, reason, partition or "the GPU", err)
             return
         self._adopt(self.store.load())
 
-    def apply(self, known: dict, memory: dict) -> None:
-        """Kept faults onto their GPUs' memory, cleared ones off: matched by UUID, or by PCI address
-        for a GPU whose UUID discovery could not read (the fault was kept under NVML's)."""
+    def apply(self, known: dict, memory: dict, partition_faults: dict[str, tuple[str, str]]) -> None:
+        """Kept faults onto their GPUs' memory and into ``partition_faults`` (MIG device -> fault),
+        cleared ones off both: matched by UUID, or by PCI address for a GPU whose UUID discovery
+        could not read (the fault was kept under NVML's)."""
         gone, self._gone = self._gone, {}
-        by_device = {f.device: u for u, f in self.kept.items()}
-        gone_devices = {d: u for u, d in gone.items()}
+        gpu_faults = {u: f for (u, p), f in self.kept.items() if p is None}
+        by_device = {f.gpu: u for u, f in gpu_faults.items()}
+        gone_devices = {f.gpu: u for (u, p), f in gone.items() if p is None}
+        uuids: dict[str, str | None] = {}  # GPU device -> the UUID its faults are kept under
         for name, dev in known.items():
             mem = memory.get(name)
             if dev.gpu is None or mem is None:
                 continue
-            uuid = dev.gpu.nvidia_uuid or by_device.get(name) or gone_devices.get(name)
-            if uuid in gone and mem.event_fault is not None:
+            uuid = uuids[name] = dev.gpu.nvidia_uuid or by_device.get(name) or gone_devices.get(name)
+            if (uuid, None) in gone and mem.event_fault is not None:
                 log.info("device %s (%s): fault %s cleared (no longer in %s)", name, uuid, mem.event_fault[0],
                          self.store.path)
                 mem.event_fault = None
-            fault = self.kept.get(uuid)
+            fault = gpu_faults.get(uuid)
             if fault is not None and mem.event_fault is None:
                 mem.event_fault = (fault.reason, fault.message)
+        for (uuid, part), f in gone.items():
+            if part is not None and partition_faults.pop(part, None) is not None:
+                log.info("device %s (%s): fault %s cleared (no longer in %s)", part, uuid, f.reason, self.store.path)
+        for (uuid, part), f in self.kept.items():
+            if part is not None and uuids.get(f.gpu) in (None, uuid):  # not another GPU's put in that slot
+                partition_faults.setdefault(part, (f.reason, f.message))

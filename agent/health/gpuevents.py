@@ -2,6 +2,11 @@
 and ECC events (agent/health/xid.py), kept across restarts (agent/health/faults.py), and the CUDA
 MPS control daemons' faults from their supervisor (agent/prepare/mps_watch.py). A mixin of
 ``HealthMonitor``: it uses the monitor's devices, memory, round lock and checks.
+
+An XID in one MIG instance is the fault of the MIG device published for that instance (static
+MIG: the instance's own device; dynamic MIG: the placement NVML says the GPU instance sits at),
+found in a worker thread; its GPU and the GPU's other MIG devices stay as they are. An XID whose
+instance is published as no device (no ``--partitions``, or it went meanwhile) is the GPU's.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import logging
 from agent.health.checks import Memory
 from agent.health.gpumemory import RowRemapReader
 from agent.health.xid import XidWatch
+from discovery.gpuways import published_ways
 from discovery.inventory import device_name
+from discovery.models import Device
 
 log = logging.getLogger("agent.health.monitor")
 
@@ -55,10 +62,54 @@ class GpuEvents:
         if self._nvml_missing and not asking and self._nvidia_bound():
             self._spawn(self.watch_gpu_events(), name="late-nvml")
 
-    def _on_gpu_fault(self, bdf: str, code: str, message: str) -> None:
-        """From the event thread: the GPU's fault is remembered and the GPU checked now."""
-        if self._loop is not None:
+    def _on_gpu_fault(self, bdf: str, code: str, message: str, instance: tuple[int, int] | None = None) -> None:
+        """From the event thread: the GPU's (or MIG device's) fault is remembered and checked now."""
+        if self._loop is None:
+            return
+        if instance is None:
             self._loop.call_soon_threadsafe(self._gpu_fault, bdf, code, message)
+        else:
+            self._loop.call_soon_threadsafe(lambda: self._spawn(self._instance_fault(bdf, instance, code, message)))
+
+    async def _instance_fault(self, bdf: str, instance: tuple[int, int], code: str, message: str) -> None:
+        name = device_name("gpu", bdf)
+        dev = self._known.get(name)
+        part = await asyncio.to_thread(self._mig_device, dev, *instance) if dev is not None else None
+        if part is None:
+            log.warning("device %s: %s, an instance published as no device: the GPU's fault", name, message)
+            self._gpu_fault(bdf, code, message)
+            return
+        log.warning("device %s health Unhealthy: %s", part, message)
+        self.partition_faults[part] = (code, message)
+        for sub in self._subscribers:
+            sub.event.set()
+        if uuid := self._uuid(name, bdf):
+            async with self._round:
+                await asyncio.to_thread(self.kept.record, uuid, bdf, code, message, part)
+        else:
+            log.error("device %s: fault %s not kept across restarts: its GPU's UUID is not known", part, code)
+
+    def _mig_device(self, dev: Device, gi: int, ci: int) -> str | None:
+        """The published MIG device of GPU instance ``gi``, compute instance ``ci`` (a worker thread)."""
+        if not self.settings.partitions:
+            return None
+        ways = published_ways(dev, self.settings.compatibility_groups)
+        for w in ways:
+            if w.kind == "mig" and w.instance is not None and (w.instance.gi, w.instance.ci) == (gi, ci):
+                return w.name
+        placements = {(w.profile.id, w.start): w.name for w in ways if w.kind == "mig-placement"}
+        if not placements or self.xid is None:
+            return None
+        for now in self.xid.nvml.mig_instances(dev.pci.bdf) or ():
+            if now.gi == gi and ci in now.cis:
+                return placements.get((now.profile, now.start))
+        return None
+
+    def _uuid(self, name: str, bdf: str) -> str | None:
+        """The GPU's UUID as faults are kept under it: discovery's, else NVML's."""
+        dev = self._known.get(name)
+        return (dev.gpu.nvidia_uuid if dev is not None and dev.gpu is not None else None) or (
+            self.xid.uuids.get(bdf) if self.xid is not None else None)
 
     def _gpu_fault(self, bdf: str, code: str, message: str) -> None:
         name = device_name("gpu", bdf)
@@ -69,9 +120,7 @@ class GpuEvents:
         """The GPU checked now, then its fault written down (agent/health/faults.py), keyed by
         its UUID (discovery's, else NVML's), so an agent restart before the reboot keeps it."""
         await self.check_devices([name])
-        dev = self._known.get(name)
-        uuid = (dev.gpu.nvidia_uuid if dev is not None and dev.gpu is not None else None) or (
-            self.xid.uuids.get(bdf) if self.xid is not None else None)
+        uuid = self._uuid(name, bdf)
         if not uuid:
             log.error("device %s: fault %s not kept across restarts: the GPU's UUID is not known", name, code)
             return

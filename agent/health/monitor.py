@@ -96,6 +96,7 @@ class HealthMonitor(GpuEvents):
         self._last_full = float("-inf")  # time.monotonic() of the last full round
         self._daemon_faults: dict[str, tuple[str, str] | None] = {}  # GPU UUID -> its MPS daemon's fault
         self._partition_names: dict[str, tuple[Device, list[str]]] = {}  # GPU -> (its record, its partitions)
+        self.partition_faults: dict[str, tuple[str, str]] = {}  # MIG device -> its own fault (code, message): gpuevents
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -255,7 +256,7 @@ class HealthMonitor(GpuEvents):
         seen = self._present_of
         present = self._present()
         if self.kept.refresh() or self._present_of is not seen or self.kept.pending:  # kept faults onto new GPUs too
-            self.kept.apply(self._known, self._memory)
+            self.kept.apply(self._known, self._memory, self.partition_faults)
         now = time.time()
         files = functools.cache(self.nvidia_files.get)  # the driver's files looked up once a round, not once a GPU
         if full:
@@ -272,13 +273,27 @@ class HealthMonitor(GpuEvents):
     # --- queries ------------------------------------------------------------------
     def device_states(self) -> list[tuple[str, DeviceState]]:
         """What the health stream reports, by name: every device's state, and with ``--partitions``
-        each published partition with its GPU's (the checks see only the GPU; its faults are theirs).
+        each published partition with its GPU's (the checks see only the GPU; its faults are theirs),
+        or its own fault (an XID in its MIG instance) while its GPU is well.
         A whole GPU in MIG mode without NVML is not published (gpuways.whole_unusable): its MIG devices are."""
         out = [(n, s) for n, s in self.states.items() if n not in self._known or not whole_unusable(self._known[n])]
         if self.settings.partitions:
             for name, state in self.states.items():
-                out.extend((p, state) for p in self._partitions_of(name))
+                out.extend((p, self._partition_state(p, state)) for p in self._partitions_of(name))
         return sorted(out, key=lambda x: x[0])
+
+    def _partition_state(self, name: str, gpu: DeviceState) -> DeviceState:
+        fault = self.partition_faults.get(name)
+        if fault is None or gpu.verdict.health == UNHEALTHY:
+            return gpu
+        return DeviceState(Verdict(UNHEALTHY, truncate(fault[1]), fault[0]), gpu.checked_at)
+
+    def _faulted_partitions(self) -> dict[str, DeviceState]:
+        """The published MIG devices with a fault of their own, and their states."""
+        if not self.partition_faults or not self.settings.partitions:
+            return {}
+        return {p: self._partition_state(p, state) for name, state in self.states.items()
+                for p in self._partitions_of(name) if p in self.partition_faults}
 
     def _partitions_of(self, name: str) -> list[str]:
         dev = self._known.get(name)
@@ -291,7 +306,8 @@ class HealthMonitor(GpuEvents):
 
     def snapshot(self) -> dict[str, tuple[str, str]]:
         """``{device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}`` for metrics, status, taints."""
-        return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(self.states.items())}
+        states = {**self.states, **self._faulted_partitions()}
+        return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(states.items())}
 
     def taints(self) -> dict[str, list[dict]]:
         """``{device: [DeviceTaint]}`` for unhealthy devices (ResourceSlice encoding). A device
@@ -300,11 +316,12 @@ class HealthMonitor(GpuEvents):
         drawing new claims between flaps. The rounds (every ``interval``) republish, so a held
         taint goes within an interval of its hold's end; a device gone from the node goes at once."""
         now = self.clock()
-        for n, s in self.states.items():
+        states = {**self.states, **self._faulted_partitions()}  # a MIG device's own fault: its own taint
+        for n, s in states.items():
             if s.verdict.health == UNHEALTHY:
                 self._tainted[n] = (now, [taint_for(s.verdict.reason, self.taint_effect, self.taint_effects)])
         for n, (seen, _) in list(self._tainted.items()):
-            if n not in self.states or (seen != now and now - seen >= self.taint_hold):  # (taint_hold 0: until it recovers)
+            if n not in states or (seen != now and now - seen >= self.taint_hold):  # (taint_hold 0: until it recovers)
                 del self._tainted[n]
         return {n: taint for n, (_, taint) in sorted(self._tainted.items())}
 

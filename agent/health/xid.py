@@ -5,7 +5,9 @@ double-bit ECC error, ...) or an ECC event. NVML delivers them to an event set t
 our own waits on (a blocking call by design, so never the event loop or NVML's query thread).
 Application errors (``nvidia_ignored_xids``, XIDs 13, 31, 43, 45, 68, 109 by default: a program's
 own fault, not the GPU's) are ignored, as NVIDIA's driver ignores them; a double-bit ECC error is
-a fault; a single-bit one is corrected and only logged. A fault holds until the node reboots (kept across
+a fault; a single-bit one is corrected and only logged. An XID NVML places in one MIG instance
+(the event's GPU and compute instance IDs set) is reported with them: it is that MIG device's
+fault, not its GPU's (agent/health/gpuevents.py), as in NVIDIA's device plugin. A fault holds until the node reboots (kept across
 agent restarts: agent/health/faults.py) or the operator clears it: a GPU that raised one needs a
 reset (and so a restart of what uses it) to be trusted again.
 """
@@ -22,6 +24,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # each wait returns at least this often, so stop() is noticed
+NO_INSTANCE = 0xFFFFFFFF  # an event's GPU/compute instance ID when it is not a MIG instance's
 NOTE_EVERY = 600.0  # seconds between log lines of one kind of event that is no fault
 _HEX = re.compile(r"[0-9a-f]{1,8}")
 
@@ -45,10 +48,20 @@ def _text(value) -> str:
     return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
 
 
-class XidWatch:
-    """Calls ``on_fault(bdf, code, message)`` (from its own thread) for every fault event."""
+def mig_instance(data) -> tuple[int, int] | None:
+    """(GPU instance, compute instance) of an event NVML places in a MIG instance, else None."""
+    gi, ci = getattr(data, "gpuInstanceId", NO_INSTANCE), getattr(data, "computeInstanceId", NO_INSTANCE)
+    if not isinstance(gi, int) or not isinstance(ci, int) or not 0 <= gi < NO_INSTANCE or not 0 <= ci < NO_INSTANCE:
+        return None
+    return gi, ci
 
-    def __init__(self, nvml, on_fault: Callable[[str, str, str], None], ignored, wait_ms: int = WAIT_MS):
+
+class XidWatch:
+    """Calls ``on_fault(bdf, code, message, instance)`` (from its own thread) for every fault
+    event; ``instance``: ``mig_instance``'s answer for an XID, None for an ECC event."""
+
+    def __init__(self, nvml, on_fault: Callable[[str, str, str, tuple[int, int] | None], None], ignored,
+                 wait_ms: int = WAIT_MS):
         self.nvml = nvml  # discovery.nvml.Nvml
         self.nv = nvml.pynvml
         self.on_fault = on_fault
@@ -121,9 +134,11 @@ class XidWatch:
             if detail in self.ignored:
                 self._note(f"GPU {bdf}: XID {detail} (an application's error, ignored)")
                 return
-            self.on_fault(bdf, f"xid-{detail}", f"NVML: critical XID {detail}")
-        elif kind == nv.nvmlEventTypeDoubleBitEccError:
-            self.on_fault(bdf, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error")
+            instance = mig_instance(data)
+            where = f" in MIG GPU instance {instance[0]}, compute instance {instance[1]}" if instance else ""
+            self.on_fault(bdf, f"xid-{detail}", f"NVML: critical XID {detail}{where}", instance)
+        elif kind == nv.nvmlEventTypeDoubleBitEccError:  # the GPU's memory, whichever instance met it
+            self.on_fault(bdf, "ecc-double-bit", "NVML: uncorrectable (double-bit) ECC error", None)
         elif kind == nv.nvmlEventTypeSingleBitEccError:
             self._note(f"GPU {bdf}: a single-bit ECC error (corrected)")
 

@@ -81,10 +81,11 @@ def _consumption(set_name: str, totals: dict[str, int], way: Way, groups: bool) 
     return entry
 
 
-def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str, list_attributes: bool
-           ) -> tuple[list[dict], list[dict], list[tuple[str, str]]]:
+def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str, list_attributes: bool,
+           taints: dict[str, list[dict]] | None = None) -> tuple[list[dict], list[dict], list[tuple[str, str]]]:
     """-> (entries with each partitionable GPU followed by its partitions, counter sets,
-    rejected (name, reason)). ``devices``: inventory name -> Device."""
+    rejected (name, reason)). ``devices``: inventory name -> Device; ``taints``: a MIG device's
+    own (an XID in its instance), by its name."""
     out: list[dict] = []
     counter_sets: list[dict] = []
     rejected: list[tuple[str, str]] = []
@@ -113,8 +114,9 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
                 e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
             else:
                 e = way_device(way).to_api()
-                if entry.get("taints"):  # a partition is no healthier than its GPU (--taint-unhealthy)
-                    e["taints"] = [dict(t) for t in entry["taints"]]
+                # a partition is no healthier than its GPU (--taint-unhealthy), and has faults of its own
+                if tainted := entry.get("taints") or (taints or {}).get(way.name):
+                    e["taints"] = [dict(t) for t in tainted]
                 if problems := device_problems(e, driver_name, list_attributes):
                     rejected.append((way.name, "; ".join(problems)))
                     continue

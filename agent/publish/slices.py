@@ -202,7 +202,8 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
         entries, counter_sets = _pf_vf_counters(entries, pf_of, bdf_of)
     if partitions:  # GPU partitions after PF/VF counters: a GPU PF may consume from both
         entries, gpu_sets, bad = gpu_partitions.expand(entries, inventory.by_name(), groups=compatibility_groups,
-                                                       driver_name=driver_name, list_attributes=list_attributes)
+                                                       driver_name=driver_name, list_attributes=list_attributes,
+                                                       taints=taints)
         counter_sets += gpu_sets
         rejected += bad
     # counter slices first: PFs and GPUs come and go less often than devices, so indexes stay put
