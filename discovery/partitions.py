@@ -228,6 +228,25 @@ def read_mig(fs: HostFS, resolver: NodeResolver, minor: int, problems: list[Prob
     return Partitioning(kind="mig", partitions=tuple(p.replace(index=i) for i, p in enumerate(parts)))
 
 
+def mig_layout(fs: HostFS, minor: int) -> frozenset[tuple[int, int]] | None:
+    """(GPU instance, compute instance) of every instance procfs lists for GPU ``minor``, by name
+    only (None: no MIG directory): what tells that the layout changed, cheaply, between scans."""
+    base = fs.path("proc/driver/nvidia/capabilities", f"gpu{minor}", "mig")
+    try:
+        gis = [(int(g.group(1)), name) for name in fs.listdir(base) if (g := _GI.match(name))]
+        return frozenset((gi, int(c.group(1))) for gi, name in gis for ci in _entries(fs, f"{base}/{name}")
+                         if (c := _CI.match(ci)))
+    except AttrError:
+        return None
+
+
+def _entries(fs: HostFS, path: str) -> list[str]:
+    try:
+        return fs.listdir(path)
+    except AttrError:  # a GPU instance destroyed while it was listed
+        return []
+
+
 def with_profiles(pt: Partitioning | None, profiles: tuple[MigProfile, ...], instances: list | None,
                   problems: list[Problem]) -> Partitioning | None:
     """Static MIG with NVML: each compute instance procfs lists gets its GPU instance's profile and

@@ -19,7 +19,7 @@ from agent.publish.drift import watch_api, watch_dir
 from agent.publish.publisher import Publisher
 from agent.publish.slices import PoolContent, build_pool, pool_options
 from agent.kubeletplugin.sockets import InstanceLock, InstanceLocked, dra_socket_path
-from agent.service import heap, loops, reload as reloading, scanning, sdnotify, startup
+from agent.service import heap, loops, miglayouts, reload as reloading, scanning, sdnotify, startup
 from agent.service.listfallback import ListFallback
 from agent.service.hostnics import HostNics
 from agent.service.inpod import InPodNetdevs
@@ -301,7 +301,8 @@ class Agent:
         """The publisher and the periodic rescan running, the first publish let out; False if stopped."""
         loop = asyncio.get_running_loop()
         tasks += [loop.create_task(self.publisher.run(), name="publisher"),
-                  loop.create_task(loops.periodic_rescan(self), name="resync")]
+                  loop.create_task(loops.periodic_rescan(self), name="resync"),
+                  loop.create_task(miglayouts.follow(self), name="mig-layouts")]
         return await startup.unless_stopped(stop, self._first_publish())
 
     async def _arm_file_watch(self, stop: asyncio.Event) -> bool:
