@@ -223,6 +223,8 @@ def test_a_pending_write_of_another_instance_holds_back_the_give_back(node):
     sim.release("mlx5_core")  # the writes land, the old instance's returns
     assert old.wait(30) == 0
     t.join(30)
+    # a kernel's write returns once the unbind is done; the simulated kernel handles it at its next step
+    wait_until(lambda: sim.driver(NIC_BDF) is None, f"bound, the unbind of {NIC_BDF} not landed")
     report = driver().recover()
     assert UID in report.rolled_back
     assert sim.driver(NIC_BDF) == "mlx5_core" and sim.override(NIC_BDF) is None
