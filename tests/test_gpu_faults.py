@@ -334,6 +334,7 @@ def test_the_real_agent_restarted_keeps_the_fault_and_the_cli_clears_it(node, tm
         assert taint == [{"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoExecute"}]
         status = _wait(lambda: _status(sysdra, common, env), "status", proc)
         assert status["devices"]["byHealth"].get("unhealthy") == 1
+        assert status["devices"]["unhealthy"] == [{"device": GPU, "reason": "xid-79", "message": "NVML: critical XID 79"}]
         listed = subprocess.run([*sysdra, "health", "list", *common, "--driver-name", node.driver_name],
                                 cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
         assert GPU in listed and UUID in listed and "xid-79" in listed

@@ -95,8 +95,9 @@ def render_text(s: dict) -> str:
         f"registration: {reg.get('state')} since {_ago(now, reg.get('since'))}" + (f" ({reg['error']})" if reg.get("error") else ""),
         f"devices:      {dev.get('total', 0)} ({_counts(dev.get('byKind') or {})})",
         f"health:       {_counts(dev.get('byHealth') or {})}",
-        f"claims:       {claims.get('count', 0)} prepared",
     ]
+    lines += [f"  {u.get('device')}: {u.get('reason')}: {u.get('message')}" for u in dev.get("unhealthy") or ()]
+    lines.append(f"claims:       {claims.get('count', 0)} prepared")
     for c in claims.get("claims") or []:
         lines.append(f"  {c.get('namespace')}/{c.get('name')} ({c.get('uid')}) {c.get('state')}: {', '.join(map(str, c.get('devices') or [])) or '-'}")
     if pub.get("time") is None:

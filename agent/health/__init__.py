@@ -9,7 +9,7 @@ Wiring (the daemon)::
     monitor.events_report(fn)     # fn() -> (functions, links) the watchers report: not polled by timer rounds
     await plugin.start()
     watcher: monitor.on_inventory(inv) after every rescan (any thread)
-    monitor.snapshot()            # {device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}
+    monitor.snapshot()            # {device: (HEALTHY|UNHEALTHY|UNKNOWN, message, reason)}
     monitor.taints()              # {device: [{"key": "sysdra.io/unhealthy", "value": reason, "effect": taint_effect}]}
     await monitor.stop()          # ends open streams; then plugin.stop()
 """

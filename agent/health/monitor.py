@@ -305,9 +305,9 @@ class HealthMonitor(GpuEvents):
         return hit[1]
 
     def snapshot(self) -> dict[str, tuple[str, str]]:
-        """``{device: (HEALTHY|UNHEALTHY|UNKNOWN, message)}`` for metrics, status, taints."""
+        """``{device: (HEALTHY|UNHEALTHY|UNKNOWN, message, reason)}`` for metrics, status, taints."""
         states = {**self.states, **self._faulted_partitions()}
-        return {n: (s.verdict.health, s.verdict.message) for n, s in sorted(states.items())}
+        return {n: (s.verdict.health, s.verdict.message, s.verdict.reason) for n, s in sorted(states.items())}
 
     def taints(self) -> dict[str, list[dict]]:
         """``{device: [DeviceTaint]}`` for unhealthy devices (ResourceSlice encoding). A device
@@ -340,7 +340,7 @@ class HealthMonitor(GpuEvents):
         self._subscribers.discard(sub)
 
 
-def first_round(settings: Settings, inventory: Inventory) -> tuple[dict[str, list[dict]], dict[str, tuple[str, str]]]:
+def first_round(settings: Settings, inventory: Inventory) -> tuple[dict[str, list[dict]], dict[str, tuple[str, str, str]]]:
     """The taints and health of one round on ``inventory``, for the slices published (and the
     status reported) before the monitor runs: a kept fault is tainted and reported from the start."""
     monitor = HealthMonitor(settings, lambda: inventory)

@@ -115,7 +115,7 @@ class Agent:
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
         if self.health is not None:
             self.health.on_inventory(inventory)
-        self.board.set_inventory(inventory, health=self.health_states())
+        self.board.set_inventory(inventory, *self.health_states())
         return self._republish(changed_at)
 
     def _rescan_soon(self) -> None:
@@ -181,16 +181,17 @@ class Agent:
             log.error("kubelet REJECTED the plugin registration: %s", status.error or "no reason given")
             self.board.set_registration("failed", status.error or "registration rejected")
 
-    def health_states(self) -> dict[str, str] | None:
-        """Device name -> healthy/unhealthy/unknown: the monitor's, else the first round's (the
-        status then agrees with the taints first published), else None."""
+    def health_states(self) -> tuple[dict[str, str], dict[str, tuple[str, str]]] | tuple[None, None]:
+        """(device name -> healthy/unhealthy/unknown, unhealthy device -> (reason, message)): the
+        monitor's, else the first round's (the status then agrees with the taints first published)."""
         if self.health is not None:
             snapshot = self.health.snapshot()
         elif self._first_round is not None:
             snapshot = self._first_round[1]
         else:
-            return None
-        return {name: state.lower() for name, (state, _msg) in snapshot.items()}
+            return None, None
+        return ({name: state.lower() for name, (state, _msg, _reason) in snapshot.items()},
+                {name: (reason, msg) for name, (state, msg, reason) in snapshot.items() if state == "UNHEALTHY"})
 
     def _node_operations(self, configured: dict) -> dict:
         """``configured`` skip_node_operations, or the applied ones while prepared claims forbid the change."""

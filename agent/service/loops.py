@@ -39,7 +39,7 @@ async def follow_health(agent, sub) -> None:
             sub.event.clear()
             try:
                 if agent.inventory is not None:
-                    agent.board.set_inventory(agent.inventory, health=agent.health_states())
+                    agent.board.set_inventory(agent.inventory, *agent.health_states())
                 if agent.settings.taint_unhealthy:
                     agent._republish()
             except Exception:  # noqa: BLE001 - the next round's verdicts must still get through

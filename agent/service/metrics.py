@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agent.publish import metrics as publish_metrics
 from agent.service import procstats
+from agent.service.devicemetrics import DeviceRows
 
 log = logging.getLogger("sysdra.metrics")
 
@@ -124,6 +125,8 @@ class Metrics:
             GCCollector(registry=r)
         if bridge_global:
             r.register(_PublishBridge())
+        self.device_rows = DeviceRows()  # per device: the unhealthy ones, the prepared ones
+        r.register(self.device_rows)
 
     # --- kubelet plugin -----------------------------------------------------------------
     def observe_prepare(self, ok: bool, seconds: float) -> None:
@@ -169,6 +172,12 @@ class Metrics:
     def count_watcher_event(self, source: str) -> None:
         """``source``: udev, resync, api (slice watch), dir (offline cluster dir), ..."""
         self.watcher_events.labels(source).inc()
+
+    def set_unhealthy_devices(self, rows: tuple) -> None:
+        self.device_rows.unhealthy = rows
+
+    def set_prepared_devices(self, rows: tuple) -> None:
+        self.device_rows.prepared = rows
 
     def set_health(self, counts: dict[str, int]) -> None:
         for state in set(HEALTH_STATES) | set(counts):

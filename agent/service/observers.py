@@ -20,7 +20,7 @@ class NullMetrics:
 
     observe_prepare = observe_unprepare = set_registration = set_published_devices = set_nri = _ignore
     observe_publish = observe_change_to_slice = count_watcher_event = set_health = observe_claim_status = _ignore
-    set_nri_claims_waiting = _ignore
+    set_nri_claims_waiting = set_unhealthy_devices = set_prepared_devices = _ignore
 
 
 class ObservedDriver:

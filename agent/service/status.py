@@ -18,7 +18,7 @@ import time
 from collections import Counter, deque
 
 from agent.prepare.checkpoint_format import COMPLETED
-from agent.service import procstats
+from agent.service import devicemetrics, procstats
 from agent.settings import DEFAULT_CONFIG_FILE, ConfigError, load_config_file
 
 log = logging.getLogger("sysdra.daemon")
@@ -52,6 +52,8 @@ class StatusBoard:
         self.registration = {"state": "not_started", "error": None, "since": self.started_at}
         self.devices_by_kind: dict[str, int] = {}
         self.devices_by_health: dict[str, int] = {}
+        self.unhealthy: list[dict] = []  # device, reason, message of each unhealthy device
+        self._inventory = None  # the last one set: the hardware under prepared devices
         self._claims: dict[str, dict] = {}
         self._prepared: list[dict] | None = []
         self.publish = {"time": None, "result": None, "error": None, "devices": None, "slices": None}
@@ -78,15 +80,21 @@ class StatusBoard:
         if self.metrics is not None:
             self.metrics.set_registration(state)
 
-    def set_inventory(self, inventory, health: dict[str, str] | None = None) -> None:
+    def set_inventory(self, inventory, health: dict[str, str] | None = None,
+                      faults: dict[str, tuple[str, str]] | None = None) -> None:
         """Device counts from a discovery Inventory; ``health``: device name -> state
-        (devices missing from it count as unknown: never claim health we did not check)."""
+        (devices missing from it count as unknown: never claim health we did not check);
+        ``faults``: device -> (reason, message) of the unhealthy ones, MIG devices' own included."""
+        self._inventory = inventory
         self.devices_by_kind = dict(Counter(d.kind for d in inventory.devices))
         health = health or {}
         self.devices_by_health = dict(Counter(health.get(d.name, "unknown") for d in inventory.devices))
+        self.unhealthy = [{"device": n, "reason": r, "message": m} for n, (r, m) in sorted((faults or {}).items())]
         if self.metrics is not None:
             self.metrics.set_published_devices(self.devices_by_kind)
             self.metrics.set_health(self.devices_by_health)
+            self.metrics.set_unhealthy_devices(devicemetrics.unhealthy_rows(faults or {}))
+            self.metrics.set_prepared_devices(devicemetrics.prepared_rows(self._claims, inventory))
 
     def set_prepared_claims(self, claims: dict[str, dict]) -> None:
         """Checkpoint-shaped ``{uid: {"namespace", "name", "state", "devices": [{"device": ...}]}}``.
@@ -94,6 +102,8 @@ class StatusBoard:
         self._claims = dict(claims)
         self._prepared = None
         self._nri_changed()
+        if self.metrics is not None:
+            self.metrics.set_prepared_devices(devicemetrics.prepared_rows(self._claims, self._inventory))
 
     def set_nri(self, report: dict) -> None:
         """The NRI plugin's state (``agent.nri.plugin.State.report``), at every change."""
@@ -178,7 +188,7 @@ class StatusBoard:
             "driverName": self.driver_name,
             "registration": dict(self.registration),
             "devices": {"byKind": dict(self.devices_by_kind), "byHealth": dict(self.devices_by_health),
-                        "total": sum(self.devices_by_kind.values())},
+                        "total": sum(self.devices_by_kind.values()), "unhealthy": list(self.unhealthy)},
             "preparedClaims": {"count": len(self.prepared), "claims": list(self.prepared)},
             "lastPublish": dict(self.publish),
             "claimStatus": {"enabled": self.claim_status_enabled, "writes": dict(self.claim_status_writes),
