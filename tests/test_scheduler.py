@@ -99,3 +99,51 @@ def test_scheduler_allocates_the_claim_binds_the_pod_and_prepare_follows(apiserv
     assert asyncio.run(prepare()) == set(got.values())
     specs = [json.load(open(os.path.join(s.cdi_dir, f))) for f in os.listdir(s.cdi_dir) if claim["metadata"]["uid"] in f]
     assert specs, os.listdir(s.cdi_dir)
+
+
+def _pod(ns: str, name: str, node: str, claim: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "restartPolicy": "Never",
+                     "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+                     "containers": [{"name": "app", "image": "registry.k8s.io/e2e-test-images/busybox:1.36.1-1",
+                                     "resources": {"claims": [{"name": "gpu"}]}}]}}  # fmt: skip
+
+
+def test_a_device_taint_rule_takes_a_gpu_out_of_service(apiserver, scheduler):
+    """docs/health.md, "Taking a device out of service": a DeviceTaintRule naming the agent's driver,
+    its pool (the node's name) and a device keeps new claims off that device; a claim that tolerates
+    the taint (a burn-in test) still gets it. The agent's slices are not changed for it."""
+    node = apiserver.create_node(unique("taintrule"))
+    name = node["metadata"]["name"]
+    inv = inventory(*[d.replace(attributes={"type": AttributeValue(string=d.kind)}) for d in (gpu(0), gpu(1))])
+    apiserver.apply(f"{REPO}/deploy/deviceclasses.yaml")
+    rule = unique("maintenance")
+    apiserver.create({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "metadata": {"name": rule},
+                      "spec": {"deviceSelector": {"driver": DRIVER, "pool": name, "device": "gpu-0000-1b-00-0"},
+                               "taint": {"key": "example.com/maintenance", "value": "fan", "effect": "NoSchedule"}}})
+
+    async def publish():
+        client = AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig), field_manager=DRIVER)
+        try:
+            rec = Reconciler(KubeStore(client, node_name=name, driver_name=DRIVER), node_name=name, driver_name=DRIVER)
+            await rec.sync(build_pool(inv, node_name=name, driver_name=DRIVER))
+        finally:
+            await client.close()
+
+    asyncio.run(publish())
+    ns = unique("taintrule")
+    apiserver.create_namespace(ns)
+    apiserver.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
+    tolerate = [{"key": "example.com/maintenance", "operator": "Exists", "effect": "NoSchedule"}]
+    for claim, tolerations in (("work", None), ("burn-in", tolerate)):
+        exactly = {"deviceClassName": "gpu.sysdra.io", **({"tolerations": tolerations} if tolerations else {})}
+        apiserver.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": claim, "namespace": ns},
+                          "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}})  # fmt: skip
+        apiserver.create(_pod(ns, claim, name, claim))
+        wait_for(lambda: apiserver.get("Pod", claim, ns)["spec"].get("nodeName"), f"pod {claim} bound", apiserver)
+    got = {c: apiserver.get("ResourceClaim", c, ns)["status"]["allocation"]["devices"]["results"][0]["device"]
+           for c in ("work", "burn-in")}
+    assert got == {"work": "gpu-0000-1c-00-0", "burn-in": "gpu-0000-1b-00-0"}  # first fit would give work gpu 0
+    published = [d for s in apiserver.list("ResourceSlice") if s["spec"].get("pool", {}).get("name") == name
+                 for d in s["spec"].get("devices", ())]
+    assert published and not any(d.get("taints") for d in published)
