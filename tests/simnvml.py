@@ -181,9 +181,13 @@ class SimNvmlEvents(SimNvml):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.refuse = refuse  # bus IDs whose registration NVML refuses
         self.registered: list[tuple[str, int]] = []
+        self.freed: list = []  # event sets freed
 
     def nvmlEventSetCreate(self):
         return object()
+
+    def nvmlEventSetFree(self, event_set):
+        self.freed.append(event_set)
 
     def nvmlDeviceRegisterEvents(self, h, mask: int, event_set):
         if h.bus_id in self.refuse:

@@ -16,7 +16,7 @@ from agent.health.xid import XidWatch, bus_id
 from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
-from tests.simnvml import SimEvent, SimGpu, SimNvmlEvents, open_sim
+from tests.simnvml import NVMLError, SimEvent, SimGpu, SimNvmlEvents, open_sim
 
 BDF, GPU = "0000:00:06.0", "gpu-0000-00-06-0"
 
@@ -212,3 +212,42 @@ def test_events_that_are_no_fault_are_logged_once_per_while(caplog):
         assert lines[1] == f"GPU {BDF}: XID 13 (an application's error, ignored) (49 more in the last {xid.NOTE_EVERY + 1:.0f} s)"
     finally:
         watch.stop()
+
+
+def test_a_failed_wait_is_followed_by_registering_again(monkeypatch, caplog):
+    """NVML fails a wait (a GPU lost, the driver reloaded): the watch does not end, it registers a
+    new event set (after a backoff, while NVML refuses every GPU) and the next fault is seen."""
+    from agent.health import xid
+
+    monkeypatch.setattr(xid, "RETRY_FIRST", 0.01)
+    sim = SimNvmlEvents()
+    wait, register = sim.nvmlEventSetWait_v2, sim.nvmlDeviceRegisterEvents
+    failing = {"waits": 1, "registrations": 1}
+
+    def flaky_wait(event_set, timeout_ms):
+        if failing["waits"]:
+            failing["waits"] -= 1
+            raise NVMLError(15)  # NVML_ERROR_GPU_IS_LOST
+        return wait(event_set, timeout_ms)
+
+    def flaky_register(h, mask, event_set):
+        if len(sim.registered) == 1 and failing["registrations"]:  # the first registering again: refused
+            failing["registrations"] -= 1
+            raise NVMLError(15)
+        return register(h, mask, event_set)
+
+    sim.nvmlEventSetWait_v2, sim.nvmlDeviceRegisterEvents = flaky_wait, flaky_register
+    watch, faults = _watch(sim)
+    first = None
+    assert watch.start()
+    try:
+        first = watch._set
+        sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+        assert faults.get(timeout=30) == (BDF, "xid-79", "NVML: critical XID 79", None)
+        assert watch.outages == 1 and len(sim.registered) == 2 and watch.registered == [BDF]
+        assert watch._delay == xid.RETRY_FIRST  # NVML answered since: the next failure's backoff starts afresh
+        assert first in sim.freed and watch._set is not first and len(sim.freed) == 2  # the old set, the empty one
+    finally:
+        watch.stop()
+    assert "XID/ECC events not watched until NVML takes them again" in caplog.text
+    assert "XID/ECC events watched again on 0000:00:06.0" in caplog.text

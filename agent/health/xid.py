@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # each wait returns at least this often, so stop() is noticed
 NO_INSTANCE = 0xFFFFFFFF  # an event's GPU/compute instance ID when it is not a MIG instance's
+RETRY_FIRST, RETRY_MOST = 1.0, 60.0  # seconds before registering again after a failed wait
 NOTE_EVERY = 600.0  # seconds between log lines of one kind of event that is no fault
 _HEX = re.compile(r"[0-9a-f]{1,8}")
 
@@ -70,13 +71,16 @@ class XidWatch:
         self.registered: list[str] = []  # bus IDs of the GPUs whose events are watched
         self.uuids: dict[str, str] = {}  # bus ID -> the GPU's UUID (NVML's), for faults kept across restarts
         self.events = 0
+        self.outages = 0  # waits NVML failed (each followed by registering again)
         self.clock = time.monotonic
         self._noted: dict[str, tuple[float, int]] = {}  # what -> (when last logged, how many since)
         self._stop = threading.Event()
         self._set = None
+        self._delay = RETRY_FIRST  # before the next registering after a failed wait
 
-    def start(self) -> bool:
-        """Register every GPU's fault events; False (logged) when NVML refuses all of them."""
+    def _register(self):
+        """A new event set with every GPU's fault events (on NVML's thread) -> (set, bus IDs, UUIDs),
+        or None when NVML did not answer."""
         nv = self.nv
         mask = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError | nv.nvmlEventTypeSingleBitEccError
 
@@ -87,7 +91,7 @@ class XidWatch:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 try:
                     nv.nvmlDeviceRegisterEvents(h, mask, event_set)
-                except nv.NVMLError as err:  # e.g. not supported on this GPU
+                except nv.NVMLError as err:  # e.g. not supported on this GPU, or it is lost
                     log.warning("NVML events of GPU %d not watched: %s", i, err)
                     continue
                 done.append(bus_id(nv.nvmlDeviceGetPciInfo(h).busId))
@@ -95,7 +99,11 @@ class XidWatch:
                     uuids[done[-1]] = _text(nv.nvmlDeviceGetUUID(h))
             return event_set, done, uuids
 
-        got = self.nvml.call("registering for XID/ECC events", register)
+        return self.nvml.call("registering for XID/ECC events", register)
+
+    def start(self) -> bool:
+        """Register every GPU's fault events; False (logged) when NVML refuses all of them."""
+        got = self._register()
         if not got or not got[1]:
             log.warning("NVML XID/ECC events not watched: GPU faults are seen by the sysfs checks only")
             return False
@@ -114,15 +122,36 @@ class XidWatch:
             try:
                 data = nv.nvmlEventSetWait_v2(self._set, self.wait_ms)
             except nv.NVMLError as err:
-                if getattr(err, "value", None) == nv.NVML_ERROR_TIMEOUT:
+                if getattr(err, "value", None) != nv.NVML_ERROR_TIMEOUT:
+                    self._watch_again(err)
                     continue
-                log.error("NVML event wait failed (%s): XID/ECC events no longer watched", err)
-                return
+                data = None
+            self._delay = RETRY_FIRST  # NVML answered: a later failure starts the backoff afresh
+            if data is None:
+                continue
             self.events += 1
             try:
                 self._handle(data)
             except Exception:  # noqa: BLE001 - one odd event must not end the watch
                 log.exception("NVML event not understood")
+
+    def _watch_again(self, err) -> None:
+        """A wait NVML failed (a GPU lost, the driver reloaded): a new event set, registered again
+        after ``RETRY_FIRST`` seconds, doubling up to ``RETRY_MOST`` (also across failures that
+        follow each other), until it takes (or ``stop``). Meanwhile GPU faults are seen by the sysfs
+        checks only; a GPU NVML no longer registers is left out."""
+        log.error("NVML event wait failed (%s): XID/ECC events not watched until NVML takes them again", err)
+        self.outages += 1
+        while not self._stop.wait(self._delay):
+            self._delay = min(self._delay * 2, RETRY_MOST)
+            got = self._register()
+            if got and got[1]:
+                self.nvml.call("freeing the old event set", lambda old=self._set: self.nv.nvmlEventSetFree(old))
+                self._set, self.registered, self.uuids = got
+                log.warning("NVML XID/ECC events watched again on %s", ", ".join(self.registered))
+                return
+            if got:  # a set without a GPU in it
+                self.nvml.call("freeing an empty event set", lambda empty=got[0]: self.nv.nvmlEventSetFree(empty))
 
     def _handle(self, data) -> None:
         nv = self.nv
