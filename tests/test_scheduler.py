@@ -41,6 +41,20 @@ def wait_for(predicate, what: str, plane, timeout: float = 60.0):
     return wait_until(predicate, timeout, what=what, tail=lambda: plane.log_tail("kube-scheduler", 30))
 
 
+def publish(apiserver, node: str, inv) -> None:
+    """The pool of ``inv`` published as the agent publishes it, for ``node``."""
+
+    async def sync():
+        client = AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig), field_manager=DRIVER)
+        try:
+            rec = Reconciler(KubeStore(client, node_name=node, driver_name=DRIVER), node_name=node, driver_name=DRIVER)
+            await rec.sync(build_pool(inv, node_name=node, driver_name=DRIVER))
+        finally:
+            await client.close()
+
+    asyncio.run(sync())
+
+
 def test_scheduler_allocates_the_claim_binds_the_pod_and_prepare_follows(apiserver, scheduler, tmp_path):
     node = apiserver.create_node(unique("sched"))
     name = node["metadata"]["name"]
@@ -55,15 +69,7 @@ def test_scheduler_allocates_the_claim_binds_the_pod_and_prepare_follows(apiserv
     claim = apiserver.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                               "metadata": {"name": "devices", "namespace": ns}, "spec": EXAMPLE["spec"]["spec"]})  # fmt: skip
 
-    async def publish():
-        client = AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig), field_manager=DRIVER)
-        try:
-            rec = Reconciler(KubeStore(client, node_name=name, driver_name=DRIVER), node_name=name, driver_name=DRIVER)
-            await rec.sync(build_pool(inv, node_name=name, driver_name=DRIVER))
-        finally:
-            await client.close()
-
-    asyncio.run(publish())
+    publish(apiserver, name, inv)
     pod = apiserver.create({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gpu-nic-demo", "namespace": ns},
         "spec": {"nodeSelector": {"kubernetes.io/hostname": name}, "restartPolicy": "Never",
@@ -122,15 +128,7 @@ def test_a_device_taint_rule_takes_a_gpu_out_of_service(apiserver, scheduler):
                       "spec": {"deviceSelector": {"driver": DRIVER, "pool": name, "device": "gpu-0000-1b-00-0"},
                                "taint": {"key": "example.com/maintenance", "value": "fan", "effect": "NoSchedule"}}})
 
-    async def publish():
-        client = AsyncClient(config=KubeConfig.from_file(apiserver.kubeconfig), field_manager=DRIVER)
-        try:
-            rec = Reconciler(KubeStore(client, node_name=name, driver_name=DRIVER), node_name=name, driver_name=DRIVER)
-            await rec.sync(build_pool(inv, node_name=name, driver_name=DRIVER))
-        finally:
-            await client.close()
-
-    asyncio.run(publish())
+    publish(apiserver, name, inv)
     ns = unique("taintrule")
     apiserver.create_namespace(ns)
     apiserver.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": ns}})
