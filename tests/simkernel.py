@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import shutil
 import stat
 import threading
@@ -43,6 +44,9 @@ def set_uevent_driver(dev_dir: str, driver: str | None) -> None:
     lines = [ln for ln in open(path).read().splitlines() if not ln.startswith("DRIVER=")] if os.path.exists(path) else []
     with open(path, "w") as f:
         f.write("\n".join(([f"DRIVER={driver}"] if driver else []) + lines) + "\n")
+
+_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+
 
 class SimPciKernel:
     def __init__(self, root: str, real_nodes: bool = False, vfio_loaded: bool = True, poll: float = 0.002):
@@ -140,8 +144,10 @@ class SimPciKernel:
         return self.p(SYS_PCI, "devices", bdf)
 
     def driver(self, bdf: str) -> str | None:
-        link = os.path.join(self.dev(bdf), "driver")
-        return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+        try:  # (the loop may unbind it between a look and the read: no driver then)
+            return os.path.basename(os.readlink(os.path.join(self.dev(bdf), "driver")))
+        except (FileNotFoundError, OSError):
+            return None
 
     def override(self, bdf: str) -> str | None:
         with open(os.path.join(self.dev(bdf), "driver_override")) as f:
@@ -241,7 +247,9 @@ class SimPciKernel:
             for op in ("unbind", "bind"):
                 path = os.path.join(drivers, d, op)
                 value = self._drain(path) if path in self._fifos else _take(path)
-                for one in value.split():  # a FIFO may hold several writes
+                # a FIFO may hold several writes, run together where one had no newline (the agent's
+                # has none); the kernel takes each write() alone, so each address is one
+                for one in _ADDRESS.findall(value) if path in self._fifos else value.split():
                     (self.unbind if op == "unbind" else self.bind)(d, one)
         value = _take(self.p(SYS_PCI, "drivers_probe"))
         if value:
