@@ -7,9 +7,9 @@ Application errors (``nvidia_ignored_xids``, XIDs 13, 31, 43, 45, 68, 109 by def
 own fault, not the GPU's) are ignored, as NVIDIA's driver ignores them; a double-bit ECC error is
 a fault; a single-bit one is corrected and only logged. An XID NVML places in one MIG instance
 (the event's GPU and compute instance IDs set) is reported with them: it is that MIG device's
-fault, not its GPU's (agent/health/gpuevents.py), as in NVIDIA's device plugin. A fault holds until the node reboots (kept across
-agent restarts: agent/health/faults.py) or the operator clears it: a GPU that raised one needs a
-reset (and so a restart of what uses it) to be trusted again.
+fault, not its GPU's (agent/health/gpuevents.py), as in NVIDIA's device plugin. A fault holds
+until the node reboots (kept across agent restarts: agent/health/faults.py) or the operator
+clears it: a GPU that raised one needs a reset (and so a restart of what uses it) to be trusted again.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class StatusBoard:
         """Device counts from a discovery Inventory; ``health``: device name -> state
         (devices missing from it count as unknown: never claim health we did not check);
         ``faults``: device -> (reason, message) of the unhealthy ones, MIG devices' own included."""
-        self._inventory = inventory
+        new_inventory, self._inventory = inventory is not self._inventory, inventory
         self.devices_by_kind = dict(Counter(d.kind for d in inventory.devices))
         health = health or {}
         self.devices_by_health = dict(Counter(health.get(d.name, "unknown") for d in inventory.devices))
@@ -94,7 +94,8 @@ class StatusBoard:
             self.metrics.set_published_devices(self.devices_by_kind)
             self.metrics.set_health(self.devices_by_health)
             self.metrics.set_unhealthy_devices(devicemetrics.unhealthy_rows(faults or {}))
-            self.metrics.set_prepared_devices(devicemetrics.prepared_rows(self._claims, inventory))
+            if new_inventory:  # (each health round sets the same one again)
+                self.metrics.set_prepared_devices(devicemetrics.prepared_rows(self._claims, inventory))
 
     def set_prepared_claims(self, claims: dict[str, dict]) -> None:
         """Checkpoint-shaped ``{uid: {"namespace", "name", "state", "devices": [{"device": ...}]}}``.
