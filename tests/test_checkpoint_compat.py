@@ -365,3 +365,17 @@ def test_no_leftover_is_swept_while_a_newer_entry_may_record_it(tmp_path):
     assert [g["start"] for g in nv.instances().values()] == [stray]
     driver_for(node).recover()  # no newer entry now: the leftover is swept
     assert nv.instances() == {}
+
+
+@pytest.mark.parametrize("damage", [{"devices": [{}]}, {"state": "PrepareSuspended"}])
+def test_a_damaged_entry_another_process_appends_while_serving_is_moved_aside_and_its_claim_held(tmp_path, damage):
+    """As at start (the test above), an entry found damaged when the agent reloads another
+    process's save before a call is kept aside, and its claim adopted from its spec: its devices
+    stay held, never given to another claim."""
+    s, state = make_env(tmp_path)
+    d = new_driver(s, state)
+    assert d.prepare_claims([CLAIMS["newer"]])[NEWER].error is None
+    newer_writes(d.checkpoint_path, NEWER, {**FUTURE, **damage})  # the other instance, while this one serves
+    assert d.prepare_claims([CLAIMS["taken"]])[u("taken")].error  # "newer"'s device: held
+    assert [n for n in os.listdir(s.plugin_dir) if ".rejected-" in n]
+    assert os.path.exists(cdifiles.claim_spec_path(s.cdi_dir, s.driver_name, NEWER))

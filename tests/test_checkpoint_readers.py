@@ -161,3 +161,26 @@ def test_a_view_takes_the_in_process_savers_entries_while_the_files_are_as_it_sa
     saved[0] = Saved.of(mine)
     assert view.appended() == mine.claims and view.rejected() == {} and list(mine.rejected) == ["u"]
     assert len(reads) == before  # both from the saver's entries
+
+
+def test_a_readers_view_says_a_record_nested_too_deep_is_damage(path):
+    """A record appended with a good CRC and JSON nested past the parser's recursion limit: the
+    view's look (on the NRI plugin's event loop) raises what its callers take for damage
+    (ValueError), never a RecursionError that escapes them."""
+    import zlib
+
+    import pytest
+
+    from agent.prepare.checkpoint_view import CheckpointView
+
+    writer = Checkpoint.load(path)
+    writer.claims[uid(1)] = entry(1)
+    writer.save()
+    view = CheckpointView(path)
+    assert view.claims() == writer.claims
+    body = b'{"uid":"%s","entry":%s}' % (uid(2).encode(), b"[" * 100_000 + b"]" * 100_000)
+    with open(writer.journal_path, "r+b") as f:
+        f.seek(writer._journal_size)
+        f.write(b"%08x %s\n" % (zlib.crc32(body), body))
+    with pytest.raises(ValueError):
+        view.claims()

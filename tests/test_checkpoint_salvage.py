@@ -133,3 +133,25 @@ def test_a_claim_another_process_unprepared_is_not_taken_back_from_memory(tmp_pa
     assert d.prepare_claims([z])[uid(12)].error is None  # x's GPU is free
     assert d.recovery.corrupt_checkpoint and d.recovery.from_memory == [] and d.recovery.adopted == [uid(11)]
     assert set(d.checkpoint.claims) == {uid(11), uid(12)} and not os.path.exists(d._spec_path(uid(10)))
+
+
+def test_a_journal_record_nested_too_deep_to_parse_is_damage_not_a_crash(path):
+    """A record with a good CRC whose JSON is nested past the parser's recursion limit: the files
+    are moved aside as for any damage (the agent starts), the claims they establish kept."""
+    cp = history(path)
+    body = b'{"uid":"%s","entry":%s}' % (uid(5).encode(), b"[" * 100_000 + b"]" * 100_000)
+    with open(cp.journal_path, "r+b") as f:
+        f.seek(cp._journal_size)
+        f.write(b"%08x %s\n" % (zlib.crc32(body), body))
+    got = Checkpoint.load(path)
+    assert got.corrupt_path and not os.path.exists(path)
+    assert got.claims == {uid(n): cp.claims[uid(n)] for n in (1, 2, 4)}  # the records before it are whole
+
+
+def test_a_journal_header_nested_too_deep_to_parse_is_damage_not_a_crash(path):
+    cp = history(path)
+    body = b"[" * 100_000 + b"]" * 100_000
+    with open(cp.journal_path, "wb") as f:
+        f.write(b"%08x %s\n" % (zlib.crc32(body), body))
+    got = Checkpoint.load(path)
+    assert got.corrupt_path and not os.path.exists(path)

@@ -146,3 +146,13 @@ def test_nic_config_takes_the_pods_interface_name_mtu_addresses_and_routes():
 def test_nic_config_refuses_bad_network_values(bad, why):
     with pytest.raises(ValueError, match=why):
         decode({**NIC, **bad})
+
+
+@pytest.mark.parametrize("name", ["a\rb", "a\x0bb", "a\x0cb", "n\u00e0"])
+def test_an_interface_name_the_kernel_refuses_fails_the_claim_config(name):
+    """dev_valid_name refuses every isspace() byte: \\v, \\f and \\r as well as blanks, and 0xA0 (in
+    UTF-8 'à' is C3 A0). A name it refuses would pass prepare and fail every sandbox of the pod
+    (EINVAL from the rename that the move is)."""
+    from agent.prepare.netdevs import valid_name
+
+    assert not valid_name(name)

@@ -241,4 +241,85 @@ def test_a_claim_adopted_after_a_corrupt_checkpoint_keeps_its_mig_device(node):
     assert "memory slice 3" in (again.prepare_claims([b])[b["metadata"]["uid"]].error or "")
     assert again.unprepare_claims([ClaimRef(namespace="", name="", uid=uid)]) == {uid: None}
     assert node.sim.instances() == {}
+def test_a_failed_create_whose_own_destroy_fails_keeps_the_entry(node, monkeypatch):
+    """NVML makes the GPU instance, refuses its compute instance, then refuses to destroy the GPU
+    instance: the host is not as before, so (the step protocol) the claim keeps its PrepareStarted
+    entry holding the placement, and its retried undo destroys the instance once NVML lets it."""
+    d = driver_for(node)
+    d.recover()
+    c = hand_claim("a", [("m", f"{GPU}-mig-2g-35gb-2")])
+    uid = c["metadata"]["uid"]
 
+    def no_ci(h, profile):
+        raise NVMLError(999)  # NVML_ERROR_UNKNOWN
+
+    monkeypatch.setattr(node.sim, "nvmlGpuInstanceCreateComputeInstance", no_ci)
+    _refuse_destroy(node, monkeypatch)
+    err = d.prepare_claims([c])[uid].error
+    assert [(g["profile"], g["start"]) for g in node.sim.instances().values()] == [(14, 2)]  # left by the claim
+    assert err and "undoing it failed (retried)" in err
+    assert Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[uid]["state"] == "PrepareStarted"
+    monkeypatch.undo()
+    assert d.unprepare_claims([ref(c)]) == {uid: None}
+    assert node.sim.instances() == {} and uid not in d.checkpoint.claims
+
+
+def _admin(name: str, device: str) -> dict:
+    c = hand_claim(name, [("m", device)])
+    c["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    return c
+
+
+def test_admin_access_to_a_prepared_mig_device_is_not_refused(node):
+    """Admin access (docs/kubelet-plugin.md): prepared beside whoever holds the device, partitions
+    included, and nobody is refused because of it. The admin claim gets the instance the other
+    claim made (its caps nodes); it is neither made a second time nor destroyed when the admin
+    claim goes."""
+    d = driver_for(node)
+    dev = f"{GPU}-mig-2g-35gb-2"
+    a = hand_claim("a", [("m", dev)])
+    assert not d.prepare_claims([a])[a["metadata"]["uid"]].error
+    adm = _admin("adm", dev)
+    err = d.prepare_claims([adm])[adm["metadata"]["uid"]].error
+    assert not err, err
+    ((gi, _),) = node.sim.instances().items()
+    caps = [n for n in spec_of(d, adm)[dev] if n[0].startswith("/dev/nvidia-caps/")]
+    assert caps == [(f"/dev/nvidia-caps/nvidia-cap{m}", 241, m) for m in (mig_minor(0, int(gi)), mig_minor(0, int(gi), 0))]
+    assert caps == [n for n in spec_of(d, a)[dev] if n[0].startswith("/dev/nvidia-caps/")]
+    assert d.unprepare_claims([ref(adm)]) == {adm["metadata"]["uid"]: None}
+    assert [(g["profile"], g["start"]) for g in node.sim.instances().values()] == [(14, 2)]  # still a's
+    assert d.unprepare_claims([ref(a)]) == {a["metadata"]["uid"]: None}
+    assert node.sim.instances() == {}
+
+
+def test_admin_access_to_a_mig_device_no_claim_made_is_refused_and_makes_none(node):
+    """Admin access makes no instance (the allocator counts no memory slices for it: an instance
+    made for it would stand in the way of the claim the placement is allocated to next)."""
+    d = driver_for(node)
+    dev = f"{GPU}-mig-2g-35gb-2"
+    adm = _admin("adm", dev)
+    err = d.prepare_claims([adm])[adm["metadata"]["uid"]].error
+    assert err and "no MIG instance is at its placement" in err
+    assert node.sim.instances() == {} and d.checkpoint.claims == {}
+    a = hand_claim("a", [("m", dev)])
+    assert not d.prepare_claims([a])[a["metadata"]["uid"]].error
+
+
+def test_two_adopted_claims_of_one_instance_destroy_it_with_the_last(node):
+    """A corrupt checkpoint: a claim and an admin claim of one MIG device are both adopted from
+    their specs, and both record its placement (adoption cannot tell admin access). The first
+    to go leaves the instance to the other."""
+    d = driver_for(node)
+    dev = f"{GPU}-mig-2g-35gb-2"
+    a, adm = hand_claim("a", [("m", dev)]), _admin("adm", dev)
+    assert not d.prepare_claims([a])[a["metadata"]["uid"]].error
+    assert not d.prepare_claims([adm])[adm["metadata"]["uid"]].error
+    with open(d.checkpoint_path, "w") as f:
+        f.write("{not json")
+    again = driver_for(node)
+    report = again.recover()
+    assert sorted(report.adopted) == sorted(c["metadata"]["uid"] for c in (a, adm))
+    assert again.unprepare_claims([ref(a)]) == {a["metadata"]["uid"]: None}
+    assert [(g["profile"], g["start"]) for g in node.sim.instances().values()] == [(14, 2)]
+    assert again.unprepare_claims([ref(adm)]) == {adm["metadata"]["uid"]: None}
+    assert node.sim.instances() == {}

@@ -309,3 +309,17 @@ def test_the_whole_gpu_beside_a_prepared_mig_device_is_refused_before_nvml(tmp_p
     err = prepare(d, w)
     assert err and "held by prepared claim default/m" in err and "partition" in err
     assert node.sim.calls[calls:] == [] and mode(node) == ON and len(node.sim.instances()) == 1
+
+
+def test_shares_unprepared_together_give_mig_mode_back(tmp_path):
+    """Two shares of the whole GPU unprepared in one call (the kubelet sends a pod's claims
+    together): the last of them undone gives MIG mode back, as when they go one call each."""
+    node = node_for(tmp_path, partitions=False, share=("gpu",), nvidia_mps=False, nvidia_mig_enable=True)
+    d = driver_for(node)
+    a = node.allocated("a", req("g", whole()))
+    b = node.allocated("b", req("g", whole()), prepared=[a])
+    assert not prepare(d, a) and not prepare(d, b)
+    assert mode(node) == OFF
+    assert d.unprepare_claims([ref(a), ref(b)]) == {uid_of(a): None, uid_of(b): None}
+    assert d.checkpoint.claims == {}
+    assert mode(node) == ON and len(switches(node)) == 2

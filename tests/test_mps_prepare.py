@@ -6,17 +6,19 @@ daemon's pipe directory at /tmp/nvidia-mps."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import psutil
 
+from agent.prepare import driver as driver_mod
 from agent.prepare.driver import Driver
 from agent.publish.sharing import share_plan
 from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
 from tests.test_allocator import NODE, published
-from tests.test_sharing_allocator import one_gpu
+from tests.test_sharing_allocator import devices, kind, one_gpu
 from tests.test_sharing_prepare import _allocated, memory_claim
 
 PROFILE = "server-2s-gpu-nic"
@@ -128,3 +130,50 @@ def test_mps_shares_of_two_gpus_in_one_claim_are_refused(tmp_path):
         "apiVersion": "sysdra.io/v1alpha1", "kind": "GpuConfig", "sharing": {"mpsLimits": False}}}}]
     (res,) = _driver(tmp_path / "off", nvidia_mps=False).prepare_claims([c]).values()
     assert res.error is None, res.error
+
+
+def test_shares_unprepared_together_stop_their_daemon(tmp_path):
+    """The last shares of a GPU unprepared in one call (a pod's claims): its daemon stops, as
+    when they go one call each."""
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    a, b = _allocated(slices, memory_claim("a", "8Gi"), memory_claim("b", "8Gi"))
+    d = _driver(tmp_path)
+    assert all(r.error is None for r in d.prepare_claims([a, b]).values())
+    (pid,) = _running(d).values()
+    assert d.unprepare_claims([_ref(a), _ref(b)]) == {a["metadata"]["uid"]: None, b["metadata"]["uid"]: None}
+    assert d.checkpoint.claims == {}
+    assert _running(d) == {}
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _on_gpu(gpu_index: int, claim: dict, uid: str) -> dict:
+    slices = published(PROFILE, share=share_plan(("gpu",), None))
+    gpu = [n for n, d in devices(slices).items() if kind(d) == "gpu"][gpu_index]
+    for s in slices:
+        s["spec"]["devices"] = [d for d in s["spec"].get("devices", []) if kind(d) != "gpu" or d["name"] == gpu]
+    (c,) = _allocated(slices, copy.deepcopy(claim))
+    c["metadata"]["uid"] = uid
+    return c
+
+
+def test_a_claim_that_failed_in_the_same_call_gets_no_daemon(tmp_path, monkeypatch):
+    """Claims a (GPU 0) and b (GPU 1) prepared in one call; a fails after its daemon started (its
+    device metadata cannot be written): a's daemon is stopped and a leaves the checkpoint. b's
+    prepare must not start a's GPU's daemon again: nothing holds that GPU."""
+    a = _on_gpu(0, memory_claim("a", "8Gi"), "00000000-0000-4000-8000-00000000000a")
+    b = _on_gpu(1, memory_claim("b", "8Gi"), "00000000-0000-4000-8000-00000000000b")
+    d = _driver(tmp_path)
+    write = driver_mod.metadata.write_claim
+
+    def failing(settings, uid, entry):
+        if uid == a["metadata"]["uid"]:
+            raise OSError("disk full (the test's)")
+        return write(settings, uid, entry)
+
+    monkeypatch.setattr(driver_mod.metadata, "write_claim", failing)
+    out = d.prepare_claims([a, b])
+    assert out[a["metadata"]["uid"]].error is not None and out[b["metadata"]["uid"]].error is None
+    assert set(d.checkpoint.claims) == {b["metadata"]["uid"]}
+    (gpu_b,) = d.checkpoint.claims[b["metadata"]["uid"]]["mps"]["gpus"]
+    assert set(_running(d)) == {gpu_b}, "a daemon runs for a GPU whose only claim failed"
+    assert d.nvidia.mps.wanted == {gpu_b}

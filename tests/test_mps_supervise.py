@@ -346,3 +346,27 @@ def test_a_daemon_started_but_never_recorded_is_ended_before_another_starts(daem
         if stray.poll() is None:
             stray.kill()
             stray.wait()
+
+
+def test_a_daemon_started_but_never_recorded_is_ended_when_no_share_needs_it(daemons, binary):  # noqa: F811
+    """The same kill, but the claim was PrepareStarted: the next start rolls it back and no share
+    needs the GPU. That daemon ends too, not left running with its directories removed under it."""
+    d = daemons()
+    pipe, logs = d.dirs(UUID)["pipe"], d.dirs(UUID)["log"]
+    os.makedirs(pipe)
+    os.makedirs(logs)
+    stray = subprocess.Popen([binary, "-f"], env={**os.environ, "CUDA_VISIBLE_DEVICES": UUID,
+                                                  "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs})
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(os.path.join(pipe, "control")) and time.monotonic() < deadline:
+            time.sleep(0.02)  # serving, as the daemon the killed agent started
+        d.state.daemons = {UUID: MpsRecord(uuid=UUID, boot_id=d.boot_id)}  # intent only
+        assert d.reconcile(set()) == {}
+        assert d.state.daemons == {} and not os.path.exists(os.path.join(d.base, UUID))
+        stray.wait(10)
+        assert not psutil.pid_exists(stray.pid)
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait()

@@ -205,3 +205,21 @@ def test_a_pool_is_the_admins_and_checked(tmp_path):
 
     env = Settings.of({"node_name": "n", "nic_ipam": '{data: {type: host-local, ranges: [[{subnet: 10.77.0.0/24}]]}}'})
     assert env.nic_ipam["data"]["type"] == "host-local"  # SYSDRA_NIC_IPAM as YAML text
+
+
+@pytest.mark.parametrize("result", ["[]", '"10.77.0.10/24"', "null", "7"])
+def test_a_plugin_result_that_is_not_an_object_is_the_plugins_error_and_its_lease_goes_back(tmp_path, result):
+    """A CNI result is a JSON object; whatever else the plugin prints is its error (IpamError:
+    the sandbox fails with it, the move is undone) and what its ADD may have leased is given back."""
+    from agent.prepare.ipam import IpamError
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    plugin = bin_dir / "odd"
+    plugin.write_text(f"#!/bin/sh\necho $CNI_COMMAND >> {log}\n[ $CNI_COMMAND = ADD ] && echo '{result}'\nexit 0\n")
+    plugin.chmod(0o755)
+    ipam = Ipam({"p": {"type": "odd"}}, str(bin_dir), str(tmp_path / "data"))
+    with pytest.raises(IpamError, match="not one this agent can use"):
+        ipam.lease("p", "sb1", "/run/netns/x", "net1")
+    assert log.read_text().split() == ["DEL", "ADD", "DEL"]

@@ -360,3 +360,29 @@ def test_the_capabilities_a_move_needs_are_read_from_the_effective_set(tmp_path)
         assert netmove.missing_move_capabilities(str(status)) == lacking
     status.write_text("Name:\tsysdra\n")  # unreadable: nothing said
     assert netmove.missing_move_capabilities(str(status)) == []
+
+
+def test_a_move_finished_at_synchronization_reports_the_pods_view(tmp_path, ifname_nets):
+    """A crash after the kernel moved the netdev, before its record said ``in-pod``: the runtime's
+    Synchronize lists the sandbox still running, the move is completed (metadata written), and the
+    claim's ``status.devices[].networkData`` follows as after a RunPodSandbox: the name in the pod."""
+    nets = ifname_nets
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    inv = scan(s.root)
+    d = Driver(s, lambda: inv)
+    next(st for st in d.steps if isinstance(st, NetdevStep)).host_netns = lambda: nets.host
+    assert d.prepare_claims([nic_claim({"interfaceName": "net1"})])[CLAIM].error is None
+
+    def crash(at):
+        if at == "netdev:moved":
+            raise Crash(at)
+
+    with pytest.raises(Crash):
+        run(NetdevMover(s.plugin_dir, host_netns=nets.host, settings=s, fault=crash).pod_started(pod(nets)))
+    written = []
+    m = NetdevMover(s.plugin_dir, host_netns=nets.host, settings=s, status=lambda ref, e: written.append((ref, e)))
+    run(m.synchronized([pod(nets)]))
+    assert where(nets, IFNAME) == (False, True) and Checkpoint.load(d.checkpoint_path).claims[CLAIM]["netdevs"][0]["state"] == "in-pod"
+    mac = ip_json(nets, "link", "show", "net1")[0]["address"]
+    assert [(ref, e[0]["networkData"]) for ref, e in written] == [
+        (ClaimRef("default", "nic", CLAIM), {"interfaceName": "net1", "hardwareAddress": mac})]

@@ -172,3 +172,90 @@ def test_a_records_netns_is_a_path_of_at_most_4096_characters_without_nul(netns,
     else:
         with pytest.raises(ValidationError):
             _move(netns=netns)
+
+
+# --- a NIC function with more than one netdev (a switchdev PF and its representor, ports) ------
+class _Kernel:
+    """Namespaces (files under tmp_path, so ``os.path.exists`` sees them) and their links, for the
+    rtnl calls netmove makes: links keep their index across a move unless it is taken there."""
+
+    def __init__(self, tmp_path, **namespaces):
+        self.ns = {}
+        for name, links in namespaces.items():
+            path = str(tmp_path / name)
+            open(path, "w").close()
+            self.ns[path] = {link.index: link for link in links}
+        self.paths = {name: str(tmp_path / name) for name in namespaces}
+
+    def patch(self, monkeypatch):
+        for name in ("links", "link", "move", "rename", "set_mtu", "set_up", "add_address", "add_route"):
+            monkeypatch.setattr(rtnl, name, getattr(self, name))
+
+    def links(self, ns):
+        return list(self.ns[ns].values())
+
+    def link(self, ns, name):
+        return next((link for link in self.ns[ns].values() if link.name == name), None)
+
+    def _take(self, ns, name, index):
+        link = self.ns[ns].pop(index if index is not None else self.link(ns, name).index)
+        assert link.name == name
+        return link
+
+    def move(self, src, name, dst, new_name, index=None):
+        link = self._take(src, name, index)
+        assert self.link(dst, new_name) is None
+        new_index = link.index if link.index not in self.ns[dst] else max(self.ns[dst]) + 1
+        self.ns[dst][new_index] = link._replace(name=new_name, index=new_index)
+
+    def rename(self, ns, name, new_name, index=None):
+        link = self._take(ns, name, index)
+        assert self.link(ns, new_name) is None
+        self.ns[ns][link.index] = link._replace(name=new_name)
+
+    def set_mtu(self, ns, name, mtu):
+        link = self.link(ns, name)
+        self.ns[ns][link.index] = link._replace(mtu=mtu)
+
+    def set_up(self, ns, name):
+        pass
+
+    def add_address(self, ns, name, address):
+        pass
+
+    def add_route(self, ns, name, destination, gateway):
+        pass
+
+    def names(self, name):
+        return {link.name: link.index for link in self.ns[self.paths[name]].values()}
+
+
+def test_a_pf_in_its_pod_is_not_taken_for_its_representor_left_on_the_host(tmp_path, monkeypatch):
+    """A switchdev PF (or one port of a multi-port function) goes into the pod; its representor,
+    a netdev of the same bus device, stays on the host. At StopPodSandbox the PF comes back from the
+    pod: the representor, the one link of that bus device still on the host, is not the claim's
+    netdev (renamed to the PF's host name while the PF stays in the pod)."""
+    bdf = "0000:3b:00.0"
+    k = _Kernel(tmp_path, host=[_link("lo", 1), _link("ens1f0", 7, "aa:00:00:00:00:01", bdf),
+                                _link("eth0", 8, "aa:00:00:00:00:02", bdf)],
+                pod=[_link("lo", 1), _link("eth0", 2, "aa:00:00:00:00:0e")])
+    k.patch(monkeypatch)
+    host, netns = k.paths["host"], k.paths["pod"]
+    move = netmove.identify(_move(bdf=bdf, sandbox="sb1", netns=netns), host)
+    assert (move.parent, move.index) == (bdf, 7)
+    move = netmove.move_in(move.changed(state="moving"), host)
+    assert k.names("pod") == {"lo": 1, "eth0": 2, "net1": 7} and k.names("host") == {"lo": 1, "eth0": 8}
+    netmove.move_out(move.changed(state="returning"), host)
+    assert k.names("host") == {"lo": 1, "ens1f0": 7, "eth0": 8}  # the PF back, its representor as it was
+    assert k.names("pod") == {"lo": 1, "eth0": 2}
+
+
+def test_the_hosts_mtu_comes_back_when_the_pod_changed_it(tmp_path, nets):  # noqa: F811
+    """No NicConfig mtu: the pod (CAP_NET_ADMIN, its own network setup) set one. The netdev comes
+    back to the host "left down, its MTU as it was on the host" (docs/networking.md)."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets)
+    run(m.pod_started(pod(nets)))
+    ip(nets, "pod", "link", "set", "net1", "mtu", "9000")
+    run(m.pod_stopped(pod(nets)))
+    assert rtnl.link(nets.host, nets.nic).mtu == 1500

@@ -108,7 +108,7 @@ class NetdevMover(Sandboxes):
     # --- events --------------------------------------------------------------
     async def synchronized(self, pods: list[Pod]) -> None:
         await super().synchronized(pods)
-        await self._run(self._recover, {p.id for p in pods})
+        self._report(await self._run(self._recover, {p.id for p in pods}))  # moves completed: their pods' view
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)

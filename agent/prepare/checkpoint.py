@@ -135,6 +135,8 @@ class Checkpoint:
         except CheckpointError as err:
             log.error("checkpoint %s changed on disk but cannot be read (%s); keeping the state in memory", self.path, err)
             return False
+        if fresh.rejected:  # kept aside and their claims adopted only by a repair, as at start
+            raise ValueError(f"{self.path}: entries that are not valid: " + ", ".join(sorted(map(str, fresh.rejected)))[:500])
         corrupt_path, saving = self.corrupt_path, self._saving
         self.__dict__.update(fresh.__dict__)
         self.corrupt_path, self._saving = corrupt_path, saving

@@ -72,7 +72,7 @@ def _header(lines: list[bytes]) -> dict | None:
     """The journal's first line, None when it is missing or not a header."""
     try:
         header = parse_journal_line(lines[0])
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):
         return None
     return header if isinstance(header, dict) else None
 
@@ -88,7 +88,7 @@ def _replay(records: list[bytes], out: Salvage, usable: Callable[[str, object], 
             uid, entry = rec["uid"], rec["entry"]
             if set(rec) != {"uid", "entry"} or not isinstance(uid, str):
                 raise ValueError
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
             damaged = True  # whose record it was cannot be told
             continue
         if damaged:  # a good record after a damaged one: the damage was no torn tail

@@ -121,7 +121,7 @@ class CheckpointView:
         for line in lines:
             try:
                 rec = parse_journal_line(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested too deep (damage)
                 return False
             cp.apply_record(rec, cp._journal_records + 2)
             cp._journal_size += len(line) + 1

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable, Iterable
 
@@ -270,6 +270,8 @@ class Driver:
         """Apply the claim's steps, then write its spec and metadata; on any failure undo what
         was applied, in reverse, and remove its files: the claim's error."""
         entry, planned, records = call.plans[uid]
+        # the others as they are now: a claim of this call that failed since is gone, its host changes undone
+        planned = replace(planned, others={u: e for u, e in cp.claims.items() if u != uid})
         applied, stage = [], ""
         try:
             now = {}
@@ -333,13 +335,17 @@ class Driver:
 
     def _unprepare_claims(self, cp: Checkpoint, claims: list[ClaimRef]) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
+        undone: set[str] = set()  # claims of this call already undone: no longer holding anything
         for ref in claims:  # host changes undone before the claim leaves the checkpoint (a crash: retried)
             entry = cp.claims.get(ref.uid)
+            others = {u: e for u, e in cp.claims.items() if u != ref.uid and u not in undone}
             try:
-                if entry and (problems := self._undo(entry, {u: e for u, e in cp.claims.items() if u != ref.uid})):
+                if entry and (problems := self._undo(entry, others)):
                     out[ref.uid] = "undoing the claim's host changes failed: " + "; ".join(problems)
             except Exception as err:  # noqa: BLE001 - stays this claim's error
                 out[ref.uid] = claim_error(ref.uid, "undoing host changes", err)
+            if ref.uid not in out:
+                undone.add(ref.uid)
         claims = [c for c in claims if c.uid not in out]
         before = dict(cp.claims)
         removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}

@@ -125,6 +125,8 @@ def _error(stdout: bytes, stderr: bytes) -> str:
 def _result(doc: dict) -> tuple[list[str], list[Route]]:
     """A CNI result's addresses and routes, checked as a ``NicConfig``'s are. A route without a
     gateway takes the gateway of its family's address, as CNI has it; a default route needs one."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"a result is a JSON object, not {type(doc).__name__}")
     ips = [(cidr(ip["address"]), ip.get("gateway")) for ip in doc.get("ips") or []]
     if not ips or len(ips) > MAX_ADDRESSES:
         raise ValueError(f"{len(ips)} addresses (1 to {MAX_ADDRESSES})")

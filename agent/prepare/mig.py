@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.records import MigDevice
+from agent.prepare.steps import NotUndone
 from discovery import mig
 from discovery.devnodes import NodeResolver
 from discovery.models import DeviceNode
@@ -196,17 +197,19 @@ class MigDevices:
                 raise ClaimFailed(f"{what} failed: NVML answered GPU instance {gi!r:.20}, compute instance {ci!r:.20}: "
                                   "not IDs it hands out") from None
         except ClaimFailed as err:
-            self._undo_create(rec, made, wait=not isinstance(err, NoAnswer))
+            if problem := self._undo_create(rec, made, wait=not isinstance(err, NoAnswer)):
+                raise NotUndone(err, [problem]) from None  # the instance is left: the claim keeps its entry
             raise
         log.info("GPU %s: MIG device %s created (GPU instance %d, compute instance %d)", rec.gpu, rec.device, gi, ci)
         return out
 
-    def _undo_create(self, rec: MigDevice, made: list[bool], wait: bool) -> None:
+    def _undo_create(self, rec: MigDevice, made: list[bool], wait: bool) -> str | None:
         """The placement's instance destroyed if this create made it, queued behind the create on
-        NVML's thread (so after it, however late it ends); waited for unless NVML stopped answering."""
+        NVML's thread (so after it, however late it ends); waited for unless NVML stopped answering.
+        -> why the instance this create made is left, when waited for and it could not be destroyed."""
         nvml = self.nvml()
         if nvml is None or (wait and not made):  # NVML answered, and refused the create
-            return
+            return None
         what = f"destroying MIG device {rec.device} after its create failed"
         fut = nvml.after(what, lambda nv: bool(made) and _destroy_at(nv, rec, self.fault), timeout=TIMEOUT)
 
@@ -220,8 +223,9 @@ class MigDevices:
         if wait:
             try:
                 fut.result(timeout=TIMEOUT)
-            except Exception:  # noqa: BLE001 - logged by ``done``; the claim's error is the create's
-                pass
+            except Exception as err:  # noqa: BLE001 - logged by ``done``; the claim's error is the create's
+                return f"{what}: {_why(err)}"
+        return None
 
     def find(self, rec: MigDevice) -> mig.GpuInstanceNow | None:
         """The record's instance as NVML shows it now (by profile and placement), or None."""

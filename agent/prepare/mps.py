@@ -269,6 +269,11 @@ class MpsDaemons:
             except (OSError, subprocess.TimeoutExpired) as err:
                 log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
         self.launcher.end(rec, quitting)
+        if rec.pid is None and rec.pod_uid is None:  # the intent only: a daemon started but never recorded ends too
+            try:
+                self._end_strays(rec.uuid)
+            except LaunchError as err:
+                log.warning("MPS control daemon for GPU %s: an unrecorded daemon not looked for: %s", rec.uuid, err)
         self.fault("ended")
         self.modes.set_back(rec.uuid, rec.mode_before)
         self.fault("mode-back")

@@ -23,7 +23,8 @@ MAX_ROUTES = 32
 
 def valid_name(name: str) -> bool:
     """A name the kernel takes for a netdev."""
-    return 0 < len(name.encode()) < IFNAMSIZ and name not in (".", "..") and not any(c in name for c in "/: \t\n\x00")
+    raw = name.encode()  # the kernel's dev_valid_name: no '/', ':' nor isspace() byte (its ctype: 0xA0 too)
+    return 0 < len(raw) < IFNAMSIZ and name not in (".", "..") and not any(b in b"/: \t\n\v\f\r\x00\xa0" for b in raw)
 
 
 def _ifname(v: str) -> str:

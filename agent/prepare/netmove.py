@@ -103,8 +103,7 @@ def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
         except rtnl.LinkError as err:
             if err.errno != errno.ENODEV:  # not in the pod: never moved, or back
                 raise
-    there = find(host_netns, move, move.host)  # first: a netdev that never left needs no look into the pod
-    here = _find_in(move.netns, move) if alive and there is None else None
+    here, there = _locate(move, host_netns, alive)
     if here is not None or (there is not None and there.name != move.host):
         _free(host_netns, move.host, f"netdev {move.host} cannot come back under its name: another link has it now{_as(move)}")
     if here is not None:
@@ -118,8 +117,24 @@ def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
         log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace, a NIC function "
                     "may have left the bus", move.host, move.pod, move.sandbox)
         return
-    if move.mtu is not None and move.hostMtu is not None:
+    if move.hostMtu is not None:  # the config's MTU, or one the pod set (the kernel: a no-op when unchanged)
         rtnl.set_mtu(host_netns, move.host, move.hostMtu)
+
+
+def _locate(move: NetdevMove, host_netns: str, alive: bool) -> tuple[rtnl.Link | None, rtnl.Link | None]:
+    """Where ``move``'s netdev is now: (in the pod, on the host), at most one of them. A NIC's is
+    looked for in the pod first: the pod cannot make a link of its bus device, while the host may
+    hold that device's other netdevs (a switchdev PF's representors, other ports), then the only one
+    of it there. A virtual link on the host first (the pod may make one with its MAC), where one
+    that never left needs no look into the pod."""
+    def in_pod():
+        return _find_in(move.netns, move) if alive else None
+
+    if move.parent is not None:
+        here = in_pod()
+        return here, find(host_netns, move, move.host) if here is None else None
+    there = find(host_netns, move, move.host)
+    return in_pod() if there is None else None, there
 
 
 def in_pod(move: NetdevMove) -> bool:

@@ -45,7 +45,7 @@ class Planned:
     configs: list
     inventory: dict[str, Device]  # device name -> device, of the inventory
     names: dict[str, Device]  # the inventory's devices and those a step plans (partition ways)
-    others: dict[str, dict]  # the other claims' checkpoint entries
+    others: dict[str, dict]  # the other claims' checkpoint entries (at apply: as they are then)
     ways: dict = field(default_factory=dict)  # GPU ways (discovery/gpuways.py) of the inventory planned against
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from agent.prepare.allocation import ClaimFailed
 from agent.prepare.mig import MigDevices
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import MigDevice
@@ -41,7 +42,20 @@ class MigStep(RecordsOf):
         self.ways = ways  # device name -> discovery.gpuways.Way, of the inventory now
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
-        return _records(planned.ways, [r.device for r in planned.results])
+        for name in {r.device for r in planned.results if r.admin}:
+            self._beside(planned, name)
+        return _records(planned.ways, [r.device for r in planned.results if not r.admin])
+
+    def _beside(self, planned: Planned, name: str) -> None:
+        """Admin access to a MIG device (monitoring beside its claim): the instance that claim made,
+        as it is now, in ``planned.names``; admin access makes no instance and destroys none."""
+        if (found := _records(planned.ways, [name])) is None:
+            return
+        rec = found[0]
+        if (now := self.devices.find(rec)) is None or not now.cis:
+            raise ClaimFailed(f"admin access to MIG device {name}: no MIG instance is at its placement "
+                              "(admin access uses the one a claim made, and makes none)")
+        planned.names.update(self._device(rec, planned.names.get(name), now.gi, now.cis[0]))
 
     def adopted(self, names: list[str]) -> Record | None:
         """An adopted claim's MIG devices (prepare/recovery.py: its record was lost with a
@@ -71,14 +85,20 @@ class MigStep(RecordsOf):
                 done.append(made)
                 devices.update(self._device(made, planned.names.get(rec.device), made.gi, made.ci))
         except Exception as err:
-            if (undone := self.undo(tuple(done), {})).problems:
-                raise NotUndone(err, undone.problems) from err
+            problems = self.undo(tuple(done), {}).problems
+            if isinstance(err, NotUndone):  # the failing device's own destroy failed (MigDevices.create)
+                raise NotUndone(err.err, err.problems + problems) from err.err
+            if problems:
+                raise NotUndone(err, problems) from err
             raise
         return tuple(done) + record[len(done):], devices
 
     def undo(self, record: Record, others: dict[str, dict]) -> Undone:
         undone = Undone()
+        kept = placements_recorded(others)  # another claim's too (two adopted claims of one instance): the last destroys
         for rec in reversed(record):
+            if (rec.gpu, rec.profile, rec.start) in kept:
+                continue
             try:
                 if self.devices.destroy(rec):
                     undone.notes.append(f"{rec.gpu}: MIG device {rec.device} destroyed")
@@ -94,7 +114,10 @@ class MigStep(RecordsOf):
                 log.warning("GPU %s: MIG device %s is gone or has no compute instance: creating it again", rec.gpu, rec.device)
                 if now is not None:
                     self.devices.destroy(rec)
-                self.devices.create(rec)
+                try:
+                    self.devices.create(rec)
+                except NotUndone as err:  # the claim keeps its record: its unprepare destroys what is left
+                    raise ClaimFailed(str(err)) from None
                 moved = True
         return moved
 
