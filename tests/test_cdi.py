@@ -189,6 +189,10 @@ def test_a_recorded_path_is_ours_only_directly_in_the_cdi_dir_with_our_prefix(tm
         assert not cdifiles.is_ours(d, "sysdra.io", path), path
     with pytest.raises(ValueError):  # a UID with a separator never makes a path outside the dir
         cdifiles.claim_spec_path(d, "sysdra.io", "../u1")
+    # with the claim's UID: its own files only, never another claim's
+    assert cdifiles.is_ours(d, "sysdra.io", ours, "u1") and cdifiles.is_ours(d, "sysdra.io", f"{d}/sysdra.io_metadata_u1_r.json", "u1")
+    assert not cdifiles.is_ours(d, "sysdra.io", ours, "u2") and not cdifiles.is_ours(d, "sysdra.io", ours, "u")
+    assert not cdifiles.is_ours(d, "sysdra.io", f"{d}/sysdra.io_metadata_u1_r.json", "u2")
 
 
 def test_a_spec_file_that_is_json_but_no_valid_spec_is_unreadable(tmp_path):

@@ -250,3 +250,19 @@ def test_sigkill_at_random_moments(tmp_path):
         assert_consistent(s, d)
     assert d.unprepare_claims([ref(c) for c in CLAIMS]) == {c["metadata"]["uid"]: None for c in CLAIMS}
     assert cdifiles.list_claim_specs(s.cdi_dir, s.driver_name) == {}
+
+
+def test_an_entry_naming_another_claims_spec_never_removes_it(tmp_path):
+    """Checkpoint paths are untrusted: an entry whose recorded spec is another claim's file (ours,
+    in the CDI dir) leaves that file to its claim at unprepare."""
+    s, state = make_env(tmp_path)
+    d = new_driver(s, state)
+    a, b = CLAIMS[0], CLAIMS[2]
+    assert all(r.error is None for r in d.prepare_claims([a, b]).values())
+    ua, ub = a["metadata"]["uid"], b["metadata"]["uid"]
+    theirs = d._spec_path(ub)
+    cp = Checkpoint.load(d.checkpoint_path)
+    cp.claims[ua] = {**cp.claims[ua], "cdiSpec": {**cp.claims[ua]["cdiSpec"], "path": theirs}}
+    cp.save()
+    assert d.unprepare_claims([ref(a)]) == {ua: None}
+    assert os.path.exists(theirs) and not os.path.exists(d._spec_path(ua))

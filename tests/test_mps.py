@@ -91,9 +91,10 @@ def test_a_record_of_another_boot_is_not_trusted(daemons):
     assert d.alive(live.model_copy(update={"ticks": None}))
 
 
-def test_bad_records_are_moved_aside_and_never_used(tmp_path, daemons):
+@pytest.mark.parametrize("record", [{"uuid": "x; rm -rf /", "pid": -4}, {"uuid": UUID, "pid": 2**40}])  # no PID is above 2**22
+def test_bad_records_are_moved_aside_and_never_used(tmp_path, daemons, record):
     os.makedirs(tmp_path / "plugin" / "mps")
-    (tmp_path / "plugin" / "mps" / "daemons.json").write_text(json.dumps({"daemons": {UUID: {"uuid": "x; rm -rf /", "pid": -4}}}))
+    (tmp_path / "plugin" / "mps" / "daemons.json").write_text(json.dumps({"daemons": {UUID: record}}))
     d = daemons()
     assert d.state.daemons == {}
     assert [n for n in os.listdir(d.base) if n.startswith("daemons.json.invalid.")]

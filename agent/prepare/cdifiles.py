@@ -24,14 +24,18 @@ def claim_spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
     return os.path.join(cdi_dir, f"{claim_spec_prefix(driver_name)}{claim_uid}.json")
 
 
-def is_ours(cdi_dir: str, driver_name: str, path: object) -> bool:
+def is_ours(cdi_dir: str, driver_name: str, path: object, uid: str = "") -> bool:
     """Whether ``path`` names one of our spec files in ``cdi_dir``: directly in it, with our
-    claim or metadata prefix (``<vendor>-claim_``, ``<driver>_metadata_``) and ``.json``."""
+    claim or metadata prefix (``<vendor>-claim_``, ``<driver>_metadata_``) and ``.json``; with
+    ``uid``, one of that claim's (a checkpoint entry never names another claim's file)."""
     if not isinstance(path, str) or os.path.dirname(path) != os.path.normpath(cdi_dir):
         return False
     name = os.path.basename(path)
-    prefixes = (claim_spec_prefix(driver_name), f"{driver_name}_metadata_")
-    return name.endswith(".json") and name.startswith(prefixes) and "\x00" not in name
+    if not name.endswith(".json") or "\x00" in name:
+        return False
+    if uid:
+        return name == f"{claim_spec_prefix(driver_name)}{uid}.json" or name.startswith(f"{driver_name}_metadata_{uid}_")
+    return name.startswith((claim_spec_prefix(driver_name), f"{driver_name}_metadata_"))
 
 
 def write_spec(path: str, spec: dict, check: bool = True) -> None:

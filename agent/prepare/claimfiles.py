@@ -63,7 +63,7 @@ class ClaimFiles:
         cdifiles.remove_spec(self.spec_path(uid))
         recorded = ((entry or {}).get("cdiSpec") or {}).get("path")
         if recorded and recorded != self.spec_path(uid):
-            if cdifiles.is_ours(self.settings.cdi_dir, self.settings.driver_name, recorded):
+            if cdifiles.is_ours(self.settings.cdi_dir, self.settings.driver_name, recorded, uid):
                 cdifiles.remove_spec(recorded)
             else:  # another CDI dir, or a checkpoint we did not write: not ours to delete
                 log.warning("claim %s: leaving %s (recorded in the checkpoint, not our file in %s)",
