@@ -341,6 +341,18 @@ def test_sysdra_metadata_update_refuses_a_newer_entry(tmp_path):
     assert files_hold(d) == {NEWER: raw}
 
 
+def test_sysdra_metadata_update_refuses_while_an_entry_is_damaged(tmp_path):
+    """A damaged entry (not a newer sysdra's) the agent has not yet kept aside: the update would
+    journal its removal, and its claim would vanish unadopted. Refused; the files keep it."""
+    s, state = make_env(tmp_path)
+    d = new_driver(s, state)
+    assert all(r.error is None for r in d.prepare_claims([CLAIMS["keep"], CLAIMS["newer"]]).values())
+    newer_writes(d.checkpoint_path, NEWER, {"devices": [{}]})
+    with pytest.raises(UpdateError, match="not valid .*" + NEWER):
+        update_request(s, ref(CLAIMS["keep"]), "a", NetworkData("eth1"))
+    assert NEWER in Checkpoint.load(d.checkpoint_path, move_corrupt=False).rejected
+
+
 def test_no_leftover_is_swept_while_a_newer_entry_may_record_it(tmp_path):
     """A MIG device no entry records as this agent reads them may be one a newer sysdra's entry
     records in a field this agent does not know: the start leaves it while such an entry is there,

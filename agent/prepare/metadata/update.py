@@ -103,6 +103,10 @@ def update_request(settings: Settings, ref: ClaimRef, request: str, net: Network
             cp = Checkpoint.load(os.path.join(settings.plugin_dir, "checkpoint.json"), move_corrupt=False)
         except (CheckpointError, ValueError) as err:
             raise UpdateError(f"cannot read the checkpoint: {err}") from err
+        if cp.rejected:  # a save would journal their removal: the agent keeps them aside and adopts their claims
+            raise UpdateError(f"the checkpoint holds entries that are not valid (claims {', '.join(sorted(map(str, cp.rejected)))[:300]}): "
+                              "the agent keeps them aside and adopts their claims at its next prepare, unprepare or start; "
+                              "run this again after that")
         entry = cp.claims.get(ref.uid)
         rec = ((entry or {}).get("metadata") or {}).get("requests", {}).get(base)
         if (entry is None or entry["state"] != COMPLETED or rec is None
