@@ -223,3 +223,18 @@ def test_a_plugin_result_that_is_not_an_object_is_the_plugins_error_and_its_leas
     with pytest.raises(IpamError, match="not one this agent can use"):
         ipam.lease("p", "sb1", "/run/netns/x", "net1")
     assert log.read_text().split() == ["DEL", "ADD", "DEL"]
+
+
+def test_the_pods_network_data_names_each_address_once_and_at_most_sixteen():
+    """A static address the lease repeats is one IP; past 16 (the config's 16 and a lease), status
+    and metadata take the first 16 rather than none (the check would refuse the whole pod view)."""
+    from agent.nri.podmeta import network_data
+    from agent.prepare.records import NetdevMove
+
+    static = [f"10.9.0.{i}/24" for i in range(1, 17)]
+    move = NetdevMove(device="nic-0000-3b-00-0", request="r", host="eth1", pod="net1", mac="aa:00:00:00:00:01",
+                      addresses=static[:2], leased=[static[1], "10.9.1.7/24"])
+    assert network_data(move).ips == [static[0], static[1], "10.9.1.7/24"]
+    net = network_data(move.changed(addresses=static, leased=["10.9.1.7/24"]))
+    net.check()
+    assert net.ips == static and net.interface_name == "net1"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from agent.apilimits import MAX_IPS
 from agent.kubeletplugin.types import base_request
 from agent.prepare.metadata.update import NetworkData, UpdateError, update_entry
 from agent.prepare.records import NetdevMove
@@ -20,7 +21,13 @@ log = logging.getLogger(__name__)
 
 
 def network_data(move: NetdevMove) -> NetworkData:
-    return NetworkData(interface_name=move.pod, hardware_address=move.mac, ips=[*move.addresses, *move.leased])
+    """The pod's view of ``move``: the config's addresses and the pool's lease (one that repeats an
+    address once), the first ``MAX_IPS`` of them, as status and metadata take no more."""
+    ips = list(dict.fromkeys([*move.addresses, *move.leased]))
+    if len(ips) > MAX_IPS:
+        log.warning("netdev %s: %d addresses in the pod, its metadata and claim status name the first %d",
+                    move.host, len(ips), MAX_IPS)
+    return NetworkData(interface_name=move.pod, hardware_address=move.mac, ips=ips[:MAX_IPS])
 
 
 def record(settings, uid: str, entry: dict, move: NetdevMove) -> bool:
