@@ -91,6 +91,26 @@ def test_a_failure_sets_the_changed_gpus_back_and_fails_the_claim(tmp_path):
     assert calls(root) == [f"compute-policy -i {uuid(root, GPU)} --set-timeslice 3"]  # nothing changed, nothing to undo
 
 
+def test_nvidia_smi_that_cannot_be_run_for_the_second_gpu_sets_the_first_back(tmp_path, monkeypatch):
+    """Running nvidia-smi needs its libraries linked (``link_libraries`` under a DaemonSet's /host):
+    that failing halfway is the claim's error, and the GPU already set goes back to Default."""
+    root = node(tmp_path)
+    d = driver(tmp_path, root)
+    tool, asked = d.nvidia.tool, []
+
+    def once_then_broken(name):
+        asked.append(name)
+        if len(asked) == 2:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return tool(name)
+
+    monkeypatch.setattr(d.nvidia, "tool", once_then_broken)
+    err = d.prepare_claims([claim([GPU, GPU2])])[UID].error
+    assert "nvidia-smi cannot be run" in err and "undoing it failed" not in err
+    assert calls(root) == [f"compute-policy -i {uuid(root, GPU)} --set-timeslice 3", f"compute-policy -i {uuid(root, GPU)} --set-timeslice 0"]
+    assert UID not in d.checkpoint.claims
+
+
 def _mark(root: str, name: str, on: bool = True) -> None:
     path = os.path.join(root, "usr/bin", name)
     open(path, "w").close() if on else os.remove(path)

@@ -62,7 +62,10 @@ class TimeSliceStep(RecordsOf):
         return []  # the whole GPU is held as such (planner.device_holds)
 
     def _set(self, gpu: str, interval: str) -> None:
-        smi, env = self.smi()
+        try:
+            smi, env = self.smi()
+        except OSError as err:  # its libraries not linked (a DaemonSet's /host): as a failed run, set back
+            raise ClaimFailed(f"GPU {gpu}: nvidia-smi cannot be run: {err}") from err
         if smi is None:
             raise ClaimFailed(f"GPU {gpu}: no nvidia-smi in the driver root: its time slice cannot be set")
         argv = [smi, "compute-policy", "-i", gpu, "--set-timeslice", str(SLICES[interval])]
