@@ -323,3 +323,14 @@ def test_two_adopted_claims_of_one_instance_destroy_it_with_the_last(node):
     assert [(g["profile"], g["start"]) for g in node.sim.instances().values()] == [(14, 2)]
     assert again.unprepare_claims([ref(adm)]) == {adm["metadata"]["uid"]: None}
     assert node.sim.instances() == {}
+
+
+def test_a_gpu_nvml_refuses_does_not_keep_the_others_leftovers(node):
+    """The start-up sweep goes GPU by GPU: one NVML answers with an error for (gone, or in a bad
+    state) is logged, and the next GPU's leftovers are destroyed still."""
+    d = driver_for(node)
+    nv = node.sim
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(nv.nvmlDeviceGetHandleByPciBusId("0000:00:06.0"), 5, placement(0, 4))
+    profiles = tuple(p.id for p in node.inventory().by_name()[GPU].gpu.partitioning.profiles)
+    done = d.mig.orphans({"0000:ff:00.0": profiles, "0000:00:06.0": profiles}, set())
+    assert len(done) == 1 and "0000:00:06.0" in done[0] and nv.instances() == {}

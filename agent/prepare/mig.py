@@ -263,7 +263,12 @@ class MigDevices:
                         log.error("%s, not destroyed: %s", what, err)
                 return done
 
-            out += self._run(f"MIG devices of GPU {bdf}", sweep)
+            try:
+                out += self._run(f"MIG devices of GPU {bdf}", sweep)
+            except NoAnswer:  # NVML stopped answering: so it would for the next GPU
+                raise
+            except ClaimFailed as err:  # this GPU's answer: the others are swept still
+                log.error("GPU %s: MIG devices no claim knows not swept: %s", bdf, err)
         for line in out:
             log.warning("%s", line)
         return out
