@@ -201,3 +201,36 @@ def test_the_agent_tells_its_monitor_what_its_watchers_report(tmp_path):
             stop.set()
             assert await asyncio.wait_for(running, 60) == 0
     run(main())
+
+
+def test_a_link_event_while_a_round_adds_devices(tmp_path):
+    """A hotplugged NIC's link messages come while the round its uevent started adds it (and
+    others) to the devices known, in the round's worker thread: the link event's look-up on the
+    loop must not fail with 'dictionary changed size during iteration' (its re-check lost)."""
+    import sys
+
+    root, inv, monitor = vm_monitor(tmp_path)
+    monitor.check_once()
+    nic = inv.by_name()[VM_NIC]
+    more = inv.replace(devices=inv.devices + tuple(nic.replace(name=f"nic-ffff-00-{i:05x}") for i in range(20000)))
+    errors = []
+
+    async def main():
+        monitor._latest = more  # what on_inventory hands over; the round's thread takes it in (_present)
+        adding = asyncio.create_task(asyncio.to_thread(monitor._present))
+        while not adding.done():
+            try:
+                monitor._on_links({"nothing-here0"})  # as LinkWatch calls it, on the loop
+            except RuntimeError as err:
+                errors.append(err)
+                break
+            await asyncio.sleep(0)
+        await adding
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        run(main())
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors

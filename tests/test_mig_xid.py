@@ -197,3 +197,35 @@ def test_an_instance_published_as_no_device_is_the_gpus_fault(tmp_path, caplog):
 
         asyncio.run(main())
     assert "an instance published as no device: the GPU's fault" in caplog.text
+
+
+def test_another_gpu_hotplugged_into_the_slot_does_not_get_an_instances_fault(static):
+    """As tests/test_gpu_faults.py's hotplug test, for a MIG device's own fault: another GPU (another
+    UUID) put in the slot while the agent runs has MIG devices of the same names; they do not get
+    the old GPU's instance fault (a restart would not give it to them either)."""
+    split1 = f"{GPU}-mig-gi2-ci1"
+    inv = static.inv
+    gpu = inv.by_name()[GPU]
+    without = inv.replace(devices=tuple(d for d in inv.devices if d.name != GPU))
+    other = inv.replace(devices=tuple(d.replace(gpu=d.gpu.replace(nvidia_uuid="GPU-00000000-1111-2222-3333-444444444444"))
+                                      if d.name == GPU else d for d in inv.devices))
+    current = [inv]
+
+    async def main():
+        monitor = HealthMonitor(static.settings, lambda: current[0])
+        await monitor.start()
+        try:
+            assert await monitor.watch_gpu_events(nvml=static.nvml)
+            static.sim.emit(BDF, XID, 94, gi=2, ci=1)
+            await until(lambda: (gpu.gpu.nvidia_uuid, split1) in _kept(static))
+            assert _health(monitor)[split1] == (UNHEALTHY, "xid-94")
+            monitor.on_inventory(without)
+            await monitor.check_now()
+            monitor.on_inventory(other)
+            await monitor.check_now()
+            return _health(monitor)[split1], monitor.taints()
+        finally:
+            await monitor.stop()
+
+    health, taints = asyncio.run(main())
+    assert health == (HEALTHY, "") and split1 not in taints

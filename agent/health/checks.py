@@ -55,6 +55,7 @@ class Memory:
     aer_until: float = 0.0
     aer_message: str = ""
     event_fault: tuple[str, str] | None = None  # (code, message) of an NVML XID/ECC event: held
+    event_uuid: str | None = None  # the UUID of the GPU that raised ``event_fault`` (another may take the slot)
     daemon_fault: tuple[str, str] | None = None  # (code, message): its MPS control daemon is down, until back
 
 

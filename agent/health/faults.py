@@ -39,6 +39,7 @@ FILE, LOCK = "gpu-faults.json", "gpu-faults.lock"
 MAX_BYTES = 1 << 20
 MAX_FAULTS = 1024
 LOCK_TIMEOUT = 10.0  # seconds: a write holds it for milliseconds
+MAX_SINCE = 253402300799.0  # 9999-12-31: later is no time (time.localtime, the next write's JSON)
 
 Uuid = Annotated[str, StringConstraints(pattern=r"^GPU-[0-9A-Za-z-]{1,60}$")]
 Bdf = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
@@ -55,7 +56,7 @@ class GpuFault(BaseModel):
     bdf: Bdf  # where the GPU was (its device's name); the UUID is what is matched
     reason: Reason
     message: str = Field(max_length=1024)
-    since: float = Field(ge=0)  # Unix seconds
+    since: float = Field(ge=0, le=MAX_SINCE, allow_inf_nan=False)  # Unix seconds (a time: written back, shown)
     bootId: BootId
     partition: DeviceName | None = None  # a MIG device's own fault (an XID in its instance); None: the GPU's
 
@@ -113,8 +114,9 @@ class FaultStore:
                                  "unhealthy are not; fix or remove it")
         try:
             doc = _FaultFile.model_validate(json.loads(raw))
-        except (ValueError, ValidationError) as err:
-            why = "not JSON" if isinstance(err, json.JSONDecodeError) else _first_error(err)
+        except (ValueError, ValidationError, RecursionError) as err:  # RecursionError: JSON nested too deep
+            why = ("not JSON" if isinstance(err, json.JSONDecodeError) else
+                   "JSON nested too deep" if isinstance(err, RecursionError) else _first_error(err))
             return self._problem(f"GPU fault file {self.path} is damaged ({why}): treated as empty, so GPUs it "
                                  "held unhealthy are not; fix or remove it")
         faults: dict[tuple, GpuFault] = {}
@@ -228,10 +230,11 @@ class KeptFaults:
         self.kept: dict[tuple, GpuFault] = {}
         self._sig: tuple | None | bool = False  # False: never read
         self._gone: dict[tuple, GpuFault] = {}  # the faults that left the file (cleared), not yet applied
+        self._recorded = False  # a fault written since the last apply (a round may have cleared its GPU meanwhile)
 
     @property
     def pending(self) -> bool:
-        return bool(self._gone)
+        return bool(self._gone) or self._recorded
 
     def _adopt(self, faults: dict[tuple, GpuFault]) -> None:
         self._gone.update((k, f) for k, f in self.kept.items() if k not in faults)
@@ -247,6 +250,7 @@ class KeptFaults:
 
     def record(self, uuid: str, bdf: str, reason: str, message: str, partition: str | None = None) -> None:
         """Keep a new fault (a repeat of the kept one costs no write: a GPU may raise it often)."""
+        self.refresh()  # the file as it is now: a fault the operator cleared since is no repeat
         kept = self.kept.get((uuid, partition))
         if kept is not None and kept.reason == reason and kept.bdf == bdf:
             return
@@ -256,12 +260,13 @@ class KeptFaults:
             log.error("GPU %s (%s): fault %s of %s not kept across restarts: %s", uuid, bdf, reason, partition or "the GPU", err)
             return
         self._adopt(self.store.load())
+        self._recorded = True
 
     def apply(self, known: dict, memory: dict, partition_faults: dict[str, tuple[str, str]]) -> None:
         """Kept faults onto their GPUs' memory and into ``partition_faults`` (MIG device -> fault),
         cleared ones off both: matched by UUID, or by PCI address for a GPU whose UUID discovery
         could not read (the fault was kept under NVML's)."""
-        gone, self._gone = self._gone, {}
+        gone, self._gone, self._recorded = self._gone, {}, False
         gpu_faults = {u: f for (u, p), f in self.kept.items() if p is None}
         by_device = {f.gpu: u for u, f in gpu_faults.items()}
         gone_devices = {f.gpu: u for (u, p), f in gone.items() if p is None}
@@ -271,16 +276,25 @@ class KeptFaults:
             if dev.gpu is None or mem is None:
                 continue
             uuid = uuids[name] = dev.gpu.nvidia_uuid or by_device.get(name) or gone_devices.get(name)
+            if mem.event_fault is not None and None not in (mem.event_uuid, dev.gpu.nvidia_uuid) \
+                    and mem.event_uuid != dev.gpu.nvidia_uuid:  # another GPU put in the slot: not its fault
+                log.info("device %s: fault %s was GPU %s's; %s is there now", name, mem.event_fault[0], mem.event_uuid,
+                         dev.gpu.nvidia_uuid)
+                mem.event_fault = mem.event_uuid = None
             if (uuid, None) in gone and mem.event_fault is not None:
                 log.info("device %s (%s): fault %s cleared (no longer in %s)", name, uuid, mem.event_fault[0],
                          self.store.path)
                 mem.event_fault = None
             fault = gpu_faults.get(uuid)
             if fault is not None and mem.event_fault is None:
-                mem.event_fault = (fault.reason, fault.message)
+                mem.event_fault, mem.event_uuid = (fault.reason, fault.message), uuid
         for (uuid, part), f in gone.items():
             if part is not None and partition_faults.pop(part, None) is not None:
                 log.info("device %s (%s): fault %s cleared (no longer in %s)", part, uuid, f.reason, self.store.path)
         for (uuid, part), f in self.kept.items():
-            if part is not None and uuids.get(f.gpu) in (None, uuid):  # not another GPU's put in that slot
+            if part is None:
+                continue
+            if uuids.get(f.gpu) in (None, uuid):  # not another GPU's put in that slot
                 partition_faults.setdefault(part, (f.reason, f.message))
+            elif partition_faults.get(part) == (f.reason, f.message):  # held since before another GPU came
+                del partition_faults[part]

@@ -113,7 +113,8 @@ class GpuEvents:
 
     def _gpu_fault(self, bdf: str, code: str, message: str) -> None:
         name = device_name("gpu", bdf)
-        self._memory.setdefault(name, Memory()).event_fault = (code, message)
+        mem = self._memory.setdefault(name, Memory())
+        mem.event_fault, mem.event_uuid = (code, message), self._uuid(name, bdf)
         self._spawn(self._check_and_keep(name, bdf, code, message))
 
     async def _check_and_keep(self, name: str, bdf: str, code: str, message: str) -> None:
@@ -135,7 +136,7 @@ class GpuEvents:
 
     def _daemon_fault(self, uuid: str, fault: tuple[str, str] | None) -> None:
         self._daemon_faults[uuid] = fault
-        names = [n for n, d in self._known.items() if d.gpu is not None and d.gpu.nvidia_uuid == uuid]
+        names = [n for n, d in list(self._known.items()) if d.gpu is not None and d.gpu.nvidia_uuid == uuid]  # (see _on_links)
         for name in names:
             self._memory.setdefault(name, Memory()).daemon_fault = fault
         if names:

@@ -133,7 +133,8 @@ class HealthMonitor(GpuEvents):
             if self._wake is not None:
                 self._wake.set()
             return
-        names = [n for n, d in self._known.items() if d.nic and any(i.name in interfaces for i in d.nic.interfaces)]
+        known = list(self._known.items())  # (one step: a round's thread may be adding devices to it)
+        names = [n for n, d in known if d.nic and any(i.name in interfaces for i in d.nic.interfaces)]
         if names:
             self._spawn(self.check_devices(names))
 
