@@ -10,6 +10,7 @@ slow API server answer per-claim errors within the kubelet's 45 s, never a Deadl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -193,3 +194,128 @@ def test_claim_reads_from_a_slow_api_server_answer_within_the_kubelets_deadline(
             source.api.close()
     asyncio.run(main())
     wait_until(lambda: apiserver.http().get("/readyz", timeout=5).status_code == 200, 60, what="the API server after etcd")
+
+
+def test_stop_keeps_the_serialize_lock_while_a_prepare_still_runs(tmp_path):
+    """SIGTERM while a prepare is in the driver (a GPU mode switch takes seconds): the DRA server's
+    grace ends before it, but its thread goes on. The serialize lock must stay held until that
+    thread is done: the new instance of a rolling update (whose recovery runs under the lock)
+    would otherwise roll back the prepare as an interrupted one while it still runs."""
+    e = Env(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    prepare = e.driver.prepare_claims
+
+    def slow_prepare(claims):
+        entered.set()
+        assert release.wait(60)
+        return prepare(claims)
+    e.driver.prepare_claims = slow_prepare
+    lock_path = os.path.join(e.settings.plugin_dir, "serialize.lock")
+
+    def other_instance_gets_lock() -> bool:
+        import fcntl
+        fd = os.open(lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    async def main():
+        await e.__aenter__()
+        ended = _count_lock_runs(e.plugin)
+        stopping = preparing = None
+        try:
+            c = store_claim(e.settings, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            preparing = asyncio.ensure_future(e.kubelet.prepare(c))
+            assert await asyncio.to_thread(entered.wait, 30)
+            stopping = asyncio.ensure_future(e.plugin.stop(grace=0.2))
+            await asyncio.sleep(1.0)  # past the server's grace: the prepare's thread still runs
+            assert ended[0] == 0
+            assert not await asyncio.to_thread(other_instance_gets_lock), \
+                "the serialize lock was given up while a prepare ran under it"
+        finally:
+            release.set()
+            if stopping is not None:
+                await stopping
+            else:
+                await e.plugin.stop()
+            if preparing is not None:
+                with contextlib.suppress(Exception):
+                    await preparing
+        await asyncio.to_thread(wait_until, lambda: ended[0] == 1, 30, what="the prepare's thread")
+    asyncio.run(main())
+
+
+class _OrderedStatus:
+    """A status writer that records what it is asked, in order; a prepare's ``submit`` is slow
+    to arrive (its thread was preempted after the lock), waiting up to 3 s for a ``release``."""
+
+    recorded = None
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.released = threading.Event()
+
+    def submit(self, ref, entries, seen=None) -> None:
+        self.released.wait(3)
+        self.calls.append(("submit", ref.uid))
+
+    def release(self, ref) -> None:
+        self.calls.append(("release", ref.uid))
+        self.released.set()
+
+    async def idle(self, timeout=None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_claims_status_is_not_written_after_its_unprepare_released_it(tmp_path):
+    """The kubelet unprepared the claim while its prepare was in the driver (it had given up on
+    it, or the pod went): the unprepare waited for the lock. Whatever order the two threads run
+    in after the lock, the claim's last status wish is the unprepare's: a prepare's Ready entries
+    written after it would describe devices the node gave back."""
+    from agent.kubeletplugin.types import PreparedDevice, PrepareResult
+
+    settings = settings_for(str(tmp_path))
+    entered, go = threading.Event(), threading.Event()
+
+    class Driver_:
+        def prepare_claims(self, claims):
+            entered.set()
+            assert go.wait(30)
+            return {c["metadata"]["uid"]: PrepareResult(
+                [PreparedDevice(["r"], "node-1", "gpu-0000-1b-00-0", ["k8s.sysdra.io/claim=x"])],
+                status=[{"driver": DRIVER, "pool": "node-1", "device": "gpu-0000-1b-00-0"}]) for c in claims}
+
+        def unprepare_claims(self, refs):
+            return {r.uid: None for r in refs}
+
+    status = _OrderedStatus()
+    plugin = KubeletPlugin(settings, Driver_(), DirClaimSource(settings.cluster_dir), status)
+
+    async def main():
+        await plugin.start()
+        try:
+            kubelet = KubeletStandIn(settings.registry_dir)
+            await kubelet.register()
+            c = store_claim(settings, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            uid = c["metadata"]["uid"]
+            preparing = asyncio.ensure_future(kubelet.prepare(c))
+            assert await asyncio.to_thread(entered.wait, 30)
+            unpreparing = asyncio.ensure_future(kubelet.unprepare(c))
+            await asyncio.to_thread(wait_until, lambda: _waiting_for_flock(os.path.join(settings.plugin_dir, "serialize.lock"))
+                                    or plugin._lock._mutex.locked(), 30, what="the unprepare to wait for the lock")
+            await asyncio.sleep(0.2)
+            go.set()
+            assert (await preparing).claims[uid].error == ""
+            assert (await unpreparing).claims[uid].error == ""
+            assert status.calls[-1] == ("release", uid), status.calls
+        finally:
+            go.set()
+            await plugin.stop()
+    asyncio.run(main())

@@ -127,7 +127,7 @@ class KubeletPlugin:
         """Registration socket first (the kubelet deregisters on its removal), then DRA."""
         await self._reg.stop(0)
         await self._dra.stop(grace)
-        self._lock.close()
+        await asyncio.to_thread(self._lock.close)  # after the calls still running in their threads
         if self._core is not None:
             self._core.close()
         if callable(close := getattr(self.driver, "close", None)):  # its own threads (MPS supervision)

@@ -53,9 +53,12 @@ class SerializeLock:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Blocking: waits for a ``run`` under way (closing the fd drops the ``flock``, which
+        another instance would then take while our driver still works under it)."""
+        with self._mutex:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         """``fn(arg)`` holding both locks (blocking: call it in a worker thread)."""
@@ -187,22 +190,32 @@ class Prepare:
                 claims.append(got)
         if claims:
             try:
-                results = self.lock.run(self._prepare_locked, (claims, gone, seq))
+                results = self.lock.run(self._prepare_locked, (claims, gone, seq, by_uid))
             except Exception as err:
                 log.exception("driver failed to prepare claims")
                 results = {c["metadata"]["uid"]: PrepareResult(error=f"internal error: {err}") for c in claims}
             for c in claims:
                 uid = c["metadata"]["uid"]
-                res = out[uid] = encodable(uid, results.get(uid) or PrepareResult(error=NO_RESULT))
-                if self.status is not None and not res.error and res.status is not None:
-                    self.status.submit(by_uid[uid], res.status, seen=c)
+                out[uid] = results.get(uid) or PrepareResult(error=NO_RESULT)
         return out
 
-    def _prepare_locked(self, args: tuple[list[dict], threading.Event, int]) -> dict[str, PrepareResult]:
-        """Under the lock. A prepare the kubelet gave up on does nothing: the kubelet may have
+    def _prepare_locked(self, args: tuple[list[dict], threading.Event, int, dict[str, ClaimRef]]) -> dict[str, PrepareResult]:
+        """Under the lock (its results' ``status.devices`` handed to the status writer too: an
+        unprepare of the claim that waits for the lock releases them after, never before). A
+        prepare the kubelet gave up on does nothing: the kubelet may have
         unprepared its claims since (the lock is not FIFO), and a claim prepared after its
         unprepare would stay prepared, its devices held, for ever. So does a claim whose
         unprepare ran after this prepare began (the kubelet's cancel not seen yet)."""
+        out = self._prepare_claims_locked(args[:3])
+        claims, by_uid = args[0], args[3]
+        for c in claims:
+            uid = c["metadata"]["uid"]
+            res = out[uid] = encodable(uid, out.get(uid) or PrepareResult(error=NO_RESULT))
+            if self.status is not None and not res.error and res.status is not None:
+                self.status.submit(by_uid[uid], res.status, seen=c)
+        return out
+
+    def _prepare_claims_locked(self, args: tuple[list[dict], threading.Event, int]) -> dict[str, PrepareResult]:
         claims, gone, seq = args
         if gone.is_set():
             return {c["metadata"]["uid"]: PrepareResult(error="the kubelet gave up on this call: nothing prepared")
@@ -241,7 +254,11 @@ class Prepare:
         # An unprepare the kubelet gave up on still runs: late, it does what was asked; the
         # prepares it overtakes see its marks.
         try:
-            return self.driver.unprepare_claims(refs)
+            results = self.driver.unprepare_claims(refs)
+            for ref in refs:  # under the lock: after a prepare's status, before a later prepare's
+                if self.status is not None and ref.uid in results and results[ref.uid] is None:
+                    self.status.release(ref)  # our entries go with the prepared devices
+            return results
         finally:
             with self._book:
                 if self._running:  # else no prepare began before it
@@ -254,11 +271,7 @@ class Prepare:
         except Exception as err:
             log.exception("driver failed to unprepare claims")
             return {r.uid: f"internal error: {err}" for r in refs}
-        out = {r.uid: results[r.uid] if r.uid in results else NO_RESULT for r in refs}
-        for ref in refs:
-            if self.status is not None and out[ref.uid] is None:
-                self.status.release(ref)  # our entries go with the prepared devices
-        return out
+        return {r.uid: results[r.uid] if r.uid in results else NO_RESULT for r in refs}
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
         t0 = time.perf_counter()
