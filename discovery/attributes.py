@@ -27,6 +27,7 @@ UPSTREAM_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
 MAX_VALUE_LENGTH = 64  # bytes, of a string or version value and of each list element
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_ATTRIBUTE_VALUES = 48  # a device's attribute values, each list element counted
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # an int value's range
 # devlink's phys_port_name of a PCI_PF/VF/SF port, c<N> first for an external controller: a
 # representor (a switchdev PF lists one per VF/SF under its own net/), not the function's port
 _REPRESENTOR = re.compile(r"^(?:c\d+)?pf\d+(?:[vs]f\d+)?$")
@@ -195,6 +196,9 @@ def _publish(out: dict, problems: list[Problem], entries: list[tuple[str, object
         if v is None:
             continue
         field = _FIELD_OF[type(v)]
+        if field == "int_" and not _INT64_MIN <= v <= _INT64_MAX:  # the API would refuse the device
+            problems.append(Problem(what=name, reason="value not a 64-bit integer"))
+            continue
         # the shared value's table looked up here: ~20 values a device, most of them shared
         value = table.get(v) if (table := shared.get(field)) is not None else None
         if value is None:

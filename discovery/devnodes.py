@@ -35,7 +35,7 @@ def parse_proc_devices(text: str) -> dict[str, int]:
         if line.startswith("Block devices"):
             break
         parts = line.split(None, 1)
-        if len(parts) == 2 and parts[0].isdigit():
+        if len(parts) == 2 and parts[0].isascii() and parts[0].isdigit():
             majors.setdefault(parts[1].strip(), int(parts[0]))
     return majors
 

@@ -15,6 +15,7 @@ _FME = re.compile(r"^dfl-fme\.(\d+)$")
 _PORT = re.compile(r"^dfl-port\.(\d+)$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _XCLMGMT = re.compile(r"^xclmgmt(\d+)$")
+MINORS = 1 << 20  # a device number's minor is 20 bits (MINORBITS)
 
 
 def _first(names: list[str], pattern: re.Pattern) -> str | None:
@@ -157,6 +158,9 @@ def _xclmgmt(fs: HostFS, resolver: NodeResolver, d: Dir, problems: list[Problem]
             instance = fs.read_int(f"{d.path}/instance")
         except AttrError:
             pass
+        if instance is not None and not 0 <= instance < MINORS:  # no minor: not /dev/xclmgmt-1
+            problems.append(Problem(what="instance", reason=f"out of range: {instance}"))
+            instance = None
     if instance is None:
         instance = int(name[7:]) if name else None
     if name is None and instance is not None:

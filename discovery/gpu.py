@@ -37,7 +37,7 @@ def _nvidia(fs: HostFS, resolver: NodeResolver, fn: PciFunction, problems: list[
         problems.append(Problem(what="/dev/nvidiaN", reason=f"{fs.rel(info_path)}: {err.reason}"))
         return None, None, None, []
     minor_text = info.get("Device Minor", "")
-    minor = int(minor_text) if minor_text.isdigit() and int(minor_text) < NVIDIACTL_MINOR else None
+    minor = int(minor_text) if minor_text.isascii() and minor_text.isdigit() and int(minor_text) < NVIDIACTL_MINOR else None
     nodes: list[DeviceNode] = []
     if minor is None:
         problems.append(Problem(what="/dev/nvidiaN", reason=f"bad or missing Device Minor {minor_text[:20]!r}"))
@@ -67,6 +67,9 @@ def _vram_bytes(fs: HostFS, d: Dir, problems: list[Problem]) -> int | None:
     except AttrError as err:
         if err.reason != "missing":
             problems.append(Problem(what="memory", reason=f"mem_info_vram_total: {err.reason}"))
+        return None
+    if n >= 1 << 63:  # past the largest quantity: the API would refuse the whole GPU
+        problems.append(Problem(what="memory", reason=f"mem_info_vram_total: {n} bytes is out of range"))
         return None
     return n if n > 0 else None
 

@@ -55,8 +55,8 @@ def _props(text: str) -> dict[str, int]:
     out = {}
     for line in text.splitlines():
         key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            out[key] = int(value)
+        if (v := value.strip()).isascii() and v.isdigit():
+            out[key] = int(v)
     return out
 
 
@@ -185,8 +185,8 @@ def _access_minor(fs: HostFS, path: str) -> int | None:
     try:
         for line in fs.read_text(path, limit=4096).splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "DeviceFileMinor" and value.strip().isdigit():
-                return int(value)
+            if key.strip() == "DeviceFileMinor" and (v := value.strip()).isascii() and v.isdigit():
+                return int(v)
     except AttrError:
         pass
     return None
@@ -203,11 +203,11 @@ def read_mig(fs: HostFS, resolver: NodeResolver, minor: int, problems: list[Prob
         problems.append(Problem(what="MIG", reason=f"{MIG_MINORS}: {err.reason}"))
         return Partitioning(kind="mig")
     parts: list[GpuPartition] = []
-    for gi_name in fs.listdir(base):
+    for gi_name in _entries(fs, base):  # (MIG turned off, an instance destroyed, while it is read)
         if not (g := _GI.match(gi_name)) or not fs.exists(f"{base}/{gi_name}/access"):
             continue
         gi = int(g.group(1))
-        for ci_name in fs.listdir(f"{base}/{gi_name}"):
+        for ci_name in _entries(fs, f"{base}/{gi_name}"):
             if not (c := _CI.match(ci_name)) or not fs.exists(f"{base}/{gi_name}/{ci_name}/access"):
                 continue
             ci = int(c.group(1))

@@ -205,7 +205,7 @@ def _record(bdf: str, real: str, d: Dir, values: dict, links: dict[str, str], ph
         class_code=values["class"],
         driver=values["driver"] if "driver" in values else links.get("driver"),
         numa_node=values.get("numa_node"),
-        iommu_group=int(iommu) if iommu is not None and iommu.isdigit() else None,
+        iommu_group=int(iommu) if iommu is not None and iommu.isascii() and iommu.isdigit() else None,
         link=PciLink(max_speed=values.get("max_link_speed"), max_width=values.get("max_link_width")),
         sriov=sriov,
         physfn=physfn,

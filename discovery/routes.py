@@ -62,7 +62,7 @@ def default_route_interfaces(fs: HostFS) -> set[str]:
     try:  # Iface Destination Gateway Flags RefCnt Use Metric Mask ...
         for line in _table(fs, "route").splitlines()[1:]:
             f = line.split()
-            if len(f) >= 8 and f[1] == "00000000" and f[7] == "00000000" and f[6].isdigit():
+            if len(f) >= 8 and f[1] == "00000000" and f[7] == "00000000" and f[6].isascii() and f[6].isdigit():
                 v4.append((int(f[6]), f[0]))
     except AttrError:
         pass

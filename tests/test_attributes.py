@@ -264,3 +264,21 @@ def test_pcie_switch_tells_apart_what_one_pcie_root_holds():
     assert roots == {"pci0000:00"}
     assert switch == {"gpu-0000-0a-00-0": None, "gpu-0000-0d-00-0": "0000:0b:00.0", "nic-0000-03-00-0": "0000:01:00.2",
                       "nic-0000-06-00-0": "0000:01:00.2", "nic-0000-06-00-1": "0000:01:00.2", "nic-0000-08-00-0": "0000:01:00.2"}
+
+
+@pytest.mark.parametrize("width", [2**63, -(2**63) - 1])
+def test_an_integer_past_64_bits_is_left_out_with_a_problem_not_the_device(tmp_path, width):
+    """An int attribute is 64 bits in the API: a ``max_link_width`` past it is that attribute's
+    problem; published, the API (and the publisher's check) refuses the whole device."""
+    from agent.publish.slices import build_pool
+
+    root = copy_profile(tmp_path, "sriov-nic")
+    victim = scan(root).devices[0]
+    with open(os.path.join(root, victim.pci.sysfs_path.lstrip("/"), "max_link_width"), "w") as f:
+        f.write(f"{width}\n")
+    dev = scan(root).by_name()[victim.name]
+    assert "pcieLinkWidth" not in dev.attributes
+    assert any(p.what == "pcieLinkWidth" for p in dev.problems)
+    pool = build_pool(scan(root), node_name="node-a", driver_name="sysdra.io")
+    assert pool.rejected == ()
+    assert victim.name in {d["name"] for s in pool.slices for d in s.get("devices", [])}

@@ -291,3 +291,17 @@ def test_a_config_sysdra_run_refuses_is_a_failed_config_check(tmp_path, capsys):
                      "--cluster", f"dir:{tmp_path / 'cluster'}"]) == 1
     out = capsys.readouterr().out
     assert "[FAIL] config:" in out and "gpu cannot be combined with partitions" in out
+
+
+def test_a_checkpoint_aside_whose_name_holds_no_time_is_still_named():
+    """Any file may be in the plugin dir: a name whose suffix is no Unix time (a digit int() does
+    not take, one past any time) is named without a time, never a crash of the doctor."""
+    import tempfile
+
+    from agent.tools.doctor_files import _checkpoint_aside
+
+    for suffix, when in (("1700000000", "20"), ("\u00b2", "?"), ("9" * 40, "?")):
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, f"checkpoint.json.rejected-{suffix}"), "w").close()
+            (found,) = _checkpoint_aside(d)
+            assert found.check == "checkpoint:aside" and f"(last at {when}" in found.message

@@ -61,3 +61,28 @@ def test_an_access_file_that_disagrees_with_mig_minors_is_a_problem(tmp_path):
     gpu = _gpu(root)
     assert (9, 0) not in {(p.gi, p.ci) for p in gpu.gpu.partitioning.partitions}
     assert any(p.what == "MIG gi9/ci0" and "disagrees" in p.reason for p in gpu.problems)
+
+
+def test_an_instance_destroyed_while_it_is_read_costs_only_that_instance(tmp_path, monkeypatch):
+    """MIG instances come and go while a scan reads them (the agent's own prepare makes and
+    destroys them): one whose directory goes between the check of its access file and its
+    listing is not there; the GPU keeps its device nodes and the other instances."""
+    from discovery.sysfs import HostFS
+
+    root = _root(tmp_path)
+    before = _gpu(root)
+    gone = os.path.join(root, MIG, "gi1")
+    real_exists = HostFS.exists
+
+    def racing(self, path):
+        found = real_exists(self, path)
+        if path == os.path.join(gone, "access") and os.path.isdir(gone):
+            shutil.rmtree(gone)  # destroyed just after it was seen
+        return found
+
+    monkeypatch.setattr(HostFS, "exists", racing)
+    gpu = _gpu(root)
+    assert not any(p.what == "details" for p in gpu.problems), gpu.problems
+    assert gpu.device_nodes == before.device_nodes
+    assert {(p.gi, p.ci) for p in gpu.gpu.partitioning.partitions} == {
+        (p.gi, p.ci) for p in before.gpu.partitioning.partitions if p.gi != 1}

@@ -268,3 +268,11 @@ def test_half_default_routes_and_the_kernels_unreachable_one_on_lo_are_no_uplink
     with open(os.path.join(root, "proc/net/ipv6_route"), "a") as f:
         f.write(f"{'0' * 32} 00 {'0' * 32} 00 {'0' * 32} ffffffff 00000001 00000000 00200200       lo\n")
     assert uplink(root).interfaces == ("eno1",) and PF1 in names(scan(root))
+
+
+def test_a_default_route_whose_metric_is_no_number_is_no_route_not_a_failed_scan(tmp_path):
+    """``str.isdigit`` is true of "²", ``int`` refuses it: the route is not counted, the scan goes on."""
+    root = node(tmp_path, v4=[("enp6s0f0", "\u00b2"), ("enp6s0f1", 100)])
+    inv = scan(root)
+    assert skipped(inv)[PF1] == "the host's uplink: default route via enp6s0f1"
+    assert PF0 in names(inv)

@@ -73,7 +73,7 @@ def _nvidia_minor(fs: HostFS, bdf: str) -> int | None:
     except AttrError:  # not a GPU the NVIDIA driver has
         return None
     minor = parse_nvidia_information(text).get("Device Minor", "")
-    return int(minor) if minor.isdigit() and int(minor) < NVIDIACTL_MINOR else None
+    return int(minor) if minor.isascii() and minor.isdigit() and int(minor) < NVIDIACTL_MINOR else None
 
 
 def _nvidia_major(fs: HostFS) -> int:

@@ -113,7 +113,7 @@ class PciKernel:
 
     def group(self, bdf: str) -> int | None:
         name = self._link_name(os.path.join(self.dev(bdf), "iommu_group")) or ""
-        return int(name) if name.isdigit() else None
+        return int(name) if name.isascii() and name.isdigit() else None
 
     def group_members(self, group: int) -> list[str]:
         try:

@@ -74,7 +74,7 @@ def watchdog_interval(environ=None) -> float | None:
     if not usec:
         return None
     pid = env.get("WATCHDOG_PID")
-    if pid and pid.isdigit() and int(pid) != os.getpid():
+    if pid and pid.isascii() and pid.isdigit() and int(pid) != os.getpid():
         return None  # set for another process (e.g. inherited by a child)
     try:
         value = int(usec)

@@ -238,8 +238,9 @@ def _checkpoint_aside(plugin_dir: str) -> list[Finding]:
         aside = []
     if not aside:
         return []
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(aside[-1].rsplit("-", 1)[1]))) \
-        if aside[-1].rsplit("-", 1)[1].isdigit() else "?"
+    stamp = aside[-1].rsplit("-", 1)[1]  # a Unix time the agent wrote; any name may be there
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(stamp))) \
+        if stamp.isascii() and stamp.isdigit() and len(stamp) <= 11 else "?"
     return [Finding("checkpoint:aside", "warn",
                     f"a corrupt checkpoint or invalid entries were moved aside (last at {when}): {', '.join(aside)}",
                     f"inspect them (the agent kept what they still established and adopted the claims it found CDI specs "
