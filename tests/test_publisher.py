@@ -242,3 +242,78 @@ def test_a_changed_skip_node_operations_is_rewritten(tmp_path):
 
     run(scenario())
     assert [o["spec"].get("skipNodeOperations") for o in dir_slices(tmp_path)] == [["NodeUnprepareResources"]]
+
+
+# --- found in review: long outages, foreign files in the directory ------------------------
+def test_the_publisher_keeps_retrying_after_a_thousand_failures(tmp_path):
+    """An API server refusing the agent for hours (outage, RBAC not yet granted, a slice it rejects)
+    is retried at the capped delay for ever: the 1025th retry used to compute 2.0 ** 1024, whose
+    OverflowError left ``run`` from inside its error handler and publishing stopped for good."""
+    from agent.publish.backoff import Backoff
+    from agent.publish.store import StoreError
+
+    class Down:
+        full_names = True
+
+        async def list_slices(self):
+            raise StoreError("API server unavailable")
+
+    b = Backoff(initial=0.2, cap=30.0)
+    b.attempt = 5000
+    assert 24.0 <= b.next() <= 36.0  # the cap, with its jitter
+
+    async def scenario():
+        pub = Publisher(Down(), node_name=NODE, driver_name=DRIVER, resync_interval=0, debounce=0,
+                        backoff=Backoff(initial=1e-6, cap=1e-6, jitter=0))
+        task = asyncio.get_running_loop().create_task(pub.run())
+        pub.set_pool(pool_of(1))
+        while pub.errors < 1100 and not task.done():
+            await asyncio.sleep(0.01)
+        died = task.done() and not task.cancelled() and task.exception()
+        task.cancel()
+        return pub.errors, died
+
+    errors, died = run(scenario())
+    assert not died, f"the publisher stopped after {errors} failures: {died!r}"
+    assert errors >= 1100
+
+
+def test_foreign_json_in_the_directory_is_left_alone(tmp_path):
+    """Files of others in ``resourceslices/`` are left alone (docs/publishing.md), whatever JSON they
+    hold: one whose top level is no object (or whose spec is none) made every listing raise, so the
+    node's slices were never published, retried for ever."""
+    d = tmp_path / "resourceslices"
+    d.mkdir()
+    foreign = {"list.json": '["not", "a", "slice"]', "text.json": '"hello"', "spec.json": '{"spec": "x"}',
+               "nopool.json": json.dumps({"metadata": {"name": "nopool"}, "spec": {"driver": DRIVER, "nodeName": NODE, "pool": None}})}
+    for name, text in foreign.items():
+        (d / name).write_text(text)
+
+    async def scenario():
+        rec = Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER)
+        return await rec.sync(pool_of(3))
+
+    assert run(scenario()).created == 1
+    assert {name: (d / name).read_text() for name in foreign} == foreign
+
+
+def test_a_copy_of_a_slice_file_under_another_name_is_repaired(tmp_path):
+    """A file is addressed by its name: a slice file copied (or moved) to another name holds the
+    name of the first. The reconciler deleted the first file for the copy's duplicate, then
+    could never update the slice the copy claimed to be (NotFound, retried for ever)."""
+    import shutil
+
+    async def scenario():
+        store = DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER)
+        rec = Reconciler(store, node_name=NODE, driver_name=DRIVER)
+        await rec.sync(pool_of(3))
+        (path,) = (tmp_path / "resourceslices").glob("*.json")
+        shutil.copy(path, path.with_name("copy-of-it.json"))
+        await rec.sync(pool_of(3))
+        return await rec.sync(pool_of(4))  # a change: the slice is updated
+
+    stats = run(scenario())
+    assert stats.updated + stats.created >= 1
+    (obj,) = dir_slices(tmp_path)
+    assert len(obj["spec"]["devices"]) == 4
+    assert (tmp_path / "resourceslices" / (obj["metadata"]["name"] + ".json")).exists()

@@ -327,3 +327,26 @@ def test_cached_entries_follow_the_settings_and_taints():
     assert [d.get("taints") for d in tainted.slices[0]["devices"]] == [[taint], None]
     off = build(inv, cache=cache, list_attributes=False)
     assert off.slices == ({"devices": []},) and [name for name, _ in off.rejected] == [d.name for d in inv.devices]
+
+
+def test_the_whole_partitionable_gpu_stays_within_32_attributes_and_capacities():
+    """With --partitions the whole AMD GPU gets computePartition and memoryPartition on top of its
+    own attributes. A GPU holding 32 attributes and capacities already (the operator's
+    device_attributes fill it up to the API's limit) went out with 34, unchecked: kube-apiserver
+    refuses the whole slice, every device of it, and the publisher retries it for ever. It leaves out
+    what a partition leaves out first (docs/partitions.md), and every device published passes."""
+    from discovery.extra_attributes import ExtraAttributes
+    from discovery.inventory import scan
+
+    extra = ExtraAttributes.parse([{"match": ["kind:gpu"], "attributes": {f"site{i}": "x" for i in range(14)}}])
+    inv = scan(profile_root("mi300x-partitions"), list_attributes=False, extra_attributes=extra)
+    gpu = next(d for d in inv.devices if d.name == "gpu-0000-05-00-0")
+    assert len(gpu.attributes) + len(gpu.capacity) == 32
+    pool = build(inv, list_attributes=False, partitions=True)
+    published = {d["name"]: d for s in pool.slices for d in s.get("devices", [])}
+    for name, d in published.items():
+        assert device_problems(d, DRIVER, False) == [], name
+    whole = published["gpu-0000-05-00-0"]  # still published, as the docs say, with its mode
+    assert whole["attributes"]["computePartition"] == {"string": "SPX"}
+    assert whole["attributes"]["memoryPartition"] == {"string": "NPS1"}
+    assert pool.rejected == ()

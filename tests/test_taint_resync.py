@@ -66,3 +66,31 @@ def test_a_rewrite_keeps_the_time_an_unchanged_taint_was_added(node):
     taints = {d["name"]: d.get("taints") for d in stored["spec"]["devices"]}
     assert taints[names[2]] and taints[names[2]][0]["timeAdded"] != old  # the new taint: stamped now
     assert taints[names[1]] == [{**TAINT, "timeAdded": old}]
+
+
+def test_a_taint_without_a_value_beside_one_with_a_value_is_not_rewritten(node):
+    """A NIC the host uses is tainted without a value where its netdev's name is no label value
+    (agent/service/hostnics.py). The server does not keep an empty ``value``: the agent took that for
+    a dropped field (a feature gate off), compared every taint without its value, so the slice of any
+    taint with one differed at each sync, and its rewrite took the field back: a write at every sync,
+    each one's watch event asking for the next, for ever."""
+    names = [d["name"] for d in node.pool(3).slices[0]["devices"]]
+    bare = {"key": "sysdra.io/host-in-use", "value": "", "effect": "NoSchedule"}
+    pool = node.pool(3, taints={names[1]: [dict(bare)], names[2]: [dict(TAINT)]})
+
+    async def scenario():
+        async with Running(node) as r:
+            r.pub.set_pool(pool)
+            await r.pub.wait_synced(lambda p: p.total.created == 1)
+            for _ in range(3):
+                syncs = r.pub.syncs
+                r.pub.request_sync()
+                await r.pub.wait_synced(lambda p: p.syncs > syncs)
+            return dict(r.store.writes), sorted(r.pub.reconciler.dropped.paths)
+
+    writes, dropped = run(scenario())
+    assert dropped == []  # nothing was dropped: an empty value is no value
+    assert writes == {"create": 1, "update": 0, "delete": 0}
+    (stored,) = node.slices()
+    taints = {d["name"]: d.get("taints") for d in stored["spec"]["devices"]}
+    assert [{k: v for k, v in t.items() if k != "timeAdded"} for t in taints[names[1]]] == [{"key": bare["key"], "effect": "NoSchedule"}]

@@ -13,8 +13,10 @@ class Backoff:
         self._rng = rng or random.Random()
 
     def next(self) -> float:
-        delay = min(self.cap, self.initial * self.factor**self.attempt)
-        self.attempt += 1
+        delay = min(self.cap, self.initial * self.factor ** min(self.attempt, 64))
+        # bounded: past the cap the exponent only grows towards 2.0 ** 1024, an OverflowError
+        # (after ~1000 failures in a row, some 8 hours at the cap) that would end the retries
+        self.attempt = min(self.attempt + 1, 64)
         return delay * (1 + self.jitter * (2 * self._rng.random() - 1))
 
     def reset(self) -> None:

@@ -63,10 +63,17 @@ class DirStore:
         for fname in names:
             if fname.startswith(".") or not fname.endswith(".json"):
                 continue
-            obj = self._read(fname[: -len(".json")])
-            spec = (obj or {}).get("spec") or {}
-            if spec.get("nodeName") == self.node_name and spec.get("driver") == self.driver_name:
-                out.append(obj)
+            name = fname[: -len(".json")]
+            obj = self._read(name)
+            spec = obj.get("spec") if isinstance(obj, dict) else None  # another's file may hold any JSON
+            if not isinstance(spec, dict) or spec.get("nodeName") != self.node_name or spec.get("driver") != self.driver_name:
+                continue
+            meta = obj.get("metadata")
+            if not isinstance(meta, dict) or meta.get("name") != name:
+                # a file is addressed by its name, as an object of the API server by its own: a copy or
+                # a move of one of ours is that other object (and replaced as one that is not ours)
+                obj = {**obj, "metadata": {**(meta if isinstance(meta, dict) else {}), "name": name}}
+            out.append(obj)
         return out
 
     def _write(self, obj: dict) -> dict:

@@ -14,13 +14,14 @@ GATES = {"taints": "DRADeviceTaints", "sharedCounters": "DRAPartitionableDevices
          "consumesCounters": "DRAPartitionableDevices", "skipNodeOperations": "DRAOptionalNodeOperations",
          "requestPolicy": "DRAConsumableCapacity"}  # fmt: skip
 _EMPTY = (None, [], {})  # absent and empty compare equal (reconcile._canonical)
+_UNSENT = (None, [], {}, "")  # sent like this, a field the server leaves out is not dropped (omitempty strings)
 
 
 def missing(sent, got, path: tuple = ()):
     """Paths (list positions as "*") of what ``sent`` holds and ``got`` lacks."""
     if isinstance(sent, dict) and isinstance(got, dict):
         for key, value in sent.items():
-            if value in _EMPTY:
+            if value in _UNSENT:
                 continue
             if got.get(key) in _EMPTY:
                 yield (*path, key)

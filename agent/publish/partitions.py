@@ -112,6 +112,9 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
                 continue  # static MIG: only its MIG devices are devices CUDA sees
             if way.kind == "whole":
                 e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
+                if problems := device_problems(e, driver_name, list_attributes):  # its mode's attributes added
+                    rejected.append((way.name, "; ".join(problems)))
+                    continue
             else:
                 e = way_device(way).to_api()
                 # a partition is no healthier than its GPU (--taint-unhealthy), and has faults of its own

@@ -75,11 +75,17 @@ def _owner_key(obj: dict) -> list[tuple]:
 
 def _as_sent(devices):
     """Devices without the taints' ``timeAdded``: the agent sends none for a new taint and the
-    server stamps the time of the write on it, so a slice read back would always differ."""
+    server stamps the time of the write on it, so a slice read back would always differ. An empty
+    ``value`` is no value: the server does not keep it (``omitempty``)."""
     if not isinstance(devices, list):
         return devices
-    return [{**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]}
+    return [{**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded" and not (k == "value" and v == "")}
+                             for t in d["taints"]]}
             if isinstance(d, dict) and isinstance(d.get("taints"), list) else d for d in devices]  # fmt: skip
+
+
+def _taint_key(device: dict, taint: dict) -> tuple:
+    return device.get("name"), taint.get("key"), taint.get("value") or "", taint.get("effect")
 
 
 def same_slice(existing: dict, desired: dict) -> bool:
@@ -94,7 +100,7 @@ def same_slice(existing: dict, desired: dict) -> bool:
 
 def _taint_times(slices: list[dict]) -> dict[tuple, str]:
     """(device, key, value, effect) -> the ``timeAdded`` the server stamped on that taint."""
-    return {(d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t["timeAdded"]
+    return {_taint_key(d, t): t["timeAdded"]
             for s in slices for d in s.get("spec", {}).get("devices") or () if isinstance(d, dict)
             for t in d.get("taints") or () if t.get("timeAdded")}  # fmt: skip
 
@@ -106,7 +112,7 @@ def _keep_taint_times(obj: dict, times: dict[tuple, str]) -> dict:
     if not times or not devices:
         return obj
     def kept(d):
-        taints = [{**t, "timeAdded": times[k]} if (k := (d["name"], t.get("key"), t.get("value"), t.get("effect"))) in times
+        taints = [{**t, "timeAdded": times[k]} if (k := _taint_key(d, t)) in times
                   else t for t in d["taints"]]  # fmt: skip
         return {**d, "taints": taints}
     obj["spec"]["devices"] = [kept(d) if d.get("taints") else d for d in devices]  # (the pool's own dicts untouched)
@@ -145,7 +151,9 @@ class Reconciler:
 
     def _ours(self, obj: dict, pool: PoolContent) -> bool:
         spec = obj.get("spec", {})
-        return spec.get("driver") == self.driver_name and spec.get("nodeName") == self.node_name and spec.get("pool", {}).get("name") == pool.name
+        pool_of = spec.get("pool")  # (a file of the offline directory may hold anything there)
+        return (spec.get("driver") == self.driver_name and spec.get("nodeName") == self.node_name
+                and isinstance(pool_of, dict) and pool_of.get("name") == pool.name)
 
     def _desired(self, pool: PoolContent, index: int, generation: int) -> dict:
         return render_slice(
