@@ -11,6 +11,9 @@ NODE_DIR = "sys/devices/system/node"
 _NODE = re.compile(r"^node(\d+)$")
 
 
+MAX_CPUS = 65536  # past Linux's NR_CPUS limit (8192)
+
+
 def parse_cpulist(text: str) -> list[int]:
     """``"0-2,5,8-9"`` -> [0, 1, 2, 5, 8, 9]. Raises ValueError on garbage."""
     cpus: list[int] = []
@@ -22,6 +25,8 @@ def parse_cpulist(text: str) -> list[int]:
         if b < a or b - a > 65536:
             raise ValueError(f"bad cpulist range {part!r}")
         cpus.extend(range(a, b + 1))
+        if len(cpus) > MAX_CPUS:  # a few KiB of ranges could otherwise name millions
+            raise ValueError(f"cpulist names more than {MAX_CPUS} CPUs")
     return cpus
 
 

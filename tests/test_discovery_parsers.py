@@ -124,6 +124,8 @@ def test_cpulist_and_numa_list_form():
     assert parse_cpulist("0-2,5,8-9\n") == [0, 1, 2, 5, 8, 9]
     with pytest.raises(ValueError):
         parse_cpulist("3-1")
+    with pytest.raises(ValueError, match="more than 65536 CPUs"):  # 4 KiB of ranges, tens of millions of CPUs
+        parse_cpulist(",".join(f"{i * 70000}-{i * 70000 + 65535}" for i in range(200)))
     # 4 nodes, 2 per socket (SNC-like): node 0 is closest to node 1 on its own socket
     nodes = (
         NumaNode(id=0, distances=(10, 12, 21, 21), socket=0),

@@ -88,8 +88,8 @@ def save_applied(plugin_dir: str, value: dict) -> None:
 
 def prepared_claims(plugin_dir: str, live: Checkpoint | None = None) -> dict[str, dict]:
     """The prepared claims: the running driver's, or read from its checkpoint (read-only)."""
-    if live is not None:
-        return live.claims
+    if live is not None:  # a copy in one step: a prepare's thread may add or remove claims meanwhile
+        return dict(live.claims)
     try:
         return Checkpoint.load(os.path.join(plugin_dir, "checkpoint.json"), move_corrupt=False).claims
     except Exception as err:  # unreadable: recovery deals with it; nothing is known to be held
