@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 
 
 def _default_node_name() -> str:
-    return os.environ.get("NODE_NAME") or socket.gethostname()
+    # the kubelet's own default: the host name trimmed and lower-cased (component-helpers' GetHostname)
+    return os.environ.get("NODE_NAME") or socket.gethostname().strip().lower()
 
 
 def _absolute(v: str) -> str:
@@ -146,6 +147,31 @@ def _ipam(v: dict[str, dict]) -> dict[str, dict]:
     return v
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9478"``, ``"[::1]:9478"`` -> (host, port). An empty host is refused:
+    binding every interface must be written out (``0.0.0.0:9478``)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"metrics address {address!r}: expected HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"metrics address {address!r}: port is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"metrics address {address!r}: port out of range")
+    return host, number
+
+
+def _metrics_address(v: str) -> str:
+    if v:
+        try:
+            parse_address(v)
+        except ValueError as err:
+            raise ValueError(str(err).removeprefix(f"metrics address {v!r}: ") + f" ({v!r}; \"\" disables)") from None
+    return v
+
+
 def _shm_size(v: str) -> str:
     """A Kubernetes quantity of whole bytes, at least 1Mi (an MPS daemon's shm tmpfs)."""
     from agent.quantity import parse_quantity
@@ -163,6 +189,7 @@ _CHECKS = {
     "skip_node_operations": _skip, "nvidia_driver_root": _host_path, "cdi_host_root": _host_path,
     "nri_socket": lambda v: _absolute(v) if v else v, "nvidia_mps_shm_size": _shm_size, "exclude_devices": _exclude,
     "device_attributes": _device_attributes, "taint_effects": _taint_effects, "nic_ipam": _ipam, "cni_bin_dir": _host_path,
+    "metrics_address": _metrics_address,
 }
 
 

@@ -276,3 +276,31 @@ def test_server_accepts_every_object(apiserver, values):
                        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ResourceQuota"}  # fmt: skip
     if values == "all":
         assert {"Service", "ServiceMonitor", "PrometheusRule"} <= checked
+
+
+def test_a_snake_case_config_value_reaches_the_agent_and_the_daemonset(tmp_path):
+    """values.yaml and docs/install.md: a config key "written as here or in snake_case". A
+    snake_case key of a setting the chart has a default for must win over that camelCase default
+    (the agent's loader takes one spelling of a setting), and the DaemonSet's mounts follow it."""
+    objs = _objects_set("config.log_level=debug", "config.resync_interval=60", "config.nvidia_driver_root=/run/nvidia/driver",
+                        "nvidia.enabled=true", "config.nic_ipam.data.type=host-local", "config.cni_bin_dir=/usr/libexec/cni")
+    s = _config(objs, tmp_path)
+    assert (s.log_level, s.resync_interval, s.nvidia_driver_root) == ("debug", 60, "/run/nvidia/driver")
+    assert s.nic_ipam == {"data": {"type": "host-local"}} and s.cni_bin_dir == "/usr/libexec/cni"
+    pod = _one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/host/run/nvidia/driver"]["name"]]["hostPath"]["path"] == "/run/nvidia/driver"
+    assert volumes[mounts["/host/usr/libexec/cni"]["name"]]["hostPath"]["path"] == "/usr/libexec/cni"
+
+
+@pytest.mark.parametrize("key, value", [("kubeletDir", "kubeletDir"), ("kubelet_dir", "kubeletDir"), ("cdiDir", "cdiDir"),
+                                        ("driverName", "driverName"), ("nriSocket", "nri.socket"),
+                                        ("metricsAddress", "metrics.port"), ("root", "hostPaths")])
+def test_a_config_setting_the_daemonsets_flags_override_is_refused(key, value):
+    """`config.<any setting>` (docs/install.md): the DaemonSet's flags set the paths, the cluster and
+    the sockets, and driverName is the chart's own value; such a setting in config would be ignored
+    (or contradict the classes and RBAC) without a word: the render names the value to use."""
+    result = run_helm("template", "x", CHART, "--kube-version", "1.37.0", "--set", f"config.{key}=/x", check=False)
+    assert result.returncode != 0 and f"config.{key}" in result.stderr and value in result.stderr, result.stderr

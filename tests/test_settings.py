@@ -66,3 +66,29 @@ def test_a_digit_driver_name_is_refused_only_where_it_is_a_cdi_vendor():
     assert Settings(node_name="node-a", driver_name="3d.example.com", device_metadata=False).driver_name == "3d.example.com"
     with pytest.raises(ConfigError, match="device-metadata: false"):
         _build(node_name="node-a", driver_name="3d.example.com")
+
+
+@pytest.mark.parametrize("address", ["9478", ":9478", "localhost:http", "127.0.0.1:70000"])
+def test_a_bad_metrics_address_is_a_bad_setting(address):
+    """docs/operations.md: metrics_address is HOST:PORT ("" disables), and an invalid value stops the
+    agent with exit 78 naming it; not a running agent that serves no metrics and says so in a warning."""
+    with pytest.raises(ConfigError, match="invalid setting metrics-address: "):
+        _build(node_name="node-a", metrics_address=address)
+
+
+def test_good_metrics_addresses():
+    for address in ("", "127.0.0.1:9478", "0.0.0.0:0", "[::1]:9478", "fd00::5:9478"):  # the last: the chart's $(POD_IP):PORT
+        assert _build(node_name="node-a", metrics_address=address).metrics_address == address
+
+
+def test_the_default_node_name_is_the_kubelets(monkeypatch):
+    """docs/operations.md: node_name defaults to $NODE_NAME or the host name and "must equal the
+    kubelet's node name"; the kubelet's default is the host name trimmed and lower-cased
+    (k8s.io/component-helpers/node/util GetHostname), so a host named GPU-Node-01 is node gpu-node-01."""
+    import socket
+
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "GPU-Node-01")
+    assert build_settings({}, os.devnull, environ={}).node_name == "gpu-node-01"
+    monkeypatch.setenv("NODE_NAME", "worker-1")  # the DaemonSet's spec.nodeName, as it is
+    assert build_settings({}, os.devnull, environ={}).node_name == "worker-1"

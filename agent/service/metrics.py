@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from agent.publish import metrics as publish_metrics
 from agent.service import procstats
 from agent.service.devicemetrics import DeviceRows
+from agent.settings import parse_address
 
 log = logging.getLogger("sysdra.metrics")
 
@@ -182,22 +183,6 @@ class Metrics:
     def set_health(self, counts: dict[str, int]) -> None:
         for state in set(HEALTH_STATES) | set(counts):
             self.device_health.labels(state).set(counts.get(state, 0))
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:9478"``, ``"[::1]:9478"`` -> (host, port). An empty host is refused:
-    binding every interface must be written out (``0.0.0.0:9478``)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"metrics address {address!r}: expected HOST:PORT")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"metrics address {address!r}: port is not a number") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"metrics address {address!r}: port out of range")
-    return host, number
 
 
 class MetricsServer:

@@ -29,7 +29,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Privileged: the MPS daemons' mounts (nvidia.mps), or NVML's device nodes (nvidia.enabled with config.nvml). */}}
 {{- define "sysdra.privileged" -}}
-{{- if or .Values.nvidia.mps (and .Values.nvidia.enabled .Values.config.nvml) -}}true{{- else -}}false{{- end -}}
+{{- $config := include "sysdra.config" . | fromYaml -}}
+{{- if or .Values.nvidia.mps (and .Values.nvidia.enabled $config.nvml) -}}true{{- else -}}false{{- end -}}
 {{- end -}}
 
 {{/* The agent's view of a host directory under --root=/host: "/" is /host itself. */}}
@@ -48,4 +49,29 @@ then may a DeviceClass's CEL name device.allowMultipleAllocations; the server re
 {{- else -}}
 {{- fail (printf "deviceClasses.consumableCapacity must be auto, true or false, not %q" (toString $v)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The agent's config file settings (.Values.config) with every key in camelCase, as YAML: a
+snake_case (or kebab-case) key replaces the chart's camelCase default of the same setting (the agent
+takes one spelling of a setting: two would leave it to the order of the file's keys). The settings
+the DaemonSet's flags or the chart's own values set fail the render, naming the value to use: in
+config they would be ignored, or contradict the DeviceClasses and RBAC (driverName). */}}
+{{- define "sysdra.config" -}}
+{{- $chart := dict "root" "hostPaths (the DaemonSet runs --root=/host)" "cluster" "nothing: the DaemonSet runs --cluster=kube"
+      "kubeletDir" "kubeletDir" "cdiDir" "cdiDir" "driverName" "driverName"
+      "rollingUpdateUid" "nothing: the DaemonSet sets the pod's UID" "statusSocket" "nothing: the probes ask the pod's /tmp/status.sock"
+      "nriSocket" "nri.socket (nri.enabled)" "metricsAddress" "metrics.port (metrics.enabled)" -}}
+{{- $out := dict -}}
+{{- range $camel := list true false -}}
+{{- range $key, $value := $.Values.config -}}
+{{- $name := $key | camelcase | untitle -}}
+{{- if hasKey $chart $name -}}
+{{- fail (printf "config.%s: set by the chart, not in config: use %s" $key (get $chart $name)) -}}
+{{- end -}}
+{{- if eq (eq $key $name) $camel -}}
+{{- $_ := set $out $name $value -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
