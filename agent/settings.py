@@ -395,10 +395,12 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     # accept both node_name and node-name / nodeName spellings
-    out = {}
+    out, spelled = {}, {}
     for key, value in data.items():
         norm = re.sub(r"(?<!^)(?=[A-Z])", "_", str(key)).replace("-", "_").lower()
-        out[norm] = value
+        if norm in out:  # which one was meant cannot be told: the file's last would win unseen
+            raise ConfigError(f"config file {path}: setting {norm} given twice ({spelled[norm]!s}, {key!s})")
+        out[norm], spelled[norm] = value, key
     unknown = sorted(set(out) - set(FIELDS))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")

@@ -92,3 +92,15 @@ def test_the_default_node_name_is_the_kubelets(monkeypatch):
     assert build_settings({}, os.devnull, environ={}).node_name == "gpu-node-01"
     monkeypatch.setenv("NODE_NAME", "worker-1")  # the DaemonSet's spec.nodeName, as it is
     assert build_settings({}, os.devnull, environ={}).node_name == "worker-1"
+
+
+def test_a_setting_given_twice_in_the_config_file_is_refused(tmp_path):
+    """Two spellings of one setting (the chart's camelCase and an operator's snake_case): which
+    was meant cannot be told, so neither wins unseen."""
+    path = tmp_path / "config.yaml"
+    path.write_text("log_level: debug\nlogLevel: info\n")
+    with pytest.raises(ConfigError, match="log_level given twice"):
+        build_settings({}, config_file=str(path), environ={})
+    path.write_text("log_level: debug\nresyncInterval: 60\n")
+    s = build_settings({}, config_file=str(path), environ={})
+    assert (s.log_level, s.resync_interval) == ("debug", 60)
