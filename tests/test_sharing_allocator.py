@@ -93,6 +93,30 @@ def test_default_consumption_bounds_the_number_of_shares():
     assert len(got) == 10
 
 
+def test_an_amd_gpu_is_shared_as_any_other():
+    # AMD GPUs carry computeUnits and simdUnits (KFD topology): on a multi-allocatable device a
+    # capacity without a request policy is consumed whole by every share, so one share took the GPU
+    slices, gpu = one_gpu(shared("mi300x-partitions", kinds=("gpu",)))
+    got = fill(slices, lambda i: gpu_share(f"a{i}"))  # compute default 10 of 100
+    assert len(got) == 10
+    for c in got:
+        (r,) = results(c)
+        assert r["device"] == gpu and r["consumedCapacity"] == {"memory": "1Gi", "compute": "10"}
+
+
+def test_an_amd_gpu_with_partitions_is_shared_as_any_other():
+    # --partitions --share gpu: the whole GPU (a way beside its partitions, on the same counters)
+    # is published multi-allocatable, so it must keep the shared capacities and their policies
+    slices = published("mi300x-partitions", share=share_plan(("gpu",), None), partitions=True)
+    whole = devices(slices)["gpu-0000-05-00-0"]
+    assert whole["allowMultipleAllocations"] and whole["capacity"]["compute"]["requestPolicy"]["default"] == "10"
+    for s in slices:  # that GPU only (its partitions stay)
+        s["spec"]["devices"] = [d for d in s["spec"].get("devices", []) if d["name"].startswith("gpu-0000-05-00-0")]
+    got = fill(slices, lambda i: gpu_share(f"p{i}"))  # compute default 10 of 100
+    assert len(got) == 10
+    assert {results(c)[0]["device"] for c in got} == {"gpu-0000-05-00-0"}
+
+
 def test_distinct_attribute_spreads_shares_over_distinct_gpus():
     slices = shared()
     by_name = devices(slices)

@@ -111,7 +111,7 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
             if way.kind == "whole" and whole_unusable(device):
                 continue  # static MIG: only its MIG devices are devices CUDA sees
             if way.kind == "whole":
-                e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes", "capacity")})
+                e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes")})
                 if problems := device_problems(e, driver_name, list_attributes):  # its mode's attributes added
                     rejected.append((way.name, "; ".join(problems)))
                     continue

@@ -147,11 +147,11 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     """The device's slice entry, multi-allocatable with policies when its kind is shared."""
     if plan is None or device.kind not in plan.kinds:
         return entry
-    capacity = dict(entry.get("capacity") or {})
     kept = {name for name, _ in plan.policies[device.kind]}
-    for name in set(DEFAULT_POLICIES.get(device.kind, {})) - kept:
-        # dropped by the operator: without a policy every share would consume all of it
-        capacity.pop(name, None)
+    # only the kind's shared capacities: on a multi-allocatable device every capacity is consumable,
+    # and one without a policy (dropped by the operator, or discovery's, as AMD's computeUnits and
+    # simdUnits) would be consumed whole by every share, so one share would take the device
+    capacity = {name: v for name, v in (entry.get("capacity") or {}).items() if name in kept}
     values = shared_capacities(device, plan)
     for name, policy in plan.policies[device.kind]:
         value = values.get(name)
