@@ -136,7 +136,7 @@ class GpuEvents:
 
     def _daemon_fault(self, uuid: str, fault: tuple[str, str] | None) -> None:
         self._daemon_faults[uuid] = fault
-        names = [n for n, d in list(self._known.items()) if d.gpu is not None and d.gpu.nvidia_uuid == uuid]  # (see _on_links)
+        names = [n for n, d in self._known.items() if d.gpu is not None and d.gpu.nvidia_uuid == uuid]
         for name in names:
             self._memory.setdefault(name, Memory()).daemon_fault = fault
         if names:

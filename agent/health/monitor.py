@@ -133,8 +133,7 @@ class HealthMonitor(GpuEvents):
             if self._wake is not None:
                 self._wake.set()
             return
-        known = list(self._known.items())  # (one step: a round's thread may be adding devices to it)
-        names = [n for n, d in known if d.nic and any(i.name in interfaces for i in d.nic.interfaces)]
+        names = [n for n, d in self._known.items() if d.nic and any(i.name in interfaces for i in d.nic.interfaces)]
         if names:
             self._spawn(self.check_devices(names))
 
@@ -232,9 +231,12 @@ class HealthMonitor(GpuEvents):
             return self._present_names
         self._present_of = inv
         present = set()
+        # replaced whole, never changed in place: the loop's look-ups (link events, daemon faults) go
+        # through it while this runs in a round's thread
+        known = dict(self._known)
         for dev in (inv.devices if inv is not None else ()):
             present.add(dev.name)
-            self._known[dev.name] = dev
+            known[dev.name] = dev
             mem = self._memory.get(dev.name)
             if mem is None:
                 mem = self._memory[dev.name] = Memory()
@@ -242,6 +244,7 @@ class HealthMonitor(GpuEvents):
                     mem.daemon_fault = self._daemon_faults.get(dev.gpu.nvidia_uuid)
             if dev.pci.driver:
                 mem.driver = dev.pci.driver
+        self._known = known
         self._present_names = present
         return present
 
