@@ -55,7 +55,7 @@ def driver_edits(files: DriverFiles, host_root: str = "/") -> dict:
                 "options": list(options)}
 
     mounts = [_mount(lib.host_path, f"{LIB_DIR}/{name}") for lib in files.libraries for name in (lib.name, *lib.links)]
-    mounts += [_mount(path, f"{BIN_DIR}/{os.path.basename(path)}") for path in files.binaries]
+    mounts += [_mount(path, f"{BIN_DIR}/{name}") for name, path in files.tools()]
     mounts += [_mount(path, f"/lib/firmware/nvidia/{files.version}/{os.path.basename(path)}", _RO + ["noexec"])
                for path in files.firmware]
     mounts += [_mount(path, path, _RO + ["noexec"]) for path in files.sockets]

@@ -92,7 +92,8 @@ class DriverFiles:
     driver_root: str
     version: str | None  # the kernel module's, "580.159.04"
     libraries: tuple[Library, ...] = ()
-    binaries: tuple[str, ...] = ()  # host paths
+    binaries: tuple[str, ...] = ()  # host paths (symlinks resolved: another name than the tool's is possible)
+    binary_names: tuple[str, ...] = ()  # the tool each of ``binaries`` is (nvidia-smi), in the same order
     firmware: tuple[str, ...] = ()  # host paths of the version's GSP firmware files
     sockets: tuple[str, ...] = ()  # host paths (also the container paths)
     modeset: Node | None = None
@@ -100,6 +101,11 @@ class DriverFiles:
     cuda_compat: bool = False  # that hook has enable-cuda-compat
     errors: tuple[str, ...] = ()  # a spec built from these files would not run CUDA
     warnings: tuple[str, ...] = ()  # it would run CUDA, with something missing
+
+    def tools(self) -> list[tuple[str, str]]:
+        """(tool name, host path) of each of ``binaries``: the name it is run by, not its target's."""
+        names = self.binary_names or tuple(os.path.basename(b) for b in self.binaries)
+        return list(zip(names, self.binaries))
 
 
 def resolve(root: str, path: str) -> str | None:
@@ -177,13 +183,14 @@ def _libraries(root: str, driver_root: str, version: str | None) -> tuple[list[L
     return [found[b] for b in LIBRARIES if b in found], versions
 
 
-def _first_files(root: str, dirs: list[str], names: tuple[str, ...]) -> list[str]:
+def _first_files(root: str, dirs: list[str], names: tuple[str, ...]) -> dict[str, str]:
+    """``{name: host path}`` of the first of ``dirs`` holding each name, in the order of ``names``."""
     out: dict[str, str] = {}
     for d in dirs:
         for name in names:
             if name not in out and (real := _regular(root, os.path.join(d, name))) is not None:
                 out[name] = real
-    return [out[n] for n in names if n in out]
+    return {n: out[n] for n in names if n in out}
 
 
 def _firmware(root: str, driver_root: str, version: str | None) -> list[str]:
@@ -245,10 +252,11 @@ def find_driver_files(root: str, driver_root: str = "/") -> DriverFiles:
             others = sorted(versions.get(base, ()))
             warnings.append(f"{where} has no {base}.so.{version}" + (f" (only {', '.join(others)})" if others else ""))
     bin_dirs = [os.path.join(driver_root, d) for d in BIN_DIRS]
-    hooks = _first_files(root, bin_dirs + [os.path.join("/", d) for d in HOOK_DIRS], (HOOK,))
+    hooks = list(_first_files(root, bin_dirs + [os.path.join("/", d) for d in HOOK_DIRS], (HOOK,)).values())
+    tools = _first_files(root, bin_dirs, BINARIES)
     return DriverFiles(
         driver_root=driver_root, version=version, libraries=tuple(libraries),
-        binaries=tuple(_first_files(root, bin_dirs, BINARIES)), firmware=tuple(_firmware(root, driver_root, version)),
+        binaries=tuple(tools.values()), binary_names=tuple(tools), firmware=tuple(_firmware(root, driver_root, version)),
         sockets=tuple(_sockets(root)), modeset=_modeset(root), cdi_hook=hooks[0] if hooks else None,
         cuda_compat=bool(hooks) and any(_has(root, p, COMPAT_SUBCOMMAND) for p in (hooks[0], hooks[0] + ".real")),
         errors=tuple(errors), warnings=tuple(warnings),

@@ -340,3 +340,39 @@ def test_nvidias_own_cdi_spec_on_request(tmp_path):
     assert "mounts" not in spec["containerEdits"] and spec["containerEdits"]["env"].count("NVIDIA_VISIBLE_DEVICES=void") == 1
     res, _, _ = prepare_gpu(tmp_path / "b", root, "gpu-0000-19-00-0", nvidia_cdi_spec=True)
     assert "no nvidia.com/gpu device for GPU" in res.error and "nvidia-ctk cdi generate" in res.error
+
+
+def test_nvidias_spec_in_var_run_cdi_overrides_a_stale_one_in_etc_cdi(tmp_path):
+    """The runtime takes a device name defined in /etc/cdi and in /var/run/cdi from /var/run/cdi
+    (the higher priority dir): a stale /etc/cdi spec (generated before a GPU fell off the bus,
+    index names shifted since) must not name the device the runtime then takes from the
+    fresh spec, another GPU."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+
+    def write(d: str, nodes: dict[str, str]) -> None:
+        os.makedirs(os.path.join(root, d))
+        spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [
+            {"name": name, "containerEdits": {"deviceNodes": [{"path": node}]}} for name, node in nodes.items()]}
+        with open(os.path.join(root, d, "nvidia.json"), "w") as f:
+            json.dump(spec, f)
+
+    write("etc/cdi", {"0": "/dev/nvidia0", "1": "/dev/nvidia1", "2": "/dev/nvidia2"})  # stale
+    write("var/run/cdi", {"0": "/dev/nvidia0", "1": "/dev/nvidia2", "2": "/dev/nvidia3"})  # what the runtime uses
+    res, _, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0", nvidia_cdi_spec=True)  # /dev/nvidia2
+    assert res.error is None, res.error
+    assert res.devices[0].cdi_ids[1] == "nvidia.com/gpu=1"
+
+
+def test_a_tool_that_is_a_link_keeps_its_name_in_the_container(tmp_path):
+    """A tool the host has as a link to a file of another name (an alternatives link, a
+    versioned file) is still ``/usr/bin/<tool>`` in the container, as a library is mounted by
+    the names it is loaded by, not by its target's; and the agent still finds it to run."""
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    os.makedirs(os.path.join(root, "opt/nvidia/bin"))
+    os.rename(os.path.join(root, "usr/bin/nvidia-smi"), os.path.join(root, f"opt/nvidia/bin/nvidia-smi.{VER}"))
+    os.symlink(f"/opt/nvidia/bin/nvidia-smi.{VER}", os.path.join(root, "usr/bin/nvidia-smi"))
+    res, spec, d = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0")
+    assert res.error is None, res.error
+    smi = [m for m in spec["containerEdits"]["mounts"] if m["hostPath"] == f"/opt/nvidia/bin/nvidia-smi.{VER}"]
+    assert [m["containerPath"] for m in smi] == ["/usr/bin/nvidia-smi"]
+    assert d.nvidia.tool("nvidia-smi")[0] == os.path.join(root, f"opt/nvidia/bin/nvidia-smi.{VER}")

@@ -71,7 +71,7 @@ class NvidiaDriver:
         """A driver tool's host path; None when the driver root has none or the driver does not
         match the module."""
         files = self.files.get()
-        found = [b for b in files.binaries if os.path.basename(b) == name]
+        found = [b for tool, b in files.tools() if tool == name]
         return found[0] if found and not files.errors else None
 
     def _mps_host_paths(self) -> tuple[str | None, tuple[Library, ...]]:
@@ -177,17 +177,23 @@ def _load(path: str) -> dict | None:
 
 
 def _device_in_specs(specs: list[dict], dev: Device) -> str | None:
-    """The spec device named by the GPU's UUID, else the one holding its ``/dev/nvidiaN``."""
+    """The spec device named by the GPU's UUID, else the one holding its ``/dev/nvidiaN``.
+    ``specs`` in the order of their dirs' priority, lowest first: a name defined again in a
+    later spec is that one's, as the runtime resolves it (/var/run/cdi overrides /etc/cdi), so
+    a stale spec's device with the node is not the name given when a later spec defines it
+    for another GPU."""
     uuid = dev.gpu.nvidia_uuid if dev.gpu else None
     node = f"/dev/nvidia{dev.gpu.nvidia_minor}" if dev.gpu and dev.gpu.nvidia_minor is not None else None
-    by_node = None
+    effective: dict[str, dict] = {}  # name -> the device the runtime resolves it to (first seen order)
     for spec in specs:
         for d in spec.get("devices") or []:
             if not isinstance(d, dict) or not isinstance(d.get("name"), str):
                 continue
             if uuid and d["name"] == uuid:
                 return uuid
-            nodes = ((d.get("containerEdits") or {}).get("deviceNodes") or []) if isinstance(d.get("containerEdits"), dict) else []
-            if by_node is None and node and any(isinstance(n, dict) and n.get("path") == node for n in nodes):
-                by_node = d["name"]
-    return by_node
+            effective[d["name"]] = d
+    for name, d in effective.items():
+        nodes = ((d.get("containerEdits") or {}).get("deviceNodes") or []) if isinstance(d.get("containerEdits"), dict) else []
+        if node and any(isinstance(n, dict) and n.get("path") == node for n in nodes):
+            return name
+    return None
