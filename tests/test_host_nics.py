@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import threading
+from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
 
 from agent.publish.slices import render
+from agent.service import hostnics
 from agent.service.daemon import Agent
 from agent.service.hostnics import TAINT_KEY, HostNics, host_used, taint
 from discovery.inventory import scan
@@ -97,6 +100,98 @@ def test_the_taint_follows_the_hosts_address_and_link_events(host):
             nics.stop()
 
     asyncio.run(main())
+
+
+def test_a_taint_unhealthy_turned_on_by_sighup_follows_the_hosts_address_events(host):
+    s, nets = host
+    agent = Agent(s.replace(taint_unhealthy=False))
+    agent.watcher = SimpleNamespace(uevents=True)  # as the daemon's on a host: the root's proc/1 is the host's init
+
+    def tainted() -> bool:
+        (nic,) = [d for d in _devices(agent.pool) if d["name"] == NIC]
+        return any(t["key"] == TAINT_KEY for t in nic.get("taints", ()))
+
+    async def main():
+        await agent.rescan()
+        assert not tainted()
+        agent.reload(agent.settings.replace(taint_unhealthy=True))  # "live on SIGHUP" (docs/health.md)
+        try:
+            await until(lambda: agent.rescans >= 2 and not agent._scanning.locked() and not agent._background)
+            assert not tainted()  # the host does not use it yet
+            ip(nets, "addr", "add", "10.9.8.7/24", "dev", IFNAME)  # DHCP gave it an address: an address event
+            await until(tainted, timeout=10)
+        finally:
+            agent.host_nics.stop()
+
+    asyncio.run(main())
+
+
+def _devices(pool) -> list[dict]:
+    slices = render(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
+    return [d for sl in slices for d in sl["spec"].get("devices", [])]
+
+
+@pytest.mark.parametrize("first", ["event", "scan"])
+def test_a_read_of_the_host_never_undoes_a_newer_one(monkeypatch, first):
+    """An address event's read and a scan's read under way at once (a netdev back from its pod: the
+    uevent's rescan and the host's link and address events): whichever ends last, what stays is
+    what the host uses now among the NICs of the inventory now."""
+    old, new = SimpleNamespace(devices=()), SimpleNamespace(devices=())  # only the new one has the NIC
+    host = {"uses": False}  # whether the host uses the NIC's netdev
+    gates = {"event": threading.Event(), "scan": threading.Event()}
+    began = {"event": threading.Event(), "scan": threading.Event()}
+    order: list[str] = []  # which read each call of host_used is, in the order they begin
+
+    def host_used(root, inventory):  # in a worker thread, like the real one: reads the host, then takes a while
+        seen = {NIC: IFNAME} if inventory is new and host["uses"] else {}
+        if order:
+            read = order.pop(0)
+            began[read].set()
+            gates[read].wait(10)
+        return seen
+
+    async def begun(read: str) -> None:
+        assert await asyncio.to_thread(began[read].wait, 10)
+
+    monkeypatch.setattr(hostnics, "host_used", host_used)
+    s = SimpleNamespace(taint_unhealthy=True, root="/")
+
+    async def main():
+        nics = HostNics(lambda: s, lambda: None)
+        await nics.scanned(old)
+        if first == "event":  # the event's read begins with the old inventory; the scan's, of the new, ends first
+            host["uses"] = True
+            order[:] = ["event", "scan"]
+            nics._reread()
+            await begun("event")
+            scan = asyncio.create_task(nics.scanned(new))
+            await begun("scan")
+            gates["scan"].set()
+            await scan
+            gates["event"].set()
+            await event_read(nics)
+        else:  # the scan's read begins before the host uses the netdev; the event's read after it, and ends first
+            order[:] = ["scan", "event"]
+            scan = asyncio.create_task(nics.scanned(new))
+            await begun("scan")
+            host["uses"] = True
+            nics._reread()
+            await begun("event")
+            gates["event"].set()
+            await event_read(nics)
+            gates["scan"].set()
+            await scan
+        try:
+            await until(lambda: nics.used == {NIC: IFNAME}, timeout=5)
+        finally:
+            nics.stop()
+
+    asyncio.run(main())
+
+
+async def event_read(nics: HostNics) -> None:
+    """The address event's read done (its task ended)."""
+    await asyncio.wait_for(asyncio.shield(nics._task), 10)
 
 
 def test_without_the_hosts_namespace_under_the_root_nothing_is_tainted(tmp_path):

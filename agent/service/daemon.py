@@ -280,8 +280,9 @@ class Agent:
         started.callback(watcher.stop)
         if (routes := await follow_default_routes(self.settings, watcher.uevents, lambda: debouncer.trigger(None))) is not None:
             started.callback(routes.stop)  # armed at once, like the uevents: before the first scan
-        if self.settings.taint_unhealthy and await self.host_nics.follow(watcher.uevents):
-            started.callback(self.host_nics.stop)
+        started.callback(self.host_nics.stop)  # (also what a SIGHUP that turns taint_unhealthy on arms)
+        if self.settings.taint_unhealthy:
+            await self.host_nics.follow(watcher.uevents)
         return not watcher.arms_at_once or await startup.unless_stopped(stop, watcher.start(), cancel=False)
 
     async def _first_scan(self, stop: asyncio.Event) -> bool:

@@ -67,6 +67,8 @@ class HostNics:
         self._listener: Listener | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
+        self._arming: asyncio.Task | None = None  # follow_soon's
+        self._reads = self._applied = 0  # reads of the host begun; the number of the one ``used`` is from
 
     def with_taints(self, taints: dict[str, list[dict]]) -> dict[str, list[dict]]:
         """``taints`` (the health monitor's) and those of the NICs the host uses."""
@@ -74,32 +76,54 @@ class HostNics:
 
     async def scanned(self, inventory) -> None:
         self._inventory = inventory
-        self.used = await self._read()
+        self._apply(*await self._read())
 
-    async def _read(self) -> dict[str, str]:
-        s = self.settings()
-        if not s.taint_unhealthy or self._inventory is None:
-            return {}
-        used = await asyncio.to_thread(host_used, s.root, self._inventory)
-        if used is None and not self._said and any(d.kind == "nic" for d in self._inventory.devices):
+    def _apply(self, ticket: int, inventory, used: dict[str, str]) -> bool:
+        """Whether ``used``, read for ``inventory`` by the read numbered ``ticket``, is now
+        ``self.used``: not when a read begun after it was applied (it read the host later) or
+        ``inventory`` is no longer the scan's (a scan's read of the newer one is under way or done)."""
+        if ticket <= self._applied or inventory is not self._inventory:
+            return False
+        self._applied, self.used = ticket, used
+        return True
+
+    async def _read(self) -> tuple[int, object, dict[str, str]]:
+        """(the read's number, in the order reads begin; the inventory read for; what the host uses)."""
+        self._reads += 1
+        ticket, inventory, s = self._reads, self._inventory, self.settings()
+        if not s.taint_unhealthy or inventory is None:
+            return ticket, inventory, {}
+        used = await asyncio.to_thread(host_used, s.root, inventory)
+        if used is None and not self._said and any(d.kind == "nic" for d in inventory.devices):
             from agent.prepare import netmove
 
             self._said = True
             log.info("the host's network namespace is not readable here (%s): NICs the host uses are not tainted %s; "
                      "prepare still refuses them", netmove.host_netns_problem(s.root) or "no proc/1 under the root", TAINT_KEY)
-        return used or {}
+        return ticket, inventory, used or {}
 
     async def follow(self, kernel: bool) -> bool:
         """Listen to the host's address and link events (``kernel``: the root's sys is the
         kernel's); False where they cannot be heard (then the scans alone keep the taints)."""
+        if self._listener is not None:  # already listening
+            return True
         listener = Listener(RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR, self._batch, "address events")
         if not await listen_on_host(listener.start, self.settings().root, kernel, "address"):
             return False
+        if self._listener is not None:  # another follow() armed one meanwhile
+            listener.stop()
+            return True
         self._listener = listener
         return True
 
+    def follow_soon(self, kernel: bool) -> None:
+        """``follow`` in a task of its own (a SIGHUP turned ``taint_unhealthy`` on: the events
+        are followed from now on, as they are from the start with it on)."""
+        if self._listener is None and (self._arming is None or self._arming.done()):
+            self._arming = asyncio.get_running_loop().create_task(self.follow(kernel), name="host-nics-follow")
+
     def stop(self) -> None:
-        for pending in (self._timer, self._task):
+        for pending in (self._timer, self._task, self._arming):
             if pending is not None:
                 pending.cancel()
         if self._listener is not None:
@@ -117,11 +141,11 @@ class HostNics:
             self._timer = asyncio.get_running_loop().call_later(SETTLE, self._reread)
 
     async def _again(self) -> None:
-        used = await self._read()
-        if used != self.used:
-            for name in sorted(used.keys() - self.used.keys()):
+        ticket, inventory, used = await self._read()
+        before = self.used
+        if self._apply(ticket, inventory, used) and used != before:
+            for name in sorted(used.keys() - before.keys()):
                 log.info("NIC %s: the host uses its netdev %s: tainted %s", name, used[name], TAINT_KEY)
-            for name in sorted(self.used.keys() - used.keys()):
+            for name in sorted(before.keys() - used.keys()):
                 log.info("NIC %s: the host no longer uses it: untainted", name)
-            self.used = used
             self.changed()

@@ -60,6 +60,8 @@ def apply(agent, new: Settings) -> None:
     if "resync_interval" in live:  # both timers wait on the old interval: they recompute theirs now
         agent.resync_changed.set()
         agent.publisher.request_sync()
+    if live.get("taint_unhealthy") and agent.watcher is not None:  # its host-in-use taints follow the host's events
+        agent.host_nics.follow_soon(agent.watcher.uevents)
     if RESCAN_SETTINGS & set(live):  # the inventory was scanned with the old value: read everything again
         agent._rescan_soon()
     elif REPUBLISH_SETTINGS & set(live):
