@@ -29,7 +29,7 @@ from agent.service.startup import EX_TEMPFAIL, StartupError
 from agent.service.status import StatusBoard, StatusServer, status_socket_path
 from agent.service.routewatch import follow_default_routes
 from agent.service.watch import Debouncer, HardwareWatcher, start_file_observer
-from agent.settings import ConfigError, Settings
+from agent.settings import Settings
 
 log = logging.getLogger("sysdra.daemon")
 
@@ -383,13 +383,6 @@ async def _serve_locked(settings: Settings, stop: asyncio.Event, reload_settings
         metrics = NullMetrics()
     agent = Agent(settings, metrics=metrics)
 
-    def on_hup() -> None:
-        if reload_settings is None:
-            return
-        try:  # resolved like at start, so unchanged paths compare equal
-            agent.reload(startup.resolve(reload_settings()))
-        except (ConfigError, StartupError) as err:
-            log.error("SIGHUP: new configuration rejected, keeping the running one: %s", err)
-
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if reload_settings is not None:
+        loop.add_signal_handler(signal.SIGHUP, reloading.sighup_handler(agent, reload_settings))
     return await agent.run(stop)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
-from agent.settings import FIELDS, Settings
+from agent.service import startup
+from agent.settings import FIELDS, ConfigError, Settings
 
 log = logging.getLogger("sysdra.daemon")
 
@@ -66,3 +68,26 @@ def apply(agent, new: Settings) -> None:
         agent._rescan_soon()
     elif REPUBLISH_SETTINGS & set(live):
         agent._republish()
+
+
+def sighup_handler(agent, reload_settings: Callable[[], Settings]) -> Callable[[], None]:
+    """SIGHUP's handler: the configuration read again in a worker thread (its file, the paths
+    resolved as at start, so unchanged ones compare equal), then applied on the loop; one SIGHUP
+    after another, so an older read never lands after a newer one."""
+    lock, running = asyncio.Lock(), set()
+
+    async def again() -> None:
+        async with lock:
+            try:
+                new = await asyncio.to_thread(lambda: startup.resolve(reload_settings()))
+            except (ConfigError, startup.StartupError) as err:
+                log.error("SIGHUP: new configuration rejected, keeping the running one: %s", err)
+                return
+            agent.reload(new)
+
+    def on_hup() -> None:
+        task = asyncio.get_running_loop().create_task(again(), name="sighup")
+        running.add(task)  # (a task nothing refers to may be collected before it ends)
+        task.add_done_callback(running.discard)
+
+    return on_hup
