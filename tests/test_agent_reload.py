@@ -81,6 +81,33 @@ def test_a_reloaded_list_attributes_rescans_and_keeps_every_device(tmp_path, fir
     asyncio.run(main())
 
 
+def test_a_reloaded_device_attributes_rescans_and_publishes_them(tmp_path, caplog):
+    """docs/attributes.md, "The operator's attributes": a change takes effect at SIGHUP (a full rescan)."""
+    settings = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"), metrics_address="",
+                            resync_interval=0, debounce=0.05, nvml=False)
+    agent = Agent(settings)
+    caplog.set_level(logging.INFO, "sysdra.daemon")
+    rails = ({"match": ["interface:ibp*"], "attributes": {"rail": 7}},)
+
+    async def main():
+        async with _running(agent):
+            await agent.publisher.wait_synced(lambda p: p.pool is agent.pool)
+            names = {d["name"] for d in await _published(agent)}
+            assert "nic-0000-9f-00-0" in names
+            assert all("rail" not in (d.get("attributes") or {}) for d in await _published(agent))
+            agent.reload(agent.settings.replace(device_attributes=rails))
+            assert agent.settings.device_attributes == rails
+
+            async def published() -> bool:
+                devices = {d["name"]: d for d in await _published(agent)}
+                return set(devices) == names and (devices["nic-0000-9f-00-0"].get("attributes") or {}).get("rail") == {"int": 7}
+
+            await _until(published, "the operator's attribute published after the reload")
+        assert "need a restart" not in caplog.text
+
+    asyncio.run(main())
+
+
 def test_a_reloaded_share_needs_a_restart(tmp_path, caplog):
     settings = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"), metrics_address="")
     agent = Agent(settings)

@@ -171,7 +171,7 @@ class Metrics:
         self.change_to_slice_seconds.observe(seconds)
 
     def count_watcher_event(self, source: str) -> None:
-        """``source``: udev, resync, api (slice watch), dir (offline cluster dir), ..."""
+        """``source``: the hardware watcher's (agent/service/watch.py): udev or kernel (uevents), file."""
         self.watcher_events.labels(source).inc()
 
     def set_unhealthy_devices(self, rows: tuple) -> None:

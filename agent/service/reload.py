@@ -15,13 +15,13 @@ log = logging.getLogger("sysdra.daemon")
 # share/share_policies: prepare's ownership and MPS steps are built from them once, at start).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
                            "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "taint_effect",
-                           "taint_effects", "skip_node_operations"})
+                           "taint_effects", "skip_node_operations", "device_attributes"})
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
 REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_effect", "taint_effects",
-                                "skip_node_operations"})
-# Of those, the ones a scan reads (list attributes are made at scan time; with taints, which NICs the
-# host uses is read after it): a full rescan.
-RESCAN_SETTINGS = frozenset({"list_attributes", "taint_unhealthy"})
+                                "skip_node_operations", "device_attributes"})
+# Of those, the ones a scan reads (list attributes and the operator's device_attributes are made at
+# scan time; with taints, which NICs the host uses is read after it): a full rescan.
+RESCAN_SETTINGS = frozenset({"list_attributes", "taint_unhealthy", "device_attributes"})
 
 
 def changes(old: Settings, new: Settings) -> tuple[dict[str, Any], list[str]]:
