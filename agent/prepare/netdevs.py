@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from agent.names import is_label, is_uid
-from agent.settings import ipam_config_problem
+from agent.settings_net import ipam_config_problem
 
 IFNAMSIZ = 16
 IFNAME_ROOM = 12  # a base name's room when a number follows (names are at most 15 bytes)

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from agent.publish import metrics as publish_metrics
 from agent.service import procstats
 from agent.service.devicemetrics import DeviceRows
-from agent.settings import parse_address
+from agent.settings_net import parse_address
 
 log = logging.getLogger("sysdra.metrics")
 
