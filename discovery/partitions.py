@@ -138,6 +138,16 @@ def amd_kfd_nodes(fs: HostFS, bdf: str, problems: list[Problem]) -> list[dict[st
     return sorted(mine, key=lambda p: p["location_id"] & 7)
 
 
+def amd_render_nodes(fs: HostFS, resolver: NodeResolver, bdf: str, fn_dir: str, problems: list[Problem]) -> list[DeviceNode]:
+    """The render nodes of every compute partition of the amdgpu GPU at ``bdf`` (``fn_dir``: its
+    sysfs directory, resolved), as its KFD nodes name them: partition 0's is the function's own,
+    the others' are below ``amdgpu_xcp`` platform devices. None for a GPU without partitions."""
+    if not fs.exists(f"{fn_dir}/current_compute_partition"):
+        return []
+    nodes = (_render_node(fs, resolver, fn_dir, p["drm_render_minor"], problems) for p in amd_kfd_nodes(fs, bdf, problems))
+    return [n for n in nodes if n is not None]
+
+
 def compute_units(nodes: list[dict[str, int]]) -> tuple[int, int] | None:
     """(compute units, SIMDs) of these KFD nodes together (a CU is ``simd_per_cu`` SIMDs), as
     AMD's DRA driver counts them; None without nodes or with a node that does not say."""

@@ -1,7 +1,8 @@
 """The ownership table on the real driver (agent/prepare/ownership.py, issue 42 item 2): a device
 held whole goes to no second claim, whatever the order and after a restart (the table is
 rebuilt from the checkpoint); shares of a shared device go together within its capacity, and DRA admin access
-reaches a device beside its other claims but never one bound to vfio-pci. Real checkpoint,
+reaches a device beside its other claims but never one bound to vfio-pci, nor another function of its
+IOMMU group (the VM has the group). Real checkpoint,
 spec files and (for VFIO) the simulated PCI kernel; the whole agent: tests/faults/test_ownership.py."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import pytest
 from agent.kubeletplugin.types import ClaimRef
 from agent.prepare import cdifiles
 from agent.prepare.driver import Driver
+from discovery.inventory import scan
 from tests.kubelet_standin import claim, gpu, inventory, settings_for
-from tests.test_vfio import VF, VF_BDF, node, vfio_claim  # noqa: F401 - node is a fixture
+from tests.test_vfio import UID, UID2, VF, VF_BDF, node, spec_nodes, vfio_claim  # noqa: F401 - node is a fixture
 
 GPU, BDF = gpu(0).name, gpu(0).pci.bdf
 UIDS = {n: f"00000000-0000-4000-8000-0000000000{i:02x}" for i, n in enumerate(("a", "b", "c", "d"))}
@@ -148,3 +150,47 @@ def test_admin_access_never_reaches_a_function_bound_to_vfio_pci(node):  # noqa:
         assert sim.driver(VF_BDF) == ("vfio-pci" if first is vm else "mlx5_core")
         _unprepare(d, first)
         assert sim.driver(VF_BDF) == "mlx5_core"
+
+
+HOST_VFIO, HOST_VFIO_BDF = "nic-0000-06-01-0", "0000:06:01.0"  # on vfio-pci by the host's choice, IOMMU group 48
+
+
+def _into_group(root: str, bdf: str, group: int) -> None:
+    """``bdf`` moved into IOMMU group ``group`` (the topology of a node whose ACS does not split
+    them: both functions share the group)."""
+    dev = os.path.join(root, "sys/bus/pci/devices", bdf)
+    old = os.path.basename(os.readlink(os.path.join(dev, "iommu_group")))
+    target = os.readlink(os.path.join(root, "sys/kernel/iommu_groups", old, "devices", bdf))
+    os.unlink(os.path.join(root, "sys/kernel/iommu_groups", old, "devices", bdf))
+    os.symlink(target, os.path.join(root, "sys/kernel/iommu_groups", str(group), "devices", bdf))
+    os.unlink(os.path.join(dev, "iommu_group"))
+    os.symlink(f"../../../../kernel/iommu_groups/{group}", os.path.join(os.path.realpath(dev), "iommu_group"))
+
+
+@pytest.mark.parametrize("vm_first", [True, False])
+def test_the_vms_group_reaches_no_other_claim_through_a_group_member_in_either_order(node, vm_first):  # noqa: F811
+    """docs/vfio.md: a function bound to vfio-pci for one claim is refused to every other claim: its
+    group node never reaches a container, both orders checked by one ownership table. The VF shares
+    IOMMU group 48 with a function the host left on vfio-pci (no claim): binding the VF is allowed (a
+    member on vfio-pci is fine), and the VM claim then holds the whole group, so a plain claim of that
+    member (whose spec would give its container /dev/vfio/48) is refused; the other way round the
+    VF's plan sees the member held."""
+    s, sim, state, driver = node
+    _into_group(s.root, VF_BDF, 48)
+    state["inv"] = scan(s.root)
+    d = driver()
+    vm, plain = vfio_claim("vm", [VF], UID), claim("plain", [("dev", HOST_VFIO)], uid=UID2)
+    if vm_first:
+        assert _prepare(d, vm) == {UID: None}
+        assert sim.driver(VF_BDF) == "vfio-pci" and spec_nodes(s, UID) == ["/dev/vfio/48", "/dev/vfio/vfio"]
+        state["inv"] = scan(s.root)
+        err = _prepare(d, plain)[UID2]
+        assert err and (f"{HOST_VFIO} ({HOST_VFIO_BDF}) is held by prepared claim default/vm ({UID}) with "
+                       f"{VF_BDF}'s IOMMU group 48 bound to vfio-pci") in err, err
+        assert UID2 not in d.checkpoint.claims and not _spec(d, UID2)
+        assert _prepare(driver(), plain)[UID2] == err  # after a restart too: the table is rebuilt from the checkpoint
+    else:
+        assert _prepare(d, plain) == {UID2: None}
+        err = _prepare(d, vm)[UID]
+        assert err and f"IOMMU group 48 also holds {HOST_VFIO_BDF}" in err, err
+        assert sim.driver(VF_BDF) == "mlx5_core" and UID not in d.checkpoint.claims

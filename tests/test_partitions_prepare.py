@@ -1,21 +1,28 @@
 """Prepare of partition devices on the simulated amdgpu (fixtures/simkernel/amdgpu.py): claims
 allocated by the scheduler's allocator from the agent's slices, mode switches as transactions,
 refusals, restores and start-up recovery. The MIG side needs no switch: its nodes are checked
-here too."""
+here too. A partitioned GPU and VFIO: a config asking it for a partition, and a process on a
+partition's render node (on the simulated PCI kernel, tests/simkernel.py)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import subprocess
 
 import pytest
 
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
 from agent.prepare.partitions import Partitions, intent
-from tests.partition_node import CPX_GPU, SPX_GPU, Node, devices_of, mode_of, part_of, whole
+from discovery.inventory import scan
+from tests.kubelet_standin import settings_for
+from tests.partition_node import CPX_GPU, SPX_GPU, Node, copy_node, devices_of, mode_of, part_of, whole
+from tests.simkernel import SimPciKernel
 from tests.test_partitions_allocator import gpu_bdf
+from tests.test_vfio import UID, vfio_claim
+from tests.test_vfio_inuse import FULL, hold
 
 
 def spec_nodes(driver: Driver, uid: str) -> dict[str, list[str]]:
@@ -278,3 +285,48 @@ def test_whole_gpu_in_mig_mode_without_nvml_fails_clearly(tmp_path, partitions):
     assert d.checkpoint.claims == {}
     ok = hand_claim("ok", [("g", "gpu-0000-3a-00-0")])
     assert not prepare(d, ok).error
+
+
+def test_a_vfio_config_for_a_gpu_partition_is_the_claims_error(node):
+    """docs/vfio.md: a ``VfioConfig`` names the requests that go to a VM. A request that got an AMD
+    partition (kind gpu: the config applies) cannot: the GPU is one PCI function. The claim's
+    error, nothing prepared, rather than the partition prepared as an ordinary one (its render
+    node and /dev/kfd in a container) with the config dropped."""
+    d = driver_for(node)
+    c = node.allocated("c", part_of(CPX_GPU, "CPX/NPS1"))
+    c["status"]["allocation"]["devices"]["config"] = [{
+        "source": "FromClaim", "requests": ["gpu"],
+        "opaque": {"driver": "sysdra.io", "parameters": {"apiVersion": "sysdra.io/v1alpha1", "kind": "VfioConfig"}}}]
+    res = prepare(d, c)
+    assert res.error and "only a whole PCI function can be bound to vfio-pci" in res.error, res.error
+    assert c["metadata"]["uid"] not in d.checkpoint.claims and not os.path.exists(d._spec_path(c["metadata"]["uid"]))
+
+
+@pytest.mark.parametrize("partition, dev_file", [
+    (0, "sys/bus/pci/devices/0000:05:00.0/drm/renderD128/dev"),  # below the function, as any DRM node
+    (1, "sys/devices/platform/amdgpu_xcp_0/drm/renderD129/dev"),  # below an amdgpu_xcp platform device
+])
+def test_a_process_on_any_partitions_render_node_keeps_the_gpu_from_vfio(tmp_path, partition, dev_file):
+    """docs/vfio.md, "In use on the host": a process holding one of the function's device files
+    refuses its VFIO claim, nothing written (amdgpu's unbind would wait for it). An MI300X in CPX
+    mode has eight render nodes; partitions 1..7's are below ``amdgpu_xcp_<N>`` (docs/partitions.md),
+    found as discovery finds them (KFD's drm_render_minor)."""
+    root = copy_node(str(tmp_path / "host"))
+    os.makedirs(os.path.join(root, "proc/sys/kernel/random"), exist_ok=True)
+    open(os.path.join(root, "proc/sys/kernel/random/boot_id"), "w").write("boot-1\n")
+    open(os.path.join(root, dev_file), "w").write(f"{FULL[0]}:{FULL[1]}\n")  # /dev/full's numbers: a real process holds it
+    children: list[subprocess.Popen] = []
+    sim = SimPciKernel(root, real_nodes=True).start()
+    try:
+        child = hold(root, children, "/dev/dri/" + dev_file.split("/")[-2], FULL, "rocm-smi")
+        d = Driver(settings_for(str(tmp_path / "state"), root=root), lambda: scan(root))
+        d.kernel.wait = 2.0
+        err = d.prepare_claims([vfio_claim("vm", [CPX_GPU], UID)])[UID].error
+        assert err and err.startswith(f"0000:05:00.0 is in use on the host: {root}/dev/dri/renderD{128 + partition} "
+                                      f"is open by pid {child.pid} (rocm-smi)"), err
+        assert sim.driver("0000:05:00.0") == "amdgpu" and sim.log == []
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        sim.close()

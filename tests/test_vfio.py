@@ -343,3 +343,53 @@ def test_reboot_in_the_middle_of_a_bind(node):
     report = driver().recover()
     assert UID in report.rolled_back and sim.driver(VF_BDF) == "mlx5_core"
     assert UID not in Checkpoint.load(os.path.join(s.plugin_dir, "checkpoint.json"), move_corrupt=False).claims
+
+
+def _hot_remove(sim: SimPciKernel, root: str, bdf: str) -> None:
+    """The kernel removed the function (hot-unplug, ``echo 1 > remove``, or its PF's
+    ``sriov_numvfs`` set to 0): its sysfs directory, its links and its group are gone."""
+    sim.stop()
+    dev = os.path.join(root, "sys/bus/pci/devices", bdf)
+    real, group = os.path.realpath(dev), os.path.basename(os.readlink(os.path.join(dev, "iommu_group")))
+    drv = os.path.join(dev, "driver")
+    if os.path.islink(drv) and os.path.lexists(link := os.path.join(os.path.realpath(drv), bdf)):
+        os.unlink(link)  # the driver's link to it
+    os.unlink(dev)
+    shutil.rmtree(real)
+    shutil.rmtree(os.path.join(root, "sys/kernel/iommu_groups", group))
+    for path in (os.path.join(root, "dev/vfio", group), os.path.join(root, "sys/class/vfio", group)):
+        if os.path.lexists(path):
+            os.unlink(path)
+    sim.start()
+
+
+@pytest.mark.parametrize("when", ["prepared", "before its first write"])
+def test_a_function_that_left_the_node_is_given_back_as_gone(node, when):
+    """A VM claim's VF is removed from the node (its PF's VFs reconfigured once the VM stopped, a
+    surprise removal), once prepared or between the plan and the first write (that claim's error).
+    Nothing is left to give back: the unprepare completes and the entry goes, as for a GPU that left
+    the node during a mode switch (docs/partitions.md), instead of failing for as long as it is away."""
+    s, sim, state, driver = node
+    d = driver()
+    d.fault = lambda point: _hot_remove(sim, s.root, VF_BDF) if point == "prepare:started" and when != "prepared" else None
+    err = d.prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error
+    assert (err is None) == (when == "prepared"), err
+    if when == "prepared":
+        _hot_remove(sim, s.root, VF_BDF)
+    else:  # given back as gone at once: no PrepareStarted entry left holding the address
+        assert "original drivers restored" in err and UID not in d.checkpoint.claims, err
+    state["inv"] = scan(s.root)
+    assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
+    assert UID not in Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims
+
+
+def test_a_function_whose_override_names_another_driver_is_refused(node):
+    """The VF is on mlx5_core with ``driver_override`` already vfio-pci (the first half of someone
+    else's two-step move). Taking it would race that move, and the give-back could not bind
+    mlx5_core back (only the override's driver may bind it): refused, nothing written."""
+    s, sim, state, driver = node
+    with open(os.path.join(s.root, "sys/bus/pci/devices", VF_BDF, "driver_override"), "w") as f:
+        f.write("vfio-pci\n")
+    err = driver().prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error
+    assert err and "its driver_override names vfio-pci while it is bound to mlx5_core" in err, err
+    assert sim.driver(VF_BDF) == "mlx5_core" and sim.log == []

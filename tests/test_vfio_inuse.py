@@ -8,7 +8,8 @@ for an NVIDIA GPU through the ``nvidia-frontend`` major in ``/proc/devices`` and
 the driver's ``information`` file — and a real process (``sleep``) holds a node with those
 numbers, made with mknod. The root's ``proc`` shows the test's own processes only (links to
 ``/proc/<pid>``): what the agent scans is real procfs, and no other process of this machine
-can be taken for a holder."""
+can be taken for a holder. Beside it, the other refusals that must come before any write: vfio-pci
+not loaded, and a PF whose VFs the host enabled at boot when a prepared claim's re-bind comes."""
 
 from __future__ import annotations
 
@@ -256,6 +257,60 @@ def test_a_rebind_after_a_reboot_that_does_not_return_is_written_down(node, wher
     assert sim.driver(NIC_BDF) == "vfio-pci"
     assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
     assert sim.driver(NIC_BDF) == "mlx5_core" and sim.override(NIC_BDF) is None
+
+
+def test_a_give_back_whose_unbind_does_not_return_is_written_down_as_pending(node):
+    """docs/vfio.md, "Crash safety": at unprepare the VM's group is closed, but the unbind from
+    vfio-pci does not return (its remove waits for a user no file shows). The claim keeps its
+    entry, saved with its record ``pending`` and the function as the bind left it (the override
+    not yet written back), so a new instance (the old one's write, a real ``sh``, still in the
+    kernel) looks for that writer and writes nothing for the function under it."""
+    s, sim, driver, children = node
+    d = driver(wait=1.0)
+    assert d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None
+    sim.hang("vfio-pci")
+    err = d.unprepare_claims([ClaimRef("default", "vm", UID)])[UID]
+    assert f"{NIC_BDF}: the kernel has not finished unbinding it from vfio-pci after 1s" in err, err
+    (rec,) = Checkpoint.load(d.checkpoint_path, move_corrupt=False).claims[UID]["vfio"]
+    assert rec["pending"] is True and sim.override(NIC_BDF) == "vfio-pci"
+    unbind = os.path.join(s.root, "sys/bus/pci/drivers/vfio-pci/unbind")
+    old = subprocess.Popen(["sh", "-c", f"echo {NIC_BDF} > {unbind}"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # no /dev/null: the sim's group node numbers
+    children.append(old)
+    see(s.root, old.pid)
+    vfio_kernel._IN_FLIGHT.clear()  # a new instance knows nothing of the old one's threads
+    wait_until(lambda: driver().kernel.writers(NIC_BDF, ["vfio-pci"]), "no process blocked in its write")
+    again = driver().unprepare_claims([ClaimRef("default", "vm", UID)])[UID]
+    assert "a write for it is still in the kernel" in again and "(sh)" in again, again
+    assert sim.override(NIC_BDF) == "vfio-pci" and sim.log == [f"unbind {NIC_BDF} mlx5_core", f"bind {NIC_BDF} vfio-pci"]
+
+
+def test_vfio_pci_not_loaded_is_refused_before_anything_is_written(node):
+    """docs/vfio.md, "What is refused (nothing is written)": without vfio-pci the NIC would be
+    unbound from its driver (its link down) for a bind that cannot be done. ``rmmod`` removes the
+    driver's directory."""
+    s, sim, driver, children = node
+    shutil.rmtree(os.path.join(s.root, "sys/bus/pci/drivers/vfio-pci"))
+    err = driver().prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error
+    assert err and "vfio-pci is not loaded (modprobe vfio-pci)" in err, err
+    assert sim.driver(NIC_BDF) == "mlx5_core" and sim.override(NIC_BDF) is None and sim.log == []
+
+
+def test_a_rebind_after_a_reboot_runs_the_checks_of_a_prepare(node):
+    """A claim passed the NIC's PF through while it had no SR-IOV VFs; the node reboots and the
+    host's SR-IOV setup enables VFs on it before the agent starts. The re-bind (at start, and at
+    the kubelet's re-prepare) is refused as a prepare would be: unbinding the PF would destroy them."""
+    s, sim, driver, children = node
+    numvfs = os.path.join(s.root, "sys/bus/pci/devices", NIC_BDF, "sriov_numvfs")
+    open(numvfs, "w").write("0\n")
+    assert driver().prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error is None
+    rebooted(s.root, sim, NIC_BDF, "mlx5_core")
+    open(numvfs, "w").write("8\n")  # enabled at boot
+    log, d = len(sim.log), driver()
+    d.recover()
+    err = d.prepare_claims([vfio_claim("vm", [NIC], UID)])[UID].error
+    assert err and f"{NIC_BDF} has 8 SR-IOV VFs enabled" in err, err
+    assert sim.log[log:] == [] and sim.driver(NIC_BDF) == "mlx5_core" and sim.override(NIC_BDF) is None
 
 
 # --- the scan on its own: procfs as untrusted, changing input ------------------------------------

@@ -7,8 +7,9 @@ passthrough looks first and refuses the claim, naming the processes.
 
 A function's device files are found by number, not by name: every ``dev`` file of the class
 devices below its sysfs directory (``drm/card0``, ``accel/accel0``, ``infiniband_verbs/uverbs0``,
-``i2c-3/i2c-dev/i2c-3``, an FPGA's ``fpga_region/region0/dfl-port.0``), and the NVIDIA minor the
-driver reports in procfs (``/dev/nvidia<minor>`` has no sysfs class device). Holders are found
+``i2c-3/i2c-dev/i2c-3``, an FPGA's ``fpga_region/region0/dfl-port.0``), the NVIDIA minor the
+driver reports in procfs (``/dev/nvidia<minor>`` has no sysfs class device), and an AMD GPU's
+partitions' render nodes (below ``amdgpu_xcp_<N>`` platform devices, discovery/partitions.py). Holders are found
 by walking ``/proc/<pid>/fd`` of the root's procfs (the host's, under ``--root=/host``) and
 comparing each open file's ``st_rdev``: a node's path in a container or a renamed node cannot
 hide it. Nodes shared by every device of a driver (``/dev/nvidiactl``, ``/dev/vfio/vfio``) are
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from discovery.devnodes import NodeResolver, parse_dev
 from discovery.gpu import NVIDIA_MAJOR, NVIDIACTL_MINOR, parse_nvidia_information
+from discovery.partitions import amd_render_nodes
 from discovery.sysfs import AttrError, HostFS
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,19 @@ def function_nodes(fs: HostFS, dev_dir: str, bdf: str) -> set[int]:
             todo.append((sub, depth + 1))
     if (minor := _nvidia_minor(fs, bdf)) is not None:
         found.add(os.makedev(_nvidia_major(fs), minor))
-    return found
+    return found | _partition_nodes(fs, dev_dir, bdf)
+
+
+def _partition_nodes(fs: HostFS, dev_dir: str, bdf: str) -> set[int]:
+    """An AMD GPU's partitions' render nodes: partitions 1..N's class devices are below
+    ``amdgpu_xcp_<N>`` platform devices, not below the function, and unbinding amdgpu waits for
+    their users too. Found as discovery finds them (KFD's ``drm_render_minor``)."""
+    try:
+        fn_dir = fs.follow(dev_dir)
+    except AttrError:  # gone meanwhile
+        return set()
+    nodes = amd_render_nodes(fs, NodeResolver(fs), bdf, fn_dir, [])  # a node it cannot resolve: nothing to look for
+    return {os.makedev(n.major, n.minor) for n in nodes}
 
 
 def _nvidia_minor(fs: HostFS, bdf: str) -> int | None:

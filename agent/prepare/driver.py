@@ -153,13 +153,16 @@ class Driver:
             return None
         return {name: parse_quantity(v) for name, v in capacity_values(dev, self.share_policies[dev.kind]).items()}
 
-    def _undo(self, entry: dict, others: dict[str, dict], steps=None) -> list[str]:
-        """The entry's host changes undone in reverse -> problems (empty: all undone)."""
-        problems = []
+    def _undo(self, entry: dict, others: dict[str, dict], steps=None) -> tuple[list[str], dict]:
+        """The entry's host changes undone in reverse -> (problems (empty: all undone), the entry
+        to keep while there are: with the records the undos left, e.g. a VFIO write ``pending``)."""
+        problems, kept = [], entry
         for step in reversed(self.steps if steps is None else steps):
             if (rec := step.read(entry)) is not None:
-                problems += step.undo(rec, others).problems
-        return problems
+                problems += (undone := step.undo(rec, others)).problems
+                if undone.record is not None:
+                    kept = {**kept, step.key: step.write(undone.record)}
+        return problems, kept
 
     # --- prepare ---------------------------------------------------------------
     def prepare_claims(self, claims: list[dict]) -> dict[str, PrepareResult]:
@@ -242,7 +245,9 @@ class Driver:
 
     def _forget(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, owners: Ownership) -> None:
         """The claim's earlier prepare undone, its files and entry gone, what it held released."""
-        if problems := self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid}):
+        problems, cp.claims[uid] = self._undo(entry, {u: e for u, e in cp.claims.items() if u != uid})
+        if problems:  # the entry kept as the undo left it (a VFIO write pending), saved with the call's
+            call.changed.add(uid)
             raise ClaimFailed("undoing the earlier prepare's host changes failed: " + "; ".join(problems))
         self.files.remove(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
         del cp.claims[uid]
@@ -294,11 +299,10 @@ class Driver:
             stage = "device metadata"
             metadata.write_claim(self.settings, uid, entry)
         except Exception as err:  # noqa: BLE001 - one claim's failure, whatever it is, stays its own
-            problems = self._undo(call.started[uid], {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
-            kept = dict(call.started[uid])
+            problems, kept = self._undo(call.started[uid], {u: e for u, e in cp.claims.items() if u != uid}, steps=applied)
             if isinstance(err, NotUndone):  # raised by the step being applied (``step``)
                 if err.record is not None:
-                    kept[step.key] = step.write(err.record)
+                    kept = {**kept, step.key: step.write(err.record)}
                 err, problems = err.err, err.problems + problems
             self.files.remove(entry, uid, entry["namespace"], entry["name"])
             if problems:  # the host is not as before: its PrepareStarted entry stays, devices held, the undo retried
@@ -336,20 +340,21 @@ class Driver:
     def _unprepare_claims(self, cp: Checkpoint, claims: list[ClaimRef]) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
         undone: set[str] = set()  # claims of this call already undone: no longer holding anything
+        before = dict(cp.claims)  # what the files hold
         for ref in claims:  # host changes undone before the claim leaves the checkpoint (a crash: retried)
             entry = cp.claims.get(ref.uid)
             others = {u: e for u, e in cp.claims.items() if u != ref.uid and u not in undone}
             try:
-                if entry and (problems := self._undo(entry, others)):
-                    out[ref.uid] = "undoing the claim's host changes failed: " + "; ".join(problems)
+                if entry and (undo := self._undo(entry, others))[0]:
+                    out[ref.uid] = "undoing the claim's host changes failed: " + "; ".join(undo[0])
+                    cp.claims[ref.uid] = undo[1]  # as the undo left it (a VFIO write pending): saved below
             except Exception as err:  # noqa: BLE001 - stays this claim's error
                 out[ref.uid] = claim_error(ref.uid, "undoing host changes", err)
             if ref.uid not in out:
                 undone.add(ref.uid)
         claims = [c for c in claims if c.uid not in out]
-        before = dict(cp.claims)
         removed = {c.uid: cp.claims.pop(c.uid, None) for c in claims}
-        if any(removed.values()) and (err := self._save(cp, before, removed)):
+        if (any(removed.values()) or out) and (err := self._save(cp, before, {*removed, *out})):
             return {**out, **{c.uid: err for c in claims}}  # files kept: the kubelet retries unprepare
         self.fault("unprepare:saved")
         for ref in claims:

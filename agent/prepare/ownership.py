@@ -7,7 +7,8 @@ A hold is on a PCI function (a GPU, a NIC, a VF, ...) and says how the claim hol
 - ``exclusive``: a whole device; ``shared``: a share of a multi-allocatable device;
 - ``partition``: one partition or MIG instance of the GPU (``unit``: the device name,
   ``mode``: the GPU mode it runs in, None for MIG);
-- ``vfio``: the function is bound to vfio-pci and handed to a VM;
+- ``vfio``: the function is bound to vfio-pci and handed to a VM, or it is in the IOMMU group of
+  one that is (``unit``: that group; the VM has the whole group);
 - ``netdev``: the function's netdev goes into the claim's pod (prepare/steps/netdev.py);
 - and ``admin`` marks any of the first three taken with DRA admin access (``adminAccess: true``).
 
@@ -48,8 +49,8 @@ class Hold:
     capacity: tuple[tuple[str, Fraction], ...] = ()  # a shared device's capacities, as published
 
     def describe(self) -> str:
-        if self.how == "vfio":
-            return "bound to vfio-pci"
+        if self.how == "vfio":  # the function itself, or a member of the group (``unit``) a VM has
+            return f"with {self.unit} bound to vfio-pci" if self.unit else "bound to vfio-pci"
         if self.how == "netdev":
             return "with its netdev in the claim's pod"
         if self.how == "partition":
@@ -114,7 +115,7 @@ class Ownership:
             for other, theirs in self.holders(h.bdf, but=uid).items():
                 for t in theirs:
                     if conflict(h, t):
-                        what = f"{h.unit} ({h.bdf})" if h.unit and h.how != "partition" else h.bdf
+                        what = f"{h.unit} ({h.bdf})" if h.unit and h.how not in ("partition", "vfio") else h.bdf
                         return (f"{what} is held by prepared claim {self._name(other)} "
                                 f"{t.describe()}; this claim needs it {h.describe()}")
         return self._beyond_capacity(uid, holds)

@@ -213,6 +213,8 @@ def _roll_back(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryRe
         report.kernel_changed |= bool(undone.problems or undone.notes)
         if undone.problems:
             log.error("claim %s: %s not undone yet (%s); retried at the next start", uid, step.what, "; ".join(undone.problems))
+            if undone.record is not None:  # what is left to undo (a VFIO write pending): saved with the recovery
+                cp.claims[uid] = {**entry, step.key: step.write(undone.record)}
             return False
         report.host_restored += undone.notes
     del cp.claims[uid]

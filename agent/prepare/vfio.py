@@ -2,25 +2,30 @@
 refusal checks, moving functions to vfio-pci and giving them back (docs/vfio.md). The step
 that runs them as a transaction (records, undo, recovery) is prepare/steps/vfio.py.
 
-Refused, with the reason, before anything is written: the IOMMU is off; the function's
-IOMMU group holds another function that is in use and not allocated to this claim (bridges
-and idle functions are fine); the function is the host's own (it carries a default route,
-or it is the boot VGA device); a NIC whose netdev the host uses (an address, a bond or bridge
-port: prepare/hostuse.py) unless the node and the claim allow it; a PF with SR-IOV VFs enabled
-(unbinding it destroys them); a function whose device files a process holds open (its driver
-would not let go of it: the unbind would wait for them).
+Refused, with the reason, before anything is written: vfio-pci is not loaded; the IOMMU is
+off; the function's IOMMU group holds another function that is in use and not allocated to
+this claim (bridges and idle functions are fine); the function is the host's own (it carries a
+default route, or it is the boot VGA device); a NIC whose netdev the host uses (an address, a
+bond or bridge port: prepare/hostuse.py) unless the node and the claim allow it; a PF with
+SR-IOV VFs enabled (unbinding it destroys them); a function whose ``driver_override`` names a
+driver other than its own (someone else is moving it); a function whose device files a process
+holds open (its driver would not let go of it: the unbind would wait for them). The re-bind of a
+prepared claim after a reboot runs the same checks (``ensure_bound``): the host may have changed.
 
 An unbind that still does not return in time (opened after the check) fails the claim and
 marks the function's record ``pending``: the claim keeps its entry, and the function is given
-back only once no write for it is in flight (``restore``)."""
+back only once no write for it is in flight (``restore``). A function the kernel removed (hot
+unplug, its PF's VFs reconfigured) has nothing to give back: it is noted, not retried."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Callable
 
 from agent.prepare import claimconfig, devusers, hostuse
+from agent.prepare.allocation import ClaimFailed
 from agent.prepare.records import VfioFunction
 from agent.prepare.vfio_kernel import VFIO_DRIVER, KernelError, KernelHung, PciKernel
 from discovery.devnodes import NodeResolver
@@ -33,6 +38,8 @@ from discovery.vfio import vfio_nodes
 
 log = logging.getLogger(__name__)
 
+_BRIDGE = 0x0604  # PCI-to-PCI bridges may share a function's IOMMU group: they are no VM's
+
 
 class VfioError(Exception):
     """The claim's VFIO request cannot be done; the message is that claim's error. ``records``:
@@ -43,14 +50,36 @@ class VfioError(Exception):
         self.records = records
 
 
-def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device]) -> dict[str, claimconfig.VfioConfig]:
+@dataclass
+class GivenBack:
+    """What ``restore_all`` did: ``records``, the functions' records as they are now (one whose
+    write did not return marked ``pending``); ``problems``, what is not back (empty: all are);
+    ``notes``, what was given back or had left the node."""
+
+    records: list[VfioFunction]
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def functions(claim: dict, driver_name: str, results, by_name: dict[str, Device],
+              planned: dict[str, Device] | None = None) -> dict[str, claimconfig.VfioConfig]:
     """PCI address -> config of the results whose config (class, then claim: the last that
-    applies, agent/prepare/claimconfig.py) is a ``VfioConfig``; ClaimFailed for a bad config."""
+    applies, agent/prepare/claimconfig.py) is a ``VfioConfig``; ClaimFailed for a bad config.
+    ``planned``: the devices other steps plan (GPU partitions, MIG instances): one a
+    ``VfioConfig`` applies to is the claim's error, not left out (a partition cannot go to a VM:
+    its GPU is one PCI function)."""
     configs = claimconfig.opaque_configs(claim, driver_name)
     out: dict[str, claimconfig.VfioConfig] = {}
     for r in results:
         dev = by_name.get(r.device)
-        cfg = claimconfig.config_for(configs, r.request, dev.kind, dev.name) if dev is not None else None
+        if dev is None:  # not a whole device: a partition the partition or MIG step planned, or none
+            part = (planned or {}).get(r.device)
+            if part is not None and isinstance(claimconfig.config_for(configs, r.request, part.kind, part.name),
+                                               claimconfig.VfioConfig):
+                raise ClaimFailed(f"VfioConfig applies to request {r.request!r}, which got {r.device!r}, a partition of "
+                                  f"GPU {part.pci.bdf}: only a whole PCI function can be bound to vfio-pci")
+            continue
+        cfg = claimconfig.config_for(configs, r.request, dev.kind, dev.name)
         if isinstance(cfg, claimconfig.VfioConfig) and (dev.pci.bdf not in out or not cfg.allowHostInUse):
             out[dev.pci.bdf] = cfg  # two results of one function: allowed only if both allow
     return out
@@ -80,36 +109,70 @@ def host_own(root: str, kernel: PciKernel, bdf: str) -> str | None:
     return None
 
 
+def check(root: str, kernel: PciKernel, bdf: str, mine: set[str], in_use_elsewhere: set[str],
+          host_uses: Callable[[str], str | None], ours: tuple[str | None, ...] = ()) -> int:
+    """Every refusal of one function (``mine``: the claim's functions, ``in_use_elsewhere``: what
+    other claims hold, ``ours``: overrides the claim itself wrote or found) -> its IOMMU group;
+    VfioError for a refusal. Reads only."""
+    group = kernel.group(bdf)
+    if group is None:
+        raise VfioError(f"{bdf}: the IOMMU is off or the function has no IOMMU group "
+                        "(boot with intel_iommu=on or amd_iommu=on)")
+    if bdf in in_use_elsewhere:
+        raise VfioError(f"{bdf} is in use by another prepared claim (a shared device cannot go to a VM)")
+    if (why := host_own(root, kernel, bdf)) is not None:
+        raise VfioError(f"{bdf} is the host's own: {why}")
+    if (why := host_uses(bdf)) is not None:
+        raise VfioError(f"{bdf}: {why}")
+    if kernel.num_vfs(bdf) > 0:
+        raise VfioError(f"{bdf} has {kernel.num_vfs(bdf)} SR-IOV VFs enabled: unbinding the PF would destroy them")
+    drv, override = kernel.driver(bdf), kernel.override(bdf)
+    # refused rather than taken over: someone else (driverctl, an operator) is moving it to that
+    # driver, and their next write would race ours; nor could the give-back put it back as found
+    # (with the override set, the kernel lets only that driver bind it). Nothing written is safest.
+    if drv is not None and override not in (None, drv, *ours):
+        raise VfioError(f"{bdf}: its driver_override names {override} while it is bound to {drv} (a move to "
+                        f"{override} under way?); clear it (echo > driver_override) or finish that move")
+    if drv not in (None, VFIO_DRIVER) and (why := kernel.in_use(bdf)) is not None:
+        raise VfioError(why)
+    for other in kernel.group_members(group):
+        if other in mine or kernel.class_code(other) >> 8 == _BRIDGE:
+            continue
+        drv = kernel.driver(other)
+        if other in in_use_elsewhere or (drv is not None and drv != VFIO_DRIVER):
+            raise VfioError(f"{bdf}: IOMMU group {group} also holds {other} (driver {drv or 'none'}), "
+                            "which this claim is not allocated; a VM would get both")
+    return group
+
+
+def _vfio_loaded(kernel: PciKernel) -> None:
+    """Checked before anything is written: without vfio-pci the function would be unbound from
+    its driver (a NIC's link down, a GPU's users cut off) for a bind that cannot be done."""
+    if not kernel.driver_loaded(VFIO_DRIVER):
+        raise VfioError(f"{VFIO_DRIVER} is not loaded (modprobe {VFIO_DRIVER}); nothing written")
+
+
 def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: set[str],
          host_uses: Callable[[str], str | None] = lambda bdf: None) -> list[VfioFunction]:
     """The records for ``functions`` (this claim's), after every refusal check (``host_uses``:
     why the host uses a function's netdev, ``host_used`` with the node's and claim's say)."""
+    _vfio_loaded(kernel)
     mine = set(functions)
     records = []
     for bdf in functions:
-        group = kernel.group(bdf)
-        if group is None:
-            raise VfioError(f"{bdf}: the IOMMU is off or the function has no IOMMU group "
-                            "(boot with intel_iommu=on or amd_iommu=on)")
-        if bdf in in_use_elsewhere:
-            raise VfioError(f"{bdf} is in use by another prepared claim (a shared device cannot go to a VM)")
-        if (why := host_own(root, kernel, bdf)) is not None:
-            raise VfioError(f"{bdf} is the host's own: {why}")
-        if (why := host_uses(bdf)) is not None:
-            raise VfioError(f"{bdf}: {why}")
-        if kernel.num_vfs(bdf) > 0:
-            raise VfioError(f"{bdf} has {kernel.num_vfs(bdf)} SR-IOV VFs enabled: unbinding the PF would destroy them")
-        if kernel.driver(bdf) not in (None, VFIO_DRIVER) and (why := kernel.in_use(bdf)) is not None:
-            raise VfioError(why)
-        for other in kernel.group_members(group):
-            if other in mine or kernel.class_code(other) >> 8 == 0x0604:  # PCI bridges may share a group
-                continue
-            drv = kernel.driver(other)
-            if other in in_use_elsewhere or (drv is not None and drv != VFIO_DRIVER):
-                raise VfioError(f"{bdf}: IOMMU group {group} also holds {other} (driver {drv or 'none'}), "
-                                "which this claim is not allocated; a VM would get both")
+        group = check(root, kernel, bdf, mine, in_use_elsewhere, host_uses)
         records.append(VfioFunction(bdf=bdf, group=group, driver=kernel.driver(bdf), override=kernel.override(bdf)))
     return records
+
+
+def group_members(kernel: PciKernel, rec: VfioFunction) -> tuple[int | None, list[str]]:
+    """The IOMMU group of a function bound for a VM as the kernel shows it now, and its other
+    functions, bridges left out. The VM has the group: a member the host left on vfio-pci (or
+    with no driver) given to another claim would hand that claim's container the VM's group node
+    (docs/vfio.md), so the claim holds them too."""
+    group = kernel.group(rec.bdf) if kernel.present(rec.bdf) else None
+    members = kernel.group_members(group) if group is not None else []
+    return group, [m for m in members if m != rec.bdf and kernel.class_code(m) >> 8 != _BRIDGE]
 
 
 def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None]) -> None:
@@ -127,61 +190,94 @@ def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[st
             kernel.wait_group_node(bdf, rec.group)
     except KernelHung as err:  # the function stays the claim's; the others go back
         records = [r.model_copy(update={"pending": True}) if r.bdf == err.bdf else r for r in records]
-        problems = restore_all(kernel, [r for r in records if not r.pending], fault)
+        back = restore_all(kernel, [r for r in records if not r.pending], fault)
+        records = _merged(records, back.records)
         raise VfioError(f"{err}; the claim's record keeps the function, its retry (or the agent's next start) gives it "
-                        "back once the kernel is done" + (f"; not given back: {'; '.join(problems)}" if problems else ""),
+                        "back once the kernel is done" + (f"; not given back: {'; '.join(back.problems)}" if back.problems else ""),
                         records) from None
     except KernelError as err:
-        problems = restore_all(kernel, records, fault)
+        back = restore_all(kernel, records, fault)
         msg = f"binding to vfio-pci failed: {err}; original drivers restored"
-        raise VfioError(msg if not problems else f"{msg} except: {'; '.join(problems)}", records) from None
+        raise VfioError(msg if not back.problems else f"{msg} except: {'; '.join(back.problems)}", back.records) from None
 
 
-def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] = lambda p: None) -> None:
-    """Give one function back to its original driver (idempotent)."""
+def _merged(records: list[VfioFunction], now: list[VfioFunction]) -> list[VfioFunction]:
+    """``records`` with those of ``now`` in place of their function's."""
+    by_bdf = {r.bdf: r for r in now}
+    return [by_bdf.get(r.bdf, r) for r in records]
+
+
+def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] = lambda p: None) -> str:
+    """Give one function back to its original driver (idempotent) -> what was done, for a note."""
     bdf, original = rec.bdf, rec.driver
     kernel.settled(bdf)  # a write of ours still in the kernel: nothing until it returns
+    if not kernel.present(bdf):  # hot-removed (or its PF's VFs reconfigured): no driver to give it back to,
+        # and writing on would fail for as long as it is away, keeping the claim's entry and its unprepare failing
+        log.warning("VFIO: %s has left the node (its sysfs directory is gone): nothing to give back to %s",
+                    bdf, original or "no driver")
+        return f"{bdf} has left the node (removed): nothing to give back"
     if rec.pending and (writers := kernel.writers(bdf, [original, VFIO_DRIVER])):  # another instance's
         raise KernelError(f"{bdf}: a write for it is still in the kernel: {devusers.describe(writers)}")
+    done = f"{bdf} given back to {original or 'no driver'}"
     if original == VFIO_DRIVER:  # it came to us on vfio-pci and stays: only the override bind_all set goes
         if kernel.override(bdf) != rec.override:
             kernel.set_override(bdf, rec.override)
             fault("vfio:override-restored")
-        return
+        return done
     if kernel.driver(bdf) == original and kernel.override(bdf) == rec.override:
-        return  # it is back already
-    kernel.set_override(bdf, rec.override)
-    fault("vfio:override-restored")
+        return done  # it is back already
+    # the override stays vfio-pci until the unbind returned: one that does not return leaves the
+    # function as the bind left it (only vfio-pci may probe it), its record ``pending`` and nothing else written
     if kernel.driver(bdf) not in (None, original):
         kernel.unbind(bdf)
         fault("vfio:restore-unbound")
+    if kernel.override(bdf) != rec.override:  # None or the original driver (plan refuses another): it may bind
+        kernel.set_override(bdf, rec.override)
+        fault("vfio:override-restored")
     if original is not None and kernel.driver(bdf) is None:
         kernel.bind(bdf, original)
         fault("vfio:restored")
+    return done
 
 
-def restore_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None) -> list[str]:
-    """Give every function back; -> problems (empty when all are back)."""
-    problems = []
-    for rec in records:
+def restore_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None) -> GivenBack:
+    """Give every function back. A write that does not return marks its function's record
+    ``pending`` (the kernel may still finish it: no one may give it back under it)."""
+    back = GivenBack(records=list(records))
+    for i, rec in enumerate(records):
         try:
-            restore(kernel, rec, fault)
+            back.notes.append(restore(kernel, rec, fault))
         except KernelError as err:
             log.error("VFIO: %s could not be given back to %s: %s", rec.bdf, rec.driver, err)
-            problems.append(str(err))
-    return problems
+            back.problems.append(str(err))
+            if isinstance(err, KernelHung) and not rec.pending:
+                back.records[i] = rec.model_copy(update={"pending": True})
+    return back
 
 
-def ensure_bound(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None) -> bool:
-    """A prepared claim's functions on vfio-pci again (after a reboot); True if any was moved."""
+def ensure_bound(root: str, kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None,
+                 host_uses: Callable[[str], str | None] = lambda bdf: None) -> bool:
+    """A prepared claim's functions on vfio-pci again (after a reboot); True if any was moved.
+    Those to move are checked as ``plan`` checks them, before anything is written: the host may
+    have changed meanwhile (a PF whose VFs were enabled at boot: unbinding it destroys them)."""
     moved = [r for r in records if kernel.driver(r.bdf) != VFIO_DRIVER]
-    if moved:
-        try:
-            bind_all(kernel, moved, fault)
-        except VfioError as err:  # the claim's records as they are now, not only the moved ones'
-            now = {r.bdf: r for r in err.records or ()}
-            raise VfioError(str(err), [now.get(r.bdf, r) for r in records]) from None
-    return bool(moved)
+    if not moved:
+        return False
+    _vfio_loaded(kernel)
+    mine = {r.bdf for r in records}
+    for rec in moved:
+        if (why := kernel.in_flight(rec.bdf)) is not None:  # our own earlier write: said as it is, nothing written
+            raise VfioError(why)
+        if not kernel.present(rec.bdf):
+            raise VfioError(f"{rec.bdf} is not on this node any more (removed, or its PF's VFs reconfigured): "
+                            "it cannot be bound to vfio-pci again; unprepare the claim")
+        # other claims' holds were checked at prepare; an override of vfio-pci is our own bind's
+        check(root, kernel, rec.bdf, mine, set(), host_uses, ours=(VFIO_DRIVER, rec.override))
+    try:
+        bind_all(kernel, moved, fault)
+    except VfioError as err:  # the claim's records as they are now, not only the moved ones'
+        raise VfioError(str(err), _merged(records, err.records or [])) from None
+    return True
 
 
 def with_vfio_nodes(root: str, device: Device) -> Device:

@@ -90,6 +90,11 @@ class PciKernel:
             raise KernelError(f"{bdf!r} is not a PCI address")
         return self.fs.path("sys/bus/pci/devices", bdf)
 
+    def present(self, bdf: str) -> bool:
+        """Whether the function is on the node: its sysfs directory goes with it (hot-unplug,
+        ``remove``, its PF's ``sriov_numvfs`` set to 0)."""
+        return os.path.isdir(self.dev(bdf))
+
     def driver(self, bdf: str) -> str | None:
         return self._link_name(os.path.join(self.dev(bdf), "driver"))
 

@@ -12,7 +12,8 @@ claim's checkpoint entry under the step's ``key``:
   ``NotUndone`` gives, if any).
 - ``undo(record, others)`` -> ``Undone``: on a later failure, on unprepare, and at start for an
   interrupted prepare. ``others``: the other claims' entries. With problems the host is not
-  as before: the claim keeps its entry and the undo is retried.
+  as before: the claim keeps its entry (with ``Undone.record`` in place of its record, if any)
+  and the undo is retried.
 - ``recover(record)`` -> True if the host had to be changed again: a prepared claim's change
   made again (after a reboot the kernel forgot it), at start and on the kubelet's re-prepare.
 - ``settle(entries)``, optional: at start, after every claim was recovered, what no entry's
@@ -53,6 +54,9 @@ class Planned:
 class Undone:
     problems: list[str] = field(default_factory=list)  # what could not be put back
     notes: list[str] = field(default_factory=list)  # what was put back, for the recovery report
+    # with problems: the step's record to keep in the claim's entry instead of the one undone (what
+    # is left to undo is not what was recorded: a VFIO give-back still in the kernel, ``pending``), or None
+    record: Any = None
 
 
 class NotUndone(Exception):

@@ -5,10 +5,12 @@ Record (``vfio``): one ``VfioFunction`` per function, its original driver and
 ``driver_override``, in the PrepareStarted entry, durably, before the first kernel write. A
 failure at any point gives every function of the claim back; start-up recovery gives back the
 functions of a claim that was being prepared and re-binds those of a prepared claim after a
-reboot (the kernel forgets bindings). Unprepare gives the functions back *before* the claim
-leaves the checkpoint, so a crash in between is repaired by the kubelet's retry. A function
-held by another claim in any way, or one of its IOMMU group's, is refused (ownership.py); so is
-a NIC whose netdev the host uses, unless the node and the claim allow it (prepare/hostuse.py)."""
+reboot (the kernel forgets bindings), after the checks of a prepare. Unprepare gives the
+functions back *before* the claim leaves the checkpoint, so a crash in between is repaired by
+the kubelet's retry; a give-back whose write does not return leaves the record ``pending``
+(``Undone.record``). A function held by another claim in any way, or one of its IOMMU group's,
+is refused (ownership.py), and the claim holds the rest of the group too; so is a NIC whose
+netdev the host uses, unless the node and the claim allow it (prepare/hostuse.py)."""
 
 from __future__ import annotations
 
@@ -36,19 +38,25 @@ class VfioStep(RecordsOf):
         self.host_netns, self.allow_host_in_use = host_netns, allow_host_in_use  # whose netdevs the host uses
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
-        configs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory)
+        configs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory, planned.names)
         if not configs:
             return None
         in_use = {bdf for bdf in owners.held() if owners.holders(bdf, but=planned.uid)}
+        return tuple(vfio.plan(self.root, self.kernel, list(configs), in_use,
+                               lambda bdf: self._host_uses(bdf, configs[bdf].allowHostInUse)))
 
-        def host_uses(bdf: str) -> str | None:
-            netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
-            return vfio.host_used(self.root, netns, bdf, self.allow_host_in_use, configs[bdf].allowHostInUse)
-
-        return tuple(vfio.plan(self.root, self.kernel, list(configs), in_use, host_uses))
+    def _host_uses(self, bdf: str, claim_allows: bool) -> str | None:
+        netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
+        return vfio.host_used(self.root, netns, bdf, self.allow_host_in_use, claim_allows)
 
     def holds(self, record: Record) -> list[Hold]:
-        return [Hold(r.bdf, "vfio") for r in record]
+        """Each function and the rest of its IOMMU group (bridges aside): the VM has the group."""
+        own = {r.bdf: Hold(r.bdf, "vfio") for r in record}
+        members = {}
+        for r in record:
+            group, others = vfio.group_members(self.kernel, r)
+            members.update({m: Hold(m, "vfio", unit=f"{r.bdf}'s IOMMU group {group}") for m in others if m not in own})
+        return [*own.values(), *members.values()]
 
     def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
         try:
@@ -58,7 +66,8 @@ class VfioStep(RecordsOf):
         except vfio.VfioError as err:  # all given back (again: idempotent); one still away keeps the claim's entry
             now = tuple(err.records) if err.records is not None else record  # a write still in the kernel: pending
             if (undone := self.undo(now, {})).problems:
-                raise NotUndone(err, undone.problems, now if now != record else None) from err
+                kept = undone.record if undone.record is not None else now
+                raise NotUndone(err, undone.problems, kept if kept != record else None) from err
             raise
 
     def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
@@ -68,12 +77,16 @@ class VfioStep(RecordsOf):
         return {name: vfio.with_vfio_nodes(self.root, dev) for name, dev in devices.items() if dev.pci.bdf in held}
 
     def undo(self, record: Record, others: dict[str, dict]) -> Undone:
-        problems = vfio.restore_all(self.kernel, list(record), self.fault)
-        return Undone(problems=problems, notes=[] if problems else [f"{r.bdf} given back to {r.driver or 'no driver'}" for r in record])
+        back = vfio.restore_all(self.kernel, list(record), self.fault)
+        now = tuple(back.records)  # a give-back whose write did not return: pending, kept so on disk
+        return Undone(problems=back.problems, notes=[] if back.problems else back.notes, record=now if now != record else None)
 
     def recover(self, record: Record) -> bool:
+        # the claim's allowHostInUse is not in its record: a netdev the host uses now refuses the
+        # re-bind where the node does not allow it (the claim could not have); where it does, it is not looked at
+        host_uses = (lambda bdf: None) if self.allow_host_in_use else (lambda bdf: self._host_uses(bdf, False))
         try:
-            return vfio.ensure_bound(self.kernel, list(record), self.fault)
+            return vfio.ensure_bound(self.root, self.kernel, list(record), self.fault, host_uses)
         except vfio.VfioError as err:
             if err.records is None or (now := tuple(err.records)) == record:
                 raise
