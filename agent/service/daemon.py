@@ -194,7 +194,8 @@ class Agent:
                 {name: (reason, msg) for name, (state, msg, reason) in snapshot.items() if state == "UNHEALTHY"})
 
     def _node_operations(self, configured: dict) -> dict:
-        """``configured`` skip_node_operations, or the applied ones while prepared claims forbid the change."""
+        """``configured`` skip_node_operations, or the applied ones while prepared claims forbid the change.
+        Blocking (it records the rule with fsync, and may read the checkpoint): call it in a worker thread."""
         from agent.service import nodeops
 
         driver = getattr(self.kubelet_plugin, "driver", None)
@@ -202,9 +203,11 @@ class Agent:
                               applied=self.settings.skip_node_operations if self.kubelet_plugin else None)
 
     # --- SIGHUP ----------------------------------------------------------------------------
-    def reload(self, new: Settings) -> None:
-        """Apply the settings that can change live; say which ones need a restart."""
-        reloading.apply(self, new)
+    def reload(self, new: Settings, node_operations: dict | None = None) -> None:
+        """Apply the settings that can change live; say which ones need a restart. ``node_operations``:
+        ``_node_operations(new.skip_node_operations)`` as a worker thread settled it (SIGHUP's handler);
+        None: settled here, blocking."""
+        reloading.apply(self, new, node_operations)
 
     # --- main loop -----------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
@@ -221,7 +224,9 @@ class Agent:
         await self._serve_endpoints(started)
         if self._client is not None:
             started.push_async_callback(self._client.close)
-        if (ops := self._node_operations(self.settings.skip_node_operations)) != self.settings.skip_node_operations:
+        # the rule last applied and the checkpoint read, the rule recorded (fsync): a worker thread's
+        ops = await asyncio.to_thread(self._node_operations, self.settings.skip_node_operations)
+        if ops != self.settings.skip_node_operations:
             self.settings = self.settings.replace(skip_node_operations=ops)
         # No change between the first scan and the watchers is lost (docs/architecture.md, "Start-up
         # order"): sources that arm at once (uevents, slice watches) are armed before the scan and

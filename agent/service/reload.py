@@ -31,9 +31,10 @@ def changes(old: Settings, new: Settings) -> tuple[dict[str, Any], list[str]]:
     return {k: getattr(new, k) for k in changed & LIVE_SETTINGS}, sorted(changed - LIVE_SETTINGS)
 
 
-def apply(agent, new: Settings) -> None:
+def apply(agent, new: Settings, node_operations: dict | None = None) -> None:
     """Apply to ``agent`` (service.daemon.Agent) the settings that can change live; say which
-    ones need a restart."""
+    ones need a restart. ``node_operations``: the skip_node_operations ``agent._node_operations``
+    settled for ``new`` in a worker thread (None: settled here, which blocks: fsync)."""
     old = agent.settings
     live, restart = changes(old, new)
     if agent.lists.retry(new) and "list_attributes" not in live:
@@ -43,8 +44,11 @@ def apply(agent, new: Settings) -> None:
         return
     if restart:
         log.warning("SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart))
-    if "skip_node_operations" in live and agent._node_operations(new.skip_node_operations) != new.skip_node_operations:
-        del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
+    if "skip_node_operations" in live:
+        if node_operations is None:
+            node_operations = agent._node_operations(new.skip_node_operations)
+        if node_operations != new.skip_node_operations:
+            del live["skip_node_operations"]  # refused (logged): prepared claims hold such devices
     if not live:
         return
     s = agent.settings = old.replace(**live)
@@ -72,8 +76,9 @@ def apply(agent, new: Settings) -> None:
 
 def sighup_handler(agent, reload_settings: Callable[[], Settings]) -> Callable[[], None]:
     """SIGHUP's handler: the configuration read again in a worker thread (its file, the paths
-    resolved as at start, so unchanged ones compare equal), then applied on the loop; one SIGHUP
-    after another, so an older read never lands after a newer one."""
+    resolved as at start, so unchanged ones compare equal), a changed skip_node_operations settled
+    there too (its record is an fsync), then applied on the loop; one SIGHUP after another, so an
+    older read never lands after a newer one."""
     lock, running = asyncio.Lock(), set()
 
     async def again() -> None:
@@ -83,7 +88,10 @@ def sighup_handler(agent, reload_settings: Callable[[], Settings]) -> Callable[[
             except (ConfigError, startup.StartupError) as err:
                 log.error("SIGHUP: new configuration rejected, keeping the running one: %s", err)
                 return
-            agent.reload(new)
+            ops = None
+            if new.skip_node_operations != agent.settings.skip_node_operations:  # (only a SIGHUP changes it)
+                ops = await asyncio.to_thread(agent._node_operations, new.skip_node_operations)
+            agent.reload(new, ops)
 
     def on_hup() -> None:
         task = asyncio.get_running_loop().create_task(again(), name="sighup")
