@@ -317,3 +317,46 @@ def test_a_copy_of_a_slice_file_under_another_name_is_repaired(tmp_path):
     (obj,) = dir_slices(tmp_path)
     assert len(obj["spec"]["devices"]) == 4
     assert (tmp_path / "resourceslices" / (obj["metadata"]["name"] + ".json")).exists()
+
+
+def test_the_api_lists_pages_are_decoded_off_the_event_loop():
+    """A large node's slices are megabytes of JSON: each page the server sends is decoded (and made
+    dicts) in a worker thread, every page read until the server says there is no more."""
+    import threading
+
+    from agent.publish.kubestore import KubeStore
+
+    loop_thread, decoded = [], []
+
+    class Obj:
+        def __init__(self, n):
+            self.n = n
+
+        def to_dict(self):
+            return {"metadata": {"name": f"s{self.n}"}}
+
+    class Generic:
+        pages = [(True, None, [Obj(0), Obj(1)]), (False, "42", [Obj(2)])]
+
+        def prepare_request(self, method, res, params):
+            assert method == "list" and "spec.nodeName=node-a" in params["fieldSelector"]
+            return object()
+
+        def build_adapter_request(self, request):
+            return request
+
+        async def send(self, request):
+            loop_thread.append(threading.current_thread())
+            return object()
+
+        def handle_response(self, method, response, request):
+            decoded.append(threading.current_thread())
+            return self.pages.pop(0)
+
+    class Client:
+        _client = Generic()
+
+    store = KubeStore(Client(), node_name="node-a", driver_name="sysdra.io")
+    items = asyncio.run(store.list_slices())
+    assert [i["metadata"]["name"] for i in items] == ["s0", "s1", "s2"] and store.list_resource_version == "42"
+    assert len(decoded) == 2 and not set(decoded) & set(loop_thread)

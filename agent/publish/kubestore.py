@@ -5,11 +5,13 @@ with a DeleteOptions body; everything else uses the public API."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
 import httpx2
 from lightkube import ApiError, AsyncClient
+from lightkube.core.selector import build_selector
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceSlice
 
@@ -46,13 +48,22 @@ class KubeStore:
         self.list_resource_version: str | None = None  # where a watch continues after a list
 
     async def list_slices(self) -> list[dict]:
+        """Our slices, page by page as the server hands them; each page decoded in a worker thread
+        (a large node's pool is megabytes of JSON: parsing it on the loop would hold it up)."""
+        generic = self.client._client  # lightkube's list, its pages decoded off the loop
+        request = generic.prepare_request("list", res=ResourceSlice,
+                                          params={"fieldSelector": build_selector(self.fields, for_fields=True)})
+        items: list[dict] = []
         try:
-            it = self.client.list(ResourceSlice, fields=self.fields)
-            items = [obj.to_dict() async for obj in it]
-            self.list_resource_version = getattr(it, "_resourceVersion", None)
-            return items
+            more = True
+            while more:
+                response = await generic.send(generic.build_adapter_request(request))
+                more, version, page = await asyncio.to_thread(_page, generic, response, request)
+                items += page
         except (ApiError, httpx2.HTTPError, OSError) as err:
             raise _mapped(err) from err
+        self.list_resource_version = version
+        return items
 
     async def create(self, obj: dict) -> dict:
         try:
@@ -95,6 +106,12 @@ class KubeStore:
                 yield kind, obj.to_dict()
         except (ApiError, httpx2.HTTPError, OSError) as err:
             raise _mapped(err) from err
+
+
+def _page(generic, response, request) -> tuple[bool, str | None, list[dict]]:
+    """(more pages, the list's resourceVersion, the page's objects as dicts); ApiError as lightkube says."""
+    more, version, objects = generic.handle_response("list", response, request)
+    return more, version, [obj.to_dict() for obj in objects]
 
 
 def kube_client(field_manager: str) -> AsyncClient:
