@@ -341,7 +341,8 @@ def test_a_daemon_started_but_never_recorded_is_ended_before_another_starts(daem
         stray.wait(10)  # ended (and reaped by the agent: psutil waits for its children)
         assert not psutil.pid_exists(stray.pid)
         rec = d.state.daemons[UUID]
-        assert rec.pid != stray.pid and d.alive(rec) and d.answers(UUID)
+        assert rec.pid != stray.pid and d.alive(rec)
+        assert any(d.answers(UUID) for _ in range(3))  # (a client is a Python start here: slow on a loaded machine)
     finally:
         if stray.poll() is None:
             stray.kill()
