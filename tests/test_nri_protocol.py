@@ -184,3 +184,66 @@ def test_oversized_frames_streaming_messages_and_other_conns_drop_the_connection
         with pytest.raises(ProtocolError, match=f"conn {cid}: NRI has connections 1 and 2 only"):
             run(serve(MUX_HEADER.pack(cid, 3) + b"abc"))
     assert struct.calcsize(">IIBB") == 10
+
+
+def test_pod_events_over_state_change_as_nri_before_0_12_sends_them(tmp_path):
+    """NRI up to v0.11 (containerd 1.7 to 2.2, CRI-O) has no RunPodSandbox/StopPodSandbox/
+    RemovePodSandbox RPCs: it sends the subscribed pod sandbox events as ``StateChange`` (and
+    NRI 0.12 falls back to it when the dedicated call is UNIMPLEMENTED). They are the same events."""
+    async def body(runtime, plugin, events):
+        ep, *_ = await runtime.registered.get()
+        await plugin.wait_for(lambda s: s.synchronized)
+        for event in (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX):
+            await runtime.call(ep, "StateChange", api.StateChangeEvent(event=event, pod=sandbox("p")), api.Empty)
+        assert events.seen[1:] == [("run", "p", "/run/netns/cni-1"), ("stop", "p"), ("remove", "p")]
+        assert plugin.state.events["RunPodSandbox"] == 1
+        with pytest.raises(CallError, match="status 2: run refused"):  # the runtime fails the sandbox
+            events.fail_on = "run"
+            await runtime.call(ep, "StateChange", api.StateChangeEvent(event=api.RUN_POD_SANDBOX, pod=sandbox("q")),
+                               api.Empty)
+
+    run(with_plugin(tmp_path, body))
+
+
+def test_long_answers_go_in_frames_the_runtimes_reader_takes():
+    """containerd's ttrpc reads its multiplexed connection through a 4096-byte bufio.Reader and
+    NRI's mux fails a Read into a buffer shorter than the frame (ENOMEM: ``ttrpc: closed``, the
+    plugin dropped). A long answer (a refusal naming many netdevs) goes in frames of 4096 at most."""
+    async def body():
+        async def refuse(payload):
+            raise ValueError("netdev refused; " * 600)
+
+        reader, sent = asyncio.StreamReader(), bytearray()
+
+        class Writer:
+            def write(self, data):
+                sent.extend(data)
+
+            async def drain(self):
+                pass
+
+            def close(self):
+                pass
+
+        ep = Endpoint(reader, Writer(), {(1, "s/m"): refuse})
+        data = wire.Request(service="s", method="m").SerializeToString()
+        reader.feed_data(MUX_HEADER.pack(1, MSG_HEADER.size + len(data)) + MSG_HEADER.pack(len(data), 1, 1, 0) + data)
+        serving = asyncio.get_running_loop().create_task(ep.serve())
+        while not sent:
+            await asyncio.sleep(0.01)
+        reader.feed_eof()
+        await serving
+        frames, stream, at = [], b"", 0
+        while at < len(sent):
+            cid, size = MUX_HEADER.unpack_from(sent, at)
+            frames.append(size)
+            stream += sent[at + MUX_HEADER.size:at + MUX_HEADER.size + size]
+            at += MUX_HEADER.size + size
+            assert cid == 1
+        assert max(frames) <= 4096 and len(frames) > 1
+        length, sid, kind, _ = MSG_HEADER.unpack_from(stream)
+        assert (sid, kind, length) == (1, 2, len(stream) - MSG_HEADER.size)
+        answer = wire.Response.FromString(stream[MSG_HEADER.size:])
+        assert answer.status.code == 2 and answer.status.message == "netdev refused; " * 600
+
+    run(body())

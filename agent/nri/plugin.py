@@ -254,4 +254,12 @@ class NriPlugin:
         return api.CreateContainerResponse()
 
     async def _state_change(self, req: api.StateChangeEvent) -> api.Empty:
+        # NRI before v0.12 (containerd 1.7 to 2.2) has no dedicated pod sandbox RPCs: it sends the
+        # subscribed RUN/STOP/REMOVE_POD_SANDBOX events here (NRI 0.12 too, after an UNIMPLEMENTED)
+        handler = {api.RUN_POD_SANDBOX: (self._run_pod, api.RunPodSandboxRequest),
+                   api.STOP_POD_SANDBOX: (self._stop_pod, api.StopPodSandboxRequest),
+                   api.REMOVE_POD_SANDBOX: (self._remove_pod, api.RemovePodSandboxRequest)}.get(req.event)
+        if handler is not None:
+            method, kind = handler
+            await method(kind(pod=req.pod))
         return api.Empty()  # post-events are not subscribed; an older runtime may still send them

@@ -30,6 +30,10 @@ MUX_HEADER = struct.Struct(">II")
 MSG_HEADER = struct.Struct(">IIBB")
 MAX_DATA = 4 << 20  # ttrpc's limit on one message's data
 MAX_FRAME = MSG_HEADER.size + MAX_DATA  # the multiplexer's limit on one frame's payload
+# the longest frame written: the Go side reads its multiplexed connection through ttrpc's 4096-byte
+# bufio.Reader, and the mux fails a Read into a shorter buffer than the frame (ENOMEM), which closes
+# the connection; Go's own ttrpc writes at most 4096 bytes before its first flush
+MUX_CHUNK = 4096
 PLUGIN_CONN = 1  # the plugin serves, the runtime calls
 RUNTIME_CONN = 2  # the runtime serves, the plugin calls
 REQUEST, RESPONSE, DATA = 1, 2, 3
@@ -93,8 +97,9 @@ class Endpoint:
         if len(data) > MAX_DATA:
             raise ProtocolError(f"message of {len(data)} bytes, maximum is {MAX_DATA}")
         msg = MSG_HEADER.pack(len(data), stream, kind, 0) + data
-        # one write per frame: frames of concurrent calls never interleave
-        self._writer.write(MUX_HEADER.pack(cid, len(msg)) + msg)
+        # frames of MUX_CHUNK at most, in one write: frames of concurrent calls never interleave
+        self._writer.write(b"".join(MUX_HEADER.pack(cid, len(msg[i:i + MUX_CHUNK])) + msg[i:i + MUX_CHUNK]
+                                    for i in range(0, len(msg), MUX_CHUNK)))
 
     async def call(self, cid: int, service: str, method: str, request: Message,
                    answer: type[Message], timeout: float = 10.0) -> Message:
