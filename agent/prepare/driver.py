@@ -115,7 +115,7 @@ class Driver:
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point),
                                    lambda: host_netns(settings.root), settings.allow_host_in_use_nics))
         self.steps.append(NetdevStep(settings, lambda: host_netns(settings.root)))
-        self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi")))
+        self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi"), lambda p: self.fault(p)))
         if self.nvidia.mps is not None:
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
         # what shared devices offer, as published (the policies are checked at start: exit 78)

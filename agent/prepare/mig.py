@@ -322,6 +322,7 @@ def _destroy(nv, h, gi: int, fault: Callable[[str], None] = lambda p: None) -> N
         nv.nvmlComputeInstanceDestroy(ci)
     fault("mig:ci-destroyed")
     nv.nvmlGpuInstanceDestroy(handle)
+    fault("mig:gi-destroyed")
 
 
 def _destroy_at(nv, rec: MigDevice, fault: Callable[[str], None]) -> bool:

@@ -238,6 +238,7 @@ class MpsDaemons:
             self._mount_shm(uuid)
             mode_before = self._exclusive_mode(uuid)
             rec = self.launcher.launch(uuid, dirs, self._daemon_env(uuid), str(self.binary))
+            self.fault("launched")  # the daemon runs; its record is still the intent only
         except (MpsError, LaunchError) as err:
             self._stop(self.state.daemons[uuid], keep_dirs=True)  # nothing runs: the intent goes (the dirs: see _stop)
             raise MpsError(str(err) if isinstance(err, MpsError) else f"GPU {uuid}: {err}") from err

@@ -25,7 +25,7 @@ GPU = "gpu-0000-00-06-0"
 DEVICE = f"{GPU}-mig-2g-35gb-2"  # profile 14, placement (2, 2)
 PREPARE = ["driver:prepare:started", "driver:mig:gi-created", "driver:mig:ci-created", "driver:prepare:specs-written",
            "driver:prepare:completed", "journal-written"]
-UNPREPARE = ["driver:mig:ci-destroyed", "driver:unprepare:saved"]
+UNPREPARE = ["driver:mig:ci-destroyed", "driver:mig:gi-destroyed", "driver:unprepare:saved"]
 WHOLE_PREPARE = ["driver:prepare:started", "driver:migmode:off", "driver:prepare:specs-written",
                  "driver:prepare:completed", "journal-written"]
 WHOLE_UNPREPARE = ["driver:migmode:on", "driver:unprepare:saved"]

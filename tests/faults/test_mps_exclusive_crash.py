@@ -2,10 +2,11 @@
 (``--share gpu``) on a copy of h200-vm, its simulated ``nvidia-cuda-mps-control`` and the simulated
 NVML over a state file (tests/simnvml_mig.py: the GPU's compute mode outlives the agent process, as
 it outlives it on a GPU), a shared claim, the agent killed after the mode before was recorded,
-after the mode changed, after the daemon ended and after the mode went back, then restarted. After
-every restart a prepared claim's GPU is EXCLUSIVE_PROCESS under a running daemon, and a gone one's
-is back in its mode before (Default) with no daemon; the kubelet's retry prepares and unprepares
-the claim. A reboot (the driver forgets the mode) leaves nothing to set back."""
+after the mode changed, after the daemon started (before its PID was recorded), after the daemon
+ended and after the mode went back, then restarted. After every restart a prepared claim's GPU is
+EXCLUSIVE_PROCESS under a running daemon, and a gone one's is back in its mode before (Default)
+with no daemon; the kubelet's retry prepares and unprepares the claim. A reboot (the driver
+forgets the mode) leaves nothing to set back."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.simnvml_mig import SimMigNvml
 
 pytestmark = pytest.mark.slow
 GPU, BDF = "gpu-0000-00-06-0", "0000:00:06.0"
-PREPARE = ["mps:mode-recorded", "mps:exclusive"]
+PREPARE = ["mps:mode-recorded", "mps:exclusive", "mps:launched"]
 UNPREPARE = ["mps:ended", "mps:mode-back"]
 ENV = {"SYSDRA_SHARE": "gpu", "SYSDRA_NVIDIA_MPS_EXCLUSIVE": "true"}
 
@@ -85,7 +86,8 @@ def test_sigkill_at_every_step_of_the_compute_mode(tmp_path, faults):
             assert node.mode() == 0 and node.daemons() == []
             node.check_clean()
             node.stop()
-        assert outcomes == ["undone", "undone", "kept", "kept"], outcomes  # a prepare's crash undone, an unprepare's kept
+        # a prepare's crash undone, an unprepare's kept
+        assert outcomes == ["undone"] * len(PREPARE) + ["kept"] * len(UNPREPARE), outcomes
         node.start()  # sysdra status says what the agent changed
         assert not run(node.prepare(claim)).claims[UID].error
         (pid,) = node.daemons()
@@ -108,7 +110,8 @@ def test_sigkill_at_every_step_of_the_compute_mode(tmp_path, faults):
         node.stop()
         for pid in node.daemons():
             psutil.Process(pid).kill()
-    faults.add("MPS compute mode", "SIGKILL after the mode before was recorded, after EXCLUSIVE_PROCESS, after the daemon "
-               "ended, after the mode went back; a reboot", len(PREPARE + UNPREPARE) + 1,
+    faults.add("MPS compute mode", "SIGKILL after the mode before was recorded, after EXCLUSIVE_PROCESS, after "
+               "the daemon started (its record still the intent), after it ended, after the mode went back; a reboot",
+               len(PREPARE + UNPREPARE) + 1,
                f"outcomes {outcomes}: every prepared claim's GPU exclusive under one daemon, every gone one's back "
                "to Default with none; the retries prepared and unprepared")

@@ -36,9 +36,11 @@ class TimeSliceStep(RecordsOf):
     key = "timeslice"
     what = "GPU time-slice"  # the stage named in a claim error
 
-    def __init__(self, driver_name: str, smi: Callable[[], tuple[str | None, dict[str, str]]]):
+    def __init__(self, driver_name: str, smi: Callable[[], tuple[str | None, dict[str, str]]],
+                 fault: Callable[[str], None] = lambda point: None):
         self.driver_name = driver_name
         self.smi = smi  # -> (nvidia-smi as the agent runs it, its environment), None: the node has none
+        self.fault = fault  # a test hook, after each time slice the driver took (tests/faults)
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         configs = opaque_configs(planned.claim, self.driver_name)
@@ -76,6 +78,7 @@ class TimeSliceStep(RecordsOf):
         if out.returncode != 0:
             raise ClaimFailed(f"GPU {gpu}: nvidia-smi compute-policy --set-timeslice {SLICES[interval]} failed: "
                               f"{(out.stderr or out.stdout).strip()[:300]}")
+        self.fault("timeslice:set")
         log.info("GPU %s: time slice %s", gpu, interval)
 
     def apply(self, planned: Planned, record: Record) -> tuple[Record, dict[str, Device]]:
