@@ -171,6 +171,7 @@ def _limit_cases(base: dict) -> dict[str, dict]:
         "IP without prefix": dict(base, networkData={"ips": ["192.0.2.5"]}),
         "IP not canonical": dict(base, networkData={"ips": ["2001:DB8::5/64"]}),
         "IPv4 host bits": dict(base, networkData={"ips": ["192.0.2.5/24"]}),
+        "IPv4-mapped below /96": dict(base, networkData={"ips": ["::ffff:102:304/64"]}),
         "interface 256 bytes": dict(base, networkData={"interfaceName": "i" * 256}),
         "interface 257 bytes": dict(base, networkData={"interfaceName": "i" * 257}),
         "hardware address 128 bytes": dict(base, networkData={"hardwareAddress": "h" * 128}),

@@ -190,6 +190,8 @@ def test_update_errors(tmp_path, capsys):
         update_request(s, ClaimRef("default", "c", "00000000-0000-4000-8000-000000000000"), "net", NetworkData())
     with pytest.raises(UpdateError, match="CIDR"):
         update_request(s, ref, "net", NetworkData(ips=["192.0.2.5"]))
+    with pytest.raises(UpdateError, match="CIDR"):  # no form of it passes the server's check: its status write would be a 422
+        update_request(s, ref, "net", NetworkData(ips=["::ffff:1.2.3.4/64"]))
     with pytest.raises(UpdateError, match="not in request"):
         update_request(s, ref, "net", NetworkData(), device="gpu-x")
     assert read_file(host(s, c, "net"))["metadata"]["generation"] == 1

@@ -259,6 +259,53 @@ def test_prepare_plans_the_move_and_the_hook_writes_the_pods_view(tmp_path, ifna
     assert where(nets) == (True, False)
 
 
+def test_without_device_metadata_the_status_still_gets_the_pods_view(tmp_path, ifname_nets):
+    """``device_metadata: false`` turns off the KEP-5304 files only: ``status.devices[].networkData``
+    of a NIC moved into its pod still says the pod's view (docs/cluster-integration.md), not the
+    host's interface name."""
+    nets = ifname_nets
+    s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"), device_metadata=False)
+    inv = scan(s.root)
+    d = Driver(s, lambda: inv)
+    netdev_step = next(st for st in d.steps if isinstance(st, NetdevStep))
+    netdev_step.host_netns = lambda: nets.host
+    config = {"interfaceName": "net1", "addresses": ["192.0.2.5/24"]}
+    assert d.prepare_claims([nic_claim(config)])[CLAIM].error is None
+    assert d.checkpoint.claims[CLAIM]["deviceStatus"][0]["networkData"]["interfaceName"] == IFNAME  # the host's view
+    written = []
+    m = NetdevMover(s.plugin_dir, host_netns=nets.host, settings=s, status=lambda ref, e: written.append((ref, e)))
+    run(m.pod_started(pod(nets)))
+    assert where(nets) == (False, True)
+    mac = ip_json(nets, "link", "show", "net1")[0]["address"]
+    ((ref, entries),) = written
+    assert entries[0]["networkData"] == {"interfaceName": "net1", "ips": ["192.0.2.5/24"], "hardwareAddress": mac}
+    assert Checkpoint.load(os.path.join(s.plugin_dir, "checkpoint.json")).claims[CLAIM]["deviceStatus"] == entries
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+
+
+def test_the_pods_view_drops_the_hosts_addresses_the_move_took_away(tmp_path):
+    """A NIC the host used (``allowHostInUse``) had a host address at prepare, which its status
+    entry named. Moving the link into the pod's namespace takes its addresses away: with no
+    ``NicConfig`` addresses and no lease the pod's view has no IPs (docs/networking.md: the
+    config's addresses and the lease), not the host's."""
+    from agent.nri import podmeta
+    from agent.prepare.records import NetdevMove
+
+    s = settings_for(str(tmp_path))
+    host_net = {"interfaceName": IFNAME, "hardwareAddress": "a0:88:c2:1e:5a:20", "ips": ["2001:db8::5/64"]}
+    dev = {"driver": "sysdra.io", "pool": "node-1", "name": NIC,
+           "networkData": {"interfaceName": IFNAME, "hardwareAddress": "a0:88:c2:1e:5a:20"}}
+    entry = {"state": COMPLETED, "namespace": "default", "name": "nic",
+             "metadata": {"podClaimName": None, "requests": {"net1": {"generation": 1, "requests": [
+                 {"name": "net1", "devices": [dev]}]}}},
+             "deviceStatus": [{"driver": "sysdra.io", "pool": "node-1", "device": NIC, "networkData": dict(host_net)}]}
+    move = NetdevMove(device=NIC, request="net1", host=IFNAME, pod="net1", state="in-pod", mac="0e:ba:7d:38:24:8f")
+    assert podmeta.record(s, CLAIM, entry, move)
+    pods_view = {"interfaceName": "net1", "hardwareAddress": "0e:ba:7d:38:24:8f"}
+    assert entry["metadata"]["requests"]["net1"]["requests"][0]["devices"][0]["networkData"] == pods_view
+    assert entry["deviceStatus"][0]["networkData"] == pods_view
+
+
 def test_a_nic_config_name_taken_twice_fails_the_claim(tmp_path):
     s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
     inv = scan(s.root)

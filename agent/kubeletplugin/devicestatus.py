@@ -64,7 +64,9 @@ def canonical_interface_address(value: str) -> str | None:
     except ValueError:
         return None
     ip, prefix = iface.ip, iface.network.prefixlen
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None and prefix >= 96:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        if prefix < 96:  # Go prints it as IPv4 with a negative prefix ("1.2.3.4/-32"): never valid
+            return None
         return f"{ip.ipv4_mapped}/{prefix - 96}"  # Go prints a mapped address as IPv4
     return f"{ip}/{prefix}"
 

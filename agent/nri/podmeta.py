@@ -14,7 +14,7 @@ import logging
 
 from agent.apilimits import MAX_IPS
 from agent.kubeletplugin.types import base_request
-from agent.prepare.metadata.update import NetworkData, UpdateError, update_entry
+from agent.prepare.metadata.update import NetworkData, UpdateError, update_entry, update_status
 from agent.prepare.records import NetdevMove
 
 log = logging.getLogger(__name__)
@@ -27,21 +27,22 @@ def network_data(move: NetdevMove) -> NetworkData:
     if len(ips) > MAX_IPS:
         log.warning("netdev %s: %d addresses in the pod, its metadata and claim status name the first %d",
                     move.host, len(ips), MAX_IPS)
-    return NetworkData(interface_name=move.pod, hardware_address=move.mac, ips=ips[:MAX_IPS])
+    return NetworkData(interface_name=move.pod, hardware_address=move.mac, ips=ips[:MAX_IPS], all_ips=True)
 
 
 def record(settings, uid: str, entry: dict, move: NetdevMove) -> bool:
     """``move``'s view from the pod into the claim's ``entry`` and its metadata file -> whether
-    the entry changed (the caller saves it). Nothing without device metadata."""
-    if not settings.device_metadata or not entry.get("metadata"):
-        return False
+    the entry changed (the caller saves it). Without device metadata only the ``deviceStatus``
+    entries take it."""
     net = network_data(move)
     try:
         net.check()
+        if not settings.device_metadata or not entry.get("metadata"):  # no metadata file: status.devices still follows
+            return update_status(entry, move.device, net)
         generation = update_entry(settings, uid, entry, base_request(move.request), net, device=move.device,
                                   request=move.request)
     except (UpdateError, OSError, ValueError) as err:
-        log.warning("claim %s: the device metadata keeps the host's view of %s: %s", uid, move.host, err)
+        log.warning("claim %s: the device metadata and status keep the host's view of %s: %s", uid, move.host, err)
         return False
     log.info("device metadata of %s/%s request %s: %s is %s in the pod (generation %d)", entry.get("namespace"),
              entry.get("name"), move.request, move.host, move.pod, generation)

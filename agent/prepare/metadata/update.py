@@ -35,6 +35,7 @@ class NetworkData:
     interface_name: str | None = None
     ips: list[str] = field(default_factory=list)
     hardware_address: str | None = None
+    all_ips: bool = False  # ``ips`` are all the device's addresses (none: no ``ips``), not only the given ones
 
     def check(self) -> None:
         if self.interface_name is not None and len(self.interface_name.encode()) > MAX_INTERFACE_NAME:
@@ -50,6 +51,8 @@ class NetworkData:
                 ipaddress.ip_interface(ip)
             except ValueError as err:
                 raise UpdateError(f"IP {ip!r}: {err}") from err
+            if devicestatus.canonical_interface_address(ip) is None:  # the server's check refuses every form of it
+                raise UpdateError(f"IP {ip!r} is not an interface address in CIDR form the API accepts")
 
     def apply(self, device: dict) -> None:
         net = dict(device.get("networkData") or {})
@@ -57,6 +60,8 @@ class NetworkData:
             net["interfaceName"] = self.interface_name
         if self.ips:
             net["ips"] = list(self.ips)
+        elif self.all_ips:
+            net.pop("ips", None)
         if self.hardware_address is not None:
             net["hardwareAddress"] = self.hardware_address
         if net:
@@ -135,14 +140,23 @@ def update_entry(settings: Settings, uid: str, entry: dict, base: str, net: Netw
     if target is None:
         raise UpdateError(f"device {device!r} is not in request {request or base!r} of {entry.get('namespace')}/{entry.get('name')}")
     net.apply(target)
-    for status_entry in entry.get("deviceStatus") or []:  # status.devices follows (write_status)
-        if status_entry.get("device") == target["name"]:
+    update_status(entry, target["name"], net)  # status.devices follows (write_status)
+    return store.write_file(settings, uid, entry, base)
+
+
+def update_status(entry: dict, device: str, net: NetworkData) -> bool:
+    """``net`` into the claim's recorded ``deviceStatus`` entries of ``device`` (IPs in the
+    server's canonical form) -> whether there was one."""
+    found = False
+    for status_entry in entry.get("deviceStatus") or []:
+        if status_entry.get("device") == device:
+            found = True
             net.apply(status_entry)
             ips = (status_entry.get("networkData") or {}).get("ips", [])
             canon = [devicestatus.canonical_interface_address(ip) or ip for ip in ips]
             if canon:
                 status_entry["networkData"]["ips"] = list(dict.fromkeys(canon))
-    return store.write_file(settings, uid, entry, base)
+    return found
 
 
 def write_status(settings: Settings, ref: ClaimRef, client=None) -> int | None:
