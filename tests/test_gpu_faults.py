@@ -48,6 +48,21 @@ def set_boot(root: str, boot: str) -> None:
         f.write(boot + "\n")
 
 
+def cli_flags(s) -> list[str]:
+    """The flags a `sysdra health` command needs to find the agent's plugin dir and root."""
+    return ["--kubelet-dir", os.path.dirname(os.path.dirname(s.plugin_dir)), "--driver-name", s.driver_name, "--root", s.root]
+
+
+async def watching_xid_79(s, inv, sim) -> HealthMonitor:
+    """A started monitor of ``inv`` watching ``sim``'s events, after an XID 79 of the GPU is kept."""
+    monitor = HealthMonitor(s, lambda: inv)
+    await monitor.start()
+    assert await monitor.watch_gpu_events(nvml=open_sim(s.root, sim))
+    sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
+    await until(lambda: (UUID, None) in FaultStore(s.plugin_dir, s.root).load())
+    return monitor
+
+
 async def until(predicate, timeout: float = 30.0):
     async with asyncio.timeout(timeout):
         while not predicate():
@@ -67,6 +82,14 @@ async def _fault(s, xid: int = 79) -> None:
         assert monitor.states[GPU].verdict.reason == f"xid-{xid}"
     finally:
         await monitor.stop()
+
+
+async def _faulted_and_restarted(s) -> HealthMonitor:
+    """A monitor started after another kept an XID 79 of the GPU: the GPU unhealthy from the file."""
+    await _fault(s)
+    monitor = await _restarted(s)
+    assert monitor.states[GPU].verdict.reason == "xid-79"
+    return monitor
 
 
 async def _restarted(s) -> HealthMonitor:
@@ -220,14 +243,11 @@ def test_clear_under_a_running_monitor(node):
     round finds the GPU healthy; a fault recorded meanwhile is kept."""
     from agent.cli.main import main as cli
 
-    flags = ["--kubelet-dir", os.path.dirname(os.path.dirname(node.plugin_dir)), "--driver-name", node.driver_name,
-             "--root", node.root]
+    flags = cli_flags(node)
 
     async def main():
-        await _fault(node)
-        monitor = await _restarted(node)
+        monitor = await _faulted_and_restarted(node)
         try:
-            assert monitor.states[GPU].verdict.reason == "xid-79"
             assert cli(["health", "clear", *flags, "nothing-like-it"]) == 1
             assert cli(["health", "clear", *flags, BDF]) == 0
             await monitor.check_now()

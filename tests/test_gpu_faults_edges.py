@@ -11,10 +11,10 @@ import os
 
 from agent.health.checks import HEALTHY
 from agent.health.faults import FILE, FaultStore
-from agent.health.monitor import HealthMonitor
 from discovery.inventory import scan
-from tests.simnvml import SimNvmlEvents, open_sim
-from tests.test_gpu_faults import BDF, GPU, UUID, _check_once, _fault, _restarted, node, until  # noqa: F401 - node: a fixture
+from tests.simnvml import SimNvmlEvents
+from tests.test_gpu_faults import (BDF, GPU, UUID, _check_once, _faulted_and_restarted, _restarted, cli_flags, node,  # noqa: F401 - node: a fixture
+                                   until, watching_xid_79)
 
 
 def test_a_file_nested_too_deep_is_damage_not_a_crash(node, caplog):
@@ -44,8 +44,7 @@ def test_a_since_out_of_range_is_a_bad_entry(node, caplog):
                                                      dict(good, uuid="GPU-bbbb", since=float("inf")), good]}))
     caplog.set_level(logging.WARNING, logger="agent.health.faults")
     assert list(FaultStore(node.plugin_dir, node.root).load()) == [(UUID, None)]
-    flags = ["--kubelet-dir", os.path.dirname(os.path.dirname(node.plugin_dir)), "--driver-name", node.driver_name,
-             "--root", node.root]
+    flags = cli_flags(node)
     assert cli(["health", "list", *flags]) == 0
 
 
@@ -55,17 +54,12 @@ def test_the_same_fault_again_after_a_clear_is_kept(node):
     to be kept and shown, not taken for a repeat of the one cleared."""
     from agent.cli.main import main as cli
 
-    flags = ["--kubelet-dir", os.path.dirname(os.path.dirname(node.plugin_dir)), "--driver-name", node.driver_name,
-             "--root", node.root]
+    flags = cli_flags(node)
     inv, sim = scan(node.root), SimNvmlEvents()
 
     async def main():
-        monitor = HealthMonitor(node, lambda: inv)
-        await monitor.start()
+        monitor = await watching_xid_79(node, inv, sim)
         try:
-            assert await monitor.watch_gpu_events(nvml=open_sim(node.root, sim))
-            sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
-            await until(lambda: (UUID, None) in FaultStore(node.plugin_dir, node.root).load())
             assert cli(["health", "clear", *flags, GPU]) == 0
             checks = monitor.link_checks
             sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)  # the GPU fell off the bus again
@@ -86,14 +80,11 @@ def test_a_fault_raised_while_a_round_applies_a_clear_is_kept_and_shown(node):
     GPU must not be left healthy until some later change of the file or the inventory."""
     from agent.cli.main import main as cli
 
-    flags = ["--kubelet-dir", os.path.dirname(os.path.dirname(node.plugin_dir)), "--driver-name", node.driver_name,
-             "--root", node.root]
+    flags = cli_flags(node)
 
     async def main():
-        await _fault(node)
-        monitor = await _restarted(node)
+        monitor = await _faulted_and_restarted(node)
         try:
-            assert monitor.states[GPU].verdict.reason == "xid-79"
             monitor.xid = None  # (no NVML here: the UUID is discovery's)
             assert cli(["health", "clear", *flags, GPU]) == 0
             monitor._gpu_fault(BDF, "xid-48", "NVML: critical XID 48")  # what the event thread schedules
@@ -116,8 +107,7 @@ def test_another_gpu_hotplugged_into_the_slot_does_not_get_the_fault(node):
     `sysdra health clear` of the old GPU leaves nothing behind either way."""
     from agent.cli.main import main as cli
 
-    flags = ["--kubelet-dir", os.path.dirname(os.path.dirname(node.plugin_dir)), "--driver-name", node.driver_name,
-             "--root", node.root]
+    flags = cli_flags(node)
     inv, sim = scan(node.root), SimNvmlEvents()
     gpu = inv.by_name()[GPU]
     without = inv.replace(devices=tuple(d for d in inv.devices if d.name != GPU))
@@ -125,12 +115,8 @@ def test_another_gpu_hotplugged_into_the_slot_does_not_get_the_fault(node):
                                       if d.name == GPU else d for d in inv.devices))
 
     async def main():
-        monitor = HealthMonitor(node, lambda: inv)
-        await monitor.start()
+        monitor = await watching_xid_79(node, inv, sim)
         try:
-            assert await monitor.watch_gpu_events(nvml=open_sim(node.root, sim))
-            sim.emit(BDF, sim.nvmlEventTypeXidCriticalError, 79)
-            await until(lambda: (UUID, None) in FaultStore(node.plugin_dir, node.root).load())
             await until(lambda: not monitor._link_checks)
             monitor.on_inventory(without)  # unplugged
             await monitor.check_now()

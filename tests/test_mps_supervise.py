@@ -6,6 +6,7 @@ signalled; records of another boot are cleaned, a tmpfs below them unmounted; or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -326,33 +327,10 @@ def test_the_health_monitor_holds_a_gpu_unhealthy_while_its_daemon_is_down(tmp_p
     asyncio.run(main())
 
 
-def test_a_daemon_started_but_never_recorded_is_ended_before_another_starts(daemons, binary):  # noqa: F811
-    """The agent was killed between starting a daemon and recording its PID: the record holds
-    the intent only. The next start ends that daemon (its pipe dir is the GPU's) and runs one."""
-    d = daemons()
-    pipe, logs = d.dirs(UUID)["pipe"], d.dirs(UUID)["log"]
-    os.makedirs(pipe)
-    os.makedirs(logs)
-    stray = subprocess.Popen([binary, "-f"], env={**os.environ, "CUDA_VISIBLE_DEVICES": UUID,
-                                                  "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs})
-    try:
-        d.state.daemons = {UUID: MpsRecord(uuid=UUID, boot_id=d.boot_id)}  # intent only
-        assert d.reconcile({UUID}) == {}
-        stray.wait(10)  # ended (and reaped by the agent: psutil waits for its children)
-        assert not psutil.pid_exists(stray.pid)
-        rec = d.state.daemons[UUID]
-        assert rec.pid != stray.pid and d.alive(rec)
-        assert any(d.answers(UUID) for _ in range(3))  # (a client is a Python start here: slow on a loaded machine)
-    finally:
-        if stray.poll() is None:
-            stray.kill()
-            stray.wait()
-
-
-def test_a_daemon_started_but_never_recorded_is_ended_when_no_share_needs_it(daemons, binary):  # noqa: F811
-    """The same kill, but the claim was PrepareStarted: the next start rolls it back and no share
-    needs the GPU. That daemon ends too, not left running with its directories removed under it."""
-    d = daemons()
+@contextlib.contextmanager
+def _stray(d, binary):
+    """A daemon of the GPU's pipe dir that no record names (the agent was killed between starting
+    it and recording its PID: the record holds the intent only), serving; killed after, if still up."""
     pipe, logs = d.dirs(UUID)["pipe"], d.dirs(UUID)["log"]
     os.makedirs(pipe)
     os.makedirs(logs)
@@ -361,13 +339,33 @@ def test_a_daemon_started_but_never_recorded_is_ended_when_no_share_needs_it(dae
     try:
         deadline = time.monotonic() + TIMEOUT
         while not os.path.exists(os.path.join(pipe, "control")) and time.monotonic() < deadline:
-            time.sleep(0.02)  # serving, as the daemon the killed agent started
+            time.sleep(0.02)
         d.state.daemons = {UUID: MpsRecord(uuid=UUID, boot_id=d.boot_id)}  # intent only
-        assert d.reconcile(set()) == {}
-        assert d.state.daemons == {} and not os.path.exists(os.path.join(d.base, UUID))
-        stray.wait(10)
-        assert not psutil.pid_exists(stray.pid)
+        yield stray
     finally:
         if stray.poll() is None:
             stray.kill()
             stray.wait()
+
+
+def test_a_daemon_started_but_never_recorded_is_ended_before_another_starts(daemons, binary):  # noqa: F811
+    """The next start ends that daemon (its pipe dir is the GPU's) and runs one."""
+    d = daemons()
+    with _stray(d, binary) as stray:
+        assert d.reconcile({UUID}) == {}
+        stray.wait(10)  # ended (and reaped by the agent: psutil waits for its children)
+        assert not psutil.pid_exists(stray.pid)
+        rec = d.state.daemons[UUID]
+        assert rec.pid != stray.pid and d.alive(rec)
+        assert any(d.answers(UUID) for _ in range(3))  # (a client is a Python start here: slow on a loaded machine)
+
+
+def test_a_daemon_started_but_never_recorded_is_ended_when_no_share_needs_it(daemons, binary):  # noqa: F811
+    """The same, but the claim was PrepareStarted: the next start rolls it back and no share needs
+    the GPU. That daemon ends too, not left running with its directories removed under it."""
+    d = daemons()
+    with _stray(d, binary) as stray:
+        assert d.reconcile(set()) == {}
+        assert d.state.daemons == {} and not os.path.exists(os.path.join(d.base, UUID))
+        stray.wait(10)
+        assert not psutil.pid_exists(stray.pid)

@@ -10,7 +10,6 @@ until the hold gives up, and the test sees the save already finished."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -19,6 +18,7 @@ from agent.service.daemon import Agent
 from agent.service.status import status_socket_path
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
+from tests.test_prepare_off_loop import _status
 
 HOLD = 5.0  # seconds a held save waits for the test before it goes on by itself (only a save on the loop)
 
@@ -48,14 +48,6 @@ async def _until(predicate, what: str, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"not reached: {what}"
         await asyncio.sleep(0.01)
-
-
-async def _status(path: str) -> dict:
-    reader, writer = await asyncio.open_unix_connection(path)
-    try:
-        return json.loads(await reader.read())
-    finally:
-        writer.close()
 
 
 async def _answered_while_held(held: HeldSave, agent: Agent) -> dict:

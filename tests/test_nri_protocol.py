@@ -20,6 +20,22 @@ from agent.protos import ttrpc_wire_pb2 as wire
 from tests.nri_standin import Runtime, sandbox
 
 
+
+class CollectingWriter:
+    """A stream writer that keeps what is written in ``sent``."""
+
+    def __init__(self, sent: bytearray):
+        self.sent = sent
+
+    def write(self, data):
+        self.sent.extend(data)
+
+    async def drain(self):
+        pass
+
+    def close(self):
+        pass
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -128,18 +144,7 @@ def test_a_message_split_over_frames_and_frames_with_two_messages(tmp_path):
 
         reader = asyncio.StreamReader()
         sent = bytearray()
-
-        class Writer:
-            def write(self, data):
-                sent.extend(data)
-
-            async def drain(self):
-                pass
-
-            def close(self):
-                pass
-
-        ep = Endpoint(reader, Writer(), {(2, "s/m"): echo})
+        ep = Endpoint(reader, CollectingWriter(sent), {(2, "s/m"): echo})
         msgs = b""
         for i, name in enumerate(("x", "y")):
             env = wire.Request(service="s", method="m", payload=api.RegisterPluginRequest(plugin_name=name).SerializeToString())
@@ -214,18 +219,7 @@ def test_long_answers_go_in_frames_the_runtimes_reader_takes():
             raise ValueError("netdev refused; " * 600)
 
         reader, sent = asyncio.StreamReader(), bytearray()
-
-        class Writer:
-            def write(self, data):
-                sent.extend(data)
-
-            async def drain(self):
-                pass
-
-            def close(self):
-                pass
-
-        ep = Endpoint(reader, Writer(), {(1, "s/m"): refuse})
+        ep = Endpoint(reader, CollectingWriter(sent), {(1, "s/m"): refuse})
         data = wire.Request(service="s", method="m").SerializeToString()
         reader.feed_data(MUX_HEADER.pack(1, MSG_HEADER.size + len(data)) + MSG_HEADER.pack(len(data), 1, 1, 0) + data)
         serving = asyncio.get_running_loop().create_task(ep.serve())
