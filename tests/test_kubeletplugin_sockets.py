@@ -152,3 +152,56 @@ def test_start_up_recovery_waits_for_the_other_instance_of_a_rolling_update(tmp_
             await new.stop()
     run(main())
     preparing.join()
+
+
+def test_instance_locks_of_a_rolling_update_do_not_pile_up_in_the_plugin_dir(tmp_path):
+    """Every pod of a surge update has its own UID, so its own ``dra-<uid>.sock.lock``: one that
+    stays after its agent stopped is left in the plugin dir for good (no later pod has that UID),
+    one more file per agent pod the node ever ran. A stopped instance's lock file goes; a second
+    agent with the same UID is still refused while the first one runs."""
+    for uid in ("4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11", "9a9a9a9a-0000-4000-8000-000000000000"):
+        s = settings_for(str(tmp_path), rolling_update_uid=uid)
+        os.makedirs(s.plugin_dir, exist_ok=True)
+        lock = sockets.InstanceLock(sockets.dra_socket_path(s))
+        lock.acquire()
+        with pytest.raises(sockets.InstanceLocked):
+            sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+        lock.release()
+    assert [n for n in os.listdir(s.plugin_dir) if n.endswith(".lock")] == []
+    again = sockets.InstanceLock(sockets.dra_socket_path(s))  # the same UID again (a container restart)
+    again.acquire()
+    try:
+        with pytest.raises(sockets.InstanceLocked):
+            sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+    finally:
+        again.release()
+
+
+def test_an_instance_lock_released_while_the_next_agent_opens_it_is_not_held_twice(tmp_path, monkeypatch):
+    """The stopping agent removes its lock file: an agent that opened the old file just before
+    locks the file at the path, so a third one is refused while it runs."""
+    import fcntl as real_fcntl
+    import types
+
+    s = settings_for(str(tmp_path), rolling_update_uid="4f0c6cb4-9f8f-4d3b-a1c3-7b6f0c3a0d11")
+    os.makedirs(s.plugin_dir, exist_ok=True)
+    first = sockets.InstanceLock(sockets.dra_socket_path(s))
+    first.acquire()
+    calls = []
+
+    def flock(fd, op):  # the first agent stops between the second one's open and its flock
+        if not calls:
+            first.release()
+        calls.append(op)
+        return real_fcntl.flock(fd, op)
+
+    monkeypatch.setattr(sockets, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=real_fcntl.LOCK_EX,
+                                                                LOCK_NB=real_fcntl.LOCK_NB))
+    second = sockets.InstanceLock(sockets.dra_socket_path(s))
+    second.acquire()
+    monkeypatch.undo()
+    try:
+        with pytest.raises(sockets.InstanceLocked):
+            sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+    finally:
+        second.release()

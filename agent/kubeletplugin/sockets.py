@@ -110,6 +110,11 @@ def remove_if_same(path: str, ident: tuple[int, int] | None) -> None:
         os.unlink(path)
 
 
+def _fd_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 class InstanceLocked(SocketError):
     """Another agent serves the same sockets (same plugin dir and rolling-update UID)."""
 
@@ -124,23 +129,36 @@ class InstanceLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise InstanceLocked(f"another sysdra agent (pid {holder}) serves {self.path[:-len('.lock')]}; "
+                                     "stop it first, or give this one its own --rolling-update-uid") from None
+            except OSError:
+                os.close(fd)
+                raise
+            # the holder before us removed the file after we opened it (``release``): lock the one there now
+            if file_id(self.path) == _fd_id(fd):
+                break
             os.close(fd)
-            raise InstanceLocked(f"another sysdra agent (pid {holder}) serves {self.path[:-len('.lock')]}; "
-                                 "stop it first, or give this one its own --rolling-update-uid") from None
-        except OSError:
-            os.close(fd)
-            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:
+        """Removes the file while it still holds the lock (an agent that opened it meanwhile sees it
+        gone and opens the path again): each pod of a rolling update has its own, which no later pod
+        would reuse, so a file kept would be one more in the plugin dir for every agent pod."""
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (unlinking it would race)
+            try:
+                if file_id(self.path) == _fd_id(self._fd):
+                    os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(self._fd)  # closing drops the flock
             self._fd = None
