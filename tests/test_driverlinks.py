@@ -61,3 +61,28 @@ def test_links_follow_the_driver_and_keep_to_file_names(tmp_path):
     assert not os.path.lexists(tmp_path / "escape")
     link_libraries(links, new, lambda p: None)  # the library not there: no link to it
     assert os.listdir(links) == []
+
+
+def test_two_agents_linking_one_directory_at_once_never_fail(tmp_path):
+    """Both agents of a rolling update keep the plugin dir's links: each of two processes
+    relinking it again and again (a driver upgrade seen by one first) never fails on the
+    other's half-made link."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = f"""
+import sys
+from agent.prepare.driverlinks import link_libraries
+from discovery.nvidia_driver import Library
+a = (Library("libcuda.so.580.1", "/usr/lib/libcuda.so.580.1", ("libcuda.so.1", "libcuda.so")),)
+b = (Library("libcuda.so.580.2", "/usr/lib/libcuda.so.580.2", ("libcuda.so.1", "libcuda.so")),)
+for i in range(300):
+    link_libraries({str(tmp_path / "links")!r}, a if (i + int(sys.argv[1])) % 2 else b, lambda p: "/host" + p)
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(n)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+             for n in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]

@@ -8,6 +8,7 @@ version; NVIDIA's tools are built against an old glibc and run with the image's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 from typing import Callable
@@ -24,12 +25,23 @@ def link_libraries(directory: str, libraries: tuple[Library, ...], target: Calla
     (``libcuda.so.1`` ...) to the file where ``target`` (its host path) says it is (None: none
     there): a loader path of the driver's libraries alone. Links already right are kept, links
     of another driver version removed; a name from the host that is no plain file name is left out."""
-    with _LOCK:
+    make_dirs(directory, 0o755)
+    with _LOCK, _held(os.path.normpath(directory) + ".lock"):  # beside it: the directory holds links alone
         _link(directory, libraries, target)
 
 
+@contextlib.contextmanager
+def _held(path: str):
+    """``path``'s flock, held: the two agents of a rolling update share the plugin dir's links."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _link(directory: str, libraries: tuple[Library, ...], target: Callable[[str], str | None]) -> None:
-    make_dirs(directory, 0o755)
     wanted: dict[str, str] = {}
     for lib in libraries:
         dest = target(lib.host_path)
