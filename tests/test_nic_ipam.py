@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
+import time
 
 import pytest
 
@@ -238,3 +240,103 @@ def test_the_pods_network_data_names_each_address_once_and_at_most_sixteen():
     net = network_data(move.changed(addresses=static, leased=["10.9.1.7/24"]))
     net.check()
     assert net.ips == static and net.interface_name == "net1"
+
+
+@pytest.fixture
+def dhcp_server(ifname_nets):
+    """busybox's udhcpd on the veth peer of the test's netdev (the host's side of its wire), and
+    CNI's dhcp daemon (the dhcp plugin's other half) on a socket of its own."""
+    require_root()
+    busybox = shutil.which("busybox")
+    if busybox is None or not os.access(os.path.join(CNI_BIN, "dhcp"), os.X_OK):
+        pytest.fail(f"busybox (udhcpd) and {CNI_BIN}/dhcp are needed")
+    nets = ifname_nets
+    host, peer = nets.names["host"], "pe" + nets.names["host"].split("-")[1]
+    subprocess.run(["ip", "-n", host, "addr", "add", "10.78.0.1/24", "dev", peer], check=True)
+    subprocess.run(["ip", "-n", host, "link", "set", peer, "up"], check=True)
+    work = tempfile.mkdtemp(prefix="sdhcp", dir="/tmp")  # a unix socket's path is short
+    conf = os.path.join(work, "udhcpd.conf")
+    with open(conf, "w") as f:
+        f.write(f"start 10.78.0.50\nend 10.78.0.60\ninterface {peer}\nlease_file {work}/leases\npidfile {work}/pid\n"
+                "option subnet 255.255.255.0\noption router 10.78.0.1\noption lease 600\n")
+    open(os.path.join(work, "leases"), "w").close()
+    sock = os.path.join(work, "dhcp.sock")
+    procs = [subprocess.Popen(["ip", "netns", "exec", host, busybox, "udhcpd", "-f", conf], stderr=subprocess.DEVNULL),
+             subprocess.Popen([os.path.join(CNI_BIN, "dhcp"), "daemon", "-socketpath", sock], stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        yield {"type": "dhcp", "daemonSocketPath": sock}
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(5)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_dhcp_pool_leases_on_the_netdev_where_cni_has_it(tmp_path, root, ifname_nets, dhcp_server):
+    """The docs' dhcp pool: CNI's dhcp plugin looks the interface up as CNI_IFNAME in CNI_NETNS at
+    its ADD (as a main plugin runs IPAM: the interface is in the container first; host-device,
+    which moves a host's NIC, moves it before its IPAM ADD) and asks the DHCP server over it. The
+    lease comes from the server on the netdev's wire, goes into the record and the pod, and goes
+    back at the DEL."""
+    nets = ifname_nets
+    d = driver(tmp_path, root, nets, pools={"lan": dhcp_server})
+    assert d.prepare_claims([nic_claim({"ipamPool": "lan"})])[CLAIM].error is None
+    mover = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
+    run(mover.pod_started(pod(nets)))
+    assert where(nets, IFNAME) == (False, True)
+    (leased,) = record(d)["leased"]
+    assert 50 <= int(leased.removesuffix("/24").split(".")[3]) <= 60  # udhcpd's range
+    addrs = {a["local"] + "/" + str(a["prefixlen"]) for a in ip_json(nets, "addr", "show", "net1")[0]["addr_info"]}
+    assert leased in addrs
+    assert ip_json(nets, "route", "show", "default")[0]["gateway"] == "10.78.0.1"
+    run(mover.pod_removed(pod(nets)))
+    assert where(nets, IFNAME) == (True, False) and "leased" not in record(d)
+
+
+# what whereabouts (v0.8.0) does with CNI_ARGS: its pod is K8S_POD_NAMESPACE/K8S_POD_NAME (pkg/config/config.go),
+# without which an allocation fails ("IPAM client initialization error: no pod name", pkg/storage/kubernetes/ipam.go)
+# and a deallocation does nothing, successfully (cmd/whereabouts.go cmdDel ignores IPManagement's error)
+WHEREABOUTS = """#!/bin/sh
+echo "$CNI_COMMAND $CNI_CONTAINERID $CNI_IFNAME $CNI_ARGS" >> {calls}
+case ";$CNI_ARGS;" in *";K8S_POD_NAME="[!\\;]*) pod=yes;; *) pod=;; esac
+case "$CNI_COMMAND" in
+ADD) [ -n "$pod" ] || {{ echo '{{"code": 999, "msg": "IPAM client initialization error: no pod name"}}'; exit 1; }}
+     touch {held}/$CNI_CONTAINERID
+     echo '{{"cniVersion": "1.0.0", "ips": [{{"address": "10.79.0.7/24", "gateway": "10.79.0.1"}}]}}';;
+DEL) [ -z "$pod" ] || rm -f {held}/$CNI_CONTAINERID;;
+esac
+exit 0
+"""
+
+
+def test_a_whereabouts_pool_gets_the_pod_in_cni_args_at_the_add_and_every_del(tmp_path, ifname_nets):
+    """The docs' whereabouts pool: the runtime's CNI_ARGS name the sandbox's pod (IgnoreUnknown=1,
+    K8S_POD_NAMESPACE, K8S_POD_NAME, K8S_POD_INFRA_CONTAINER_ID), which whereabouts allocates for
+    and deallocates with; the DEL gets the ADD's, as CNI asks, also from the record after a restart
+    and at an unprepare. Without them no lease is made, and a DEL frees nothing."""
+    nets = ifname_nets
+    r = tmp_path / "root"
+    shutil.copytree(profile_root("server-2s-gpu-nic"), r, symlinks=True)
+    bin_dir, held, calls = r / "opt" / "cni" / "bin", tmp_path / "held", tmp_path / "calls"
+    bin_dir.mkdir(parents=True)
+    held.mkdir()
+    (bin_dir / "whereabouts").write_text(WHEREABOUTS.format(calls=calls, held=held))
+    (bin_dir / "whereabouts").chmod(0o755)
+    pools = {"cluster": {"type": "whereabouts", "range": "10.79.0.0/24"}}
+    d = driver(tmp_path, str(r), nets, pools=pools)
+    assert d.prepare_claims([nic_claim({"ipamPool": "cluster"})])[CLAIM].error is None
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_started(pod(nets)))
+    assert record(d)["leased"] == ["10.79.0.7/24"] and os.listdir(held) == ["sb1"]
+    # the agent restarted: the DEL's pod is the record's
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_removed(pod(nets)))
+    assert where(nets, IFNAME) == (True, False) and os.listdir(held) == []
+    run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings).pod_started(pod(nets, sandbox="sb2")))
+    assert os.listdir(held) == ["sb2"]
+    assert driver(tmp_path, str(r), nets, pools=pools).unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert os.listdir(held) == []
+    args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=app;K8S_POD_INFRA_CONTAINER_ID="
+    assert calls.read_text().splitlines() == [f"{c} {sb} net1 {args}{sb}" for sb in ("sb1", "sb2") for c in ("DEL", "ADD", "DEL")]

@@ -230,8 +230,8 @@ class NetdevMover(Sandboxes):
                     raise NetdevError(f"netdev {m.host} of claim {uid} is in pod sandbox {m.sandbox}, which still runs")
                 self._move_out(claims, uid, i, m)
         try:
-            mine = [(uid, i, NetdevMove.model_validate(claims.cp.claims[uid]["netdevs"][i]).changed(sandbox=pod.id, netns=pod.netns))
-                    for uid, i, _ in mine]
+            seen = {"sandbox": pod.id, "netns": pod.netns, "podRef": f"{pod.namespace}/{pod.name}"}
+            mine = [(uid, i, NetdevMove.model_validate(claims.cp.claims[uid]["netdevs"][i]).changed(**seen)) for uid, i, _ in mine]
         except ValidationError as err:  # the runtime's words: never saved unless valid
             raise NetdevError(f"pod {pod.namespace}/{pod.name}: its sandbox is not one a record can name: {err}") from None
         for uid, _, m in mine:  # the host may have taken a netdev since prepare checked (a DHCP address, a bond)
@@ -257,8 +257,10 @@ class NetdevMover(Sandboxes):
         claims.put(uid, i, move := move.changed(state="moving", **asked))
         claims.save()
         self.fault("netdev:recorded")
-        if leasing:
-            addresses, routes = self._ipam().lease(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig)
+        if leasing:  # the ADD finds the netdev where CNI has it: in CNI_NETNS as CNI_IFNAME (dhcp asks over it)
+            move = netmove.move_in(move, self.host_netns)
+            addresses, routes = self._ipam().lease(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig,
+                                                  move.podRef)
             self.fault("netdev:leased")
             claims.put(uid, i, move := move.changed(leased=addresses, leasedRoutes=routes))
             claims.save()
@@ -301,7 +303,7 @@ class NetdevMover(Sandboxes):
         netmove.move_out(returning, self.host_netns, self.root)
         self.fault("netdev:returned")
         if move.ipamPool and move.sandbox:  # a lease the sandbox may hold, recorded or not: DEL takes either
-            self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig)
+            self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig, move.podRef)
         claims.put(uid, i, move.changed(state="planned", leased=[], leasedRoutes=[], **dict.fromkeys(_SEEN)))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
@@ -355,7 +357,7 @@ class NetdevMover(Sandboxes):
         return done
 
 
-_SEEN = ("sandbox", "netns", "mac", "index", "parent", "hostMtu", "ipamConfig")  # of one stay in a pod: anew for the next
+_SEEN = ("sandbox", "netns", "podRef", "mac", "index", "parent", "hostMtu", "ipamConfig")  # of one stay in a pod: anew for the next
 
 
 def _for_pod(entry: dict, pod: Pod) -> bool:

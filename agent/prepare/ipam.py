@@ -10,7 +10,8 @@ run any CNI plugin of the node, or point host-local's ``dataDir`` anywhere).
 
 CNI 1.0 (the CNI spec's "Execution protocol"): the plugin ``<cni_bin_dir>/<type>``, its environment
 ``CNI_COMMAND`` ADD or DEL, ``CNI_CONTAINERID`` the sandbox's ID, ``CNI_NETNS`` its namespace,
-``CNI_IFNAME`` the netdev's name in the pod, ``CNI_PATH``; on stdin the network configuration
+``CNI_IFNAME`` the netdev's name in the pod (where it is when the ADD runs: dhcp looks it up),
+``CNI_PATH``, ``CNI_ARGS`` the sandbox's pod as the runtime gives it (whereabouts needs it); on stdin the network configuration
 ``{cniVersion, name: sysdra-<pool>, ipam}``; an ADD's result (``ips``, ``routes``) on stdout, an
 error as ``{code, msg, details}``. A lease is keyed by sandbox and interface name: host-local
 refuses a second ADD for the same pair, so an ADD whose result was not recorded (a crash) is
@@ -79,11 +80,16 @@ class Ipam:
         """The plugin of ``config`` (None: the pool's now) as the agent runs it."""
         return os.path.join(self.bin_dir, (config if config is not None else self.pools[pool])["type"])
 
-    def _run(self, command: str, pool: str, config: dict, sandbox: str, netns: str | None, ifname: str) -> bytes:
+    def _run(self, command: str, pool: str, config: dict, sandbox: str, netns: str | None, ifname: str,
+             pod: str | None) -> bytes:
         plugin = self.plugin(pool, config)
         netconf = json.dumps({"cniVersion": CNI_VERSION, "name": f"sysdra-{pool}", "ipam": config}).encode()
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
                "CNI_CONTAINERID": sandbox, "CNI_NETNS": netns or "", "CNI_IFNAME": ifname, "CNI_PATH": self.bin_dir}
+        if pod:  # the sandbox's pod as the runtime names it (whereabouts allocates for it, and needs it)
+            namespace, name = pod.split("/", 1)
+            env["CNI_ARGS"] = (f"IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};"
+                               f"K8S_POD_INFRA_CONTAINER_ID={sandbox}")
         try:
             done = subprocess.run([plugin], input=netconf, env=env, capture_output=True, timeout=TIMEOUT)
         except (OSError, subprocess.TimeoutExpired) as err:
@@ -93,23 +99,25 @@ class Ipam:
         return done.stdout
 
     def lease(self, pool: str, sandbox: str, netns: str, ifname: str,
-              config: dict | None = None) -> tuple[list[str], list[Route]]:
+              config: dict | None = None, pod: str | None = None) -> tuple[list[str], list[Route]]:
         """A lease for the sandbox's netdev -> (addresses with their prefix, routes), asked with
-        ``config`` (the move's ``ipamConfig``; None: the pool's now). Whatever the pair held before
-        (an ADD whose result was never recorded) is released first."""
+        ``config`` (the move's ``ipamConfig``; None: the pool's now) for ``pod`` (the move's
+        ``podRef``, namespace/name: CNI_ARGS as the runtime gives them). Whatever the pair held
+        before (an ADD whose result was never recorded) is released first."""
         config = config if config is not None else self.config_for(pool)
-        self.release(pool, sandbox, netns, ifname, config)
-        out = self._run("ADD", pool, config, sandbox, netns, ifname)
+        self.release(pool, sandbox, netns, ifname, config, pod)
+        out = self._run("ADD", pool, config, sandbox, netns, ifname, pod)
         try:
             return _result(json.loads(out))
         except (ValueError, KeyError, TypeError, ValidationError) as err:
-            self.release(pool, sandbox, netns, ifname, config)
+            self.release(pool, sandbox, netns, ifname, config, pod)
             raise IpamError(f"IPAM pool {pool!r}: the plugin's result is not one this agent can use: {err}") from None
 
-    def release(self, pool: str, sandbox: str, netns: str | None, ifname: str, config: dict | None = None) -> None:
-        """The sandbox's lease given back with ``config``, the one it was asked with (None: the
-        pool's now, for a move recorded without it)."""
-        self._run("DEL", pool, config if config is not None else self.config_for(pool), sandbox, netns, ifname)
+    def release(self, pool: str, sandbox: str, netns: str | None, ifname: str, config: dict | None = None,
+                pod: str | None = None) -> None:
+        """The sandbox's lease given back with ``config`` and ``pod``, those it was asked with (None:
+        the pool's now, for a move recorded without it; no CNI_ARGS)."""
+        self._run("DEL", pool, config if config is not None else self.config_for(pool), sandbox, netns, ifname, pod)
 
 
 def _error(stdout: bytes, stderr: bytes) -> str:

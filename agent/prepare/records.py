@@ -144,6 +144,8 @@ SandboxId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
 # pattern: pydantic-core's regex engine builds one automaton state per repeat of the class, ~0.9 MB
 # for {1,4095}, in every model that holds the field (~4.7 MB of the idle agent).
 NetnsPath = Annotated[str, StringConstraints(max_length=4096, pattern=r"^/[^\x00]+$")]
+# a sandbox's pod, namespace/name (a DNS label, a DNS subdomain): an IPAM plugin's K8S_POD_NAMESPACE, K8S_POD_NAME
+PodRef = Annotated[str, StringConstraints(max_length=317, pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?/[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")]
 MAC_PATTERN = r"^[0-9a-f]{2}(:[0-9a-f]{2}){5,31}$"
 Mac = Annotated[str, StringConstraints(pattern=MAC_PATTERN)]
 RdmaName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,63}$")]
@@ -183,6 +185,7 @@ class NetdevMove(Record):
     state: Literal["planned", "moving", "in-pod", "returning"] = "planned"
     sandbox: SandboxId | None = None
     netns: NetnsPath | None = None
+    podRef: PodRef | None = None  # the sandbox's pod (namespace/name): the CNI_ARGS its lease is asked and given back with
     mac: Mac | None = None
     index: int | None = Field(default=None, ge=1, le=2**31 - 1)
     parent: BusDevice | None = None

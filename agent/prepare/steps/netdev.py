@@ -118,7 +118,7 @@ class NetdevStep(RecordsOf):
                 netmove.move_out(move, self.host_netns(), self.root)
                 notes.append(f"netdev {move.host} back on the host (from pod sandbox {move.sandbox})")
                 if move.ipamPool and move.sandbox:  # the sandbox's lease, which no later event gives back
-                    self.ipam.release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig)
+                    self.ipam.release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig, move.podRef)
             except (rtnl.LinkError, OSError, IpamError) as err:
                 problems.append(f"netdev {move.host} ({move.pod} in pod sandbox {move.sandbox}): {err}")
         return Undone(problems=problems, notes=notes)
