@@ -60,9 +60,39 @@ def test_the_config_under_the_root_and_its_imports(tmp_path):
     write(root, "version = 3\nimports = ['more/*.toml']\n", "etc/containerd/config.toml")
     write(root, "[plugins.'io.containerd.nri.v1.nri']\n  socket_path = '/var/run/nri/nri.sock'\n", "etc/containerd/more/a.toml")
     assert levels(check_containerd(str(root), SOCK, CDI))["containerd-nri"] == "ok"
-    write(root, "[plugins.'io.containerd.nri.v1.nri']\n  disable = true\n", "etc/containerd/conf.d/z.toml")  # 2.x's own dir
+    write(root, "[plugins.'io.containerd.nri.v1.nri']\n  disable = true\n", "etc/containerd/more/z.toml")
     assert levels(check_containerd(str(root), SOCK, CDI))["containerd-nri"] == "fail"
     assert levels(check_containerd(str(root), "", CDI))["containerd-nri"] == "skip"  # the agent's NRI is off
+
+
+def test_conf_d_counts_only_where_a_config_imports_it(tmp_path):
+    """containerd 2.x follows the files' own imports alone (cmd/containerd/server/config/config.go,
+    LoadConfigWithPlugins): /etc/containerd/conf.d/*.toml is read where config.toml imports it,
+    as `containerd config default` writes, not otherwise (its `config dump` then prints the
+    default's imports line all the same)."""
+    root = tmp_path / "root"
+    nri_off = "[plugins.'io.containerd.nri.v1.nri']\n  disable = true\n"
+    write(root, "version = 3\n" + nri_off, "etc/containerd/config.toml")
+    write(root, "[plugins.'io.containerd.nri.v1.nri']\n  disable = false\n", "etc/containerd/conf.d/z.toml")
+    assert levels(check_containerd(str(root), SOCK, CDI))["containerd-nri"] == "fail"  # conf.d is not read
+    write(root, "version = 3\nimports = ['/etc/containerd/conf.d/*.toml']\n" + nri_off, "etc/containerd/config.toml")
+    assert levels(check_containerd(str(root), SOCK, CDI))["containerd-nri"] == "ok"
+
+
+@pytest.mark.parametrize("main, imported, cdi, nri", [
+    # containerd 1.7's NRI is off unless its section says disable = false (its default is true)
+    ("version = 2\n[plugins.'io.containerd.grpc.v1.cri']\n  enable_cdi = true\n"
+     "[plugins.'io.containerd.nri.v1.nri']\n  socket_path = '/var/run/nri/nri.sock'\n", "", "ok", "warn"),
+    # containerd 1.7 replaces a plugin's whole table with an imported file's: enable_cdi is gone
+    ("version = 2\nimports = ['a.toml']\n[plugins.'io.containerd.grpc.v1.cri']\n  enable_cdi = true\n"
+     "[plugins.'io.containerd.nri.v1.nri']\n  disable = false\n",
+     "version = 2\n[plugins.'io.containerd.grpc.v1.cri'.registry]\n  config_path = '/etc/containerd/certs.d'\n", "warn", "ok"),
+])
+def test_version_2_configs_as_containerd_1_7_reads_them(tmp_path, main, imported, cdi, nri):
+    """containerd 1.7 (services/server/config/config.go mergeConfig: "Replace entire sections";
+    pkg/nri/config.go DefaultConfig: Disable true)."""
+    write(tmp_path, imported, "a.toml")
+    expect(check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, main)), {"containerd-cdi": cdi, "containerd-nri": nri})
 
 
 @pytest.mark.parametrize("text", ["version = 3\n[plugins\n", "version = 1\n", "version = 3\nimports = 'x'\n"])
@@ -91,18 +121,29 @@ def test_imports_merge_as_the_real_containerd_merges_them(tmp_path):
                                    "  disable_connections = true\n",
                                    "[plugins.'io.containerd.nri.v1.nri']\n  socket_path = '/var/run/nri/nri.sock'\n"),
         "no-connections": ("version = 3\n[plugins.'io.containerd.nri.v1.nri']\n  disable_connections = true\n", ""),
+        # an imported file of version 2 (or none) is migrated first: its CRI plugin's keys count
+        "import-v2-cdi-dirs": ("version = 3\nimports = ['%s/a.toml']\n",
+                               "version = 2\n[plugins.'io.containerd.grpc.v1.cri']\n  cdi_spec_dirs = ['/etc/cdi']\n"),
+        "import-unversioned-cdi-dirs": ("version = 3\nimports = ['%s/a.toml']\n",
+                                        "[plugins.'io.containerd.grpc.v1.cri']\n  cdi_spec_dirs = ['/etc/cdi']\n"),
+        # an imported file's own imports are read too, and its disabled_plugins count
+        "nested-import": ("version = 3\nimports = ['%s/a.toml']\n", "imports = ['b.toml']\n"),
+        "import-disables-plugin": ("version = 3\nimports = ['%s/a.toml']\n",
+                                   "version = 3\ndisabled_plugins = ['io.containerd.nri.v1.nri']\n"),
         "defaults": ("version = 3\n", ""),
     }
     paths = {}
     for name, (main, imported) in cases.items():
         d = tmp_path / name
         write(d, imported, "more/a.toml")
+        write(d, "version = 3\n[plugins.'io.containerd.nri.v1.nri']\n  disable = true\n", "more/b.toml")
         paths[name] = write(d, main.replace("%s", str(d / "more")) if "%s" in main else main)
     paths["realnode"] = containerd_config(str(tmp_path / "realnode"), CDI, str(tmp_path / "c.sock"), "sdrbrtest0")
     for name, path in paths.items():
-        dumped = _dump(path)["plugins"]
-        nri, cri = dumped[NRI], dumped["io.containerd.cri.v1.runtime"]
-        if nri["disable"] or nri["disable_connections"]:
+        top = _dump(path)
+        dumped = top["plugins"]
+        nri, cri = dumped.get(NRI, {}), dumped["io.containerd.cri.v1.runtime"]
+        if NRI in top.get("disabled_plugins", []) or nri["disable"] or nri["disable_connections"]:
             expect = "fail"
         else:
             expect = "ok" if os.path.normpath(nri["socket_path"]) == SOCK else "warn"

@@ -143,3 +143,15 @@ def test_cli(tmp_path, capsys):
     assert "sysdra scan --root" in capsys.readouterr().out
     assert cli_main(["record", out, "--root", profile_root("alveo")]) == 2  # not empty
     assert "not empty" in capsys.readouterr().err
+
+
+def test_out_beside_sys_is_not_refused(tmp_path):
+    """Only OUT inside the recorded /sys or /proc is refused: /sysdump or /process-rec is not in them."""
+    root = tmp_path / "root"
+    shutil.copytree(profile_root("alveo"), root, symlinks=True)
+    for name in ("sysdump", "process-rec"):
+        out = str(root / name)
+        record(out, str(root))
+        assert comparable(out) == comparable(str(root))
+    with pytest.raises(ValueError, match="inside the recorded"):
+        record(str(root / "sys" / "rec"), str(root))

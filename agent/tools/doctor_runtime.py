@@ -3,12 +3,16 @@ plugin's state (from the running agent), containerd's config (CDI and NRI on, th
 socket and CDI dir as the agent's), and the GPU faults kept across restarts.
 
 containerd 2.x (config ``version = 3``; 2.4 writes 4) has CDI and NRI on unless the config turns
-them off, and imports ``/etc/containerd/conf.d/*.toml`` besides the config's own ``imports``;
-containerd 1.7 (``version = 2``) has both off unless it turns them on (``enable_cdi = true``, an
-NRI section with ``disable = false``). A version 2 file may also be read by containerd 2.x (which
-migrates it, with its own defaults on), so an unset key there is a warning, not a failure. An
-imported file's plugin keys are merged into the config's, key by key (``containerd config dump``
-of 2.4 shows so; tests/test_doctor_runtime.py compares with it).
+them off; containerd 1.7 (``version = 2``) has both off unless it turns them on (``enable_cdi =
+true``, an NRI section with ``disable = false``). A version 2 file may also be read by containerd
+2.x (which migrates it, with its own defaults on), so an unset key there is a warning, not a
+failure. Imports are followed as containerd follows them: each file's own ``imports``, imports of
+imports included (``/etc/containerd/conf.d/*.toml`` only where a config imports it, as ``containerd
+config default`` writes), their ``disabled_plugins`` added. containerd 2.x first migrates an
+imported file of an older version (its CRI plugin's keys move to ``io.containerd.cri.v1.runtime``)
+and merges its plugin keys into the config's, key by key (``containerd config dump`` of 2.4 shows
+so; tests/test_doctor_runtime.py compares with it); containerd 1.7 replaces a plugin's whole table
+with an imported file's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ CONTAINERD_CONFIG = "etc/containerd/config.toml"  # under the root
 NRI = "io.containerd.nri.v1.nri"
 # where enable_cdi and cdi_spec_dirs live, by config version
 CRI = {2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime", 4: "io.containerd.cri.v1.runtime"}
-DEFAULT_IMPORTS = "/etc/containerd/conf.d/*.toml"  # containerd 2.x's, always read
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # containerd's default cdi_spec_dirs
 
 
@@ -71,22 +74,71 @@ def check_containerd(root: str, nri_socket: str, cdi_dir: str, path: str | None 
 
 
 def _load(path: str, root: str) -> dict:
+    """The config at ``path`` with its imports, theirs too (cmd/containerd/server/config/config.go,
+    LoadConfigWithPlugins: breadth first, each file once)."""
+    config = _read(path)
+    version = config.get("version", 1)
+    whole_tables = version == 2  # containerd 1.7: "Replace entire sections instead of merging map's values"
+    loaded, pending = {path}, _imports(path, config, root)
+    while pending:
+        name, pending = pending[0], pending[1:]
+        if name in loaded:
+            continue
+        loaded.add(name)
+        more = _read(name)
+        if isinstance(version, int) and version >= 3:
+            _migrate(more)
+        plugins = more.get("plugins")
+        if isinstance(plugins, dict):
+            if whole_tables:
+                config.setdefault("plugins", {}).update(plugins)
+            else:
+                _merge(config.setdefault("plugins", {}), plugins)
+        disabled = more.get("disabled_plugins")
+        if isinstance(disabled, list):
+            have = config.get("disabled_plugins") if isinstance(config.get("disabled_plugins"), list) else []
+            config["disabled_plugins"] = have + [d for d in disabled if d not in have]
+        pending += _imports(name, more, root)
+    return config
+
+
+def _read(path: str) -> dict:
     with open(path, "rb") as f:
-        config = tomllib.load(f)
+        return tomllib.load(f)
+
+
+def _imports(path: str, config: dict, root: str) -> list[str]:
+    """The files ``config`` (read from ``path``) imports, under the root, globs expanded."""
     imports = config.get("imports") or []
     if not isinstance(imports, list) or not all(isinstance(i, str) for i in imports):
-        raise ValueError("imports is not a list of paths")
-    version = config.get("version", 1)
-    if isinstance(version, int) and version >= 3:
-        imports = [DEFAULT_IMPORTS, *imports]
-    for pattern in dict.fromkeys(imports):
+        raise ValueError(f"{path}: imports is not a list of paths")
+    out = []
+    for pattern in imports:
         pattern = os.path.join(root, pattern.lstrip("/")) if os.path.isabs(pattern) else os.path.join(os.path.dirname(path), pattern)
-        for name in sorted(glob.glob(pattern)):
-            with open(name, "rb") as f:
-                plugins = tomllib.load(f).get("plugins")
-            if isinstance(plugins, dict):
-                _merge(config.setdefault("plugins", {}), plugins)
-    return config
+        out += sorted(glob.glob(pattern))
+    return out
+
+
+def _migrate(config: dict) -> None:
+    """What containerd 2.x does to an imported file of version 1 or 2 before merging it: the v1
+    plugin name ``cri`` becomes ``io.containerd.grpc.v1.cri``, whose keys (enable_cdi,
+    cdi_spec_dirs) the CRI runtime plugin takes where it has none (plugins/cri/runtime/plugin.go)."""
+    version = config.get("version", 1)
+    if not isinstance(version, int) or version >= 3:
+        return
+    plugins = config.get("plugins") if isinstance(config.get("plugins"), dict) else {}
+    if version < 2:
+        if "cri" in plugins:
+            plugins[CRI[2]] = plugins.pop("cri")
+        if isinstance(config.get("disabled_plugins"), list):
+            config["disabled_plugins"] = [CRI[2] if d == "cri" else d for d in config["disabled_plugins"]]
+    old = plugins.get(CRI[2])
+    if isinstance(old, dict):
+        new = plugins.setdefault(CRI[3], {})
+        if isinstance(new, dict):
+            for key in ("enable_cdi", "cdi_spec_dirs"):
+                if key in old:
+                    new.setdefault(key, old[key])
 
 
 def _merge(into: dict, more: dict) -> None:
@@ -133,9 +185,11 @@ def _nri(path: str, version: int, nri: dict | None, disabled: list, nri_socket: 
     if (nri or {}).get("disable_connections") is True:
         return [Finding("containerd-nri", "fail", f"{path}: NRI's disable_connections = true: no external plugin, the agent "
                                                   "included, may connect", f"set disable_connections = false in [plugins.\"{NRI}\"]")]
-    if nri is None and version == 2:
-        return [Finding("containerd-nri", "warn", f"{path}: no [plugins.\"{NRI}\"] section: containerd 1.7 then has NRI off "
-                                                  "(2.x on): claimed NICs' netdevs would stay on the host", fix)]
+    if version == 2 and (nri or {}).get("disable") is not False:  # 1.7's default is disable = true
+        said = "no" if nri is None else "a"
+        return [Finding("containerd-nri", "warn", f"{path}: {said} [plugins.\"{NRI}\"] section without disable = false: "
+                                                  "containerd 1.7 then has NRI off (2.x on): claimed NICs' netdevs would "
+                                                  "stay on the host", fix)]
     served = (nri or {}).get("socket_path", "/var/run/nri/nri.sock")
     if os.path.normpath(str(served)) != os.path.normpath(nri_socket):
         return [Finding("containerd-nri", "warn", f"{path}: containerd serves NRI at {served}, the agent connects to {nri_socket}",

@@ -315,7 +315,8 @@ def record(out: str, root: str = "/", redact: bool = False, redactor: Redactor |
     out = os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} is not empty")
-    if out == root or out.startswith(root.rstrip("/") + "/sys") or out.startswith(root.rstrip("/") + "/proc"):
+    inside = [os.path.join(root, d) for d in ("sys", "proc")]
+    if out == root or any(out == d or out.startswith(d + os.sep) for d in inside):
         raise ValueError(f"{out} must not be inside the recorded /sys or /proc")
     os.makedirs(out, exist_ok=True)
     rec = Recording(root, out, redactor or (Redactor() if redact else None))
