@@ -9,7 +9,7 @@ from discovery.devnodes import NodeResolver
 from discovery.drm import drm_minors, drm_nodes
 from discovery.models import DeviceNode, GpuInfo, Partitioning, PciFunction, Problem
 from discovery.nvidia import NvidiaNode
-from discovery.partitions import COMPUTE_PARTS, amd_kfd_nodes, compute_units, read_amd, read_mig, with_profiles
+from discovery.partitions import amd_kfd_nodes, part_count, compute_units, read_amd, read_mig, with_profiles
 from discovery.sysfs import AttrError, Dir, HostFS
 
 NVIDIA_MAJOR = 195  # registered static major of the NVIDIA driver
@@ -107,7 +107,8 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         topology = amd_kfd_nodes(fs, fn.bdf, problems)
         if d.has("current_compute_partition"):
             partitioning = read_amd(fs, resolver, fn, d, problems, topology)
-        whole = partitioning is None or len(topology) == COMPUTE_PARTS.get(partitioning.compute_mode or "", 0)
+        whole = partitioning is None or (partitioning.compute_mode is not None
+                                         and len(topology) == part_count(partitioning.compute_mode, partitioning.xcds))
         if whole and (counts := compute_units(topology)) is not None:  # (a partition missing: not the GPU's count)
             capacity["computeUnits"], capacity["simdUnits"] = str(counts[0]), str(counts[1])
     if fn.driver != "nvidia" and card is None and render is None:  # (vfio-pci: never read here, discovery/vfio.py)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from discovery.attributes import MAX_ATTRIBUTES_AND_CAPACITIES, _value, quantity
 from discovery.models import Device, GpuPartition, MigProfile, Partitioning
-from discovery.partitions import COMPUTE_PARTS, modes_fit
+from discovery.partitions import modes_fit, part_count
 
 WHOLE_MODE = ("SPX", "NPS1")  # the whole GPU is its single-partition mode
 _PARENT_ONLY = ("uuid",)  # a MIG instance has its own UUID (NVML's): the GPU's would be wrong
@@ -81,7 +81,7 @@ def ways(device: Device) -> list[Way]:
     whole = WHOLE_MODE if WHOLE_MODE in modes or (pt.compute_mode, pt.memory_mode or "NPS1") == WHOLE_MODE else (None, None)
     out = [Way(device.name, device, "whole", compute=whole[0], memory=whole[1])]
     for compute, memory in modes:
-        parts = COMPUTE_PARTS[compute]
+        parts = part_count(compute, pt.xcds)
         if parts == 1:
             continue  # SPX: that is the whole GPU
         for i in range(parts):

@@ -22,6 +22,7 @@ from discovery.sysfs import AttrError, Dir, HostFS
 
 # partitions per compute mode, and memory partitions per memory mode (amdgpu_gfx.c / amdgpu_gmc.c)
 COMPUTE_PARTS = {"SPX": 1, "DPX": 2, "TPX": 3, "QPX": 4, "CPX": 8}
+CPX_XCCS = (2, 4, 6, 8)  # XCC counts whose GPUs offer CPX (amdgpu's supported modes per XCC count)
 MEMORY_PARTS = {"NPS1": 1, "NPS2": 2, "NPS3": 3, "NPS4": 4, "NPS6": 6, "NPS8": 8}
 KFD_NODES = "sys/class/kfd/kfd/topology/nodes"
 MIG_MINORS = "proc/driver/nvidia-caps/mig-minors"
@@ -40,14 +41,32 @@ def parse_modes(text: str, known: dict[str, int]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def part_count(compute: str, xcds: int | None) -> int:
+    """Partitions of ``compute`` on a GPU with ``xcds`` XCCs: CPX gives every XCC a partition of
+    its own (amdgpu's ``num_xcp = NUM_XCC`` for CPX: 8 on an MI300X, 4 on an MI308X, 6 on an
+    MI300A), the other modes a fixed count. 8 for CPX when the XCC count is unknown."""
+    return xcds if compute == "CPX" and xcds else COMPUTE_PARTS[compute]
+
+
+# memory modes each compute mode runs in (amdgpu's ``__aqua_vanjaram_get_px_mode_info``);
+# TPX: NPS1, or the memory partitions split evenly (kernels differ: NPS3 or NPS4)
+_COMPATIBLE_NPS = {"SPX": {"NPS1"}, "DPX": {"NPS1", "NPS2"}, "QPX": {"NPS1", "NPS4"}, "CPX": {"NPS1", "NPS4"}}
+
+
 def modes_fit(compute: str, memory: str | None, xcds: int | None) -> bool:
-    """Whether a compute mode can run in a memory mode on a GPU with ``xcds`` XCCs: each
-    partition gets whole XCCs, and memory partitions split evenly among compute partitions
-    (amdgpu's ``__aqua_vanjaram_is_valid_mode``; NPS4 takes QPX or CPX on an MI300X)."""
-    parts = COMPUTE_PARTS[compute]
-    if xcds is not None and (xcds < parts or xcds % parts):
-        return False
-    mem = MEMORY_PARTS.get(memory or "NPS1", 1)
+    """Whether a compute mode can run in a memory mode on a GPU with ``xcds`` XCCs, as amdgpu's
+    ``__aqua_vanjaram_is_valid_mode`` decides: DPX needs a multiple of 4 XCCs, TPX of 3, QPX
+    two XCCs per partition, CPX more than one XCC; SPX runs in NPS1 only, DPX in NPS1/NPS2,
+    QPX and CPX in NPS1/NPS4 (NPS4 takes QPX or CPX on an MI300X)."""
+    parts = part_count(compute, xcds)
+    memory = memory or "NPS1"
+    mem = MEMORY_PARTS.get(memory, 1)
+    if xcds is not None:
+        need = {"SPX": xcds > 0, "DPX": xcds % 4 == 0, "TPX": xcds % 3 == 0, "QPX": xcds // 4 >= 2, "CPX": xcds > 1}
+        if not need[compute] or xcds % mem:
+            return False
+    if compute in _COMPATIBLE_NPS:
+        return memory in _COMPATIBLE_NPS[compute]
     return mem == 1 or (parts >= mem and parts % mem == 0)
 
 
@@ -171,9 +190,11 @@ def read_amd(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         node = _render_node(fs, resolver, d.path, p["drm_render_minor"], problems)
         if node is not None:
             parts.append(GpuPartition(index=p["location_id"] & 7, nodes=(node,), xcds=p.get("num_xcc") or None))
-    if len(parts) != COMPUTE_PARTS[compute]:
-        problems.append(Problem(what="partitions", reason=f"{compute} has {COMPUTE_PARTS[compute]} partitions, the kernel exposes {len(parts)}"))
     xcds = sum(p.xcds for p in parts) if parts and all(p.xcds for p in parts) else None
+    if compute == "CPX" and xcds:  # a partition per XCC: one missing shows as a count amdgpu has not
+        xcds = next((n for n in CPX_XCCS if n >= max(xcds, max(p.index for p in parts) + 1)), xcds)
+    if len(parts) != (want := part_count(compute, xcds)):
+        problems.append(Problem(what="partitions", reason=f"{compute} has {want} partitions, the kernel exposes {len(parts)}"))
     return Partitioning(
         kind="amd", compute_mode=compute, memory_mode=memory, partitions=tuple(parts), xcds=xcds,
         compute_modes=_available(fs, d, "available_compute_partition", COMPUTE_PARTS),

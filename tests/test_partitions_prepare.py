@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import subprocess
+import time
 
 import pytest
 

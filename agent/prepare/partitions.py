@@ -26,7 +26,7 @@ from agent.prepare.steps import NotUndone
 from discovery import gpuways
 from discovery.devnodes import NodeResolver
 from discovery.models import Device, Inventory, Partitioning
-from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS, modes_fit, read_amd
+from discovery.partitions import MEMORY_PARTS, modes_fit, part_count, read_amd
 from discovery.pci import host_dir
 from discovery.sysfs import AttrError, Dir, HostFS
 
@@ -135,7 +135,7 @@ class Partitions:
         except AttrError:
             return None
 
-    def _wait(self, gpu: Device, mode: tuple[str, str], since: str | None = None) -> Partitioning:
+    def _wait(self, gpu: Device, mode: tuple[str, str], xcds: int | None, since: str | None = None) -> Partitioning:
         """Until the kernel shows ``mode`` with all its partitions; after a write (``since``:
         the generation before it) only once the topology changed, so the old partitions are
         never taken for the new ones."""
@@ -143,7 +143,7 @@ class Partitions:
         while True:
             pt, problems = self.read(gpu)
             if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == mode and not problems \
-                    and len(pt.partitions) == COMPUTE_PARTS[mode[0]] and (since is None or self.generation() != since):
+                    and len(pt.partitions) == part_count(mode[0], xcds) and (since is None or self.generation() != since):
                 return pt
             if time.monotonic() >= deadline:
                 seen = f"{pt.compute_mode}/{pt.memory_mode} with {len(pt.partitions)} partitions" if pt else "no partitions"
@@ -164,8 +164,8 @@ class Partitions:
             self._write(gpu, what, value)
             self.fault(f"partition:{what}-written")
             now[0 if what == "compute" else 1] = value
-            self._wait(gpu, (now[0], now[1]), since)
-        return self._wait(gpu, target)
+            self._wait(gpu, (now[0], now[1]), xcds, since)
+        return self._wait(gpu, target, xcds)
 
     def switch(self, sw: ModeSwitch) -> Partitioning:
         """Put the GPU in ``sw.to`` (the intent is in the checkpoint already) -> its
@@ -223,7 +223,7 @@ class Partitions:
             return str(err)
         pt, _ = self.read(gpu)
         if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == _mode(sw.from_) \
-                and len(pt.partitions) == COMPUTE_PARTS[pt.compute_mode]:
+                and len(pt.partitions) == part_count(pt.compute_mode, pt.xcds):
             return None
         result = self.restore(gpu, _mode(sw.from_))
         log.warning("GPU %s: interrupted switch to %s undone: %s", sw.gpu, sw.to, result)
