@@ -242,9 +242,13 @@ class NetdevMover(Sandboxes):
             for uid, i, m in mine:
                 self._move_in(claims, uid, i, m)
         except (rtnl.LinkError, OSError, IpamError) as err:
-            self._take_back(claims, pod.id)
             hint = f" (a move needs {netmove.MOVE_RIGHTS})" if getattr(err, "errno", None) in (errno.EPERM, errno.EACCES) else ""
-            raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{hint}") from None
+            failed = f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{hint}"
+            try:
+                self._take_back(claims, pod.id)
+            except NetdevError as also:  # the move's failure first: it says why
+                raise NetdevError(f"{failed}; {also}") from None
+            raise NetdevError(failed) from None
         return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
     def _move_in(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:

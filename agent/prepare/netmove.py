@@ -117,24 +117,22 @@ def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
         log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace, a NIC function "
                     "may have left the bus", move.host, move.pod, move.sandbox)
         return
-    if move.hostMtu is not None:  # the config's MTU, or one the pod set (the kernel: a no-op when unchanged)
-        rtnl.set_mtu(host_netns, move.host, move.hostMtu)
+    if move.hostMtu is not None and (now := rtnl.link(host_netns, move.host)) is not None and now.mtu != move.hostMtu:
+        rtnl.set_mtu(host_netns, move.host, move.hostMtu)  # the config's MTU, or one the pod set
 
 
 def _locate(move: NetdevMove, host_netns: str, alive: bool) -> tuple[rtnl.Link | None, rtnl.Link | None]:
-    """Where ``move``'s netdev is now: (in the pod, on the host), at most one of them. A NIC's is
-    looked for in the pod first: the pod cannot make a link of its bus device, while the host may
-    hold that device's other netdevs (a switchdev PF's representors, other ports), then the only one
-    of it there. A virtual link on the host first (the pod may make one with its MAC), where one
-    that never left needs no look into the pod."""
-    def in_pod():
-        return _find_in(move.netns, move) if alive else None
-
-    if move.parent is not None:
-        here = in_pod()
-        return here, find(host_netns, move, move.host) if here is None else None
+    """Where ``move``'s netdev is now: (in the pod, on the host), at most one of them. On the host
+    first, where one that never left (or came back as it was: its index and MAC) needs no look into
+    the pod. Else a NIC's is looked for in the pod before the host's other candidates: the pod
+    cannot make a link of its bus device, while the host may hold that device's other netdevs (a
+    switchdev PF's representors, other ports), then the only one of it there. A virtual link that
+    is not on the host is looked for in the pod (which may make one with its MAC, so never first)."""
     there = find(host_netns, move, move.host)
-    return in_pod() if there is None else None, there
+    if there is not None and (move.parent is None or (there.index, there.mac) == (move.index, move.mac)):
+        return None, there
+    here = _find_in(move.netns, move) if alive else None
+    return here, there if here is None else None
 
 
 def in_pod(move: NetdevMove) -> bool:
