@@ -53,12 +53,21 @@ def partitioning(device: Device) -> Partitioning | None:
 
 def amd_modes(pt: Partitioning) -> list[tuple[str, str]]:
     """(compute, memory) pairs this GPU can run in: the available ones that fit together,
-    or only the current one when the GPU cannot switch."""
+    or only the current one when the GPU cannot switch. Those of another memory mode than the
+    current one need a driver reload (``reachable``): named, never published or switched to."""
     memory_now = pt.memory_mode or "NPS1"
     if not pt.switchable:
         return [(pt.compute_mode, memory_now)] if pt.compute_mode else []
     memories = pt.memory_modes or (memory_now,)
     return [(c, m) for m in memories for c in pt.compute_modes if modes_fit(c, m, pt.xcds)]
+
+
+def reachable(pt: Partitioning, memory: str | None) -> bool:
+    """Whether a mode of ``memory`` is one prepare can switch the GPU to: its memory mode is the
+    current one. amdgpu takes a write to ``current_memory_partition`` as a request for the next
+    driver reload (amdgpu_gmc_set_memory_partition), so the agent never writes it; compute modes
+    switch at once, within the current memory mode."""
+    return (memory or "NPS1") == (pt.memory_mode or "NPS1")
 
 
 def ways(device: Device) -> list[Way]:
@@ -78,7 +87,10 @@ def ways(device: Device) -> list[Way]:
             out.append(Way(f"{device.name}-mig-gi{p.gi}-ci{p.ci}", device, "mig", index=p.index, instance=p))
         return out
     modes = amd_modes(pt)
-    whole = WHOLE_MODE if WHOLE_MODE in modes or (pt.compute_mode, pt.memory_mode or "NPS1") == WHOLE_MODE else (None, None)
+    # the whole GPU is SPX/NPS1 where the GPU can be switched there; in another memory mode (NPS4)
+    # it cannot without a driver reload: the whole GPU is then the GPU as it is, as for one that cannot switch
+    now = [m for m in modes if reachable(pt, m[1])]
+    whole = WHOLE_MODE if WHOLE_MODE in now or (pt.compute_mode, pt.memory_mode or "NPS1") == WHOLE_MODE else (None, None)
     out = [Way(device.name, device, "whole", compute=whole[0], memory=whole[1])]
     for compute, memory in modes:
         parts = part_count(compute, pt.xcds)
@@ -90,12 +102,17 @@ def ways(device: Device) -> list[Way]:
 
 
 def published_ways(device: Device, groups: bool) -> list[Way]:
-    """The ways ``--partitions`` publishes (agent/publish/partitions.py): all of them with
-    compatibility groups and for MIG; else the whole GPU and the partitions of the AMD mode the
-    GPU is in now (counters alone cannot keep two modes apart)."""
+    """The ways ``--partitions`` publishes (agent/publish/partitions.py): for MIG all of them;
+    for AMD with compatibility groups the whole GPU and the partitions of every compute mode of
+    the GPU's current memory mode (another memory mode needs a driver reload: ``reachable``),
+    else the whole GPU and the partitions of the mode the GPU is in now (counters alone cannot
+    keep two modes apart)."""
     gpu_ways = ways(device)
-    if groups or not gpu_ways or gpu_ways[0].parent.gpu.partitioning.kind == "mig":
+    if not gpu_ways or gpu_ways[0].parent.gpu.partitioning.kind == "mig":
         return gpu_ways
+    pt = partitioning(device)
+    if groups:
+        return [w for w in gpu_ways if w.kind == "whole" or reachable(pt, w.memory)]
     now = current_mode(device)
     return [w for w in gpu_ways if w.kind == "whole" or (w.compute, w.memory) == now]
 

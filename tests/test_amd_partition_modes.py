@@ -1,17 +1,21 @@
 """AMD Instinct partition modes (discovery/partitions.py): which compute modes the kernel takes
 in which memory mode, as amdgpu's ``__aqua_vanjaram_is_valid_mode`` decides (each partition
 whole XCCs, memory partitions split evenly among compute partitions), and the modes a GPU lists
-as available. These decide the mode pairs a GPU is offered in (discovery/gpuways.py) and the
-order prepare changes them in (agent/prepare/partitions.py)."""
+as available. These decide the mode pairs a GPU can run in (discovery/gpuways.py); of them, those
+of its current memory mode are published and switched to at prepare (agent/prepare/partitions.py):
+amdgpu applies another memory mode only at a driver reload."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
+from discovery import gpuways
 from discovery.inventory import scan
 from discovery import partitions
 from discovery.partitions import COMPUTE_PARTS, MEMORY_PARTS, modes_fit, parse_modes
-from tests.partition_node import CPX_GPU, copy_node
+from tests.partition_node import CPX_GPU, SPX_GPU, copy_node
 
 
 def _fits(memory: str | None, xcds: int | None) -> list[str]:
@@ -57,3 +61,26 @@ def test_a_current_mode_the_agent_does_not_know_is_a_problem_and_the_gpu_stays(t
     gpu = scan(root).by_name()[CPX_GPU]
     assert gpu.gpu.partitioning is None and "memory" in gpu.capacity
     assert any(p.what == "current_compute_partition" and "unknown mode 'XPX'" in p.reason for p in gpu.problems)
+
+
+def _modes(ways: list) -> list[str | None]:
+    return sorted({w.mode or "as it is" for w in ways})
+
+
+@pytest.mark.parametrize("memory, published", [
+    ("NPS1", ["CPX/NPS1", "DPX/NPS1", "QPX/NPS1", "SPX/NPS1"]),
+    ("NPS4", ["CPX/NPS4", "QPX/NPS4", "as it is"]),  # SPX runs in NPS1 only: the whole GPU as it is, no switch
+])
+def test_only_the_current_memory_modes_ways_are_published(tmp_path, memory, published):
+    """Every mode the GPU can run in is a way (a claim of one is recognised, and refused at prepare
+    if it needs another memory mode); those of the current memory mode are published."""
+    root = copy_node(str(tmp_path / "host"))
+    d = os.path.join(root, "sys/bus/pci/devices/0000:27:00.0")
+    for attr, value in (("current_compute_partition", "QPX" if memory == "NPS4" else "SPX"), ("current_memory_partition", memory)):
+        with open(os.path.join(d, attr), "w") as f:
+            f.write(value + "\n")
+    gpu = scan(root).by_name()[SPX_GPU]
+    other = {"CPX/NPS1", "DPX/NPS1", "QPX/NPS1", "CPX/NPS4", "QPX/NPS4"} - set(published)
+    assert _modes(gpuways.ways(gpu)) == sorted({*published, *other})
+    assert _modes(gpuways.published_ways(gpu, groups=True)) == published
+    assert not other & set(_modes(gpuways.published_ways(gpu, groups=False)))

@@ -23,5 +23,9 @@ def test_partition_demo_switches_the_gpu_and_hands_out_the_partition():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for expected in ("counter set gpu-0000-27-00-0: xcds=8, memory=196288Mi", "16 cpx-nps1", "is in SPX/NPS1",
                      "is now in CPX/NPS1", "gpu-0000-27-00-0-cpx-nps1-3: /dev/dri/renderD139, /dev/kfd",
-                     "error=''; GPU gpu-0000-27-00-0 in CPX/NPS1", "[dri/card2,dri/renderD136,kfd]  CPX/NPS1: 8 partitions"):
+                     "error=''; GPU gpu-0000-27-00-0 in CPX/NPS1", "[dri/card2,dri/renderD136,kfd]  CPX/NPS1: 8 partitions",
+                     "error='GPU 0000:27:00.0 runs NPS1; QPX/NPS4 needs memory mode NPS4, which amdgpu applies only at a "
+                     "driver reload: set it on the node (amd-smi / sysfs, then reload amdgpu)'; GPU gpu-0000-27-00-0 in CPX/NPS1"):
         assert expected in out.stdout, expected
+    devices = next(line for line in out.stdout.splitlines() if "devices: " in line)
+    assert "nps4" not in devices.split("(")[0], devices  # the memory mode the GPUs run in only

@@ -20,6 +20,7 @@ from agent.prepare.partitions import Partitions, intent
 from discovery.inventory import scan
 from tests.kubelet_standin import settings_for
 from tests.partition_node import CPX_GPU, SPX_GPU, Node, copy_node, devices_of, mode_of, part_of, whole
+from tests.controlplane import Unschedulable
 from tests.simkernel import SimPciKernel
 from tests.test_partitions_allocator import gpu_bdf
 from tests.test_vfio import UID, vfio_claim
@@ -93,17 +94,29 @@ def ref(c: dict):
     return ClaimRef(namespace=m["namespace"], name=m["name"], uid=m["uid"])
 
 
-def test_memory_and_compute_switch_in_a_valid_order(node):
+def test_compute_switches_within_the_memory_mode_and_never_write_it(node):
+    """A compute mode switches at once, within the GPU's memory mode: SPX/NPS1 to QPX/NPS1 and back
+    to the whole GPU, one write of current_compute_partition each. current_memory_partition is
+    never written (amdgpu applies it only at a driver reload: tests/test_partitions_nps.py), and
+    no partition of another memory mode is published for the allocator to pick."""
     d = driver_for(node)
-    a = node.allocated("q4", part_of(SPX_GPU, "QPX/NPS4"))
+    bdf = gpu_bdf(SPX_GPU)
+    memory = os.path.join(node.root, "sys/bus/pci/devices", bdf, "current_memory_partition")
+    untouched = os.stat(memory).st_mtime_ns
+    a = node.allocated("q", part_of(SPX_GPU, "QPX/NPS1"))
     assert not prepare(d, a).error
-    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "QPX/NPS4"
-    assert [s[1:] for s in node.sim.switches] == [("QPX", "NPS1"), ("QPX", "NPS4")]  # SPX/NPS4 does not exist
+    assert mode_of(node.root, bdf) == "QPX/NPS1"
     d.unprepare_claims([ref(a)])
     w = node.allocated("w", whole(SPX_GPU))
-    assert not prepare(d, w).error, "back to the whole GPU: memory first (QPX/NPS1), then SPX"
-    assert mode_of(node.root, gpu_bdf(SPX_GPU)) == "SPX/NPS1"
-    assert [s[1:] for s in node.sim.switches[2:]] == [("QPX", "NPS1"), ("SPX", "NPS1")]
+    assert not prepare(d, w).error, "back to the whole GPU: SPX, in NPS1 as before"
+    assert mode_of(node.root, bdf) == "SPX/NPS1"
+    deadline = time.monotonic() + 5
+    while len(node.sim.switches) < 2 and time.monotonic() < deadline:  # recorded once its partitions are up
+        time.sleep(0.01)
+    assert [s[1:] for s in node.sim.switches] == [("QPX", "NPS1"), ("SPX", "NPS1")]  # one compute write each
+    assert os.stat(memory).st_mtime_ns == untouched and node.sim.gpus[bdf].requested_nps is None
+    with pytest.raises(Unschedulable):  # QPX/NPS4 needs a driver reload: not published
+        node.allocated("q4", part_of(SPX_GPU, "QPX/NPS4"))
 
 
 def test_whole_gpu_in_partition_mode_switches_to_spx(node):

@@ -1,14 +1,20 @@
-"""Partition devices at prepare (``--partitions``), and AMD compute/memory mode switches: the
+"""Partition devices at prepare (``--partitions``), and AMD compute mode switches: the
 mechanics (docs/partitions.md); prepare/steps/partition.py runs them as a step.
 
 ``plan`` maps a claim's partition devices (discovery/gpuways.py) to devices for its CDI spec
 and says which GPU must switch mode first (a ``PartitionUse`` record: the modes the claim
-uses, the switch's intent). ``switch`` writes the kernel's attributes (an order whose
-intermediate mode is valid), waits until the kernel exposes every partition of the new mode,
-and reads them afresh for the spec; any failure writes the previous mode back and fails the
-claim with what went wrong. ``undo`` puts back the mode a switch left (an interrupted or
-failed prepare), unless a prepared claim runs the GPU in the new mode. A mode that differs
-from the one another prepared claim uses on the same GPU is refused.
+uses, the switch's intent). ``switch`` writes ``current_compute_partition``, waits until the
+kernel exposes every partition of the new mode, and reads them afresh for the spec; any
+failure writes the previous compute mode back and fails the claim with what went wrong.
+``undo`` puts back the compute mode a switch left (an interrupted or failed prepare), unless
+a prepared claim runs the GPU in the new mode. A mode that differs from the one another
+prepared claim uses on the same GPU is refused.
+
+The memory mode (NPS) is never written: amdgpu takes a write to ``current_memory_partition``
+as a request applied at the next driver reload (amdgpu_gmc_set_memory_partition: "NPS mode
+change requested, please remove and reload the driver"), and the mode shown stays. A claim
+whose device needs another memory mode than the GPU's is refused before anything is written;
+a recorded intent of an older agent that switched it gets its compute mode back only.
 
 A GPU is named by its PCI address (checked in the typed record) and found in the inventory,
 never used as a path."""
@@ -31,7 +37,7 @@ from discovery.pci import host_dir
 from discovery.sysfs import AttrError, Dir, HostFS
 
 log = logging.getLogger(__name__)
-ATTRS = {"compute": "current_compute_partition", "memory": "current_memory_partition"}
+ATTRS = {"compute": "current_compute_partition"}  # never current_memory_partition: amdgpu applies it at a driver reload
 POLL = 0.02
 KFD_GENERATION = "sys/class/kfd/kfd/topology/generation_id"
 
@@ -40,6 +46,12 @@ def _mode(text: str) -> tuple[str, str]:
     """``"CPX/NPS1"`` (checked by the record) -> ("CPX", "NPS1")."""
     compute, _, memory = text.partition("/")
     return compute, memory
+
+
+def memory_refusal(bdf: str, memory_now: str, mode: str) -> str:
+    """Why a claim needing ``mode`` (``QPX/NPS4``) cannot run on a GPU in memory mode ``memory_now``."""
+    return (f"GPU {bdf} runs {memory_now}; {mode} needs memory mode {_mode(mode)[1]}, which amdgpu applies only at a "
+            "driver reload: set it on the node (amd-smi / sysfs, then reload amdgpu)")
 
 
 def intent(entry: dict) -> dict | None:
@@ -95,6 +107,8 @@ class Partitions:
             parent = next(w.parent for w in picked if w.parent.pci.bdf == bdf)
             fresh[bdf], _ = self.read(parent)  # the kernel's mode now: the inventory may predate a switch
             now = f"{fresh[bdf].compute_mode}/{fresh[bdf].memory_mode or 'NPS1'}" if fresh[bdf] else "unknown"
+            if fresh[bdf] and (memory_now := fresh[bdf].memory_mode or "NPS1") != mode[1]:
+                raise ClaimFailed(memory_refusal(bdf, memory_now, text))  # an old slice, a hand-made claim
             pending = any(rec.switch is not None and rec.switch.gpu == bdf for _, rec in users.values())
             if now != text and users and not pending:
                 raise ClaimFailed(f"GPU {bdf} is in {now} and used by prepared claims; this claim needs {text}")
@@ -152,19 +166,15 @@ class Partitions:
             time.sleep(POLL)
 
     def _apply(self, gpu: Device, start: tuple[str, str], target: tuple[str, str], xcds: int | None) -> Partitioning:
-        """Write ``target`` in an order whose intermediate mode the kernel accepts, then wait."""
-        steps = []
-        if start[0] != target[0]:
-            steps.append(("compute", target[0]))
+        """Write ``target``'s compute mode (``target`` is of the memory mode ``start`` is in: the
+        memory mode is never written), then wait until the kernel shows it."""
         if start[1] != target[1]:
-            steps.insert(0 if not modes_fit(target[0], start[1], xcds) else 1, ("memory", target[1]))
-        now = list(start)
-        for what, value in steps:
+            raise ClaimFailed(memory_refusal(gpu.pci.bdf, start[1], "/".join(target)))
+        if start[0] != target[0]:
             since = self.generation()
-            self._write(gpu, what, value)
-            self.fault(f"partition:{what}-written")
-            now[0 if what == "compute" else 1] = value
-            self._wait(gpu, (now[0], now[1]), xcds, since)
+            self._write(gpu, "compute", target[0])
+            self.fault("partition:compute-written")
+            return self._wait(gpu, target, xcds, since)
         return self._wait(gpu, target, xcds)
 
     def switch(self, sw: ModeSwitch) -> Partitioning:
@@ -191,16 +201,27 @@ class Partitions:
             raise ClaimFailed(f"{failed}; {restored}") from None
 
     def restore(self, gpu: Device, mode: tuple[str, str]) -> str:
-        """Back to ``mode`` -> what happened, for the claim's error or the log; NotRestored
-        when the kernel did not take it."""
+        """Back to ``mode``'s compute mode -> what happened, for the claim's error or the log;
+        NotRestored when the kernel did not take it. A GPU in another memory mode than ``mode``'s
+        (an older agent's intent, which wrote it) gets the compute mode back where it runs in the
+        memory mode now: the memory mode is the operator's (a driver reload applies it)."""
         pt, _ = self.read(gpu)
         now = (pt.compute_mode, pt.memory_mode or "NPS1") if pt and pt.compute_mode else mode
+        xcds = pt.xcds if pt else None
+        target, note = mode, ""
+        if now[1] != mode[1]:
+            note = (f"; memory mode {mode[1]} is the operator's: the GPU runs {now[1]}, and amdgpu applies "
+                    "another only at a driver reload")
+            if not modes_fit(mode[0], now[1], xcds):
+                log.warning("GPU %s: %s not restored: %s does not run in %s", gpu.pci.bdf, "/".join(mode), mode[0], now[1])
+                return f"{'/'.join(mode)} not restored: {mode[0]} does not run in {now[1]}{note}"
+            target = (mode[0], now[1])
         try:
-            self._apply(gpu, now, mode, pt.xcds if pt else None)
+            self._apply(gpu, now, target, xcds)
         except (OSError, TimeoutError) as err:
-            log.error("GPU %s: restoring %s failed: %s", gpu.pci.bdf, "/".join(mode), err)
-            raise NotRestored(f"restoring {'/'.join(mode)} failed too: {err}") from None
-        return f"restored {'/'.join(mode)}"
+            log.error("GPU %s: restoring %s failed: %s", gpu.pci.bdf, "/".join(target), err)
+            raise NotRestored(f"restoring {'/'.join(target)} failed too: {err}") from None
+        return f"restored {'/'.join(target)}{note}"
 
     def devices_after(self, pt: Partitioning, results: list[Result], table: dict[str, gpuways.Way]) -> dict[str, Device]:
         """Devices of the claim's partition ways (of ``table``, the ways planned with: a rescan
@@ -222,9 +243,16 @@ class Partitions:
             # would only keep the claim's entry, and fail its unprepare, for as long as it is away.
             return str(err)
         pt, _ = self.read(gpu)
-        if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == _mode(sw.from_) \
+        before, asked = _mode(sw.from_), _mode(sw.to)
+        # an older agent's intent that wrote the memory mode: amdgpu keeps it as a request for the
+        # next driver reload, which no write of the agent's takes back (the current mode is skipped)
+        pending = f"; memory mode {asked[1]} may be pending for the next driver reload: the operator's" \
+            if asked[1] != before[1] else ""
+        if pt is not None and (pt.compute_mode, pt.memory_mode or "NPS1") == before \
                 and len(pt.partitions) == part_count(pt.compute_mode, pt.xcds):
-            return None
-        result = self.restore(gpu, _mode(sw.from_))
-        log.warning("GPU %s: interrupted switch to %s undone: %s", sw.gpu, sw.to, result)
-        return f"{sw.gpu}: {result}"
+            return f"{sw.gpu}: {sw.from_} kept{pending}" if pending else None
+        if pt is not None and (pt.memory_mode or "NPS1") != before[1]:
+            pending = ""  # the GPU runs another memory mode than before: restore says so
+        result = self.restore(gpu, before)
+        log.warning("GPU %s: interrupted switch to %s undone: %s%s", sw.gpu, sw.to, result, pending)
+        return f"{sw.gpu}: {result}{pending}"

@@ -7,7 +7,8 @@ partitions apart and bound how many partitions of one mode fit, but they cannot 
 modes apart (a DPX and a CPX partition fit in the sum). So:
 
 - with ``--compatibility-groups`` (cluster gate DRADeviceCompatibilityGroups) every mode the
-  GPU can switch to is published, each consumption naming its mode's group;
+  GPU can switch to is published, each consumption naming its mode's group: the compute modes
+  of its current memory mode (amdgpu applies another memory mode only at a driver reload);
 - without it only the whole GPU and the partitions of the mode the GPU is in now: counters
   alone keep that correct, and no claim ever needs a mode switch but the whole GPU (SPX).
 

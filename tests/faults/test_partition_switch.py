@@ -3,7 +3,9 @@
 a claim allocated by the scheduler's allocator that needs the GPU switched, the agent killed
 at each point of the switch transaction, then restarted. After every restart the GPU is in
 exactly one mode with all its partitions, the claim is either prepared in the new mode or
-not at all with the old mode restored, and the kubelet's retry then prepares it."""
+not at all with the old mode restored, and the kubelet's retry then prepares it. Switches are of
+the compute mode, within the GPU's memory mode: a claim needing another memory mode is refused
+before anything is written (amdgpu applies one only at a driver reload), no request left behind."""
 
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ BDF = gpu_bdf(SPX_GPU)
 POINTS = [
     ("driver:prepare:started", "CPX/NPS1"),  # intent on disk, nothing written to the kernel
     ("driver:partition:compute-written", "CPX/NPS1"),  # the kernel is switching
-    ("driver:partition:compute-written", "QPX/NPS4"),  # first of two writes (QPX/NPS1 on the way)
-    ("driver:partition:memory-written", "QPX/NPS4"),  # second write
+    ("driver:partition:compute-written", "QPX/NPS1"),  # the one write (the memory mode is never written)
+    ("driver:partition:compute-written", "DPX/NPS1"),
     ("driver:partition:exposed", "CPX/NPS1"),  # new partitions up, no spec yet
     ("driver:prepare:specs-written", "CPX/NPS1"),  # spec written, entry still PrepareStarted
     ("driver:prepare:completed", "CPX/NPS1"),  # durable: the claim is prepared
@@ -118,11 +120,19 @@ def test_sigkill_at_every_step_of_a_mode_switch(tmp_path, faults):
             node.check_clean()
             node.stop()
             # back to SPX for the next trial, as a whole-GPU claim would leave it
-            for what, value in (("current_memory_partition", "NPS1"), ("current_compute_partition", "SPX")):
-                with open(os.path.join(node.root, "sys/bus/pci/devices", BDF, what), "w") as f:
-                    f.write(value + "\n")
-                time.sleep(0.3)
+            with open(os.path.join(node.root, "sys/bus/pci/devices", BDF, "current_compute_partition"), "w") as f:
+                f.write("SPX\n")
+            time.sleep(0.3)
             assert _complete(node) == "SPX/NPS1"
+        # a claim of another memory mode (a slice of before a driver reload, a hand-made claim): refused
+        # before any write, and amdgpu is left no NPS4 request for its next reload
+        node.start()
+        c = node.write_claim("nps4", [("gpu", f"{SPX_GPU}-qpx-nps4-0")], uid="00000000-0000-4000-8000-00000000004e")
+        err = run(node.prepare(c)).claims[c["metadata"]["uid"]].error
+        assert "runs NPS1; QPX/NPS4 needs memory mode NPS4, which amdgpu applies only at a driver reload" in err, err
+        assert _complete(node) == "SPX/NPS1" and sim.gpus[BDF].requested_nps is None
+        node.check_clean()
+        node.stop()
     finally:
         node.kill()
         sim.stop()

@@ -1,10 +1,11 @@
 """GPU partitions as a step (``--partitions``, docs/partitions.md): the claim's partition and
-MIG devices for its spec, and an AMD compute/memory mode switch when its partitions need one.
+MIG devices for its spec, and an AMD compute mode switch when its partitions need one (never
+of the memory mode: amdgpu applies that at a driver reload, agent/prepare/partitions.py).
 
 Record (``partitions``): a ``PartitionUse``, the mode each GPU runs in for this claim and,
 until the prepare completes, the switch's intent (GPU, from, to), saved durably before the
 first kernel write. ``apply`` switches and reads the new mode's partitions afresh; a failure
-writes the previous mode back. ``undo`` (a later failure, or an interrupted prepare at start)
+writes the previous compute mode back. ``undo`` (a later failure, or an interrupted prepare at start)
 puts the previous mode back unless a prepared claim runs the GPU in the new one. A prepared
 claim needs nothing made again after a reboot: the spec is rebuilt from what the kernel shows."""
 
