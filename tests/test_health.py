@@ -307,3 +307,12 @@ def test_partitions_are_reported_with_their_gpus_verdict(tmp_path, profile, gpu)
     for name in parts:
         assert (got[name].health, got[name].message, got[name].last_updated_time) == (
             first.health, first.message, first.last_updated_time)
+
+
+def test_truncate_counts_bytes_as_the_kubelet_does():
+    """The kubelet (truncateHealthMessage) and the API server (allocatedResourcesStatus validation)
+    take ``len()`` of a Go string: 1024 *bytes*. 600 two-byte characters are 1200 bytes: the kubelet
+    would cut them at byte 1021, in the middle of a character."""
+    out = truncate("é" * 600)
+    assert len(out.encode()) <= MAX_MESSAGE and out == "é" * 510 + "..."
+    assert truncate("é" * 512) == "é" * 512  # 1024 bytes: as is

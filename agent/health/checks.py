@@ -22,14 +22,19 @@ from discovery.nvidia_driver import DriverFiles
 from discovery.sysfs import AttrError, HostFS
 
 HEALTHY, UNHEALTHY, UNKNOWN = "HEALTHY", "UNHEALTHY", "UNKNOWN"
-MAX_MESSAGE = 1024  # kubelet limit; longer messages are cut to 1021 + "..."
+MAX_MESSAGE = 1024  # kubelet limit in bytes (Go len); longer messages are cut to 1021 + "..."
 AER_HOLD = 300.0  # seconds a device stays UNHEALTHY after its fatal AER counter grew
 _LINK_DOWN = {"down", "lowerlayerdown", "notpresent"}
 _AER_TOTAL = re.compile(r"^TOTAL_ERR_FATAL\s+(\d+)\s*$", re.M)
 
 
 def truncate(message: str) -> str:
-    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
+    """At most MAX_MESSAGE UTF-8 bytes, as the kubelet and the API server count (Go ``len``),
+    cut on a character boundary (the kubelet would cut inside one)."""
+    raw = message.encode("utf-8", "replace")
+    if len(raw) <= MAX_MESSAGE:
+        return message
+    return raw[:MAX_MESSAGE - 3].decode("utf-8", "ignore") + "..."
 
 
 @lru_cache(maxsize=256)

@@ -24,7 +24,7 @@ def build_response(monitor: HealthMonitor, pb: ModuleType):
             device=pb.DeviceIdentifier(pool_name=monitor.pool, device_name=name),
             health=pb.HealthStatus.Value(state.verdict.health),
             last_updated_time=int(state.checked_at),
-            message=state.verdict.message,  # already <= 1024 characters
+            message=state.verdict.message,  # already <= 1024 bytes (checks.truncate)
         )
     return resp
 
