@@ -229,3 +229,30 @@ def test_another_gpu_hotplugged_into_the_slot_does_not_get_an_instances_fault(st
 
     health, taints = asyncio.run(main())
     assert health == (HEALTHY, "") and split1 not in taints
+
+
+def test_an_instances_taint_is_held_after_its_fault_is_cleared_as_a_gpus_is(tmp_path):
+    """``taint_hold`` (docs/health.md): a device that recovers keeps its taint a while; a MIG
+    device whose own fault is cleared is no exception (it stays on the node), until the hold ends."""
+    node = MigNode(str(tmp_path), nvidia_mig="static", taint_unhealthy=True, taint_hold=60)
+    layout(node)
+    make_dirs(node.settings.plugin_dir, 0o750)
+    split1 = f"{GPU}-mig-gi2-ci1"
+
+    async def main():
+        monitor = await _monitor(node)
+        try:
+            node.sim.emit(BDF, XID, 94, gi=2, ci=1)
+            await until(lambda: any(p == split1 for _, p in _kept(node)))
+            await monitor.check_now()
+            assert monitor.taints() == {split1: [TAINT]}
+            assert [f.device for f in FaultStore(node.settings.plugin_dir, node.settings.root).clear(split1)] == [split1]
+            await monitor.check_now()
+            assert _health(monitor)[split1] == (HEALTHY, "") and monitor.taints() == {split1: [TAINT]}  # held
+            real = monitor.clock
+            monitor.clock = lambda: real() + monitor.taint_hold
+            assert monitor.taints() == {}
+        finally:
+            await monitor.stop()
+
+    asyncio.run(main())

@@ -299,6 +299,10 @@ class HealthMonitor(GpuEvents):
         return {p: self._partition_state(p, state) for name, state in self.states.items()
                 for p in self._partitions_of(name) if p in self.partition_faults}
 
+    def _published_partition(self, name: str) -> bool:
+        """``name`` is a MIG device of a GPU on the node (its own fault may have cleared)."""
+        return self.settings.partitions and any(name in self._partitions_of(g) for g in self.states)
+
     def _partitions_of(self, name: str) -> list[str]:
         dev = self._known.get(name)
         if dev is None or dev.gpu is None or dev.gpu.partitioning is None:
@@ -325,7 +329,8 @@ class HealthMonitor(GpuEvents):
             if s.verdict.health == UNHEALTHY:
                 self._tainted[n] = (now, [taint_for(s.verdict.reason, self.taint_effect, self.taint_effects)])
         for n, (seen, _) in list(self._tainted.items()):
-            if n not in states or (seen != now and now - seen >= self.taint_hold):  # (taint_hold 0: until it recovers)
+            gone = n not in states and not self._published_partition(n)  # a MIG device whose fault cleared stays
+            if gone or (seen != now and now - seen >= self.taint_hold):  # (taint_hold 0: until it recovers)
                 del self._tainted[n]
         return {n: taint for n, (_, taint) in sorted(self._tainted.items())}
 
