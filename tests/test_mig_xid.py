@@ -38,12 +38,16 @@ def test_the_instance_of_an_event():
     assert mig_instance(object()) is None  # bindings whose event data has no instance fields
 
 
-@pytest.fixture
-def static(tmp_path):
-    node = MigNode(str(tmp_path), nvidia_mig="static", taint_unhealthy=True, taint_hold=0)
+def static_node(tmp_path, taint_hold: float = 0) -> MigNode:
+    node = MigNode(str(tmp_path), nvidia_mig="static", taint_unhealthy=True, taint_hold=taint_hold)
     layout(node)  # gi1-ci0 (1g.18gb), gi2-ci0 and gi2-ci1 (one 3g.71gb split in two)
     make_dirs(node.settings.plugin_dir, 0o750)
     return node
+
+
+@pytest.fixture
+def static(tmp_path):
+    return static_node(tmp_path)
 
 
 async def _monitor(node: MigNode, events: bool = True) -> HealthMonitor:
@@ -234,10 +238,7 @@ def test_another_gpu_hotplugged_into_the_slot_does_not_get_an_instances_fault(st
 def test_an_instances_taint_is_held_after_its_fault_is_cleared_as_a_gpus_is(tmp_path):
     """``taint_hold`` (docs/health.md): a device that recovers keeps its taint a while; a MIG
     device whose own fault is cleared is no exception (it stays on the node), until the hold ends."""
-    node = MigNode(str(tmp_path), nvidia_mig="static", taint_unhealthy=True, taint_hold=60)
-    layout(node)
-    make_dirs(node.settings.plugin_dir, 0o750)
-    split1 = f"{GPU}-mig-gi2-ci1"
+    node, split1 = static_node(tmp_path, taint_hold=60), f"{GPU}-mig-gi2-ci1"
 
     async def main():
         monitor = await _monitor(node)
