@@ -154,6 +154,12 @@ def test_start_up_recovery_waits_for_the_other_instance_of_a_rolling_update(tmp_
     preparing.join()
 
 
+def _another_is_refused(s) -> None:
+    """A second agent on the same sockets (plugin dir and rolling-update UID) is refused."""
+    with pytest.raises(sockets.InstanceLocked):
+        sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+
+
 def test_instance_locks_of_a_rolling_update_do_not_pile_up_in_the_plugin_dir(tmp_path):
     """Every pod of a surge update has its own UID, so its own ``dra-<uid>.sock.lock``: one that
     stays after its agent stopped is left in the plugin dir for good (no later pod has that UID),
@@ -164,15 +170,13 @@ def test_instance_locks_of_a_rolling_update_do_not_pile_up_in_the_plugin_dir(tmp
         os.makedirs(s.plugin_dir, exist_ok=True)
         lock = sockets.InstanceLock(sockets.dra_socket_path(s))
         lock.acquire()
-        with pytest.raises(sockets.InstanceLocked):
-            sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+        _another_is_refused(s)
         lock.release()
     assert [n for n in os.listdir(s.plugin_dir) if n.endswith(".lock")] == []
     again = sockets.InstanceLock(sockets.dra_socket_path(s))  # the same UID again (a container restart)
     again.acquire()
     try:
-        with pytest.raises(sockets.InstanceLocked):
-            sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+        _another_is_refused(s)
     finally:
         again.release()
 
@@ -201,7 +205,6 @@ def test_an_instance_lock_released_while_the_next_agent_opens_it_is_not_held_twi
     second.acquire()
     monkeypatch.undo()
     try:
-        with pytest.raises(sockets.InstanceLocked):
-            sockets.InstanceLock(sockets.dra_socket_path(s)).acquire()
+        _another_is_refused(s)
     finally:
         second.release()

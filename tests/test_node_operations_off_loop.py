@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from agent.service import nodeops, reload as reloading
 from agent.service.daemon import Agent
 from agent.service.status import status_socket_path
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
+from tests.test_host_nics import until
 from tests.test_prepare_off_loop import _status
 
 HOLD = 5.0  # seconds a held save waits for the test before it goes on by itself (only a save on the loop)
@@ -43,16 +43,9 @@ class HeldSave:
         monkeypatch.setattr(nodeops, "save_applied", save)
 
 
-async def _until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not reached: {what}"
-        await asyncio.sleep(0.01)
-
-
 async def _answered_while_held(held: HeldSave, agent: Agent) -> dict:
     """The status socket's answer, asked once the save is held; the save must still be held then."""
-    await _until(held.entered.is_set, "the save of the applied rule")
+    await until(held.entered.is_set)  # the save of the applied rule
     try:
         status = await _status(status_socket_path(agent.settings))
         assert not held.finished.is_set(), "the status socket answered only after the save: it ran on the event loop"
@@ -73,7 +66,7 @@ def test_the_first_record_of_the_rule_at_start_leaves_the_loop_free(tmp_path, mo
         try:
             status = await _answered_while_held(held, agent)
             assert status["nodeName"] == settings.node_name
-            await _until(lambda: agent.rescans >= 1, "the first scan after the rule is settled")
+            await until(lambda: agent.rescans >= 1)  # the first scan after the rule is settled
             assert threading.get_ident() not in held.threads  # (a second save, once released, on the loop)
         finally:
             stop.set()
@@ -94,12 +87,12 @@ def test_a_sighup_that_changes_the_rule_records_it_off_the_loop(tmp_path, monkey
         stop = asyncio.Event()
         running = asyncio.create_task(agent.run(stop))
         try:
-            await _until(lambda: agent.kubelet_plugin is not None and agent.kubelet_plugin.started
-                         and agent.board.registration["state"] != "not_started", "the agent's start-up")
+            await until(lambda: agent.kubelet_plugin is not None and agent.kubelet_plugin.started  # started up
+                        and agent.board.registration["state"] != "not_started")
             held.armed = True
             reloading.sighup_handler(agent, lambda: agent.settings.replace(skip_node_operations=rule))()
             await _answered_while_held(held, agent)
-            await _until(lambda: agent.settings.skip_node_operations == rule, "the new rule applied")
+            await until(lambda: agent.settings.skip_node_operations == rule)  # the new rule applied
             assert held.threads and threading.get_ident() not in held.threads  # (a second save, once released, on the loop)
         finally:
             stop.set()

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-
 from agent.prepare.driver import Driver
 from discovery.inventory import scan
 from tests.partition_node import SPX_GPU, Node, mode_of, part_of, whole
 from tests.test_partitions_allocator import gpu_bdf
-from tests.test_partitions_prepare import Crash, driver_for, prepare, ref, spec_nodes
+from tests.test_partitions_prepare import driver_for, prepare, prepare_crashing_at, ref, spec_nodes
 
 
 def _four_xccs(node: Node, bdf: str = "0000:27:00.0") -> None:
@@ -72,14 +70,7 @@ def test_an_interrupted_switch_away_from_cpx_of_four_partitions_is_undone_at_sta
         assert mode_of(node.root, bdf) == "CPX/NPS1"
         assert not [p for p in node.inv.by_name()[SPX_GPU].problems if p.what == "partitions"]
         w = node.allocated("w", whole(SPX_GPU))
-
-        def crash(at: str) -> None:
-            if at == "partition:exposed":
-                raise Crash(at)
-
-        d.fault = crash
-        with pytest.raises(Crash):
-            prepare(d, w)
+        prepare_crashing_at(d, w, "partition:exposed")
         assert mode_of(node.root, bdf) == "SPX/NPS1"
         report = Driver(node.settings, node.inventory).recover()
         assert report.host_restored == [f"{bdf}: restored CPX/NPS1"], report

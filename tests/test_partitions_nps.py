@@ -20,6 +20,7 @@ from tests.kubelet_standin import claim as hand_claim
 from tests.partition_node import SPX_GPU, Node, mode_of, part_of
 from tests.test_partitions_allocator import gpu_bdf
 from tests.test_partitions_prepare import driver_for, prepare
+from tests.test_vfio_inuse import wait_until
 
 BDF = gpu_bdf(SPX_GPU)
 
@@ -31,11 +32,8 @@ def _write(node: Node, attr: str, value: str) -> None:
 
 def _settle(node: Node, mode: str) -> None:
     """Until the simulator has switched the GPU to ``mode`` (its switch recorded, all partitions up)."""
-    deadline = time.monotonic() + 5
-    while mode_of(node.root, BDF) != mode or not node.sim.switches or node.sim.switches[-1] != (BDF, *mode.split("/")) \
-            or node.sim.gpus[BDF].shown is not None:
-        assert time.monotonic() < deadline, mode_of(node.root, BDF)
-        time.sleep(0.01)
+    wait_until(lambda: mode_of(node.root, BDF) == mode and node.sim.switches[-1:] == [(BDF, *mode.split("/"))]
+               and node.sim.gpus[BDF].shown is None, f"switching to {mode}", timeout=5)
     time.sleep(0.05)  # the simulator's stamps taken
 
 
@@ -77,10 +75,7 @@ def test_the_simulated_amdgpu_only_requests_a_memory_mode(tmp_path):
     node = Node(str(tmp_path))
     with node.sim:
         _write(node, "current_memory_partition", "NPS4")
-        deadline = time.monotonic() + 5
-        while node.sim.gpus[BDF].requested_nps is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: node.sim.gpus[BDF].requested_nps is not None, "no NPS request", timeout=5)
         _write(node, "current_memory_partition", "NPS1")
         time.sleep(0.1)
         assert mode_of(node.root, BDF) == "SPX/NPS1" and node.sim.gpus[BDF].requested_nps == "NPS4"

@@ -195,14 +195,7 @@ def test_an_interrupted_switch_not_undone_at_start_is_kept_and_retried(node, mon
     d = driver_for(node)
     c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
     uid, bdf = c["metadata"]["uid"], gpu_bdf(SPX_GPU)
-
-    def crash(at: str) -> None:
-        if at == "partition:exposed":
-            raise Crash(at)
-
-    d.fault = crash
-    with pytest.raises(Crash):
-        prepare(d, c)
+    prepare_crashing_at(d, c, "partition:exposed")
     _refuse_spx(monkeypatch)
     report = Driver(node.settings, node.inventory).recover()
     assert report.rolled_back == [] and report.host_restored == [] and mode_of(node.root, bdf) == "CPX/NPS1"
@@ -218,11 +211,8 @@ class Crash(BaseException):
     """Stands in for the process dying at a fault point (tests/faults does it with SIGKILL)."""
 
 
-@pytest.mark.parametrize("point", ["partition:compute-written", "partition:exposed", "prepare:specs-written"])
-def test_recovery_undoes_a_switch_interrupted_before_the_claim_completed(node, point):
-    d = driver_for(node)
-    c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
-
+def prepare_crashing_at(d: Driver, c: dict, point: str) -> None:
+    """Prepare ``c``, the process dying (``Crash``) at fault point ``point``."""
     def crash(at: str) -> None:
         if at == point:
             raise Crash(at)
@@ -230,6 +220,13 @@ def test_recovery_undoes_a_switch_interrupted_before_the_claim_completed(node, p
     d.fault = crash
     with pytest.raises(Crash):
         prepare(d, c)
+
+
+@pytest.mark.parametrize("point", ["partition:compute-written", "partition:exposed", "prepare:specs-written"])
+def test_recovery_undoes_a_switch_interrupted_before_the_claim_completed(node, point):
+    d = driver_for(node)
+    c = node.allocated("c", part_of(SPX_GPU, "CPX/NPS1"))
+    prepare_crashing_at(d, c, point)
     uid = c["metadata"]["uid"]
     on_disk = Driver(node.settings, node.inventory)  # a new process: checkpoint from disk
     report = on_disk.recover()
