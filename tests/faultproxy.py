@@ -13,6 +13,7 @@ certificate ends at the proxy). Each connection carries one request (``Connectio
     proxy.delay(30, path="/resourceslices")   # only these wait
     proxy.drop_watches()                      # cut every open watch stream now
     proxy.reset_next(2)                       # the next 2 requests: connection reset, no response
+    proxy.answer_next(1, b"{garbled\\n", watch=True)  # the next watch: a 200 whose stream is these bytes
     proxy.url, proxy.write_kubeconfig(path, token=...)
 """
 
@@ -33,6 +34,7 @@ class _Fault:
     method: str | None
     path: str | None
     watch: bool | None = None
+    body: bytes | None = None  # a 200 carrying these bytes (chunked, as a watch's stream) instead of a Status
 
     def matches(self, method: str, target: str) -> bool:
         return ((self.method is None or self.method == method) and (self.path is None or self.path in target)
@@ -65,6 +67,12 @@ class FaultProxy:
         requests (a list), ``watch=True`` takes only them."""
         with self._lock:
             self._faults.append(_Fault(n, status, method, path, watch))
+
+    def answer_next(self, n: int, body: bytes, *, path: str | None = None, watch: bool | None = None) -> None:
+        """The next ``n`` matching requests get a 200 whose (chunked) body is ``body``: what no
+        kube-apiserver writes (a truncated event, wrong types), as a broken proxy or server might."""
+        with self._lock:
+            self._faults.append(_Fault(n, 200, None, path, watch, body))
 
     def reset_next(self, n: int) -> None:
         with self._lock:
@@ -138,7 +146,7 @@ class FaultProxy:
         self._loop = None
 
     # -- the proxy
-    def _take_fault(self, method: str, target: str) -> int | str | None:
+    def _take_fault(self, method: str, target: str) -> _Fault | str | None:
         with self._lock:
             if self._resets:
                 self._resets -= 1
@@ -146,7 +154,7 @@ class FaultProxy:
             for f in self._faults:
                 if f.remaining and f.matches(method, target):
                     f.remaining -= 1
-                    return f.status
+                    return f
         return None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -168,7 +176,7 @@ class FaultProxy:
                 return
             if fault is not None:
                 self.injected += 1
-                await self._status(writer, fault)
+                await (self._status(writer, fault.status) if fault.body is None else self._chunked(writer, fault.body))
                 return
             kept = [h for h in headers if h.split(":", 1)[0].strip().lower() not in ("connection", "host", "keep-alive")]
             kept += [f"Host: {self.upstream.netloc}", "Connection: close"]
@@ -197,6 +205,12 @@ class FaultProxy:
                         w.close()
                     except Exception:  # noqa: BLE001 - already gone
                         pass
+
+    @staticmethod
+    async def _chunked(writer: asyncio.StreamWriter, body: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                     b"Connection: close\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        await writer.drain()
 
     @staticmethod
     async def _status(writer: asyncio.StreamWriter, code: int) -> None:

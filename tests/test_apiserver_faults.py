@@ -90,6 +90,36 @@ def test_dropped_watch_resumes_and_still_sees_the_kubelet_wipe(node, proxy):
     assert {o["spec"]["pool"]["generation"] for o in node.slices()} == {2}
 
 
+def watch_requests(proxy: FaultProxy) -> list[str]:
+    return [target for _, target in list(proxy.requests) if "watch=true" in target]
+
+
+GARBLED_EVENTS = {"truncated": b'{"type":"MODIFIED","object":{"kind":"ResourceSl',
+                  "wrong types": b'{"type":"MODIFIED","object":{"metadata":"x","spec":[]}}'}
+
+
+@pytest.mark.parametrize("event", GARBLED_EVENTS.values(), ids=GARBLED_EVENTS.keys())
+def test_a_garbled_watch_event_resumes_the_watch(node, proxy, event):
+    """An event no kube-apiserver writes (a proxy's truncation, wrong types) is a failed watch,
+    resumed as a dropped one: the kubelet's later wipe is still seen (the watch task ended on
+    the decoder's ValueError, and only a resync, if any, repaired the wipe)."""
+    async def scenario():
+        async with Running(node, debounce=0.05) as r:
+            r.pub.set_pool(node.pool(5))
+            await r.settle(lambda: node.devices() == 5)
+            await r.settle(lambda: proxy.open_watches() >= 1)
+            watches = len(watch_requests(proxy))
+            proxy.answer_next(1, event + b"\n", watch=True)
+            assert proxy.drop_watches() >= 1  # the watch resumed gets the garbled event, then resumes again
+            await r.settle(lambda: len(watch_requests(proxy)) >= watches + 2)
+            await asyncio.to_thread(node.wipe_as_kubelet)
+            await r.settle(lambda: node.devices() == 5)
+
+    injected = proxy.injected
+    run(scenario())
+    assert proxy.injected == injected + 1
+
+
 @pytest.fixture(scope="module")
 def uncached(tmp_path_factory):
     """A second control plane whose ResourceSlice watches go to etcd (no watch cache), so a

@@ -100,12 +100,16 @@ class KubeStore:
 
     async def watch(self, resource_version: str | None) -> AsyncIterator[tuple[str, dict]]:
         """Events on our slices; lightkube reconnects on a clean end of stream.
-        Errors (410 Gone, dropped connection) surface as StoreError for the caller to re-list."""
+        Errors (410 Gone, dropped connection) surface as StoreError for the caller to re-list;
+        so does an event that cannot be decoded (cut short, wrong types: lightkube's decoder
+        raises a ValueError), which would otherwise end the caller's watch for good."""
         try:
             async for kind, obj in self.client.watch(ResourceSlice, fields=self.fields, resource_version=resource_version):
                 yield kind, obj.to_dict()
         except (ApiError, httpx2.HTTPError, OSError) as err:
             raise _mapped(err) from err
+        except ValueError as err:
+            raise StoreError(f"a watch event could not be read: {err}") from err
 
 
 def _page(generic, response, request) -> tuple[bool, str | None, list[dict]]:
