@@ -121,6 +121,8 @@ def test_any_value_anywhere_is_prepared_or_the_claims_error(changes):
     (("allocation", "devices", "results", 1, "adminAccess"), "true", "adminAccess 'true' is not a boolean"),
     (("allocation", "devices", "config", 1, "opaque", "parameters", "env"),
      {f"V{i}": "x" * 4000 for i in range(3)}, f"at most {MAX_OPAQUE_PARAMETERS_BYTES}"),
+    # runc refuses to start the container ("environment variable value can't contain null")
+    (("allocation", "devices", "config", 1, "opaque", "parameters", "env"), {"A": "x\x00y"}, "env.A: Value error, a NUL"),
 ])
 def test_shapes_of_defect_4_and_bad_quantities_are_the_claims_error(where, value, words):
     claim = good_claim()

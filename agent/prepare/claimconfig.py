@@ -41,9 +41,16 @@ def _not_reserved(name: str) -> str:
     return name
 
 
+def _no_nul(value: str) -> str:
+    # a process's environment is NUL-terminated strings: runc refuses to start the container
+    if "\x00" in value:
+        raise ValueError("a NUL character cannot be in a container's environment")
+    return value
+
+
 # a POSIX-portable variable name
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"), AfterValidator(_not_reserved)]
-EnvValue = Annotated[str, StringConstraints(max_length=4096)]
+EnvValue = Annotated[str, StringConstraints(max_length=4096), AfterValidator(_no_nul)]
 
 
 class _Strict(BaseModel):
