@@ -13,6 +13,7 @@ import stat
 import grpc
 import pytest
 
+from agent.prepare.metadata.stream import read_file
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 from tests.kubelet_standin import DRIVER, Env, claim, run, store_claim
 
@@ -203,6 +204,32 @@ def test_malformed_input_is_a_per_claim_error(env, ns, name, uid, msg):
                 assert resp.claims[good["metadata"]["uid"]].error == ""
             # nothing written outside our directories
             assert not os.path.exists(os.path.join(e.settings.kubelet_dir, "..", "etc"))
+    run(main())
+
+
+def test_a_claim_of_the_longest_valid_names_is_prepared_and_unprepared(env):
+    """A namespace of 63 characters and a claim name of 250 are valid (253 are, but the ``dir:``
+    store's file, "<name>.json", holds 250 at most), while "<namespace>_<name>",
+    the host directory of the claim's device metadata, is longer than a file name can be (255
+    bytes): prepare failed ("internal error: File name too long") and so did every unprepare,
+    for ever (the kubelet keeps the pod terminating until its claims are unprepared)."""
+    ns, name = "n" * 63, ".".join(["a" * 63] * 3) + "." + "b" * 58
+
+    async def main():
+        async with env as e:
+            c = store_claim(e.settings, claim(name, [("r", "gpu-0000-1b-00-0")], namespace=ns))
+            other = store_claim(e.settings, claim("other", [("r", "gpu-0000-1c-00-0")]))
+            uid = c["metadata"]["uid"]
+            assert (await e.kubelet.prepare(other)).claims[other["metadata"]["uid"]].error == ""
+            assert (await e.kubelet.unprepare(c)).claims[uid].error == ""  # never prepared
+            assert (await e.kubelet.prepare(c)).claims[uid].error == ""
+            with open(os.path.join(e.settings.cdi_dir, f"{DRIVER}_metadata_{uid}_r.json")) as f:
+                (mount,) = json.load(f)["devices"][0]["containerEdits"]["mounts"]
+            assert read_file(mount["hostPath"])["metadata"]["name"] == name
+            assert mount["containerPath"].endswith(f"/resourceclaims/{name}/r/{DRIVER}-metadata.json")
+            assert (await e.kubelet.unprepare(c, other)).claims[uid].error == ""
+            assert os.listdir(e.settings.cdi_dir) == [] and not os.path.exists(mount["hostPath"])
+            assert os.listdir(os.path.join(e.settings.plugin_dir, "dra-device-metadata")) == []
     run(main())
 
 

@@ -17,6 +17,7 @@ path is checked to stay below its base: these names come from claims and the che
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from agent.fsutil import inside
@@ -32,11 +33,27 @@ def host_root(plugin_dir: str) -> str:
     return os.path.join(plugin_dir, HOST_DIR_NAME)
 
 
+NAME_MAX = 255  # bytes of one file name (Linux file systems)
+NAME_HASH = 16  # hex digits of the name's SHA-256 in a shortened directory name
+
+
 def claim_dir(plugin_dir: str, namespace: str, name: str) -> str:
     # namespaces are DNS labels and names DNS subdomains: neither contains "_"
     check_label("claim namespace", namespace)
     check_subdomain("claim name", name)
-    return inside(host_root(plugin_dir), f"{namespace}_{name}")
+    return inside(host_root(plugin_dir), claim_dir_name(namespace, name))
+
+
+def claim_dir_name(namespace: str, name: str) -> str:
+    """``<namespace>_<name>`` (the Go helper's), or, where that is longer than a file name can be
+    (a namespace of 63 and a name of 253 are valid: 317 bytes), the name cut and its hash after a
+    second ``_``: the Go helper's mkdir fails there, and so would every unprepare's removal. No
+    name of the Go form has two ``_``: a shortened one is never another claim's."""
+    full = f"{namespace}_{name}"
+    if len(full) <= NAME_MAX:
+        return full
+    digest = hashlib.sha256(name.encode()).hexdigest()[:NAME_HASH]
+    return f"{full[:NAME_MAX - NAME_HASH - 1]}_{digest}"
 
 
 def host_file(plugin_dir: str, namespace: str, name: str, request: str) -> str:

@@ -236,11 +236,10 @@ def remove_orphans(settings: Settings, claims: dict[str, dict]) -> list[str]:
                 remove_file(path)
                 removed.append(path)
     root = layout.host_root(settings.plugin_dir)
-    owned = {(e.get("namespace"), e.get("name")) for e in claims.values() if e.get("metadata")}
+    owned = {layout.claim_dir_name(e.get("namespace") or "", e.get("name") or "") for e in claims.values() if e.get("metadata")}
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
         path = os.path.join(root, name)
-        ns, _, claim = name.partition("_")
-        if (ns, claim) in owned or _dir_uids(path) & set(claims):
+        if name in owned or _dir_uids(path) & set(claims):
             for req in os.listdir(path) if os.path.isdir(path) else ():
                 clean_stale_temps(os.path.join(path, req), prefix="." + layout.FILE_NAME + ".")
             continue
