@@ -13,6 +13,7 @@ from lightkube import KubeConfig
 
 from agent.kubeletplugin import apihttp
 
+HUGE = 256 << 20  # an answer no claim comes near (MAX_CLAIM_BYTES is 3 MiB)
 
 class Server:
     """Answers 200 with the request's path, or 401 unless the bearer token is ``want``; with
@@ -35,6 +36,8 @@ class Server:
 
             def _answer(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/huge":
+                    return self._huge()
                 auth = self.headers.get("Authorization")
                 owner.seen.append((self.path, auth))
                 ok = owner.want is None or auth == f"Bearer {owner.want}"
@@ -44,6 +47,19 @@ class Server:
                 self.end_headers()
                 self.wfile.write(body)
                 self.close_connection = owner.drop
+
+            def _huge(self):
+                """HUGE bytes of answer, written until the client goes away."""
+                self.send_response(200)
+                self.send_header("Content-Length", str(HUGE))
+                self.end_headers()
+                chunk = b"x" * 65536
+                try:
+                    for _ in range(HUGE // len(chunk)):
+                        self.wfile.write(chunk)
+                except OSError:  # the client closed the connection
+                    pass
+                self.close_connection = True
 
             do_GET = do_PATCH = _answer
 
@@ -128,6 +144,19 @@ def test_an_answer_over_the_limit_is_cut_and_its_connection_closed(server, tmp_p
     finally:
         t.close()
     assert server.connections == 2
+
+
+@pytest.mark.parametrize("kind", [apihttp.CurlTransport, apihttp.HttpxTransport])
+def test_a_huge_answer_is_read_only_past_the_limit(server, tmp_path, kind):
+    """Either transport stops reading an answer once it is over the limit (the caller refuses it):
+    lightkube's client read all of it into memory, as long as the server kept sending (a node
+    whose API server goes through an HTTPS proxy, or a kubeconfig with an exec plugin)."""
+    t = kind(config(tmp_path, server.url, token="static"), 5.0, 1000)
+    try:
+        status, body = t.request("GET", "/huge")
+    finally:
+        t.close()
+    assert status == 200 and 1000 < len(body) <= 1000 + (1 << 20)
 
 
 def test_configurations_it_does_not_speak_go_to_lightkubes_client(tmp_path, monkeypatch):

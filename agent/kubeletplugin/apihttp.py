@@ -204,10 +204,19 @@ class HttpxTransport:
 
         params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(timeout))
         self.client = httpx2.Client(**params.httpx_params(config), limits=httpx2.Limits(keepalive_expiry=KEEPALIVE))
+        self.max_body = max_body
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> Response:
-        resp = self.client.request(method, path, content=body, headers=headers)
-        return Response(resp.status_code, resp.content)
+        """As :meth:`CurlTransport.request`: an answer is read up to just past ``max_body`` (the
+        caller refuses it), never whole into memory; its connection is then closed."""
+        with self.client.stream(method, path, content=body, headers=headers) as resp:
+            parts, size = [], 0
+            for chunk in resp.iter_bytes():
+                parts.append(chunk)
+                size += len(chunk)
+                if size > self.max_body:
+                    break
+            return Response(resp.status_code, b"".join(parts))
 
     def close(self) -> None:
         self.client.close()
