@@ -5,6 +5,7 @@ rotated token files, a server behind a path, and which configurations go to ligh
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -38,6 +39,8 @@ class Server:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.path == "/huge":
                     return self._huge()
+                if self.path == "/trickle":
+                    return self._trickle()
                 auth = self.headers.get("Authorization")
                 owner.seen.append((self.path, auth))
                 ok = owner.want is None or auth == f"Bearer {owner.want}"
@@ -58,6 +61,20 @@ class Server:
                     for _ in range(HUGE // len(chunk)):
                         self.wfile.write(chunk)
                 except OSError:  # the client closed the connection
+                    pass
+                self.close_connection = True
+
+            def _trickle(self):
+                """A byte at a time, each well within a read timeout, until the client goes away."""
+                self.send_response(200)
+                self.send_header("Content-Length", str(HUGE))
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.02)
+                except OSError:
                     pass
                 self.close_connection = True
 
@@ -157,6 +174,18 @@ def test_a_huge_answer_is_read_only_past_the_limit(server, tmp_path, kind):
     finally:
         t.close()
     assert status == 200 and 1000 < len(body) <= 1000 + (1 << 20)
+
+
+@pytest.mark.parametrize("kind", [apihttp.CurlTransport, apihttp.HttpxTransport])
+def test_an_answer_trickling_in_ends_at_the_timeout(server, tmp_path, kind):
+    """The timeout is the whole request's, as libcurl's: with lightkube's client it was each read's,
+    and a server sending a byte now and then held the prepare's thread until the size limit (3 MiB: days)."""
+    t = kind(config(tmp_path, server.url, token="static"), 0.5, 200)  # 200 bytes: 4 s of trickle
+    try:
+        with pytest.raises(TimeoutError):
+            t.request("GET", "/trickle")
+    finally:
+        t.close()
 
 
 def test_configurations_it_does_not_speak_go_to_lightkubes_client(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import NamedTuple
@@ -204,11 +205,13 @@ class HttpxTransport:
 
         params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(timeout))
         self.client = httpx2.Client(**params.httpx_params(config), limits=httpx2.Limits(keepalive_expiry=KEEPALIVE))
-        self.max_body = max_body
+        self.timeout, self.max_body = timeout, max_body
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> Response:
         """As :meth:`CurlTransport.request`: an answer is read up to just past ``max_body`` (the
-        caller refuses it), never whole into memory; its connection is then closed."""
+        caller refuses it), never whole into memory, its connection then closed; ``timeout`` is
+        the whole request's (httpx's is each read's: a server trickling bytes never ends one)."""
+        deadline = time.monotonic() + self.timeout
         with self.client.stream(method, path, content=body, headers=headers) as resp:
             parts, size = [], 0
             for chunk in resp.iter_bytes():
@@ -216,6 +219,8 @@ class HttpxTransport:
                 size += len(chunk)
                 if size > self.max_body:
                     break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{method} {path}: the answer took more than {self.timeout:g} s")
             return Response(resp.status_code, b"".join(parts))
 
     def close(self) -> None:
