@@ -12,10 +12,13 @@ import stat
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.metadata.stream import read_file
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
-from tests.kubelet_standin import DRIVER, Env, claim, run, store_claim
+from tests.kubelet_standin import DRIVER, Env, _ref as claim_ref, claim, run, store_claim
 
 
 @pytest.fixture
@@ -231,6 +234,43 @@ def test_a_claim_of_the_longest_valid_names_is_prepared_and_unprepared(env):
             assert os.listdir(e.settings.cdi_dir) == [] and not os.path.exists(mount["hostPath"])
             assert os.listdir(os.path.join(e.settings.plugin_dir, "dra-device-metadata")) == []
     run(main())
+
+
+ODD = st.text(alphabet="ab-./\\\x00\u00fc0 ", max_size=6) | st.sampled_from(["", "..", "default", "g0", "a" * 254])
+
+
+def test_any_mix_of_references_is_answered_claim_by_claim(env):
+    """Any call, mixing good references with odd text, repeats, a good claim's UID under another
+    name and a good name under another UID, is answered for every UID asked: a good one (asked
+    under one name) prepared and then unprepared, every other one its own error; nothing is left."""
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(env.__aenter__())
+    good = [claim_ref(store_claim(env.settings, claim(f"g{i}", [("r", d)]))) for i, d in enumerate(("gpu-0000-1b-00-0", "gpu-0000-1c-00-0"))]
+    good.append(claim_ref(store_claim(env.settings, claim("f", [("r", "x")], driver="other.example.com"))))
+    ref = st.one_of(st.sampled_from(good), st.tuples(ODD, ODD, ODD | st.sampled_from([g[2] for g in good])),
+                    st.builds(lambda g, name: (g[0], name, g[2]), st.sampled_from(good), st.sampled_from(["g0", "f", "zz"])),
+                    st.builds(lambda g, uid: (g[0], g[1], uid), st.sampled_from(good), st.sampled_from([g[2] for g in good])))
+
+    @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.lists(ref, min_size=1, max_size=6))
+    def check(refs):
+        asked: dict[str, set] = {}
+        for ns, name, uid in refs:
+            asked.setdefault(uid, set()).add((ns, name, uid))
+        ok = {uid for uid, names in asked.items() if len(names) == 1 and next(iter(names)) in good}
+        prepared = loop.run_until_complete(env.kubelet.prepare(*refs)).claims
+        assert set(prepared) == set(asked)
+        assert {uid for uid, r in prepared.items() if not r.error} == ok, {u: r.error for u, r in prepared.items()}
+        unprepared = loop.run_until_complete(env.kubelet.unprepare(*refs)).claims
+        assert set(unprepared) == set(asked) and not any(unprepared[uid].error for uid in ok)
+        assert Checkpoint.load(env.driver.checkpoint_path, move_corrupt=False).claims == {}
+        assert os.listdir(env.settings.cdi_dir) == []
+
+    try:
+        check()
+    finally:
+        loop.run_until_complete(env.__aexit__(None, None, None))
+        loop.close()
 
 
 def test_oversize_request(env):
