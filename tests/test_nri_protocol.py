@@ -12,8 +12,10 @@ import os
 import struct
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from agent.nri.plugin import NriPlugin, event_mask
+from agent.nri.plugin import PKG, NriPlugin, event_mask
 from agent.nri.ttrpc import MSG_HEADER, MUX_HEADER, UNIMPLEMENTED, CallError, Endpoint, ProtocolError
 from agent.protos import nri_v1alpha1_pb2 as api
 from agent.protos import ttrpc_wire_pb2 as wire
@@ -239,5 +241,67 @@ def test_long_answers_go_in_frames_the_runtimes_reader_takes():
         assert (sid, kind, length) == (1, 2, len(stream) - MSG_HEADER.size)
         answer = wire.Response.FromString(stream[MSG_HEADER.size:])
         assert answer.status.code == 2 and answer.status.message == "netdev refused; " * 600
+
+    run(body())
+
+
+GOOD = [api.RunPodSandboxRequest(pod=sandbox("p")).SerializeToString(), api.SynchronizeRequest(pods=[sandbox("a")]).SerializeToString(),
+        api.StateChangeEvent(event=api.RUN_POD_SANDBOX, pod=sandbox("q")).SerializeToString()]
+METHODS = ("Configure", "Synchronize", "Shutdown", "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "CreateContainer",
+           "StateChange", "UpdateContainer")
+PAYLOAD = st.sampled_from(GOOD) | st.binary(max_size=40) | st.builds(  # a good message with bytes put in anywhere
+    lambda good, at, junk: good[:at] + junk + good[at:], st.sampled_from(GOOD), st.integers(0, 80), st.binary(min_size=1, max_size=6))
+REQUEST = st.tuples(st.just("request"), st.sampled_from((1, 1, 2)), st.integers(0, 2**32 - 1), st.sampled_from(METHODS), PAYLOAD,
+                    st.sampled_from((0, -1, 1, 10**9, 2**63 - 1)), st.integers(0, 255))
+STRAY = st.tuples(st.just("answer"), st.just(1), st.integers(0, 9), st.binary(max_size=20))  # for no call of ours
+
+
+def _bytes(msg) -> bytes:
+    if msg[0] == "answer":
+        return MSG_HEADER.pack(len(msg[3]), msg[2], 2, 0) + msg[3]
+    _, _, stream, method, payload, timeout, flags = msg
+    data = wire.Request(service=f"{PKG}.Plugin", method=method, payload=payload, timeout_nano=timeout).SerializeToString()
+    return MSG_HEADER.pack(len(data), stream, 1, flags) + data
+
+
+def _answers(sent: bytes) -> list[tuple[int, int]]:
+    """(conn, stream) of each answer written, its envelope a Response."""
+    streams: dict[int, bytearray] = {}
+    at = 0
+    while at < len(sent):
+        cid, size = MUX_HEADER.unpack_from(sent, at)
+        streams.setdefault(cid, bytearray()).extend(sent[at + MUX_HEADER.size:at + MUX_HEADER.size + size])
+        at += MUX_HEADER.size + size
+    out = []
+    for cid, data in streams.items():
+        while data:
+            length, stream, kind, _ = MSG_HEADER.unpack_from(data)
+            assert kind == 2
+            wire.Response.FromString(bytes(data[MSG_HEADER.size:MSG_HEADER.size + length]))
+            out.append((cid, stream))
+            del data[:MSG_HEADER.size + length]
+    return sorted(out)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(REQUEST | STRAY, min_size=1, max_size=5), st.integers(1, 64))
+def test_any_request_in_any_frames_is_answered_once(messages, frame):
+    """Requests for any method (served or not), payloads good, garbled or none, any timeout, flags
+    and stream ids (reused too), stray answers, each conn's bytes cut into frames of any size: the
+    plugin answers each request once, on its conn and stream, and serves on until the runtime
+    closes. Nothing the runtime sends in frames it may send fails the plugin's side."""
+    async def body():
+        reader, sent = asyncio.StreamReader(), bytearray()
+        ep = Endpoint(reader, CollectingWriter(sent), NriPlugin("/nowhere", Recorder())._services())
+        for msg in messages:
+            data = _bytes(msg)
+            for at in range(0, len(data), frame):
+                reader.feed_data(MUX_HEADER.pack(msg[1], len(data[at:at + frame])) + data[at:at + frame])
+        serving = asyncio.get_running_loop().create_task(ep.serve())
+        while len(_answers(bytes(sent))) < sum(m[0] == "request" for m in messages):
+            await asyncio.sleep(0.001)
+        reader.feed_eof()
+        await serving  # ends when the runtime closes, no ProtocolError
+        assert _answers(bytes(sent)) == sorted((m[1], m[2]) for m in messages if m[0] == "request")
 
     run(body())
