@@ -131,7 +131,7 @@ def removed(path: str, uid: str, foreign: Foreign) -> None:
               "newer version's: see that version's docs)", uid, path, foreign.fields)
 
 
-def again_refusal(foreign: Foreign, entry: dict, fingerprint: str, claim: dict) -> str | None:
+def again_refusal(foreign: Foreign, entry: dict, same_allocation: bool, claim: dict) -> str | None:
     """Why a prepare of a claim whose entry is foreign is refused, or None: it is answered as for a
     prepared claim where the known part says prepared, of this allocation, and the answer changes
     nothing in the entry (which this agent cannot write without the unknown fields)."""
@@ -139,7 +139,7 @@ def again_refusal(foreign: Foreign, entry: dict, fingerprint: str, claim: dict) 
 
     if entry["state"] != COMPLETED:
         what = "its prepare was interrupted"
-    elif entry.get("allocation") != fingerprint:
+    elif not same_allocation:
         what = "its allocation changed"
     elif entry.get("netdevs") and reserved_pods(claim) != entry.get("pods"):
         what = "the pods it is reserved for changed"

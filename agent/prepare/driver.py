@@ -215,11 +215,12 @@ class Driver:
         uid = meta["uid"]
         raw, results = our_results(claim, self.settings.driver_name)
         configs = opaque_configs(claim, self.settings.driver_name)
-        fp = planner.fingerprint(raw)
+        fp = planner.fingerprint(results)
         entry = cp.claims.get(uid)
-        if uid in cp.foreign and (why := again_refusal(cp.foreign[uid], entry, fp, claim)):  # a newer sysdra's entry
+        same = entry is not None and planner.same_allocation(entry, raw, results)
+        if uid in cp.foreign and (why := again_refusal(cp.foreign[uid], entry, same, claim)):  # a newer sysdra's entry
             raise ClaimFailed(why)
-        if entry and entry["state"] == COMPLETED and entry.get("allocation") == fp:
+        if entry and entry["state"] == COMPLETED and same:
             call.out[uid] = self._again(cp, call, uid, entry, claim)
             return
         owners = call.owners = call.owners or Ownership.of(cp.claims, self.holds)

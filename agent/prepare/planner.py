@@ -26,8 +26,26 @@ from discovery import gpuways
 from discovery.models import Device
 
 
-def fingerprint(results: list[dict]) -> str:
-    return "sha256:" + hashlib.sha256(json.dumps(results, sort_keys=True).encode()).hexdigest()
+def fingerprint(results: list[Result]) -> str:
+    """The allocation as far as prepare acts on it: each result's request, device, share, consumed
+    capacity and admin access. Not the raw results: a field the API server adds or defaults after
+    an upgrade (the kubelet prepares running claims again when it restarts) must not read as another
+    allocation, whose re-prepare would undo the running claim's host changes first."""
+    acted_on = [[r.request, r.pool, r.device, r.share_id, [list(c) for c in r.consumed], r.admin] for r in results]
+    return "sha256:" + hashlib.sha256(json.dumps(acted_on).encode()).hexdigest()
+
+
+def same_allocation(entry: dict, raw: list[dict], results: list[Result]) -> bool:
+    """Whether ``entry`` was prepared for this allocation. Entries of sysdra 0.1.0 builds before the
+    fingerprint above hold the hash of the raw results, which stays accepted."""
+    recorded = entry.get("allocation")
+    if recorded == fingerprint(results):
+        return True
+    try:
+        legacy = "sha256:" + hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+    except (RecursionError, ValueError):  # a result nested too deep to hash was never recorded so
+        return False
+    return recorded == legacy
 
 
 def device_from_record(d: dict) -> PreparedDevice:
