@@ -24,6 +24,8 @@ from agent.kubeletplugin import KubeletPlugin
 from agent.kubeletplugin.claims import DirClaimSource, KubeClaimSource
 from agent.kubeletplugin.service import GAVE_UP as GAVE_UP_ERROR
 from agent.kubeletplugin.service import SerializeLock
+from agent.kubeletplugin.sockets import registration_socket_path
+from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.driver import Driver
 from tests.controlplane import unique, wait_until
 from tests.kubelet_standin import (
@@ -319,3 +321,61 @@ def test_a_claims_status_is_not_written_after_its_unprepare_released_it(tmp_path
             go.set()
             await plugin.stop()
     asyncio.run(main())
+
+
+def test_a_prepare_in_the_old_instance_overtaken_by_the_unprepare_in_the_new_one_prepares_nothing(tmp_path, caplog):
+    """A rolling update: the old instance's prepare of a claim began (its read slow); the kubelet,
+    its cancel not seen there yet, sends the claim's unprepare to the new instance, which succeeds
+    (nothing of it yet). The old one must not prepare it after that: no unprepare would come, the
+    claim would stay prepared with its devices held."""
+    caplog.set_level(logging.WARNING, logger="agent.kubeletplugin.service")
+    old, new = settings_for(str(tmp_path), rolling_update_uid="old"), settings_for(str(tmp_path), rolling_update_uid="new")
+    source = HeldReads(old.cluster_dir, "c")
+    plugins = [KubeletPlugin(old, Driver(old, lambda: inventory(gpu(0))), source),
+               KubeletPlugin(new, Driver(new, lambda: inventory(gpu(0))), DirClaimSource(new.cluster_dir))]
+
+    async def main():
+        for p in plugins:
+            await p.start()
+        try:
+            kubelets = [KubeletStandIn(old.registry_dir), KubeletStandIn(new.registry_dir)]
+            for k, s in zip(kubelets, (old, new)):
+                await k.register(registration_socket_path(s))
+            c = store_claim(old, claim("c", [("r", "gpu-0000-1b-00-0")]))
+            uid = c["metadata"]["uid"]
+            preparing = asyncio.ensure_future(kubelets[0].prepare(c))
+            assert await asyncio.to_thread(source.reading.wait, 30)
+            assert (await kubelets[1].unprepare(c)).claims[uid].error == ""  # unknown yet: succeeds
+            source.release.set()
+            assert "unprepared after this prepare began" in (await preparing).claims[uid].error
+            assert not os.path.exists(_spec(old, uid))
+            assert uid not in Checkpoint.load(os.path.join(old.plugin_dir, "checkpoint.json"), move_corrupt=False).claims
+            assert (await kubelets[1].prepare(c)).claims[uid].error == ""  # a new pod's prepare is not stale
+        finally:
+            source.release.set()
+            for p in plugins:
+                await p.stop()
+    asyncio.run(main())
+
+
+def test_unprepare_marks_from_a_damaged_file_or_another_boot_count_as_none(tmp_path, caplog):
+    """The marks file is the other instance's writing: damaged, it is said once and replaced at the
+    next unprepare; another boot's marks (a clock begun anew) and marks of no time are not used."""
+    import json
+    import time
+
+    from agent.kubeletplugin.unprepared import FILE, SharedMarks
+
+    path, began = tmp_path / FILE, time.monotonic()
+    marks = SharedMarks(str(tmp_path), "boot-1")
+    for damaged in (b"\xff{", b"[1]", b'{"marks": 1}'):
+        path.write_bytes(damaged)
+        assert marks.after(["a"], began - 1) == set() and marks.after(["a"], began - 1) == set()
+    assert caplog.text.count("cannot be read") == 3
+    path.write_text(json.dumps({"bootID": "boot-0", "marks": {"a": began}}))
+    assert marks.after(["a"], began - 1) == set()
+    path.write_text(json.dumps({"bootID": "boot-1", "marks": {"a": True, "b": "1", "c": 1e300, "d": began}}))
+    assert marks.after(["a", "b", "c", "d"], began - 1) == {"d"}
+    path.write_bytes(b"\xff{")
+    marks.record(["e"])
+    assert marks.after(["d", "e"], began - 1) == {"e"} and marks.after(["e"], time.monotonic()) == set()

@@ -27,6 +27,7 @@ import grpc
 from agent.kubeletplugin.claimcheck import check_claim, check_ref
 from agent.kubeletplugin.claims import ClaimError, ClaimSource
 from agent.kubeletplugin.types import ClaimRef, DriverProtocol, PrepareResult, base_request
+from agent.kubeletplugin.unprepared import SharedMarks
 from agent.protos import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class Prepare:
         self._seq = 0
         self._running: set[int] = set()
         self._unprepared: dict[str, int] = {}
+        # the same marks for the other instance of a rolling update, and its marks for us
+        self._shared = SharedMarks(os.path.dirname(lock.path))
 
     def close(self) -> None:
         self._threads.shutdown(wait=False)  # a call still running finishes in its thread
@@ -171,7 +174,7 @@ class Prepare:
             seq = self._seq
             self._running.add(seq)
         try:
-            return self._read_and_prepare(refs, gone, seq)
+            return self._read_and_prepare(refs, gone, (seq, time.monotonic()))
         finally:
             with self._book:
                 self._running.discard(seq)
@@ -179,7 +182,8 @@ class Prepare:
                     oldest = min(self._running, default=self._seq + 1)
                     self._unprepared = {u: s for u, s in self._unprepared.items() if s > oldest}
 
-    def _read_and_prepare(self, refs: list[ClaimRef], gone: threading.Event, seq: int) -> dict[str, PrepareResult]:
+    def _read_and_prepare(self, refs: list[ClaimRef], gone: threading.Event,
+                          seq: tuple[int, float]) -> dict[str, PrepareResult]:
         out: dict[str, PrepareResult] = {}
         claims, by_uid = [], {r.uid: r for r in refs}
         for ref, got in zip(refs, self._read(refs)):
@@ -215,13 +219,14 @@ class Prepare:
                 self.status.submit(by_uid[uid], res.status, seen=c)
         return out
 
-    def _prepare_claims_locked(self, args: tuple[list[dict], threading.Event, int]) -> dict[str, PrepareResult]:
-        claims, gone, seq = args
+    def _prepare_claims_locked(self, args: tuple[list[dict], threading.Event, tuple[int, float]]) -> dict[str, PrepareResult]:
+        claims, gone, (seq, began) = args
         if gone.is_set():
             return {c["metadata"]["uid"]: PrepareResult(error="the kubelet gave up on this call: nothing prepared")
                     for c in claims}
         with self._book:
             stale = {c["metadata"]["uid"] for c in claims if self._unprepared.get(c["metadata"]["uid"], 0) > seq}
+        stale |= self._shared.after((c["metadata"]["uid"] for c in claims), began)  # the other instance's too
         out = {uid: PrepareResult(error=f"claim {uid} was unprepared after this prepare began: not prepared")
                for uid in stale}
         for uid in stale:
@@ -260,6 +265,7 @@ class Prepare:
                     self.status.release(ref)  # our entries go with the prepared devices
             return results
         finally:
+            self._shared.record(r.uid for r in refs)  # for the other instance of a rolling update
             with self._book:
                 if self._running:  # else no prepare began before it
                     self._seq += 1
