@@ -32,11 +32,15 @@ def sandbox(name: str, netns: str | None = "/run/netns/cni-1", uid: str | None =
 
 class Runtime:
     """Serves RegisterPlugin on the runtime connection, then configures and synchronizes the
-    plugin with ``batches`` of pods (all but the last with ``more``) on the plugin connection."""
+    plugin with ``batches`` of pods (all but the last with ``more``) on the plugin connection.
+    ``request_timeout`` (seconds): said in Configure, and :meth:`event`'s deadline, as containerd's
+    ``plugin_request_timeout`` (None: not said, 10 s)."""
 
-    def __init__(self, path: str, batches: tuple[tuple[api.PodSandbox, ...], ...] = ((), )):
+    def __init__(self, path: str, batches: tuple[tuple[api.PodSandbox, ...], ...] = ((), ),
+                 request_timeout: float | None = None):
         self.path = path
         self.batches = batches
+        self.request_timeout = request_timeout
         self.registered: asyncio.Queue = asyncio.Queue()
         self.endpoints: list[Endpoint] = []
 
@@ -63,8 +67,9 @@ class Runtime:
         await ep.serve()
 
     async def _after_register(self, ep: Endpoint, req):
-        cfg = await self.call(ep, "Configure", api.ConfigureRequest(runtime_name="test", runtime_version="1"),
-                              api.ConfigureResponse)
+        said = int(self.request_timeout * 1000) if self.request_timeout else 0
+        cfg = await self.call(ep, "Configure", api.ConfigureRequest(runtime_name="test", runtime_version="1",
+                                                                    request_timeout=said), api.ConfigureResponse)
         answers = []
         for i, pods in enumerate(self.batches):
             more = i < len(self.batches) - 1
@@ -75,6 +80,10 @@ class Runtime:
     @staticmethod
     async def call(ep: Endpoint, method: str, request, answer):
         return await ep.call(PLUGIN_CONN, f"{PKG}.Plugin", method, request, answer)
+
+    async def event(self, ep: Endpoint, method: str, request, answer):
+        """``call`` within the request timeout (TimeoutError past it: the runtime gave up)."""
+        return await ep.call(PLUGIN_CONN, f"{PKG}.Plugin", method, request, answer, timeout=self.request_timeout or 10.0)
 
 
 async def _one_pod(path: str, uid: str, netns: str) -> None:

@@ -1,5 +1,6 @@
 """The NRI netdev mover when things fail (agent/nri/netdev.py): a request the runtime gave up on,
-a sandbox whose move failed, a look every 10 s that fails. On the real kernel, as
+a sandbox whose move failed, a look every 10 s that fails, waits for the locks against the
+runtime's request timeout (tests/nri_standin.py plays the runtime). On the real kernel, as
 tests/test_nri_netdev.py (its namespaces and records). Root only.
 """
 
@@ -14,10 +15,15 @@ import threading
 
 import pytest
 
+from agent.nri.movelock import LOCK_TIMEOUT
 from agent.nri.netdev import NetdevError
+from agent.nri.plugin import NriPlugin
+from agent.nri.ttrpc import CallError
 from agent.prepare.metadata.update import Flock
+from agent.protos import nri_v1alpha1_pb2 as api
 from tests.controlplane import wait_until
-from tests.test_nri_netdev import mover, nets, pod, records, run, where, write_checkpoint  # noqa: F401 - fixtures
+from tests.nri_standin import Runtime, sandbox
+from tests.test_nri_netdev import POD_UID, mover, nets, pod, records, run, where, write_checkpoint  # noqa: F401 - fixtures
 
 
 def test_a_request_the_runtime_gave_up_on_moves_nothing(tmp_path, nets, caplog):
@@ -105,3 +111,78 @@ def test_the_look_every_10s_survives_an_os_error(tmp_path, nets, caplog):
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+async def _as_runtime(tmp_path, m, request_timeout: float, body):
+    """``body(start)`` with the plugin registered with a runtime whose request timeout is
+    ``request_timeout``; ``start(sandbox_id)`` is its RunPodSandbox of the claim's pod."""
+    path = str(tmp_path / "nri.sock")
+    runtime = Runtime(path, request_timeout=request_timeout)
+    await runtime.start()
+    task = asyncio.get_running_loop().create_task(NriPlugin(path, m).run())
+
+    def start(sandbox_id: str):
+        app = sandbox("app", m.test_netns, uid=POD_UID)
+        app.id = sandbox_id
+        return runtime.event(ep, "RunPodSandbox", api.RunPodSandboxRequest(pod=app), api.RunPodSandboxResponse)
+    try:
+        ep, *_ = await runtime.registered.get()
+        return await body(start)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runtime.stop()
+
+
+@pytest.mark.parametrize("request_timeout", [1.0, 2.0], ids=["1s", "2s-while-the-10s-look-waits"])
+def test_a_move_waiting_for_a_prepare_is_refused_within_the_runtimes_request_timeout(tmp_path, nets, request_timeout):
+    """A prepare holds the plugin's lock. The refusal must reach the runtime before its deadline:
+    past it containerd drops the plugin and (NRI before 0.12.5) runs the sandbox without its netdev.
+    With ``plugin_request_timeout = "1s"`` the lock wait alone (1.5 s) outlasted it; with the default
+    2 s, the thread lock (held by the 10 s look, itself waiting for the flock) and the flock were
+    waited for one after the other."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets)
+    m.test_netns = nets.pod
+    lock = str(tmp_path / "serialize.lock")
+
+    async def body(start):
+        await start("sb1")  # in the pod: the 10 s look has a record to look at
+        with Flock(lock, 1.0):  # a prepare
+            looking = asyncio.ensure_future(m.reconcile()) if request_timeout == 2.0 else None
+            if looking is not None:
+                await asyncio.to_thread(wait_until, m._lock.locked, 30, what="the look to hold the thread lock")
+            with pytest.raises(CallError, match="a prepare or unprepare holds it|another netdev move"):
+                await start("sb2")  # a TimeoutError: the runtime gave up first
+            if looking is not None:
+                with pytest.raises(Exception, match="timed out"):
+                    await looking
+        await start("sb1")  # the lock free: the running sandbox keeps it
+    run(_as_runtime(tmp_path, m, request_timeout, body))
+    assert where(nets) == (False, True)
+
+
+def test_a_runtime_with_a_longer_request_timeout_lets_the_move_wait_longer(tmp_path, nets):
+    """``plugin_request_timeout = "20s"``: a prepare holding the lock past the 1.5 s used when the
+    runtime says nothing does not fail the sandbox."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets)
+    m.test_netns = nets.pod
+    held, release = threading.Event(), threading.Event()
+
+    def prepare():
+        with Flock(str(tmp_path / "serialize.lock"), 1.0):
+            held.set()
+            release.wait(LOCK_TIMEOUT + 0.5)
+
+    async def body(start):
+        thread = threading.Thread(target=prepare)
+        thread.start()
+        try:
+            assert await asyncio.to_thread(held.wait, 30)
+            await start("sb1")
+        finally:
+            release.set()
+            await asyncio.to_thread(thread.join)
+    run(_as_runtime(tmp_path, m, 20.0, body))
+    assert where(nets) == (False, True) and records(tmp_path)[0]["sandbox"] == "sb1"

@@ -52,6 +52,9 @@ class Recorder:
             raise ValueError(f"{what} refused")
         self.seen.append((what, *args))
 
+    def configured(self, request_timeout):
+        self.seen.append(("configured", request_timeout))
+
     async def synchronized(self, pods):
         await self._add("sync", sorted(p.name for p in pods))
 
@@ -98,7 +101,7 @@ def test_registers_subscribes_synchronizes_and_gets_pod_events(tmp_path):
                 ("StopPodSandbox", api.StopPodSandboxRequest(pod=sandbox("p")), api.StopPodSandboxResponse),
                 ("RemovePodSandbox", api.RemovePodSandboxRequest(pod=sandbox("p", None)), api.RemovePodSandboxResponse)):
             await runtime.call(ep, method, request, answer)
-        assert events.seen == [("sync", ["a", "b"]), ("run", "p", "/run/netns/cni-1"), ("create", "p", "c"),
+        assert events.seen == [("configured", None), ("sync", ["a", "b"]), ("run", "p", "/run/netns/cni-1"), ("create", "p", "c"),
                                ("stop", "p"), ("remove", "p")]
         assert plugin.state.runtime == "test 1" and plugin.state.events["RunPodSandbox"] == 1
 
@@ -202,7 +205,7 @@ def test_pod_events_over_state_change_as_nri_before_0_12_sends_them(tmp_path):
         await plugin.wait_for(lambda s: s.synchronized)
         for event in (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX):
             await runtime.call(ep, "StateChange", api.StateChangeEvent(event=event, pod=sandbox("p")), api.Empty)
-        assert events.seen[1:] == [("run", "p", "/run/netns/cni-1"), ("stop", "p"), ("remove", "p")]
+        assert events.seen[2:] == [("run", "p", "/run/netns/cni-1"), ("stop", "p"), ("remove", "p")]
         assert plugin.state.events["RunPodSandbox"] == 1
         with pytest.raises(CallError, match="status 2: run refused"):  # the runtime fails the sandbox
             events.fail_on = "run"

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
+from agent.nri.movelock import LOCK_TIMEOUT, MoveLock
 from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
@@ -37,12 +38,11 @@ from agent.prepare.ipam import Ipam, IpamError
 from agent.prepare.checkpoint import Checkpoint, CheckpointError
 from agent.prepare.checkpoint_format import COMPLETED
 from agent.prepare.checkpoint_view import CheckpointView
-from agent.prepare.metadata.update import Flock, UpdateError
+from agent.prepare.metadata.update import UpdateError
 from agent.prepare.records import NetdevMove
 
 log = logging.getLogger(__name__)
 RECONCILE_INTERVAL = 10.0  # seconds between looks for pod namespaces gone unannounced
-LOCK_TIMEOUT = 1.5  # seconds: containerd waits 2 s for a plugin's answer
 
 
 class NetdevError(Refusal):
@@ -94,18 +94,18 @@ class NetdevMover(Sandboxes):
         self.allow_host_in_use = bool(settings is not None and settings.allow_host_in_use_nics)
         self.ipam = Ipam.of(settings) if settings is not None else None  # the node's IPAM pools (NicConfig ipamPool)
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
-        self.lock_path = os.path.join(plugin_dir, "serialize.lock")
         self.host_netns, self.settings, self.status = host_netns, settings, status
-        self.lock_timeout = lock_timeout
-        # one thread at a time in here (a request cancelled when the runtime goes away leaves its
-        # thread running), then the plugin's flock against prepare and unprepare
-        self._lock = threading.Lock()
+        self.locks = MoveLock(os.path.join(plugin_dir, "serialize.lock"), lock_timeout)  # within the runtime's deadline
+        self._lock = self.locks.thread
         self.fault = fault  # tests: a crash between steps
         self._view = CheckpointView(self.checkpoint_path, saved)  # the look without the plugin's lock
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
         self.repair, self.on_saved = repair, on_saved
 
     # --- events --------------------------------------------------------------
+    def configured(self, request_timeout: float | None) -> None:
+        self.locks.follow(request_timeout)
+
     async def synchronized(self, pods: list[Pod]) -> None:
         await super().synchronized(pods)
         self._report(await self._run(self._recover, {p.id for p in pods}))  # moves completed: their pods' view
@@ -169,23 +169,17 @@ class NetdevMover(Sandboxes):
 
     # --- work (worker threads, holding the locks) ---------------------------------
     def _locked(self, work, *args, gave_up: threading.Event | None = None):
-        # bounded as the flock is: threads of requests the runtime gave up on never pile up here
-        if not self._lock.acquire(timeout=self.lock_timeout):
-            raise UpdateError(f"timed out after {self.lock_timeout:.0f}s waiting for another netdev move")
-        try:
-            with Flock(self.lock_path, self.lock_timeout):
-                claims = _Claims(self._load())  # a damaged checkpoint is repaired here, whoever gave up
-                if gave_up is not None and gave_up.is_set():  # its sandbox failed: a move would go into a dying netns
-                    log.info("netdev records not touched: the runtime gave up on the request (its deadline passed)")
-                    return None
-                try:
-                    return work(claims, *args)
-                finally:
-                    claims.save()  # what was done before a failure stays recorded
-                    if claims.saved and self.on_saved is not None:
-                        self.on_saved(dict(claims.cp.claims))
-        finally:
-            self._lock.release()
+        with self.locks.held():
+            claims = _Claims(self._load())  # a damaged checkpoint is repaired here, whoever gave up
+            if gave_up is not None and gave_up.is_set():  # its sandbox failed: a move would go into a dying netns
+                log.info("netdev records not touched: the runtime gave up on the request (its deadline passed)")
+                return None
+            try:
+                return work(claims, *args)
+            finally:
+                claims.save()  # what was done before a failure stays recorded
+                if claims.saved and self.on_saved is not None:
+                    self.on_saved(dict(claims.cp.claims))
 
     def _load(self) -> Checkpoint:
         """The checkpoint, under the locks. Files that cannot be read (damaged) are repaired by the

@@ -66,6 +66,8 @@ class PodEvents(Protocol):
     """What the plugin reports. An exception fails the runtime's request (the pod sandbox
     or container is not created): the failure policy asks for that."""
 
+    def configured(self, request_timeout: float | None) -> None:
+        """The runtime's deadline for each request, in seconds (None: it did not say)."""
     async def synchronized(self, pods: list[Pod]) -> None: ...
     async def pod_started(self, pod: Pod) -> None: ...
     async def pod_stopped(self, pod: Pod) -> None: ...
@@ -211,7 +213,10 @@ class NriPlugin:
 
     async def _configure(self, req: api.ConfigureRequest) -> api.ConfigureResponse:
         await self._note(runtime=f"{req.runtime_name} {req.runtime_version}".strip())
-        log.info("NRI: configured by %s (NRI %s)", self.state.runtime, req.NRI_version or "unknown")
+        timeout = req.request_timeout / 1000 if req.request_timeout > 0 else None  # milliseconds on the wire
+        log.info("NRI: configured by %s (NRI %s, request timeout %s)", self.state.runtime, req.NRI_version or "unknown",
+                 f"{timeout:g} s" if timeout else "not said")
+        self._events.configured(timeout)  # the events' waits end before the runtime's deadline
         policy = api.FailurePolicy(fail_request=self._fail_request)
         return api.ConfigureResponse(events=event_mask(EVENTS), failure_policy=policy)
 

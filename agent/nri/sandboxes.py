@@ -16,6 +16,9 @@ class Sandboxes:
     def __init__(self) -> None:
         self.pods: dict[str, Pod] = {}
 
+    def configured(self, request_timeout: float | None) -> None:
+        pass
+
     async def synchronized(self, pods: list[Pod]) -> None:
         self.pods = {p.id: p for p in pods}
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 CNI_VERSION = "1.0.0"
 # seconds a plugin may take: it runs holding the netdev records' lock, which every pod with a
-# netdev waits for (agent/nri/netdev.py LOCK_TIMEOUT); the runtime gives up on the sandbox after ~2 s anyway
+# netdev waits for (agent/nri/movelock.py); the runtime gives up on the sandbox after ~2 s anyway
 TIMEOUT = 10.0
 _DEFAULT = {4: "0.0.0.0/0", 6: "::/0"}
 
