@@ -49,6 +49,7 @@ class RealNode:
     image: str = BUSYBOX
     procs: dict = field(default_factory=dict)
     holder: subprocess.Popen | None = None
+    nri_request_timeout: str = "2s"  # containerd's plugin_request_timeout (its default)
 
     def __post_init__(self):
         self.dir = os.path.abspath(self.dir)
@@ -135,7 +136,7 @@ class RealNode:
 
     def _start_containerd(self, binaries: dict, timeout: float) -> None:
         cdir = os.path.dirname(self.socket)
-        config = containerd_config(cdir, self.cdi_dir, self.socket, self.bridge)
+        config = containerd_config(cdir, self.cdi_dir, self.socket, self.bridge, self.nri_request_timeout)
         path = os.path.dirname(binaries["containerd-shim-runc-v2"]) + ":" + os.environ.get("PATH", "")
         proc = self._spawn("containerd", [*self.enter, binaries["containerd"], "--config", config],
                            env=dict(os.environ, PATH=path))  # fmt: skip

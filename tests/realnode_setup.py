@@ -108,10 +108,11 @@ def write_images(path: str, busybox: str) -> list[str]:
 
 
 # --- containerd -----------------------------------------------------------------------------
-def containerd_config(dir_: str, cdi_dir: str, socket: str, bridge: str) -> str:
+def containerd_config(dir_: str, cdi_dir: str, socket: str, bridge: str, nri_request_timeout: str = "2s") -> str:
     """containerd 2.x (config version 3): everything under ``dir_``; no plugin that writes to
     fixed host paths (opt); NRI's socket under ``dir_`` (the agent's NRI plugin connects there,
-    no plugins started by containerd); CDI from the agent's CDI dir; the sandbox image pinned."""
+    no plugins started by containerd, each request answered within ``nri_request_timeout``); CDI
+    from the agent's CDI dir; the sandbox image pinned."""
     cni = os.path.join(dir_, "cni")
     os.makedirs(cni, exist_ok=True)
     with open(os.path.join(cni, "10-bridge.conflist"), "w") as f:
@@ -141,6 +142,7 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.internal.v1.
   socket_path = '{dir_}/nri/nri.sock'
   plugin_path = '{dir_}/nri/plugins'
   plugin_config_path = '{dir_}/nri/conf.d'
+  plugin_request_timeout = '{nri_request_timeout}'
 
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = '{PAUSE}'

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -256,6 +257,59 @@ def test_a_damaged_checkpoint_under_a_pod_with_a_netdev_blocks_no_other_pod(real
     assert aside
     for name in aside:  # the node's leftover check: nothing of a test stays
         os.unlink(os.path.join(os.path.dirname(path), name))
+
+
+def _restart_containerd(node: RealNode, request_timeout: str) -> None:
+    """containerd again with ``plugin_request_timeout = request_timeout``; the agent synchronized."""
+    synced = agent_count(node, "NRI: synchronized with")
+    node.stop_process("containerd")
+    node.nri_request_timeout = request_timeout
+    node._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
+    wait(lambda: agent_count(node, "NRI: synchronized with") > synced, "the NRI plugin synchronized", node, log="agent")
+
+
+def test_a_move_waiting_for_the_lock_answers_within_containerds_request_timeout(realnode, veth):
+    """containerd with ``plugin_request_timeout = "1s"``, and the plugin's lock held (a prepare of
+    another claim) from the pod's prepare until its sandbox's RunPodSandbox was answered. The agent
+    must refuse the sandbox before containerd's deadline: past it, containerd v2.4.2 (NRI 0.12.3)
+    drops the plugin and runs the sandbox anyway, and the pod ran without its netdev for good. The
+    kubelet's next sandbox of the pod gets it."""
+    from agent.prepare import rtnl
+    from agent.prepare.checkpoint import Checkpoint
+    from agent.prepare.metadata.update import Flock
+
+    plugin_dir = os.path.join(realnode.kubelet_dir, "plugins", DRIVER)
+    lock = os.path.join(plugin_dir, "serialize.lock")
+    refused, done = agent_count(realnode, "netdev records cannot be used now"), threading.Event()
+
+    def prepared() -> set[str]:
+        try:
+            return set(Checkpoint.load(os.path.join(plugin_dir, "checkpoint.json"), move_corrupt=False).claims)
+        except ValueError:  # read while a save appends: looked at again
+            return set()
+    before = prepared()
+
+    def hold_after_prepare():
+        while not (prepared() - before) and not done.wait(0.01):
+            pass  # the pod's claim prepared (saved under the lock the prepare still holds)
+        with Flock(lock, 60):  # the sandbox's RunPodSandbox comes after the prepare released it
+            while agent_count(realnode, "netdev records cannot be used now") == refused and not done.wait(0.05):
+                pass
+
+    _restart_containerd(realnode, "1s")
+    holder = threading.Thread(target=hold_after_prepare)
+    holder.start()
+    try:
+        ns = nic_pod(realnode, "ip -o link show data0", CONFIG)
+        lines = running_log(realnode, ns, "app")
+        assert any(re.match(r"\d+: data0[@:]", line) for line in lines), lines  # not "Device "data0" does not exist"
+        assert agent_count(realnode, "netdev records cannot be used now") > refused
+        delete_pod(realnode, ns, "app")
+        wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+    finally:
+        done.set()
+        holder.join()
+        _restart_containerd(realnode, "2s")
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):
