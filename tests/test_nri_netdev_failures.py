@@ -19,7 +19,7 @@ from agent.nri.movelock import LOCK_TIMEOUT
 from agent.nri.netdev import NetdevError
 from agent.nri.plugin import NriPlugin
 from agent.nri.ttrpc import CallError
-from agent.prepare.metadata.update import Flock
+from agent.prepare.metadata.update import Flock, UpdateError
 from agent.protos import nri_v1alpha1_pb2 as api
 from tests.controlplane import wait_until
 from tests.nri_standin import Runtime, sandbox
@@ -186,3 +186,20 @@ def test_a_runtime_with_a_longer_request_timeout_lets_the_move_wait_longer(tmp_p
             await asyncio.to_thread(thread.join)
     run(_as_runtime(tmp_path, m, 20.0, body))
     assert where(nets) == (False, True) and records(tmp_path)[0]["sandbox"] == "sb1"
+
+
+def test_a_synchronize_while_a_prepare_holds_the_lock_is_answered_and_finished_by_the_next_look(tmp_path, nets, caplog):
+    """containerd restarted during a long prepare: its Synchronize cannot have the lock. Refused, it
+    made containerd close the plugin at every attempt (pods started meanwhile never got their
+    netdevs); answered, the sandbox gone meanwhile gives its netdev back at the next look."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    m = mover(tmp_path, nets, lock_timeout=0.2)
+    run(m.pod_started(pod(nets)))
+    with Flock(str(tmp_path / "serialize.lock"), 1.0):  # a prepare
+        run(m.synchronized([]))  # sb1 is gone
+        assert where(nets) == (False, True) and "finished later" in caplog.text
+        with pytest.raises(UpdateError, match="a prepare or unprepare holds it"):  # the look every 10 s: logged
+            run(m.reconcile())
+    run(m.reconcile())
+    assert where(nets) == (True, False) and records(tmp_path)[0].get("state", "planned") == "planned"
+    run(m.reconcile())  # done once

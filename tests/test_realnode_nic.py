@@ -268,19 +268,17 @@ def _restart_containerd(node: RealNode, request_timeout: str) -> None:
     wait(lambda: agent_count(node, "NRI: synchronized with") > synced, "the NRI plugin synchronized", node, log="agent")
 
 
-def test_a_move_waiting_for_the_lock_answers_within_containerds_request_timeout(realnode, veth):
-    """containerd with ``plugin_request_timeout = "1s"``, and the plugin's lock held (a prepare of
-    another claim) from the pod's prepare until its sandbox's RunPodSandbox was answered. The agent
-    must refuse the sandbox before containerd's deadline: past it, containerd v2.4.2 (NRI 0.12.3)
-    drops the plugin and runs the sandbox anyway, and the pod ran without its netdev for good. The
-    kubelet's next sandbox of the pod gets it."""
-    from agent.prepare import rtnl
+REFUSED = "netdev records cannot be used now"  # the agent's refusal of a sandbox while the lock is held
+
+
+def hold_lock_after_prepare(node: RealNode, until) -> tuple[threading.Thread, threading.Event]:
+    """A thread taking the plugin's lock as a prepare of another claim would, right after the next
+    claim's prepare (its RunPodSandbox follows), held until ``until()`` or the event is set."""
     from agent.prepare.checkpoint import Checkpoint
     from agent.prepare.metadata.update import Flock
 
-    plugin_dir = os.path.join(realnode.kubelet_dir, "plugins", DRIVER)
-    lock = os.path.join(plugin_dir, "serialize.lock")
-    refused, done = agent_count(realnode, "netdev records cannot be used now"), threading.Event()
+    plugin_dir = os.path.join(node.kubelet_dir, "plugins", DRIVER)
+    done = threading.Event()
 
     def prepared() -> set[str]:
         try:
@@ -289,27 +287,68 @@ def test_a_move_waiting_for_the_lock_answers_within_containerds_request_timeout(
             return set()
     before = prepared()
 
-    def hold_after_prepare():
+    def hold():
         while not (prepared() - before) and not done.wait(0.01):
             pass  # the pod's claim prepared (saved under the lock the prepare still holds)
-        with Flock(lock, 60):  # the sandbox's RunPodSandbox comes after the prepare released it
-            while agent_count(realnode, "netdev records cannot be used now") == refused and not done.wait(0.05):
+        with Flock(os.path.join(plugin_dir, "serialize.lock"), 60):
+            while not until() and not done.wait(0.05):
                 pass
+    thread = threading.Thread(target=hold)
+    thread.start()
+    return thread, done
 
+
+def test_a_move_waiting_for_the_lock_answers_within_containerds_request_timeout(realnode, veth):
+    """containerd with ``plugin_request_timeout = "1s"``, and the plugin's lock held (a prepare of
+    another claim) from the pod's prepare until its sandbox's RunPodSandbox was answered. The agent
+    must refuse the sandbox before containerd's deadline: past it, containerd v2.4.2 (NRI 0.12.3)
+    drops the plugin and runs the sandbox anyway, and the pod ran without its netdev for good. The
+    kubelet's next sandbox of the pod gets it."""
+    from agent.prepare import rtnl
+
+    refused = agent_count(realnode, REFUSED)
     _restart_containerd(realnode, "1s")
-    holder = threading.Thread(target=hold_after_prepare)
-    holder.start()
+    holder, done = hold_lock_after_prepare(realnode, lambda: agent_count(realnode, REFUSED) > refused)
     try:
         ns = nic_pod(realnode, "ip -o link show data0", CONFIG)
         lines = running_log(realnode, ns, "app")
         assert any(re.match(r"\d+: data0[@:]", line) for line in lines), lines  # not "Device "data0" does not exist"
-        assert agent_count(realnode, "netdev records cannot be used now") > refused
+        assert agent_count(realnode, REFUSED) > refused
         delete_pod(realnode, ns, "app")
         wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
     finally:
         done.set()
         holder.join()
         _restart_containerd(realnode, "2s")
+
+
+def test_containerd_restarted_while_a_prepare_holds_the_lock_keeps_the_plugin_registered(realnode, veth):
+    """containerd restarted while the plugin's lock is held (a prepare that takes seconds: a MIG or
+    partition change) and a pod with a netdev waits for its sandbox. The plugin's Synchronize must
+    not fail on the lock: containerd closes a plugin whose Synchronize failed, at every attempt
+    while the lock is held, and runs the pod's next sandbox without it: the pod without its netdev
+    for good. Registered, the sandbox is refused until the lock is free, then gets the netdev."""
+    from agent.prepare import rtnl
+
+    refused, later, box = agent_count(realnode, REFUSED), agent_count(realnode, "finished later"), {}
+
+    def running_or_refused_again() -> bool:  # the kubelet's next sandbox of the pod came
+        pod = realnode.plane.get("Pod", "app", box["ns"]) if "ns" in box else {}
+        return pod.get("status", {}).get("phase") == "Running" or agent_count(realnode, REFUSED) > refused + 1
+
+    holder, done = hold_lock_after_prepare(realnode, running_or_refused_again)
+    try:
+        box["ns"] = ns = nic_pod(realnode, "ip -o link show data0", CONFIG)
+        wait(lambda: agent_count(realnode, REFUSED) > refused, "the pod's sandbox refused", realnode, log="agent")
+        _restart_containerd(realnode, "2s")
+        assert agent_count(realnode, "finished later") > later  # synchronized while the lock was held
+        lines = running_log(realnode, ns, "app")
+        assert any(re.match(r"\d+: data0[@:]", line) for line in lines), lines  # not "Device "data0" does not exist"
+        delete_pod(realnode, ns, "app")
+        wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
+    finally:
+        done.set()
+        holder.join()
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):

@@ -101,6 +101,7 @@ class NetdevMover(Sandboxes):
         self._view = CheckpointView(self.checkpoint_path, saved)  # the look without the plugin's lock
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
         self.repair, self.on_saved = repair, on_saved
+        self._recovering = False  # a Synchronize's recovery is still to be done
 
     # --- events --------------------------------------------------------------
     def configured(self, request_timeout: float | None) -> None:
@@ -108,7 +109,17 @@ class NetdevMover(Sandboxes):
 
     async def synchronized(self, pods: list[Pod]) -> None:
         await super().synchronized(pods)
-        self._report(await self._run(self._recover, {p.id for p in pods}))  # moves completed: their pods' view
+        self._recovering = True  # until done: a look (``reconcile``) does it
+        try:
+            done = await self._run(self._recover, {p.id for p in pods})
+        except NetdevError as err:  # answered all the same: containerd closes a plugin whose Synchronize
+            # failed, and pods started until it is back never get their netdevs
+            log.warning("NRI: moves under way before are finished later (looked at every %g s): %s",
+                        RECONCILE_INTERVAL, err)
+            return
+        if done is not None:  # None: the runtime gave up on the request first
+            self._recovering = False
+            self._report(done)  # moves completed: their pods' view
 
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
@@ -324,9 +335,12 @@ class NetdevMover(Sandboxes):
                     log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
 
     async def reconcile(self) -> None:
-        """One look for records of sandboxes gone unannounced (``_reconcile``). The locked look
-        reads the whole checkpoint, so it is taken only while a record says a netdev is in a pod
-        or on its way back."""
+        """One look for records of sandboxes gone unannounced (``_reconcile``), after the recovery
+        of a Synchronize that could not have the locks. The locked look reads the whole checkpoint,
+        so it is taken only while a record says a netdev is in a pod or on its way back."""
+        if self._recovering:  # Synchronize's recovery, which its locks did not let it do
+            self._report(await asyncio.to_thread(self._locked, self._recover, set(self.pods)))
+            self._recovering = False
         if await self._concerns(lambda entry: any(_away(m) for m in entry.get("netdevs") or ())):
             await asyncio.to_thread(self._locked, self._reconcile)
 
