@@ -25,7 +25,7 @@ from agent.fsutil import atomic_write_json
 log = logging.getLogger(__name__)
 
 FILE = "unprepared.json"
-KEEP = 600.0  # seconds; the kubelet's prepare deadline is 45 s
+KEEP = 120.0  # seconds: the kubelet gives up on a prepare after 45 s (then it prepares nothing), with room
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MAX_BYTES = 4 << 20  # a mark is ~60 bytes: far more than KEEP's worth of unprepares
 
