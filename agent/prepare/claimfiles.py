@@ -42,7 +42,8 @@ class ClaimFiles:
                 devices.update(step.devices_now(rec, devices))
         recorded = [(shares.recorded(devices[d["device"]], d), d.get("shareID")) for d in entry["devices"]]
         if self.nvidia:
-            recorded = [(self.nvidia.with_mps(c, share), share) for c, share in recorded]
+            served = (entry.get("mps") or {}).get("gpus") or ()
+            recorded = [(self.nvidia.with_mps(c, share, served), share) for c, share in recorded]
         devs = list({c.key: c for c, _ in recorded}.values())
         edits = self.nvidia.claim_edits([c.device for c in devs]) if self.nvidia else None
         return build_claim_spec(self.settings.driver_name, uid, devs, self.settings.root, edits,

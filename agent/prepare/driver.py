@@ -100,24 +100,21 @@ class Driver:
         self.fault: Callable[[str], None] = lambda point: None
         self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
         self.recorded_status = claimstatus.RecordedStatus(lambda: self.checkpoint)  # for the status writer
-        mps = settings.plugin_dir if "gpu" in settings.share and settings.nvidia_mps else None
-        self.nvidia = NvidiaDriver(settings.root, settings.nvidia_driver_root, settings.nvidia_cdi_spec, settings.cdi_dir,
-                                   settings.cdi_host_root, mps, self.boot_id, int(parse_quantity(settings.nvidia_mps_shm_size)),
-                                   (settings.nvidia_mps_pod, settings.node_name, settings.driver_name) if settings.nvidia_mps_pod else None,
-                                   os.path.join(settings.plugin_dir, "nvidia-lib"), computemode.DaemonModes.of(settings))
-        self.partitions = Partitions(settings.root, inventory, settings.partition_switch_timeout,
-                                     fault=lambda point: self.fault(point)) if settings.partitions else None
-        # host changes, applied in this order and undone in reverse (prepare/steps/)
-        self.steps = [PartitionStep(self.partitions, lambda: self.hardware_changed())] if self.partitions else []
+        self.nvidia = NvidiaDriver.of(settings, self.boot_id, computemode.DaemonModes.of(settings))
+        mechanics = Partitions(settings.root, inventory, settings.partition_switch_timeout, fault=lambda point: self.fault(point))
+        self.partitions = mechanics if settings.partitions else None
+        # host changes, applied in this order and undone in reverse (prepare/steps/). A kind the settings turned
+        # off keeps its step: what claims prepared before recorded is undone at their unprepare (never planned: no ways)
+        self.steps = [PartitionStep(mechanics, lambda: self.hardware_changed())]
         if settings.nvml:  # dynamic MIG: devices created through NVML; MIG mode off for a whole GPU
             self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
-            self.steps += ([MigStep(self.mig, self.partitions.ways)] if self.partitions else []) + [MigModeStep(self.mig, inventory)]
+            self.steps += [MigStep(self.mig, self.partitions.ways if self.partitions else dict), MigModeStep(self.mig, inventory)]
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point),
                                    lambda: host_netns(settings.root), settings.allow_host_in_use_nics))
         self.steps.append(NetdevStep(settings, lambda: host_netns(settings.root)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi"), lambda p: self.fault(p)))
-        if self.nvidia.mps is not None:
-            self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}))
+        if self.nvidia.mps is not None:  # (also MPS turned off while daemons are recorded: stopped as their shares go)
+            self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}, self.nvidia.mps_shares))
         # what shared devices offer, as published (the policies are checked at start: exit 78)
         self.share_policies = {kind: list(merged_policies(kind, settings.share_policies).items()) for kind in settings.share}
         self.mps_watch = None  # prepare/mps_watch.MpsSupervisor once supervise_mps is called
@@ -382,7 +379,7 @@ class Driver:
         """The MPS daemons supervised from now on (prepare/mps_watch.py): ``on_health(GPU UUID,
         fault or None)`` and ``on_round(rows)`` from its thread. Call after ``recover``; ``close``
         ends it."""
-        if self.nvidia.mps is not None and self.mps_watch is None:
+        if self.nvidia.mps is not None and self.mps_watch is None and (self.nvidia.mps_shares or self.nvidia.mps.state.daemons):
             self.mps_watch = MpsSupervisor(self.nvidia.mps, on_health, on_round=on_round)
             self.mps_watch.start()
 

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 from dataclasses import replace
+from typing import Collection
 
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
@@ -22,6 +23,8 @@ from agent.prepare.mps import BINARY as MPS_BINARY
 from agent.prepare.computemode import DaemonModes
 from agent.prepare.mps import SHM_SIZE, MpsDaemons
 from agent.prepare.mps_pods import PodLauncher
+from agent.quantity import parse_quantity
+from agent.settings import Settings
 from agent.settings_mps import MpsPodSettings
 from cdi.claim import ClaimDevice
 from cdi.nvidia import VISIBLE_VOID, driver_edits
@@ -43,7 +46,7 @@ class NvidiaDriver:
     def __init__(self, root: str, driver_root: str = "/", use_nvidia_spec: bool = False, cdi_dir: str | None = None,
                  host_root: str = "/", mps_dir: str | None = None, boot_id: str = "", mps_shm_size: int = SHM_SIZE,
                  mps_pod: tuple[MpsPodSettings, str, str] | None = None, lib_dir: str | None = None,
-                 mps_modes: DaemonModes | None = None):
+                 mps_modes: DaemonModes | None = None, mps_shares: bool = True):
         self.root, self.host_root = root, host_root
         # under another root: links to the driver's libraries alone, the loader path of its tools (link_libraries)
         self.lib_dir = lib_dir
@@ -56,12 +59,26 @@ class NvidiaDriver:
         # shares of NVIDIA GPUs are clients of one MPS control daemon per GPU (prepare/mps.py), the
         # agent's processes or, with ``mps_pod`` (its settings, the node's and the driver's name), pods
         self.mps = None
+        # whether new shares become clients: ``mps`` may be there for the daemons of before (``of``) alone
+        self.mps_shares = mps_shares and bool(mps_dir)
         if mps_dir:
             launcher = None
             if mps_pod is not None:
                 launcher = PodLauncher(mps_pod[0], os.path.join(mps_dir, "mps"), mps_pod[1], mps_pod[2], boot_id,
                                        driver_root, self._mps_host_paths)
             self.mps = MpsDaemons(mps_dir, self._mps_binary, self._mps_env, boot_id, mps_shm_size, launcher, mps_modes)
+
+    @classmethod
+    def of(cls, s: Settings, boot_id: str, mps_modes: DaemonModes) -> NvidiaDriver:
+        """As the settings ``s`` make it. With MPS off (``share`` without gpu, ``nvidia_mps: false``) while
+        daemons are recorded (shares prepared before a restart), their daemons are kept, adopted and
+        stopped as their shares go; no new share becomes a client."""
+        on = "gpu" in s.share and s.nvidia_mps
+        recorded = os.path.exists(os.path.join(s.plugin_dir, "mps", "daemons.json"))
+        return cls(s.root, s.nvidia_driver_root, s.nvidia_cdi_spec, s.cdi_dir, s.cdi_host_root,
+                   s.plugin_dir if on or recorded else None, boot_id, int(parse_quantity(s.nvidia_mps_shm_size)),
+                   (s.nvidia_mps_pod, s.node_name, s.driver_name) if s.nvidia_mps_pod else None,
+                   os.path.join(s.plugin_dir, "nvidia-lib"), mps_modes, mps_shares=on)
 
     def _mps_binary(self) -> str | None:
         """``nvidia-cuda-mps-control`` of the driver root, as the agent runs it (under the root)."""
@@ -104,11 +121,14 @@ class NvidiaDriver:
             env["LD_LIBRARY_PATH"] = ":".join(libs)
         return env
 
-    def with_mps(self, cd: ClaimDevice, share_id: str | None) -> ClaimDevice:
+    def with_mps(self, cd: ClaimDevice, share_id: str | None, served: Collection[str] = ()) -> ClaimDevice:
         """A share of an NVIDIA GPU as a client of the GPU's MPS daemon (its pipe directory and
-        ``CUDA_MPS_PIPE_DIRECTORY``); anything else as it is."""
+        ``CUDA_MPS_PIPE_DIRECTORY``); anything else as it is. ``served``: the GPUs whose daemon the
+        claim's entry records (a spec rebuilt), its clients still with MPS turned off since."""
         uuid = cd.device.gpu.nvidia_uuid if cd.device.gpu else None
         if self.mps is None or not share_id or not needs_driver(cd.device) or not uuid:
+            return cd
+        if not self.mps_shares and uuid not in served:  # MPS off: only the shares of before are clients
             return cd
         edits = self.mps.container_edits(uuid)
         env = tuple(e for e in cd.env if not e.startswith("CUDA_MPS_PIPE_DIRECTORY="))

@@ -29,11 +29,14 @@ class MpsStep(RecordOf):
     key = "mps"
     what = "MPS control daemon"  # the stage named in a claim error
 
-    def __init__(self, daemons: MpsDaemons, claims: Callable[[], dict[str, dict]]):
+    def __init__(self, daemons: MpsDaemons, claims: Callable[[], dict[str, dict]], plans: bool = True):
         self.daemons = daemons
         self.claims = claims  # the checkpoint's entries now
+        self.plans = plans  # False: MPS turned off, the step is there for the daemons of claims prepared before
 
     def plan(self, planned: Planned, owners: Ownership) -> MpsUse | None:
+        if not self.plans:
+            return None
         gpus = sorted({dev.gpu.nvidia_uuid for r in planned.results if r.share_id
                        and (dev := planned.names.get(r.device)) is not None and needs_driver(dev) and dev.gpu.nvidia_uuid})
         return MpsUse(gpus=gpus) if gpus else None

@@ -1,0 +1,105 @@
+"""A setting turned off and the agent restarted while claims it made possible are prepared
+(docs/operations.md, "Configuration"): the claims stay prepared (the kubelet's re-prepare gets the
+same answer) and their unprepare gives back what their steps made (a MIG instance destroyed, an
+MPS daemon stopped), though the agent makes no new ones. Before, the steps of a kind turned off
+were gone with the setting: the instance and the daemon stayed for ever."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from agent.prepare.driver import Driver
+from discovery.inventory import scan
+from tests.conftest import profile_root
+from tests.kubelet_standin import settings_for
+from tests.mig_node import MigNode, profile, req
+from tests.test_mig_prepare import driver_for, ref
+from tests.test_mps_prepare import PROFILE, _allocated, _driver, _running, memory_claim, one_gpu, published, share_plan
+from tests.test_allocator import NODE
+
+
+def test_partitions_turned_off_the_mig_instance_of_a_prepared_claim_is_destroyed_at_its_unprepare(tmp_path):
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    first = driver_for(node).prepare_claims([c])[uid]
+    assert not first.error and len(node.sim.instances()) == 1
+    node.settings = node.settings.replace(partitions=False)  # the restart with another config
+    node.inv = node.scan()
+    d = driver_for(node)
+    d.recover()
+    assert len(node.sim.instances()) == 1  # kept: the claim's pod runs on it
+    again = d.prepare_claims([c])[uid]
+    assert not again.error and [x.device for x in again.devices] == [x.device for x in first.devices]
+    assert d.unprepare_claims([ref(c)]) == {uid: None}
+    assert node.sim.instances() == {}
+
+
+def _stopped(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("off", [{"share": ()}, {"share": ("gpu",), "nvidia_mps": False}])
+def test_mps_turned_off_the_daemon_of_prepared_shares_is_kept_and_stopped_with_the_last(tmp_path, off):
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    a, b = _allocated(slices, memory_claim("a", "8Gi"), memory_claim("b", "8Gi"))
+    first = _driver(tmp_path)
+    assert all(r.error is None for r in first.prepare_claims([a, b]).values())
+    (pid,) = _running(first).values()
+    try:
+        s = settings_for(str(tmp_path), root=profile_root(PROFILE), node_name=NODE, **off)
+        inv = scan(profile_root(PROFILE))
+        d = Driver(s, lambda: inv)
+        d.recover()
+        assert list(_running(d).values()) == [pid]  # adopted, not left unknown
+        mounts = first.checkpoint.claims[a["metadata"]["uid"]]["cdiSpec"]["spec"]["devices"][0]["containerEdits"]["mounts"]
+        again = d.prepare_claims([a])[a["metadata"]["uid"]]
+        assert again.error is None and d.checkpoint.claims[a["metadata"]["uid"]]["cdiSpec"]["spec"]["devices"][0][
+            "containerEdits"]["mounts"] == mounts
+        d.unprepare_claims([ref(a)])
+        assert list(_running(d).values()) == [pid]  # b's share still runs under it
+        d.unprepare_claims([ref(b)])
+        assert _stopped(pid) and _running(d) == {}
+    finally:
+        if not _stopped(pid):
+            psutil.Process(pid).kill()
+
+
+def test_mps_turned_off_an_orphan_daemon_is_stopped_at_start(tmp_path):
+    """Its last share went while the agent was away (the kubelet unprepared it through another
+    agent that crashed before stopping it): recorded, needed by no claim."""
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    first = _driver(tmp_path)
+    assert first.prepare_claims([a])[a["metadata"]["uid"]].error is None
+    (pid,) = _running(first).values()
+    try:
+        first.checkpoint.claims.clear()
+        first.checkpoint.save()
+        s = settings_for(str(tmp_path), root=profile_root(PROFILE), node_name=NODE)
+        inv = scan(profile_root(PROFILE))
+        Driver(s, lambda: inv).recover()
+        assert _stopped(pid)
+    finally:
+        if not _stopped(pid):
+            psutil.Process(pid).kill()
+
+
+def test_mps_turned_off_a_new_share_is_no_client_of_the_daemon_of_before(tmp_path):
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    a, c = _allocated(slices, memory_claim("a", "8Gi"), memory_claim("c", "8Gi"))
+    first = _driver(tmp_path)
+    assert first.prepare_claims([a])[a["metadata"]["uid"]].error is None
+    (pid,) = _running(first).values()
+    try:
+        d = _driver(tmp_path, nvidia_mps=False)
+        d.recover()
+        assert d.prepare_claims([c])[c["metadata"]["uid"]].error is None
+        entry = d.checkpoint.claims[c["metadata"]["uid"]]
+        assert "mps" not in entry and "mounts" not in entry["cdiSpec"]["spec"]["devices"][0]["containerEdits"]
+        d.unprepare_claims([ref(a)])
+        assert _stopped(pid) and _running(d) == {}
+    finally:
+        if not _stopped(pid):
+            psutil.Process(pid).kill()
