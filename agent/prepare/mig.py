@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from typing import Callable
 
 from pydantic import ValidationError
@@ -151,6 +152,8 @@ class MigDevices:
     def turn_on(self, bdf: str) -> bool:
         """MIG mode back on (current or pending: a GPU that needs a reset takes it then) -> whether
         it had to be changed; ClaimFailed when NVML does not take it."""
+        if self.gone(bdf, "turning MIG mode back on"):
+            return False
         def on(nv):
             h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
             if (mode := mig.mig_mode(nv, h)) is None or mode[1] == 1:
@@ -235,8 +238,19 @@ class MigDevices:
 
         return self._run(f"looking up MIG device {rec.device}", look)
 
+    def gone(self, bdf: str, what: str) -> bool:
+        """Whether the GPU has left the node (hot-unplugged, ``remove``: its sysfs directory went), and
+        ``what`` was to be done on it with it: NVML would answer Not Found for as long as it is away,
+        and an undo that fails keeps the claim's entry, its unprepare failing."""
+        if os.path.isdir(self.fs.path("sys/bus/pci/devices", bdf)):
+            return False
+        log.warning("GPU %s has left the node (its sysfs directory is gone): %s went with it", bdf, what)
+        return True
+
     def destroy(self, rec: MigDevice) -> bool:
         """The record's instance and its compute instances destroyed -> whether one existed."""
+        if self.gone(rec.gpu, f"MIG device {rec.device}"):  # a GPU back on the bus has none of its instances
+            return False
         done = self._run(f"destroying MIG device {rec.device}", lambda nv: _destroy_at(nv, rec, self.fault))
         if done:
             log.info("GPU %s: MIG device %s destroyed", rec.gpu, rec.device)
