@@ -112,7 +112,7 @@ class Driver:
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point),
                                    lambda: host_netns(settings.root), settings.allow_host_in_use_nics))
         self.steps.append(NetdevStep(settings, lambda: host_netns(settings.root)))
-        self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi"), lambda p: self.fault(p)))
+        self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi"), lambda p: self.fault(p), settings.root))
         if self.nvidia.mps is not None:  # (also MPS turned off while daemons are recorded: stopped as their shares go)
             self.steps.append(MpsStep(self.nvidia.mps, lambda: self.checkpoint.claims if self.checkpoint else {}, self.nvidia.mps_shares))
         # what shared devices offer, as published (the policies are checked at start: exit 78)

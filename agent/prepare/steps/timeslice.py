@@ -22,7 +22,9 @@ from agent.prepare.nvidia import needs_driver
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import TimeSlice
 from agent.prepare.steps import NotUndone, Planned, RecordsOf, Undone
+from discovery.gpu import parse_nvidia_information
 from discovery.models import Device
+from discovery.sysfs import AttrError, HostFS
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,9 @@ class TimeSliceStep(RecordsOf):
     what = "GPU time-slice"  # the stage named in a claim error
 
     def __init__(self, driver_name: str, smi: Callable[[], tuple[str | None, dict[str, str]]],
-                 fault: Callable[[str], None] = lambda point: None):
+                 fault: Callable[[str], None] = lambda point: None, root: str = "/"):
         self.driver_name = driver_name
+        self.fs = HostFS(root)  # the driver's GPU list in procfs: whether a GPU has left the node
         self.smi = smi  # -> (nvidia-smi as the agent runs it, its environment), None: the node has none
         self.fault = fault  # a test hook, after each time slice the driver took (tests/faults)
 
@@ -101,8 +104,24 @@ class TimeSliceStep(RecordsOf):
             try:
                 self._set(ts.gpu, "Default")
             except ClaimFailed as err:
-                problems.append(str(err))
+                if not self._gone(ts.gpu):
+                    problems.append(str(err))
         return Undone(problems=problems)
+
+    def _gone(self, uuid: str) -> bool:
+        """Whether no GPU of the NVIDIA driver is ``uuid`` (hot-unplugged, ``remove``: it leaves
+        ``/proc/driver/nvidia/gpus``), its time slice gone with it: nvidia-smi would fail for as long as it
+        is away, the claim keeping its entry and its unprepare failing. False when that cannot be read."""
+        base = self.fs.path("proc/driver/nvidia/gpus")
+        try:
+            infos = [parse_nvidia_information(self.fs.read_text(os.path.join(base, d, "information"), limit=16384))
+                     for d in self.fs.subdirs(base)]
+        except AttrError:
+            return False
+        if any(i.get("GPU UUID") == uuid for i in infos):
+            return False
+        log.warning("GPU %s has left the node (not in %s): its time slice went with it", uuid, self.fs.rel(base))
+        return True
 
     def recover(self, record: Record) -> bool:
         for ts in record:
