@@ -18,6 +18,7 @@ fields may record it)."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 
 from agent.fsutil import clean_stale_temps
@@ -59,12 +60,13 @@ def recover(driver, known: dict[str, dict] | None = None) -> RecoveryReport:
     s = driver.settings
     clean_stale_temps(s.plugin_dir, prefix=".checkpoint.json")
     cdifiles.clean_our_temps(s.cdi_dir, s.driver_name)
+    fresh = not os.path.lexists(driver.checkpoint_path)  # no snapshot: never saved here, or lost with its dir
     cp = driver.checkpoint = Checkpoint.load(driver.checkpoint_path)
     report = driver.recovery = RecoveryReport(corrupt_checkpoint=cp.corrupt_path, rejected=sorted(map(str, cp.rejected)))
     lost = _lost_entries(cp, known, report)
     report.foreign = sorted(cp.foreign)
     specs = cdifiles.list_claim_specs(s.cdi_dir, s.driver_name)
-    _adopt_unrecorded(driver, cp, specs, lost, report)
+    _adopt_unrecorded(driver, cp, specs, lost, report, fresh)
     _sweep_orphans(driver, cp, report)  # first: a leftover must not stand where a claim's change is made again
     for uid, entry in list(cp.claims.items()):
         _recover_claim(driver, cp, uid, entry, report)
@@ -90,11 +92,19 @@ def _lost_entries(cp: Checkpoint, known: dict[str, dict] | None, report: Recover
 
 
 def _adopt_unrecorded(driver, cp: Checkpoint, specs: dict[str, str], lost: dict[str, tuple[dict, str]],
-                      report: RecoveryReport) -> None:
-    """After a corrupt checkpoint (or for rejected entries), the claims whose spec files exist adopted."""
-    if cp.corrupt_path or cp.rejected:
+                      report: RecoveryReport, fresh: bool) -> None:
+    """After a corrupt checkpoint (or for rejected entries), the claims whose spec files exist adopted.
+    So are they where there is no checkpoint at all (``fresh``) and yet specs of our claims: a spec is
+    written after its claim's entry, so the checkpoint went (the plugin dir wiped, ``kubelet_dir``
+    changed while claims were prepared); removed as orphans, their pods' MIG instances were destroyed."""
+    lost_all = cp.corrupt_path or (fresh and specs)
+    if fresh and specs:
+        log.error("no checkpoint at %s, yet the CDI specs of %d prepared claims are in %s (the plugin dir was wiped, or "
+                  "kubelet_dir changed while claims were prepared): adopted from their specs, their devices held until "
+                  "the kubelet unprepares them", driver.checkpoint_path, len(specs), driver.settings.cdi_dir)
+    if lost_all or cp.rejected:
         report.adopted = adopt(driver, cp, {u: p for u, p in specs.items()
-                                            if u not in cp.claims and (cp.corrupt_path or u in cp.rejected)}, lost)
+                                            if u not in cp.claims and (lost_all or u in cp.rejected)}, lost)
         report.netdevs_lost = [u for u in report.adopted if cp.claims[u].get("netdevsLost")]
 
 
