@@ -133,6 +133,16 @@ def whole_unusable(device: Device) -> str | None:
             f"-dci, then -dgi; nvidia-smi -i {bdf} -mig 0)")
 
 
+def instances_beside(device: Device) -> bool:
+    """Whether the whole GPU of a dynamic-MIG GPU (NVML's profiles) has MIG instances beside it. A node
+    that publishes no partitions (``partitions`` off) leaves such a GPU out of its slices: they are the
+    instances of claims prepared before ``partitions`` was turned off (or someone's), and a claim of the
+    whole GPU would fail (MIG mode is not turned off under instances); back once they are destroyed."""
+    pt = partitioning(device)
+    return (pt is not None and pt.kind == "mig" and bool(pt.profiles) and bool(pt.partitions)
+            and "partitionOf" not in device.attributes)
+
+
 def countable(gpu_ways: list[Way]) -> bool:
     """Whether each way's share of its GPU can be counted: False for an AMD GPU whose XCC count
     and memory are unknown, or with a mode of more partitions than XCCs (published whole only)."""

@@ -1,7 +1,8 @@
 """A setting turned off and the agent restarted while claims it made possible are prepared
 (docs/operations.md, "Configuration"): the claims stay prepared (the kubelet's re-prepare gets the
 same answer) and their unprepare gives back what their steps made (a MIG instance destroyed, an
-MPS daemon stopped), though the agent makes no new ones. Before, the steps of a kind turned off
+MPS daemon stopped), though the agent makes no new ones; the slices do not offer the whole GPU
+under a MIG claim's instance meanwhile. Before, the steps of a kind turned off
 were gone with the setting: the instance and the daemon stayed for ever."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from agent.prepare.driver import Driver
 from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
-from tests.mig_node import MigNode, profile, req
+from tests.mig_node import GPU, MigNode, profile, req
 from tests.test_mig_prepare import driver_for, ref
 from tests.test_mps_prepare import PROFILE, _allocated, _driver, _running, memory_claim, one_gpu, published, share_plan
 from tests.test_allocator import NODE
@@ -34,6 +35,28 @@ def test_partitions_turned_off_the_mig_instance_of_a_prepared_claim_is_destroyed
     assert not again.error and [x.device for x in again.devices] == [x.device for x in first.devices]
     assert d.unprepare_claims([ref(c)]) == {uid: None}
     assert node.sim.instances() == {}
+
+
+def test_partitions_turned_off_the_gpu_of_a_prepared_mig_claim_is_not_offered_whole_until_it_goes(tmp_path):
+    """The scheduler cannot see the MIG claim hold the GPU once MIG devices are no longer published:
+    the whole GPU offered, a claim of it would fail at prepare. It comes back when the unprepare
+    destroyed the instance (the daemon rescans)."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    assert not driver_for(node).prepare_claims([c])[uid].error
+    node.settings = node.settings.replace(partitions=False)
+    node.inv = node.scan()
+    assert GPU not in published_devices(node)
+    d, rescans = driver_for(node), []
+    d.hardware_changed = lambda: rescans.append(True)
+    d.recover()
+    assert d.unprepare_claims([ref(c)]) == {uid: None} and rescans
+    assert GPU in published_devices(node)
+
+
+def published_devices(node: MigNode) -> set[str]:
+    return {dev["name"] for s in node.slices() for dev in s["spec"].get("devices", [])}
 
 
 def _stopped(pid: int) -> bool:

@@ -16,7 +16,7 @@ from agent.publish import partitions as gpu_partitions
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
 from agent.publish.nodeops import grouped_slices
 from agent.publish.validation import device_problems
-from discovery.gpuways import whole_unusable
+from discovery.gpuways import instances_beside, whole_unusable
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
@@ -226,7 +226,7 @@ def _valid_entries(inventory, driver_name: str, list_attributes: bool, partition
     pf_of: dict[str, str | None] = {}
     bdf_of: dict[str, str] = {}
     for device in inventory.devices:
-        if not partitions and whole_unusable(device):  # a GPU in MIG mode (with --partitions: its MIG devices)
+        if not partitions and (whole_unusable(device) or instances_beside(device)):  # a GPU in MIG mode (with --partitions: its MIG devices)
             continue
         entry, problems = _entry(device, driver_name, list_attributes, taints, cache, share)
         if device.name in seen:

@@ -37,9 +37,11 @@ class MigStep(RecordsOf):
     key = "mig"
     what = "MIG device"  # the stage named in a claim error
 
-    def __init__(self, devices: MigDevices, ways: Callable[[], dict]):
+    def __init__(self, devices: MigDevices, ways: Callable[[], dict], destroyed: Callable[[], None] = lambda: None):
         self.devices = devices
         self.ways = ways  # device name -> discovery.gpuways.Way, of the inventory now
+        # after an undo destroyed instances; with partitions off the daemon rescans: the whole GPU is published again
+        self.destroyed = destroyed
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         for name in {r.device for r in planned.results if r.admin}:
@@ -104,6 +106,8 @@ class MigStep(RecordsOf):
                     undone.notes.append(f"{rec.gpu}: MIG device {rec.device} destroyed")
             except Exception as err:  # noqa: BLE001 - the claim keeps its entry; retried
                 undone.problems.append(str(err))
+        if undone.notes:
+            self.destroyed()
         return undone
 
     def recover(self, record: Record) -> bool:
