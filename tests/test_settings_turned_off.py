@@ -15,7 +15,10 @@ from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
 from tests.mig_node import GPU, MigNode, profile, req
+from tests.kubelet_standin import claim as hand_claim
+from tests.partition_node import CPX_GPU, Node as PartitionNode, mode_of, part_of
 from tests.test_mig_prepare import driver_for, ref
+from tests.test_partitions_prepare import driver_for as partition_driver, prepare
 from tests.test_mps_prepare import PROFILE, _allocated, _driver, _running, memory_claim, one_gpu, published, share_plan
 from tests.test_allocator import NODE
 
@@ -53,6 +56,24 @@ def test_partitions_turned_off_the_gpu_of_a_prepared_mig_claim_is_not_offered_wh
     d.recover()
     assert d.unprepare_claims([ref(c)]) == {uid: None} and rescans
     assert GPU in published_devices(node)
+
+
+def test_partitions_turned_off_an_amd_gpu_whose_partitions_are_claimed_is_refused_whole(tmp_path):
+    """The partitions of a prepared claim still hold their GPU: before, the ownership table knew
+    partitions only while they were published, and a claim of the whole GPU was prepared beside
+    them (both pods on one GPU, in the partitions' mode)."""
+    node = PartitionNode(str(tmp_path))
+    with node.sim:
+        c = node.allocated("cpx", part_of(CPX_GPU, "CPX/NPS1"), count=2)
+        assert not prepare(partition_driver(node), c).error
+        node.settings = node.settings.replace(partitions=False)
+        d = partition_driver(node)
+        d.recover()
+        err = prepare(d, hand_claim("w", [("gpu", CPX_GPU)])).error
+        assert err and f"is held by prepared claim default/cpx ({c['metadata']['uid']}) partition {CPX_GPU}-cpx-nps1-0" in err
+        assert mode_of(node.root, "0000:05:00.0") == "CPX/NPS1" and node.sim.switches == []
+        assert d.unprepare_claims([ref(c)]) == {c["metadata"]["uid"]: None}
+        assert not prepare(d, hand_claim("w", [("gpu", CPX_GPU)])).error  # free now
 
 
 def published_devices(node: MigNode) -> set[str]:

@@ -103,6 +103,7 @@ class Driver:
         self.nvidia = NvidiaDriver.of(settings, self.boot_id, computemode.DaemonModes.of(settings))
         mechanics = Partitions(settings.root, inventory, settings.partition_switch_timeout, fault=lambda point: self.fault(point))
         self.partitions = mechanics if settings.partitions else None
+        self.all_ways = mechanics.ways  # what claims hold: partitions of claims prepared before partitions went off too
         # host changes, applied in this order and undone in reverse (prepare/steps/). A kind the settings turned
         # off keeps its step: what claims prepared before recorded is undone at their unprepare (never planned: no ways)
         self.steps = [PartitionStep(mechanics, lambda: self.hardware_changed())]
@@ -138,8 +139,7 @@ class Driver:
 
     def holds(self, uid: str, entry: dict) -> list[Hold]:
         """What a claim's entry holds: its devices, and what its steps changed."""
-        ways = self.partitions.ways() if self.partitions else {}
-        out = planner.device_holds(entry, self.inventory().by_name(), ways, self._capacities)
+        out = planner.device_holds(entry, self.inventory().by_name(), self.all_ways(), self._capacities)
         for step in self.steps:
             if (rec := step.read(entry)) is not None:
                 out += step.holds(rec)
