@@ -7,19 +7,23 @@ were gone with the setting: the instance and the daemon stayed for ever."""
 
 from __future__ import annotations
 
+import asyncio
+
 import psutil
 import pytest
 
 from agent.prepare.driver import Driver
+from agent.service.daemon import Agent
 from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
 from tests.mig_node import GPU, MigNode, profile, req
 from tests.kubelet_standin import claim as hand_claim
-from tests.partition_node import CPX_GPU, Node as PartitionNode, mode_of, part_of
+from tests.partition_node import CPX_GPU, SPX_GPU, Node as PartitionNode, mode_of, part_of
 from tests.test_mig_prepare import driver_for, ref
 from tests.test_partitions_prepare import driver_for as partition_driver, prepare
 from tests.test_mps_prepare import PROFILE, _allocated, _driver, _running, memory_claim, one_gpu, published, share_plan
+from tests.test_agent_reload import _published, _running as _serving, _until
 from tests.test_allocator import NODE
 
 
@@ -74,6 +78,27 @@ def test_partitions_turned_off_an_amd_gpu_whose_partitions_are_claimed_is_refuse
         assert mode_of(node.root, "0000:05:00.0") == "CPX/NPS1" and node.sim.switches == []
         assert d.unprepare_claims([ref(c)]) == {c["metadata"]["uid"]: None}
         assert not prepare(d, hand_claim("w", [("gpu", CPX_GPU)])).error  # free now
+
+
+def test_partitions_turned_off_the_agent_does_not_offer_a_gpu_whose_partitions_are_claimed(tmp_path):
+    """The whole agent: the scheduler cannot see the partition claim hold the GPU once its partitions
+    are not published; the GPU is offered whole again once the claim is unprepared."""
+    node = PartitionNode(str(tmp_path))
+    with node.sim:
+        c = node.allocated("cpx", part_of(CPX_GPU, "CPX/NPS1"), count=2)
+        assert not prepare(partition_driver(node), c).error
+    agent = Agent(node.settings.replace(partitions=False, metrics_address="", resync_interval=0, debounce=0.05))
+
+    async def run() -> None:
+        async with _serving(agent):  # (publishing to a directory, the first publish comes before the checkpoint is read)
+            await _until(lambda: published(lambda names: CPX_GPU not in names and SPX_GPU in names), "the GPU left out")
+            await asyncio.to_thread(agent.kubelet_plugin.driver.unprepare_claims, [ref(c)])
+            await _until(lambda: published(lambda names: CPX_GPU in names), "the GPU offered again")
+
+    async def published(check) -> bool:
+        return check({d["name"] for d in await _published(agent)})
+
+    asyncio.run(run())
 
 
 def published_devices(node: MigNode) -> set[str]:

@@ -186,7 +186,7 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
 def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
                partitions: bool = False, compatibility_groups: bool = False, taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
                cache: dict | None = None, share: SharePlan | None = None,
-               skip_node_operations: dict[str, list[str]] | None = None) -> PoolContent:
+               skip_node_operations: dict[str, list[str]] | None = None, held: frozenset[str] = frozenset()) -> PoolContent:
     """Validated, chunked pool content for this node's devices (inventory order = allocation order).
 
     ``taints``: device name -> DeviceTaints (``--taint-unhealthy``); a tainted device makes
@@ -194,7 +194,11 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
     before, for sticky slice placement (``chunk_devices``). ``cache``: a dict kept by the
     caller across calls; entries (treated as read-only) are reused for unchanged devices.
     ``share``: kinds published multi-allocatable with capacity policies (``sharing.share_plan``).
-    ``skip_node_operations``: device kind -> the slice's skipNodeOperations (``publish/nodeops.py``)."""
+    ``skip_node_operations``: device kind -> the slice's skipNodeOperations (``publish/nodeops.py``).
+    ``held``: with ``partitions`` off, the PCI addresses of GPUs whose partitions claims prepared before hold:
+    not offered whole (the scheduler cannot see those claims hold them; a claim of one would fail)."""
+    if held and not partitions:
+        inventory = inventory.replace(devices=tuple(d for d in inventory.devices if d.pci is None or d.pci.bdf not in held))
     entries, rejected, pf_of, bdf_of = _valid_entries(inventory, driver_name, list_attributes, partitions, taints,
                                                       cache, share)
     counter_sets: list[dict] = []

@@ -64,6 +64,7 @@ class Agent:
         # the NICs whose netdevs the NRI plugin moved into pods keep their facts (discovery/away.py)
         self._in_pod = InPodNetdevs(settings.plugin_dir, lambda: getattr(getattr(self.kubelet_plugin, "driver", None), "saved", None))
         self._slice_cache: dict = {}  # agent.publish.slices.build_pool's per-device cache
+        self.held_gpus: frozenset[str] = frozenset()  # not offered whole (service/kubeletside.held_gpus)
         self._background: set[asyncio.Task] = set()  # rescans asked for by a GPU mode switch
         self._scanning = asyncio.Lock()
         self._rejected_seen: set[tuple[str, str]] = set()
@@ -82,7 +83,7 @@ class Agent:
             taints = self.host_nics.with_taints(taints)
         # validated against what the scan made: a SIGHUP's new list_attributes waits for its rescan
         options = {**pool_options(s), "list_attributes": self._listed}
-        pool = build_pool(inventory, **options, taints=taints, previous=self.pool, cache=self._slice_cache)
+        pool = build_pool(inventory, **options, taints=taints, previous=self.pool, cache=self._slice_cache, held=self.held_gpus)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)

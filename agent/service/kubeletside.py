@@ -15,6 +15,7 @@ from agent.kubeletplugin.sockets import SocketError
 from agent.kubeletplugin.statuswriter import status_writer
 from agent.prepare.checkpoint import CheckpointError
 from agent.prepare.driver import Driver
+from agent.prepare.steps.partition import gpus_in_use
 from agent.service.observers import ClaimStatusObserver, ObservedDriver, call_observer
 from agent.service.startup import EX_CANTCREAT, EX_DATAERR, StartupError
 
@@ -25,7 +26,7 @@ async def start(agent) -> None:
     loop = asyncio.get_running_loop()
     # a GPU mode switch at prepare (any thread): rescan and republish
     core.hardware_changed = lambda: loop.call_soon_threadsafe(agent._rescan_soon)
-    driver = ObservedDriver(core, agent.board, loop=loop)  # the board is the loop's only
+    driver = ObservedDriver(core, agent.board, loop=loop, on_claims=lambda claims: held_gpus(agent, claims))  # the loop's
     _make_plugin(agent, driver)
     await _start_health(agent)
     await _serve_sockets(agent, driver)
@@ -78,3 +79,13 @@ def _after_serving(agent, core: Driver, driver: ObservedDriver) -> None:
     agent.board.set_registration("waiting")
     if driver.checkpoint is not None:
         agent.board.set_prepared_claims(driver.checkpoint.claims)
+        held_gpus(agent, driver.checkpoint.claims)
+
+
+def held_gpus(agent, claims: dict[str, dict]) -> None:
+    """With ``partitions`` off, the GPUs whose partitions prepared claims hold (claims prepared before it
+    was turned off) are not offered whole: republished as that changes. On the loop."""
+    held = frozenset() if agent.settings.partitions else gpus_in_use(claims)
+    if held != agent.held_gpus:
+        agent.held_gpus = held
+        agent._republish()

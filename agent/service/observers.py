@@ -28,8 +28,9 @@ class ObservedDriver:
     the plugin's worker thread; the board is the loop's, so its update is handed to ``loop``
     (None: called on the board's thread already)."""
 
-    def __init__(self, driver, board: StatusBoard, loop=None):
+    def __init__(self, driver, board: StatusBoard, loop=None, on_claims: Callable[[dict], None] = lambda claims: None):
         self.driver, self.board, self.loop = driver, board, loop
+        self.on_claims = on_claims  # the claims after each call, on the board's thread too (the daemon's slices)
 
     def __getattr__(self, name):  # recover(), checkpoint, ... pass through
         return getattr(self.driver, name)
@@ -38,10 +39,11 @@ class ObservedDriver:
         cp = getattr(self.driver, "checkpoint", None)
         if cp is not None:
             claims = dict(cp.claims)
-            if self.loop is None:
-                self.board.set_prepared_claims(claims)
-            else:
-                self.loop.call_soon_threadsafe(self.board.set_prepared_claims, claims)
+            for call in (self.board.set_prepared_claims, self.on_claims):
+                if self.loop is None:
+                    call(claims)
+                else:
+                    self.loop.call_soon_threadsafe(call, claims)
 
     def prepare_claims(self, claims):
         results = self.driver.prepare_claims(claims)

@@ -66,3 +66,8 @@ class PartitionStep(RecordOf):
 
     def devices_now(self, record: PartitionUse, devices: dict[str, Device]) -> dict[str, Device]:
         return {}
+
+
+def gpus_in_use(entries: dict[str, dict]) -> frozenset[str]:
+    """The PCI addresses of the GPUs whose partitions the (typed) checkpoint entries use."""
+    return frozenset(bdf for e in entries.values() for bdf in ((e.get("partitions") or {}).get("uses") or {}))
