@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from agent.names import is_subdomain
 from agent.settings_errors import error_message
 from agent.settings_mps import MpsPodSettings, host_path as _host_path
+from agent.settings_yaml import YamlError, load as yaml_load
 from agent.settings_net import metrics_address as _metrics_address, nic_ipam as _ipam
 
 EX_CONFIG = 78
@@ -65,8 +66,8 @@ def _cluster(v: str) -> str:
 
 
 def _non_negative(v: float) -> float:
-    if v < 0:
-        raise ValueError("must not be negative")
+    if not v >= 0:  # (NaN too: YAML's .nan is a float, and no number of seconds)
+        raise ValueError("must not be negative or NaN")
     return v
 
 
@@ -305,11 +306,9 @@ def _before(values: dict[str, Any]) -> dict[str, Any]:
         if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
         elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects", "nic_ipam", "device_attributes") and isinstance(value, str):  # '{accelerator: ["*"]}'
-            import yaml
-
             try:
-                out[name] = yaml.safe_load(value) or {"nvidia_mps_pod": None, "device_attributes": ()}.get(name, {})
-            except yaml.YAMLError as err:
+                out[name] = yaml_load(value) or {"nvidia_mps_pod": None, "device_attributes": ()}.get(name, {})
+            except YamlError as err:
                 raise ConfigError(f"invalid setting {name.replace('_', '-')}: not a YAML mapping: {err}") from None
         elif name == "cdi_additional_gids" and isinstance(value, bool):  # YAML reads a bare on/off as a bool
             out[name] = "on" if value else "off"
@@ -331,20 +330,20 @@ def _env_values(environ: dict[str, str]) -> dict[str, Any]:
 
 def load_config_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            text = f.read().decode()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {err.start})") from None
     except FileNotFoundError:
         return {}
     except OSError as err:
         raise ConfigError(f"config file {path}: {err}") from err
     if not text.strip():  # no file content (e.g. /dev/null): the YAML parser is not even loaded
         return {}
-    import yaml
-
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path}: {err}") from err
+        data = yaml_load(text)
+    except YamlError as err:
+        raise ConfigError(f"config file {path}: {err}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
