@@ -17,6 +17,7 @@ import os
 import orjson
 
 from agent.fsutil import atomic_write, json_bytes
+from agent.nodeops import rule_problem
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from discovery.models import KINDS
 
@@ -75,8 +76,22 @@ def load_applied(plugin_dir: str) -> dict | None:
     except (OSError, ValueError) as err:
         log.warning("%s unreadable (%s): taking the configured skip_node_operations", APPLIED_FILE, err)
         return None
-    ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, list) for k, v in value.items())
-    return value if ok else None
+    if why := _record_problem(value):  # the agent writes only values its settings allowed
+        log.warning("%s damaged (%s): taking the configured skip_node_operations", APPLIED_FILE, why)
+        return None
+    return value
+
+
+def _record_problem(value: object) -> str | None:
+    """Why ``value`` is no rule the settings allow (so none this agent recorded), or None."""
+    if not isinstance(value, dict):
+        return "not a mapping"
+    for kind, ops in value.items():
+        if kind not in KINDS:
+            return f"{kind!r} is not a device kind"
+        if problem := rule_problem(ops):
+            return f"{kind}: {problem}"
+    return None
 
 
 def save_applied(plugin_dir: str, value: dict) -> None:

@@ -1,0 +1,80 @@
+"""Small records the agent writes and reads back, damaged (agent/service/nodeops.py's
+skip-node-operations.json, agent/prepare/mps_records.py's daemons.json): read back, a damaged
+record is said and costs only itself, never an exception, never a value the agent would not
+have written."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from agent.prepare.checkpoint import Checkpoint
+from agent.service import nodeops
+from agent.settings import Settings
+from tests.checkpoint_files import entry, uid
+
+HYPOTHESIS = settings(max_examples=150, derandomize=True, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+NASTY = [b"\x00", b"\xff", b"1", b"null", b"[]", b"{}", b'"x"', b"[1,", b"9" * 30, b"1e999", b"[" * 300,
+         b'"NodePrepareResources"', b'"Bogus"', b"true", b"-1", b"\\ud800"]
+
+
+@st.composite
+def damaged(draw, valid: bytes) -> bytes:
+    """``valid`` with bytes flipped, cut, or a JSON-ish token put in at some offsets."""
+    data = bytearray(valid)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(data)))
+        how = draw(st.sampled_from(["flip", "cut", "insert", "replace"]))
+        if how == "flip" and at < len(data):
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif how == "cut":
+            del data[at:]
+        elif how == "insert":
+            data[at:at] = draw(st.sampled_from(NASTY))
+        else:  # a token in place of the bytes there
+            data[at:at + draw(st.integers(1, 12))] = draw(st.sampled_from(NASTY))
+    return bytes(data)
+
+
+# --- skip-node-operations.json ----------------------------------------------------------------
+@pytest.fixture
+def plugin_dir(tmp_path):
+    """A plugin dir with a prepared claim of a GPU: a change of the GPUs' rule is refused."""
+    cp = Checkpoint(str(tmp_path / "checkpoint.json"))
+    cp.claims[uid(1)] = entry(1)  # holds gpu-1
+    cp.save()
+    return str(tmp_path)
+
+
+def _record(plugin_dir: str, data: bytes) -> None:
+    with open(os.path.join(plugin_dir, nodeops.APPLIED_FILE), "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("data", [b'{"gpu": [1, "*"]}', b'{"gpu": [null, null]}', b'{"gpu": [{}, {}]}',
+                                  b'{"gpu": ["Bogus"]}', b'{"gpu": ["NodePrepareResources"]}', b'{"gpu": []}',
+                                  b'{"tpu": ["*"]}', b'{"gpu": "*"}', b"[]"])
+def test_a_damaged_applied_rule_is_said_and_the_configured_one_taken(plugin_dir, data, caplog):
+    """A record the settings would refuse is none the agent wrote: it raised (sorting mixed
+    values) or was published as the rule the prepared claims keep."""
+    _record(plugin_dir, data)
+    assert nodeops.settle({"nic": ["*"]}, plugin_dir) == {"nic": ["*"]}
+    assert "skip-node-operations.json damaged" in caplog.text
+    assert nodeops.load_applied(plugin_dir) == {"nic": ["*"]}  # recorded again, whole
+
+
+def test_the_applied_rule_is_kept_while_claims_hold_its_kind(plugin_dir):
+    nodeops.save_applied(plugin_dir, {"gpu": ["*"]})
+    assert nodeops.settle({}, plugin_dir) == {"gpu": ["*"]}
+
+
+@HYPOTHESIS
+@given(data=damaged(b'{"gpu":["NodePrepareResources","NodeUnprepareResources"],"nic":["*"]}'))
+def test_any_damage_to_the_applied_rule_settles_on_a_rule_the_settings_allow(plugin_dir, data):
+    _record(plugin_dir, data)
+    ops = nodeops.settle({"fpga": ["*"]}, plugin_dir)
+    Settings(node_name="node-a", skip_node_operations=ops)  # a rule the API server takes (checked as at start)
