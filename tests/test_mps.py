@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import psutil
@@ -167,3 +168,21 @@ def serving(pipe: str) -> list[int]:
         except psutil.Error:  # ended meanwhile
             continue
     return found
+
+
+def test_a_record_with_a_nan_start_time_is_no_process(daemons, tmp_path):
+    """A start time of NaN matched any process's (no difference is >= 0.5 from it): a damaged
+    record made the agent adopt, then signal, whatever process had that PID."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        os.makedirs(tmp_path / "plugin" / "mps")
+        (tmp_path / "plugin" / "mps" / "daemons.json").write_text(
+            '{"daemons": {"%s": {"uuid": "%s", "pid": %d, "started": NaN}}}' % (UUID, UUID, bystander.pid))
+        d = daemons()
+        d.reconcile(set())
+        assert bystander.poll() is None  # never signalled
+        assert d.state.daemons == {}
+    finally:
+        bystander.kill()
+        bystander.wait()
+

@@ -41,7 +41,8 @@ class MpsRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     uuid: str = Field(pattern=GPU_UUID)
     pid: int | None = Field(default=None, ge=1, le=4194304)  # None: recorded, not (yet) started; at most PID_MAX_LIMIT
-    started: float | None = None  # the process's start time (wall clock), for people and older records
+    # the process's start time (wall clock), for people and older records (a NaN would match any process's)
+    started: float | None = Field(default=None, allow_inf_nan=False)
     ticks: int | None = Field(default=None, ge=0)  # its start in clock ticks since boot: tells a reused PID apart
     boot_id: str | None = Field(default=None, max_length=128)
     cmdline: list[Arg] | None = Field(default=None, max_length=16)
