@@ -186,3 +186,23 @@ def test_a_record_with_a_nan_start_time_is_no_process(daemons, tmp_path):
         bystander.kill()
         bystander.wait()
 
+
+def test_a_damaged_record_costs_only_its_own_daemon(daemons, caplog):
+    """Another GPU's daemon is adopted after a restart, not ended as a stray and started again
+    (its clients' work lost), when one record of the file is damaged."""
+    d = daemons()
+    assert d.reconcile({UUID, OTHER}) == {}
+    kept = d.state.daemons[OTHER]
+    with open(d.path) as f:
+        doc = json.load(f)
+    doc["daemons"][UUID]["pid"] = "not a pid"
+    with open(d.path, "w") as f:
+        json.dump(doc, f)
+    restarted = daemons()
+    assert restarted.state.daemons == {OTHER: kept} and "record 'GPU-7e3a" in caplog.text
+    assert [n for n in os.listdir(restarted.base) if n.startswith("daemons.json.invalid.")]  # kept for the operator
+    assert restarted.reconcile({UUID, OTHER}) == {}
+    assert restarted.state.daemons[OTHER] == kept and restarted.alive(kept)
+    assert restarted.state.daemons[UUID].pid != doc["daemons"][OTHER]["pid"]
+    with open(restarted.path) as f:
+        assert json.load(f)["daemons"][UUID]["pid"] == restarted.state.daemons[UUID].pid  # saved whole again

@@ -78,3 +78,43 @@ def test_any_damage_to_the_applied_rule_settles_on_a_rule_the_settings_allow(plu
     _record(plugin_dir, data)
     ops = nodeops.settle({"fpga": ["*"]}, plugin_dir)
     Settings(node_name="node-a", skip_node_operations=ops)  # a rule the API server takes (checked as at start)
+
+
+# --- mps/daemons.json ---------------------------------------------------------------------------
+A, B = "GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", "GPU-00000000-1111-2222-3333-444444444444"
+
+
+def _daemons_file(tmp_path) -> tuple[str, bytes]:
+    """The records as the agent saves them: A's first, then B's."""
+    from agent.prepare import mps_records
+    from agent.prepare.mps_records import MpsRecord, MpsState
+
+    path = str(tmp_path / "mps" / "daemons.json")
+    state = MpsState(daemons={u: MpsRecord(uuid=u, pid=100 + i, started=1.7e9, ticks=3382916 + i, boot_id="b",
+                                           cmdline=["/usr/bin/nvidia-cuda-mps-control", "-f"], mode_before=i)
+                              for i, u in enumerate((A, B))})
+    mps_records.save(path, state)
+    with open(path, "rb") as f:
+        return path, f.read()
+
+
+@HYPOTHESIS
+@given(st.data())
+def test_damage_to_one_daemon_record_keeps_the_other(tmp_path, data):
+    from agent.prepare import mps_records
+    from agent.prepare.mps_records import MpsRecord
+
+    path, valid = _daemons_file(tmp_path)
+    start, end = valid.index(b'"%s":{' % A.encode()), valid.index(b'"%s":{' % B.encode())  # A's record alone
+    text = valid[:start] + data.draw(damaged(valid[start:end])) + valid[end:]
+    with open(path, "wb") as f:
+        f.write(text)
+    state = mps_records.load(path)  # never raises
+    assert all(k == r.uuid for k, r in state.daemons.items())
+    try:
+        parsed = json.loads(text)
+        b_intact = set(parsed) == {"daemons"} and parsed["daemons"][B] == json.loads(valid)["daemons"][B]
+    except (ValueError, TypeError, KeyError, RecursionError):  # no object of records any more: nothing to tell
+        return
+    if b_intact:
+        assert state.daemons[B] == MpsRecord.model_validate(json.loads(valid)["daemons"][B])

@@ -11,6 +11,7 @@ and pod are derived from its GPU's UUID, so a record cannot point the agent else
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ import time
 from typing import Annotated
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from agent.fsutil import atomic_write_json, make_dirs
 
@@ -58,23 +59,42 @@ class MpsState(BaseModel):
 
 
 def load(path: str) -> MpsState:
-    """The records at ``path``; an invalid file is moved aside (logged) and none are known."""
+    """The records at ``path``, each checked alone: a damaged one is left out (logged, the file
+    copied aside; the next save drops it), the others kept, so another GPU's daemon is still
+    adopted, never taken for a stray. A file that holds no records at all is moved aside."""
     try:
         with open(path, "rb") as f:
-            state = MpsState.model_validate_json(f.read())
-        if any(k != r.uuid for k, r in state.daemons.items()):
-            raise ValueError("a record under another GPU's key")
-        return state
+            doc = json.loads(f.read())
+        if not isinstance(doc, dict) or set(doc) - {"daemons"} or not isinstance(doc.get("daemons", {}), dict):
+            raise ValueError("not an object of daemon records by GPU")
     except FileNotFoundError:
         return MpsState()
-    except (OSError, ValueError, ValidationError) as err:
-        aside = f"{path}.invalid.{int(time.time())}"
-        log.error("MPS daemon records %s are invalid (%s): moved to %s; daemons found again", path, err, aside)
-        try:
-            os.replace(path, aside)
-        except OSError:
-            pass
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested too deep
+        _aside(path, str(err) if not isinstance(err, RecursionError) else "nested too deep", os.replace)
         return MpsState()
+    state, bad = MpsState(), []
+    for key, raw in doc.get("daemons", {}).items():
+        try:
+            rec = MpsRecord.model_validate(raw)
+            if rec.uuid != key:
+                raise ValueError("a record under another GPU's key")
+        except ValueError as err:  # (pydantic's ValidationError too)
+            bad.append(f"record {key[:80]!r}: {' '.join(str(err).split())[:300]}")
+            continue
+        state.daemons[key] = rec
+    if bad:
+        _aside(path, "; ".join(bad), shutil.copyfile)
+    return state
+
+
+def _aside(path: str, why: str, how) -> None:
+    aside = f"{path}.invalid.{int(time.time())}"
+    log.error("MPS daemon records %s are invalid (%s): %s to %s; their daemons found again", path, why,
+              "moved" if how is os.replace else "copied", aside)
+    try:
+        how(path, aside)
+    except OSError:
+        pass
 
 
 def save(path: str, state: MpsState) -> None:
