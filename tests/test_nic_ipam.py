@@ -209,7 +209,7 @@ def test_a_pool_is_the_admins_and_checked(tmp_path):
     assert env.nic_ipam["data"]["type"] == "host-local"  # SYSDRA_NIC_IPAM as YAML text
 
 
-@pytest.mark.parametrize("result", ["[]", '"10.77.0.10/24"', "null", "7"])
+@pytest.mark.parametrize("result", ["[]", '"10.77.0.10/24"', "null", "7", "[" * 50000])  # (nested too deep to parse)
 def test_a_plugin_result_that_is_not_an_object_is_the_plugins_error_and_its_lease_goes_back(tmp_path, result):
     """A CNI result is a JSON object; whatever else the plugin prints is its error (IpamError:
     the sandbox fails with it, the move is undone) and what its ADD may have leased is given back."""
@@ -225,6 +225,17 @@ def test_a_plugin_result_that_is_not_an_object_is_the_plugins_error_and_its_leas
     with pytest.raises(IpamError, match="not one this agent can use"):
         ipam.lease("p", "sb1", "/run/netns/x", "net1")
     assert log.read_text().split() == ["DEL", "ADD", "DEL"]
+
+
+def test_a_plugins_error_nested_too_deep_is_told_as_it_printed_it(tmp_path):
+    from agent.prepare.ipam import IpamError
+
+    (tmp_path / "bin").mkdir()
+    plugin = tmp_path / "bin" / "odd"
+    plugin.write_text("#!/bin/sh\n[ $CNI_COMMAND = DEL ] && exit 0\necho '%s'\nexit 1\n" % ("[" * 50000))
+    plugin.chmod(0o755)
+    with pytest.raises(IpamError, match=r"ADD failed: \[\[\[\["):
+        Ipam({"p": {"type": "odd"}}, str(tmp_path / "bin"), str(tmp_path / "data")).lease("p", "sb1", "/run/netns/x", "net1")
 
 
 def test_the_pods_network_data_names_each_address_once_and_at_most_sixteen():

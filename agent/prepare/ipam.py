@@ -109,9 +109,10 @@ class Ipam:
         out = self._run("ADD", pool, config, sandbox, netns, ifname, pod)
         try:
             return _result(json.loads(out))
-        except (ValueError, KeyError, TypeError, ValidationError) as err:
+        except (ValueError, KeyError, TypeError, ValidationError, RecursionError) as err:  # (JSON nested too deep)
             self.release(pool, sandbox, netns, ifname, config, pod)
-            raise IpamError(f"IPAM pool {pool!r}: the plugin's result is not one this agent can use: {err}") from None
+            why = "nested too deep" if isinstance(err, RecursionError) else err
+            raise IpamError(f"IPAM pool {pool!r}: the plugin's result is not one this agent can use: {why}") from None
 
     def release(self, pool: str, sandbox: str, netns: str | None, ifname: str, config: dict | None = None,
                 pod: str | None = None) -> None:
@@ -125,7 +126,7 @@ def _error(stdout: bytes, stderr: bytes) -> str:
     try:
         doc = json.loads(stdout)
         text = f"{doc.get('msg')}" + (f": {doc['details']}" if doc.get("details") else "")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # not a CNI error object (or nested too deep to tell)
         text = (stdout or stderr).decode(errors="replace").strip()
     return text[:500] or "no message"
 
