@@ -17,6 +17,7 @@ GROUP = "metadata.resource.k8s.io"
 KIND = "DeviceMetadata"
 VERSIONS = (f"{GROUP}/v1beta1", f"{GROUP}/v1alpha1")  # written in this order
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
+MAX_GENERATION = 2**63 - 1  # an int64, as the API's generations (a larger one no Go consumer parses)
 
 
 class MetadataError(ValueError):
@@ -59,13 +60,18 @@ def _objects(text: str):
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             raise MetadataError(f"not a JSON stream at offset {pos}: {err.msg}") from err
+        except RecursionError:
+            raise MetadataError(f"not a JSON stream at offset {pos}: nested too deep") from None
+        except ValueError:  # an integer beyond Python's conversion limit (4300 digits)
+            raise MetadataError(f"not a JSON stream at offset {pos}: a number too long") from None
         yield value
 
 
 def _check(obj: dict) -> dict:
     meta = obj.get("metadata")
-    if not isinstance(meta, dict) or not isinstance(meta.get("generation", 0), int):
-        raise MetadataError(f"{obj.get('apiVersion')}: metadata is not an object with an integer generation")
+    generation = meta.get("generation", 0) if isinstance(meta, dict) else None
+    if not isinstance(generation, int) or not 0 <= generation <= MAX_GENERATION:
+        raise MetadataError(f"{obj.get('apiVersion')}: metadata is not an object with a generation of 0 to 2^63-1")
     for key in ("name", "namespace", "uid"):
         if not isinstance(meta.get(key, ""), str):
             raise MetadataError(f"{obj.get('apiVersion')}: metadata.{key} is not a string")
