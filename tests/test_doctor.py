@@ -305,3 +305,19 @@ def test_a_checkpoint_aside_whose_name_holds_no_time_is_still_named():
             open(os.path.join(d, f"checkpoint.json.rejected-{suffix}"), "w").close()
             (found,) = _checkpoint_aside(d)
             assert found.check == "checkpoint:aside" and f"(last at {when}" in found.message
+
+
+def test_files_nested_too_deep_to_parse_are_failed_checks_not_a_crash(tmp_path):
+    """CDI specs (any tool's) and metadata files nested too deep: doctor raised RecursionError
+    and checked nothing more."""
+    d = str(tmp_path / "cdi")
+    _write(d, "deep.json", "[" * 100000)
+    _write(d, "deep.yaml", "[" * 100000)
+    _write(d, "good.json", finish(GOOD))
+    found = doctor_files.check_cdi_dirs([d])
+    assert {os.path.basename(f.check): (f.level, f.message) for f in found if os.path.basename(f.check).startswith("deep")} == {
+        "deep.json": ("fail", "does not parse: nested too deep"), "deep.yaml": ("fail", "does not parse: nested too deep")}
+    assert any(f.level == "ok" and "good.json" in f.check for f in found)
+    _write(os.path.join(str(tmp_path), "dra-device-metadata", "ns_c", "req"), "metadata.json", "[" * 100000)
+    found = doctor_files.check_metadata(str(tmp_path))
+    assert [(f.level, f.message) for f in found] == [("fail", "not a complete JSON stream: nested too deep")]

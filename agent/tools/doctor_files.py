@@ -73,8 +73,9 @@ def check_cdi_spec(path: str, validator=None) -> tuple[list[Finding], dict | Non
     check = f"cdi:{path}"
     try:
         spec = _load_spec(path)
-    except (OSError, ValueError, yaml.YAMLError) as err:
-        return [Finding(check, "fail", f"does not parse: {str(err).splitlines()[0]}",
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as err:  # (another tool's file: nested too deep too)
+        why = "nested too deep" if isinstance(err, RecursionError) else str(err).splitlines()[0]
+        return [Finding(check, "fail", f"does not parse: {why}",
                         "the runtime ignores the file (or fails every container using it): fix or remove it")], None
     if validator is not None:
         errors = [f"{'/'.join(map(str, e.absolute_path)) or 'spec'}: {e.message}" for e in validator.iter_errors(spec)]
@@ -184,8 +185,9 @@ def check_metadata(plugin_dir: str) -> list[Finding]:
             count += 1
             try:
                 objs = parse_json_stream(open(path, encoding="utf-8").read())
-            except (OSError, ValueError) as err:
-                found.append(Finding(f"metadata:{path}", "fail", f"not a complete JSON stream: {err}",
+            except (OSError, ValueError, RecursionError) as err:
+                why = "nested too deep" if isinstance(err, RecursionError) else err
+                found.append(Finding(f"metadata:{path}", "fail", f"not a complete JSON stream: {why}",
                                      "the agent rewrites it on the next prepare; unprepare/prepare the claim or delete the pod"))
                 continue
             bad = [o for o in objs if not (isinstance(o, dict) and o.get("kind") == "DeviceMetadata"
