@@ -58,6 +58,8 @@ def read_spec(path: str) -> dict:
         validate(spec)
     except (OSError, ValueError) as err:  # json.JSONDecodeError and SpecError are ValueErrors
         raise SpecError(f"{path}: {err}") from err
+    except RecursionError:  # JSON nested too deep to parse: unreadable like any other damage
+        raise SpecError(f"{path}: nested too deep") from None
     return spec
 
 

@@ -1,0 +1,60 @@
+"""The agent's CDI specs read back damaged (agent/prepare/cdifiles.py, claimfiles.py): recovery
+reads every prepared claim's specs; a damaged one is rewritten, never an exception that stops
+the agent's start."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from agent.prepare import cdifiles
+from agent.prepare.driver import Driver
+from agent.prepare.metadata import layout
+from cdi.spec import SpecError
+from tests.kubelet_standin import DRIVER, claim
+from tests.test_metadata import NIC0, env, prepared
+from tests.test_records_damaged import damaged
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A prepared claim with metadata: its claim spec and its request's metadata spec."""
+    s, state = env(tmp_path)
+    c = claim("c", [("net", NIC0)])
+    prepared(s, state, c)
+    uid = c["metadata"]["uid"]
+    return s, state, {"claim": cdifiles.claim_spec_path(s.cdi_dir, DRIVER, uid),
+                      "metadata": layout.spec_path(s.cdi_dir, DRIVER, uid, "net")}
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("which", ["claim", "metadata"])
+def test_a_spec_nested_too_deep_is_rewritten_at_start(node, which):
+    s, state, paths = node
+    _write(paths[which], b"[" * 100000)
+    with pytest.raises(SpecError, match="nested too deep"):
+        cdifiles.read_spec(paths[which])
+    Driver(s, lambda: state["inv"]).recover()  # raised RecursionError: the agent did not start
+    assert cdifiles.read_spec(paths[which])["devices"]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), which=st.sampled_from(["claim", "metadata"]))
+def test_any_damage_to_a_spec_leaves_a_valid_one_after_recovery(node, data, which):
+    s, state, paths = node
+    with open(paths[which], "rb") as f:
+        valid = f.read()
+    _write(paths[which], data.draw(damaged(valid)))
+    try:
+        cdifiles.read_spec(paths[which])
+    except SpecError:  # the one error a reader sees
+        pass
+    Driver(s, lambda: state["inv"]).recover()
+    cdifiles.read_spec(paths[which])
+    _write(paths[which], valid)
