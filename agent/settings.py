@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from agent.names import is_subdomain
 from agent.settings_errors import error_message
 from agent.settings_mps import MpsPodSettings, host_path as _host_path
-from agent.settings_yaml import YamlError, load as yaml_load
 from agent.settings_net import metrics_address as _metrics_address, nic_ipam as _ipam
 
 EX_CONFIG = 78
@@ -306,6 +305,8 @@ def _before(values: dict[str, Any]) -> dict[str, Any]:
         if name in ("share", "exclude_devices") and isinstance(value, str):  # --share gpu,nic / SYSDRA_SHARE=gpu,nic
             out[name] = [x.strip() for x in value.split(",") if x.strip()]
         elif name in ("skip_node_operations", "nvidia_mps_pod", "taint_effects", "nic_ipam", "device_attributes") and isinstance(value, str):  # '{accelerator: ["*"]}'
+            from agent.settings_yaml import YamlError, load as yaml_load  # (YAML is loaded only when there is some)
+
             try:
                 out[name] = yaml_load(value) or {"nvidia_mps_pod": None, "device_attributes": ()}.get(name, {})
             except YamlError as err:
@@ -340,6 +341,8 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {err}") from err
     if not text.strip():  # no file content (e.g. /dev/null): the YAML parser is not even loaded
         return {}
+    from agent.settings_yaml import YamlError, load as yaml_load
+
     try:
         data = yaml_load(text)
     except YamlError as err:
