@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import uuid
 
 from agent.fsutil import atomic_write_json, clean_stale_temps, make_dirs
@@ -65,8 +66,7 @@ class DirStore:
                 continue
             name = fname[: -len(".json")]
             obj = self._read(name)
-            spec = obj.get("spec") if isinstance(obj, dict) else None  # another's file may hold any JSON
-            if not isinstance(spec, dict) or spec.get("nodeName") != self.node_name or spec.get("driver") != self.driver_name:
+            if not self._ours(obj):
                 continue
             meta = obj.get("metadata")
             if not isinstance(meta, dict) or meta.get("name") != name:
@@ -75,6 +75,32 @@ class DirStore:
                 obj = {**obj, "metadata": {**(meta if isinstance(meta, dict) else {}), "name": name}}
             out.append(obj)
         return out
+
+    def _ours(self, obj: object) -> bool:
+        """Whether a listing shows ``obj`` as a slice of this node's driver."""
+        spec = obj.get("spec") if isinstance(obj, dict) else None  # another's file may hold any JSON
+        return isinstance(spec, dict) and spec.get("nodeName") == self.node_name and spec.get("driver") == self.driver_name
+
+    def _whole(self, obj: object) -> bool:
+        """Whether ``obj``, at the name of one of our slices, is one the reconciler lists as its
+        pool's (the agent's pool is named after its node): else nothing would replace it."""
+        pool = obj["spec"].get("pool") if self._ours(obj) else None  # type: ignore[index]
+        return isinstance(pool, dict) and pool.get("name") == self.node_name
+
+    def _set_aside(self, name: str) -> None:
+        """A file under the name of one of our slices (the name holds our driver and node) that
+        the reconciler does not take for its pool's: damaged (it does not parse, holds no slice, or a
+        flipped byte names another driver, node or pool). Kept for the operator as ``<name>.json.damaged-<ns>``,
+        which no listing reads."""
+        aside = f"{self.path(name)}.damaged-{time.time_ns()}"
+        try:
+            os.replace(self.path(name), aside)
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            raise StoreError(f"cannot move the damaged {self.path(name)} aside: {err}") from err
+        self._cache.pop(name, None)
+        log.warning("slice file %s is damaged (not a slice of this node's pool): moved to %s, the slice written anew", self.path(name), aside)
 
     def _write(self, obj: dict) -> dict:
         name = obj["metadata"]["name"]
@@ -97,7 +123,9 @@ class DirStore:
     def _create(self, obj: dict) -> dict:
         name = obj["metadata"]["name"]
         if os.path.exists(self.path(name)):
-            raise Conflict(f"resourceslice {name} already exists")
+            if self._whole(self._read(name)):
+                raise Conflict(f"resourceslice {name} already exists")
+            self._set_aside(name)  # damaged: no listing shows it, so every create would conflict for ever
         obj = self._own(obj)
         obj["metadata"].update(uid=str(uuid.uuid4()), resourceVersion="1")
         return self._write(obj)
@@ -106,7 +134,7 @@ class DirStore:
         old = self._read(name)
         if old is None:
             raise NotFound(f"resourceslice {name} not found")
-        meta = old.get("metadata", {})
+        meta = _meta(old)
         if uid and meta.get("uid") != uid:
             raise Conflict(f"resourceslice {name}: uid precondition failed")
         if resource_version and meta.get("resourceVersion") != resource_version:
@@ -116,9 +144,9 @@ class DirStore:
     def _update(self, obj: dict) -> dict:
         meta = obj["metadata"]
         old = self._check(meta["name"], meta.get("uid"), meta.get("resourceVersion"))
-        obj = self._own(obj)
-        obj["metadata"]["uid"] = old["metadata"].get("uid")
-        obj["metadata"]["resourceVersion"] = str(int(old["metadata"].get("resourceVersion") or 0) + 1)
+        obj, had = self._own(obj), _meta(old)
+        obj["metadata"]["uid"] = had.get("uid") if isinstance(had.get("uid"), str) else str(uuid.uuid4())
+        obj["metadata"]["resourceVersion"] = str(_version(had) + 1)
         return self._write(obj)
 
     def _delete(self, name: str, uid: str, resource_version: str) -> None:
@@ -142,3 +170,15 @@ class DirStore:
 
     async def delete(self, name: str, uid: str, resource_version: str) -> None:
         await asyncio.to_thread(self._delete, name, uid, resource_version)
+
+
+def _meta(obj: object) -> dict:
+    """A file's metadata; {} where a damaged file holds none (its object is still addressed by the file's name)."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _version(meta: dict) -> int:
+    """A file's resourceVersion as a number; 0 for a damaged one (the next write is 1, as a create's)."""
+    value = meta.get("resourceVersion")
+    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 20 else 0
