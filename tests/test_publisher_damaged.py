@@ -54,6 +54,20 @@ def test_a_damaged_slice_file_is_replaced_and_kept_aside(tmp_path, damage):
     assert set(os.listdir(d)) <= {name} | {n for n in os.listdir(d) if n.startswith(name + ".damaged-")}
 
 
+def test_a_foreign_file_nested_too_deep_is_left_alone(tmp_path):
+    """Its RecursionError made every listing raise: the node's slices were never published."""
+    d = tmp_path / "resourceslices"
+    d.mkdir()
+    (d / "deep.json").write_text("[" * 100000)
+
+    async def scenario():
+        return await Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE,
+                                driver_name=DRIVER).sync(pool_of(3))
+
+    assert run(scenario()).created == 1
+    assert (d / "deep.json").read_text() == "[" * 100000
+
+
 @settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_damage_to_our_slice_file_is_repaired_by_the_next_syncs(tmp_path, data):

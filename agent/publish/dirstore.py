@@ -46,9 +46,10 @@ class DirStore:
         except FileNotFoundError:
             self._cache.pop(name, None)
             return None
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:  # (RecursionError: JSON nested too deep)
             # a half-edited or foreign file: not ours to interpret, but do not crash
-            log.warning("ignoring unreadable slice file %s: %s", self.path(name), err)
+            why = "nested too deep" if isinstance(err, RecursionError) else err
+            log.warning("ignoring unreadable slice file %s: %s", self.path(name), why)
             return None
         self._cache[name] = (stamp, obj)
         return obj
