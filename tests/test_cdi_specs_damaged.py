@@ -58,3 +58,24 @@ def test_any_damage_to_a_spec_leaves_a_valid_one_after_recovery(node, data, whic
     Driver(s, lambda: state["inv"]).recover()
     cdifiles.read_spec(paths[which])
     _write(paths[which], valid)
+
+
+# --- NVIDIA's own CDI specs (nvidia_cdi_spec: another program's files, agent/prepare/nvidia.py) -----
+@pytest.mark.parametrize("bad", [{"devices": 5}, {"devices": [{"name": "9", "containerEdits": {"deviceNodes": 5}}]}])
+def test_a_malformed_nvidia_spec_is_skipped_and_the_gpu_found_in_the_good_one(tmp_path, bad):
+    """The runtime ignores a spec it cannot read: one that the agent iterated as it is (an
+    integer for a list) failed every NVIDIA claim with an internal error."""
+    import json
+
+    from tests.test_nvidia_driver import copy_profile, prepare_gpu
+
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    os.makedirs(os.path.join(root, "etc/cdi"))
+    good = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+            "devices": [{"name": "2", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia2"}]}}]}
+    for name, spec in (("a-bad.json", {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", **bad}), ("b-good.json", good)):
+        with open(os.path.join(root, "etc/cdi", name), "w") as f:
+            json.dump(spec, f)
+    res, _, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0", nvidia_cdi_spec=True)  # /dev/nvidia2
+    assert res.error is None, res.error
+    assert res.devices[0].cdi_ids[1] == "nvidia.com/gpu=2"

@@ -193,7 +193,12 @@ def _load(path: str) -> dict | None:
     except Exception as err:  # noqa: BLE001 - yaml.YAMLError and friends: another program's file
         log.warning("CDI spec %s: %s", path, err)
         return None
-    return spec if isinstance(spec, dict) and spec.get("kind") == NVIDIA_KIND else None
+    if not isinstance(spec, dict) or spec.get("kind") != NVIDIA_KIND:
+        return None
+    if not isinstance(spec.get("devices"), list):  # the runtime refuses such a file: no device of it is resolved
+        log.warning("CDI spec %s: devices is not a list: skipped", path)
+        return None
+    return spec
 
 
 def _device_in_specs(specs: list[dict], dev: Device) -> str | None:
@@ -206,14 +211,15 @@ def _device_in_specs(specs: list[dict], dev: Device) -> str | None:
     node = f"/dev/nvidia{dev.gpu.nvidia_minor}" if dev.gpu and dev.gpu.nvidia_minor is not None else None
     effective: dict[str, dict] = {}  # name -> the device the runtime resolves it to (first seen order)
     for spec in specs:
-        for d in spec.get("devices") or []:
+        for d in spec["devices"]:  # a list (_load)
             if not isinstance(d, dict) or not isinstance(d.get("name"), str):
                 continue
             if uuid and d["name"] == uuid:
                 return uuid
             effective[d["name"]] = d
     for name, d in effective.items():
-        nodes = ((d.get("containerEdits") or {}).get("deviceNodes") or []) if isinstance(d.get("containerEdits"), dict) else []
+        nodes = d["containerEdits"].get("deviceNodes") if isinstance(d.get("containerEdits"), dict) else None
+        nodes = nodes if isinstance(nodes, list) else []  # (another program's file: any JSON)
         if node and any(isinstance(n, dict) and n.get("path") == node for n in nodes):
             return name
     return None
