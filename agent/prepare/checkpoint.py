@@ -64,7 +64,7 @@ from agent.prepare import checkpoint_entries as entries
 from agent.prepare.checkpoint_entries import REJECTED_ENTRIES, Foreign
 from agent.prepare.checkpoint_format import (COMPLETED, JOURNAL_SUFFIX, STARTED, VERSION, CheckpointError, canonical,
                                              appended_after, check_snapshot, checksum, claims_text, disk_stamp,
-                                             journal_line, parse_journal_line, remember_saved)
+                                             journal_line, parse_journal_line, read_file, remember_saved)
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +147,7 @@ class Checkpoint:
         """``move_corrupt=False`` (other processes than the agent): raise ValueError instead."""
         cp = cls(path)
         cp.stamp = cp.disk_stamp(path)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            raw = None
+        raw = read_file(path)
         try:
             if raw is None:
                 if cp.stamp[1] is not None:
@@ -201,10 +197,8 @@ class Checkpoint:
             self.foreign[uid] = foreign
 
     def _replay_journal(self) -> None:
-        try:
-            with open(self.journal_path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
+        raw = read_file(self.journal_path)
+        if raw is None:
             return  # version 1, or a crash before the first journal: the next save starts one
         used = raw.rstrip(b"\0")  # the preallocated zeros are not records
         lines = used.split(b"\n")

@@ -11,7 +11,7 @@ import json
 import os
 import zlib
 
-from agent.fsutil import json_bytes
+from agent.fsutil import describe_error, json_bytes
 
 VERSION = 2
 STARTED = "PrepareStarted"
@@ -21,6 +21,21 @@ JOURNAL_SUFFIX = ".journal"
 
 class CheckpointError(Exception):
     """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
+
+
+def read_file(path: str) -> bytes | None:
+    """A checkpoint file's bytes; None: there is none. CheckpointError for one that is there but
+    cannot be read (a directory where the file should be, no permission, an I/O error): that is
+    not damage to move aside, since nothing of it was read, and no claim can be told prepared."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({describe_error(err)}): which claims are prepared cannot be "
+                              "told; make it the agent's file again, or move it away knowingly (its claims are then "
+                              "adopted from their CDI specs)") from None
 
 
 def canonical(obj: object) -> bytes:
