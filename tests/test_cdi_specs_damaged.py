@@ -79,3 +79,36 @@ def test_a_malformed_nvidia_spec_is_skipped_and_the_gpu_found_in_the_good_one(tm
     res, _, _ = prepare_gpu(tmp_path, root, "gpu-0000-18-00-0", nvidia_cdi_spec=True)  # /dev/nvidia2
     assert res.error is None, res.error
     assert res.devices[0].cdi_ids[1] == "nvidia.com/gpu=2"
+
+
+# --- a directory where one of our spec files should be -------------------------------------------
+GHOST = "0a0a0a0a-0000-4000-8000-000000000000"
+
+
+def test_a_directory_at_a_prepared_claims_spec_costs_only_that_claim(node, caplog):
+    """Recovery raised WriteError (no agent start, every claim of the node without service),
+    its unprepare IsADirectoryError (retried by the kubelet for ever)."""
+    from agent.kubeletplugin.types import ClaimRef
+
+    s, state, paths = node
+    other = claim("other", [("r", "gpu-0000-1b-00-0")])
+    assert Driver(s, lambda: state["inv"]).prepare_claims([other])[other["metadata"]["uid"]].error is None
+    other_spec = cdifiles.claim_spec_path(s.cdi_dir, DRIVER, other["metadata"]["uid"])
+    os.unlink(paths["claim"])
+    os.mkdir(paths["claim"])
+    os.unlink(other_spec)  # lost: rebuilt by the same recovery
+    d = Driver(s, lambda: state["inv"])
+    d.recover()
+    assert cdifiles.read_spec(other_spec)["devices"] and "cannot rewrite its CDI spec" in caplog.text
+    uid = os.path.basename(paths["claim"]).removeprefix(cdifiles.claim_spec_prefix(DRIVER)).removesuffix(".json")
+    assert d.unprepare_claims([ClaimRef("default", "c", uid)]) == {uid: None}
+    assert os.path.isdir(paths["claim"])  # not ours to remove: said
+
+
+@pytest.mark.parametrize("name", [f"k8s.{DRIVER}-claim_{GHOST}.json", f"{DRIVER}_metadata_{GHOST}_r.json"])
+def test_a_directory_under_an_orphan_specs_name_is_left_and_said(node, name, caplog):
+    s, state, paths = node
+    os.mkdir(os.path.join(s.cdi_dir, name))
+    Driver(s, lambda: state["inv"]).recover()  # raised IsADirectoryError: no agent start
+    assert os.path.isdir(os.path.join(s.cdi_dir, name)) and "not removed" in caplog.text
+    assert cdifiles.read_spec(paths["claim"])

@@ -8,11 +8,14 @@ trusted: :func:`is_ours` decides, from the name alone, whether a path is one of 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from agent.fsutil import atomic_write_json, clean_stale_temps, remove_file
 from agent.names import check_uid, is_uid
 from cdi.spec import SpecError, validate, vendor_of
+
+log = logging.getLogger(__name__)
 
 
 def claim_spec_prefix(driver_name: str) -> str:
@@ -64,7 +67,13 @@ def read_spec(path: str) -> dict:
 
 
 def remove_spec(path: str) -> bool:
-    return remove_file(path)
+    """Our spec at ``path`` gone; True if it was there. Something else under its name (a
+    directory) is left, said: no claim's unprepare or the agent's start fails on it."""
+    try:
+        return remove_file(path)
+    except OSError as err:
+        log.error("CDI spec %s not removed: %s", path, err)
+        return False
 
 
 def list_claim_specs(cdi_dir: str, driver_name: str) -> dict[str, str]:

@@ -90,7 +90,11 @@ class ClaimFiles:
             content = self.claim_spec(uid, entry, self.inventory().by_name())
         except Exception as err:  # a device gone, a step's view unreadable: the recorded spec
             log.warning("claim %s: rebuilding CDI spec from the recorded one (%s)", uid, err)
-        cdifiles.write_spec(spec["path"], content)
+        try:
+            cdifiles.write_spec(spec["path"], content)
+        except OSError as err:  # (a directory where the file should be): this claim's alone, the others go on
+            log.error("claim %s: cannot rewrite its CDI spec: %s", uid, err)
+            return False
         spec["spec"] = content
         return True
 

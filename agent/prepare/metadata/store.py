@@ -163,7 +163,7 @@ def remove_claim(settings: Settings, uid: str, namespace: str, name: str, keep_d
     namespace/name (a recreated claim), its host directory. ``requests``: the base requests its
     entry records, whose files go by name before the directory is walked."""
     for path in layout.list_specs(settings.cdi_dir, settings.driver_name).get(uid, []):
-        remove_file(path)
+        cdifiles.remove_spec(path)
     if not namespace or not name or keep_dir:
         return
     try:
@@ -232,8 +232,7 @@ def remove_orphans(settings: Settings, claims: dict[str, dict]) -> list[str]:
         elif entry:  # adopted after a corrupt checkpoint: keep what is there
             continue
         for path in paths:
-            if path not in wanted:
-                remove_file(path)
+            if path not in wanted and cdifiles.remove_spec(path):
                 removed.append(path)
     root = layout.host_root(settings.plugin_dir)
     owned = {layout.claim_dir_name(e.get("namespace") or "", e.get("name") or "") for e in claims.values() if e.get("metadata")}
