@@ -48,3 +48,9 @@ def test_a_damaged_file_is_a_warning(tmp_path):
     write(root, "[crio.nri\n", "etc/crio/crio.conf.d/bad.conf")
     (found,) = check_crio(str(root), SOCK, CDI)
     assert found.level == "warn" and "bad.conf" in found.message
+
+
+def test_a_file_nested_too_deep_is_a_warning_not_a_crash(tmp_path):
+    path = write(tmp_path, "a = " + "{b = " * 5000 + "1" + "}" * 5000 + "\n", "crio.conf")
+    (found,) = check_crio(str(tmp_path), SOCK, CDI, path=path, drop_ins=str(tmp_path / "none"))
+    assert found.level == "warn" and "nested too deep" in found.message

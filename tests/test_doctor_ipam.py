@@ -39,3 +39,17 @@ def test_pools_without_nri_warn_and_no_pools_say_nothing(tmp_path, root):  # noq
 def test_the_ipam_plugins_of_a_node_speak_cni_1_0(tmp_path, root, plugin):  # noqa: F811
     (f,) = check_ipam(settings_for(str(tmp_path), root=root, nic_ipam={"p": {"type": plugin}}))
     assert f.level == "ok", f
+
+
+@pytest.mark.parametrize("answer,said", [('{"supportedVersions": 5}', "supportedVersions is not a list of versions: 5"),
+                                         ('{"supportedVersions": [1, 0]}', "supportedVersions is not a list"),
+                                         ("[" * 50000, "its VERSION answer is nested too deep")])
+def test_a_plugins_odd_version_answer_is_its_failed_check(tmp_path, root, answer, said):  # noqa: F811
+    """Another program's output: doctor raised TypeError or RecursionError and checked nothing more."""
+    odd = os.path.join(root, "opt", "cni", "odd")
+    os.makedirs(odd)
+    with open(os.path.join(odd, "plugin"), "w") as f:
+        f.write(f"#!/bin/sh\necho '{answer}'\n")
+    os.chmod(os.path.join(odd, "plugin"), 0o755)
+    (f,) = check_ipam(settings_for(str(tmp_path), root=root, nic_ipam={"p": {"type": "plugin"}}, cni_bin_dir="/opt/cni/odd"))
+    assert f.level == "fail" and said in f.message

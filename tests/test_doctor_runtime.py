@@ -95,7 +95,8 @@ def test_version_2_configs_as_containerd_1_7_reads_them(tmp_path, main, imported
     expect(check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, main)), {"containerd-cdi": cdi, "containerd-nri": nri})
 
 
-@pytest.mark.parametrize("text", ["version = 3\n[plugins\n", "version = 1\n", "version = 3\nimports = 'x'\n"])
+@pytest.mark.parametrize("text", ["version = 3\n[plugins\n", "version = 1\n", "version = 3\nimports = 'x'\n",
+                                  "version = 3\na = " + "[" * 5000 + "]" * 5000 + "\n"])  # nested too deep: doctor's RecursionError
 def test_configs_that_say_nothing_usable(tmp_path, text):
     (finding,) = check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, text))
     assert finding.check == "containerd" and finding.level == "warn" and finding.fix

@@ -53,8 +53,9 @@ def check_crio(root: str, nri_socket: str, cdi_dir: str, path: str | None = None
         try:
             with open(name, "rb") as f:
                 _merge(config, tomllib.load(f))
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            return [Finding("crio", "warn", f"{name}: cannot read it: {err}", "check the file (crio config shows what CRI-O reads)")]
+        except (OSError, tomllib.TOMLDecodeError, RecursionError) as err:  # (nested too deep to parse)
+            why = "nested too deep" if isinstance(err, RecursionError) else err
+            return [Finding("crio", "warn", f"{name}: cannot read it: {why}", "check the file (crio config shows what CRI-O reads)")]
     crio = config.get("crio") if isinstance(config.get("crio"), dict) else {}
     where = ", ".join(files)
     return [_cdi(where, _table(crio, "runtime"), cdi_dir), _nri(where, _table(crio, "nri"), nri_socket)]

@@ -29,8 +29,11 @@ def check_ipam(settings) -> list[Finding]:
         try:
             done = subprocess.run([plugin], input=b"{}", env={"CNI_COMMAND": "VERSION"}, capture_output=True, timeout=10)
             versions = json.loads(done.stdout).get("supportedVersions") or []
-        except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError) as err:
-            found.append(Finding(CHECK, "fail", f"IPAM pool {name}: {plugin} does not run as a CNI plugin: {err}", fix))
+            if not isinstance(versions, list) or not all(isinstance(v, str) for v in versions):
+                raise ValueError(f"supportedVersions is not a list of versions: {versions!r}"[:200])
+        except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError, RecursionError) as err:
+            why = "its VERSION answer is nested too deep" if isinstance(err, RecursionError) else err
+            found.append(Finding(CHECK, "fail", f"IPAM pool {name}: {plugin} does not run as a CNI plugin: {why}", fix))
             continue
         if CNI_VERSION not in versions:
             found.append(Finding(CHECK, "fail", f"IPAM pool {name}: {plugin} speaks CNI {', '.join(versions) or '?'}, "

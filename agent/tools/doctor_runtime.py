@@ -61,8 +61,9 @@ def check_containerd(root: str, nri_socket: str, cdi_dir: str, path: str | None 
     except FileNotFoundError:
         return [Finding("containerd", "skip", f"no containerd config at {path}: its defaults apply (2.x: CDI and NRI "
                                               "on; 1.7: both off); another runtime is not checked")]
-    except (OSError, tomllib.TOMLDecodeError, ValueError) as err:
-        return [Finding("containerd", "warn", f"{path}: cannot read it: {err}", "check the file (containerd config dump)")]
+    except (OSError, tomllib.TOMLDecodeError, ValueError, RecursionError) as err:  # (nested too deep to parse)
+        why = "nested too deep" if isinstance(err, RecursionError) else err
+        return [Finding("containerd", "warn", f"{path}: cannot read it: {why}", "check the file (containerd config dump)")]
     version = config.get("version", 1)
     if version not in CRI:
         return [Finding("containerd", "warn", f"{path}: config version {version}: containerd before 1.7 has no CDI",
