@@ -112,3 +112,19 @@ def test_a_directory_under_an_orphan_specs_name_is_left_and_said(node, name, cap
     Driver(s, lambda: state["inv"]).recover()  # raised IsADirectoryError: no agent start
     assert os.path.isdir(os.path.join(s.cdi_dir, name)) and "not removed" in caplog.text
     assert cdifiles.read_spec(paths["claim"])
+
+
+def test_a_valid_spec_that_is_not_the_one_written_is_written_again(node, caplog):
+    """A flipped byte that keeps the file valid (/dev/nvidia2 -> /dev/nvidia3: one bit) gave the
+    claim's containers another device: recovery took any spec that parses."""
+    import json
+
+    s, state, paths = node
+    with open(paths["claim"]) as f:
+        written = json.load(f)
+    altered = json.loads(json.dumps(written).replace('"SYSDRA_DEVICES=nic-0000-40-00-0"', '"SYSDRA_DEVICES=nic-0000-41-00-0"'))
+    assert altered != written
+    with open(paths["claim"], "w") as f:
+        json.dump(altered, f)
+    Driver(s, lambda: state["inv"]).recover()
+    assert cdifiles.read_spec(paths["claim"]) == written and "differs from the one recorded" in caplog.text

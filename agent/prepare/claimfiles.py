@@ -81,8 +81,10 @@ class ClaimFiles:
             rebuild = True
         if not rebuild:
             try:
-                cdifiles.read_spec(spec["path"])
-                return False
+                if cdifiles.read_spec(spec["path"]) == spec["spec"]:
+                    return False
+                # valid, yet not what was written (a flipped byte can name another device): written again
+                log.warning("claim %s: CDI spec %s differs from the one recorded: written again", uid, spec["path"])
             except SpecError:
                 pass
         content = spec["spec"]
