@@ -16,13 +16,28 @@ VENDOR_CLASS_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 DEVICE_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 
-_SPEC_KEYS = {"cdiVersion", "kind", "annotations", "devices", "containerEdits"}
-_DEVICE_KEYS = {"name", "annotations", "containerEdits"}
-_EDIT_KEYS = {"env", "deviceNodes", "mounts", "hooks", "intelRdt", "additionalGids", "netDevices"}
-_NODE_KEYS = {"path", "hostPath", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"}
-_MOUNT_KEYS = {"hostPath", "containerPath", "options", "type"}
-_HOOK_KEYS = {"hookName", "path", "args", "env", "timeout"}
+# each object's fields with the JSON type the runtime's Go types (specs-go) unmarshal: another
+# type rejects the whole file there (null is any field's zero value)
+_SPEC_KEYS = {"cdiVersion": "str", "kind": "str", "annotations": "map", "devices": "list", "containerEdits": "obj"}
+_DEVICE_KEYS = {"name": "str", "annotations": "map", "containerEdits": "obj"}
+_EDIT_KEYS = {"env": "list", "deviceNodes": "list", "mounts": "list", "hooks": "list", "intelRdt": "obj",
+              "additionalGids": "list", "netDevices": "list"}
+_NODE_KEYS = {"path": "str", "hostPath": "str", "type": "str", "major": "int", "minor": "int", "fileMode": "int",
+              "permissions": "str", "uid": "int", "gid": "int"}
+_MOUNT_KEYS = {"hostPath": "str", "containerPath": "str", "options": "strs", "type": "str"}
+_HOOK_KEYS = {"hookName": "str", "path": "str", "args": "strs", "env": "list", "timeout": "int"}
+_RDT_KEYS = {"closID": "str", "l3CacheSchema": "str", "memBwSchema": "str", "schemata": "strs", "enableMonitoring": "bool"}
+_NETDEV_KEYS = {"hostInterfaceName": "str", "name": "str"}
 _HOOK_NAMES = {"prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop"}
+_JSON_TYPES = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: type(v) is int,
+    "bool": lambda v: isinstance(v, bool),
+    "obj": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "map": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+}
 
 
 class SpecError(ValueError):
@@ -72,12 +87,20 @@ def minimum_version(spec: dict) -> str:
     return "0.3.0"
 
 
-def _check_keys(obj: object, allowed: set[str], where: str) -> dict:
+def _check_keys(obj: object, allowed: dict[str, str], where: str) -> dict:
+    """``obj`` an object of the ``allowed`` fields, each of its JSON type."""
     if not isinstance(obj, dict):
         raise SpecError(f"{where}: must be an object")
-    if not obj.keys() <= allowed:
-        raise SpecError(f"{where}: unknown field(s) {', '.join(sorted(set(obj) - allowed))}")
+    if not obj.keys() <= allowed.keys():
+        raise SpecError(f"{where}: unknown field(s) {', '.join(sorted(set(obj) - set(allowed)))}")
+    for key, value in obj.items():
+        if value is not None and not _JSON_TYPES[allowed[key]](value):
+            raise SpecError(f"{where}.{key}: must be {_TYPE_NAMES[allowed[key]]}")
     return obj
+
+
+_TYPE_NAMES = {"str": "a string", "int": "an integer", "bool": "a boolean", "obj": "an object", "list": "a list",
+               "strs": "a list of strings", "map": "an object of strings"}
 
 
 def _check_env(env: object, where: str) -> None:
@@ -87,7 +110,7 @@ def _check_env(env: object, where: str) -> None:
 
 def _check_edits(edits: object, where: str) -> None:
     edits = _check_keys(edits, _EDIT_KEYS, where)
-    if "env" in edits:
+    if edits.get("env") is not None:
         _check_env(edits["env"], where)
     for i, node in enumerate(edits.get("deviceNodes") or []):
         w = f"{where}.deviceNodes[{i}]"
@@ -99,7 +122,7 @@ def _check_edits(edits: object, where: str) -> None:
         perms = node.get("permissions", "")
         if perms and perms != "none" and set(perms) - set("rwm"):
             raise SpecError(f"{w}: invalid permissions {perms!r}")
-    gids = edits.get("additionalGids", [])
+    gids = edits.get("additionalGids") or []
     if not isinstance(gids, list) or not all(type(g) is int and 0 <= g < 2**32 for g in gids):
         raise SpecError(f"{where}.additionalGids: must be a list of uint32 group ids")
     for i, mount in enumerate(edits.get("mounts") or []):
@@ -112,8 +135,12 @@ def _check_edits(edits: object, where: str) -> None:
         _check_keys(hook, _HOOK_KEYS, w)
         if hook.get("hookName") not in _HOOK_NAMES or not hook.get("path"):
             raise SpecError(f"{w}: invalid hookName or empty path")
-        if "env" in hook:
+        if hook.get("env") is not None:
             _check_env(hook["env"], w)
+    if edits.get("intelRdt") is not None:
+        _check_keys(edits["intelRdt"], _RDT_KEYS, f"{where}.intelRdt")
+    for i, netdev in enumerate(edits.get("netDevices") or []):
+        _check_keys(netdev, _NETDEV_KEYS, f"{where}.netDevices[{i}]")
 
 
 def validate(spec: dict, needed: str | None = None) -> None:

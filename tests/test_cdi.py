@@ -132,6 +132,20 @@ def test_devices_of_a_claim_never_set_one_variable_or_mount_differently():
     ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(env=["=x"])]}, "NAME=value"),
     ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(deviceNodes=[{"path": "/d", "bogus": 1}])]}, "unknown field"),
     ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev()], "extra": 1}, "unknown field"),
+    # JSON of another type than the runtime's Go field: TypeError here, or taken for valid
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(deviceNodes=5)]}, r"deviceNodes: must be a list"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(mounts=True)]}, r"mounts: must be a list"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(hooks=[{"hookName": [], "path": "/x"}])]},
+     r"hookName: must be a string"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(deviceNodes=[{"path": "/d", "permissions": 7}])]},
+     r"permissions: must be a string"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(deviceNodes=[{"path": 5}])]}, r"path: must be a string"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(mounts=[{"hostPath": 1, "containerPath": "/b"}])]},
+     r"hostPath: must be a string"),
+    ({"cdiVersion": "0.3.0", "kind": "a.com/c", "devices": [_dev(deviceNodes=[{"path": "/d", "major": "1"}])]},
+     r"major: must be an integer"),
+    ({"cdiVersion": "0.6.0", "kind": "a.com/c", "devices": [_dev()], "annotations": {"a": 1}}, r"annotations: must be an object of strings"),
+    ({"cdiVersion": "1.1.0", "kind": "a.com/c", "devices": [_dev(intelRdt=5)]}, r"intelRdt: must be an object"),
 ])
 def test_validate_rejects_what_runtimes_reject(bad, msg):
     with pytest.raises(SpecError, match=msg):

@@ -44,6 +44,22 @@ def test_a_spec_nested_too_deep_is_rewritten_at_start(node, which):
     assert cdifiles.read_spec(paths[which])["devices"]
 
 
+@pytest.mark.parametrize("which", ["claim", "metadata"])
+def test_a_spec_of_another_json_type_where_a_list_is_is_rewritten_at_start(node, which):
+    """Recovery raised TypeError from the validator (no agent start)."""
+    import json
+
+    s, state, paths = node
+    with open(paths[which]) as f:
+        spec = json.load(f)
+    spec["devices"][0]["containerEdits"]["deviceNodes"] = 5
+    _write(paths[which], json.dumps(spec).encode())
+    with pytest.raises(SpecError, match="deviceNodes: must be a list"):
+        cdifiles.read_spec(paths[which])
+    Driver(s, lambda: state["inv"]).recover()
+    assert isinstance(cdifiles.read_spec(paths[which])["devices"][0]["containerEdits"].get("deviceNodes", []), list)
+
+
 @settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), which=st.sampled_from(["claim", "metadata"]))
 def test_any_damage_to_a_spec_leaves_a_valid_one_after_recovery(node, data, which):
