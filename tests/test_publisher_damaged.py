@@ -99,3 +99,36 @@ def dir_slices_lenient(tmp_path) -> list[dict]:
         if isinstance(obj, dict) and isinstance(obj.get("spec"), dict):
             out.append(obj)
     return out
+
+
+TAINT = {"gpu-0000-00-00-0": [{"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoSchedule",
+                               "timeAdded": "2026-01-01T00:00:00Z"}]}
+
+
+@pytest.mark.parametrize("damage", [
+    lambda text: text.replace('"generation":1', '"generation":"x"'),  # every sync raised ValueError
+    lambda text: text.replace('"generation":1', '"generation":[1]'),  # ... TypeError
+    lambda text: text.replace('"taints":[{', '"taints":[5,{'),  # AttributeError
+    lambda text: text.replace('"taints":[{', '"taints":5,"x":[{'),  # TypeError
+    lambda text: text.replace('"value":"xid-79"', '"value":["xid-79"]'),  # unhashable
+    lambda text: text.replace('"timeAdded":"2026-01-01T00:00:00Z"', '"timeAdded":["2026"]'),  # written on as it was
+])
+def test_a_damaged_generation_or_taint_in_our_slice_file_is_repaired(tmp_path, damage):
+    d = tmp_path / "resourceslices"
+
+    async def scenario():
+        pool = pool_of(3, taints=TAINT)
+        await Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE,
+                         driver_name=DRIVER).sync(pool)
+        (path,) = d.glob("*.json")
+        text = path.read_text()
+        assert damage(text) != text
+        path.write_text(damage(text))
+        restarted = Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER)
+        await _sync_until_done(restarted, pool_of(4, taints=TAINT))
+
+    run(scenario())
+    (obj,) = dir_slices(tmp_path)
+    assert len(obj["spec"]["devices"]) == 4
+    (taint,) = obj["spec"]["devices"][0]["taints"]
+    assert isinstance(taint["timeAdded"], str) and taint["value"] == "xid-79"

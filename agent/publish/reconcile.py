@@ -80,7 +80,7 @@ def _as_sent(devices):
     if not isinstance(devices, list):
         return devices
     return [{**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded" and not (k == "value" and v == "")}
-                             for t in d["taints"]]}
+                             if isinstance(t, dict) else t for t in d["taints"]]}
             if isinstance(d, dict) and isinstance(d.get("taints"), list) else d for d in devices]  # fmt: skip
 
 
@@ -99,10 +99,18 @@ def same_slice(existing: dict, desired: dict) -> bool:
 
 
 def _taint_times(slices: list[dict]) -> dict[tuple, str]:
-    """(device, key, value, effect) -> the ``timeAdded`` the server stamped on that taint."""
-    return {_taint_key(d, t): t["timeAdded"]
-            for s in slices for d in s.get("spec", {}).get("devices") or () if isinstance(d, dict)
-            for t in d.get("taints") or () if t.get("timeAdded")}  # fmt: skip
+    """(device, key, value, effect) -> the ``timeAdded`` the server stamped on that taint (a
+    file of the offline directory may hold anything there: only well-formed taints count)."""
+    out = {}
+    for s in slices:
+        devices = s.get("spec", {}).get("devices")
+        for d in devices if isinstance(devices, list) else ():
+            taints = d.get("taints") if isinstance(d, dict) else None
+            for t in taints if isinstance(taints, list) else ():
+                key = _taint_key(d, t) if isinstance(t, dict) else ()
+                if key and all(isinstance(k, str) for k in key) and isinstance(t.get("timeAdded"), str) and t["timeAdded"]:
+                    out[key] = t["timeAdded"]
+    return out
 
 
 def _keep_taint_times(obj: dict, times: dict[tuple, str]) -> dict:
@@ -120,7 +128,10 @@ def _keep_taint_times(obj: dict, times: dict[tuple, str]) -> dict:
 
 
 def _generation(obj: dict) -> int:
-    return int(obj.get("spec", {}).get("pool", {}).get("generation") or 0)
+    """The slice's pool generation; 0 for one that is no number (a damaged file: then obsolete)."""
+    pool = obj.get("spec", {}).get("pool")
+    generation = pool.get("generation") if isinstance(pool, dict) else None
+    return generation if type(generation) is int and generation >= 0 else 0
 
 
 def _match(existing: list[dict], count: int, current: int) -> tuple[dict[int, dict], list[dict]]:
