@@ -132,3 +132,42 @@ def test_a_damaged_generation_or_taint_in_our_slice_file_is_repaired(tmp_path, d
     assert len(obj["spec"]["devices"]) == 4
     (taint,) = obj["spec"]["devices"][0]["taints"]
     assert isinstance(taint["timeAdded"], str) and taint["value"] == "xid-79"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=6)
+
+
+def _paths(obj, at=()):
+    yield at
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _paths(v, at + (k,))
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_of_our_slice_file_swapped_for_other_json_is_repaired(tmp_path, data):
+    d = tmp_path / "resourceslices"
+    for p in d.glob("*") if d.exists() else ():
+        p.unlink()
+
+    async def scenario():
+        await Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE,
+                         driver_name=DRIVER).sync(pool_of(3, taints=TAINT))
+        (path,) = d.glob("*.json")
+        obj = json.loads(path.read_text())
+        at = data.draw(st.sampled_from(list(_paths(obj))[1:]))
+        holder = obj
+        for k in at[:-1]:
+            holder = holder[k]
+        holder[at[-1]] = data.draw(JSON)
+        path.write_text(json.dumps(obj))
+        restarted = Reconciler(DirStore(str(tmp_path), node_name=NODE, driver_name=DRIVER), node_name=NODE, driver_name=DRIVER)
+        await _sync_until_done(restarted, pool_of(4, taints=TAINT))
+
+    run(scenario())
+    ours = [s for s in dir_slices_lenient(tmp_path) if s["spec"].get("driver") == DRIVER
+            and s["spec"].get("nodeName") == NODE and len(s["spec"].get("devices") or []) == 4]
+    assert len(ours) == 1, os.listdir(d)
