@@ -48,3 +48,17 @@ def test_the_agent_exits_65_with_one_line(tmp_path):
     assert done.returncode == EX_DATAERR, done.stderr[-2000:]
     assert f"sysdra: {plugin / 'checkpoint.json'} cannot be read (Is a directory)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_scans_and_doctor_read_past_an_unreadable_checkpoint(tmp_path):
+    """The scans ask which netdevs are in pods (service/inpod.py): they keep what they knew; doctor
+    names the file and the fix."""
+    from agent.service.inpod import InPodNetdevs
+    from agent.tools.doctor_files import check_checkpoint
+
+    plugin = tmp_path / "plugin"
+    os.makedirs(plugin / "checkpoint.json")
+    assert InPodNetdevs(str(plugin))() == {}
+    (finding,) = [f for f in check_checkpoint(str(plugin)) if f.check == "checkpoint"]
+    assert finding.level == "fail" and "cannot be read (Is a directory)" in finding.message
+    assert finding.fix == "make it the agent's file again"

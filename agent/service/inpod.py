@@ -37,9 +37,11 @@ class InPodNetdevs:
             from agent.prepare.checkpoint_view import CheckpointView
 
             self._view = CheckpointView(self.path, self.saved)
+        from agent.prepare.checkpoint_format import CheckpointError
+
         try:
             claims = self._view.claims()
-        except (ValueError, OSError) as err:  # damaged: the driver's recovery repairs it; what was known stays
+        except (ValueError, OSError, CheckpointError) as err:  # damaged or unreadable: what was known stays
             log.debug("netdev records not read (%s): the last ones known are used", err)
             return self._last
         self._last = away(claims)

@@ -216,8 +216,9 @@ def check_checkpoint(plugin_dir: str) -> list[Finding]:
         return found + [Finding("checkpoint", "skip", f"{path} does not exist (no claim prepared yet)")]
     try:
         cp = Checkpoint.load(path, move_corrupt=False)
-    except CheckpointError as err:
-        return found + [Finding("checkpoint", "fail", str(err), "run the sysdra version that wrote it")]
+    except CheckpointError as err:  # a newer sysdra's, or a file that cannot be read: the message says which
+        fix = "make it the agent's file again" if "cannot be read" in str(err) else "run the sysdra version that wrote it"
+        return found + [Finding("checkpoint", "fail", str(err), fix)]
     except (OSError, ValueError, RecursionError) as err:
         return found + [Finding("checkpoint", "fail", f"does not load: {err}",
                                 "the agent's NRI plugin repairs it at the next pod event (within 10 s); without NRI, "
