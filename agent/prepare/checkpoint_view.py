@@ -75,8 +75,8 @@ class CheckpointView:
         self._rejected: dict[str, tuple[object, str]] = {}
 
     def claims(self) -> dict[str, dict]:
-        """The checkpoint's entries now. Raises ValueError (or OSError) when the files cannot
-        be read."""
+        """The checkpoint's entries now. Raises ValueError when the files are damaged, OSError
+        or CheckpointError when they cannot be read (a newer sysdra's, a directory where one is)."""
         claims = self.appended()
         if claims is None:
             cp = self._cp = Checkpoint.load(self.path, move_corrupt=False)
