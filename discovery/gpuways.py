@@ -241,12 +241,16 @@ def _within_limit(attrs: dict, capacity: dict) -> None:
         attrs.pop(name, None)
 
 
-_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+# every suffix ``attributes.quantity`` writes: a size of whole GBs (192000000000 bytes) is "192G"
+_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
 def quantity_bytes(q: str) -> int:
-    """Inverse of ``attributes.quantity`` (binary suffixes or plain bytes)."""
-    return int(q[:-2]) * _UNITS[q[-2:]] if q[-2:] in _UNITS else int(q)
+    """Inverse of ``attributes.quantity`` (binary or decimal suffixes, or plain bytes)."""
+    for suffix in (q[-2:], q[-1:]):
+        if suffix in _UNITS:
+            return int(q[: -len(suffix)]) * _UNITS[suffix]
+    return int(q)
 
 
 def by_name(devices) -> dict[str, Way]:

@@ -1,0 +1,78 @@
+"""Property: every pool the agent can build is one the real kube-apiserver v1.37.2 accepts
+(server-side dry-run create of each slice) and one the upstream allocator does not call invalid
+(tests/pool_checks.py holds both checks), for inventories of the fixture trees with odd values
+written into them, odd MIG layouts of the simulated NVML, and any combination of the settings
+that shape slices. Hypothesis draws them, derandomized and bounded; a device that cannot be
+published is left out with its reason, never the pool."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from hypothesis import strategies as st
+
+from agent.publish.slices import build_pool, render
+from discovery.inventory import scan
+from tests.conftest import profile_root, profiles
+from tests.controlplane import unique
+from tests.pool_checks import DRIVER, allocator_problem, pool_problems, server_refusals
+
+# value files discovery reads, and what odd values they may hold
+NUMBERS = st.one_of(st.integers(0, 2**64), st.integers(1, 10**6).map(lambda n: n * 10**9),
+                    st.integers(1, 4096).map(lambda n: n << 20), st.sampled_from([1, 10, 100, 1000, 2**63 - 1]))
+VALUES = {
+    "mem_info_vram_total": NUMBERS, "speed": NUMBERS, "numa_node": st.integers(-2, 2**31),
+    "product_name": st.text(min_size=1, max_size=80), "board_name": st.text(min_size=1, max_size=80),
+    "label": st.text(min_size=1, max_size=80), "mtu": NUMBERS, "sriov_numvfs": st.integers(0, 300),
+}
+
+
+@pytest.fixture(scope="module")
+def node(apiserver):
+    return apiserver.create_node(unique("props"))["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    """A writable copy of every fixture profile and its value files: each example writes its odd
+    values and puts the originals back (copying a tree per example would cost seconds)."""
+    out = {}
+    for p in profiles():
+        root = str(tmp_path_factory.mktemp("props") / p)
+        shutil.copytree(profile_root(p), root, symlinks=True)
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "sys")) for f in fs
+                       if f in VALUES and not os.path.islink(os.path.join(d, f)))
+        out[p] = (root, files)
+    return out
+
+
+def assert_publishable(plane, node: str, pool) -> list[dict]:
+    sent = render(pool, driver_name=DRIVER, node_name=node, generation=1)
+    assert not (refused := server_refusals(plane, sent)), refused
+    assert not (problems := pool_problems(sent)), problems
+    assert (problem := allocator_problem(sent, node)) is None, problem
+    return sent
+
+
+def test_a_gpu_whose_memory_is_a_decimal_size_keeps_its_partitions(apiserver, node, trees):
+    """An AMD GPU's VRAM of 192000000000 bytes is "192G": its partitions' memory share is
+    counted from it (the pool was not built at all: a ValueError out of the publisher)."""
+    root, files = trees["mi300x-partitions"]
+    vram = [f for f in files if f.endswith("mem_info_vram_total")]
+    saved = {f: open(f).read() for f in vram}
+    try:
+        for f in vram:
+            with open(f, "w") as out:
+                out.write("192000000000\n")
+        inv = scan(root, list_attributes=True)
+    finally:
+        for f, text in saved.items():
+            with open(f, "w") as out:
+                out.write(text)
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True)
+    assert not pool.rejected, pool.rejected
+    sent = assert_publishable(apiserver, node, pool)
+    sets = [s for o in sent for s in o["spec"].get("sharedCounters", [])]
+    assert sets and all(s["counters"]["memory"] == {"value": "192G"} for s in sets)
