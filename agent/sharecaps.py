@@ -2,7 +2,9 @@
 policies and the value of each capacity on a device. Neutral, so that one definition serves
 both sides: publishing puts the values in the device's slice entry (publish/sharing.py, which
 also checks the operator's policies at start), prepare accounts each device's shares against
-them (prepare/ownership.py): a node never prepares more than it offered."""
+them (prepare/ownership.py): a node never prepares more than it offered. A capacity is offered
+only where its policy fits its value on the device: elsewhere the API server would refuse the
+device, and a device without that capacity is still a device shared."""
 
 from __future__ import annotations
 
@@ -56,10 +58,24 @@ def discovered_value(device, capacity: str) -> str | None:
 
 def capacity_values(device, policies: Iterable[tuple[str, Mapping]]) -> dict[str, str]:
     """The value of each capacity of ``policies`` on ``device``: the policy's ``value`` when
-    given, else what discovery knows. One with no known value is left out: never a guess."""
+    given, else what discovery knows. One with no known value is left out: never a guess; so is
+    one its policy does not fit (``unfit``)."""
     out = {}
     for name, policy in policies:
         value = str(policy["value"]) if policy.get("value") is not None else discovered_value(device, name)
-        if value is not None:
+        if value is not None and not unfit(policy, value):
             out[name] = value
     return out
+
+
+def unfit(policy: Mapping, value: str) -> str | None:
+    """Why the API server would refuse ``policy`` on a capacity of ``value`` (a GPU of less memory
+    than the policy's smallest share plus one step, a NIC linked at 100 Mb/s), or None: refused,
+    the whole device would be left out of its slice."""
+    from agent.publish.validation import policy_problems, parse_quantity  # here: agent.publish imports this module
+
+    try:
+        problems = policy_problems({k: v for k, v in policy.items() if k != "value"}, parse_quantity(value))
+    except ValueError as err:
+        return str(err)
+    return "; ".join(problems) or None

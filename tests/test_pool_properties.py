@@ -11,14 +11,18 @@ import os
 import shutil
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
 from tests.conftest import profile_root, profiles
 from tests.controlplane import unique
 from tests.pool_checks import DRIVER, allocator_problem, pool_problems, server_refusals
 
+PROPERTY = settings(max_examples=100, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 # value files discovery reads, and what odd values they may hold
 NUMBERS = st.one_of(st.integers(0, 2**64), st.integers(1, 10**6).map(lambda n: n * 10**9),
                     st.integers(1, 4096).map(lambda n: n << 20), st.sampled_from([1, 10, 100, 1000, 2**63 - 1]))
@@ -48,12 +52,57 @@ def trees(tmp_path_factory):
     return out
 
 
+def options(draw) -> dict:
+    kinds = draw(st.lists(st.sampled_from(["gpu", "nic"]), unique=True))
+    partitions = draw(st.booleans())
+    skip = draw(st.lists(st.sampled_from(["gpu", "nic", "accelerator", "fpga"]), unique=True, max_size=2))
+    return {
+        "list_attributes": draw(st.booleans()), "pf_vf_exclusive": draw(st.booleans()), "partitions": partitions,
+        "compatibility_groups": partitions and draw(st.booleans()), "share": share_plan(tuple(kinds), None),
+        "skip_node_operations": {k: ["*"] for k in skip},
+    }
+
+
 def assert_publishable(plane, node: str, pool) -> list[dict]:
     sent = render(pool, driver_name=DRIVER, node_name=node, generation=1)
     assert not (refused := server_refusals(plane, sent)), refused
     assert not (problems := pool_problems(sent)), problems
     assert (problem := allocator_problem(sent, node)) is None, problem
     return sent
+
+
+def taints_for(draw, names: list[str]) -> dict:
+    picked = draw(st.lists(st.sampled_from(names), unique=True, max_size=4)) if names else []
+    return {n: [{"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}] for n in picked}
+
+
+@PROPERTY
+@given(data=st.data())
+def test_fixture_trees_with_odd_values_publish_what_the_server_accepts(apiserver, node, trees, data):
+    profile = data.draw(st.sampled_from(sorted(trees)))
+    root, files = trees[profile]
+    picks = data.draw(st.lists(st.sampled_from(files), unique=True, max_size=6)) if files else []
+    saved = {f: open(f).read() for f in picks}
+    try:
+        for f in picks:
+            with open(f, "w") as out:
+                out.write(f"{data.draw(VALUES[os.path.basename(f)])}\n")
+        opts = options(data.draw)
+        inv = scan(root, list_attributes=opts["list_attributes"])
+    finally:
+        for f, text in saved.items():
+            with open(f, "w") as out:
+                out.write(text)
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, **opts, taints=taints_for(data.draw, [d.name for d in inv.devices]))
+    sent = assert_publishable(apiserver, node, pool)
+    # sharing, taints, PF/VF counters, node operations shape a device's entry: they never cost one
+    plain = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=opts["list_attributes"],
+                       partitions=opts["partitions"], compatibility_groups=opts["compatibility_groups"])
+    assert published(render(plain, driver_name=DRIVER, node_name=node, generation=1)) <= published(sent), pool.rejected
+
+
+def published(slices: list[dict]) -> set[str]:
+    return {d["name"] for o in slices for d in o["spec"].get("devices", [])}
 
 
 def test_a_gpu_whose_memory_is_a_decimal_size_keeps_its_partitions(apiserver, node, trees):
@@ -76,3 +125,23 @@ def test_a_gpu_whose_memory_is_a_decimal_size_keeps_its_partitions(apiserver, no
     sent = assert_publishable(apiserver, node, pool)
     sets = [s for o in sent for s in o["spec"].get("sharedCounters", [])]
     assert sets and all(s["counters"]["memory"] == {"value": "192G"} for s in sets)
+
+def test_a_shared_nic_linked_at_100_mbps_stays_in_the_pool_without_bandwidth(apiserver, node, trees):
+    """Its bandwidth of 100M is less than the policy's 100M share plus one step: the server refuses
+    that capacity, so it is left out there, not the NIC (it was left out of the pool whole)."""
+    root, files = trees["workstation-deep-bridges"]
+    speeds = [f for f in files if f.endswith("/speed")]
+    saved = {f: open(f).read() for f in speeds}
+    try:
+        for f in speeds:
+            with open(f, "w") as out:
+                out.write("100\n")
+        inv = scan(root)
+    finally:
+        for f, text in saved.items():
+            with open(f, "w") as out:
+                out.write(text)
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, share=share_plan(("nic",), None))
+    assert not pool.rejected, pool.rejected
+    nics = [d for o in assert_publishable(apiserver, node, pool) for d in o["spec"]["devices"] if d["name"].startswith("nic-")]
+    assert nics and all(set(d["capacity"]) == {"slots"} and d["allowMultipleAllocations"] for d in nics)

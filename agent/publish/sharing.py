@@ -12,7 +12,9 @@ instead of costing every device later.
 Capacity values: ``value`` of the policy when given; else GPU ``memory`` from discovery (AMD VRAM
 ``mem_info_vram_total``; NVIDIA: NVML, or the PCI ID table of data-center GPUs); NIC ``bandwidth``
 from the RDMA port rate or, without RDMA, the netdev's link speed. A capacity whose value is
-unknown on a device is left out there (logged once per device): never a guessed size.
+unknown on a device is left out there (logged once per device): never a guessed size; so is one
+its policy does not fit (less GPU memory than the smallest share plus one step): the API server
+would refuse the device whole.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from types import MappingProxyType
 
 from agent.publish.validation import policy_problems, qualified_name_problem
 from agent.quantity import parse_quantity
-from agent.sharecaps import DEFAULT_POLICIES, SHAREABLE, capacity_values, discovered_value, merged_policies
+from agent.sharecaps import DEFAULT_POLICIES, SHAREABLE, capacity_values, discovered_value, merged_policies, unfit
 from cdi.claim import capacity_keys
 
 __all__ = ["DEFAULT_POLICIES", "MAX_SHARED_CAPACITIES", "SHAREABLE", "SharePlan", "discovered_value", "share_plan",
@@ -45,12 +47,17 @@ class SharePlan:
     def __hash__(self) -> int:  # a cache key of build_pool
         return hash((self.kinds, tuple(sorted((k, repr(v)) for k, v in self.policies.items()))))
 
-    def log_unknown(self, device: str, capacity: str) -> None:
-        if (device, capacity) in self.unknown_logged or len(self.unknown_logged) > 10000:
+    def log_unknown(self, device, capacity: str, policy) -> None:
+        if (device.name, capacity) in self.unknown_logged or len(self.unknown_logged) > 10000:
             return
-        self.unknown_logged.add((device, capacity))
-        log.warning("sharing: %s has no known %s; its shares do not offer %s (a share-policies value would)",
-                    device, capacity, capacity)
+        self.unknown_logged.add((device.name, capacity))
+        value = str(policy["value"]) if policy.get("value") is not None else discovered_value(device, capacity)
+        if value is None:
+            log.warning("sharing: %s has no known %s; its shares do not offer %s (a share-policies value would)",
+                        device.name, capacity, capacity)
+        else:
+            log.warning("sharing: %s: its %s of %s does not fit the policy (%s); its shares do not offer %s",
+                        device.name, capacity, value, unfit(policy, value), capacity)
 
 
 def _quantity_text(v: object, where: str) -> str:
@@ -156,8 +163,8 @@ def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
     for name, policy in plan.policies[device.kind]:
         value = values.get(name)
         if value is None:
-            capacity.pop(name, None)  # unknown here: not accounted on this device
-            plan.log_unknown(device.name, name)
+            capacity.pop(name, None)  # unknown here, or its policy does not fit: not accounted on this device
+            plan.log_unknown(device, name, policy)
             continue
         request_policy = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
                           for k, v in policy.items() if k != "value"}
