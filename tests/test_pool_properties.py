@@ -14,11 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tests.simnvml_mig as simmig
 from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
 from tests.conftest import profile_root, profiles
 from tests.controlplane import unique
+from tests.mig_node import MigNode
 from tests.pool_checks import DRIVER, allocator_problem, pool_problems, server_refusals
 
 PROPERTY = settings(max_examples=100, deadline=None, derandomize=True,
@@ -125,6 +127,30 @@ def test_a_gpu_whose_memory_is_a_decimal_size_keeps_its_partitions(apiserver, no
     sent = assert_publishable(apiserver, node, pool)
     sets = [s for o in sent for s in o["spec"].get("sharedCounters", [])]
     assert sets and all(s["counters"]["memory"] == {"value": "192G"} for s in sets)
+
+
+# an odd profile table: each profile's placements drawn (repeated starts, overlaps, up to 16 slices)
+PLACEMENTS = st.lists(st.integers(1, 8).flatmap(lambda size: st.tuples(st.integers(0, 16 - size), st.just(size))),
+                      min_size=1, max_size=8)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_odd_mig_layouts_publish_what_the_server_accepts(apiserver, node, tmp_path_factory, monkeypatch, data):
+    rows = [row[:12] + (data.draw(PLACEMENTS),) for row in simmig.H200_PROFILES]
+    monkeypatch.setattr(simmig, "H200_PROFILES", rows)
+    monkeypatch.setattr(simmig, "_BY_ID", {row[1]: row for row in rows})
+    mig = MigNode(str(tmp_path_factory.mktemp("mig")))
+    opts = options(data.draw)
+    inv = scan(mig.root, list_attributes=opts["list_attributes"], nvml=mig.nvml)
+    names = [d.name for d in inv.devices] + [f"{d.name}-mig-1g-18gb-0" for d in inv.devices if d.kind == "gpu"]
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, **opts, taints=taints_for(data.draw, names))
+    sent = assert_publishable(apiserver, node, pool)
+    if opts["partitions"]:  # every placement NVML named once is published once
+        want = {f"{d.name}-mig-{row[2][4:].replace('.', '-').replace('+', '-')}-{start}"
+                for d in inv.devices if d.kind == "gpu" for row in rows for start, _ in row[12]}
+        assert want <= published(sent) | {n for n, _ in pool.rejected}
+
 
 def test_a_shared_nic_linked_at_100_mbps_stays_in_the_pool_without_bandwidth(apiserver, node, trees):
     """Its bandwidth of 100M is less than the policy's 100M share plus one step: the server refuses

@@ -90,6 +90,9 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
     out: list[dict] = []
     counter_sets: list[dict] = []
     rejected: list[tuple[str, str]] = []
+    # a name NVML's answers give twice (a placement listed twice, two sizes at one start) is one
+    # device: the server refuses a slice naming it twice, the allocator a pool that does
+    taken = {e["name"] for e in entries}
     for entry in entries:
         device = devices.get(entry["name"])
         gpu_ways = published_ways(device, groups) if device is not None else []
@@ -111,6 +114,10 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
         for way in gpu_ways:
             if way.kind == "whole" and whole_unusable(device):
                 continue  # static MIG: only its MIG devices are devices CUDA sees
+            if way.kind != "whole" and way.name in taken:
+                rejected.append((way.name, "device name used twice in the pool"))
+                continue
+            taken.add(way.name)
             if way.kind == "whole":
                 e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes")})
                 if problems := device_problems(e, driver_name, list_attributes):  # its mode's attributes added
