@@ -88,12 +88,20 @@ def _taint_key(device: dict, taint: dict) -> tuple:
     return device.get("name"), taint.get("key"), taint.get("value") or "", taint.get("effect")
 
 
+def _field(spec: dict, name: str):
+    """A spec field as the server keeps it: an empty list or map is no field (omitempty; an
+    empty pool's ``devices: []`` reads back absent)."""
+    value = spec.get(name)
+    return None if value in ([], {}) else value
+
+
 def same_slice(existing: dict, desired: dict) -> bool:
     a, b = existing.get("spec", {}), desired.get("spec", {})
     # plain equality first (what we wrote reads back equal); canonical form only if it differs
-    if any(a.get(f) != b.get(f) and _canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS if f != "devices"):
+    if any(_field(a, f) != _field(b, f) and _canonical(a.get(f)) != _canonical(b.get(f)) for f in _SPEC_FIELDS if f != "devices"):
         return False
-    if a.get("devices") != b.get("devices") and _canonical(_as_sent(a.get("devices"))) != _canonical(_as_sent(b.get("devices"))):
+    devices, wanted = _field(a, "devices"), _field(b, "devices")
+    if devices != wanted and _canonical(_as_sent(devices)) != _canonical(_as_sent(wanted)):
         return False
     return not _owner_key(desired) or _owner_key(existing) == _owner_key(desired)
 
