@@ -191,6 +191,10 @@ def read_amd(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         if node is not None:
             parts.append(GpuPartition(index=p["location_id"] & 7, nodes=(node,), xcds=p.get("num_xcc") or None))
     xcds = sum(p.xcds for p in parts) if parts and all(p.xcds for p in parts) else None
+    if xcds and xcds > max(CPX_XCCS):  # CPX would make a partition of each: a count past any GPU's is no count
+        problems.append(Problem(what="partitions",
+                                reason=f"KFD nodes give {xcds} XCCs, more than any GPU has ({max(CPX_XCCS)}): XCC count unknown"))
+        xcds = None
     if compute == "CPX" and xcds:  # a partition per XCC: one missing shows as a count amdgpu has not
         xcds = next((n for n in CPX_XCCS if n >= max(xcds, max(p.index for p in parts) + 1)), xcds)
     if len(parts) != (want := part_count(compute, xcds)):

@@ -7,7 +7,9 @@ published is left out with its reason, never the pool."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 
 import pytest
@@ -54,6 +56,21 @@ def trees(tmp_path_factory):
     return out
 
 
+@contextlib.contextmanager
+def written(texts: dict[str, str]):
+    """Each file holds its text while the block runs; the originals are put back after."""
+    saved = {f: open(f).read() for f in texts}
+    try:
+        for f, text in texts.items():
+            with open(f, "w") as out:
+                out.write(text)
+        yield
+    finally:
+        for f, text in saved.items():
+            with open(f, "w") as out:
+                out.write(text)
+
+
 def options(draw) -> dict:
     kinds = draw(st.lists(st.sampled_from(["gpu", "nic"]), unique=True))
     partitions = draw(st.booleans())
@@ -84,17 +101,9 @@ def test_fixture_trees_with_odd_values_publish_what_the_server_accepts(apiserver
     profile = data.draw(st.sampled_from(sorted(trees)))
     root, files = trees[profile]
     picks = data.draw(st.lists(st.sampled_from(files), unique=True, max_size=6)) if files else []
-    saved = {f: open(f).read() for f in picks}
-    try:
-        for f in picks:
-            with open(f, "w") as out:
-                out.write(f"{data.draw(VALUES[os.path.basename(f)])}\n")
+    with written({f: f"{data.draw(VALUES[os.path.basename(f)])}\n" for f in picks}):
         opts = options(data.draw)
         inv = scan(root, list_attributes=opts["list_attributes"])
-    finally:
-        for f, text in saved.items():
-            with open(f, "w") as out:
-                out.write(text)
     pool = build_pool(inv, node_name=node, driver_name=DRIVER, **opts, taints=taints_for(data.draw, [d.name for d in inv.devices]))
     sent = assert_publishable(apiserver, node, pool)
     # sharing, taints, PF/VF counters, node operations shape a device's entry: they never cost one
@@ -111,17 +120,8 @@ def test_a_gpu_whose_memory_is_a_decimal_size_keeps_its_partitions(apiserver, no
     """An AMD GPU's VRAM of 192000000000 bytes is "192G": its partitions' memory share is
     counted from it (the pool was not built at all: a ValueError out of the publisher)."""
     root, files = trees["mi300x-partitions"]
-    vram = [f for f in files if f.endswith("mem_info_vram_total")]
-    saved = {f: open(f).read() for f in vram}
-    try:
-        for f in vram:
-            with open(f, "w") as out:
-                out.write("192000000000\n")
+    with written({f: "192000000000\n" for f in files if f.endswith("mem_info_vram_total")}):
         inv = scan(root, list_attributes=True)
-    finally:
-        for f, text in saved.items():
-            with open(f, "w") as out:
-                out.write(text)
     pool = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True)
     assert not pool.rejected, pool.rejected
     sent = assert_publishable(apiserver, node, pool)
@@ -156,18 +156,26 @@ def test_a_shared_nic_linked_at_100_mbps_stays_in_the_pool_without_bandwidth(api
     """Its bandwidth of 100M is less than the policy's 100M share plus one step: the server refuses
     that capacity, so it is left out there, not the NIC (it was left out of the pool whole)."""
     root, files = trees["workstation-deep-bridges"]
-    speeds = [f for f in files if f.endswith("/speed")]
-    saved = {f: open(f).read() for f in speeds}
-    try:
-        for f in speeds:
-            with open(f, "w") as out:
-                out.write("100\n")
+    with written({f: "100\n" for f in files if f.endswith("/speed")}):
         inv = scan(root)
-    finally:
-        for f, text in saved.items():
-            with open(f, "w") as out:
-                out.write(text)
     pool = build_pool(inv, node_name=node, driver_name=DRIVER, share=share_plan(("nic",), None))
     assert not pool.rejected, pool.rejected
     nics = [d for o in assert_publishable(apiserver, node, pool) for d in o["spec"]["devices"] if d["name"].startswith("nic-")]
     assert nics and all(set(d["capacity"]) == {"slots"} and d["allowMultipleAllocations"] for d in nics)
+
+
+@pytest.mark.parametrize("xccs", [3, 9, 100000, 2**63])
+def test_an_odd_xcc_count_of_a_kfd_node_costs_only_the_count(apiserver, node, trees, xccs):
+    """One KFD node's ``num_xcc`` past any GPU's: the GPU's XCC count is unknown (a problem of the
+    device), its partitions as without it. They were one per XCC: 100,027 devices in 1,564 slices
+    for 100000, and with 2**63 the agent never finished building its pool."""
+    root, _ = trees["mi300x-partitions"]
+    kfd = os.path.join(root, "sys/devices/virtual/kfd/kfd/topology/nodes/3/properties")
+    want = published(render(build_pool(scan(root, list_attributes=True), node_name=node, driver_name=DRIVER,
+                                       list_attributes=True, partitions=True, compatibility_groups=True),
+                            driver_name=DRIVER, node_name=node, generation=1))
+    with written({kfd: re.sub(r"(?m)^num_xcc .*$", f"num_xcc {xccs}", open(kfd).read())}):
+        inv = scan(root, list_attributes=True)
+    assert any(p.what == "partitions" and "XCC" in p.reason for d in inv.devices for p in d.problems)
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True, compatibility_groups=True)
+    assert published(assert_publishable(apiserver, node, pool)) == want
