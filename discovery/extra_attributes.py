@@ -47,12 +47,14 @@ class ExtraAttributes:
     rules: tuple[Rule, ...] = ()
 
     @classmethod
-    def parse(cls, entries) -> ExtraAttributes:
-        """Rules from the setting's list of ``{match: [...], attributes: {...}}``; ValueError names the first bad one."""
+    def parse(cls, entries, driver: str = "") -> ExtraAttributes:
+        """Rules from the setting's list of ``{match: [...], attributes: {...}}``; ValueError names the first bad one.
+        ``driver``: the DRA driver's name; ``<driver>/x`` is ``x`` to the API and to CEL, so it is taken as
+        ``x`` (a device's own ``x`` then wins over it; with both the API server's validation fails the device)."""
         entries = list(entries or ())
         if len(entries) > MAX_RULES:
             raise ValueError(f"{len(entries)} rules, at most {MAX_RULES}")
-        return cls(tuple(_rule(i, entry) for i, entry in enumerate(entries)))
+        return cls(tuple(_rule(i, entry, f"{driver}/" if driver else "") for i, entry in enumerate(entries)))
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -80,7 +82,7 @@ class ExtraAttributes:
         return out
 
 
-def _rule(i: int, entry) -> Rule:
+def _rule(i: int, entry, own: str) -> Rule:
     where = f"rule {i + 1}"
     if not isinstance(entry, dict) or set(entry) != {"match", "attributes"}:
         raise ValueError(f"{where}: needs exactly 'match' and 'attributes'")
@@ -92,7 +94,13 @@ def _rule(i: int, entry) -> Rule:
     attributes = entry["attributes"]
     if not isinstance(attributes, dict) or not 0 < len(attributes) <= MAX_PER_RULE:
         raise ValueError(f"{where}: 'attributes' maps 1 to {MAX_PER_RULE} names to values")
-    return Rule(Exclusions.parse(match), tuple((_name(where, n), _checked(where, n, v)) for n, v in attributes.items()))
+    return Rule(Exclusions.parse(match), tuple((_local(_name(where, n), own), _checked(where, n, v, own))
+                                               for n, v in attributes.items()))
+
+
+def _local(name: str, own: str) -> str:
+    """``name`` without the driver's own domain (``own``: ``<driver>/``, or "" when not known)."""
+    return name[len(own):] if own and name.startswith(own) else name
 
 
 def _name(where: str, name) -> str:
@@ -104,12 +112,12 @@ def _name(where: str, name) -> str:
     return name
 
 
-def _checked(where: str, name: str, value):
+def _checked(where: str, name: str, value, own: str = ""):
     """The attribute's value as the scan publishes it (a shared AttributeValue), or a Copy."""
     if isinstance(value, dict):
         if set(value) != {"copy"} or not isinstance(value["copy"], str) or not _NAME.match(value["copy"]):
             raise ValueError(f"{where}: {name}: a value is a string, an integer, a bool or {{copy: <attribute name>}}")
-        return Copy(value["copy"])
+        return Copy(_local(value["copy"], own))
     if isinstance(value, bool):
         return _value("bool_", value)
     if isinstance(value, int):

@@ -179,3 +179,22 @@ def test_an_odd_xcc_count_of_a_kfd_node_costs_only_the_count(apiserver, node, tr
     assert any(p.what == "partitions" and "XCC" in p.reason for d in inv.devices for p in d.problems)
     pool = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True, compatibility_groups=True)
     assert published(assert_publishable(apiserver, node, pool)) == want
+
+
+def test_an_operators_attribute_in_the_drivers_domain_never_costs_the_device(apiserver, node, tmp_path):
+    """``sysdra.io/model`` is the GPU's own ``model`` to the API and to CEL: the device's own wins,
+    as over an operator's ``model`` (every GPU was left out: "appears twice")."""
+    from agent.service import scanning
+    from tests.kubelet_standin import settings_for
+
+    rules = [{"match": "kind:gpu", "attributes": {f"{DRIVER}/model": "x", f"{DRIVER}/rail": 1,
+                                                 f"{DRIVER}/copied": {"copy": f"{DRIVER}/model"}}}]
+    settings = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"), nvml=False, device_attributes=rules)
+    inv = scanning.default_scan(settings)
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER)
+    assert not pool.rejected, pool.rejected
+    gpus = [d for o in assert_publishable(apiserver, node, pool) for d in o["spec"]["devices"] if d["name"].startswith("gpu-")]
+    model = {d.name: d.attributes["model"].to_api() for d in inv.devices if d.kind == "gpu"}
+    for gpu in gpus:
+        assert gpu["attributes"]["model"] == gpu["attributes"]["copied"] == model[gpu["name"]]
+        assert gpu["attributes"]["rail"] == {"int": 1} and not any(k.startswith(f"{DRIVER}/") for k in gpu["attributes"])

@@ -101,7 +101,7 @@ def _extra_attributes(settings):
     """-o slices: the operator's ``device_attributes`` (the config file), as run publishes them."""
     from discovery.extra_attributes import ExtraAttributes
 
-    return ExtraAttributes.parse(settings.device_attributes) if settings is not None else ExtraAttributes()
+    return ExtraAttributes.parse(settings.device_attributes, settings.driver_name) if settings is not None else ExtraAttributes()
 
 
 def _away(settings):

@@ -27,7 +27,7 @@ def _options(settings: Settings, away=None) -> dict:
 
     return dict(list_attributes=settings.list_attributes, publish_uplink=settings.publish_uplink,
                 exclude=Exclusions.parse(settings.exclude_devices), away=away, static_mig=settings.nvidia_mig == "static",
-                extra_attributes=ExtraAttributes.parse(settings.device_attributes))
+                extra_attributes=ExtraAttributes.parse(settings.device_attributes, settings.driver_name))
 
 
 def default_scan(settings: Settings):
