@@ -196,7 +196,7 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             return parent
         attrs = dict(parent.attributes, computePartition=_value("string", way.compute),
                      memoryPartition=_value("string", way.memory))
-        _within_limit(attrs, parent.capacity)  # a GPU at the API's limit already: as a partition does
+        within_limit(attrs, parent.capacity)  # a GPU at the API's limit already: as a partition does
         return parent.replace(attributes=attrs)
     attrs = {k: v for k, v in parent.attributes.items() if k not in _PARENT_ONLY}
     attrs["partitionOf"] = _value("string", parent.name)
@@ -227,14 +227,15 @@ def way_device(way: Way, now: Partitioning | None = None) -> Device:
             mine = next((p for p in pt.partitions if p.index == way.index), None)
             kfd = tuple(n for n in parent.device_nodes if n.path == "/dev/kfd")
             nodes = (mine.nodes + kfd) if mine is not None else ()
-    _within_limit(attrs, capacity)
+    within_limit(attrs, capacity)
     return parent.replace(name=way.name, device_nodes=nodes, attributes=dict(sorted(attrs.items())),
                    capacity=capacity, problems=())
 
 
-def _within_limit(attrs: dict, capacity: dict) -> None:
+def within_limit(attrs: dict, capacity: dict) -> None:
     """A way's own entries within resource.k8s.io/v1's 32 attributes and capacities: the GPU's
-    least needed attributes left out first."""
+    least needed attributes left out first. (Publishing holds every device entry to it so: what it
+    adds, a share's capacities or a VF's PF address, never costs a device at the limit.)"""
     for name in _LEAST_NEEDED:
         if len(attrs) + len(capacity) <= MAX_ATTRIBUTES_AND_CAPACITIES:
             break

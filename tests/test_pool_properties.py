@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import tests.simnvml_mig as simmig
 from agent.publish.sharing import share_plan
 from agent.publish.slices import build_pool, render
+from discovery.extra_attributes import ExtraAttributes
 from discovery.inventory import scan
 from tests.conftest import profile_root, profiles
 from tests.controlplane import unique
@@ -35,6 +36,16 @@ VALUES = {
     "product_name": st.text(min_size=1, max_size=80), "board_name": st.text(min_size=1, max_size=80),
     "label": st.text(min_size=1, max_size=80), "mtu": NUMBERS, "sriov_numvfs": st.integers(0, 300),
 }
+
+
+# the operator's device_attributes (docs/attributes.md): any names, in any domain, up to the API's limits
+ATTRIBUTE = st.one_of(st.sampled_from(["model", "rail", f"{DRIVER}/rail", f"{DRIVER}/model", "example.com/rail", "dra.net/numaNode"]),
+                      st.from_regex(r"\A[a-z][a-zA-Z0-9_]{0,31}\Z"))
+VALUE = st.one_of(st.integers(-2**63, 2**63 - 1), st.booleans(), st.text(min_size=1, max_size=16).filter(lambda t: len(t.encode()) <= 64),
+                  st.sampled_from([{"copy": "resource.kubernetes.io/numaNode"}, {"copy": "model"}, {"copy": f"{DRIVER}/type"}]))
+RULE = st.fixed_dictionaries({"match": st.lists(st.sampled_from(["kind:gpu", "kind:nic", "pci:*", "interface:*"]), min_size=1, max_size=2),
+                              "attributes": st.dictionaries(ATTRIBUTE, VALUE, min_size=1, max_size=16)})
+OPERATOR_RULES = st.lists(RULE, max_size=3).map(lambda rules: ExtraAttributes.parse(rules, DRIVER))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +114,7 @@ def test_fixture_trees_with_odd_values_publish_what_the_server_accepts(apiserver
     picks = data.draw(st.lists(st.sampled_from(files), unique=True, max_size=6)) if files else []
     with written({f: f"{data.draw(VALUES[os.path.basename(f)])}\n" for f in picks}):
         opts = options(data.draw)
-        inv = scan(root, list_attributes=opts["list_attributes"])
+        inv = scan(root, list_attributes=opts["list_attributes"], extra_attributes=data.draw(OPERATOR_RULES))
     pool = build_pool(inv, node_name=node, driver_name=DRIVER, **opts, taints=taints_for(data.draw, [d.name for d in inv.devices]))
     sent = assert_publishable(apiserver, node, pool)
     # sharing, taints, PF/VF counters, node operations shape a device's entry: they never cost one
@@ -198,3 +209,20 @@ def test_an_operators_attribute_in_the_drivers_domain_never_costs_the_device(api
     for gpu in gpus:
         assert gpu["attributes"]["model"] == gpu["attributes"]["copied"] == model[gpu["name"]]
         assert gpu["attributes"]["rail"] == {"int": 1} and not any(k.startswith(f"{DRIVER}/") for k in gpu["attributes"])
+
+
+@pytest.mark.parametrize("profile", ["server-2s-gpu-nic", "sriov-nic"])
+def test_a_device_the_operators_attributes_fill_keeps_its_place_when_shared(apiserver, node, profile):
+    """The operator's attributes take every device to the API's 32 attributes and capacities; a
+    share's capacities, a VF's PF address then leave out the
+    device's least needed attributes (its subsystem IDs first), not the device ("33 attributes
+    and capacities, at most 32": every GPU and NIC of the node was left out)."""
+    fill = [{"match": ["pci:*"], "attributes": {f"extra{r}x{i}": i for i in range(16)}} for r in range(2)]
+    inv = scan(profile_root(profile), list_attributes=True, extra_attributes=ExtraAttributes.parse(fill, DRIVER))
+    assert all(len(d.attributes) + len(d.capacity) == 32 for d in inv.devices)
+    plain = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True)
+    shaped = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True, pf_vf_exclusive=True,
+                        compatibility_groups=True, share=share_plan(("gpu", "nic"), None))
+    assert not shaped.rejected, shaped.rejected
+    sent = assert_publishable(apiserver, node, shaped)
+    assert published(render(plain, driver_name=DRIVER, node_name=node, generation=1)) <= published(sent)

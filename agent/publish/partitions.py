@@ -24,7 +24,7 @@ instances) on one GPU, and the whole GPU consumes everything, so it never goes b
 
 from __future__ import annotations
 
-from agent.publish.validation import device_problems
+from agent.publish.validation import device_problems, fitted
 from discovery.attributes import quantity
 from discovery.gpuways import Way, countable, partitioning, published_ways, quantity_bytes, way_device, whole_unusable
 
@@ -119,7 +119,7 @@ def expand(entries: list[dict], devices: dict, *, groups: bool, driver_name: str
                 continue
             taken.add(way.name)
             if way.kind == "whole":
-                e = dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes")})
+                e = fitted(dict(way_device(way).to_api(), **{k: v for k, v in entry.items() if k not in ("name", "attributes")}))
                 if problems := device_problems(e, driver_name, list_attributes):  # its mode's attributes added
                     rejected.append((way.name, "; ".join(problems)))
                     continue

@@ -15,7 +15,7 @@ from agent.apilimits import MAX_COUNTER_SETS, MAX_DEVICES, MAX_DEVICES_ADVANCED
 from agent.publish import partitions as gpu_partitions
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
 from agent.publish.nodeops import grouped_slices
-from agent.publish.validation import device_problems
+from agent.publish.validation import device_problems, fitted
 from discovery.gpuways import instances_beside, whole_unusable
 
 API_VERSION = "resource.k8s.io/v1"
@@ -175,6 +175,7 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
     entry = shared_entry(device.to_api(), device, share)
     if device.pci.physfn:
         entry = _with_pf_attribute(entry, device.pci.physfn)
+    entry = fitted(entry)
     if t:
         entry = {**entry, "taints": [dict(x) for x in t]}
     problems = device_problems(entry, driver_name, list_attributes)

@@ -15,6 +15,7 @@ from agent.apilimits import (MAX_ATTRIBUTE_VALUES, MAX_ATTRIBUTES_AND_CAPACITIES
                              MAX_COUNTERS, MAX_DOMAIN_LENGTH, MAX_ID_LENGTH, MAX_VALID_VALUES, MAX_VALUE_LENGTH)
 from agent.names import is_label, is_subdomain
 from agent.quantity import parse_quantity  # noqa: F401  (re-exported: callers import it from here)
+from discovery.gpuways import within_limit
 
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # semver.org 2.0.0 grammar
@@ -245,3 +246,15 @@ def _consumption_problems(consumptions: list[dict]) -> list[str]:
         if not is_label(c.get("counterSet", "")) or len(counters) > MAX_COUNTERS:
             problems.append(f"bad counter consumption {c!r}")
     return problems
+
+
+def fitted(entry: dict) -> dict:
+    """``entry`` within the API's 32 attributes and capacities, its least needed attributes left
+    out first (as a partition's, discovery/gpuways.py): a share's capacities, a VF's PF address or
+    a partition's attributes added to a device the operator's attributes filled cost no device."""
+    attributes, capacity = entry.get("attributes") or {}, entry.get("capacity") or {}
+    if len(attributes) + len(capacity) <= MAX_ATTRIBUTES_AND_CAPACITIES:
+        return entry
+    attributes = dict(attributes)
+    within_limit(attributes, capacity)
+    return dict(entry, attributes=attributes)
