@@ -13,7 +13,7 @@ import re
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tests.simnvml_mig as simmig
@@ -23,6 +23,7 @@ from discovery.extra_attributes import ExtraAttributes
 from discovery.inventory import scan
 from tests.conftest import profile_root, profiles
 from tests.controlplane import unique
+from tests.inventory_factory import inventory as factory_inventory
 from tests.mig_node import MigNode
 from tests.pool_checks import DRIVER, allocator_problem, pool_problems, server_refusals
 
@@ -226,3 +227,20 @@ def test_a_device_the_operators_attributes_fill_keeps_its_place_when_shared(apis
     assert not shaped.rejected, shaped.rejected
     sent = assert_publishable(apiserver, node, shaped)
     assert published(render(plain, driver_name=DRIVER, node_name=node, generation=1)) <= published(sent)
+
+
+# DNS labels of any length (the ends alphanumeric), and subdomains of them up to 253 characters
+LABEL = st.integers(1, 63).flatmap(lambda n: st.text("a9-", min_size=n, max_size=n)).map(lambda t: "z" + t[1:-1] + "0" if len(t) > 1 else "z")
+SUBDOMAIN = st.lists(LABEL, min_size=1, max_size=8).map(lambda labels: ".".join(labels)[:253].rstrip(".-"))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(node_name=SUBDOMAIN, driver=SUBDOMAIN.filter(lambda n: len(n) <= 63))
+@example(node_name=".".join(["n" * 63] * 3) + ".n", driver=DRIVER)  # 194 characters: 253 and more with the rest
+@example(node_name="n" * 41 + ".node", driver=DRIVER)  # a dot as the 58th character of the prefix
+def test_slices_of_any_node_and_driver_name_are_named_as_the_server_takes_them(apiserver, node_name, driver):
+    """A Node may be named by any DNS subdomain of up to 253 characters: the slices' generateName
+    (index, driver, node) is cut to what the server keeps of it (a node name of 240 characters
+    had every slice refused: "metadata.generateName: ... must be no more than 253 characters")."""
+    pool = build_pool(factory_inventory(3), node_name=node_name, driver_name=driver)
+    assert not (refused := server_refusals(apiserver, render(pool, driver_name=driver, node_name=node_name, generation=1))), refused

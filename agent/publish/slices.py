@@ -275,6 +275,13 @@ def parse_index(name: str, count: int) -> int | None:
     return index if index < count else None
 
 
+def generate_prefix(prefix: str) -> str:
+    """``prefix`` as the server keeps it for a name: its first 58 characters. Sent whole, a long
+    node's (a Node name may have 253) passes the 253 the server takes of a generateName, and every
+    slice is refused; a cut right after a dot would leave no valid DNS subdomain."""
+    return prefix[:MAX_GENERATE_PREFIX].rstrip(".")
+
+
 def offline_name(prefix: str) -> str:
     """A deterministic stand-in for the apiserver's generateName: same length rules, hashed suffix."""
     base = prefix[:MAX_GENERATE_PREFIX]
@@ -300,7 +307,7 @@ def render_slice(
 ) -> dict:
     count = len(pool.slices)
     prefix = generate_name(index, count, driver_name, node_name)
-    metadata: dict = {"name": offline_name(prefix)} if full_name else {"generateName": prefix}
+    metadata: dict = {"name": offline_name(prefix)} if full_name else {"generateName": generate_prefix(prefix)}
     owner = node_owner(node_name, node_uid)
     if owner:
         metadata["ownerReferences"] = owner
