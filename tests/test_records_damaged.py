@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from agent.prepare.checkpoint import Checkpoint
 from agent.service import nodeops
 from agent.settings import Settings
+from tests import damage
 from tests.checkpoint_files import entry, uid
 
 HYPOTHESIS = settings(max_examples=150, derandomize=True, deadline=None,
@@ -22,22 +23,8 @@ NASTY = [b"\x00", b"\xff", b"1", b"null", b"[]", b"{}", b'"x"', b"[1,", b"9" * 3
          b'"NodePrepareResources"', b'"Bogus"', b"true", b"-1", b"\\ud800"]
 
 
-@st.composite
-def damaged(draw, valid: bytes) -> bytes:
-    """``valid`` with bytes flipped, cut, or a JSON-ish token put in at some offsets."""
-    data = bytearray(valid)
-    for _ in range(draw(st.integers(1, 3))):
-        at = draw(st.integers(0, len(data)))
-        how = draw(st.sampled_from(["flip", "cut", "insert", "replace"]))
-        if how == "flip" and at < len(data):
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif how == "cut":
-            del data[at:]
-        elif how == "insert":
-            data[at:at] = draw(st.sampled_from(NASTY))
-        else:  # a token in place of the bytes there
-            data[at:at + draw(st.integers(1, 12))] = draw(st.sampled_from(NASTY))
-    return bytes(data)
+def damaged(valid: bytes):
+    return damage.damaged(valid, NASTY, ("flip", "cut", "insert", "replace"))
 
 
 # --- skip-node-operations.json ----------------------------------------------------------------

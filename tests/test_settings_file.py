@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
 
 from agent.cli import main as cli
 from agent.settings import EX_CONFIG, ConfigError, Settings, build_settings
+from tests import damage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the chart's own file (deploy/configmap.yaml's config.yaml), as the DaemonSet mounts it
@@ -74,22 +75,8 @@ NASTY = [b"\x00", b"\xff", b"\xc3", b"[" * 400, b"{" * 400, b"9" * 4400, b"\n" +
          b"!!binary x", b"!!python/object:os.system", b"\t", b".nan", b"\xef\xbb\xbf", b"? [a]\n: 1\n"]
 
 
-@st.composite
-def damaged(draw) -> bytes:
-    data = bytearray(VALID)
-    for _ in range(draw(st.integers(1, 3))):
-        at = draw(st.integers(0, len(data)))
-        how = draw(st.sampled_from(["flip", "cut", "insert", "repeat"]))
-        if how == "flip" and at < len(data):
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif how == "cut":
-            del data[at:]
-        elif how == "insert":
-            data[at:at] = draw(st.sampled_from(NASTY))
-        else:  # a line given again, elsewhere
-            lines = bytes(data).splitlines(keepends=True) or [b""]
-            data[at:at] = draw(st.sampled_from(lines))
-    return bytes(data)
+def damaged():
+    return damage.damaged(VALID, NASTY, ("flip", "cut", "insert", "repeat"))
 
 
 @settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
