@@ -1,5 +1,5 @@
 """Full disk, run by test_full_disk.py as ``unshare -m --propagation private python -m
-tests.faults.fulldisk_scenario TMP``: a private mount namespace, so the 64 KiB tmpfs
+tests.faults.fulldisk_scenario TMP``: a private mount namespace, so the 96 KiB tmpfs
 holding the CDI dir and the kubelet (state) dir disappears with the process whatever
 happens. Prints one JSON line of results; exits non-zero with the reason on a failure."""
 
@@ -15,7 +15,7 @@ import tempfile
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from tests.faults.harness import Node, run
 
-SIZE = "64k"
+SIZE = "96k"  # room for two claims' files (a page each on tmpfs) once the filler is gone
 
 
 def fill(path: str) -> int:

@@ -1,4 +1,4 @@
-"""Full disk: CDI and state dirs on a 64 KiB tmpfs (private mount namespace) that fills up."""
+"""Full disk: CDI and state dirs on a 96 KiB tmpfs (private mount namespace) that fills up."""
 
 from __future__ import annotations
 
