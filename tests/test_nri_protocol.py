@@ -90,7 +90,8 @@ def test_registers_subscribes_synchronizes_and_gets_pod_events(tmp_path):
     async def body(runtime, plugin, events):
         ep, req, cfg, first = await runtime.registered.get()
         assert (req.plugin_name, req.plugin_idx) == ("sysdra", "50")
-        assert cfg.events == event_mask([api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX]) == 0b111
+        assert cfg.events == event_mask([api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX,
+                                       api.CREATE_CONTAINER]) == 0b1111
         assert cfg.failure_policy.fail_request
         assert first.more  # batches accepted
         await plugin.wait_for(lambda s: s.synchronized)

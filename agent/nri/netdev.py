@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
 from agent.nri.movelock import LOCK_TIMEOUT, MoveLock
+from agent.nri.netclaims import SEEN, Claims, away, away_in, for_pod, in_sandbox, lost_for, planned
 from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
@@ -47,35 +48,6 @@ RECONCILE_INTERVAL = 10.0  # seconds between looks for pod namespaces gone unann
 
 class NetdevError(Refusal):
     """A pod cannot get its netdevs: the runtime fails the sandbox with this message."""
-
-
-class _Claims:
-    """The checkpoint as loaded under the lock, and the netdev records of its prepared claims."""
-
-    def __init__(self, cp: Checkpoint):
-        self.cp = cp
-        self.changed: set[str] = set()
-        self.saved = False
-
-    def moves(self) -> list[tuple[str, int, NetdevMove]]:
-        """(claim UID, index in its ``netdevs``, record) of every prepared claim."""
-        out = []
-        for uid, entry in self.cp.claims.items():
-            if entry.get("state") == COMPLETED and uid not in self.cp.foreign:
-                out += [(uid, i, NetdevMove.model_validate(r)) for i, r in enumerate(entry.get("netdevs") or ())]
-        return out
-
-    def put(self, uid: str, index: int, move: NetdevMove) -> None:
-        entry = self.cp.claims[uid] = dict(self.cp.claims[uid])  # entries are replaced, never changed in place
-        netdevs = list(entry["netdevs"])
-        netdevs[index] = move.dump()
-        entry["netdevs"] = netdevs
-        self.changed.add(uid)
-
-    def save(self) -> None:
-        if self.changed:
-            self.cp.save(changed=self.changed)
-            self.changed, self.saved = set(), True
 
 
 class NetdevMover(Sandboxes):
@@ -111,7 +83,7 @@ class NetdevMover(Sandboxes):
         await super().synchronized(pods)
         self._recovering = True  # until done: a look (``reconcile``) does it
         try:
-            done = await self._run(self._recover, {p.id for p in pods})
+            done = await self._run(self._recover, dict(self.pods))
         except NetdevError as err:  # answered all the same: containerd closes a plugin whose Synchronize
             # failed, and pods started until it is back never get their netdevs
             log.warning("NRI: moves under way before are finished later (looked at every %g s): %s",
@@ -124,8 +96,8 @@ class NetdevMover(Sandboxes):
     async def pod_started(self, pod: Pod) -> None:
         await super().pod_started(pod)
         try:
-            if await self._concerns(lambda entry: _for_pod(entry, pod) and bool(entry.get("netdevs"))
-                                    or _lost_for(entry, pod)):
+            if await self._concerns(lambda entry: for_pod(entry, pod) and bool(entry.get("netdevs"))
+                                    or lost_for(entry, pod)):
                 self._report(await self._run(self._give, pod))
         except BaseException:  # the runtime fails the sandbox (or gave up on it): the pod's next one takes the netdevs
             self.pods.pop(pod.id, None)
@@ -139,9 +111,17 @@ class NetdevMover(Sandboxes):
         await super().pod_removed(pod)
         await self._gone(pod)
 
+    async def container_created(self, pod: Pod, container: str) -> None:
+        """A container of a pod whose sandbox started unseen (``_late``) is created only once its
+        claims' netdevs are in the sandbox: moved now, or the creation fails and the kubelet tries
+        again. Any other pod's container is answered from the look without the lock."""
+        await super().container_created(pod, container)
+        if await self._concerns(lambda entry: for_pod(entry, pod) and any(planned(m) for m in entry.get("netdevs") or ())):
+            self._report(await self._run(self._give_late, pod))
+
     async def _gone(self, pod: Pod) -> None:
-        if await self._concerns(lambda entry: any(_away_in(m, pod.id) for m in entry.get("netdevs") or ())
-                                or _lost_for(entry, pod)):
+        if await self._concerns(lambda entry: any(away_in(m, pod.id) for m in entry.get("netdevs") or ())
+                                or lost_for(entry, pod)):
             await self._run(self._give_back, pod)
 
     async def _concerns(self, match) -> bool:
@@ -181,7 +161,7 @@ class NetdevMover(Sandboxes):
     # --- work (worker threads, holding the locks) ---------------------------------
     def _locked(self, work, *args, gave_up: threading.Event | None = None):
         with self.locks.held():
-            claims = _Claims(self._load())  # a damaged checkpoint is repaired here, whoever gave up
+            claims = Claims(self._load())  # a damaged checkpoint is repaired here, whoever gave up
             if gave_up is not None and gave_up.is_set():  # its sandbox failed: a move would go into a dying netns
                 log.info("netdev records not touched: the runtime gave up on the request (its deadline passed)")
                 return None
@@ -209,18 +189,18 @@ class NetdevMover(Sandboxes):
             log.error("the checkpoint's repair failed: %s", err, exc_info=not isinstance(err, OSError))
         return Checkpoint.load(self.checkpoint_path, move_corrupt=False)
 
-    def _give(self, claims: _Claims, pod: Pod) -> dict[str, dict]:
+    def _give(self, claims: Claims, pod: Pod) -> dict[str, dict]:
         for uid, (entry, why) in claims.cp.rejected.items():  # input that failed its checks: never half-used
             if isinstance(entry, dict) and isinstance(entry.get("pods"), list) and pod.uid in entry["pods"]:
                 raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} has a checkpoint entry that is not "
                                   f"valid ({why}): its netdevs are not moved")
         for uid, entry in claims.cp.claims.items():
-            if _lost_for(entry, pod):
+            if lost_for(entry, pod):
                 raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records "
                                   f"({entry['netdevsLost']}): where its netdevs are cannot be told, so none is "
                                   "moved; the pod starts once the claim is prepared anew (delete the pod)")
-            if uid in claims.cp.foreign and _for_pod(entry, pod) and not all(
-                    _in(NetdevMove.model_validate(m), pod.id) for m in entry.get("netdevs") or ()):
+            if uid in claims.cp.foreign and for_pod(entry, pod) and not all(
+                    in_sandbox(NetdevMove.model_validate(m), pod.id) for m in entry.get("netdevs") or ()):
                 raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} was prepared by a newer sysdra (fields "
                                   f"this one does not know: {claims.cp.foreign[uid].fields}): that one moves its netdevs")
         mine = [(uid, i, m) for uid, i, m in claims.moves() if pod.uid in (claims.cp.claims[uid].get("pods") or ())]
@@ -256,7 +236,7 @@ class NetdevMover(Sandboxes):
             raise NetdevError(failed) from None
         return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
-    def _move_in(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
+    def _move_in(self, claims: Claims, uid: str, i: int, move: NetdevMove) -> None:
         if move.state == "in-pod" and netmove.in_pod(move):
             return  # the runtime repeated the event
         if move.state == "planned":  # on the host under its name: which link it is, before it moves
@@ -281,18 +261,18 @@ class NetdevMover(Sandboxes):
         claims.save()
         log.info("netdev %s is %s in pod sandbox %s", move.host, move.pod, move.sandbox)
 
-    def _give_back(self, claims: _Claims, pod: Pod) -> None:
+    def _give_back(self, claims: Claims, pod: Pod) -> None:
         for uid, entry in claims.cp.claims.items():  # said at every stop: nothing else can be done
-            if _lost_for(entry, pod):
+            if lost_for(entry, pod):
                 log.error("pod %s/%s sandbox %s: claim %s lost its netdev records (%s); a netdev of it in the sandbox "
                           "comes back to the host only when its namespace goes, under the name it has there",
                           pod.namespace, pod.name, pod.id, uid, entry["netdevsLost"])
-            if uid in claims.cp.foreign and any(_away_in(m, pod.id) for m in entry.get("netdevs") or ()):
+            if uid in claims.cp.foreign and any(away_in(m, pod.id) for m in entry.get("netdevs") or ()):
                 log.error("pod %s/%s sandbox %s: claim %s was prepared by a newer sysdra: its netdevs are that one's to "
                           "move back; without it they come back when the namespace goes", pod.namespace, pod.name, pod.id, uid)
         self._take_back(claims, pod.id)
 
-    def _take_back(self, claims: _Claims, sandbox: str) -> None:
+    def _take_back(self, claims: Claims, sandbox: str) -> None:
         """``sandbox``'s netdevs back on the host; ``status.devices`` keeps the pod's view (the claim
         is the pod's until unprepare)."""
         problems = []
@@ -305,7 +285,7 @@ class NetdevMover(Sandboxes):
         if problems:  # the record stays: the next event, unprepare or start tries again
             raise NetdevError("giving netdevs back to the host failed: " + "; ".join(problems))
 
-    def _move_out(self, claims: _Claims, uid: str, i: int, move: NetdevMove) -> None:
+    def _move_out(self, claims: Claims, uid: str, i: int, move: NetdevMove) -> None:
         claims.put(uid, i, returning := move.changed(state="returning"))
         claims.save()
         self.fault("netdev:returning")
@@ -313,7 +293,7 @@ class NetdevMover(Sandboxes):
         self.fault("netdev:returned")
         if move.ipamPool and move.sandbox:  # a lease the sandbox may hold, recorded or not: DEL takes either
             self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig, move.podRef)
-        claims.put(uid, i, move.changed(state="planned", leased=[], leasedRoutes=[], **dict.fromkeys(_SEEN)))
+        claims.put(uid, i, move.changed(state="planned", leased=[], leasedRoutes=[], **dict.fromkeys(SEEN)))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
     def _ipam(self) -> Ipam:
@@ -321,7 +301,7 @@ class NetdevMover(Sandboxes):
             raise IpamError("this mover has no IPAM pools (no settings)")
         return self.ipam
 
-    def _reconcile(self, claims: _Claims) -> None:
+    def _reconcile(self, claims: Claims) -> None:
         """Records of sandboxes whose network namespace is gone, without the runtime telling
         (containerd forgets its pods' NRI state when it restarts: their Stop/RemovePodSandbox
         never come): what the kernel gave back is renamed, the records go back to ``planned``. And
@@ -339,9 +319,9 @@ class NetdevMover(Sandboxes):
         of a Synchronize that could not have the locks. The locked look reads the whole checkpoint,
         so it is taken only while a record says a netdev is in a pod or on its way back."""
         if self._recovering:  # Synchronize's recovery, which its locks did not let it do
-            self._report(await asyncio.to_thread(self._locked, self._recover, set(self.pods)))
+            self._report(await asyncio.to_thread(self._locked, self._recover, dict(self.pods)))
             self._recovering = False
-        if await self._concerns(lambda entry: any(_away(m) for m in entry.get("netdevs") or ())):
+        if await self._concerns(lambda entry: any(away(m) for m in entry.get("netdevs") or ())):
             await asyncio.to_thread(self._locked, self._reconcile)
 
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
@@ -353,7 +333,9 @@ class NetdevMover(Sandboxes):
                 expected = isinstance(err, (UpdateError, CheckpointError, ValueError, OSError))
                 log.warning("netdev records not looked at: %s", err, exc_info=not expected)
 
-    def _recover(self, claims: _Claims, running: set[str]) -> dict[str, dict]:
+    def _recover(self, claims: Claims, running: dict[str, Pod]) -> dict[str, dict]:
+        """Moves a crash interrupted finished (into a sandbox still running, else back), then
+        the netdevs of sandboxes that started unseen (``_late``)."""
         done = {}
         for uid, i, move in claims.moves():
             if not move.away:
@@ -366,31 +348,36 @@ class NetdevMover(Sandboxes):
                     self._move_out(claims, uid, i, move)
             except (rtnl.LinkError, OSError, IpamError) as err:
                 log.error("netdev %s of pod sandbox %s: finishing its move failed: %s", move.host, move.sandbox, err)
+        return done | self._late(claims, running)
+
+    def _late(self, claims: Claims, running: dict[str, Pod]) -> dict[str, dict]:
+        """Sandboxes that started while the agent was not registered with the runtime (containerd
+        restarted, the agent restarting): no RunPodSandbox comes for them, and the netdevs their
+        claims planned are still on the host. Each goes into its pod's running sandbox now; the
+        pod's containers are refused until then (``container_created``)."""
+        waiting = {p for uid, _, m in claims.moves() if not m.away for p in claims.cp.claims[uid].get("pods") or ()}
+        sandboxes: dict[str, list[Pod]] = {}
+        for pod in running.values():  # the runtime lists stopped sandboxes too: their namespace is gone
+            if pod.uid in waiting and (pod.netns is None or os.path.exists(pod.netns)):
+                sandboxes.setdefault(pod.uid, []).append(pod)
+        done = {}
+        for pods in sandboxes.values():
+            pod = pods[0]
+            if len(pods) > 1:
+                log.error("pod %s/%s has %d running sandboxes (%s): which one its claims' netdevs go into cannot be "
+                          "told; none moved", pod.namespace, pod.name, len(pods), ", ".join(p.id for p in pods))
+                continue
+            try:
+                moved = self._give_late(claims, pod)
+            except NetdevError as err:
+                log.error("%s", err)
+                continue
+            done |= moved
         return done
 
-
-_SEEN = ("sandbox", "netns", "podRef", "mac", "index", "parent", "hostMtu", "ipamConfig")  # of one stay in a pod: anew for the next
-
-
-def _for_pod(entry: dict, pod: Pod) -> bool:
-    pods = entry.get("pods")
-    return isinstance(pods, list) and pod.uid in pods
-
-
-def _in(move: NetdevMove, sandbox: str) -> bool:
-    return move.state == "in-pod" and move.sandbox == sandbox and netmove.in_pod(move)
-
-
-def _lost_for(entry: dict, pod: Pod) -> bool:
-    """An adopted claim of ``pod`` whose netdev records were lost with a damaged checkpoint."""
-    return bool(entry.get("netdevsLost")) and _for_pod(entry, pod)
-
-
-def _away(raw: dict) -> bool:
-    """A record (as saved) says its netdev is in a pod's namespace, or on its way back."""
-    return isinstance(raw, dict) and raw.get("state") in ("in-pod", "returning")
-
-
-def _away_in(raw: dict, sandbox: str) -> bool:
-    """A record (as saved) says its netdev may be in ``sandbox``."""
-    return isinstance(raw, dict) and raw.get("state", "planned") != "planned" and raw.get("sandbox") == sandbox
+    def _give_late(self, claims: Claims, pod: Pod) -> dict[str, dict]:
+        moved = self._give(claims, pod)
+        if moved:
+            log.warning("NRI: pod %s/%s's sandbox %s started while the agent was not registered with the runtime: its "
+                        "claims' netdevs moved in now, after its start", pod.namespace, pod.name, pod.id)
+        return moved

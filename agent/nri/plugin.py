@@ -30,9 +30,10 @@ from agent.protos import nri_v1alpha1_pb2 as api
 log = logging.getLogger(__name__)
 
 PKG = "nri.pkg.api.v1alpha1"
-# Sandbox events only: the runtime waits for the plugin's answer to each subscribed event, and a
-# container's creation has nothing for us to do (its sandbox's namespace already has the netdevs).
-EVENTS = (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX)
+# The runtime waits for the plugin's answer to each subscribed event. A container's creation is
+# answered at once unless its sandbox started while the plugin was not registered: its netdevs
+# go in first (agent/nri/netdev.py).
+EVENTS = (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX, api.CREATE_CONTAINER)
 RETRY_FIRST, RETRY_MAX = 0.5, 10.0
 WARN_EVERY = 600.0  # seconds between WARNING lines of one unchanged failure
 

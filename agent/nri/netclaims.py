@@ -1,0 +1,71 @@
+"""The netdev records of a checkpoint as the NRI plugin reads and changes them under the
+plugin's lock (agent/nri/netdev.py), and the tests on a record or an entry it makes."""
+
+from __future__ import annotations
+
+from agent.nri.plugin import Pod
+from agent.prepare import netmove
+from agent.prepare.checkpoint import Checkpoint
+from agent.prepare.checkpoint_format import COMPLETED
+from agent.prepare.records import NetdevMove
+
+
+class Claims:
+    """The checkpoint as loaded under the lock, and the netdev records of its prepared claims."""
+
+    def __init__(self, cp: Checkpoint):
+        self.cp = cp
+        self.changed: set[str] = set()
+        self.saved = False
+
+    def moves(self) -> list[tuple[str, int, NetdevMove]]:
+        """(claim UID, index in its ``netdevs``, record) of every prepared claim."""
+        out = []
+        for uid, entry in self.cp.claims.items():
+            if entry.get("state") == COMPLETED and uid not in self.cp.foreign:
+                out += [(uid, i, NetdevMove.model_validate(r)) for i, r in enumerate(entry.get("netdevs") or ())]
+        return out
+
+    def put(self, uid: str, index: int, move: NetdevMove) -> None:
+        entry = self.cp.claims[uid] = dict(self.cp.claims[uid])  # entries are replaced, never changed in place
+        netdevs = list(entry["netdevs"])
+        netdevs[index] = move.dump()
+        entry["netdevs"] = netdevs
+        self.changed.add(uid)
+
+    def save(self) -> None:
+        if self.changed:
+            self.cp.save(changed=self.changed)
+            self.changed, self.saved = set(), True
+
+
+SEEN = ("sandbox", "netns", "podRef", "mac", "index", "parent", "hostMtu", "ipamConfig")  # of one stay in a pod: anew for the next
+
+
+def for_pod(entry: dict, pod: Pod) -> bool:
+    pods = entry.get("pods")
+    return isinstance(pods, list) and pod.uid in pods
+
+
+def in_sandbox(move: NetdevMove, sandbox: str) -> bool:
+    return move.state == "in-pod" and move.sandbox == sandbox and netmove.in_pod(move)
+
+
+def lost_for(entry: dict, pod: Pod) -> bool:
+    """An adopted claim of ``pod`` whose netdev records were lost with a damaged checkpoint."""
+    return bool(entry.get("netdevsLost")) and for_pod(entry, pod)
+
+
+def away(raw: dict) -> bool:
+    """A record (as saved) says its netdev is in a pod's namespace, or on its way back."""
+    return isinstance(raw, dict) and raw.get("state") in ("in-pod", "returning")
+
+
+def away_in(raw: dict, sandbox: str) -> bool:
+    """A record (as saved) says its netdev may be in ``sandbox``."""
+    return isinstance(raw, dict) and raw.get("state", "planned") != "planned" and raw.get("sandbox") == sandbox
+
+
+def planned(raw: dict) -> bool:
+    """A record (as saved) says its netdev is on the host, to be moved into the claim's pod."""
+    return isinstance(raw, dict) and raw.get("state", "planned") == "planned"
