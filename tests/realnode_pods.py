@@ -41,14 +41,15 @@ def namespace(node: RealNode) -> str:
 
 
 def create_pod(node: RealNode, ns: str, name: str, script: str, *, claims: list[dict] = (), limits: dict | None = None,
-               scheduler: str = "default-scheduler", host_network: bool = True) -> dict:  # fmt: skip
+               scheduler: str = "default-scheduler", host_network: bool = True, annotations: dict | None = None) -> dict:  # fmt: skip
     container = {"name": "app", "image": node.image, "imagePullPolicy": "Never",
                  "command": ["sh", "-c", f"{script}; echo END; exec sleep 3600"]}  # fmt: skip
     if claims:
         container["resources"] = {"claims": [{"name": c["name"]} for c in claims]}
     if limits:
         container["resources"] = {"limits": limits}
-    return node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+    meta = {"name": name, "namespace": ns, **({"annotations": annotations} if annotations else {})}
+    return node.plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                               "spec": {"automountServiceAccountToken": False, "hostNetwork": host_network, "terminationGracePeriodSeconds": 1,
                                        "schedulerName": scheduler,
                                        "resourceClaims": list(claims), "containers": [container]}})  # fmt: skip

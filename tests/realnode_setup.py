@@ -144,6 +144,10 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.internal.v1.
   plugin_config_path = '{dir_}/nri/conf.d'
   plugin_request_timeout = '{nri_request_timeout}'
 
+# checks only what a pod's annotations ask (required-plugins.noderesource.dev), as docs/networking.md says
+[plugins.'io.containerd.nri.v1.nri'.default_validator]
+  enable = true
+
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = '{PAUSE}'
 

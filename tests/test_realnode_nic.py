@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 
+import psutil
 import pytest
 
 from tests.conftest import REPO
@@ -49,7 +50,7 @@ def veth():
     subprocess.run(["ip", "link", "del", IFNAME], check=False)
 
 
-def nic_pod(node: RealNode, script: str, config: dict | None = None) -> str:
+def nic_pod(node: RealNode, script: str, config: dict | None = None, annotations: dict | None = None) -> str:
     """A pod with its own network namespace and a claim for the fixture NIC (request ``net1``,
     ``config`` as its NicConfig); its namespace."""
     ns = namespace(node)
@@ -61,7 +62,8 @@ def nic_pod(node: RealNode, script: str, config: dict | None = None) -> str:
             "apiVersion": "sysdra.io/v1alpha1", "kind": "NicConfig", **config}}}]
     node.plane.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "nic", "namespace": ns},
                        "spec": {"devices": devices}})  # fmt: skip
-    create_pod(node, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False)
+    create_pod(node, ns, "app", script, claims=[{"name": "nic", "resourceClaimName": "nic"}], host_network=False,
+               annotations=annotations)
     return ns
 
 
@@ -349,6 +351,35 @@ def test_containerd_restarted_while_a_prepare_holds_the_lock_keeps_the_plugin_re
     finally:
         done.set()
         holder.join()
+
+
+def test_a_sandbox_run_before_the_agent_is_back_gets_its_netdev_before_its_container(realnode, veth):
+    """containerd restarted and ran a pod's sandbox before the agent was back (its NRI plugin
+    reconnects with a backoff): the pod ran for good without its NIC. The agent moves it in at its
+    Synchronize; containerd's default validator, asked by the pod's annotation to require the
+    plugin, refuses the container until then (docs/networking.md)."""
+    from agent.prepare import rtnl
+
+    refused, agent = agent_count(realnode, REFUSED), psutil.Process(realnode.procs["agent"].pid)
+    holder, done = hold_lock_after_prepare(realnode, lambda: False)
+    try:  # the sandbox refused while the lock is held, the agent paused, containerd restarted
+        ns = nic_pod(realnode, "ip -o link show data0", CONFIG, {"required-plugins.noderesource.dev/pod": '["sysdra"]'})
+        wait(lambda: agent_count(realnode, REFUSED) > refused, "the pod's sandbox refused", realnode, log="agent")
+        agent.suspend()
+        realnode.stop_process("containerd")
+    finally:
+        done.set()
+        holder.join()
+    try:
+        realnode._start_containerd({n: peer(n) for n in ("containerd", "ctr", "containerd-shim-runc-v2")}, 120)
+        wait(lambda: "required plugin" in json.dumps(realnode.plane.get("Pod", "app", ns)["status"]),
+             "the container refused without the plugin", realnode)
+    finally:
+        agent.resume()
+    lines = running_log(realnode, ns, "app")
+    assert any(re.match(r"\d+: data0[@:]", line) for line in lines), lines
+    delete_pod(realnode, ns, "app")
+    wait(lambda: rtnl.has_link(HOST_NET, IFNAME), f"{IFNAME} back on the host", realnode, log="agent")
 
 
 def test_zz_the_node_leaves_nothing_behind(realnode):
