@@ -335,8 +335,8 @@ class NetdevMover(Sandboxes):
 
     def _recover(self, claims: Claims, running: dict[str, Pod]) -> dict[str, dict]:
         """Moves a crash interrupted finished (into a sandbox still running, else back), then
-        the netdevs of sandboxes that started unseen (``_late``)."""
-        done = {}
+        the netdevs of sandboxes that started unseen (``_late``), never into one they left."""
+        done, left = {}, set()
         for uid, i, move in claims.moves():
             if not move.away:
                 continue
@@ -345,10 +345,11 @@ class NetdevMover(Sandboxes):
                     self._move_in(claims, uid, i, move)
                     done[uid] = claims.cp.claims[uid]
                 else:
+                    left.add(move.sandbox)
                     self._move_out(claims, uid, i, move)
             except (rtnl.LinkError, OSError, IpamError) as err:
                 log.error("netdev %s of pod sandbox %s: finishing its move failed: %s", move.host, move.sandbox, err)
-        return done | self._late(claims, running)
+        return done | self._late(claims, {id_: pod for id_, pod in running.items() if id_ not in left})
 
     def _late(self, claims: Claims, running: dict[str, Pod]) -> dict[str, dict]:
         """Sandboxes that started while the agent was not registered with the runtime (containerd
