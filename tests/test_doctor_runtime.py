@@ -54,6 +54,15 @@ def test_containerd_configs(tmp_path, text, cdi, nri):
     expect(check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, text)), {"containerd-cdi": cdi, "containerd-nri": nri})
 
 
+def test_the_nri_default_validator_is_said(tmp_path):
+    """The window between a runtime restart and the agent's registration (docs/networking.md)."""
+    off = check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, "version = 3\n"))
+    on = check_containerd(str(tmp_path), SOCK, CDI, write(tmp_path, "version = 3\n[plugins.'io.containerd.nri.v1.nri'.default_validator]\n"
+                                                                      "  enable = true\n", "on.toml"))
+    said = {f.check: f.message for f in off} | {f"{f.check}+": f.message for f in on}
+    assert "default validator is off" in said["containerd-nri"] and "default validator on" in said["containerd-nri+"]
+
+
 def test_the_config_under_the_root_and_its_imports(tmp_path):
     root = tmp_path / "root"
     assert levels(check_containerd(str(root), SOCK, CDI)) == {"containerd": "skip"}

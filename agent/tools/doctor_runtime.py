@@ -195,7 +195,13 @@ def _nri(path: str, version: int, nri: dict | None, disabled: list, nri_socket: 
     if os.path.normpath(str(served)) != os.path.normpath(nri_socket):
         return [Finding("containerd-nri", "warn", f"{path}: containerd serves NRI at {served}, the agent connects to {nri_socket}",
                         "make nri_socket and socket_path name the same socket (the DaemonSet mounts the host's /var/run/nri)")]
-    return [ok("containerd-nri", f"{path}: NRI on at {served}")]
+    validator = (nri or {}).get("default_validator")
+    if isinstance(validator, dict) and validator.get("enable") is True:
+        return [ok("containerd-nri", f"{path}: NRI on at {served}, its default validator on (a pod's "
+                                     "required-plugins.noderesource.dev annotation holds its containers until the agent is back)")]
+    return [ok("containerd-nri", f"{path}: NRI on at {served}; its default validator is off: containers of a pod that "
+                                 "starts while the agent is not registered start before their netdevs are moved in "
+                                 "(docs/networking.md)")]
 
 
 # --- kept GPU faults -----------------------------------------------------------------------------
