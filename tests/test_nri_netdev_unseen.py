@@ -66,6 +66,20 @@ def test_a_container_of_a_pod_without_netdevs_never_waits_for_the_lock(tmp_path,
     assert where(nets) == (True, False)
 
 
+def test_a_rejected_entry_holds_only_its_own_pods_containers(tmp_path, nets):
+    """A claim's entry that fails its checks: its pod's container is refused (never half-served);
+    every other container of the node is answered without waiting for the lock."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic, mtu=12)
+    m = mover(tmp_path, nets, lock_timeout=0.2)
+    other = Pod("sb9", "web", "ns", "11111111-2222-4333-8444-555555555555", nets.pod)
+    with Flock(str(tmp_path / "serialize.lock"), 1.0):
+        run(m.container_created(other, "web"))
+        with pytest.raises(NetdevError, match="cannot be used now"):
+            run(m.container_created(pod(nets), "app"))
+    with pytest.raises(NetdevError, match="not valid"):
+        run(m.container_created(pod(nets), "app"))
+
+
 def test_a_stopped_sandbox_of_the_pod_is_not_the_one(tmp_path, nets):
     """The runtime lists stopped sandboxes too (their network namespace gone)."""
     write_checkpoint(tmp_path / "checkpoint.json", nets.nic)

@@ -116,7 +116,8 @@ class NetdevMover(Sandboxes):
         claims' netdevs are in the sandbox: moved now, or the creation fails and the kubelet tries
         again. Any other pod's container is answered from the look without the lock."""
         await super().container_created(pod, container)
-        if await self._concerns(lambda entry: for_pod(entry, pod) and any(planned(m) for m in entry.get("netdevs") or ())):
+        if await self._concerns(lambda entry: for_pod(entry, pod) and any(planned(m) for m in entry.get("netdevs") or ()),
+                                lambda entry: isinstance(entry, dict) and for_pod(entry, pod)):
             self._report(await self._run(self._give_late, pod))
 
     async def _gone(self, pod: Pod) -> None:
@@ -124,23 +125,25 @@ class NetdevMover(Sandboxes):
                                 or lost_for(entry, pod)):
             await self._run(self._give_back, pod)
 
-    async def _concerns(self, match) -> bool:
+    async def _concerns(self, match, rejected=lambda entry: True) -> bool:
         """Whether a prepared claim's netdev record matches, read without the plugin's lock and
         only as far as saved since the last look (agent/prepare/checkpoint_view.py): every pod of
         the node starts through here, and most have no netdev to wait for a prepare's lock. The
         look is made on the loop when only records were appended (a thread hop cost more than
         reading them), in a worker thread when the files are read whole. The kubelet prepares a
         pod's claims before it asks for its sandbox, so no record of this pod is on its way. An
-        unreadable checkpoint (repaired there) or a rejected entry is the locked path's to report."""
+        unreadable checkpoint (repaired there) or a rejected entry (``rejected``: which concern the
+        event) is the locked path's to report."""
         async with self._view_lock:
             try:
                 claims = self._view.appended()
                 if claims is None:
                     claims = await asyncio.to_thread(self._view.claims)
-                rejected = self._view.rejected()
+                refused = self._view.rejected()
             except (CheckpointError, ValueError, OSError):
                 return True
-        return bool(rejected) or any(match(e) for e in claims.values() if e.get("state") == COMPLETED)
+        return any(rejected(entry) for entry, _ in refused.values()) or \
+            any(match(e) for e in claims.values() if e.get("state") == COMPLETED)
 
     async def _run(self, work, *args):
         gave_up = threading.Event()  # the runtime's deadline passed: the thread, still at the locks, does nothing
