@@ -1,4 +1,5 @@
-"""Crash-safe file writes: everything other programs read goes through here.
+"""Crash-safe file writes: everything other programs read goes through here; and the one
+bounded reader of the files the agent reads back (``read_bounded``).
 
 A reader (container runtime, kubelet, operator) sees either the old file or the new
 one, never a prefix: temp file in the same directory, write, rename. That alone is safe
@@ -15,6 +16,7 @@ import errno
 import itertools
 import json
 import os
+import stat
 
 import orjson
 
@@ -164,3 +166,61 @@ def clean_stale_temps(directory: str, prefix: str = ".") -> int:
             if remove_file(os.path.join(directory, name)):
                 n += 1
     return n
+
+
+# O_NONBLOCK: opening a FIFO put in a file's place returns at once (a blocking open waits for a
+# writer for ever); O_NOCTTY: a tty never becomes ours
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_CHUNK = 1 << 16
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+class FileRefused(OSError):
+    """A file that is there but is not a regular file of at most its kind's size; ``str()`` is
+    the reason alone (the callers name the file their own way)."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def read_bounded(path: str, limit: int) -> bytes:
+    """The whole of the regular file at ``path``, at most ``limit`` bytes (/dev/null: empty).
+    Never blocks and never reads without end: a FIFO, device or socket in the file's place is
+    refused (FileRefused) before anything is read, a directory is IsADirectoryError as for
+    ``open()``, and a file past ``limit`` (a sparse one of gigabytes) is refused, not read.
+    Other OSErrors (FileNotFoundError ...) as ``os.open`` raises them."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        st = os.fstat(fd)
+        _check_kind(path, st)
+        if not stat.S_ISREG(st.st_mode):
+            return b""  # /dev/null
+        if st.st_size > limit:
+            raise FileRefused(errno.EFBIG, f"{st.st_size} bytes, more than {limit}", path)
+        parts, size = [], 0
+        while size <= limit and (chunk := os.read(fd, min(limit + 1 - size, max(_CHUNK, st.st_size + 1)))):
+            parts.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:  # (it grew while read)
+        raise FileRefused(errno.EFBIG, f"more than {limit} bytes", path)
+    return b"".join(parts)
+
+
+def _check_kind(path: str, st: os.stat_result) -> None:
+    mode = st.st_mode
+    if stat.S_ISREG(mode) or (stat.S_ISCHR(mode) and st.st_rdev == _devnull()):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    kind = next((name for test, name in _KINDS if test(mode)), "of an unknown type")
+    raise FileRefused(errno.EINVAL, f"not a regular file: {kind}", path)
+
+
+def _devnull() -> int:
+    try:
+        return os.stat(os.devnull).st_rdev
+    except OSError:
+        return -1

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from agent.fsutil import FileRefused, read_bounded
 from agent.names import is_subdomain
 from agent.settings_errors import error_message
 from agent.settings_mps import MpsPodSettings, host_path as _host_path
@@ -329,14 +330,18 @@ def _env_values(environ: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+MAX_CONFIG_BYTES = 1 << 20  # the chart's file is ~300 bytes
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            text = f.read().decode()
+        text = read_bounded(path, MAX_CONFIG_BYTES).decode()
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path}: not UTF-8 text (byte {err.start})") from None
     except FileNotFoundError:
         return {}
+    except FileRefused as err:  # a FIFO (a blocking open waited for ever), /dev/zero, a sparse file
+        raise ConfigError(f"config file {path}: {err}") from None
     except OSError as err:
         raise ConfigError(f"config file {path}: {err}") from err
     if not text.strip():  # no file content (e.g. /dev/null): the YAML parser is not even loaded

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from agent.fsutil import atomic_write_json
+from agent.fsutil import atomic_write_json, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class SharedMarks:
         try:
             if key[2] > MAX_BYTES:
                 raise ValueError(f"{key[2]} bytes, at most {MAX_BYTES}")
-            with open(self.path, "rb") as f:
-                raw = json.loads(f.read(MAX_BYTES + 1))
+            raw = json.loads(read_bounded(self.path, MAX_BYTES))
             if not isinstance(raw, dict) or not isinstance(raw.get("marks"), dict):
                 raise ValueError("not an object with marks")
         except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

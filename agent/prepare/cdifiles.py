@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from agent.fsutil import atomic_write_json, clean_stale_temps, remove_file
+from agent.fsutil import atomic_write_json, clean_stale_temps, read_bounded, remove_file
 from agent.names import check_uid, is_uid
 from cdi.spec import SpecError, validate, vendor_of
 
@@ -53,11 +53,13 @@ def write_spec(path: str, spec: dict, check: bool = True) -> None:
     atomic_write_json(path, spec, mode=0o644, durable=False, dir_mode=0o755)
 
 
+MAX_SPEC_BYTES = 4 << 20  # a claim's spec is a few KiB
+
+
 def read_spec(path: str) -> dict:
     """Parse and validate a spec file; SpecError names the file and the problem."""
     try:
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
+        spec = json.loads(read_bounded(path, MAX_SPEC_BYTES))
         validate(spec)
     except (OSError, ValueError) as err:  # json.JSONDecodeError and SpecError are ValueErrors
         raise SpecError(f"{path}: {err}") from err

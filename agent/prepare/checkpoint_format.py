@@ -11,7 +11,7 @@ import json
 import os
 import zlib
 
-from agent.fsutil import describe_error, json_bytes
+from agent.fsutil import describe_error, json_bytes, read_bounded
 
 VERSION = 2
 STARTED = "PrepareStarted"
@@ -23,13 +23,16 @@ class CheckpointError(Exception):
     """The checkpoint cannot be used and must not be moved aside (e.g. newer version)."""
 
 
+# a snapshot or journal past this is none the agent wrote (a node's claims take a few MiB at most)
+MAX_FILE_BYTES = 256 << 20
+
+
 def read_file(path: str) -> bytes | None:
     """A checkpoint file's bytes; None: there is none. CheckpointError for one that is there but
     cannot be read (a directory where the file should be, no permission, an I/O error): that is
     not damage to move aside, since nothing of it was read, and no claim can be told prepared."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_bounded(path, MAX_FILE_BYTES)
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -128,7 +131,7 @@ def appended_after(journal_path: str, size: int) -> bool:
     """Whether the journal has a non-zero byte at ``size`` (the end of the records someone
     last read or wrote): an append since. An unreadable journal says no."""
     try:
-        fd = os.open(journal_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(journal_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO swapped in)
     except OSError:
         return False
     try:

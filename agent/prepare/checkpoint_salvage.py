@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from agent.prepare.checkpoint_format import JOURNAL_SUFFIX, VERSION, check_snapshot, parse_journal_line
+from agent.fsutil import read_bounded
+from agent.prepare.checkpoint_format import JOURNAL_SUFFIX, MAX_FILE_BYTES, VERSION, check_snapshot, parse_journal_line
 
 
 @dataclass
@@ -51,8 +52,7 @@ def salvage(path: str, raw: bytes | None) -> Salvage:
         return Salvage()
     out = Salvage({uid: e for uid, e in claims.items() if usable(uid, e)})
     try:
-        with open(path + JOURNAL_SUFFIX, "rb") as f:
-            data = f.read()
+        data = read_bounded(path + JOURNAL_SUFFIX, MAX_FILE_BYTES)
     except FileNotFoundError:  # a snapshot alone is the whole state (version 1, a crash before the first journal)
         out.certain = set(out.state)
         return out

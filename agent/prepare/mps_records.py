@@ -22,7 +22,7 @@ from typing import Annotated
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from agent.fsutil import atomic_write_json, make_dirs
+from agent.fsutil import atomic_write_json, make_dirs, read_bounded
 
 log = logging.getLogger("agent.prepare.mps")
 
@@ -58,13 +58,15 @@ class MpsState(BaseModel):
     daemons: dict[str, MpsRecord] = {}
 
 
+MAX_BYTES = 4 << 20  # a record is ~1 KiB, one per GPU
+
+
 def load(path: str) -> MpsState:
     """The records at ``path``, each checked alone: a damaged one is left out (logged, the file
     copied aside; the next save drops it), the others kept, so another GPU's daemon is still
     adopted, never taken for a stray. A file that holds no records at all is moved aside."""
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(read_bounded(path, MAX_BYTES))
         if not isinstance(doc, dict) or set(doc) - {"daemons"} or not isinstance(doc.get("daemons", {}), dict):
             raise ValueError("not an object of daemon records by GPU")
     except FileNotFoundError:

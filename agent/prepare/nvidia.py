@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 from typing import Collection
 
+from agent.fsutil import read_bounded
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
 from agent.prepare.mps import BINARY as MPS_BINARY
@@ -177,10 +178,7 @@ class NvidiaDriver:
 def _load(path: str) -> dict | None:
     """A CDI spec file of kind nvidia.com/gpu, or None (other kinds, unreadable, too large)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)
-        if len(data) > MAX_SPEC_BYTES:
-            return None
+        data = read_bounded(path, MAX_SPEC_BYTES)
         if path.endswith(".json"):
             spec = json.loads(data)
         else:

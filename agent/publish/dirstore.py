@@ -11,10 +11,12 @@ import os
 import time
 import uuid
 
-from agent.fsutil import atomic_write_json, clean_stale_temps, make_dirs
+from agent.fsutil import atomic_write_json, clean_stale_temps, make_dirs, read_bounded
 from agent.publish.store import Conflict, NotFound, StoreError
 
 log = logging.getLogger("sysdra.publish")
+
+MAX_FILE_BYTES = 4 << 20  # one ResourceSlice: the API server takes at most ~1.5 MiB
 
 
 class DirStore:
@@ -36,13 +38,12 @@ class DirStore:
         make a new inode, so any write by anyone is seen). Callers treat it as read-only."""
         path = self.path(name)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-                hit = self._cache.get(name)
-                if hit is not None and hit[0] == stamp:
-                    return hit[1]
-                obj = json.loads(f.read())
+            st = os.stat(path)  # (a file replaced after it: a new stamp at the next read)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            hit = self._cache.get(name)
+            if hit is not None and hit[0] == stamp:
+                return hit[1]
+            obj = json.loads(read_bounded(path, MAX_FILE_BYTES))
         except FileNotFoundError:
             self._cache.pop(name, None)
             return None

@@ -16,7 +16,7 @@ import os
 
 import orjson
 
-from agent.fsutil import atomic_write, json_bytes
+from agent.fsutil import atomic_write, json_bytes, read_bounded
 from agent.nodeops import rule_problem
 from agent.prepare.checkpoint import COMPLETED, Checkpoint
 from discovery.models import KINDS
@@ -69,8 +69,7 @@ def refusal(old: dict, new: dict, claims: dict[str, dict]) -> str | None:
 
 def load_applied(plugin_dir: str) -> dict | None:
     try:
-        with open(os.path.join(plugin_dir, APPLIED_FILE), "rb") as f:
-            value = orjson.loads(f.read(1 << 16))
+        value = orjson.loads(read_bounded(os.path.join(plugin_dir, APPLIED_FILE), 1 << 16))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:

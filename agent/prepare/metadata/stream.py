@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from agent.fsutil import json_bytes
+from agent.fsutil import json_bytes, read_bounded
 
 GROUP = "metadata.resource.k8s.io"
 KIND = "DeviceMetadata"
@@ -103,8 +103,7 @@ def decode(data: bytes | str, understood: Iterable[str] = VERSIONS) -> dict:
 def read_file(path: str, understood: Iterable[str] = VERSIONS) -> dict:
     """Decode a metadata file (``sysdra doctor``, ``sysdra metadata show``, the update command)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 20)
+        data = read_bounded(path, 1 << 20)
     except OSError as err:
         raise MetadataError(f"{path}: {err.strerror or err}") from err
     try:
