@@ -48,7 +48,8 @@ def test_ready_only_once_the_kubelet_registered_the_agent(tmp_path, where):
     socket = str(tmp_path / "status.sock")
     with _Serving(board, socket):
         board.set_registration("waiting")
-        board.set_nri({"state": "registered", "reason": None, "socket": "/var/run/nri/nri.sock", "runtime": "containerd v2.4.2"})
+        board.set_nri({"state": "registered", "reason": None, "socket": "/var/run/nri/nri.sock", "runtime": "containerd v2.4.2",
+                       "synchronized": True})
         waiting = _probe(command, socket)
         assert waiting.returncode == 1 and "not registered with the kubelet: waiting" in waiting.stderr
         board.set_registration("failed", "none of the services supported")
@@ -58,3 +59,36 @@ def test_ready_only_once_the_kubelet_registered_the_agent(tmp_path, where):
         assert _probe(command, socket).returncode == 0
     gone = _probe(command, socket)  # no agent answering: not ready either
     assert gone.returncode == 1 and "sysdra status:" in gone.stderr
+
+
+NRI = {"reason": None, "socket": "/var/run/nri/nri.sock", "runtime": "containerd v2.4.2"}
+
+
+@pytest.mark.parametrize("where", ["chart", "deploy"])
+def test_not_ready_before_the_runtime_has_the_nri_plugin_in_its_list(tmp_path, where):
+    """Both instances of a surge update register with containerd as ``50-sysdra``, and containerd
+    calls every plugin it has (nri adaptation.go: no check of names), so the two together move a
+    NIC once (the second finds it in the pod). But containerd adds a plugin to the plugins it calls
+    only once its Synchronize is done, after RegisterPlugin and Configure, and holds Synchronize
+    back while pods start or stop (BlockPluginSync). Ready on the kubelet's registration alone, the
+    old pod was deleted while the new plugin was not yet called: a pod started then ran without its
+    netdevs, and the runtime said nothing."""
+    command = _probes()[where]
+    board = StatusBoard("node-a", "sysdra.io")
+    socket = str(tmp_path / "status.sock")
+    with _Serving(board, socket):
+        board.set_registration("registered")
+        for state in ({"state": "connecting", "synchronized": False}, {"state": "registered", "synchronized": False}):
+            board.set_nri({**NRI, **state})
+            waiting = _probe(command, socket)
+            assert waiting.returncode == 1, waiting.stderr
+            assert f"NRI plugin not synchronized by the runtime yet: {state['state']}" in waiting.stderr
+        board.set_nri({**NRI, "state": "registered", "synchronized": True})
+        assert _probe(command, socket).returncode == 0
+        # no NRI in the runtime: an answer too (the old instance had none either), said in status and doctor
+        board.set_nri({**NRI, "state": "failed", "reason": "no NRI socket at /var/run/nri/nri.sock", "synchronized": False})
+        assert _probe(command, socket).returncode == 0
+    board = StatusBoard("node-a", "sysdra.io")  # nri_socket "" (disabled)
+    with _Serving(board, socket):
+        board.set_registration("registered")
+        assert _probe(command, socket).returncode == 0

@@ -17,8 +17,10 @@ def add_parser(sub) -> None:
     # the agent's event loop answers: no answer within this is a wedged loop (the DaemonSet's liveness probe)
     p.add_argument("--timeout", type=_seconds, default=3.0, metavar="SECONDS", help="how long to wait for the answer (default 3)")
     # the DaemonSet's readiness: a surge update removes the old pod only once the new one is registered
+    # with the kubelet and called by the runtime's NRI
     p.add_argument("--registered", action="store_true",
-                   help="exit 1 unless the kubelet has registered the agent (its readiness), saying why on stderr")
+                   help="exit 1 unless the kubelet has registered the agent and the runtime has synchronized its NRI "
+                        "plugin, or said it has no NRI (its readiness), saying why on stderr")
     p.set_defaults(func=run)
 
 
@@ -141,8 +143,15 @@ def run(args) -> int:
 
 def _registered(status: dict) -> int:
     reg = status.get("registration") or {}
-    if reg.get("state") == "registered":
-        return 0
-    why = f" ({_one_line(reg['error'])})" if reg.get("error") else ""
-    print(f"sysdra status: not registered with the kubelet: {reg.get('state')}{why}", file=sys.stderr)
-    return 1
+    if reg.get("state") != "registered":
+        why = f" ({_one_line(reg['error'])})" if reg.get("error") else ""
+        print(f"sysdra status: not registered with the kubelet: {reg.get('state')}{why}", file=sys.stderr)
+        return 1
+    # containerd calls a plugin only once it synchronized it, which it holds back while pods start or
+    # stop: until then a surge update's old instance is the one that moves claimed NICs (docs/networking.md)
+    nri = status.get("nri") or {}
+    if nri.get("state") in ("connecting", "registered") and not nri.get("synchronized"):
+        print(f"sysdra status: NRI plugin not synchronized by the runtime yet: {nri['state']} on {nri.get('socket')} "
+              "(pods it starts meanwhile would not get their netdevs from this instance)", file=sys.stderr)
+        return 1
+    return 0
