@@ -71,6 +71,8 @@ READERS = {
     "nvidia cdi spec": ("nvidia.yaml", "from agent.prepare.nvidia import _load\nprint(_load(P))"),
     "slice file": ("resourceslices/s.json", "from agent.publish.dirstore import DirStore\n"
                    "print(DirStore(D, node_name='n', driver_name='d')._read('s'))"),
+    "if_inet6 under the root": ("proc/1/net/if_inet6", "from agent.prepare.netaddrs import addresses\n"
+                                "print(addresses(D))"),
 }
 # what each says of the file (its own error, as for damage: tests/test_*_damaged.py)
 EXPECTED = {
@@ -84,6 +86,7 @@ EXPECTED = {
     "metadata": "ERR {P}: {why}",
     "nvidia cdi spec": "None",
     "slice file": "None",
+    "if_inet6 under the root": "{{}}",  # a claim's status without the host's addresses, its prepare not held up
 }
 
 

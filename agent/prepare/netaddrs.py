@@ -27,7 +27,7 @@ import struct
 from typing import Callable
 
 from agent import rtnetlink
-from discovery.sysfs import is_sysfs
+from discovery.sysfs import AttrError, HostFS, is_sysfs
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,9 @@ def addresses(root: str) -> dict[str, list[str]]:
     try:
         if (sock := _host_socket(root)) is not None:
             return netlink_addresses(sock)
-        with open(os.path.join(root, "proc", "1", "net", "if_inet6"), encoding="ascii", errors="replace") as f:
-            return parse_if_inet6(f.read(1 << 20))
-    except OSError as err:
+        fs = HostFS(root)  # the root's reader: a FIFO or device there is refused, a huge file not read
+        return parse_if_inet6(fs.read_bytes(fs.path("proc/1/net/if_inet6"), limit=1 << 20).decode("ascii", "replace"))
+    except (OSError, AttrError) as err:
         log.debug("interface addresses not read: %s", err)
     except Exception:  # a bug must not fail the prepare: the addresses are a nicety
         log.warning("interface addresses not read", exc_info=True)
