@@ -73,6 +73,10 @@ READERS = {
                    "print(DirStore(D, node_name='n', driver_name='d')._read('s'))"),
     "if_inet6 under the root": ("proc/1/net/if_inet6", "from agent.prepare.netaddrs import addresses\n"
                                 "print(addresses(D))"),
+    "doctor: a cdi dir's spec": ("other.yaml", "from agent.tools.doctor_files import check_cdi_spec\n"
+                                 "print(check_cdi_spec(P)[0][0].message)"),
+    "doctor: a metadata file": ("dra-device-metadata/m/metadata.json", "from agent.tools.doctor_files import check_metadata\n"
+                                "print(check_metadata(D)[0].message)"),
 }
 # what each says of the file (its own error, as for damage: tests/test_*_damaged.py)
 EXPECTED = {
@@ -86,7 +90,9 @@ EXPECTED = {
     "metadata": "ERR {P}: {why}",
     "nvidia cdi spec": "None",
     "slice file": "None",
-    "if_inet6 under the root": "{{}}",  # a claim's status without the host's addresses, its prepare not held up
+    "if_inet6 under the root": "{{}}",
+    "doctor: a cdi dir's spec": "does not parse: {why}",
+    "doctor: a metadata file": "not a complete JSON stream: {why}",  # a claim's status without the host's addresses, its prepare not held up
 }
 
 

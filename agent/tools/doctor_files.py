@@ -11,6 +11,7 @@ import time
 import yaml
 
 import cdi
+from agent.fsutil import read_bounded
 from agent.tools.findings import Finding, ok
 
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(cdi.__file__)), "schema")
@@ -55,9 +56,11 @@ def _structural_errors(spec: object) -> list[str]:
     return errors
 
 
+MAX_SPEC_BYTES = 4 << 20  # as the agent's own reader of another tool's specs (prepare/nvidia.py)
+
+
 def _load_spec(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_bounded(path, MAX_SPEC_BYTES).decode()  # (a FIFO there: refused, never waited on)
     return json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
 
 
@@ -184,7 +187,7 @@ def check_metadata(plugin_dir: str) -> list[Finding]:
             path = os.path.join(dirpath, name)
             count += 1
             try:
-                objs = parse_json_stream(open(path, encoding="utf-8").read())
+                objs = parse_json_stream(read_bounded(path, 1 << 20).decode())
             except (OSError, ValueError, RecursionError) as err:
                 why = "nested too deep" if isinstance(err, RecursionError) else err
                 found.append(Finding(f"metadata:{path}", "fail", f"not a complete JSON stream: {why}",
