@@ -73,6 +73,8 @@ READERS = {
                    "print(DirStore(D, node_name='n', driver_name='d')._read('s'))"),
     "if_inet6 under the root": ("proc/1/net/if_inet6", "from agent.prepare.netaddrs import addresses\n"
                                 "print(addresses(D))"),
+    "process name under the root": ("proc/123/comm", "import os\nfrom agent.prepare.devusers import holders\n"
+                                    "print(holders(D, {os.stat('/dev/null').st_rdev}).holders[0].comm)"),
     "doctor: a cdi dir's spec": ("other.yaml", "from agent.tools.doctor_files import check_cdi_spec\n"
                                  "print(check_cdi_spec(P)[0][0].message)"),
     "doctor: a metadata file": ("dra-device-metadata/m/metadata.json", "from agent.tools.doctor_files import check_metadata\n"
@@ -91,6 +93,7 @@ EXPECTED = {
     "nvidia cdi spec": "None",
     "slice file": "None",
     "if_inet6 under the root": "{{}}",
+    "process name under the root": "?",  # the holder named by its pid alone
     "doctor: a cdi dir's spec": "does not parse: {why}",
     "doctor: a metadata file": "not a complete JSON stream: {why}",  # a claim's status without the host's addresses, its prepare not held up
 }
@@ -111,6 +114,9 @@ def test_a_file_that_is_no_regular_file_is_that_files_error(tmp_path, reader, ki
     if reader == "journal":  # a snapshot and its journal, as the agent leaves them
         cp = Checkpoint.load(str(tmp_path / "checkpoint.json"))
         cp.compact()
+    if reader == "process name under the root":  # a process of the root's procfs holding a device open
+        os.makedirs(tmp_path / "proc/123/fd")
+        os.symlink("/dev/null", tmp_path / "proc/123/fd/3")
     _spoil(path, kind)
     out = _child(f"D, P = {str(tmp_path)!r}, {path!r}\n{code}")
     expected = EXPECTED[reader].format(P=path, why=_why(kind, name))

@@ -25,6 +25,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+from agent.fsutil import read_bounded
 from discovery.devnodes import NodeResolver, parse_dev
 from discovery.gpu import NVIDIA_MAJOR, NVIDIACTL_MINOR, parse_nvidia_information
 from discovery.partitions import amd_render_nodes
@@ -161,8 +162,7 @@ def _scan_pid(base: str, pid: int, rdevs, files, scan: Scan, budget: int) -> int
 
 def _comm(base: str) -> str:
     try:
-        with open(os.path.join(base, "comm"), "rb") as f:
-            raw = f.read(64)
+        raw = read_bounded(os.path.join(base, "comm"), 64)  # (a FIFO under a fixture root: refused, not waited on)
     except OSError:
         return "?"
     return _printable(raw.decode("utf-8", "replace").strip(), 16) or "?"
