@@ -240,8 +240,10 @@ class NetdevMover(Sandboxes):
         return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
     def _move_in(self, claims: Claims, uid: str, i: int, move: NetdevMove) -> None:
-        if move.state == "in-pod" and netmove.in_pod(move):
-            return  # the runtime repeated the event
+        if move.state == "in-pod" and netmove.in_pod(move):  # said: a rolling update's two instances both get the event
+            log.info("netdev %s is already %s in pod sandbox %s (the event repeated, or moved by the other instance of a "
+                     "rolling update)", move.host, move.pod, move.sandbox)
+            return
         if move.state == "planned":  # on the host under its name: which link it is, before it moves
             move = netmove.identify(move, self.host_netns)
         leasing = move.ipamPool and not move.leased  # one lease per sandbox, recorded before it is used
