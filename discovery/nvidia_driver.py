@@ -65,6 +65,7 @@ MODESET = "/dev/nvidia-modeset"
 # and the distribution packages install it.
 HOOK = "nvidia-cdi-hook"
 HOOK_DIRS = ("usr/bin", "usr/local/nvidia/toolkit", "usr/local/bin")
+MAX_HOOK_BYTES = 256 << 20  # the hook's Go binary is ~5 MiB: a sparse file of gigabytes is not searched
 # Its CUDA forward-compatibility subcommand, from toolkit v1.17.5: an older hook exits non-zero on
 # it (v1.17.4: 3, "No help topic") and the runtime then refuses to create the container. The GPU
 # operator's toolkit before v1.20.0 installs the binary as nvidia-cdi-hook.real beside a shell
@@ -207,11 +208,20 @@ def _firmware(root: str, driver_root: str, version: str | None) -> list[str]:
 
 def _has(root: str, host_path: str, word: bytes) -> bool:
     """Whether the file has ``word`` in it: a Go program's subcommand names are in its binary."""
+    try:  # O_NONBLOCK: a FIFO there is looked at (not regular: no word), never waited on
+        fd = os.open(_under(root, host_path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return False
     try:
-        with open(_under(root, host_path), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_HOOK_BYTES:
+            return False
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
             return m.find(word) != -1
     except (OSError, ValueError):  # ValueError: an empty file cannot be mapped
         return False
+    finally:
+        os.close(fd)
 
 
 def _sockets(root: str) -> list[str]:

@@ -19,6 +19,7 @@ import pytest
 
 from agent.fsutil import FileRefused, read_bounded
 from agent.prepare.checkpoint import Checkpoint
+from tests.test_nvidia_driver import write_hook
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_MEMORY = 1 << 30  # the child's address space: enough for the imports, not for a sparse file
@@ -75,6 +76,8 @@ READERS = {
                                 "print(addresses(D))"),
     "process name under the root": ("proc/123/comm", "import os\nfrom agent.prepare.devusers import holders\n"
                                     "print(holders(D, {os.stat('/dev/null').st_rdev}).holders[0].comm)"),
+    "a cdi hook under the driver root": ("usr/bin/nvidia-cdi-hook.real", "from discovery.nvidia_driver import "
+                                         "find_driver_files\nprint(find_driver_files(D).cuda_compat)"),
     "doctor: a cdi dir's spec": ("other.yaml", "from agent.tools.doctor_files import check_cdi_spec\n"
                                  "print(check_cdi_spec(P)[0][0].message)"),
     "doctor: a metadata file": ("dra-device-metadata/m/metadata.json", "from agent.tools.doctor_files import check_metadata\n"
@@ -94,6 +97,7 @@ EXPECTED = {
     "slice file": "None",
     "if_inet6 under the root": "{{}}",
     "process name under the root": "?",  # the holder named by its pid alone
+    "a cdi hook under the driver root": "False",  # (what the hook cannot do: enable-cuda-compat)
     "doctor: a cdi dir's spec": "does not parse: {why}",
     "doctor: a metadata file": "not a complete JSON stream: {why}",  # a claim's status without the host's addresses, its prepare not held up
 }
@@ -114,6 +118,8 @@ def test_a_file_that_is_no_regular_file_is_that_files_error(tmp_path, reader, ki
     if reader == "journal":  # a snapshot and its journal, as the agent leaves them
         cp = Checkpoint.load(str(tmp_path / "checkpoint.json"))
         cp.compact()
+    if reader == "a cdi hook under the driver root":  # a hook without the word: the .real one is looked into
+        write_hook(str(tmp_path / "usr/bin/nvidia-cdi-hook"), compat=False)
     if reader == "process name under the root":  # a process of the root's procfs holding a device open
         os.makedirs(tmp_path / "proc/123/fd")
         os.symlink("/dev/null", tmp_path / "proc/123/fd/3")
