@@ -78,6 +78,10 @@ READERS = {
                                     "print(holders(D, {os.stat('/dev/null').st_rdev}).holders[0].comm)"),
     "a cdi hook under the driver root": ("usr/bin/nvidia-cdi-hook.real", "from discovery.nvidia_driver import "
                                          "find_driver_files\nprint(find_driver_files(D).cuda_compat)"),
+    "doctor: containerd's config": ("config.toml", "from agent.tools.doctor_runtime import check_containerd\n"
+                                    "print(check_containerd(D, '/s', '/c', path=P)[0].message)"),
+    "doctor: a CRI-O drop-in": ("crio.conf.d/10-x.conf", "from agent.tools.doctor_crio import check_crio\n"
+                                "print(check_crio(D, '/s', '/c', D + '/none', D + '/crio.conf.d')[0].message)"),
     "doctor: a cdi dir's spec": ("other.yaml", "from agent.tools.doctor_files import check_cdi_spec\n"
                                  "print(check_cdi_spec(P)[0][0].message)"),
     "doctor: a metadata file": ("dra-device-metadata/m/metadata.json", "from agent.tools.doctor_files import check_metadata\n"
@@ -98,6 +102,8 @@ EXPECTED = {
     "if_inet6 under the root": "{{}}",
     "process name under the root": "?",  # the holder named by its pid alone
     "a cdi hook under the driver root": "False",  # (what the hook cannot do: enable-cuda-compat)
+    "doctor: containerd's config": "{P}: cannot read it: {why}",
+    "doctor: a CRI-O drop-in": "{P}: cannot read it: {why}",
     "doctor: a cdi dir's spec": "does not parse: {why}",
     "doctor: a metadata file": "not a complete JSON stream: {why}",  # a claim's status without the host's addresses, its prepare not held up
 }

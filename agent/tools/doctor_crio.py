@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import tomllib
 
-from agent.tools.doctor_runtime import CDI_DIRS, _merge
+from agent.fsutil import read_bounded
+from agent.tools.doctor_runtime import CDI_DIRS, MAX_CONFIG_BYTES, _merge
 from agent.tools.findings import Finding, ok
 
 CRIO_CONFIG = "etc/crio/crio.conf"  # under the root
@@ -51,9 +52,8 @@ def check_crio(root: str, nri_socket: str, cdi_dir: str, path: str | None = None
     config: dict = {}
     for name in files:
         try:
-            with open(name, "rb") as f:
-                _merge(config, tomllib.load(f))
-        except (OSError, tomllib.TOMLDecodeError, RecursionError) as err:  # (nested too deep to parse)
+            _merge(config, tomllib.loads(read_bounded(name, MAX_CONFIG_BYTES).decode()))
+        except (OSError, ValueError, RecursionError) as err:  # (TOMLDecodeError, not UTF-8: ValueErrors)  # (nested too deep to parse)
             why = "nested too deep" if isinstance(err, RecursionError) else err
             return [Finding("crio", "warn", f"{name}: cannot read it: {why}", "check the file (crio config shows what CRI-O reads)")]
     crio = config.get("crio") if isinstance(config.get("crio"), dict) else {}

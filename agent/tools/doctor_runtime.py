@@ -21,6 +21,7 @@ import glob
 import os
 import tomllib
 
+from agent.fsutil import read_bounded
 from agent.tools.findings import Finding, ok
 
 CONTAINERD_CONFIG = "etc/containerd/config.toml"  # under the root
@@ -103,9 +104,11 @@ def _load(path: str, root: str) -> dict:
     return config
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a runtime's config file: a few KiB
+
+
 def _read(path: str) -> dict:
-    with open(path, "rb") as f:
-        return tomllib.load(f)
+    return tomllib.loads(read_bounded(path, MAX_CONFIG_BYTES).decode())  # (a FIFO: refused, not waited on)
 
 
 def _imports(path: str, config: dict, root: str) -> list[str]:
