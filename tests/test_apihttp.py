@@ -4,6 +4,7 @@ rotated token files, a server behind a path, and which configurations go to ligh
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -142,6 +143,31 @@ def test_a_rotated_token_file_is_read_again_when_the_server_says_401(server, tmp
         t.close()
     assert server.seen == [("/a", "Bearer first"), ("/b", "Bearer first"), ("/b", "Bearer second"),
                            ("/c", "Bearer second"), ("/d", "Bearer second"), ("/d", "Bearer second")]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_a_token_file_that_is_no_regular_file_is_the_requests_error(server, tmp_path, kind):
+    """A FIFO in the token file's place held the request's thread (a claim status write) for
+    ever; a link to /dev/zero read until memory ran out."""
+    token = tmp_path / "token"
+    os.mkfifo(token) if kind == "fifo" else os.symlink("/dev/zero", token)
+    t = apihttp.CurlTransport(config(tmp_path, server.url, tokenFile=str(token)), 5.0, 1000)
+    box = {}
+
+    def call():
+        try:
+            t.request("GET", "/a")
+        except OSError as err:
+            box["err"] = err
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive(), "the request still waits on the token file"
+        assert "not a regular file" in str(box["err"]) and server.seen == []
+    finally:
+        t.close()
 
 
 def test_a_server_behind_a_path_gets_the_path_and_a_static_token(server, tmp_path):

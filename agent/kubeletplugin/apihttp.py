@@ -22,15 +22,17 @@ import logging
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import pycurl
 
+from agent.fsutil import read_bounded
+
 log = logging.getLogger(__name__)
 
 KEEPALIVE = 90  # seconds an idle connection is kept (client-go's idle timeout; libcurl drops older ones)
+MAX_TOKEN_BYTES = 1 << 20  # a projected token is a few KiB
 IDLE_KEPT = 4  # handles (each with its connection) kept for reuse: the prepares and status writes in flight at once
 
 # libcurl's failures as the OSError subclasses the callers name in their errors
@@ -104,7 +106,9 @@ class CurlTransport:
         return resp
 
     def _read_token(self) -> str:
-        return "Bearer " + Path(self.token_file).read_text().strip()
+        """The token file, read again after a rotation: a FIFO or a link to /dev/zero in its
+        place is refused (fsutil.FileRefused, an OSError: the request's error), never waited on."""
+        return "Bearer " + read_bounded(self.token_file, MAX_TOKEN_BYTES).decode(errors="replace").strip()
 
     def _send(self, method: str, path: str, body: bytes | None, headers: dict) -> Response:
         """One exchange. libcurl checks a kept connection before it reuses it and repeats a
