@@ -196,6 +196,25 @@ def test_a_pod_whose_netdev_records_cannot_be_told_is_refused_and_others_start(t
     assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None}  # the kubelet ends it
 
 
+def test_the_kubelets_prepare_again_keeps_a_claims_netdev_records_lost(tmp_path, ifname_nets):
+    """The kubelet prepares the adopted claim again after the restart: its entry is filled in from
+    the claim, still marked. Before, it was prepared anew (the adopted entry knew no allocation):
+    the mark gone, the pod's next sandbox failed on a netdev not on the host, said as such."""
+    nets = ifname_nets
+    first = in_pod(tmp_path, nets)
+    append_after_damage(first.driver.checkpoint_path)
+    agent = Agent(tmp_path, nets)
+    assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    entry = Checkpoint.load(agent.driver.checkpoint_path, move_corrupt=False).claims[CLAIM]
+    assert entry["netdevsLost"] and entry["name"] == "nic" and "netdevs" not in entry
+
+    async def events(call):
+        with pytest.raises(CallError, match=f"claim {CLAIM} of pod ns/app lost its netdev records"):
+            await call("RunPodSandbox", app(nets, "id-app-2"))
+    agent.serve([app(nets)], events)
+    assert where(nets) == (False, True)
+
+
 def claim_ref():
     return ClaimRef("default", "nic", CLAIM)
 

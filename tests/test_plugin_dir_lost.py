@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 
+from agent.prepare import planner
+from agent.prepare.allocation import our_results
+from agent.prepare.checkpoint import Checkpoint
 from tests.mig_node import MigNode, profile, req
 from tests.test_mig_prepare import driver_for, ref
 
@@ -33,3 +36,52 @@ def test_a_first_start_without_specs_adopts_nothing(tmp_path):
     node = MigNode(str(tmp_path))
     report = driver_for(node).recover()
     assert not report.adopted and not os.path.exists(os.path.join(node.settings.plugin_dir, "checkpoint.json"))
+
+
+def test_the_kubelets_prepare_again_of_an_adopted_claim_keeps_its_instance(tmp_path):
+    """The kubelet prepares every claim again after a plugin restart. The adopted entry knows no
+    allocation: read as another one, the re-prepare destroyed the pod's MIG instance and made it
+    again (on a real GPU NVML refuses while the pod uses it: the re-prepare failed). Its devices
+    are the spec's: the entry is filled in, the instance kept."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    first = driver_for(node)
+    answer = first.prepare_claims([c])[uid]
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    assert d.recover().adopted == [uid]
+    calls = len(node.sim.calls)
+    again = d.prepare_claims([c])[uid]
+    assert not again.error and [x.device for x in again.devices] == [x.device for x in answer.devices]
+    assert changes(node, calls) == []
+    entry = Checkpoint.load(d.checkpoint_path).claims[uid]
+    assert (entry["namespace"], entry["name"], entry["allocation"]) == ("default", "a", fingerprint(d, c))
+    assert entry["devices"][0]["requests"] == ["m"] and entry["mig"][0]["start"] == 0
+    assert d.prepare_claims([c])[uid].error is None and changes(node, calls) == []  # the same allocation now
+    assert d.unprepare_claims([ref(c)]) == {uid: None} and node.sim.instances() == {}
+
+
+def test_an_adopted_claim_allocated_other_devices_is_prepared_anew(tmp_path):
+    """A claim allocated again meanwhile (deleted and made under the same UID cannot happen, but an
+    entry must never be taken for devices it does not hold): the spec's devices differ, so its
+    changes are undone and the claim's made."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    assert not driver_for(node).prepare_claims([c])[uid].error
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    d.recover()
+    other = node.allocated("a", req("m", profile("1g.18gb")))
+    other["metadata"]["uid"] = uid
+    assert not d.prepare_claims([other])[uid].error
+    assert [(g["profile"], g["size"]) for g in node.sim.instances().values()] == [(19, 1)]
+
+
+def changes(node: MigNode, since: int) -> list[str]:
+    return [call for call in node.sim.calls[since:] if call.startswith(("destroy", "create"))]
+
+
+def fingerprint(d, c) -> str:
+    return planner.fingerprint(our_results(c, d.settings.driver_name)[1])

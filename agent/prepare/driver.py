@@ -215,6 +215,9 @@ class Driver:
         configs = opaque_configs(claim, self.settings.driver_name)
         fp = planner.fingerprint(results)
         entry = cp.claims.get(uid)
+        if entry is not None and (filled := planner.filled_in(uid, entry, claim, results, fp)) is not None:
+            entry = cp.claims[uid] = filled  # an adopted entry; entries are replaced, never changed in place
+            call.changed.add(uid)
         same = entry is not None and planner.same_allocation(entry, raw, results)
         if uid in cp.foreign and (why := again_refusal(cp.foreign[uid], entry, same, claim)):  # a newer sysdra's entry
             raise ClaimFailed(why)
@@ -254,9 +257,8 @@ class Driver:
         call.changed.add(uid)
 
     def _again(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, claim: dict) -> PrepareResult:
-        """Idempotent re-prepare: the same answer; the steps' changes and the files made again
-        where they are gone (a rewrite changes the entry); the pods a claim with netdevs is
-        reserved for followed (the kubelet prepares it again for each new pod of the claim)."""
+        """Idempotent re-prepare: the same answer; the steps' changes and the files made again where gone (a
+        rewrite changes the entry); the pods a claim with netdevs is reserved for followed (one re-prepare a pod)."""
         if entry.get("netdevs") and (pods := reserved_pods(claim)) != entry.get("pods"):
             entry = cp.claims[uid] = {**entry, "pods": pods}  # entries are replaced, never changed in place
             call.changed.add(uid)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+from collections import Counter
 from fractions import Fraction
 from typing import Callable, Iterable
 
@@ -24,6 +26,8 @@ from cdi.claim import GroupOf, build_claim_spec, cdi_id
 from cdi.nodegroup import group_reader
 from discovery import gpuways
 from discovery.models import Device
+
+log = logging.getLogger("agent.prepare.driver")
 
 
 def fingerprint(results: list[Result]) -> str:
@@ -46,6 +50,26 @@ def same_allocation(entry: dict, raw: list[dict], results: list[Result]) -> bool
     except (RecursionError, ValueError):  # a result nested too deep to hash was never recorded so
         return False
     return recorded == legacy
+
+
+def filled_in(uid: str, entry: dict, claim: dict, results: list[Result], fp: str) -> dict | None:
+    """An adopted entry (prepare/recovery.py ``adopt``: from its CDI spec, the checkpoint lost; no
+    allocation, no claim name) completed from the claim the kubelet prepares again, when its results
+    are the devices the spec holds -> the entry, or None. Its host changes stay as they are (a MIG
+    instance a running pod uses, a netdev whose records were lost); the kubelet prepares every claim
+    again after a restart, and an undo and redo there would take them from the running pod."""
+    if entry.get("allocation") != "" or entry.get("state") != COMPLETED:
+        return None
+    held = {(d["pool"], d["device"], d.get("shareID")): d for d in entry.get("devices") or ()}
+    wanted = [(r.pool, r.device, r.share_id) for r in results]
+    if len(held) != len(entry.get("devices") or ()) or Counter(held.keys()) != Counter(wanted):
+        return None
+    devices = [device_record(PreparedDevice([r.request], r.pool, r.device, list(held[key]["cdiDeviceIDs"]), r.share_id), (), r)
+               for r, key in zip(results, wanted)]
+    meta = claim["metadata"]
+    log.info("claim %s (%s/%s), adopted from its CDI spec: its entry filled in from the claim, its devices and host "
+             "changes kept", uid, meta["namespace"], meta["name"])
+    return {**entry, "namespace": meta["namespace"], "name": meta["name"], "allocation": fp, "devices": devices}
 
 
 def device_from_record(d: dict) -> PreparedDevice:
