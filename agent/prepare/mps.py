@@ -104,6 +104,8 @@ class MpsDaemons:
         self._flock: int | None = None  # the records' lock file, held while ``lock`` is (``_exclusive``)
         self._depth = 0
         self.launcher = launcher or ProcessLauncher(boot_id)
+        # a process's record under pods (nvidia_mps_pod turned on at a restart while its shares ran): ``_by``
+        self.processes = self.launcher if isinstance(self.launcher, ProcessLauncher) else ProcessLauncher(boot_id)
         self.modes = modes or DaemonModes(None, exclusive=False)  # the GPUs' compute modes while daemons run
         self.fault: Callable[[str], None] = lambda point: None  # tests: a crash between steps
         self.wanted: set[str] = set()  # the GPUs shares need, as the last reconcile was told
@@ -180,18 +182,26 @@ class MpsDaemons:
             return uuid in self.wanted and self.state.daemons.get(uuid) == rec and not self.alive(rec)
 
     # --- the daemons ------------------------------------------------------------------------
+    def _by(self, rec: MpsRecord | None) -> Launcher:
+        """The launcher of ``rec``'s kind: a daemon the agent's process started before pods were turned
+        on keeps serving its shares' running containers (their pipe is its), and is supervised and
+        ended as the process it is; the next start is a pod."""
+        return self.processes if rec is not None and rec.pid is not None else self.launcher
+
     def alive(self, rec: MpsRecord | None) -> bool:
-        return self.launcher.alive(rec)
+        return self._by(rec).alive(rec)
 
     def alive_all(self, recs: dict[str, MpsRecord | None]) -> dict[str, bool]:
         """Every supervised daemon looked at at once (the supervisor's round): for pods, one
         listing of the node's, where ``alive`` asks for each; a daemon it finds gone is looked at
         again by ``dead``."""
-        return self.launcher.alive_all(recs)
+        processes = {u: r for u, r in recs.items() if self._by(r) is not self.launcher}
+        return {**self.launcher.alive_all({u: r for u, r in recs.items() if u not in processes}),
+                **self.processes.alive_all(processes)}
 
     def describe(self, rec: MpsRecord | None) -> str:
         """The daemon as logs name it: its PID, or its pod."""
-        return self.launcher.describe(rec)
+        return self._by(rec).describe(rec)
 
     def _daemon_env(self, uuid: str) -> dict[str, str]:
         dirs = self.dirs(uuid)
@@ -269,7 +279,7 @@ class MpsDaemons:
                                           timeout=STOP_TIMEOUT, capture_output=True).returncode == 0
             except (OSError, subprocess.TimeoutExpired) as err:
                 log.warning("MPS control daemon for GPU %s: quit failed: %s", rec.uuid, err)
-        self.launcher.end(rec, quitting)
+        self._by(rec).end(rec, quitting)
         if rec.pid is None and rec.pod_uid is None:  # the intent only: a daemon started but never recorded ends too
             try:
                 self._end_strays(rec.uuid)
@@ -321,7 +331,7 @@ class MpsDaemons:
         for uuid, rec in list(self.state.daemons.items()):
             if rec.boot_id is not None and rec.boot_id != self.boot_id:
                 log.info("MPS control daemon for GPU %s was recorded before a reboot: its directories removed", uuid)
-                self.launcher.forget(rec)
+                self._by(rec).forget(rec)
                 del self.state.daemons[uuid]
                 self._save()
                 self._remove_dirs(uuid)
