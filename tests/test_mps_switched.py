@@ -14,6 +14,7 @@ import psutil
 
 from agent.prepare.mps import MpsDaemons
 from agent.prepare.mps_pods import pod_name
+from agent.prepare.mps_records import MpsRecord
 from tests.test_mps import UUID, binary, kill_daemons  # noqa: F401 - fixtures
 from tests.test_mps_pods import chart, force_delete, kubelet_dir, plugin  # noqa: F401 - fixtures
 
@@ -36,3 +37,27 @@ def test_a_process_daemon_keeps_serving_when_pods_are_turned_on(apiserver, chart
     finally:
         kill_daemons([before])
         force_delete(apiserver, UUID)
+
+
+def test_a_pods_daemon_keeps_serving_when_pods_are_turned_off(tmp_path, binary):
+    """Its pod's daemon is a process of the node the agent sees (the DaemonSet's hostPID, systemd):
+    taken as the process it is, not killed as a stray under the shares' running containers."""
+    plugin = str(tmp_path / "plugin")
+    pods = MpsDaemons(plugin, binary)  # stands for the pod's daemon: a process serving the GPU's pipe
+    try:
+        assert pods.reconcile({UUID}) == {}
+        serving = pods.state.daemons[UUID]
+        pods.state.daemons[UUID] = MpsRecord(uuid=UUID, pod_uid="0b0c7c8e-1111-4222-8333-444455556666", boot_id="")
+        pods._save()
+        after = MpsDaemons(plugin, binary)  # the restart without nvidia_mps_pod
+        assert after.reconcile({UUID}) == {}
+        rec = after.state.daemons[UUID]
+        assert rec.pid == serving.pid and after.alive(rec) and rec.pod_uid is None
+        assert os.path.exists(os.path.join(after.dirs(UUID)["pipe"], "control"))
+        after.reconcile(set())
+        assert not psutil.pid_exists(serving.pid) or psutil.Process(serving.pid).status() == psutil.STATUS_ZOMBIE
+        assert after.state.daemons == {}
+    finally:
+        kill_daemons([pods])
+        if psutil.pid_exists(serving.pid):
+            psutil.Process(serving.pid).kill()

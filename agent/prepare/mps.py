@@ -14,8 +14,8 @@ directory is a sized tmpfs, mounted before the daemon starts (unless mountinfo s
 restart never stacks a second one), and the daemon's ``/dev/shm``: its MPS servers and the
 clients, which get it at ``/dev/shm`` too, share memory there as NVIDIA's driver has them. Under
 systemd the tmpfs must also be in PID 1's mount namespace, where the container runtime binds it
-(``runtime_namespace_pid``): a unit setting that gives the agent a namespace of its own fails the
-claim instead of handing the shares an empty /dev/shm. Its record (prepare/mps_records.py) is
+(``mps_records.runtime_namespace_pid``): a unit setting that gives the agent a namespace of its
+own fails the claim instead of handing the shares an empty /dev/shm. Its record (prepare/mps_records.py) is
 written before the daemon starts; ``reconcile`` makes the running daemons equal to the GPUs that
 shares hold: it adopts a live daemon of a record (never a reused PID, never another pod of the
 same name), starts missing ones, restarts dead ones, stops those no share needs and removes the
@@ -41,6 +41,7 @@ from typing import Callable, Protocol
 from agent.fsutil import make_dirs
 from agent.prepare import mps_records
 from agent.prepare.computemode import ComputeModeError, DaemonModes
+from agent.prepare.mps_pods import pod_name
 from agent.prepare.mps_process import BINARY, STOP_TIMEOUT, LaunchError, ProcessLauncher
 from agent.prepare.mps_records import MpsRecord
 
@@ -54,20 +55,6 @@ _UUID = re.compile(mps_records.GPU_UUID)
 
 class MpsError(Exception):
     """The daemon a claim needs cannot be had; the claim's error."""
-
-
-def runtime_namespace_pid(environ: dict[str, str] | None = None) -> int | None:
-    """Whose mount namespace the shm tmpfs must reach: PID 1's when the agent is a systemd
-    service (``$INVOCATION_ID``, PID 1 is systemd), because the container runtime, another service,
-    resolves the shares' CDI mounts there. None elsewhere: in a pod the chart's mount propagation
-    decides, and a namespace of the agent's own is then the point (tests)."""
-    if not (os.environ if environ is None else environ).get("INVOCATION_ID"):
-        return None
-    try:
-        with open("/proc/1/comm") as f:
-            return 1 if f.read().strip() == "systemd" else None
-    except OSError:
-        return None
 
 
 class Launcher(Protocol):
@@ -99,7 +86,7 @@ class MpsDaemons:
         self._env = env if env is not None else {}  # e.g. LD_LIBRARY_PATH to the driver root's libraries
         self.boot_id = boot_id  # this boot's (agent/bootid.py): records of another are stale
         self.shm_size = shm_size  # bytes
-        self.runtime_pid = runtime_namespace_pid()  # where the shm tmpfs must be seen too; None: not checked
+        self.runtime_pid = mps_records.runtime_namespace_pid()  # where the shm tmpfs must be seen too; None: not checked
         self.lock = threading.RLock()  # prepare's reconcile and the supervisor's restart, one at a time
         self._flock: int | None = None  # the records' lock file, held while ``lock`` is (``_exclusive``)
         self._depth = 0
@@ -369,7 +356,7 @@ class MpsDaemons:
             self.launcher.end_orphans(set(self.state.daemons) | wanted)
             for uuid in sorted(wanted):
                 rec = self.state.daemons.get(uuid)
-                if self.alive(rec):
+                if self.alive(rec) or self._adopted(uuid, rec):
                     continue
                 if rec is not None and (rec.pid is not None or rec.pod_uid is not None):
                     log.warning("MPS control daemon for GPU %s (%s) is gone: starting it again", uuid, self.describe(rec))
@@ -379,6 +366,19 @@ class MpsDaemons:
                     errors[uuid] = str(err)
         self.on_change()
         return errors
+
+    def _adopted(self, uuid: str, rec: MpsRecord | None) -> bool:
+        """A pod's daemon, pods turned off at a restart (its pod not read: no pod settings), keeps serving the
+        shares' running containers: its process, serving the GPU's pipe, recorded as the agent's -> whether it was."""
+        if rec is None or rec.pod_uid is None or not isinstance(self.launcher, ProcessLauncher):
+            return False
+        if (found := self.launcher.serving(uuid, self.dirs(uuid)["pipe"])) is None:
+            return False
+        self.state.daemons[uuid] = found.model_copy(update={"mode_before": rec.mode_before})
+        self._save()
+        log.warning("MPS control daemon for GPU %s: its pod %s (nvidia_mps_pod is off now) serves as pid %d: adopted as "
+                    "a process; the pod stays until deleted", uuid, pod_name(uuid), found.pid)
+        return True
 
     def restart(self, uuid: str) -> MpsRecord | None:
         """The supervisor's: the GPU's daemon started again (same directories and environment)

@@ -111,23 +111,46 @@ class ProcessLauncher:
 
     def end_strays(self, uuid: str, pipe: str, known: MpsRecord | None) -> None:
         """Daemons of this GPU's pipe dir that no record names: an agent killed between starting
-        one and recording its PID. Found by command line, then environment; ended before another
-        starts (only processes this agent can see: in a pod, those of its PID namespace)."""
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = p.info["cmdline"] or []
-            if cmd[-1:] != ["-f"] or not any(os.path.basename(a) == BINARY for a in cmd[:-1]):
+        one and recording its PID. Ended before another starts."""
+        for p in _serving(pipe):
+            if known is not None and p.pid == known.pid:
                 continue
+            log.warning("MPS control daemon for GPU %s with no record (pid %d): ended", uuid, p.pid)
             try:
-                if p.environ().get("CUDA_MPS_PIPE_DIRECTORY") != pipe or (known is not None and p.pid == known.pid):
-                    continue
-                log.warning("MPS control daemon for GPU %s with no record (pid %d): ended", uuid, p.pid)
                 p.kill()
                 p.wait(STOP_TIMEOUT / 2)
             except psutil.Error:
                 continue
+
+    def serving(self, uuid: str, pipe: str) -> MpsRecord | None:
+        """The daemon serving this GPU's pipe dir as a record of this launcher's, if one does: a pod's
+        (``nvidia_mps_pod`` turned off at a restart while its shares ran), a process of the node."""
+        for p in _serving(pipe):
+            try:
+                rec = MpsRecord(uuid=uuid, pid=p.pid, started=p.create_time(), ticks=mps_records.start_ticks(p.pid) or 0,
+                                boot_id=self.boot_id, cmdline=p.cmdline())
+            except (psutil.Error, ValidationError):
+                continue
+            if is_process(rec, self.boot_id):
+                return rec
+        return None
 
     def forget(self, rec: MpsRecord) -> None:
         """A record of another boot: its PID is someone else's now, never signalled."""
 
     def end_orphans(self, keep: set[str]) -> None:
         """Daemons of GPUs not in ``keep`` that no record names: found by their directories."""
+
+
+def _serving(pipe: str):
+    """The control daemons of ``pipe``, found by command line, then environment (only processes the
+    agent can see: in a pod, those of its PID namespace; the chart's has the host's)."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd[-1:] != ["-f"] or not any(os.path.basename(a) == BINARY for a in cmd[:-1]):
+            continue
+        try:
+            if p.environ().get("CUDA_MPS_PIPE_DIRECTORY") == pipe:
+                yield p
+        except psutil.Error:
+            continue

@@ -141,6 +141,20 @@ def is_process(rec: MpsRecord | None, boot_id: str) -> bool:
         return False
 
 
+def runtime_namespace_pid(environ: dict[str, str] | None = None) -> int | None:
+    """Whose mount namespace the shm tmpfs must reach: PID 1's when the agent is a systemd
+    service (``$INVOCATION_ID``, PID 1 is systemd), because the container runtime, another service,
+    resolves the shares' CDI mounts there. None elsewhere: in a pod the chart's mount propagation
+    decides, and a namespace of the agent's own is then the point (tests)."""
+    if not (os.environ if environ is None else environ).get("INVOCATION_ID"):
+        return None
+    try:
+        with open("/proc/1/comm") as f:
+            return 1 if f.read().strip() == "systemd" else None
+    except OSError:
+        return None
+
+
 def _mountinfo(pid: int | str = "self") -> list[tuple[str, str, str]]:
     """(mount point, file system type, super options) of the mount namespace of process ``pid``
     (this one's by default), in mount order (a later one at the same point is on top)."""
