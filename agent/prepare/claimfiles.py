@@ -7,13 +7,14 @@ directly in the CDI dir."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 from agent.fsutil import UnsafePath
 from agent.names import InvalidName
 from agent.prepare import cdifiles, shares
 from agent.prepare.checkpoint import Checkpoint
-from agent.prepare.metadata import store as metadata
+from agent.prepare.metadata import layout, store as metadata
 from agent.settings import Settings
 from cdi.claim import build_claim_spec
 from cdi.nodegroup import group_reader
@@ -66,9 +67,20 @@ class ClaimFiles:
         if recorded and recorded != self.spec_path(uid):
             if cdifiles.is_ours(self.settings.cdi_dir, self.settings.driver_name, recorded, uid):
                 cdifiles.remove_spec(recorded)
-            else:  # another CDI dir, or a checkpoint we did not write: not ours to delete
+            elif self._before(recorded, uid):  # cdi_dir changed while the claim was prepared: its files there go
+                old = os.path.dirname(recorded)
+                log.info("claim %s: its CDI specs in %s (cdi_dir before it changed) removed", uid, old)
+                for path in [recorded, *layout.list_specs(old, self.settings.driver_name).get(uid, ())]:
+                    cdifiles.remove_spec(path)
+            else:  # a checkpoint we did not write: not ours to delete
                 log.warning("claim %s: leaving %s (recorded in the checkpoint, not our file in %s)",
                             uid, recorded, self.settings.cdi_dir)
+
+    def _before(self, recorded: object, uid: str) -> bool:
+        """Whether a recorded spec path is this claim's spec by its name, in another absolute dir: the
+        cdi_dir of before (the checkpoint is input: a path of any other name is never removed)."""
+        return (isinstance(recorded, str) and os.path.isabs(recorded) and os.path.normpath(recorded) == recorded
+                and os.path.basename(recorded) == os.path.basename(self.spec_path(uid)))
 
     def ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
         """Write a completed claim's spec if missing, unreadable or ``rebuild``; True if written."""
