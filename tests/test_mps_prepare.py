@@ -177,3 +177,22 @@ def test_a_claim_that_failed_in_the_same_call_gets_no_daemon(tmp_path, monkeypat
     (gpu_b,) = d.checkpoint.claims[b["metadata"]["uid"]]["mps"]["gpus"]
     assert set(_running(d)) == {gpu_b}, "a daemon runs for a GPU whose only claim failed"
     assert d.nvidia.mps.wanted == {gpu_b}
+
+
+def test_an_adopted_claims_shares_keep_their_daemon(tmp_path):
+    """The checkpoint damaged: the claim is adopted from its spec, whose shares mount the GPU's
+    daemon pipe. Before, the adopted entry named no daemon: the start stopped the one serving the
+    running containers (its pipe and tmpfs removed under them), and the kubelet's re-prepare of the
+    adopted claim started none. Its unprepare stops it."""
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    d = _driver(tmp_path)
+    assert all(r.error is None for r in d.prepare_claims([a]).values())
+    running = _running(d)
+    with open(d.checkpoint_path, "w") as f:
+        f.write("garbage")
+    restarted = _driver(tmp_path)
+    assert restarted.recover().adopted == [a["metadata"]["uid"]]
+    assert _running(restarted) == running
+    assert restarted.prepare_claims([a])[a["metadata"]["uid"]].error is None and _running(restarted) == running
+    assert restarted.unprepare_claims([_ref(a)]) == {a["metadata"]["uid"]: None} and _running(restarted) == {}

@@ -254,8 +254,8 @@ def adopt(driver, cp: Checkpoint, specs: dict[str, str],
         entry = cp.claims[uid] = {"state": COMPLETED, "namespace": "", "name": "", "bootID": driver.boot_id,
                                   "allocation": "", "devices": devices, "cdiSpec": {"path": path, "spec": spec},
                                   **_netdevs_lost(uid, *(lost or {}).get(uid, (None, "")))}
-        for step in driver.steps:  # what a step can tell again from the devices (MIG placements)
-            if (known := getattr(step, "adopted", None)) is not None and (rec := known([d["device"] for d in devices])):
+        for step in driver.steps:  # what a step can tell again from the devices and spec (MIG placements, MPS daemons)
+            if (known := getattr(step, "adopted", None)) is not None and (rec := known([d["device"] for d in devices], spec)):
                 entry[step.key] = step.write(rec)
         adopted.append(uid)
     return adopted

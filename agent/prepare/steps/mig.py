@@ -59,7 +59,7 @@ class MigStep(RecordsOf):
                               "(admin access uses the one a claim made, and makes none)")
         planned.names.update(self._device(rec, planned.names.get(name), now.gi, now.cis[0]))
 
-    def adopted(self, names: list[str]) -> Record | None:
+    def adopted(self, names: list[str], spec: dict) -> Record | None:
         """An adopted claim's MIG devices (prepare/recovery.py: its record was lost with a
         corrupt checkpoint), known again by their placements: they hold their memory slices,
         ``orphans`` spares them and unprepare destroys them, found by placement."""

@@ -79,7 +79,7 @@ class MigModeStep(RecordsOf):
                 out.append(MigModeOff(gpu=bdf, restore=mode is not None and mode[1] == 1 or bdf in turned))
         return tuple(out) or None
 
-    def adopted(self, names: list[str]) -> Record | None:
+    def adopted(self, names: list[str], spec: dict) -> Record | None:
         """An adopted claim's GPUs (its record lost with a corrupt checkpoint): kept off while it
         holds them; the mode before it is unknown, so never turned back on for it."""
         by_name = self.inventory().by_name()

@@ -11,10 +11,13 @@ start) does so even when no claim has a record (the last share went while the ag
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Callable
 
 from agent.prepare.allocation import ClaimFailed
-from agent.prepare.mps import MpsDaemons
+from agent.prepare.mps import PIPE_IN_CONTAINER, MpsDaemons
+from agent.prepare.mps_records import GPU_UUID
 from agent.prepare.nvidia import needs_driver
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import COMPLETED, MpsUse
@@ -22,6 +25,7 @@ from agent.prepare.steps import Planned, RecordOf, Undone
 from discovery.models import Device
 
 log = logging.getLogger(__name__)
+GPU = re.compile(GPU_UUID)
 
 
 class MpsStep(RecordOf):
@@ -39,6 +43,15 @@ class MpsStep(RecordOf):
             return None
         gpus = sorted({dev.gpu.nvidia_uuid for r in planned.results if r.share_id
                        and (dev := planned.names.get(r.device)) is not None and needs_driver(dev) and dev.gpu.nvidia_uuid})
+        return MpsUse(gpus=gpus) if gpus else None
+
+    def adopted(self, names: list[str], spec: dict) -> MpsUse | None:
+        """An adopted claim's GPUs (its record lost with a corrupt checkpoint) whose daemon its spec's
+        shares are clients of (they mount its pipe dir): the daemon keeps serving them until unprepare."""
+        pipes = [m.get("hostPath") for d in spec.get("devices") or () for m in (d.get("containerEdits") or {}).get("mounts") or ()
+                 if isinstance(m, dict) and m.get("containerPath") == PIPE_IN_CONTAINER]
+        gpus = sorted({uuid for p in pipes if isinstance(p, str) and GPU.match(uuid := os.path.basename(os.path.dirname(p)))
+                       and self.daemons.dirs(uuid)["pipe"] == p})
         return MpsUse(gpus=gpus) if gpus else None
 
     def holds(self, record: MpsUse) -> list[Hold]:
