@@ -165,3 +165,27 @@ def test_an_instance_of_a_profile_nvml_does_not_list_keeps_no_profile(static, mo
     (gpu,) = [d for d in static.scan().devices if d.kind == "gpu"]
     assert all(p.profile is None for p in gpu.gpu.partitioning.partitions)
     assert [p.what for p in gpu.problems] == ["MIG gi1", "MIG gi2", "MIG gi2"]
+
+
+def test_turned_dynamic_while_an_instance_is_claimed_its_instance_is_kept(static, monkeypatch):
+    """``nvidia_mig`` changed to dynamic at a restart while a claim holds an operator's instance:
+    the start sweeps the instances no claim made, and the claimed one is a claim's (before, it was
+    destroyed under the running pod as one no record knew). Its unprepare leaves it: not the agent's."""
+    c = static.allocated("m", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    d = driver_for(static)
+    d.recover()
+    assert not d.prepare_claims([c])[uid].error
+    static.settings = static.settings.replace(nvidia_mig="dynamic")
+    static.inv = static.scan()
+    from agent.tools.doctor_mig import check_mig
+    from discovery.nvml import Nvml
+
+    monkeypatch.setattr(Nvml, "probe", classmethod(lambda cls, *a, **kw: (static.nvml, "")))
+    (said,) = check_mig(static.settings)  # sysdra doctor, before the restart: the unclaimed one goes
+    assert "0000:00:06.0 gi1 (1g.18gb at slice 0):" in said.message and "gi2" not in said.message
+    d = driver_for(static)
+    assert [line.split(": ")[1] for line in d.recover().host_restored] == [
+        "MIG GPU instance 1 (profile 19, placement 0) no claim knows, destroyed"]
+    assert [(g["profile"], g["start"]) for g in static.sim.instances().values()] == [(GI_3G, 4)]
+    assert d.unprepare_claims([ref(c)]) == {uid: None} and len(static.sim.instances()) == 1

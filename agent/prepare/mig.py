@@ -256,9 +256,11 @@ class MigDevices:
             log.info("GPU %s: MIG device %s destroyed", rec.gpu, rec.device)
         return done
 
-    def orphans(self, gpus: dict[str, tuple[int, ...]], known: set[tuple[str, int, int]]) -> list[str]:
+    def orphans(self, gpus: dict[str, tuple[int, ...]], known: set[tuple[str, int, int]],
+                claimed: set[tuple[str, int]] = frozenset()) -> list[str]:
         """Destroy every GPU instance of ``gpus`` (PCI address -> GI profile IDs) no record
-        knows (``known``: (GPU, profile, start)) -> what was destroyed."""
+        knows (``known``: (GPU, profile, start)) nor a claim holds (``claimed``: (GPU, GI ID),
+        the operator's instances of claims prepared with ``nvidia_mig: static``) -> what was destroyed."""
         out = []
         for bdf, profiles in gpus.items():
             def sweep(nv, bdf=bdf, profiles=profiles):
@@ -267,7 +269,7 @@ class MigDevices:
                     return []
                 done = []
                 for g in mig.gpu_instances(nv, h, profiles):
-                    if (bdf, g.profile, g.start) in known:
+                    if (bdf, g.profile, g.start) in known or (bdf, g.gi) in claimed:
                         continue
                     what = f"{bdf}: MIG GPU instance {g.gi} (profile {g.profile}, placement {g.start}) no claim knows"
                     try:  # one in use (a process on it) must not keep the others

@@ -9,6 +9,7 @@ import os
 
 from agent.tools.findings import Finding, ok
 from discovery import mig
+from discovery.inventory import device_name
 from discovery.mig import GpuInstanceNow
 
 
@@ -26,9 +27,9 @@ def check_mig(settings) -> list[Finding]:
     total = sum(len(gis) for gis in found.values())
     if settings.nvidia_mig == "static":
         return [ok("mig", f"{total} MIG GPU instance(s) on {len(found)} GPU(s), published as they are (nvidia_mig: static)")]
-    known = _recorded(settings.plugin_dir)
+    known, claimed = _recorded(settings.plugin_dir)
     foreign = [f"{bdf} gi{g.gi} ({name} at slice {g.start})" for bdf, gis in sorted(found.items())
-               for name, g in gis if (bdf, g.profile, g.start) not in known]
+               for name, g in gis if (bdf, g.profile, g.start) not in known and (device_name("gpu", bdf), g.gi) not in claimed]
     if not foreign:
         return [ok("mig", f"{total} MIG GPU instance(s), each made for a prepared claim (nvidia_mig: dynamic)")]
     return [Finding("mig", "warn", f"MIG GPU instances no claim made: {', '.join(foreign[:8])}"
@@ -51,12 +52,14 @@ def _instances(nv) -> dict[str, list[tuple[str, GpuInstanceNow]]]:
     return out
 
 
-def _recorded(plugin_dir: str) -> set[tuple[str, int, int]]:
-    """The placements prepared claims' MIG devices hold, as the agent's start-up sweep reads them."""
+def _recorded(plugin_dir: str) -> tuple[set[tuple[str, int, int]], set[tuple[str, int]]]:
+    """The placements prepared claims' MIG devices hold and the operator's instances claims prepared
+    under ``nvidia_mig: static`` hold, as the agent's start-up sweep reads them."""
     from agent.prepare.checkpoint import Checkpoint
-    from agent.prepare.steps.mig import placements_recorded
+    from agent.prepare.steps.mig import claimed_instances, placements_recorded
 
     try:
-        return placements_recorded(Checkpoint.load(os.path.join(plugin_dir, "checkpoint.json"), move_corrupt=False).claims)
+        claims = Checkpoint.load(os.path.join(plugin_dir, "checkpoint.json"), move_corrupt=False).claims
     except Exception:  # noqa: BLE001 - the checkpoint check says what is wrong with it
-        return set()
+        return set(), set()
+    return placements_recorded(claims), claimed_instances(claims)

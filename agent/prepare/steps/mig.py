@@ -17,6 +17,7 @@ refused before NVML is asked (defence in depth behind the allocator's counters).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Callable
 
 from agent.prepare.allocation import ClaimFailed
@@ -30,6 +31,7 @@ from discovery.models import Device
 
 log = logging.getLogger(__name__)
 Record = tuple[MigDevice, ...]
+_STATIC = re.compile(r"^(.+)-mig-gi(\d+)-ci\d+$")  # an operator's instance as static MIG names it
 
 
 class MigStep(RecordsOf):
@@ -135,14 +137,27 @@ class MigStep(RecordsOf):
     def orphans(self, entries: dict[str, dict]) -> list[str]:
         """At start (after interrupted prepares are rolled back): destroy the instances of every
         dynamic-MIG GPU that no entry records."""
-        gpus = {w.parent.pci.bdf: tuple(p.id for p in w.parent.gpu.partitioning.profiles)
-                for w in self.ways().values() if w.kind == "mig-placement"}
-        return self.devices.orphans(gpus, placements_recorded(entries)) if gpus else []
+        placements = [w for w in self.ways().values() if w.kind == "mig-placement"]
+        gpus = {w.parent.pci.bdf: tuple(p.id for p in w.parent.gpu.partitioning.profiles) for w in placements}
+        return self.devices.orphans(gpus, placements_recorded(entries), _claimed(entries, placements)) if gpus else []
 
 
 def placements_recorded(entries: dict[str, dict]) -> set[tuple[str, int, int]]:
     """(GPU, profile, placement start) of every MIG device the checkpoint's entries record."""
     return {(r.gpu, r.profile, r.start) for e in entries.values() for r in map(MigDevice.model_validate, e.get(MigStep.key) or ())}
+
+
+def _claimed(entries: dict[str, dict], placements: list) -> set[tuple[str, int]]:
+    """(GPU's PCI address, GI ID) of ``claimed_instances``."""
+    bdfs = {w.parent.name: w.parent.pci.bdf for w in placements}
+    return {(bdfs[gpu], gi) for gpu, gi in claimed_instances(entries) if gpu in bdfs}
+
+
+def claimed_instances(entries: dict[str, dict]) -> set[tuple[str, int]]:
+    """(GPU's device name, GI ID) of the operator's instances that claims hold: prepared with
+    ``nvidia_mig: static`` (``<gpu>-mig-gi<G>-ci<C>``, discovery/gpuways.py), the setting since turned dynamic."""
+    found = (_STATIC.match(str(d.get("device"))) for e in entries.values() for d in e.get("devices") or ())
+    return {(m[1], int(m[2])) for m in found if m}
 
 
 def _records(ways: dict, names: list[str]) -> Record | None:
