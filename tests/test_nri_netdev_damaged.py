@@ -215,6 +215,27 @@ def test_the_kubelets_prepare_again_keeps_a_claims_netdev_records_lost(tmp_path,
     assert where(nets) == (False, True)
 
 
+def test_an_adopted_claims_netdev_still_on_the_host_goes_into_its_pod(tmp_path, ifname_nets):
+    """The plugin dir wiped before the claim's pod started: adopted from its spec, the kubelet's
+    re-prepare fills its entry in with the netdev's move planned (nothing of it had moved), so the
+    pod gets it; filled in without (before the re-prepare planned it anew), the pod started without."""
+    nets = ifname_nets
+    first = Agent(tmp_path, nets)
+    assert first.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    for name in os.listdir(first.settings.plugin_dir):
+        if name.startswith("checkpoint.json"):
+            os.unlink(os.path.join(first.settings.plugin_dir, name))
+    agent = Agent(tmp_path, nets)
+    assert agent.driver.recovery.adopted == [CLAIM]
+    assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+
+    async def start(call):
+        await call("RunPodSandbox", app(nets))
+    agent.serve([], start)
+    assert where(nets) == (False, True)
+    assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None} and where(nets) == (True, False)
+
+
 def claim_ref():
     return ClaimRef("default", "nic", CLAIM)
 

@@ -216,7 +216,7 @@ class Driver:
         fp = planner.fingerprint(results)
         entry = cp.claims.get(uid)
         if entry is not None and (filled := planner.filled_in(uid, entry, claim, results, fp)) is not None:
-            entry = cp.claims[uid] = filled  # an adopted entry; entries are replaced, never changed in place
+            entry = cp.claims[uid] = self._netdevs_planned(uid, filled, claim, results, configs)  # an adopted entry
             call.changed.add(uid)
         same = entry is not None and planner.same_allocation(entry, raw, results)
         if uid in cp.foreign and (why := again_refusal(cp.foreign[uid], entry, same, claim)):  # a newer sysdra's entry
@@ -244,6 +244,15 @@ class Driver:
         call.out[uid] = PrepareResult(devices, status=entry_plan.get("deviceStatus"))
         call.todo.append(uid)
         call.changed.add(uid)
+
+    def _netdevs_planned(self, uid: str, entry: dict, claim: dict, results: list, configs: list) -> dict:
+        """An adopted entry filled in, with the moves of its netdevs still on the host planned (its pod
+        has not started: nothing of them moved); one in a pod is not seen, a mark of lost records kept."""
+        step, by_name = next(st for st in self.steps if isinstance(st, NetdevStep)), self.inventory().by_name()
+        if entry.get(step.key) or entry.get("netdevsLost") or not (
+                rec := step.plan(Planned(uid, claim, results, configs, by_name, by_name, others={}), Ownership())):
+            return entry
+        return {**entry, step.key: step.write(rec), "pods": reserved_pods(claim)}
 
     def _forget(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, owners: Ownership) -> None:
         """The claim's earlier prepare undone, its files and entry gone, what it held released."""
@@ -368,15 +377,6 @@ class Driver:
         return out
 
     # --- files and start-up --------------------------------------------------------
-    def remove_files(self, entry: dict | None, uid: str, namespace: str, name: str) -> None:
-        self.files.remove(entry, uid, namespace, name)
-
-    def ensure_spec(self, uid: str, entry: dict, rebuild: bool = False) -> bool:
-        return self.files.ensure_spec(uid, entry, rebuild)
-
-    def ensure_metadata(self, uid: str, entry: dict, rebuild: bool) -> bool:
-        return self.files.ensure_metadata(uid, entry, rebuild)
-
     def supervise_mps(self, on_health: Callable[[str, tuple[str, str] | None], None],
                       on_round: Callable[[list[dict]], None] = lambda rows: None) -> None:
         """The MPS daemons supervised from now on (prepare/mps_watch.py): ``on_health(GPU UUID,

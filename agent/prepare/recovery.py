@@ -122,9 +122,9 @@ def _recover_claim(driver, cp: Checkpoint, uid: str, entry: dict, report: Recove
     rebooted = entry.get("bootID") != driver.boot_id
     report.boot_changed |= rebooted
     rebooted |= _make_again(driver, uid, entry, report)
-    if driver.ensure_spec(uid, entry, rebuild=rebooted):
+    if driver.files.ensure_spec(uid, entry, rebuild=rebooted):
         report.rebuilt.append(uid)
-    if driver.ensure_metadata(uid, entry, rebuild=rebooted):
+    if driver.files.ensure_metadata(uid, entry, rebuild=rebooted):
         report.metadata_rebuilt.append(uid)
     entry["bootID"] = driver.boot_id
 
@@ -228,7 +228,7 @@ def _roll_back(driver, cp: Checkpoint, uid: str, entry: dict, report: RecoveryRe
             return False
         report.host_restored += undone.notes
     del cp.claims[uid]
-    driver.remove_files(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
+    driver.files.remove(entry, uid, entry.get("namespace", ""), entry.get("name", ""))
     return True
 
 
