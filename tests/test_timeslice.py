@@ -167,3 +167,20 @@ def test_nothing_runs_unless_a_claim_asks(tmp_path):
     del c["status"]["allocation"]["devices"]["config"]
     assert driver(tmp_path, root).prepare_claims([c])[UID].error is None
     assert calls(root) == []
+
+
+def test_an_adopted_claims_time_slice_goes_back_at_its_unprepare(tmp_path):
+    """The checkpoint lost (the plugin dir wiped): the claim is adopted from its spec and the
+    kubelet prepares it again; its entry is filled in with the time slice it set, so its unprepare
+    sets Default again (filled in without, the GPU kept the claim's slice for the claims after it)."""
+    root = node(tmp_path)
+    d = driver(tmp_path, root)
+    assert d.prepare_claims([claim([GPU])])[UID].error is None
+    for name in os.listdir(d.settings.plugin_dir):
+        if name.startswith("checkpoint.json"):
+            os.unlink(os.path.join(d.settings.plugin_dir, name))
+    again = driver(tmp_path, root)
+    assert again.recover().adopted == [UID]
+    assert again.prepare_claims([claim([GPU])])[UID].error is None
+    assert again.unprepare_claims([ClaimRef("ns", "ts", UID)]) == {UID: None}
+    assert calls(root)[-1] == f"compute-policy -i {uuid(root, GPU)} --set-timeslice 0"

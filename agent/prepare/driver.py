@@ -216,7 +216,7 @@ class Driver:
         fp = planner.fingerprint(results)
         entry = cp.claims.get(uid)
         if entry is not None and (filled := planner.filled_in(uid, entry, claim, results, fp)) is not None:
-            entry = cp.claims[uid] = self._netdevs_planned(uid, filled, claim, results, configs)  # an adopted entry
+            entry = cp.claims[uid] = self._replanned(uid, filled, claim, results, configs)  # an adopted entry
             call.changed.add(uid)
         same = entry is not None and planner.same_allocation(entry, raw, results)
         if uid in cp.foreign and (why := again_refusal(cp.foreign[uid], entry, same, claim)):  # a newer sysdra's entry
@@ -245,14 +245,14 @@ class Driver:
         call.todo.append(uid)
         call.changed.add(uid)
 
-    def _netdevs_planned(self, uid: str, entry: dict, claim: dict, results: list, configs: list) -> dict:
-        """An adopted entry filled in, with the moves of its netdevs still on the host planned (its pod
-        has not started: nothing of them moved); one in a pod is not seen, a mark of lost records kept."""
-        step, by_name = next(st for st in self.steps if isinstance(st, NetdevStep)), self.inventory().by_name()
-        if entry.get(step.key) or entry.get("netdevsLost") or not (
-                rec := step.plan(Planned(uid, claim, results, configs, by_name, by_name, others={}), Ownership())):
-            return entry
-        return {**entry, step.key: step.write(rec), "pods": reserved_pods(claim)}
+    def _replanned(self, uid: str, entry: dict, claim: dict, results: list, configs: list) -> dict:
+        """An adopted entry filled in with planned records ``_again`` makes good: netdevs on the host, time slices."""
+        by_name, out = self.inventory().by_name(), dict(entry)
+        planned = Planned(uid, claim, results, configs, by_name, by_name, others={})
+        for st in (st for st in self.steps if isinstance(st, (NetdevStep, TimeSliceStep)) and not entry.get(st.key)):
+            if not (st.key == "netdevs" and entry.get("netdevsLost")) and (rec := st.plan(planned, Ownership())):
+                out.update({st.key: st.write(rec), **({"pods": reserved_pods(claim)} if st.key == "netdevs" else {})})
+        return out
 
     def _forget(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, owners: Ownership) -> None:
         """The claim's earlier prepare undone, its files and entry gone, what it held released."""
