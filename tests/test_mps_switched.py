@@ -61,3 +61,23 @@ def test_a_pods_daemon_keeps_serving_when_pods_are_turned_off(tmp_path, binary):
         kill_daemons([pods])
         if psutil.pid_exists(serving.pid):
             psutil.Process(serving.pid).kill()
+
+
+def test_the_supervisor_of_an_agent_without_pods_adopts_the_pod_another_agent_started(tmp_path, binary):
+    """A surge update that turns pods on: the new agent's pod serves the GPU (its record says so) while
+    the old agent, without pod settings, still supervises it. Before, the old agent took the pod's
+    record for a dead daemon: it killed the pod's daemon as a stray and started its own."""
+    plugin = str(tmp_path / "plugin")
+    old = MpsDaemons(plugin, binary)
+    try:
+        assert old.reconcile({UUID}) == {}
+        serving = old.state.daemons[UUID]
+        new = MpsDaemons(plugin, binary)  # writes the record as the new agent's pod has it
+        new.state.daemons[UUID] = MpsRecord(uuid=UUID, pod_uid="0b0c7c8e-1111-4222-8333-444455556666", boot_id="")
+        new._save()
+        assert old.restart(UUID) is None  # the old agent's supervisor, finding its record changed
+        assert old.state.daemons[UUID].pid == serving.pid and old.alive(old.state.daemons[UUID])
+    finally:
+        kill_daemons([old])
+        if psutil.pid_exists(serving.pid):
+            psutil.Process(serving.pid).kill()

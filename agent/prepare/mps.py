@@ -383,11 +383,11 @@ class MpsDaemons:
     def restart(self, uuid: str) -> MpsRecord | None:
         """The supervisor's: the GPU's daemon started again (same directories and environment)
         -> its record; None when there is nothing to do (no share needs it any more, or it runs:
-        prepare started it meanwhile). Raises ``MpsError``."""
+        prepare started it meanwhile, or another agent's pod serves it: adopted). Raises ``MpsError``."""
         with self._exclusive():
             self._changed_by_another()
             rec = self.state.daemons.get(uuid)
-            if uuid not in self.wanted or self.alive(rec):
+            if uuid not in self.wanted or self.alive(rec) or self._adopted(uuid, rec):
                 return None
             return self._start(uuid)
 
