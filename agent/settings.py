@@ -189,6 +189,9 @@ class Settings(BaseModel):
     # DRADeviceCompatibilityGroups gate (docs/partitions.md). Seconds a mode switch may take.
     partitions: bool = False
     compatibility_groups: bool = False
+    # Slices with counter-consuming devices name the attribute stating each one's partition type
+    # (partitionTypeAttribute); the cluster's alpha gate DRAPartitionableDevicesType (docs/partitions.md).
+    partition_type_attribute: bool = False
     partition_switch_timeout: float = 60.0
     # Device kinds published for sharing (consumable capacity) and their capacity policies;
     # checked by agent.publish.sharing.share_plan at start (docs/sharing.md).

@@ -57,3 +57,24 @@ def allocator_problem(slices: list[dict], node: str) -> str | None:
     except Unschedulable as err:
         return str(err) if "invalid" in str(err) else None
     return "a claim no device fits was allocated"
+
+
+def partition_type_problems(slices: list[dict]) -> list[str]:
+    """The rule kube-controller-manager v1.37.2 holds a pool's partition summary to (its
+    resourcepoolstatusrequest views.go): the counter-consuming devices of a slice naming a
+    ``partitionTypeAttribute`` carry it as a string, and two devices of one value consume alike,
+    counter set names included (else ``PartitionCostMismatch``: no summary for the pool)."""
+    problems, cost_of = [], {}
+    for o in slices:
+        name = o["spec"].get("partitionTypeAttribute")
+        for d in o["spec"].get("devices", []) if name else ():
+            if not d.get("consumesCounters"):
+                continue
+            attrs = d.get("attributes") or {}
+            value = attrs.get(name, attrs.get(name.removeprefix(f"{o['spec']['driver']}/"), {})).get("string")
+            cost = sorted((c["counterSet"], k, v["value"]) for c in d["consumesCounters"] for k, v in c["counters"].items())
+            if value is None:
+                problems.append(f"{d['name']}: no string attribute {name}")
+            elif cost_of.setdefault((name, value), cost) != cost:
+                problems.append(f"{d['name']}: partition type {value!r} consumes {cost}, another {cost_of[(name, value)]}")
+    return problems

@@ -25,7 +25,7 @@ from tests.conftest import profile_root, profiles
 from tests.controlplane import unique
 from tests.inventory_factory import inventory as factory_inventory
 from tests.mig_node import MigNode
-from tests.pool_checks import DRIVER, allocator_problem, pool_problems, server_refusals
+from tests.pool_checks import DRIVER, allocator_problem, partition_type_problems, pool_problems, server_refusals
 
 PROPERTY = settings(max_examples=100, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -90,7 +90,7 @@ def options(draw) -> dict:
     return {
         "list_attributes": draw(st.booleans()), "pf_vf_exclusive": draw(st.booleans()), "partitions": partitions,
         "compatibility_groups": partitions and draw(st.booleans()), "share": share_plan(tuple(kinds), None),
-        "skip_node_operations": {k: ["*"] for k in skip},
+        "skip_node_operations": {k: ["*"] for k in skip}, "partition_type_attribute": draw(st.booleans()),
     }
 
 
@@ -99,6 +99,7 @@ def assert_publishable(plane, node: str, pool) -> list[dict]:
     assert not (refused := server_refusals(plane, sent)), refused
     assert not (problems := pool_problems(sent)), problems
     assert (problem := allocator_problem(sent, node)) is None, problem
+    assert not (problems := partition_type_problems(sent)), problems
     return sent
 
 
@@ -223,9 +224,11 @@ def test_a_device_the_operators_attributes_fill_keeps_its_place_when_shared(apis
     assert all(len(d.attributes) + len(d.capacity) == 32 for d in inv.devices)
     plain = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True)
     shaped = build_pool(inv, node_name=node, driver_name=DRIVER, list_attributes=True, partitions=True, pf_vf_exclusive=True,
-                        compatibility_groups=True, share=share_plan(("gpu", "nic"), None))
+                        compatibility_groups=True, share=share_plan(("gpu", "nic"), None), partition_type_attribute=True)
     assert not shaped.rejected, shaped.rejected
     sent = assert_publishable(apiserver, node, shaped)
+    # and the partition type takes its place in the 32 too: every slice with counters names it
+    assert all(o["spec"].get("partitionTypeAttribute") for o in sent if any(d.get("consumesCounters") for d in o["spec"].get("devices", [])))
     assert published(render(plain, driver_name=DRIVER, node_name=node, generation=1)) <= published(sent)
 
 

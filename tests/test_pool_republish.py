@@ -25,7 +25,7 @@ from discovery.models import Inventory, Sriov
 from tests import inventory_factory as factory
 from tests.conftest import profile_root, profiles
 from tests.controlplane import unique
-from tests.pool_checks import DRIVER, allocator_problem, pool_problems
+from tests.pool_checks import DRIVER, allocator_problem, partition_type_problems, pool_problems
 
 TAINT = [{"key": "sysdra.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}]
 
@@ -61,7 +61,7 @@ def stored(plane, node: str) -> list[dict]:
 def test_a_republish_after_a_change_keeps_the_pool_consistent(apiserver, data):
     name = data.draw(st.sampled_from(["many", *profiles()]))
     options = {"list_attributes": data.draw(st.booleans()), "pf_vf_exclusive": data.draw(st.booleans()),
-               "partitions": data.draw(st.booleans())}
+               "partitions": data.draw(st.booleans()), "partition_type_attribute": data.draw(st.booleans())}
     inv = inventory(name, options["list_attributes"])
     names = [d.name for d in inv.devices]
     before, after = data.draw(settings_of(names)), data.draw(settings_of(names))
@@ -88,7 +88,7 @@ async def republish(plane, node: str, inv, later, options: dict, before: dict, a
             await reconciler.sync(pool)
             assert (await reconciler.sync(pool)).writes == 0  # nothing changed: nothing written
             slices = stored(plane, node)
-            assert not (problems := pool_problems(slices)), problems
+            assert not (problems := pool_problems(slices) + partition_type_problems(slices)), problems
             assert len(slices) == len(pool.slices)
             devices = sorted(d["name"] for o in slices for d in o["spec"].get("devices", []))
             assert devices == sorted(d["name"] for s in pool.slices for d in s.get("devices", []))

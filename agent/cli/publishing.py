@@ -12,7 +12,7 @@ from __future__ import annotations
 VALUE_FLAGS: tuple[str, ...] = ("node-name", "driver-name", "share", "nvidia-driver-root", "nvml", "nvidia-mig", "exclude-devices",
                                 "taint-effect")
 SWITCH_FLAGS: tuple[str, ...] = ("list-attributes", "pf-vf-exclusive", "taint-unhealthy", "partitions", "compatibility-groups",
-                                 "publish-uplink")
+                                 "partition-type-attribute", "publish-uplink")
 # One line each; docs/operations.md has the whole story of every setting.
 HELP = {
     "node-name": "Kubernetes node name: the pool name and the slices' owner (default $NODE_NAME or the hostname)",
@@ -23,6 +23,7 @@ HELP = {
     "taint-effect": "the taints' effect: None, NoSchedule (default) or NoExecute (evicts the pods using the device); per reason: taint_effects",
     "partitions": "publish GPU partitions (AMD compute partitions, NVIDIA MIG instances) with shared counters",
     "compatibility-groups": "with --partitions, every partition mode with compatibility groups (needs DRADeviceCompatibilityGroups)",
+    "partition-type-attribute": "slices with counter-consuming devices name their partitionType attribute (needs DRAPartitionableDevicesType)",
     "nvidia-driver-root": "host directory holding the NVIDIA user-space driver (default /; e.g. /run/nvidia/driver, /usr/local/nvidia)",
     "nvml": "ask NVML (the driver's libnvidia-ml) for GPU memory, architecture and versions: true or false (default true)",
     "nvidia-mig": "whose MIG instances: dynamic (default; made per claim by the agent, with --partitions) or static (the operator's, published as they are)",

@@ -12,7 +12,7 @@ log = logging.getLogger("sysdra.publish")
 
 GATES = {"taints": "DRADeviceTaints", "sharedCounters": "DRAPartitionableDevices",
          "consumesCounters": "DRAPartitionableDevices", "skipNodeOperations": "DRAOptionalNodeOperations",
-         "requestPolicy": "DRAConsumableCapacity"}  # fmt: skip
+         "requestPolicy": "DRAConsumableCapacity", "partitionTypeAttribute": "DRAPartitionableDevicesType"}  # fmt: skip
 _EMPTY = (None, [], {})  # absent and empty compare equal (reconcile._canonical)
 _UNSENT = (None, [], {}, "")  # sent like this, a field the server leaves out is not dropped (omitempty strings)
 

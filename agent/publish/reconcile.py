@@ -65,7 +65,7 @@ def _canonical(value):
 
 
 _SPEC_FIELDS = ("driver", "pool", "nodeName", "nodeSelector", "allNodes", "devices", "sharedCounters", "perDeviceNodeSelection",
-                "skipNodeOperations")
+                "skipNodeOperations", "partitionTypeAttribute")
 
 
 def _owner_key(obj: dict) -> list[tuple]:

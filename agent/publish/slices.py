@@ -13,6 +13,7 @@ from itertools import chain
 
 from agent.apilimits import MAX_COUNTER_SETS, MAX_DEVICES, MAX_DEVICES_ADVANCED
 from agent.publish import partitions as gpu_partitions
+from agent.publish import partitiontype
 from agent.publish.sharing import SharePlan, share_plan, shared_entry
 from agent.publish.nodeops import grouped_slices
 from agent.publish.validation import device_problems, fitted
@@ -187,7 +188,8 @@ def _entry(device, driver_name: str, list_attributes: bool, taints, cache: dict 
 def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: bool = False, pf_vf_exclusive: bool = False,
                partitions: bool = False, compatibility_groups: bool = False, taints: dict[str, list[dict]] | None = None, previous: PoolContent | None = None,
                cache: dict | None = None, share: SharePlan | None = None,
-               skip_node_operations: dict[str, list[str]] | None = None, held: frozenset[str] = frozenset()) -> PoolContent:
+               skip_node_operations: dict[str, list[str]] | None = None, held: frozenset[str] = frozenset(),
+               partition_type_attribute: bool = False) -> PoolContent:
     """Validated, chunked pool content for this node's devices (inventory order = allocation order).
 
     ``taints``: device name -> DeviceTaints (``--taint-unhealthy``); a tainted device makes
@@ -197,7 +199,8 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
     ``share``: kinds published multi-allocatable with capacity policies (``sharing.share_plan``).
     ``skip_node_operations``: device kind -> the slice's skipNodeOperations (``publish/nodeops.py``).
     ``held``: with ``partitions`` off, the PCI addresses of GPUs whose partitions claims prepared before hold:
-    not offered whole (the scheduler cannot see those claims hold them; a claim of one would fail)."""
+    not offered whole (the scheduler cannot see those claims hold them; a claim of one would fail).
+    ``partition_type_attribute``: slices with counter-consuming devices name their type (publish/partitiontype.py)."""
     if held and not partitions:
         inventory = inventory.replace(devices=tuple(d for d in inventory.devices if d.pci is None or d.pci.bdf not in held))
     entries, rejected, pf_of, bdf_of = _valid_entries(inventory, driver_name, list_attributes, partitions, taints,
@@ -211,13 +214,17 @@ def build_pool(inventory, *, node_name: str, driver_name: str, list_attributes: 
                                                        taints=taints)
         counter_sets += gpu_sets
         rejected += bad
+    if partition_type_attribute:
+        own = {name: counter_set_name(bdf) for name, bdf in bdf_of.items()}
+        entries = partitiontype.typed(entries, inventory, own, driver_name, list_attributes)
     # counter slices first: PFs and GPUs come and go less often than devices, so indexes stay put
     slices = [{"sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS]} for i in range(0, len(counter_sets), MAX_COUNTER_SETS)]
     if cache is not None and len(cache) > len(inventory.devices):
         names = {d.name for d in inventory.devices}
         for name in [n for n in cache if n not in names]:
             del cache[name]
-    slices.extend(_device_slices(entries, inventory, previous, skip_node_operations))
+    devices = _device_slices(entries, inventory, previous, skip_node_operations)
+    slices.extend(partitiontype.declare(devices, driver_name) if partition_type_attribute else devices)
     return PoolContent(name=node_name, slices=tuple(slices), rejected=tuple(rejected))
 
 
@@ -336,6 +343,7 @@ def pool_options(settings) -> dict:
         "compatibility_groups": settings.compatibility_groups,
         "share": share_plan(settings.share, settings.share_policies),
         "skip_node_operations": settings.skip_node_operations,
+        "partition_type_attribute": settings.partition_type_attribute,
     }
 
 
