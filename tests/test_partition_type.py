@@ -161,3 +161,45 @@ def test_slices_stored_without_the_field_get_it_once_the_server_keeps_it(apiserv
     assert writes[0] >= 1 and writes[1:] == [0, 0]
     stored = apiserver.list("ResourceSlice", fields={"spec.nodeName": node, "spec.driver": DRIVER})
     assert [o["spec"].get("partitionTypeAttribute") for o in stored if o["spec"].get("devices")] == [ATTRIBUTE]
+
+
+@pytest.mark.parametrize("name", ["partitionType", f"{DRIVER}/partitionType"])
+def test_an_operators_own_partition_type_gives_way_to_the_agents(apiserver, name):
+    """The operator's device_attributes name partitionType (bare or in the driver's domain): the
+    partitions carry the agent's value, once, and their slice still names it."""
+    from discovery.extra_attributes import ExtraAttributes
+    from tests.test_pool_properties import assert_publishable
+
+    rules = ExtraAttributes.parse([{"match": ["kind:gpu"], "attributes": {name: 7}}], DRIVER)
+    inv = scan(profile_root("mi300x-partitions"), extra_attributes=rules)
+    node = apiserver.create_node(unique("ptop"))["metadata"]["name"]
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, partitions=True, compatibility_groups=True,
+                      partition_type_attribute=True)
+    assert not pool.rejected, pool.rejected
+    sent = assert_publishable(apiserver, node, pool)
+    consuming = [d for o in sent for d in o["spec"].get("devices", []) if d.get("consumesCounters")]
+    assert consuming and all(d["attributes"]["partitionType"]["string"].startswith("gpu-") for d in consuming)
+    assert all(f"{DRIVER}/partitionType" not in d["attributes"] for d in consuming)
+    assert all(o["spec"].get("partitionTypeAttribute") == ATTRIBUTE for o in sent if o["spec"].get("devices"))
+
+
+def test_a_device_without_room_for_its_type_keeps_its_place_and_its_slice_names_none(apiserver):
+    """A VF at the API's 32 attributes with none of the least needed ones to leave out: it is
+    published as before, without partitionType, and its slice names no attribute (the server
+    refused a slice whose VF then had 33, or lacked the attribute the slice named)."""
+    from discovery.models import AttributeValue, Inventory
+    from tests import inventory_factory as factory
+    from tests.test_pool_properties import assert_publishable, published
+
+    base = factory.sriov_inventory(pfs=2, vfs=2)
+    full = {f"extra{i}": AttributeValue(int_=i) for i in range(32 - 4)}  # the factory's VF has 4 attributes
+    devices = [d.replace(attributes={**d.attributes, **full}) if d.name.endswith("-2") else d for d in base.devices]
+    inv = Inventory(root="/", devices=tuple(devices))
+    node = apiserver.create_node(unique("ptfull"))["metadata"]["name"]
+    pool = build_pool(inv, node_name=node, driver_name=DRIVER, pf_vf_exclusive=True, partition_type_attribute=True)
+    assert not pool.rejected, pool.rejected
+    sent = assert_publishable(apiserver, node, pool)
+    assert published(sent) == {d.name for d in inv.devices}
+    full_vfs = [d for o in sent for d in o["spec"].get("devices", []) if d["name"].endswith("-2")]
+    assert full_vfs and all("partitionType" not in d["attributes"] for d in full_vfs)
+    assert [o["spec"].get("partitionTypeAttribute") for o in sent if o["spec"].get("devices")] == [None]

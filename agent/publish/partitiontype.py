@@ -55,9 +55,9 @@ def typed(entries: list[dict], inventory, own_sets: dict[str, str], driver_name:
     for entry in entries:
         value = _type(entry, ways, own_sets.get(entry["name"]))
         if value is not None:
-            attributes = {k: v for k, v in (entry.get("attributes") or {}).items()
-                          if k not in (ATTRIBUTE, f"{driver_name}/{ATTRIBUTE}")}  # an operator's own: ours wins
-            candidate = fitted(dict(entry, attributes=dict(sorted({**attributes, ATTRIBUTE: {"string": value}}.items()))))
+            # an operator's own partitionType gives way (device_attributes keep the driver's domain bare)
+            attributes = {**(entry.get("attributes") or {}), ATTRIBUTE: {"string": value}}
+            candidate = fitted(dict(entry, attributes=dict(sorted(attributes.items()))))
             if not device_problems(candidate, driver_name, list_attributes):
                 entry = candidate
         out.append(entry)
