@@ -1,7 +1,8 @@
 """SIGHUP on an agent running in-process: a new ``list_attributes`` rescans (its list attributes are
 made by the scan, not when slices are built) and no device leaves the slices meanwhile; ``share``
 needs a restart (prepare reads it once); a new ``resync_interval`` starts or speeds up the periodic
-rescans at once; prepare's updates of the status board run on the loop's thread."""
+rescans at once; a new ``partition_type_attribute`` republishes; prepare's updates of the status
+board run on the loop's thread."""
 
 from __future__ import annotations
 
@@ -163,3 +164,25 @@ def test_prepare_updates_the_status_board_on_the_loop_thread(tmp_path):
 
     loop_thread = asyncio.run(main())
     assert threads == [loop_thread]
+
+
+def test_a_reloaded_partition_type_attribute_republishes_at_once(tmp_path, caplog):
+    """An operator who turns DRAPartitionableDevicesType on, then the setting, sends a SIGHUP: the
+    slices name each partition's type then (it said "need a restart": only a restart published it)."""
+    settings = settings_for(str(tmp_path), root=profile_root("mi300x-partitions"), metrics_address="",
+                            resync_interval=0, debounce=0.05, partitions=True)
+    agent = Agent(settings)
+    caplog.set_level(logging.INFO, "sysdra.daemon")
+
+    async def declared(want: list) -> bool:
+        return want == [sl["spec"].get("partitionTypeAttribute") for sl in await agent.store.list_slices() if sl["spec"].get("devices")]
+
+    async def main():
+        async with _running(agent):
+            await agent.publisher.wait_synced(lambda p: p.pool is agent.pool)
+            assert await declared([None])
+            agent.reload(agent.settings.replace(partition_type_attribute=True))
+            await _until(lambda: declared([f"{settings.driver_name}/partitionType"]), "the slices naming partitionType")
+        assert "need a restart" not in caplog.text
+
+    asyncio.run(main())

@@ -15,10 +15,10 @@ log = logging.getLogger("sysdra.daemon")
 # share/share_policies: prepare's ownership and MPS steps are built from them once, at start).
 LIVE_SETTINGS = frozenset({"log_level", "log_format", "resync_interval", "debounce", "health_interval",
                            "list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_hold", "taint_effect",
-                           "taint_effects", "skip_node_operations", "device_attributes"})
+                           "taint_effects", "skip_node_operations", "device_attributes", "partition_type_attribute"})
 # Of those, the ones that change the slices' content: a SIGHUP that changes one republishes.
 REPUBLISH_SETTINGS = frozenset({"list_attributes", "pf_vf_exclusive", "taint_unhealthy", "taint_effect", "taint_effects",
-                                "skip_node_operations", "device_attributes"})
+                                "skip_node_operations", "device_attributes", "partition_type_attribute"})
 # Of those, the ones a scan reads (list attributes and the operator's device_attributes are made at
 # scan time; with taints, which NICs the host uses is read after it): a full rescan.
 RESCAN_SETTINGS = frozenset({"list_attributes", "taint_unhealthy", "device_attributes"})
