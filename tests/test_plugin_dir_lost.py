@@ -85,3 +85,34 @@ def changes(node: MigNode, since: int) -> list[str]:
 
 def fingerprint(d, c) -> str:
     return planner.fingerprint(our_results(c, d.settings.driver_name)[1])
+
+
+def test_the_answer_to_an_adopted_claims_prepare_again_is_the_first_ones(tmp_path):
+    """The kubelet keeps the latest answer's CDI IDs for the pod's containers: the re-prepare of an
+    adopted claim answered its spec's IDs alone, without the device metadata's (KEP-5304), so a
+    container started afterwards lost its metadata mount. The metadata files, under the plugin dir
+    wiped with the checkpoint, are written again for the mount to find."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    answer = driver_for(node).prepare_claims([c])[uid]
+    assert any("metadata" in i for i in answer.devices[0].cdi_ids)  # noqa: the first answer has the metadata's ID
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    assert d.recover().adopted == [uid]
+    again = d.prepare_claims([c])[uid]
+    assert not again.error and [x.cdi_ids for x in again.devices] == [x.cdi_ids for x in answer.devices]
+    assert untimed(again.status) == untimed(answer.status)  # status.devices as the first prepare wrote them
+    assert d.prepare_claims([c])[uid].devices[0].cdi_ids == answer.devices[0].cdi_ids  # and from the entry after
+    entry = Checkpoint.load(d.checkpoint_path).claims[uid]
+    assert entry["metadata"] and os.path.isfile(metadata_file(d, entry))
+    assert d.unprepare_claims([ref(c)]) == {uid: None} and not os.path.exists(metadata_file(d, entry))
+
+
+def metadata_file(d, entry: dict) -> str:
+    from agent.prepare.metadata import layout
+    return layout.host_file(d.settings.plugin_dir, entry["namespace"], entry["name"], "m")
+
+
+def untimed(status: list[dict]) -> list[dict]:
+    return [{**d, "conditions": [{**c, "lastTransitionTime": ""} for c in d["conditions"]]} for d in status]

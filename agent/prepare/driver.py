@@ -140,10 +140,7 @@ class Driver:
     def holds(self, uid: str, entry: dict) -> list[Hold]:
         """What a claim's entry holds: its devices, and what its steps changed."""
         out = planner.device_holds(entry, self.inventory().by_name(), self.all_ways(), self._capacities)
-        for step in self.steps:
-            if (rec := step.read(entry)) is not None:
-                out += step.holds(rec)
-        return out
+        return out + [h for step in self.steps if (rec := step.read(entry)) is not None for h in step.holds(rec)]
 
     def _capacities(self, dev: Device) -> dict[str, Fraction] | None:
         """The capacities ``dev``'s shares are accounted against, as published (None: not shared)."""
@@ -215,7 +212,8 @@ class Driver:
         configs = opaque_configs(claim, self.settings.driver_name)
         fp = planner.fingerprint(results)
         entry = cp.claims.get(uid)
-        if entry is not None and (filled := planner.filled_in(uid, entry, claim, results, fp)) is not None:
+        if entry is not None and (filled := planner.filled_in(uid, entry, claim, results, fp, self.settings, self.nvidia,
+                                                              self.inventory, self.all_ways)) is not None:
             entry = cp.claims[uid] = self._replanned(uid, filled, claim, results, configs)  # an adopted entry
             call.changed.add(uid)
         same = entry is not None and planner.same_allocation(entry, raw, results)

@@ -25,7 +25,7 @@ from agent.settings import Settings
 from cdi.claim import GroupOf, build_claim_spec, cdi_id
 from cdi.nodegroup import group_reader
 from discovery import gpuways
-from discovery.models import Device
+from discovery.models import Device, Inventory
 
 log = logging.getLogger("agent.prepare.driver")
 
@@ -52,7 +52,8 @@ def same_allocation(entry: dict, raw: list[dict], results: list[Result]) -> bool
     return recorded == legacy
 
 
-def filled_in(uid: str, entry: dict, claim: dict, results: list[Result], fp: str) -> dict | None:
+def filled_in(uid: str, entry: dict, claim: dict, results: list[Result], fp: str, s: Settings, nvidia,
+              inventory: Callable[[], Inventory], ways: Callable[[], dict[str, gpuways.Way]]) -> dict | None:
     """An adopted entry (prepare/recovery.py ``adopt``: from its CDI spec, the checkpoint lost; no
     allocation, no claim name) completed from the claim the kubelet prepares again, when its results
     are the devices the spec holds -> the entry, or None. Its host changes stay as they are (a MIG
@@ -64,12 +65,35 @@ def filled_in(uid: str, entry: dict, claim: dict, results: list[Result], fp: str
     wanted = [(r.pool, r.device, r.share_id) for r in results]
     if len(held) != len(entry.get("devices") or ()) or Counter(held.keys()) != Counter(wanted):
         return None
-    devices = [device_record(PreparedDevice([r.request], r.pool, r.device, list(held[key]["cdiDeviceIDs"]), r.share_id), (), r)
-               for r, key in zip(results, wanted)]
+    by_name, table = inventory().by_name(), ways()  # read only for an adopted entry: a re-prepare reads none
+    names = {**by_name, **{r.device: gpuways.way_device(table[r.device]) for r in results  # partitions as planned
+                           if r.device in table and table[r.device].kind != "whole"}}
+    prepared = [PreparedDevice([r.request], r.pool, r.device, [*held[key]["cdiDeviceIDs"], *_nvidia_ids(nvidia, names.get(r.device))],
+                               r.share_id) for r, key in zip(results, wanted)]
+    # the answer as the first prepare's: the kubelet gives the pod's containers the latest answer's CDI IDs
+    answered = _answered(s, claim, prepared, names, by_name)
     meta = claim["metadata"]
     log.info("claim %s (%s/%s), adopted from its CDI spec: its entry filled in from the claim, its devices and host "
              "changes kept", uid, meta["namespace"], meta["name"])
-    return {**entry, "namespace": meta["namespace"], "name": meta["name"], "allocation": fp, "devices": devices}
+    return {**entry, "namespace": meta["namespace"], "name": meta["name"], "allocation": fp, **answered,
+            "devices": [device_record(d, (), r) for d, r in zip(prepared, results)]}
+
+
+def _nvidia_ids(nvidia, dev: Device | None) -> list[str]:
+    return nvidia.cdi_ids(dev) if nvidia and dev is not None else []
+
+
+def _answered(s: Settings, claim: dict, prepared: list[PreparedDevice], names: dict[str, Device],
+              by_name: dict[str, Device]) -> dict:
+    """An adopted claim's metadata record (its files rewritten where gone: under a wiped plugin dir;
+    ``prepared`` get its CDI IDs) and ``status.devices``, as ``add_records`` plans them. Devices gone
+    from the node have no attributes to describe: no metadata then."""
+    out = {}
+    if s.device_metadata and all(d.device in names for d in prepared):
+        out["metadata"] = metadata.plan(s, claim, prepared, names)
+    if s.claim_status:
+        out["deviceStatus"] = claimstatus.build_for(s, prepared, by_name)
+    return out
 
 
 def device_from_record(d: dict) -> PreparedDevice:
