@@ -236,6 +236,32 @@ def test_an_adopted_claims_netdev_still_on_the_host_goes_into_its_pod(tmp_path, 
     assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None} and where(nets) == (True, False)
 
 
+def test_an_adopted_claims_netdev_in_its_pod_refuses_the_pods_next_sandbox(tmp_path, ifname_nets):
+    """The plugin dir wiped while the claim's netdev is in its pod: the kernel has it in the pod's
+    namespace, not on the host, so the kubelet's re-prepare marks the adopted claim's netdev records
+    lost and the pod's next sandbox is refused with the reason. Before, its move was planned as if
+    never made: the next sandbox failed on a netdev not on the host (retried for good), and where
+    sysfs hid the netdev (a real host) nothing was planned: the sandbox started without it."""
+    nets = ifname_nets
+    first = in_pod(tmp_path, nets)
+    for name in os.listdir(first.settings.plugin_dir):
+        if name.startswith("checkpoint.json"):
+            os.unlink(os.path.join(first.settings.plugin_dir, name))
+    agent = Agent(tmp_path, nets)
+    assert agent.driver.recovery.adopted == [CLAIM]
+    assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    entry = Checkpoint.load(agent.driver.checkpoint_path).claims[CLAIM]
+    assert "not on the host" in entry.get("netdevsLost", "") and "netdevs" not in entry and entry["pods"] == [POD_UID]
+
+    async def events(call):
+        with pytest.raises(CallError, match=f"claim {CLAIM} of pod ns/app lost its netdev records .*not on the host"):
+            await call("RunPodSandbox", app(nets, "id-app-2"))
+        await call("RunPodSandbox", other())
+    agent.serve([app(nets)], events)
+    assert where(nets) == (False, True)  # where the kernel has it: untouched
+    assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None}
+
+
 def claim_ref():
     return ClaimRef("default", "nic", CLAIM)
 

@@ -244,12 +244,14 @@ class Driver:
         call.changed.add(uid)
 
     def _replanned(self, uid: str, entry: dict, claim: dict, results: list, configs: list) -> dict:
-        """An adopted entry filled in with planned records ``_again`` makes good: netdevs on the host, time slices."""
+        """An adopted entry filled in with planned records ``_again`` makes good: netdevs (or their loss), time slices."""
         by_name, out = self.inventory().by_name(), dict(entry)
         planned = Planned(uid, claim, results, configs, by_name, by_name, others={})
         for st in (st for st in self.steps if isinstance(st, (NetdevStep, TimeSliceStep)) and not entry.get(st.key)):
-            if not (st.key == "netdevs" and entry.get("netdevsLost")) and (rec := st.plan(planned, Ownership())):
-                out.update({st.key: st.write(rec), **({"pods": reserved_pods(claim)} if st.key == "netdevs" else {})})
+            if isinstance(st, NetdevStep) and not entry.get("netdevsLost"):
+                out.update(st.replanned(planned, reserved_pods(claim)))
+            elif isinstance(st, TimeSliceStep) and (rec := st.plan(planned, Ownership())):
+                out[st.key] = st.write(rec)
         return out
 
     def _forget(self, cp: Checkpoint, call: _Call, uid: str, entry: dict, owners: Ownership) -> None:

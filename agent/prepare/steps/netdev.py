@@ -103,6 +103,25 @@ class NetdevStep(RecordsOf):
             n += 1
         return name
 
+    def replanned(self, planned: Planned, pods: list[str]) -> dict:
+        """An adopted claim's netdev fields (prepare/driver.py, its records lost with the checkpoint): the
+        moves planned where its netdevs are on the host (its pod has not started), else its records marked
+        lost: a netdev in a pod's namespace (the pod started before) cannot be told where, so its pods are
+        refused (agent/nri/netdev.py) and nothing moves. With the NRI plugin off nothing ever moved."""
+        if not (record := self.plan(planned, Ownership())):
+            return {}
+        try:
+            away = [m.host for m in record if self.moves and not rtnl.has_link(self.host_netns(), m.host)]
+        except OSError as err:
+            raise ClaimFailed(f"where its netdevs are cannot be read: {err}") from err
+        if not away:
+            return {self.key: self.write(record), "pods": pods}
+        why = (f"its netdev {', '.join(away)} is not on the host: in a pod's sandbox since before its records were "
+               "lost with the checkpoint (the plugin dir wiped, or kubelet_dir changed)")
+        log.error("claim %s: %s. Its pods (%s) are refused until it is unprepared; its netdevs are not moved",
+                  planned.uid, why, ", ".join(pods) or "none known")
+        return {"netdevsLost": why, "pods": pods}
+
     def holds(self, record: Record) -> list[Hold]:
         return [Hold(m.bdf, "netdev") for m in record if m.bdf]
 
