@@ -17,7 +17,7 @@ from agent.service.daemon import Agent
 from discovery.inventory import scan
 from tests.conftest import profile_root
 from tests.kubelet_standin import settings_for
-from tests.mig_node import GPU, MigNode, profile, req
+from tests.mig_node import BDF, GPU, MigNode, profile, req, whole
 from tests.kubelet_standin import claim as hand_claim
 from tests.partition_node import CPX_GPU, SPX_GPU, Node as PartitionNode, mode_of, part_of
 from tests.test_mig_prepare import driver_for, ref
@@ -99,6 +99,33 @@ def test_partitions_turned_off_the_agent_does_not_offer_a_gpu_whose_partitions_a
         return check({d["name"] for d in await _published(agent)})
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["instance", "mode"])
+def test_nvml_turned_off_the_mig_changes_of_a_prepared_claim_are_undone_at_its_unprepare(tmp_path, kind):
+    """A dynamic-MIG claim (its instance) or a whole-GPU claim (MIG mode turned off for it) prepared,
+    then ``nvml`` turned off: the kubelet's re-prepare gets the same answer, the unprepare destroys the
+    instance or turns MIG mode back on (NVML opened for it alone). Before, the MIG steps went with the
+    setting: the instance (or MIG mode off) stayed for good, with no log."""
+    node = MigNode(str(tmp_path), nvidia_mig_enable=True)
+    c = node.allocated("a", req("m", profile("3g.71gb")) if kind == "instance" else req("w", whole()))
+    uid = c["metadata"]["uid"]
+    first = driver_for(node).prepare_claims([c])[uid]
+    assert not first.error and (len(node.sim.instances()) == 1 if kind == "instance" else mig_mode(node) == [0, 0])
+    node.settings = node.settings.replace(nvml=False)  # the restart with another config
+    node.inv = scan(node.root, list_attributes=True)  # no NVML facts
+    d = Driver(node.settings, node.inventory)
+    if hasattr(d, "mig"):
+        d.mig.nvml = lambda: node.nvml  # the lazily opened NVML, simulated
+    d.recover()
+    again = d.prepare_claims([c])[uid]
+    assert not again.error and [x.cdi_ids for x in again.devices] == [x.cdi_ids for x in first.devices]
+    assert d.unprepare_claims([ref(c)]) == {uid: None}
+    assert node.sim.instances() == {} and mig_mode(node) == [1, 1]
+
+
+def mig_mode(node: MigNode) -> list[int]:
+    return node.sim.nvmlDeviceGetMigMode(node.sim.gpus[BDF])
 
 
 def published_devices(node: MigNode) -> set[str]:

@@ -107,10 +107,10 @@ class Driver:
         # host changes, applied in this order and undone in reverse (prepare/steps/). A kind the settings turned
         # off keeps its step: what claims prepared before recorded is undone at their unprepare (never planned: no ways)
         self.steps = [PartitionStep(mechanics, lambda: self.hardware_changed())]
-        if settings.nvml:  # dynamic MIG: devices created through NVML; MIG mode off for a whole GPU
-            self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
-            mig = MigStep(self.mig, self.partitions.ways) if self.partitions else MigStep(self.mig, dict, lambda: self.hardware_changed())
-            self.steps += [mig, MigModeStep(self.mig, inventory)]
+        # dynamic MIG, MIG mode off for a whole GPU; with nvml off too (no profiles: nothing planned, earlier records undone)
+        self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
+        mig = MigStep(self.mig, self.partitions.ways) if self.partitions else MigStep(self.mig, dict, lambda: self.hardware_changed())
+        self.steps += [mig, MigModeStep(self.mig, inventory)]
         self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point),
                                    lambda: host_netns(settings.root), settings.allow_host_in_use_nics))
         self.steps.append(NetdevStep(settings, lambda: host_netns(settings.root)))
