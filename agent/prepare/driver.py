@@ -111,7 +111,7 @@ class Driver:
         self.mig = MigDevices(settings.root, shared_nvml(settings.root, settings.nvidia_driver_root), settings.nvidia_mig_enable, lambda p: self.fault(p))
         mig = MigStep(self.mig, self.partitions.ways) if self.partitions else MigStep(self.mig, dict, lambda: self.hardware_changed())
         self.steps += [mig, MigModeStep(self.mig, inventory)]
-        self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point),
+        self.steps.append(VfioStep(settings.root, settings.driver_name, self.kernel, lambda point: self.fault(point), inventory,
                                    lambda: host_netns(settings.root), settings.allow_host_in_use_nics))
         self.steps.append(NetdevStep(settings, lambda: host_netns(settings.root)))
         self.steps.append(TimeSliceStep(settings.driver_name, lambda: self.nvidia.tool("nvidia-smi"), lambda p: self.fault(p), settings.root))

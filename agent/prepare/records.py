@@ -64,18 +64,22 @@ class Record(BaseModel):
 class VfioFunction(Record):
     """A function moved to vfio-pci: what to give it back to. ``pending``: a write for it (the
     unbind from a driver that waits for the device's users) did not return: the kernel may
-    still finish it, so it is given back only once no write for it is in flight."""
+    still finish it, so it is given back only once no write for it is in flight. ``probe``: an
+    adopted claim's (its record lost): the driver before is unknown, so it is given back to the
+    one the kernel matches for it (``drivers_probe``)."""
 
     bdf: Bdf
     group: int
     driver: KernelDriver | None = None
     override: KernelDriver | None = None
     pending: bool = False
+    probe: bool = False
 
     def dump(self) -> dict:
         out = super().dump()
-        if not self.pending:  # the entry as a sysdra without the field writes (and reads) it
-            del out["pending"]
+        for flag in ("pending", "probe"):  # the entry as a sysdra without the field writes (and reads) it
+            if not out[flag]:
+                del out[flag]
         return out
 
 

@@ -218,6 +218,8 @@ def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] =
         return f"{bdf} has left the node (removed): nothing to give back"
     if rec.pending and (writers := kernel.writers(bdf, [original, VFIO_DRIVER])):  # another instance's
         raise KernelError(f"{bdf}: a write for it is still in the kernel: {devusers.describe(writers)}")
+    if rec.probe:
+        return _probed(kernel, rec, fault)
     done = f"{bdf} given back to {original or 'no driver'}"
     if original == VFIO_DRIVER:  # it came to us on vfio-pci and stays: only the override bind_all set goes
         if kernel.override(bdf) != rec.override:
@@ -238,6 +240,19 @@ def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] =
         kernel.bind(bdf, original)
         fault("vfio:restored")
     return done
+
+
+def _probed(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None]) -> str:
+    """An adopted claim's function (the driver before unknown) off vfio-pci, its override cleared and
+    given to the driver the kernel matches for it -> what was done."""
+    if kernel.driver(rec.bdf) == VFIO_DRIVER:
+        kernel.unbind(rec.bdf)
+        fault("vfio:restore-unbound")
+    if kernel.override(rec.bdf) is not None:
+        kernel.set_override(rec.bdf, None)
+        fault("vfio:override-restored")
+    found = kernel.driver(rec.bdf) or kernel.probe(rec.bdf)
+    return f"{rec.bdf} given back to {found or 'no driver (none matched it)'}, the kernel's match (its driver before was not recorded)"
 
 
 def restore_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[str], None] = lambda p: None) -> GivenBack:

@@ -244,6 +244,16 @@ class PciKernel:
         self._write(bdf, self.fs.path("sys/bus/pci/drivers", driver, "bind"), bdf, f"{bdf}: bind to {driver}")
         self._until(lambda: self.driver(bdf) == driver, f"{bdf}: bind to {driver}")
 
+    def probe(self, bdf: str) -> str | None:
+        """The function given to whichever driver the kernel matches for it (``drivers_probe``, as at
+        hot-plug: its ID tables, dynamic IDs, ``driver_override``) -> that driver, None when none did."""
+        self._write(bdf, self.fs.path("sys/bus/pci/drivers_probe"), bdf, f"{bdf}: drivers_probe")
+        try:
+            self._until(lambda: self.driver(bdf) is not None, f"{bdf}: drivers_probe")
+        except KernelError:
+            return None  # no driver matched (or its module is not loaded): left without one
+        return self.driver(bdf)
+
     def wait_group_node(self, bdf: str, group: int) -> str:
         self._until(lambda: self.group_node(group) is not None, f"{bdf}: /dev/vfio/{group}")
         return self.group_node(group) or ""

@@ -22,7 +22,7 @@ from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
 from agent.prepare.steps import NotRecovered, NotUndone, Planned, RecordsOf, Undone
 from agent.prepare.vfio_kernel import PciKernel
-from discovery.models import Device
+from discovery.models import Device, Inventory
 
 Record = tuple[VfioFunction, ...]
 
@@ -32,10 +32,11 @@ class VfioStep(RecordsOf):
     key = "vfio"
     what = "VFIO binding"  # the stage named in a claim error
 
-    def __init__(self, root: str, driver_name: str, kernel: PciKernel, fault: Callable[[str], None],
+    def __init__(self, root: str, driver_name: str, kernel: PciKernel, fault: Callable[[str], None], inventory: Callable[[], Inventory],
                  host_netns: Callable[[], str] = lambda: "/proc/self/ns/net", allow_host_in_use: bool = False):
         self.root, self.driver_name, self.kernel, self.fault = root, driver_name, kernel, fault
         self.host_netns, self.allow_host_in_use = host_netns, allow_host_in_use  # whose netdevs the host uses
+        self.inventory = inventory  # for an adopted claim's functions
 
     def plan(self, planned: Planned, owners: Ownership) -> Record | None:
         configs = vfio.functions(planned.claim, self.driver_name, planned.results, planned.inventory, planned.names)
@@ -48,6 +49,16 @@ class VfioStep(RecordsOf):
     def _host_uses(self, bdf: str, claim_allows: bool) -> str | None:
         netns = functools.partial(hostuse.namespace, self.root, self.host_netns)
         return vfio.host_used(self.root, netns, bdf, self.allow_host_in_use, claim_allows)
+
+    def adopted(self, names: list[str], spec: dict) -> Record | None:
+        """An adopted claim's functions (prepare/recovery.py, its record lost) that the agent's bind moved:
+        on vfio-pci with its ``driver_override``. Their unprepare gives them to the kernel's match."""
+        by_name = self.inventory().by_name()
+        bdfs = sorted({dev.pci.bdf for n in names if (dev := by_name.get(n)) is not None and dev.pci is not None})
+        out = [VfioFunction(bdf=bdf, group=group, probe=True) for bdf in bdfs if self.kernel.present(bdf)
+               and self.kernel.driver(bdf) == self.kernel.override(bdf) == vfio.VFIO_DRIVER
+               and (group := self.kernel.group(bdf)) is not None]
+        return tuple(out) or None
 
     def holds(self, record: Record) -> list[Hold]:
         """Each function and the rest of its IOMMU group (bridges aside): the VM has the group."""
