@@ -236,7 +236,8 @@ def test_an_adopted_claims_netdev_still_on_the_host_goes_into_its_pod(tmp_path, 
     assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None} and where(nets) == (True, False)
 
 
-def test_an_adopted_claims_netdev_in_its_pod_refuses_the_pods_next_sandbox(tmp_path, ifname_nets):
+@pytest.mark.parametrize("sysfs", ["shows", "hides"])
+def test_an_adopted_claims_netdev_in_its_pod_refuses_the_pods_next_sandbox(tmp_path, ifname_nets, sysfs):
     """The plugin dir wiped while the claim's netdev is in its pod: the kernel has it in the pod's
     namespace, not on the host, so the kubelet's re-prepare marks the adopted claim's netdev records
     lost and the pod's next sandbox is refused with the reason. Before, its move was planned as if
@@ -249,6 +250,10 @@ def test_an_adopted_claims_netdev_in_its_pod_refuses_the_pods_next_sandbox(tmp_p
             os.unlink(os.path.join(first.settings.plugin_dir, name))
     agent = Agent(tmp_path, nets)
     assert agent.driver.recovery.adopted == [CLAIM]
+    if sysfs == "hides":  # a real host's sysfs lists no netdev of another namespace: the NIC has none there
+        inv = agent.driver.inventory()
+        hidden = inv.replace(devices=tuple(d.replace(nic=d.nic.replace(interfaces=())) if d.nic else d for d in inv.devices))
+        agent.driver.inventory = lambda: hidden
     assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
     entry = Checkpoint.load(agent.driver.checkpoint_path).claims[CLAIM]
     assert "not on the host" in entry.get("netdevsLost", "") and "netdevs" not in entry and entry["pods"] == [POD_UID]

@@ -108,19 +108,33 @@ class NetdevStep(RecordsOf):
         moves planned where its netdevs are on the host (its pod has not started), else its records marked
         lost: a netdev in a pod's namespace (the pod started before) cannot be told where, so its pods are
         refused (agent/nri/netdev.py) and nothing moves. With the NRI plugin off nothing ever moved."""
-        if not (record := self.plan(planned, Ownership())):
-            return {}
+        record = self.plan(planned, Ownership()) or ()
         try:
             away = [m.host for m in record if self.moves and not rtnl.has_link(self.host_netns(), m.host)]
         except OSError as err:
             raise ClaimFailed(f"where its netdevs are cannot be read: {err}") from err
+        away += [f"of {name}" for name in self._hidden(planned) if self.moves]
         if not away:
-            return {self.key: self.write(record), "pods": pods}
+            return {self.key: self.write(record), "pods": pods} if record else {}
         why = (f"its netdev {', '.join(away)} is not on the host: in a pod's sandbox since before its records were "
                "lost with the checkpoint (the plugin dir wiped, or kubelet_dir changed)")
         log.error("claim %s: %s. Its pods (%s) are refused until it is unprepared; its netdevs are not moved",
                   planned.uid, why, ", ".join(pods) or "none known")
         return {"netdevsLost": why, "pods": pods}
+
+    @staticmethod
+    def _hidden(planned: Planned) -> list[str]:
+        """The claim's NICs whose driver holds them yet show no netdev on the host: sysfs lists no netdev
+        of another namespace (one the claim's pod has), so their netdevs are not where the host sees."""
+        out = []
+        for r in planned.results:
+            dev = planned.names.get(r.device)
+            if r.share_id or dev is None or dev.nic is None or dev.nic.interfaces or dev.pci is None \
+                    or dev.pci.driver in (None, "vfio-pci"):
+                continue
+            if not isinstance(config_for(planned.configs, r.request, dev.kind, dev.name), VfioConfig):
+                out.append(r.device)
+        return out
 
     def holds(self, record: Record) -> list[Hold]:
         return [Hold(m.bdf, "netdev") for m in record if m.bdf]
