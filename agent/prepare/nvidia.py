@@ -14,21 +14,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import replace
 from typing import Collection
 
 from agent.fsutil import read_bounded
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.driverlinks import DEFAULT_PATH, link_libraries
+from agent.prepare import cdifiles
 from agent.prepare.mps import BINARY as MPS_BINARY
 from agent.prepare.computemode import DaemonModes
-from agent.prepare.mps import SHM_SIZE, MpsDaemons
+from agent.prepare.mps import PIPE_IN_CONTAINER, SHM_SIZE, MpsDaemons
+from agent.prepare.mps_records import GPU_UUID
 from agent.prepare.mps_pods import PodLauncher
 from agent.quantity import parse_quantity
 from agent.settings import Settings
 from agent.settings_mps import MpsPodSettings
 from cdi.claim import ClaimDevice
 from cdi.nvidia import VISIBLE_VOID, driver_edits
+from cdi.spec import SpecError
 from discovery.models import Device
 from discovery.nvidia_driver import DriverFiles, DriverFilesCache, Library
 
@@ -41,6 +45,33 @@ MAX_SPEC_BYTES = 4 << 20
 def needs_driver(dev: Device) -> bool:
     """A GPU (or MIG device) the nvidia driver serves; one bound to vfio-pci needs none."""
     return dev.kind == "gpu" and dev.gpu is not None and dev.gpu.vendor == "nvidia" and dev.pci.driver == "nvidia"
+
+
+_PIPE = re.compile(r"^(/.+)/mps/" + GPU_UUID[1:-1] + r"/pipe$")
+
+
+def mps_home(s: Settings) -> str:
+    """The plugin dir whose MPS daemons serve the shares: this one, unless it has no daemon records while a
+    claim spec's shares are clients of the daemons under another one, recorded there (``kubelet_dir`` changed
+    while they ran: the claims are adopted from their specs, prepare/recovery.py). Those daemons stay in
+    charge where they run (their pipe is bound in the running containers): the agent's MPS dir is theirs,
+    new shares' too, until a start finds no spec of them (docs/operations.md)."""
+    if os.path.lexists(os.path.join(s.plugin_dir, "mps", "daemons.json")):
+        return s.plugin_dir
+    for path in cdifiles.list_claim_specs(s.cdi_dir, s.driver_name).values():
+        try:
+            spec = cdifiles.read_spec(path)
+        except SpecError:
+            continue  # (recovery says it)
+        mounts = [m for d in spec["devices"] for m in (d.get("containerEdits") or {}).get("mounts") or ()]
+        for m in mounts:
+            if m.get("containerPath") == PIPE_IN_CONTAINER and (found := _PIPE.match(str(m.get("hostPath")))) \
+                    and os.path.normpath(home := found[1]) == home != os.path.normpath(s.plugin_dir) \
+                    and os.path.isfile(os.path.join(home, "mps", "daemons.json")):
+                log.warning("MPS: the prepared shares' daemons are recorded under %s (kubelet_dir changed while they ran): "
+                            "they stay in charge there, supervised and stopped with their last share", home)
+                return home
+    return s.plugin_dir
 
 
 class NvidiaDriver:
@@ -75,9 +106,10 @@ class NvidiaDriver:
         daemons are recorded (shares prepared before a restart), their daemons are kept, adopted and
         stopped as their shares go; no new share becomes a client."""
         on = "gpu" in s.share and s.nvidia_mps
-        recorded = os.path.exists(os.path.join(s.plugin_dir, "mps", "daemons.json"))
+        home = mps_home(s)
+        recorded = os.path.exists(os.path.join(home, "mps", "daemons.json"))
         return cls(s.root, s.nvidia_driver_root, s.nvidia_cdi_spec, s.cdi_dir, s.cdi_host_root,
-                   s.plugin_dir if on or recorded else None, boot_id, int(parse_quantity(s.nvidia_mps_shm_size)),
+                   home if on or recorded else None, boot_id, int(parse_quantity(s.nvidia_mps_shm_size)),
                    (s.nvidia_mps_pod, s.node_name, s.driver_name) if s.nvidia_mps_pod else None,
                    os.path.join(s.plugin_dir, "nvidia-lib"), mps_modes, mps_shares=on)
 
