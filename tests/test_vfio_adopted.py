@@ -44,3 +44,18 @@ def test_a_function_on_vfio_pci_without_the_agents_override_is_not_taken_for_the
     d = driver()
     assert d.recover().adopted == [UID] and "vfio" not in d.checkpoint.claims[UID]
     assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None} and sim.driver(VF_BDF) == "vfio-pci"
+
+
+def test_a_function_that_cannot_be_read_leaves_the_claim_adopted(node, caplog):
+    """A ``driver_override`` that cannot be read (a FIFO in its place) fails no start: the claim is
+    adopted, its function left as it is, said as such."""
+    s, sim, state, driver = node
+    assert driver().prepare_claims([vfio_claim("vm", [VF], UID)])[UID].error is None
+    os.unlink(os.path.join(s.plugin_dir, "checkpoint.json"))
+    override = os.path.join(s.root, "sys/bus/pci/devices", VF_BDF, "driver_override")
+    sim.stop()
+    os.unlink(override)
+    os.mkfifo(override)
+    d = driver()
+    assert d.recover().adopted == [UID] and "vfio" not in d.checkpoint.claims[UID]
+    assert "the functions of an adopted claim not read" in caplog.text

@@ -65,7 +65,7 @@ def mps_home(s: Settings) -> str:
             continue  # (recovery says it)
         mounts = [m for d in spec["devices"] for m in (d.get("containerEdits") or {}).get("mounts") or ()]
         for m in mounts:
-            if m.get("containerPath") == PIPE_IN_CONTAINER and (found := _PIPE.match(str(m.get("hostPath")))) \
+            if isinstance(m, dict) and m.get("containerPath") == PIPE_IN_CONTAINER and (found := _PIPE.match(str(m.get("hostPath")))) \
                     and os.path.normpath(home := found[1]) == home != os.path.normpath(s.plugin_dir) \
                     and os.path.isfile(os.path.join(home, "mps", "daemons.json")):
                 log.warning("MPS: the prepared shares' daemons are recorded under %s (kubelet_dir changed while they ran): "

@@ -15,16 +15,18 @@ netdev the host uses, unless the node and the claim allow it (prepare/hostuse.py
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable
 
 from agent.prepare import hostuse, vfio
 from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import VfioFunction
 from agent.prepare.steps import NotRecovered, NotUndone, Planned, RecordsOf, Undone
-from agent.prepare.vfio_kernel import PciKernel
+from agent.prepare.vfio_kernel import KernelError, PciKernel
 from discovery.models import Device, Inventory
 
 Record = tuple[VfioFunction, ...]
+log = logging.getLogger(__name__)
 
 
 class VfioStep(RecordsOf):
@@ -55,9 +57,13 @@ class VfioStep(RecordsOf):
         on vfio-pci with its ``driver_override``. Their unprepare gives them to the kernel's match."""
         by_name = self.inventory().by_name()
         bdfs = sorted({dev.pci.bdf for n in names if (dev := by_name.get(n)) is not None and dev.pci is not None})
-        out = [VfioFunction(bdf=bdf, group=group, probe=True) for bdf in bdfs if self.kernel.present(bdf)
-               and self.kernel.driver(bdf) == self.kernel.override(bdf) == vfio.VFIO_DRIVER
-               and (group := self.kernel.group(bdf)) is not None]
+        try:
+            out = [VfioFunction(bdf=bdf, group=group, probe=True) for bdf in bdfs if self.kernel.present(bdf)
+                   and self.kernel.driver(bdf) == self.kernel.override(bdf) == vfio.VFIO_DRIVER
+                   and (group := self.kernel.group(bdf)) is not None]
+        except KernelError as err:  # the claim stays adopted; its functions are left as they are
+            log.error("VFIO: the functions of an adopted claim not read (%s): they stay on vfio-pci after it", err)
+            return None
         return tuple(out) or None
 
     def holds(self, record: Record) -> list[Hold]:
