@@ -81,3 +81,33 @@ def test_the_supervisor_of_an_agent_without_pods_adopts_the_pod_another_agent_st
         kill_daemons([old])
         if psutil.pid_exists(serving.pid):
             psutil.Process(serving.pid).kill()
+
+
+def test_a_pods_daemon_of_the_namespace_of_before_keeps_serving(apiserver, chart, plugin, binary):
+    """``nvidia_mps_pod.namespace`` changed at a restart: the record's pod is not in the agent's
+    namespace now, and its daemon (a process of the node the agent sees: the chart's hostPID) serves
+    the GPU's pipe. It is adopted as that process and ended with the last share; its pod stays until
+    deleted by hand (the chart's Role gives the agent no right in the namespace of before). Before,
+    it was taken for a dead daemon: its pipe's control file removed under the shares, a pod started
+    beside it in the new namespace, and it was never stopped."""
+    pods = MpsDaemons(str(plugin), binary)  # stands for the old pod's daemon: a process serving the GPU's pipe
+    serving = None
+    try:
+        assert pods.reconcile({UUID}) == {}
+        serving = pods.state.daemons[UUID]
+        pods.state.daemons[UUID] = MpsRecord(uuid=UUID, pod_uid="0b0c7c8e-1111-4222-8333-444455556666", boot_id=None)
+        pods._save()
+        launcher = chart.launcher(plugin)
+        launcher.start_timeout = 1.0  # no kubelet runs a pod here
+        after = MpsDaemons(str(plugin), binary, launcher=launcher)  # the restart, pods in the chart's namespace
+        assert after.reconcile({UUID}) == {}
+        rec = after.state.daemons[UUID]
+        assert rec.pid == serving.pid and after.alive(rec) and chart.api.get(pod_name(UUID)) is None
+        assert os.path.exists(os.path.join(after.dirs(UUID)["pipe"], "control"))
+        after.reconcile(set())
+        assert not psutil.pid_exists(serving.pid) or psutil.Process(serving.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        kill_daemons([pods])
+        if serving is not None and psutil.pid_exists(serving.pid):
+            psutil.Process(serving.pid).kill()
+        force_delete(apiserver, UUID)

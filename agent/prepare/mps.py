@@ -73,6 +73,7 @@ class Launcher(Protocol):
     def end_strays(self, uuid: str, pipe: str, known: MpsRecord | None) -> None: ...
     def forget(self, rec: MpsRecord) -> None: ...
     def end_orphans(self, keep: set[str]) -> None: ...
+    def pod_unseen(self, rec: MpsRecord) -> bool: ...  # a pod record's pod is not where this agent looks
 
 
 class MpsDaemons:
@@ -368,16 +369,15 @@ class MpsDaemons:
         return errors
 
     def _adopted(self, uuid: str, rec: MpsRecord | None) -> bool:
-        """A pod's daemon, pods turned off at a restart (its pod not read: no pod settings), keeps serving the
-        shares' running containers: its process, serving the GPU's pipe, recorded as the agent's -> whether it was."""
-        if rec is None or rec.pod_uid is None or not isinstance(self.launcher, ProcessLauncher):
+        """A pod's daemon whose pod the agent does not see (pods off, another namespace) keeps serving: taken as a process."""
+        if rec is None or rec.pod_uid is None or (found := self.processes.serving(uuid, self.dirs(uuid)["pipe"])) is None:
             return False
-        if (found := self.launcher.serving(uuid, self.dirs(uuid)["pipe"])) is None:
+        if not self.launcher.pod_unseen(rec):  # asked only where a process serves: a dead daemon's restart asks nothing more
             return False
         self.state.daemons[uuid] = found.model_copy(update={"mode_before": rec.mode_before})
         self._save()
-        log.warning("MPS control daemon for GPU %s: its pod %s (nvidia_mps_pod is off now) serves as pid %d: adopted as "
-                    "a process; the pod stays until deleted", uuid, pod_name(uuid), found.pid)
+        log.warning("MPS control daemon for GPU %s: its pod %s (nvidia_mps_pod off now, or its namespace changed) serves as "
+                    "pid %d: adopted as a process; the pod stays until deleted by hand", uuid, pod_name(uuid), found.pid)
         return True
 
     def restart(self, uuid: str) -> MpsRecord | None:

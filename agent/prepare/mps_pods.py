@@ -318,6 +318,14 @@ class PodLauncher:
             log.warning("MPS daemon pod %s of GPU %s is not the recorded one: deleted", pod_name(uuid), uuid)
             self._delete(uuid, uid)
 
+    def pod_unseen(self, rec: MpsRecord) -> bool:
+        """No pod of the record's name in the agent's namespace (a namespace changed at a restart: the
+        record's is another's); False where the API cannot tell."""
+        try:
+            return self.api.get(pod_name(rec.uuid)) is None
+        except (ApiFailure, OSError):
+            return False
+
     def forget(self, rec: MpsRecord) -> None:
         """A record of another boot: the kubelet may have run its pod again, without the tmpfs."""
         self._delete(rec.uuid, rec.pod_uid)

@@ -135,6 +135,9 @@ class ProcessLauncher:
                 return rec
         return None
 
+    def pod_unseen(self, rec: MpsRecord) -> bool:
+        return True  # no pod settings: no pod is looked at
+
     def forget(self, rec: MpsRecord) -> None:
         """A record of another boot: its PID is someone else's now, never signalled."""
 
