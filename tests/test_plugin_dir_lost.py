@@ -6,11 +6,13 @@ instance under the running pod as one no claim knew."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from agent.prepare import planner
 from agent.prepare.allocation import our_results
 from agent.prepare.checkpoint import Checkpoint
+from agent.prepare.metadata import layout
 from tests.mig_node import MigNode, profile, req
 from tests.test_mig_prepare import driver_for, ref
 
@@ -109,8 +111,25 @@ def test_the_answer_to_an_adopted_claims_prepare_again_is_the_first_ones(tmp_pat
     assert d.unprepare_claims([ref(c)]) == {uid: None} and not os.path.exists(metadata_file(d, entry))
 
 
+def test_an_adopted_claims_metadata_spec_mounts_the_file_the_agent_keeps(tmp_path):
+    """``kubelet_dir`` changed: the adopted claim's metadata spec, kept from before, mounted the file
+    under the plugin dir of before, which the agent no longer writes (updates, its removal at
+    unprepare): the re-prepare writes the spec again for the file it keeps."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    assert not driver_for(node).prepare_claims([c])[uid].error
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    d.recover()
+    assert not d.prepare_claims([c])[uid].error
+    entry = Checkpoint.load(d.checkpoint_path).claims[uid]
+    with open(layout.spec_path(d.settings.cdi_dir, d.settings.driver_name, uid, "m")) as f:
+        (mount,) = json.load(f)["devices"][0]["containerEdits"]["mounts"]
+    assert mount["hostPath"] == metadata_file(d, entry)
+
+
 def metadata_file(d, entry: dict) -> str:
-    from agent.prepare.metadata import layout
     return layout.host_file(d.settings.plugin_dir, entry["namespace"], entry["name"], "m")
 
 

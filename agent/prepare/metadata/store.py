@@ -147,14 +147,20 @@ def ensure_claim(settings: Settings, uid: str, entry: dict, rebuild: bool = Fals
         if rebuild or _file_generation(paths[0], uid) == 0:
             write_file(settings, uid, entry, base, paths)
             wrote = True
-        try:
-            if rebuild:
-                raise SpecError("rebuild")
-            cdifiles.read_spec(paths[2])
-        except SpecError:
+        if rebuild or not _spec_current(settings, uid, base, paths):
             write_spec(settings, uid, entry, base, paths)
             wrote = True
     return wrote
+
+
+def _spec_current(settings: Settings, uid: str, base: str, paths: Paths) -> bool:
+    """The request's metadata spec is there, valid, and mounts the file the agent keeps: one kept from
+    before ``kubelet_dir`` changed (an adopted claim's) mounted the file under the plugin dir of before."""
+    try:
+        spec = cdifiles.read_spec(paths[2])
+    except SpecError:
+        return False
+    return spec == layout.build_spec(settings.driver_name, uid, base, paths[0], paths[1])
 
 
 def remove_claim(settings: Settings, uid: str, namespace: str, name: str, keep_dir: bool = False,
