@@ -1,6 +1,7 @@
 """A small fault-injecting HTTPS proxy in front of the real kube-apiserver, for the failures a
 real server does not produce on demand: 5xx bursts, slow responses, dropped watch streams,
-connection resets. Everything else is passed through byte for byte.
+connection resets, answers that stall, trickle or end mid-body, huge answers. Everything else
+is passed through byte for byte.
 
 The proxy terminates TLS with a certificate from the control plane's CA (so clients trust it
 like the server) and opens a fresh TLS connection to the server per request, forwarding the
@@ -14,6 +15,13 @@ certificate ends at the proxy). Each connection carries one request (``Connectio
     proxy.drop_watches()                      # cut every open watch stream now
     proxy.reset_next(2)                       # the next 2 requests: connection reset, no response
     proxy.answer_next(1, b"{garbled\\n", watch=True)  # the next watch: a 200 whose stream is these bytes
+    proxy.answer_next(1, b"{", truncated=True)  # a chunk that promises more than it carries, then EOF
+    proxy.flood_next(1, 10**8, path=...)      # a 200 streaming 10^8 bytes of garbage (``flooded``: how many went out)
+    proxy.stall_next(1, after=100, method="GET")  # the server's answer: its head and 100 body bytes, then silence
+    proxy.cut_next(1, after=100)              # ... then the connection closed (the rest never comes)
+    proxy.stall_watches()                     # open watch streams forward nothing more (kept open)
+    proxy.trickle(0.05)                       # answers forwarded a byte at a time, 0.05 s apart
+    proxy.release()                           # close what is stalled
     proxy.url, proxy.write_kubeconfig(path, token=...)
 """
 
@@ -35,10 +43,20 @@ class _Fault:
     path: str | None
     watch: bool | None = None
     body: bytes | None = None  # a 200 carrying these bytes (chunked, as a watch's stream) instead of a Status
+    kind: str = "answer"  # or "truncated", "flood", "stall", "cut" (the last two on the server's answer)
+    after: int = 0  # body bytes forwarded before a stall or a cut; the bytes of garbage a flood sends
 
     def matches(self, method: str, target: str) -> bool:
         return ((self.method is None or self.method == method) and (self.path is None or self.path in target)
                 and (self.watch is None or self.watch == _is_watch(target)))
+
+
+def _gone(writer: asyncio.StreamWriter) -> bool:
+    """Whether the client closed its connection. asyncio's TLS transport says so only once we
+    close it (writes after the client's close are dropped, as fast as they are made); the TCP
+    transport below it says so at once."""
+    below = getattr(getattr(writer.transport, "_ssl_protocol", None), "_transport", None)
+    return writer.is_closing() or (below is not None and below.is_closing())
 
 
 def _is_watch(target: str) -> bool:
@@ -59,6 +77,9 @@ class FaultProxy:
         self.requests: list[tuple[str, str]] = []  # (method, target) seen, in order
         self.injected = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._trickle = 0.0
+        self._stalled: set[asyncio.StreamWriter] = set()  # held open, forwarding nothing, until release()
+        self.flooded = 0  # garbage bytes a flood wrote before its client went away
 
     # -- control (thread-safe; call from the test)
     def fail_next(self, n: int, status: int = 500, *, method: str | None = None, path: str | None = None,
@@ -68,11 +89,52 @@ class FaultProxy:
         with self._lock:
             self._faults.append(_Fault(n, status, method, path, watch))
 
-    def answer_next(self, n: int, body: bytes, *, path: str | None = None, watch: bool | None = None) -> None:
+    def answer_next(self, n: int, body: bytes, *, path: str | None = None, watch: bool | None = None,
+                    truncated: bool = False) -> None:
         """The next ``n`` matching requests get a 200 whose (chunked) body is ``body``: what no
-        kube-apiserver writes (a truncated event, wrong types), as a broken proxy or server might."""
+        kube-apiserver writes (a truncated event, wrong types), as a broken proxy or server might;
+        ``truncated``: the chunk's size says more than ``body`` and the connection ends there."""
         with self._lock:
-            self._faults.append(_Fault(n, 200, None, path, watch, body))
+            self._faults.append(_Fault(n, 200, None, path, watch, body, "truncated" if truncated else "answer"))
+
+    def flood_next(self, n: int, size: int, *, method: str | None = None, path: str | None = None,
+                   watch: bool | None = None) -> None:
+        """The next ``n`` matching requests get a 200 streaming ``size`` bytes of garbage."""
+        with self._lock:
+            self._faults.append(_Fault(n, 200, method, path, watch, None, "flood", size))
+
+    def stall_next(self, n: int, *, after: int = 0, method: str | None = None, path: str | None = None,
+                   watch: bool | None = None) -> None:
+        """The next ``n`` matching requests go to the server; of its answer, the head and ``after``
+        bytes of the body come back, then nothing (the connection kept open until release())."""
+        with self._lock:
+            self._faults.append(_Fault(n, 200, method, path, watch, None, "stall", after))
+
+    def cut_next(self, n: int, *, after: int = 0, method: str | None = None, path: str | None = None,
+                 watch: bool | None = None) -> None:
+        """As stall_next, but the connection is closed after ``after`` body bytes."""
+        with self._lock:
+            self._faults.append(_Fault(n, 200, method, path, watch, None, "cut", after))
+
+    def stall_watches(self) -> int:
+        """The open watch streams forward nothing more, kept open until release()."""
+        writers = list(self._watches)
+        self._stalled.update(writers)
+        return len(writers)
+
+    def trickle(self, seconds: float) -> None:
+        """Answers from the server come back a byte at a time, ``seconds`` apart (0: at once)."""
+        self._trickle = seconds
+
+    def release(self) -> None:
+        """Close every stalled connection."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._release(), self._loop).result(10)
+
+    async def _release(self) -> None:
+        stalled, self._stalled = list(self._stalled), set()
+        for w in stalled:
+            w.transport.abort()
 
     def reset_next(self, n: int) -> None:
         with self._lock:
@@ -136,6 +198,7 @@ class FaultProxy:
 
         async def shutdown():
             await self._drop()
+            await self._release()
             self._server.close()
             for task in asyncio.all_tasks():
                 if task is not asyncio.current_task():
@@ -176,7 +239,8 @@ class FaultProxy:
                 return
             if fault is not None:
                 self.injected += 1
-                await (self._status(writer, fault.status) if fault.body is None else self._chunked(writer, fault.body))
+            if fault is not None and fault.kind not in ("stall", "cut"):
+                await self._answer(writer, fault)
                 return
             kept = [h for h in headers if h.split(":", 1)[0].strip().lower() not in ("connection", "host", "keep-alive")]
             kept += [f"Host: {self.upstream.netloc}", "Connection: close"]
@@ -191,9 +255,7 @@ class FaultProxy:
             if _is_watch(target):
                 self._watches.add(writer)
             try:
-                while chunk := await up_reader.read(65536):
-                    writer.write(chunk)
-                    await writer.drain()
+                await self._forward(up_reader, writer, fault)
             finally:
                 self._watches.discard(writer)
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, OSError, ValueError):
@@ -206,10 +268,53 @@ class FaultProxy:
                     except Exception:  # noqa: BLE001 - already gone
                         pass
 
-    @staticmethod
-    async def _chunked(writer: asyncio.StreamWriter, body: bytes) -> None:
+    async def _forward(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fault) -> None:
+        """The server's answer body to the client, as the faults say."""
+        budget = fault.after if fault is not None else -1  # body bytes until the stall or cut
+        while budget != 0 and writer not in self._stalled and (chunk := await up_reader.read(65536)):
+            if writer in self._stalled:
+                break
+            if budget > 0:
+                chunk, budget = chunk[:budget], max(0, budget - len(chunk))
+            await self._write(writer, chunk)
+        if fault is not None and budget == 0:
+            if fault.kind == "cut":
+                writer.transport.abort()
+                return
+            self._stalled.add(writer)
+        if writer in self._stalled:
+            while writer in self._stalled:  # silent, until release() or stop() aborts it
+                await asyncio.sleep(0.05)
+
+    async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if not self._trickle:
+            writer.write(data)
+            await writer.drain()
+            return
+        for i in range(len(data)):
+            writer.write(data[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(self._trickle)
+
+    async def _answer(self, writer: asyncio.StreamWriter, fault: _Fault) -> None:
+        if fault.body is None and fault.kind == "answer":
+            await self._status(writer, fault.status)
+            return
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
-                     b"Connection: close\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+                     b"Connection: close\r\n\r\n")
+        if fault.kind == "flood":
+            garbage, self.flooded = b"x" * 65536, 0
+            while self.flooded < fault.after and not _gone(writer):  # (the count: the last flood's)
+                writer.write(b"%x\r\n" % len(garbage) + garbage + b"\r\n")
+                await writer.drain()
+                self.flooded += len(garbage)
+        elif fault.kind == "truncated":
+            writer.write(b"%x\r\n" % (len(fault.body) + 100) + fault.body)
+            await writer.drain()
+            return  # (the connection is closed by the caller)
+        else:
+            writer.write(b"%x\r\n" % len(fault.body) + fault.body + b"\r\n")
+        writer.write(b"0\r\n\r\n")
         await writer.drain()
 
     @staticmethod

@@ -323,6 +323,7 @@ def test_the_api_lists_pages_are_decoded_off_the_event_loop():
     """A large node's slices are megabytes of JSON: each page the server sends is decoded (and made
     dicts) in a worker thread, every page read until the server says there is no more."""
     import threading
+    import types
 
     from agent.publish.kubestore import KubeStore
 
@@ -335,19 +336,28 @@ def test_the_api_lists_pages_are_decoded_off_the_event_loop():
         def to_dict(self):
             return {"metadata": {"name": f"s{self.n}"}}
 
+    class Streamed:  # httpx's streamed response, as kubehttp reads it
+        status_code, headers, request = 200, {}, None
+
+        async def aiter_bytes(self):
+            yield b"{}"
+
+        async def aclose(self):
+            pass
+
     class Generic:
         pages = [(True, None, [Obj(0), Obj(1)]), (False, "42", [Obj(2)])]
 
         def prepare_request(self, method, res, params):
             assert method == "list" and "spec.nodeName=node-a" in params["fieldSelector"]
-            return object()
+            return types.SimpleNamespace(method="GET", url="/apis/resource.k8s.io/v1/resourceslices")
 
         def build_adapter_request(self, request):
             return request
 
-        async def send(self, request):
+        async def send(self, request, stream=False):
             loop_thread.append(threading.current_thread())
-            return object()
+            return Streamed()
 
         def handle_response(self, method, response, request):
             decoded.append(threading.current_thread())

@@ -13,7 +13,8 @@ log = logging.getLogger("sysdra.publish")
 
 
 async def watch_api(store, publisher, backoff: Backoff | None = None) -> None:
-    """Follow a watch on our slices and request a sync on every event. A dropped stream
+    """Follow a watch on our slices and request a sync on every event (a bookmark only moves
+    the version on: the server's sign of a live watch on a quiet pool). A dropped stream
     resumes from the last version seen; 410 Gone (or no version yet) starts over from a
     fresh list. Any failure also requests a sync, in case something was missed."""
     backoff = backoff or Backoff(initial=0.5, cap=30.0)
@@ -23,6 +24,8 @@ async def watch_api(store, publisher, backoff: Backoff | None = None) -> None:
             async for kind, obj in store.watch(version):
                 backoff.reset()
                 version = obj.get("metadata", {}).get("resourceVersion") or version
+                if kind == "BOOKMARK":
+                    continue
                 log.debug("watch: %s %s", kind, obj.get("metadata", {}).get("name"))
                 publisher.request_sync()
         except Gone:
