@@ -1,5 +1,6 @@
 """The claim-status writer against the real kube-apiserver v1.37.2, in the cluster of
-tests/claim_status_cluster.py: server errors and connection resets retried until written, writes
+tests/claim_status_cluster.py: server errors and connection resets retried until written, as are
+answers that stall, trickle or are cut short (each attempt ended at its deadline), writes
 that fail for good counted and shown by ``sysdra status``, a queued write that keeps what a
 ``sysdra metadata update`` wrote meanwhile, an apply over a claim changed since it was read
 retried with a fresh read (409), and what a pod's cycle costs in requests."""
@@ -10,6 +11,7 @@ import asyncio
 import json
 import os
 
+import pytest
 from lightkube import AsyncClient, KubeConfig
 
 from agent.kubeletplugin.claims import KubeClaimSource
@@ -208,3 +210,45 @@ def test_a_pod_cycle_costs_one_get_and_one_apply(cluster, tmp_path):
     path = resource_path("ResourceClaim", m["namespace"], m["name"])
     assert [(method, target.split("?")[0]) for method, target in proxy.requests] == [("GET", path), ("PATCH", path + "/status")]
     assert [e["device"] for e in ours(cluster.claim(c))] == [r["device"] for r in c["status"]["allocation"]["devices"]["results"]]
+
+
+STOPS = {"stalled after the head": lambda p: p.stall_next(1, method="PATCH"),
+         "stalled mid-body": lambda p: p.stall_next(1, after=50, method="PATCH"),
+         "trickled": lambda p: p.trickle(0.05),
+         "cut mid-body": lambda p: p.cut_next(1, after=50, method="PATCH")}
+
+
+@pytest.mark.parametrize("stop", STOPS.values(), ids=STOPS.keys())
+def test_a_write_whose_answer_stops_short_ends_at_its_deadline_and_is_retried(cluster, tmp_path, monkeypatch, stop):
+    """The claim requests' deadline is the whole exchange's (libcurl's): a server that stalls or
+    trickles its answer costs one attempt of one writer thread, then the write is retried."""
+    from agent.kubeletplugin import claimapi, statuswriter
+    from tests.faultproxy import FaultProxy
+
+    monkeypatch.setattr(claimapi, "TIMEOUT", 1.0)
+    monkeypatch.setattr(statuswriter, "FIRST_DELAY", 0.05)
+    c = cluster.allocated_claim(cluster.name, other=False)
+    mine = [_entry(r) for r in c["status"]["allocation"]["devices"]["results"]]
+    proxy = FaultProxy(cluster.plane).start()
+    config = proxy.write_kubeconfig(str(tmp_path / "proxy.kubeconfig"), token=cluster.pod_token)
+
+    async def go():
+        client = AsyncClient(config=KubeConfig.from_file(config), field_manager=DRIVER)
+        writer = StatusWriter(KubeStatus(DRIVER, client))
+        try:
+            stop(proxy)
+            writer.submit(ref(c), mine)
+            while not any(p.attempt for p in list(writer._pending.values())):  # the first ended at its deadline
+                await asyncio.sleep(0.05)
+            proxy.trickle(0)
+            await writer.idle(60)
+            return writer
+        finally:
+            await client.close()
+
+    try:
+        writer = run(go())
+    finally:
+        proxy.stop()
+    assert (writer.written, writer.failed) == (1, 0), writer.last_error
+    assert [e["device"] for e in ours(cluster.claim(c))] == [e["device"] for e in mine]
