@@ -22,6 +22,7 @@ certificate ends at the proxy). Each connection carries one request (``Connectio
     proxy.stall_watches()                     # open watch streams forward nothing more (kept open)
     proxy.trickle(0.05)                       # answers forwarded a byte at a time, 0.05 s apart
     proxy.release()                           # close what is stalled
+    proxy.clear()                             # drop the faults not taken yet
     proxy.url, proxy.write_kubeconfig(path, token=...)
 """
 
@@ -115,6 +116,11 @@ class FaultProxy:
         """As stall_next, but the connection is closed after ``after`` body bytes."""
         with self._lock:
             self._faults.append(_Fault(n, 200, method, path, watch, None, "cut", after))
+
+    def clear(self) -> None:
+        """Faults armed and not yet taken are dropped (what is stalled stays: release())."""
+        with self._lock:
+            self._faults.clear()
 
     def stall_watches(self) -> int:
         """The open watch streams forward nothing more, kept open until release()."""

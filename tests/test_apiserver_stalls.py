@@ -220,3 +220,48 @@ def test_a_pool_of_more_slices_than_a_page_is_listed_whole(node):
 
     before, after, slices = run(scenario())
     assert before == after and slices == 9
+
+
+def test_the_agent_starts_and_stops_while_every_slice_request_stalls(apiserver, proxy, tmp_path, monkeypatch):
+    """The whole agent against a server whose ResourceSlice and Node answers never come: it
+    starts (the first publish is waited for 1 s), runs, publishes once the server answers, and
+    a stop during the stall ends it."""
+    from agent.service.daemon import Agent
+    from agent.settings import Settings
+    from tests.inventory_factory import inventory
+
+    node = Node(apiserver, tmp_path, token=True)
+    monkeypatch.setenv("KUBECONFIG", proxy.write_kubeconfig(str(tmp_path / "proxied.kubeconfig"), token=node.token))
+    settings = Settings(root=str(tmp_path), node_name=node.name, cluster="kube", debounce=0.05, resync_interval=0,
+                        kubelet_dir=str(tmp_path / "kubelet"), cdi_dir=str(tmp_path / "cdi"))  # fmt: skip
+    for path in ("/resourceslices", f"/nodes/{node.name}"):
+        proxy.stall_next(10**6, after=10, path=path)
+
+    async def started():
+        """An agent (no kubelet plugin) running; the Event that stops it, its task."""
+        agent, running, stop = Agent(settings, scan=lambda s: inventory(5)), asyncio.Event(), asyncio.Event()
+        agent.start_kubelet_plugin, agent._running = no_plugin, lambda *a: running.set()
+        task = asyncio.get_running_loop().create_task(agent.run(stop))
+        await asyncio.wait_for(running.wait(), 30)
+        return agent, stop, task
+
+    async def no_plugin():
+        return None
+
+    async def scenario():
+        agent, stop, task = await started()  # stopped during the stall
+        assert agent.publisher.syncs == 0 and proxy.injected > injected
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        agent, stop, task = await started()  # the server answers again
+        proxy.clear()
+        proxy.release()
+        try:
+            await agent.publisher.wait_synced(lambda p: p.total.created == 1, timeout=30)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    injected = proxy.injected
+    run(scenario())
+    assert node.devices() == 5
