@@ -95,14 +95,17 @@ def watch_requests(proxy: FaultProxy) -> list[str]:
 
 
 GARBLED_EVENTS = {"truncated": b'{"type":"MODIFIED","object":{"kind":"ResourceSl',
-                  "wrong types": b'{"type":"MODIFIED","object":{"metadata":"x","spec":[]}}'}
+                  "wrong types": b'{"type":"MODIFIED","object":{"metadata":"x","spec":[]}}',
+                  "no metadata": b'{"type":"MODIFIED","object":{"spec":{"driver":"x","pool":{"name":"p","generation":1,'
+                                 b'"resourceSliceCount":1}}}}'}
 
 
 @pytest.mark.parametrize("event", GARBLED_EVENTS.values(), ids=GARBLED_EVENTS.keys())
 def test_a_garbled_watch_event_resumes_the_watch(node, proxy, event):
     """An event no kube-apiserver writes (a proxy's truncation, wrong types) is a failed watch,
-    resumed as a dropped one: the kubelet's later wipe is still seen (the watch task ended on
-    the decoder's ValueError, and only a resync, if any, repaired the wipe)."""
+    resumed as a dropped one; one without metadata moves no version on: the kubelet's later wipe
+    is still seen (the watch task ended on the decoder's ValueError, or on the missing metadata,
+    and only a resync, if any, repaired the wipe)."""
     async def scenario():
         async with Running(node, debounce=0.05) as r:
             r.pub.set_pool(node.pool(5))

@@ -118,7 +118,7 @@ class KubeStore:
                                                        idle=self.watch_idle, limit=self.max_object):
                     kind, obj = _event(line)
                     lines += 1
-                    version = obj["metadata"].get("resourceVersion") or version
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
                     yield kind, obj
             except kubehttp.WatchSilent:
                 log.debug("the watch on our slices was silent for %g s: made again", self.watch_idle)
