@@ -265,3 +265,37 @@ def test_the_agent_starts_and_stops_while_every_slice_request_stalls(apiserver, 
     injected = proxy.injected
     run(scenario())
     assert node.devices() == 5
+
+
+def test_an_unexpected_error_in_the_watch_resumes_it(caplog):
+    """A bug in reading the watch (here an error no store raises on purpose) is logged with its
+    traceback and the watch resumed, as the publisher does: it ended the watch task for good."""
+    class Store:
+        list_resource_version = "10"
+        calls = 0
+
+        async def watch(self, version):
+            Store.calls += 1
+            if Store.calls == 1:
+                raise KeyError("metadata")
+            yield "DELETED", {"metadata": {"resourceVersion": "11"}}
+            await asyncio.Event().wait()
+
+    class Publisher:
+        syncs = 0
+
+        def request_sync(self):
+            self.syncs += 1
+
+    async def scenario():
+        pub = Publisher()
+        task = asyncio.get_running_loop().create_task(watch_api(Store(), pub, Backoff(initial=0.01)))
+        try:
+            while pub.syncs < 2 and not task.done():
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        return Store.calls, pub.syncs
+
+    assert run(scenario()) == (2, 2)  # (the failure's sync and the event's)
+    assert "unexpected error in the watch" in caplog.text

@@ -32,6 +32,8 @@ async def watch_api(store, publisher, backoff: Backoff | None = None) -> None:
             version = None
         except StoreError as err:
             log.warning("watch on resourceslices failed: %s; resuming", err)
+        except Exception:  # noqa: BLE001 - a bug must not end the watch for good (wipes unrepaired)
+            log.exception("unexpected error in the watch on resourceslices; resuming")
         publisher.request_sync()
         await asyncio.sleep(backoff.next())
         version = version or store.list_resource_version
