@@ -42,6 +42,8 @@ class Server:
                     return self._huge()
                 if self.path == "/trickle":
                     return self._trickle()
+                if self.path == "/trickle-head":
+                    return self._trickle(head=True)
                 auth = self.headers.get("Authorization")
                 owner.seen.append((self.path, auth))
                 ok = owner.want is None or auth == f"Bearer {owner.want}"
@@ -65,13 +67,17 @@ class Server:
                     pass
                 self.close_connection = True
 
-            def _trickle(self):
-                """A byte at a time, each well within a read timeout, until the client goes away."""
-                self.send_response(200)
-                self.send_header("Content-Length", str(HUGE))
-                self.end_headers()
+            def _trickle(self, head: bool = False):
+                """A byte at a time, each well within a read timeout, until the client goes away;
+                ``head``: the bytes go into a header (for 60 s at most), the body never comes."""
+                if head:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Pad: ")
+                else:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(HUGE))
+                    self.end_headers()
                 try:
-                    while True:
+                    for _ in range(3000 if head else HUGE):
                         self.wfile.write(b"x")
                         self.wfile.flush()
                         time.sleep(0.02)
@@ -212,6 +218,27 @@ def test_an_answer_trickling_in_ends_at_the_timeout(server, tmp_path, kind):
             t.request("GET", "/trickle")
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("kind", [apihttp.CurlTransport, apihttp.HttpxTransport])
+def test_an_answer_whose_head_trickles_in_ends_at_the_timeout(server, tmp_path, kind):
+    """The status line and headers count too: through lightkube's client (an exec plugin, an
+    HTTPS proxy) only the body was held to the timeout, and a head trickling in (up to h11's
+    16 KiB, a byte per read timeout: 45 hours) held the prepare's thread as long."""
+    t = kind(config(tmp_path, server.url, token="static"), 0.5, 200)
+    raised: list[BaseException] = []
+
+    def request():
+        try:
+            t.request("GET", "/trickle-head")
+        except BaseException as err:  # noqa: BLE001 - what the caller would get
+            raised.append(err)
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    thread.join(30)  # (the server gives up after 60 s: a thread still waiting is the failure)
+    t.close()
+    assert not thread.is_alive() and isinstance(raised[0], TimeoutError), raised
 
 
 def test_configurations_it_does_not_speak_go_to_lightkubes_client(tmp_path, monkeypatch):

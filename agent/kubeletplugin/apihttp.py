@@ -209,26 +209,89 @@ class HttpxTransport:
 
         params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(timeout))
         self.client = httpx2.Client(**params.httpx_params(config), limits=httpx2.Limits(keepalive_expiry=KEEPALIVE))
+        for t in [self.client._transport, *self.client._mounts.values()]:  # (proxies from the environment)
+            if t is not None:  # every socket's reads and writes within the request's deadline
+                t._pool._network_backend = _DeadlineBackend(t._pool._network_backend)
         self.timeout, self.max_body = timeout, max_body
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> Response:
         """As :meth:`CurlTransport.request`: an answer is read up to just past ``max_body`` (the
         caller refuses it), never whole into memory, its connection then closed; ``timeout`` is
-        the whole request's (httpx's is each read's: a server trickling bytes never ends one)."""
-        deadline = time.monotonic() + self.timeout
-        with self.client.stream(method, path, content=body, headers=headers) as resp:
-            parts, size = [], 0
-            for chunk in resp.iter_bytes():
-                parts.append(chunk)
-                size += len(chunk)
-                if size > self.max_body:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{method} {path}: the answer took more than {self.timeout:g} s")
-            return Response(resp.status_code, b"".join(parts))
+        the whole request's, connection and head included (httpx's is each read's: a server
+        trickling its answer never ends one)."""
+        import httpx2
+
+        _deadline.at = time.monotonic() + self.timeout
+        try:
+            with self.client.stream(method, path, content=body, headers=headers) as resp:
+                parts, size = [], 0
+                for chunk in resp.iter_bytes():
+                    parts.append(chunk)
+                    size += len(chunk)
+                    if size > self.max_body:
+                        break
+                return Response(resp.status_code, b"".join(parts))
+        except httpx2.TimeoutException as err:
+            raise TimeoutError(f"{method} {path}: no answer within {self.timeout:g} s ({err})") from None
+        finally:
+            _deadline.at = None
 
     def close(self) -> None:
         self.client.close()
+
+
+_deadline = threading.local()  # .at: the monotonic time the calling thread's request must end by
+
+
+def _left(timeout: float | None) -> float | None:
+    """``timeout`` (one read's or write's) cut to what is left of the thread's request."""
+    at = getattr(_deadline, "at", None)
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        import httpcore2
+
+        raise httpcore2.ReadTimeout("the request's deadline has passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream:
+    """An httpcore network stream whose every read and write waits at most until the deadline."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _left(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _left(timeout))
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, _left(timeout)))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def get_extra_info(self, info: str):
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend:
+    """httpcore's network backend, its streams held to the calling thread's deadline."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _DeadlineStream(self._backend.connect_tcp(host, port, _left(timeout), local_address, socket_options))
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return _DeadlineStream(self._backend.connect_unix_socket(path, _left(timeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
 
 
 def transport(config, timeout: float, max_body: int):

@@ -7,8 +7,9 @@ watch that waits for ever or an agent that runs out of memory.
   server trickling its answer, a byte now and then, never ended one;
 - an answer is read up to its size limit and no further (lightkube read it whole into memory);
 - a watch is read line by line (one event each), each line bounded in size and in time:
-  ``idle`` seconds without a complete line (the server sends a bookmark about every minute on
-  a quiet watch) and the watch is given up and made again by the caller.
+  ``idle`` seconds without a complete line (kube-apiserver sends a bookmark about every minute
+  on a watch without events, in a cluster where anything is written) and the watch is given up
+  and made again by the caller.
 """
 
 from __future__ import annotations
