@@ -20,7 +20,7 @@ certificate ends at the proxy). Each connection carries one request (``Connectio
     proxy.stall_next(1, after=100, method="GET")  # the server's answer: its head and 100 body bytes, then silence
     proxy.cut_next(1, after=100)              # ... then the connection closed (the rest never comes)
     proxy.stall_watches()                     # open watch streams forward nothing more (kept open)
-    proxy.trickle(0.05)                       # answers forwarded a byte at a time, 0.05 s apart
+    proxy.trickle(0.05)                       # answers' bodies forwarded a byte at a time, 0.05 s apart
     proxy.release()                           # close what is stalled
     proxy.clear()                             # drop the faults not taken yet
     proxy.url, proxy.write_kubeconfig(path, token=...)
@@ -129,7 +129,7 @@ class FaultProxy:
         return len(writers)
 
     def trickle(self, seconds: float) -> None:
-        """Answers from the server come back a byte at a time, ``seconds`` apart (0: at once)."""
+        """The bodies of the server's answers come back a byte at a time, ``seconds`` apart (0: at once)."""
         self._trickle = seconds
 
     def release(self) -> None:
@@ -288,9 +288,8 @@ class FaultProxy:
                 writer.transport.abort()
                 return
             self._stalled.add(writer)
-        if writer in self._stalled:
-            while writer in self._stalled:  # silent, until release() or stop() aborts it
-                await asyncio.sleep(0.05)
+        while writer in self._stalled:  # silent, until release() or stop() aborts it
+            await asyncio.sleep(0.05)
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         if not self._trickle:
