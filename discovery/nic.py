@@ -43,6 +43,15 @@ def netdev_names(fs: HostFS, fn: PciFunction, d: Dir) -> list[str]:
     return out
 
 
+def hides_netdevs(fs: HostFS, fn: PciFunction, d: Dir) -> bool:
+    """Whether sysfs has a netdev directory of the function that lists none: a netdev moved to
+    another network namespace stays below it, listed only to that namespace's readers (the
+    directory goes with the function's last netdev). A function that never had one (RDMA only,
+    EFA, its driver still probing) has no such directory."""
+    dirs = [p for p in _net_dirs(fs, fn, d) if fs.is_dir(p)]
+    return bool(dirs) and not netdev_names(fs, fn, d)
+
+
 # A netdev's published files and how each is parsed (``str``: as read).
 _NETDEV_FILES = (("address", str), ("mtu", int), ("phys_port_name", str), ("speed", int))
 

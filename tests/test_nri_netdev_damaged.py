@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import threading
 import zlib
 
@@ -26,12 +27,13 @@ from agent.prepare.driver import Driver
 from agent.prepare.steps.netdev import NetdevStep
 from agent.protos import nri_v1alpha1_pb2 as api
 from discovery.inventory import scan
-from tests.conftest import profile_root
+from tests.conftest import copy_profile, profile_root
 from tests.kubelet_standin import claim, settings_for
 from tests.nri_standin import Runtime, sandbox
-from tests.test_nri_netdev import CLAIM, POD_UID, ifname_nets, nets, nic_claim, run, where  # noqa: F401 - fixtures
+from tests.test_nri_netdev import CLAIM, IFNAME, POD_UID, ifname_nets, nets, nic_claim, run, where  # noqa: F401 - fixtures
 
 OTHER_UID = "77777777-8888-4999-8aaa-bbbbbbbbbbbb"
+NIC_NET = "sys/bus/pci/devices/0000:3c:00.0/net"  # the NIC's netdev directory in sysfs
 CALLS = {"RunPodSandbox": (api.RunPodSandboxRequest, api.RunPodSandboxResponse),
          "StopPodSandbox": (api.StopPodSandboxRequest, api.StopPodSandboxResponse)}
 
@@ -39,8 +41,8 @@ CALLS = {"RunPodSandbox": (api.RunPodSandboxRequest, api.RunPodSandboxResponse),
 class Agent:
     """One life of the agent: its driver (recovered at start) and the NRI plugin moving netdevs."""
 
-    def __init__(self, tmp_path, nets):
-        self.settings = s = settings_for(str(tmp_path), root=profile_root("server-2s-gpu-nic"))
+    def __init__(self, tmp_path, nets, root: str | None = None):
+        self.settings = s = settings_for(str(tmp_path), root=root or profile_root("server-2s-gpu-nic"))
         inv = scan(s.root)
         self.driver = d = Driver(s, lambda: inv)
         next(st for st in d.steps if isinstance(st, NetdevStep)).host_netns = lambda: nets.host
@@ -248,12 +250,11 @@ def test_an_adopted_claims_netdev_in_its_pod_refuses_the_pods_next_sandbox(tmp_p
     for name in os.listdir(first.settings.plugin_dir):
         if name.startswith("checkpoint.json"):
             os.unlink(os.path.join(first.settings.plugin_dir, name))
-    agent = Agent(tmp_path, nets)
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    if sysfs == "hides":  # a real host's sysfs lists no netdev of another namespace: its net/ is there, empty
+        shutil.rmtree(os.path.join(root, NIC_NET, IFNAME))
+    agent = Agent(tmp_path, nets, root)
     assert agent.driver.recovery.adopted == [CLAIM]
-    if sysfs == "hides":  # a real host's sysfs lists no netdev of another namespace: the NIC has none there
-        inv = agent.driver.inventory()
-        hidden = inv.replace(devices=tuple(d.replace(nic=d.nic.replace(interfaces=())) if d.nic else d for d in inv.devices))
-        agent.driver.inventory = lambda: hidden
     assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
     entry = Checkpoint.load(agent.driver.checkpoint_path).claims[CLAIM]
     assert "not on the host" in entry.get("netdevsLost", "") and "netdevs" not in entry and entry["pods"] == [POD_UID]
@@ -265,6 +266,29 @@ def test_an_adopted_claims_netdev_in_its_pod_refuses_the_pods_next_sandbox(tmp_p
     agent.serve([app(nets)], events)
     assert where(nets) == (False, True)  # where the kernel has it: untouched
     assert agent.driver.unprepare_claims([claim_ref()]) == {CLAIM: None}
+
+
+def test_an_adopted_claims_nic_that_has_no_netdev_is_not_taken_for_one_in_a_pod(tmp_path, ifname_nets):
+    """A NIC with no netdev at all (an RDMA-only function, EFA, one whose driver is still probing:
+    no ``net/`` under it) is not one whose netdev sysfs hides in a pod: the adopted claim's re-prepare
+    marks nothing lost and its pod starts. Before, its pods were refused for a netdev it never had."""
+    nets = ifname_nets
+    root = copy_profile(tmp_path, "server-2s-gpu-nic")
+    shutil.rmtree(os.path.join(root, NIC_NET))
+    first = Agent(tmp_path, nets, root)
+    assert first.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    for name in os.listdir(first.settings.plugin_dir):
+        if name.startswith("checkpoint.json"):
+            os.unlink(os.path.join(first.settings.plugin_dir, name))
+    agent = Agent(tmp_path, nets, root)
+    assert agent.driver.recovery.adopted == [CLAIM]
+    assert agent.driver.prepare_claims([nic_claim()])[CLAIM].error is None
+    assert "netdevsLost" not in Checkpoint.load(agent.driver.checkpoint_path).claims[CLAIM]
+
+    async def start(call):
+        await call("RunPodSandbox", app(nets))
+    agent.serve([], start)
+    assert where(nets) == (True, False)  # the host's veth of the same name is no netdev of this NIC's
 
 
 def claim_ref():

@@ -31,6 +31,9 @@ from agent.prepare.ownership import Hold, Ownership
 from agent.prepare.records import NetdevMove
 from agent.prepare.steps import Planned, RecordsOf, Undone
 from discovery.models import Device
+from discovery.nic import hides_netdevs
+from discovery.pci import PciError, read_function
+from discovery.sysfs import HostFS
 
 log = logging.getLogger(__name__)
 Record = tuple[NetdevMove, ...]
@@ -122,19 +125,28 @@ class NetdevStep(RecordsOf):
                   planned.uid, why, ", ".join(pods) or "none known")
         return {"netdevsLost": why, "pods": pods}
 
-    @staticmethod
-    def _hidden(planned: Planned) -> list[str]:
-        """The claim's NICs whose driver holds them yet show no netdev on the host: sysfs lists no netdev
-        of another namespace (one the claim's pod has), so their netdevs are not where the host sees."""
+    def _hidden(self, planned: Planned) -> list[str]:
+        """The claim's NICs whose netdev directory in sysfs lists none: sysfs lists no netdev of another
+        namespace (one the claim's pod has), so their netdevs are not where the host sees. A NIC with no
+        such directory has no netdev at all (RDMA only, still probing): nothing of it is in a pod."""
         out = []
         for r in planned.results:
             dev = planned.names.get(r.device)
             if r.share_id or dev is None or dev.nic is None or dev.nic.interfaces or dev.pci is None \
                     or dev.pci.driver in (None, "vfio-pci"):
                 continue
-            if not isinstance(config_for(planned.configs, r.request, dev.kind, dev.name), VfioConfig):
+            if not isinstance(config_for(planned.configs, r.request, dev.kind, dev.name), VfioConfig) \
+                    and self._netdev_dir_empty(dev.pci.bdf):
                 out.append(r.device)
         return out
+
+    def _netdev_dir_empty(self, bdf: str) -> bool:
+        fs = HostFS(self.root)
+        try:
+            fn, _, d = read_function(fs, bdf)
+        except PciError:
+            return False  # gone from the node (or unreadable): no netdev of it to be in a pod
+        return hides_netdevs(fs, fn, d)
 
     def holds(self, record: Record) -> list[Hold]:
         return [Hold(m.bdf, "netdev") for m in record if m.bdf]
