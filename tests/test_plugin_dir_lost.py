@@ -13,7 +13,7 @@ from agent.prepare import planner
 from agent.prepare.allocation import our_results
 from agent.prepare.checkpoint import Checkpoint
 from agent.prepare.metadata import layout
-from tests.mig_node import MigNode, profile, req
+from tests.mig_node import MigNode, profile, req, whole
 from tests.test_mig_prepare import driver_for, ref
 
 
@@ -135,3 +135,18 @@ def metadata_file(d, entry: dict) -> str:
 
 def untimed(status: list[dict]) -> list[dict]:
     return [{**d, "conditions": [{**c, "lastTransitionTime": ""} for c in d["conditions"]]} for d in status]
+
+
+def test_a_refusal_names_an_adopted_claim_by_its_uid_before_its_re_prepare(tmp_path):
+    """An adopted claim's entry knows no namespace nor name until the kubelet prepares it again:
+    a claim refused for its devices named it ``prepared claim / (uid)``; now by its UID, as adopted."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    assert not driver_for(node).prepare_claims([c])[uid].error
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    assert d.recover().adopted == [uid]
+    w = node.allocated("w", req("w", whole()))
+    err = d.prepare_claims([w])[w["metadata"]["uid"]].error
+    assert err and f"held by prepared claim {uid} (adopted from its CDI spec" in err and "claim / " not in err

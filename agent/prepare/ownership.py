@@ -73,6 +73,17 @@ def conflict(a: Hold, b: Hold) -> bool:
     return not a.how == b.how == "shared"  # whole beside anything; a partition beside the whole GPU or a share
 
 
+def entry_name(entry: dict) -> str:
+    """``namespace/name`` of a checkpoint entry; empty for an adopted claim's before the kubelet's
+    re-prepare fills it in (prepare/recovery.py: its CDI spec names no claim)."""
+    return f"{entry.get('namespace')}/{entry.get('name')}" if entry.get("name") else ""
+
+
+def named(uid: str, name: str) -> str:
+    """A claim as messages name it: ``namespace/name (uid)``, an adopted one by its UID and as such."""
+    return f"{name} ({uid})" if name else f"{uid} (adopted from its CDI spec, not prepared again by the kubelet yet)"
+
+
 # a claim's holds from its checkpoint entry: (uid, entry) -> holds
 Resolver = Callable[[str, dict], Iterable[Hold]]
 
@@ -87,7 +98,7 @@ class Ownership:
         """The table of the checkpoint's ``claims`` (prepared and being prepared)."""
         table = cls()
         for uid, entry in claims.items():
-            table.take(uid, holds_of(uid, entry), f"{entry.get('namespace')}/{entry.get('name')}")
+            table.take(uid, holds_of(uid, entry), entry_name(entry))
         return table
 
     def take(self, uid: str, holds: Iterable[Hold], name: str = "") -> None:
@@ -121,7 +132,7 @@ class Ownership:
         return self._beyond_capacity(uid, holds)
 
     def _name(self, uid: str) -> str:
-        return f"{self.names.get(uid) or uid} ({uid})"
+        return named(uid, self.names.get(uid, ""))
 
     def _beyond_capacity(self, uid: str, holds: list[Hold]) -> str | None:
         """Why the shares ``uid`` takes would consume more of a device than it has, or None.

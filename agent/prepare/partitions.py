@@ -27,6 +27,7 @@ import time
 from typing import Callable
 
 from agent.prepare.allocation import ClaimFailed, Result
+from agent.prepare.ownership import named
 from agent.prepare.records import ModeSwitch, PartitionUse
 from agent.prepare.steps import NotUndone
 from discovery import gpuways
@@ -103,7 +104,7 @@ class Partitions:
             users = {u: (name, rec) for u, (name, rec) in others.items() if u != uid and bdf in rec.uses}
             for other, (name, rec) in users.items():
                 if rec.uses[bdf] != text:
-                    raise ClaimFailed(f"GPU {bdf} runs in {rec.uses[bdf]} for prepared claim {name} ({other}); this claim needs {text}")
+                    raise ClaimFailed(f"GPU {bdf} runs in {rec.uses[bdf]} for prepared claim {named(other, name)}; this claim needs {text}")
             parent = next(w.parent for w in picked if w.parent.pci.bdf == bdf)
             fresh[bdf], _ = self.read(parent)  # the kernel's mode now: the inventory may predate a switch
             now = f"{fresh[bdf].compute_mode}/{fresh[bdf].memory_mode or 'NPS1'}" if fresh[bdf] else "unknown"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from agent.prepare.ownership import Hold, Ownership
+from agent.prepare.ownership import Hold, Ownership, entry_name
 from agent.prepare.partitions import NotRestored, Partitions
 from agent.prepare.records import COMPLETED, PartitionUse
 from agent.prepare.steps import Planned, RecordOf, Undone
@@ -30,7 +30,7 @@ class PartitionStep(RecordOf):
         self.changed = changed  # the hardware changed: the daemon rescans and republishes
 
     def _others(self, claims: dict[str, dict], but: str = "") -> dict[str, tuple[str, PartitionUse]]:
-        return {u: (f"{e.get('namespace')}/{e.get('name')}", rec) for u, e in claims.items()
+        return {u: (entry_name(e), rec) for u, e in claims.items()
                 if u != but and (rec := self.read(e)) is not None}
 
     def plan(self, planned: Planned, owners: Ownership) -> PartitionUse | None:
