@@ -17,7 +17,7 @@ import pytest
 from lightkube import AsyncClient, KubeConfig
 
 from agent.publish.kubestore import KubeStore
-from agent.publish.reconcile import Reconciler
+from agent.publish.reconcile import RECHECK_DROPPED, Reconciler
 from agent.publish.slices import build_pool, render
 from discovery.inventory import scan
 from tests.conftest import profile_root
@@ -206,3 +206,36 @@ def test_a_device_without_room_for_its_type_keeps_its_place_and_its_slice_names_
     full_vfs = [d for o in sent for d in o["spec"].get("devices", []) if d["name"].endswith("-2")]
     assert full_vfs and all("partitionType" not in d["attributes"] for d in full_vfs)
     assert [o["spec"].get("partitionTypeAttribute") for o in sent if o["spec"].get("devices")] == [None]
+
+
+def test_the_field_is_offered_again_once_the_server_keeps_it_without_a_restart(apiserver, without_type):
+    """The gate turned on (the API server restarted with it) while the agent runs: the field its
+    writes had seen dropped is offered again in a dry run now and then (``RECHECK_DROPPED``), and
+    the pool gets it. Before, compared without it, the pool never got it until the agent restarted."""
+    node = unique("ptturned")
+    without_type.create_node(node)
+    uid = apiserver.create_node(node)["metadata"]["uid"]
+    pool = build_pool(scan(profile_root("sriov-nic")), node_name=node, driver_name=DRIVER, pf_vf_exclusive=True,
+                      partition_type_attribute=True)
+    for obj in render(pool, driver_name=DRIVER, node_name=node, generation=1, node_uid=uid):
+        obj["spec"].pop("partitionTypeAttribute", None)  # as the server stored them with its gate off
+        apiserver.create(obj)
+    now = [0.0]
+
+    async def main():
+        off, on = (AsyncClient(config=KubeConfig.from_file(p.kubeconfig), field_manager=DRIVER) for p in (without_type, apiserver))
+        reconciler = Reconciler(KubeStore(off, node_name=node, driver_name=DRIVER), node_name=node, driver_name=DRIVER)
+        reconciler.clock = lambda: now[0]
+        try:
+            first = [(await reconciler.sync(pool)).writes for _ in range(2)]  # learned as dropped
+            reconciler.store, reconciler.node_uid = KubeStore(on, node_name=node, driver_name=DRIVER), uid
+            soon = (await reconciler.sync(pool)).writes  # not offered again at every sync
+            now[0] += RECHECK_DROPPED
+            return first, soon, [(await reconciler.sync(pool)).writes for _ in range(2)]
+        finally:
+            await off.close()
+            await on.close()
+    first, soon, later = asyncio.run(asyncio.wait_for(main(), 60))
+    assert first == [len(pool.slices), 0] and soon == 0 and later[0] >= 1 and later[1] == 0
+    stored = apiserver.list("ResourceSlice", fields={"spec.nodeName": node, "spec.driver": DRIVER})
+    assert [o["spec"].get("partitionTypeAttribute") for o in stored if o["spec"].get("devices")] == [ATTRIBUTE]

@@ -2,7 +2,8 @@
 (taints without DRADeviceTaints, ...): compared with what it keeps, our slices would differ
 forever and every sync would bump the generation and rewrite the pool, each write's watch event
 asking for the next sync. So what each write returns tells which fields to leave out of the
-comparison; a later write that keeps one (the gate turned on) brings it back."""
+comparison; a later write that keeps one (the gate turned on) brings it back, and so does the dry
+run that offers them again now and then (publish/reconcile.py, ``RECHECK_DROPPED``)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,11 @@ class Dropped:
         for path in kept:
             log.info("the API server keeps %s again", spelled(path))
         self.paths = (self.paths | now) - kept
+
+    def carried(self, obj: dict) -> bool:
+        """Whether ``obj`` holds a value of a field the server dropped."""
+        spec = obj.get("spec", {})
+        return any(v not in _EMPTY for p in self.paths for v in _values(spec, p))
 
     def strip(self, obj: dict) -> dict:
         """``obj`` as the server would keep it."""

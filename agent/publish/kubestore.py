@@ -93,6 +93,13 @@ class KubeStore:
     async def update(self, obj: dict) -> dict:
         return (await self._call("put", obj=ResourceSlice.from_dict(obj), name=obj["metadata"]["name"])).to_dict()
 
+    async def dry_run_update(self, obj: dict) -> dict:
+        """The slice as the server would store ``obj`` (``dryRun=All``): nothing is written."""
+        try:
+            return (await self.client.replace(ResourceSlice.from_dict(obj), dry_run=True)).to_dict()
+        except (ApiError, httpx2.HTTPError, OSError) as err:
+            raise _mapped(err) from err
+
     async def delete(self, name: str, uid: str, resource_version: str) -> None:
         br = self.generic.prepare_request("delete", res=ResourceSlice, name=name)
         br.data = {"apiVersion": "v1", "kind": "DeleteOptions",

@@ -11,6 +11,7 @@ backwards, neither across restarts (the store still holds newer slices) nor afte
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from agent.publish import metrics
@@ -21,6 +22,8 @@ from agent.publish.store import Invalid, NotFound, SliceStore, StoreError
 from agent.publish.validation import parse_quantity
 
 log = logging.getLogger("sysdra.publish")
+# seconds between dry runs offering a field the server dropped again (its gate may be on by now)
+RECHECK_DROPPED = 600.0
 
 
 @dataclass
@@ -167,6 +170,8 @@ class Reconciler:
         self.node_uid: str | None = None
         self._owner_logged = False
         self.dropped = Dropped()  # fields the server does not keep (a feature gate off): not compared
+        self.clock = time.monotonic
+        self._recheck_at = 0.0  # when the dropped fields are next offered again (a dry run)
 
     def _ours(self, obj: dict, pool: PoolContent) -> bool:
         spec = obj.get("spec", {})
@@ -219,6 +224,7 @@ class Reconciler:
         matched, obsolete = _match(existing, count, current)
         missing = [i for i in range(count) if i not in matched]
         await self._resolve_owner(again=bool(missing))
+        await self._recheck_dropped(pool, matched, current)
         generation, to_update = self._next_generation(pool, matched, missing, current)
         stats = SyncStats(generation=generation)
         await self._delete(obsolete, stats)
@@ -233,6 +239,27 @@ class Reconciler:
                 pool.name, generation, stats.created, stats.updated, stats.deleted,
             )
         return stats
+
+    async def _recheck_dropped(self, pool: PoolContent, matched: dict[int, dict], current: int) -> None:
+        """Now and then, a slice carrying a field the server dropped is sent again in a dry run: a gate
+        turned on since (the server restarted with it) keeps it, and this sync then writes it. Compared
+        without it, the pool never got it while the agent ran."""
+        dry_run = getattr(self.store, "dry_run_update", None)
+        if not self.dropped.paths or dry_run is None or self.clock() < self._recheck_at:
+            return
+        self._recheck_at = self.clock() + RECHECK_DROPPED
+        for i, existing in matched.items():
+            obj = self._desired(pool, i, current)
+            if not self.dropped.carried(obj):
+                continue
+            old = existing["metadata"]
+            obj["metadata"].pop("generateName", None)
+            obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
+            try:
+                self.dropped.learn(obj, await dry_run(obj))
+            except StoreError as err:  # offered again at the next recheck
+                log.debug("dry run of ResourceSlice %s: %s", old["name"], err)
+            return
 
     def _next_generation(self, pool: PoolContent, matched: dict[int, dict], missing: list[int],
                          current: int) -> tuple[int, list[int]]:
