@@ -186,10 +186,12 @@ def test_an_operators_own_partition_type_gives_way_to_the_agents(apiserver, name
     assert all(o["spec"].get("partitionTypeAttribute") == ATTRIBUTE for o in sent if o["spec"].get("devices"))
 
 
-def test_a_device_without_room_for_its_type_keeps_its_place_and_its_slice_names_none(apiserver):
+def test_a_device_without_room_for_its_type_is_published_in_a_slice_apart(apiserver, pool_status):
     """A VF at the API's 32 attributes with none of the least needed ones to leave out: it is
-    published as before, without partitionType, and its slice names no attribute (the server
-    refused a slice whose VF then had 33, or lacked the attribute the slice named)."""
+    published without partitionType (the server refused a slice whose VF then had 33, or lacked
+    the attribute the slice named), in a slice of its own naming no attribute; the others' slice
+    names it, and the pool's summary counts them. Before, their shared slice named none: the
+    summary left every device of the node out."""
     from discovery.models import AttributeValue, Inventory
     from tests import inventory_factory as factory
     from tests.test_pool_properties import assert_publishable, published
@@ -205,7 +207,14 @@ def test_a_device_without_room_for_its_type_keeps_its_place_and_its_slice_names_
     assert published(sent) == {d.name for d in inv.devices}
     full_vfs = [d for o in sent for d in o["spec"].get("devices", []) if d["name"].endswith("-2")]
     assert full_vfs and all("partitionType" not in d["attributes"] for d in full_vfs)
-    assert [o["spec"].get("partitionTypeAttribute") for o in sent if o["spec"].get("devices")] == [None]
+    declared = [(o["spec"].get("partitionTypeAttribute"), len(o["spec"]["devices"])) for o in sent if o["spec"].get("devices")]
+    assert declared == [(ATTRIBUTE, len(inv.devices) - len(full_vfs)), (None, len(full_vfs))]
+    typed = Counter(d["attributes"]["partitionType"]["string"] for o in sent for d in o["spec"].get("devices", [])
+                    if "partitionType" in d["attributes"])
+    for obj in sent:
+        apiserver.create(obj)
+    pool = summary(apiserver, node)
+    assert "validationError" not in pool and {p["type"]: p["total"] for p in pool["partitionSummary"]} == dict(typed)
 
 
 def test_the_field_is_offered_again_once_the_server_keeps_it_without_a_restart(apiserver, without_type):

@@ -65,11 +65,18 @@ def typed(entries: list[dict], inventory, own_sets: dict[str, str], driver_name:
 
 
 def declare(slices: list[dict], driver_name: str) -> list[dict]:
-    """Device slices naming the attribute where every counter-consuming device carries it."""
-    out = []
+    """Device slices naming the attribute where every counter-consuming device carries it. A device
+    that could not carry it (``typed``) goes to a slice of its own at the end, naming none: in its
+    slice of before, none of the other devices would be in the pool's partition summary."""
+    out, apart = [], []
     for s in slices:
-        consuming = [d for d in s.get("devices") or () if d.get("consumesCounters")]
-        if consuming and all(ATTRIBUTE in (d.get("attributes") or {}) for d in consuming):
+        devices = s.get("devices") or []
+        untyped = [d for d in devices if d.get("consumesCounters") and ATTRIBUTE not in (d.get("attributes") or {})]
+        if untyped and len(untyped) < sum(1 for d in devices if d.get("consumesCounters")):
+            apart.append({**s, "devices": untyped})
+            s = {**s, "devices": [d for d in devices if all(d is not u for u in untyped)]}
+            untyped = []
+        if not untyped and any(d.get("consumesCounters") for d in devices):
             s = {**s, "partitionTypeAttribute": f"{driver_name}/{ATTRIBUTE}"}
         out.append(s)
-    return out
+    return out + apart
