@@ -59,3 +59,23 @@ def test_a_function_that_cannot_be_read_leaves_the_claim_adopted(node, caplog):
     d = driver()
     assert d.recover().adopted == [UID] and "vfio" not in d.checkpoint.claims[UID]
     assert "the functions of an adopted claim not read" in caplog.text
+
+
+def test_a_function_no_driver_matches_is_left_without_one_and_said(node, caplog):
+    """No driver matches the adopted claim's function at its give-back (its module unloaded): it is
+    left with no driver, and a WARNING says so with how to bind it. Before, nothing was said: the
+    give-back's note was dropped at unprepare, and the NIC's netdev silently never came back."""
+    s, sim, state, driver = node
+    c = vfio_claim("vm", [VF], UID)
+    assert driver().prepare_claims([c])[UID].error is None
+    for name in os.listdir(s.plugin_dir):
+        if name.startswith("checkpoint.json"):
+            os.unlink(os.path.join(s.plugin_dir, name))
+    d = driver()
+    d.kernel.wait = 0.2  # the kernel's answer to drivers_probe is waited for this long
+    assert d.recover().adopted == [UID]
+    os.unlink(os.path.join(s.root, ".simkernel/stash", VF_BDF, "driver"))  # nothing the kernel would match
+    assert d.unprepare_claims([ClaimRef("default", "vm", UID)]) == {UID: None}
+    assert sim.driver(VF_BDF) is None and sim.override(VF_BDF) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and VF_BDF in r.getMessage()]
+    assert warned and "no driver matched" in warned[0] and "drivers_probe" in warned[0], warned

@@ -252,6 +252,10 @@ def _probed(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None]) 
         kernel.set_override(rec.bdf, None)
         fault("vfio:override-restored")
     found = kernel.driver(rec.bdf) or kernel.probe(rec.bdf)
+    if found is None:  # said: notes of an unprepare are not logged, and its netdev (a NIC's) stays away
+        log.warning("VFIO: %s given back off vfio-pci, but no driver matched it (its driver before was not recorded: "
+                    "the claim was adopted; its module not loaded?): it is left with no driver. Load its driver "
+                    "(modprobe), then: echo %s > /sys/bus/pci/drivers_probe", rec.bdf, rec.bdf)
     return f"{rec.bdf} given back to {found or 'no driver (none matched it)'}, the kernel's match (its driver before was not recorded)"
 
 
