@@ -92,3 +92,48 @@ def test_not_ready_before_the_runtime_has_the_nri_plugin_in_its_list(tmp_path, w
     with _Serving(board, socket):
         board.set_registration("registered")
         assert _probe(command, socket).returncode == 0
+
+
+def _failed_report(path: str) -> dict:
+    """The NRI plugin's report after its first failed attempt on ``path``."""
+    import asyncio
+
+    from agent.nri.plugin import NriPlugin
+
+    reports: list[dict] = []
+
+    async def main():
+        plugin = NriPlugin(path, None, on_state=reports.append)
+        task = asyncio.get_running_loop().create_task(plugin.run())
+        try:
+            await asyncio.wait_for(plugin.wait_for(lambda st: st.phase == "failed"), 30)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    return reports[-1]
+
+
+@pytest.mark.parametrize("where", ["chart", "deploy"])
+def test_not_ready_where_the_runtimes_nri_socket_is_there_but_this_instance_cannot_use_it(tmp_path, where):
+    """NRI ``failed`` is ready only where the socket is missing (a runtime without NRI, which cannot be told
+    from a wrong ``nri_socket``: sysdra doctor reads the runtime's config). A socket that is there and
+    refuses (nobody serves it: the runtime down), or that this instance may not open, is a runtime with
+    NRI this instance does not reach: before, it was ready, the surge update deleted the old instance that
+    moved the NICs, and the pods started next ran without their netdevs."""
+    import socket as sockets
+
+    command = _probes()[where]
+    stale = str(tmp_path / "nri.sock")
+    with sockets.socket(sockets.AF_UNIX) as s:
+        s.bind(stale)  # a socket file nobody listens on: connections are refused
+    refused, missing = _failed_report(stale), _failed_report(str(tmp_path / "none.sock"))
+    board = StatusBoard("node-a", "sysdra.io")
+    socket = str(tmp_path / "status.sock")
+    with _Serving(board, socket):
+        board.set_registration("registered")
+        board.set_nri(refused)
+        waiting = _probe(command, socket)
+        assert waiting.returncode == 1 and f"connection to {stale} refused" in waiting.stderr, waiting.stderr
+        board.set_nri(missing)
+        assert _probe(command, socket).returncode == 0

@@ -154,4 +154,10 @@ def _registered(status: dict) -> int:
         print(f"sysdra status: NRI plugin not synchronized by the runtime yet: {nri['state']} on {nri.get('socket')} "
               "(pods it starts meanwhile would not get their netdevs from this instance)", file=sys.stderr)
         return 1
+    # failed: ready where the socket is missing (no NRI in the runtime, as for the instance before); one that is
+    # there and refuses or may not be opened is NRI this instance does not reach ("noSocket" absent: an older agent's)
+    if nri.get("state") == "failed" and nri.get("noSocket") is False:
+        print(f"sysdra status: NRI plugin cannot reach the runtime's NRI: {_one_line(nri.get('reason'))} (pods it "
+              "starts meanwhile would not get their netdevs from this instance)", file=sys.stderr)
+        return 1
     return 0

@@ -89,12 +89,15 @@ class State:
     reason: str | None = None
     since: float = field(default_factory=time.time)  # Unix seconds of the phase's (or reason's) start
     failures: int = 0  # attempts failed since the last registration
+    # the last failure found no socket at the path: the runtime has no NRI (or serves another path), which
+    # readiness cannot tell apart; any other failure is a runtime serving NRI that this instance does not reach
+    no_socket: bool = False
 
     def report(self, socket: str) -> dict:
         """For ``sysdra status`` (JSON ``nri``)."""
         return {"state": self.phase, "reason": self.reason, "since": self.since, "socket": socket,
                 "runtime": self.runtime or None, "synchronized": self.synchronized, "connections": self.connections,
-                "failedAttempts": self.failures}
+                "failedAttempts": self.failures, "noSocket": self.no_socket}
 
 
 def why_not(err: OSError, path: str) -> str:
@@ -130,17 +133,17 @@ class NriPlugin:
             try:
                 reader, writer = await asyncio.open_unix_connection(self.socket_path)
             except OSError as err:
-                await self._failed(why_not(err, self.socket_path))
+                await self._failed(why_not(err, self.socket_path), no_socket=isinstance(err, FileNotFoundError))
             else:
                 delay = RETRY_FIRST
                 await self._session(reader, writer)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX)
 
-    async def _failed(self, reason: str) -> None:
+    async def _failed(self, reason: str, no_socket: bool = False) -> None:
         """One failed attempt: WARNING the first time, on a new reason and once per WARN_EVERY."""
         st, now = self.state, self.clock()
-        changes = {"failures": st.failures + 1, "connected": False, "synchronized": False}
+        changes = {"failures": st.failures + 1, "connected": False, "synchronized": False, "no_socket": no_socket}
         if st.phase != "failed" or st.reason != reason:
             changes.update(phase="failed", reason=reason, since=time.time())
         if self._warned is None or self._warned[0] != reason or now - self._warned[1] >= WARN_EVERY:
