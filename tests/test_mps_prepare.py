@@ -196,3 +196,23 @@ def test_an_adopted_claims_shares_keep_their_daemon(tmp_path):
     assert _running(restarted) == running
     assert restarted.prepare_claims([a])[a["metadata"]["uid"]].error is None and _running(restarted) == running
     assert restarted.unprepare_claims([_ref(a)]) == {a["metadata"]["uid"]: None} and _running(restarted) == {}
+
+
+def test_the_plugin_dir_wiped_under_running_shares_keeps_their_daemon(tmp_path):
+    """The plugin dir wiped while shares run (their checkpoint, the daemon records and the pipe dirs
+    gone with it; the running containers keep the pipe they mount): the daemon serving them is not a
+    stray to stop; the adopted claim keeps it and its unprepare stops it."""
+    import shutil
+
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    d = _driver(tmp_path)
+    assert all(r.error is None for r in d.prepare_claims([a]).values())
+    running = _running(d)
+    shutil.rmtree(d.settings.plugin_dir, ignore_errors=True)  # as rm -rf: the tmpfs mounts (busy) and their dirs stay
+    restarted = _driver(tmp_path)
+    assert restarted.recover().adopted == [a["metadata"]["uid"]]
+    assert _running(restarted) == running
+    assert restarted.prepare_claims([a])[a["metadata"]["uid"]].error is None and _running(restarted) == running
+    assert restarted.unprepare_claims([_ref(a)]) == {a["metadata"]["uid"]: None} and _running(restarted) == {}
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in running.values())

@@ -58,8 +58,7 @@ class MpsError(Exception):
 
 
 class Launcher(Protocol):
-    """How a daemon is run (prepare/mps_process.py, prepare/mps_pods.py). Blocking; raises
-    ``LaunchError`` where it cannot start one."""
+    """How a daemon is run (prepare/mps_process.py, prepare/mps_pods.py). Blocking; raises ``LaunchError``."""
 
     start_timeout: float  # seconds for a started daemon's pipe to appear
 
@@ -115,9 +114,9 @@ class MpsDaemons:
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """This agent's threads one at a time (``lock``), and the agents sharing the records too:
-        the two pods of a surge update on one node (``flock`` of ``daemons.lock`` beside them).
-        What one starts, stops or records, the other reads under the same lock (``_changed_by_another``)."""
+        """This agent's threads one at a time (``lock``), and the agents sharing the records too: the two pods of a
+        surge update on one node (``flock`` of ``daemons.lock`` beside them). What one starts, stops or records, the
+        other reads under the same lock (``_changed_by_another``)."""
         with self.lock:
             if self._depth == 0:
                 make_dirs(self.base, 0o755)
@@ -140,10 +139,9 @@ class MpsDaemons:
         return st.st_ino, st.st_mtime_ns
 
     def _changed_by_another(self) -> bool:
-        """Another agent saved the records since this one did (two pods of a surge update): its
-        daemons are its own to restart or stop, this one's view of them is out of date. The
-        records are read again, and a GPU whose record the other removed is no longer this one's
-        to supervise (the next reconcile says what its claims need)."""
+        """Another agent saved the records since this one did (two pods of a surge update): its daemons are its own to
+        restart or stop, this one's view of them is out of date. The records are read again, and a GPU whose record
+        the other removed is no longer this one's to supervise (the next reconcile says what its claims need)."""
         if self._file_version() == self._saved:
             return False
         before = set(self.state.daemons)
@@ -162,8 +160,8 @@ class MpsDaemons:
             return {u: self.state.daemons.get(u) for u in sorted(self.wanted)}
 
     def dead(self, uuid: str, rec: MpsRecord | None) -> bool:
-        """Still needed, still recorded as ``rec``, and not running: prepare, which may have just
-        stopped or started it, is done (the supervisor's snapshot may be older)."""
+        """Still needed, still recorded as ``rec``, and not running: prepare, which may have just stopped or started it,
+        is done (the supervisor's snapshot may be older)."""
         with self._exclusive():
             if self._changed_by_another():
                 return False  # the supervisor looks again, at the records as they are now
@@ -196,7 +194,7 @@ class MpsDaemons:
         return {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": uuid,
                 "CUDA_MPS_PIPE_DIRECTORY": dirs["pipe"], "CUDA_MPS_LOG_DIRECTORY": dirs["log"]}
 
-    def _end_strays(self, uuid: str) -> None:
+    def _end_strays(self, uuid: str) -> None:  # (a record-less daemon serving wanted shares is adopted first: _adopted)
         self.launcher.end_strays(uuid, self.dirs(uuid)["pipe"], self.state.daemons.get(uuid))
 
     def _mount_shm(self, uuid: str) -> None:
@@ -256,10 +254,9 @@ class MpsDaemons:
         return rec
 
     def _stop(self, rec: MpsRecord, keep_dirs: bool = False) -> None:
-        """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories
-        go, unless kept: a start that failed keeps them for the shares' running containers, bound
-        to the pipe dir and tmpfs, which the next start uses again (a reconcile removes them once
-        no share needs them: ``_remove_unrecorded``)."""
+        """``quit`` through its pipe (it stops its servers cleanly), then signals; its directories go, unless kept: a
+        start that failed keeps them for the shares' running containers, bound to the pipe dir and tmpfs, which the
+        next start uses again (a reconcile removes them once no share needs them: ``_remove_unrecorded``)."""
         quitting = False
         if self.alive(rec) and self.binary is not None:
             try:
@@ -369,15 +366,18 @@ class MpsDaemons:
         return errors
 
     def _adopted(self, uuid: str, rec: MpsRecord | None) -> bool:
-        """A pod's daemon whose pod the agent does not see (pods off, another namespace) keeps serving: taken as a process."""
-        if rec is None or rec.pod_uid is None or (found := self.processes.serving(uuid, self.dirs(uuid)["pipe"])) is None:
+        """A daemon serving the GPU's pipe dir with no record (the plugin dir wiped under running shares: a stray ended
+        under them) or a pod's the agent does not see (pods off, another namespace) keeps serving: taken as a process."""
+        found = self.processes.serving(uuid, self.dirs(uuid)["pipe"]) if rec is None or rec.pod_uid is not None else None
+        if found is None or (rec is not None and not self.launcher.pod_unseen(rec)):  # asked only where a process serves
             return False
-        if not self.launcher.pod_unseen(rec):  # asked only where a process serves: a dead daemon's restart asks nothing more
-            return False
-        self.state.daemons[uuid] = found.model_copy(update={"mode_before": rec.mode_before})
+        self.state.daemons[uuid] = found.model_copy(update={"mode_before": rec.mode_before if rec else None})
         self._save()
-        log.warning("MPS control daemon for GPU %s: its pod %s (nvidia_mps_pod off now, or its namespace changed) serves as "
-                    "pid %d: adopted as a process; the pod stays until deleted by hand", uuid, pod_name(uuid), found.pid)
+        why = (f"its pod {pod_name(uuid)} (nvidia_mps_pod off now, or its namespace changed) serves as pid {found.pid}: adopted "
+               "as a process; the pod stays until deleted by hand" if rec else f"pid {found.pid} serves with no record (the "
+               "plugin dir wiped while its shares ran?): adopted as a process, stopped with its last share; containers "
+               f"that start before then cannot reach it where its pipe dir {self.dirs(uuid)['pipe']} went")
+        log.warning("MPS control daemon for GPU %s: %s", uuid, why)
         return True
 
     def restart(self, uuid: str) -> MpsRecord | None:
