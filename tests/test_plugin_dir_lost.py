@@ -150,3 +150,21 @@ def test_a_refusal_names_an_adopted_claim_by_its_uid_before_its_re_prepare(tmp_p
     w = node.allocated("w", req("w", whole()))
     err = d.prepare_claims([w])[w["metadata"]["uid"]].error
     assert err and f"held by prepared claim {uid} (adopted from its CDI spec" in err and "claim / " not in err
+
+
+def test_sysdra_status_names_an_adopted_claim_as_such(tmp_path):
+    """``sysdra status`` listed an adopted claim, before the kubelet's re-prepare, as ``/ (uid)``."""
+    from agent.cli.status import render_text
+    from agent.service.status import StatusBoard
+
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    assert not driver_for(node).prepare_claims([c])[uid].error
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    assert d.recover().adopted == [uid]
+    board = StatusBoard("node-a", "sysdra.io")
+    board.set_prepared_claims(d.checkpoint.claims)
+    text = render_text(board.snapshot())
+    assert f"  {uid} (adopted from its CDI spec, not prepared again by the kubelet yet) PrepareCompleted:" in text and "/ (" not in text

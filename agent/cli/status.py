@@ -53,6 +53,13 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+def _claim(c: dict) -> str:
+    """A prepared claim as listed: ``namespace/name (uid)``; an adopted one, its name not known yet, by its UID."""
+    if not c.get("name"):
+        return f"{c.get('uid')} (adopted from its CDI spec, not prepared again by the kubelet yet)"
+    return f"{c.get('namespace')}/{c.get('name')} ({c.get('uid')})"
+
+
 _FAILURE_NAMES = {"invalid": "invalid entries", "failed": "retries exhausted"}  # "refused" says itself
 
 
@@ -79,7 +86,7 @@ def _nri_lines(now: float, nri: dict) -> list[str]:
         line += f": {_one_line(nri['reason'])}" if nri.get("reason") else ""
     lines = [line]
     for c in nri.get("claimsWaiting") or []:
-        lines.append(f"  {c.get('namespace')}/{c.get('name')} ({c.get('uid')}): netdev(s) {', '.join(map(str, c.get('netdevs') or []))} "
+        lines.append(f"  {_claim(c)}: netdev(s) {', '.join(map(str, c.get('netdevs') or []))} "
                      "stay on the host (NRI not registered)")
     return lines
 
@@ -101,7 +108,7 @@ def render_text(s: dict) -> str:
     lines += [f"  {u.get('device')}: {u.get('reason')}: {u.get('message')}" for u in dev.get("unhealthy") or ()]
     lines.append(f"claims:       {claims.get('count', 0)} prepared")
     for c in claims.get("claims") or []:
-        lines.append(f"  {c.get('namespace')}/{c.get('name')} ({c.get('uid')}) {c.get('state')}: {', '.join(map(str, c.get('devices') or [])) or '-'}")
+        lines.append(f"  {_claim(c)} {c.get('state')}: {', '.join(map(str, c.get('devices') or [])) or '-'}")
     if pub.get("time") is None:
         lines.append("last publish: never")
     else:
