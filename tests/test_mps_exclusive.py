@@ -159,3 +159,18 @@ def test_a_mode_that_cannot_be_set_back_is_said_with_the_command(daemons, gpu, c
     assert gpu.compute_mode == EXCLUSIVE
     assert (f"GPU {UUID}: setting compute mode Default: Insufficient Permissions: it stays Exclusive_Process "
             f"until set back (nvidia-smi -i {UUID} -c DEFAULT) or a reboot") in caplog.text
+
+
+def test_a_daemon_adopted_without_its_record_says_the_mode_stays(daemons, gpu, tmp_path, caplog):
+    """The records wiped with the plugin dir while the daemon ran: adopted (it serves the shares), but the
+    mode before went with its record, so the GPU stays Exclusive_Process after the last share: said, with
+    the command that sets it back. Before, nothing said why the GPU stayed exclusive."""
+    d = daemons()
+    assert d.reconcile({UUID}) == {} and gpu.compute_mode == EXCLUSIVE
+    pid = d.state.daemons[UUID].pid
+    os.unlink(d.path)
+    again = daemons()
+    assert again.reconcile({UUID}) == {} and again.state.daemons[UUID].pid == pid
+    assert again.reconcile(set()) == {} and gpu.compute_mode == EXCLUSIVE
+    said = [r.getMessage() for r in caplog.records if "no record" in r.getMessage()]
+    assert said and f"nvidia-smi -i {UUID} -c DEFAULT" in said[0], said

@@ -75,6 +75,17 @@ class DaemonModes:
         nvml = shared_nvml(settings.root, settings.nvidia_driver_root) if settings.nvml else None
         return cls(ComputeModes(nvml) if nvml else None, settings.nvidia_mps_exclusive)
 
+    def lost_before(self, uuid: str) -> str:
+        """What becomes of the mode of a GPU whose daemon was adopted without its record (prepare/mps.py): with
+        ``exclusive`` and the GPU in EXCLUSIVE_PROCESS, the mode before went with the record: it stays, said."""
+        try:
+            if not self.exclusive or self._modes(uuid).get(uuid) != EXCLUSIVE_PROCESS:
+                return ""
+        except ComputeModeError:
+            return ""
+        return (f"; its GPU's compute mode before Exclusive_Process went with the record: it stays so after the last "
+                f"share (nvidia-smi -i {uuid} -c DEFAULT, or a reboot, sets it back)")
+
     def _modes(self, uuid: str) -> ComputeModes:
         if self.modes is None:
             raise ComputeModeError(f"GPU {uuid}: its compute mode needs NVML (the setting nvml is off)")

@@ -376,7 +376,7 @@ class MpsDaemons:
         why = (f"its pod {pod_name(uuid)} (nvidia_mps_pod off now, or its namespace changed) serves as pid {found.pid}: adopted "
                "as a process; the pod stays until deleted by hand" if rec else f"pid {found.pid} serves with no record (the "
                "plugin dir wiped while its shares ran?): adopted as a process, stopped with its last share; containers "
-               f"that start before then cannot reach it where its pipe dir {self.dirs(uuid)['pipe']} went")
+               f"that start before then cannot reach it where its pipe dir {self.dirs(uuid)['pipe']} went{self.modes.lost_before(uuid)}")
         log.warning("MPS control daemon for GPU %s: %s", uuid, why)
         return True
 
