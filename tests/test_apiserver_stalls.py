@@ -299,3 +299,18 @@ def test_an_unexpected_error_in_the_watch_resumes_it(caplog):
 
     assert run(scenario()) == (2, 2)  # (the failure's sync and the event's)
     assert "unexpected error in the watch" in caplog.text
+
+
+def test_doctor_ends_its_questions_to_a_trickling_server(node, proxy, monkeypatch):
+    """sysdra doctor is run when something is wrong: a server (or proxy) trickling its answers
+    held it for as long as they trickled (httpx's timeout is each read's)."""
+    from agent.tools import doctor
+
+    monkeypatch.setenv("KUBECONFIG", node.kubeconfig)
+    monkeypatch.setattr(doctor, "API_DEADLINE", 1.0)
+    proxy.trickle(0.5)  # each byte in time for a read timeout; an access review's answer takes minutes
+    found = {f.check: f for f in doctor.check_api("kube", "node-a")}
+    assert found["api"].level == "fail" and "TimeoutError: no whole answer within 1 s" in found["api"].message
+    proxy.trickle(0)
+    found = {f.check: f for f in doctor.check_api("kube", "node-a")}
+    assert found["api"].level == "ok", found["api"]

@@ -10,6 +10,7 @@ import email.utils
 import os
 import socket
 import stat
+import threading
 import time
 from typing import Callable
 
@@ -17,6 +18,8 @@ from agent.tools.doctor_files import check_cdi_dirs, check_checkpoint, check_met
 from agent.tools.findings import Finding, ok
 
 MAX_CLOCK_SKEW = 5.0  # seconds; certificates and leases tolerate little more
+API_DEADLINE = 15.0  # seconds for each question to the API server: httpx's timeout is per read, and a
+# server or proxy that trickles its answer would hold doctor for as long as it trickles
 
 
 # --- kubelet directories and sockets ------------------------------------------------------
@@ -149,11 +152,14 @@ def check_api(cluster: str, node_name: str, review: Callable[..., tuple[bool, st
                         "check KUBECONFIG (/etc/sysdra/kubeconfig for the service), the server address and the network")]
     found = [ok("api", "API server reachable")]
     denied = []
-    for i, (verb, group, resource) in enumerate(API_PERMISSIONS):
-        name = {"nodes": node_name, "resourceclaims/driver": driver_name}.get(resource)
-        allowed = allowed_first if i == 0 else review(verb, group, resource, name)[0]
-        if not allowed:
-            denied.append(f"{verb} {resource}")
+    try:
+        for i, (verb, group, resource) in enumerate(API_PERMISSIONS):
+            name = {"nodes": node_name, "resourceclaims/driver": driver_name}.get(resource)
+            if not (allowed_first if i == 0 else review(verb, group, resource, name)[0]):
+                denied.append(f"{verb} {resource}")
+    except Exception as err:  # noqa: BLE001 - reachable a moment ago: say what failed
+        return found + [Finding("rbac", "fail", f"the API server stopped answering: {type(err).__name__}: {str(err)[:200]}",
+                                "see the API server's log and what lies between (a proxy, a load balancer)")]
     if denied:
         found.append(Finding("rbac", "fail", "not allowed: " + ", ".join(denied),
                              "apply deploy/rbac.yaml (ClusterRole sysdra) and bind it to the agent's identity"))
@@ -233,6 +239,8 @@ def _lightkube_api():
     client = Client(timeout=10.0)
     generic = client._client  # the public create() hides the response headers we need for the clock
 
+    @_within
+
     def review(verb: str, group: str, resource: str, name: str | None, namespace: str | None = None) -> tuple[bool, str | None]:
         resource, _, subresource = resource.partition("/")
         ssar = SelfSubjectAccessReview(spec=SelfSubjectAccessReviewSpec(resourceAttributes=ResourceAttributes(
@@ -242,12 +250,35 @@ def _lightkube_api():
         result = generic.handle_response("post", response, request)
         return bool(result.status and result.status.allowed), response.headers.get("date")
 
+    @_within
     def whoami() -> dict:
         status = client.create(SelfSubjectReview()).status
         user = status.userInfo if status else None
         return {"username": user.username, "extra": user.extra or {}} if user else {}
 
     return review, whoami
+
+
+def _within(ask: Callable) -> Callable:
+    """``ask`` answered within API_DEADLINE, else TimeoutError (its thread is left to end with
+    the command: a daemon thread)."""
+    def bounded(*args):
+        box: dict = {}
+
+        def run():
+            try:
+                box["answer"] = ask(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                box["error"] = err
+        thread = threading.Thread(target=run, name="doctor-api", daemon=True)
+        thread.start()
+        thread.join(API_DEADLINE)
+        if thread.is_alive():
+            raise TimeoutError(f"no whole answer within {API_DEADLINE:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["answer"]
+    return bounded
 
 
 def check_nvidia_driver(root: str, driver_root: str) -> list[Finding]:
