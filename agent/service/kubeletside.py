@@ -6,6 +6,7 @@ starts: gRPC, the driver and health load after the first publish to a directory
 from __future__ import annotations
 
 import asyncio
+import os
 
 from agent import health
 from agent.kubeletplugin.claimapi import ClaimApi
@@ -13,6 +14,7 @@ from agent.kubeletplugin.claims import claim_source
 from agent.kubeletplugin.plugin import KubeletPlugin
 from agent.kubeletplugin.sockets import SocketError
 from agent.kubeletplugin.statuswriter import status_writer
+from agent.nri.start import crash_at
 from agent.prepare.checkpoint import CheckpointError
 from agent.prepare.driver import Driver
 from agent.prepare.steps.partition import gpus_in_use
@@ -23,6 +25,7 @@ from agent.service.startup import EX_CANTCREAT, EX_DATAERR, StartupError
 async def start(agent) -> None:
     """Serve the kubelet (issue 4) next to publishing; ``agent`` is the daemon's ``Agent``."""
     core = Driver(agent.settings, lambda: agent.inventory)
+    _crash_points(core)
     loop = asyncio.get_running_loop()
     # a GPU mode switch at prepare (any thread): rescan and republish
     core.hardware_changed = lambda: loop.call_soon_threadsafe(agent._rescan_soon)
@@ -31,6 +34,16 @@ async def start(agent) -> None:
     await _start_health(agent)
     await _serve_sockets(agent, driver)
     _after_serving(agent, core, driver)
+
+
+def _crash_points(core: Driver) -> None:
+    """The real-node tests' fault hook (``SYSDRA_TEST_CRASH_AT``, as the NRI mover's): SIGKILL at
+    a driver point (``prepare:specs-written``) or an MPS daemon's (``mps:launched``)."""
+    point = os.environ.get("SYSDRA_TEST_CRASH_AT", "")
+    if point:
+        core.fault = crash_at(point)
+        if core.nvidia.mps is not None:
+            core.nvidia.mps.fault = lambda at: crash_at(point)("mps:" + at)
 
 
 def _make_plugin(agent, driver: ObservedDriver) -> None:
