@@ -246,14 +246,20 @@ class RealNode:
 
     def namespace_processes(self) -> list[psutil.Process]:
         """Every process in the node's mount namespace (containerd, its shims, the agent's
-        namespace is a child of it) and every descendant of one (the containers)."""
+        namespace is a child of it) and every descendant of one (the containers), and every
+        process whose command line names the node's directory: an MPS daemon the agent started
+        (a mount namespace of its own, a session of its own) is nobody's child once the agent
+        stopped."""
         if self.holder is None or self.holder.poll() is not None:
             return []
         ns = os.stat(f"/proc/{self.holder.pid}/ns/mnt").st_ino
         found: dict[int, psutil.Process] = {}
+        mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
         for p in psutil.process_iter():
             try:
-                if p.pid != self.holder.pid and os.stat(f"/proc/{p.pid}/ns/mnt").st_ino == ns:
+                if p.pid in mine or p.pid == self.holder.pid:
+                    continue
+                if os.stat(f"/proc/{p.pid}/ns/mnt").st_ino == ns or any(a.startswith(self.dir + "/") for a in p.cmdline()):
                     found[p.pid] = p
                     found.update((c.pid, c) for c in p.children(recursive=True))
             except (psutil.Error, OSError):

@@ -331,7 +331,13 @@ def test_churn_with_the_agent_containerd_and_the_kubelet_going_in_the_middle(nod
     assert not errors, "\n".join(errors)
 
 
-def test_zz_the_node_leaves_nothing_behind(node):
+def test_zz_the_node_leaves_nothing_behind_even_under_a_running_share(node):
+    """Stopped with a share's pod running (a test that failed mid-way): its GPU's MPS daemon, in a
+    mount namespace of its own and no longer the agent's child once the agent stops, goes too."""
+    restart_agent(node)
+    ns = namespace(node)
+    churn_pod(node, ns, "left", SHARE)
+    wait(lambda: checkpoint(node) and mps_leftovers(node), "the share's daemon running", node, log="agent")
     node.stop()
     problems = node.before.compare(HostState.take(), node_dir=node.dir, cgroup_root=node.cgroup_root)
     assert not problems, "\n".join(problems)
