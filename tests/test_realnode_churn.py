@@ -270,6 +270,14 @@ def test_churn_with_the_agent_containerd_and_the_kubelet_going_in_the_middle(nod
         saw_its_devices(node, ns, a[3:] + b + g)
         delete(node, ns, g)
 
+        # killed once a prepare is saved completed, before the kubelet has the answer: its retry
+        # is a re-prepare
+        restart_agent(node, crash_at="prepare:completed")
+        p = many(node, ns, "p", 4)
+        crashed(node, "prepare:completed")
+        saw_its_devices(node, ns, p)
+        delete(node, ns, p)
+
         # SIGKILLed while pods start, at no point in particular
         held = len(checkpoint(node))
         c = many(node, ns, "c", 8)
