@@ -209,12 +209,17 @@ def restart_agent(node: RealNode, crash_at: str = "") -> None:
     node.start_agent("--share", "gpu", propagation="shared", env={"SYSDRA_TEST_CRASH_AT": crash_at} if crash_at else None)
 
 
-def crashed(node: RealNode, point: str) -> None:
-    """Waits for the agent to die at ``point``; starts it again without the hook."""
+def crashed(node: RealNode, point: str, then: str = "") -> None:
+    """Waits for the agent to die at ``point``; starts it again without the hook (``then``: with
+    the hook at that point, where the start's recovery dies, and once more without)."""
     proc = node.procs["agent"]
     wait(lambda: proc.poll() is not None, f"the agent killed at {point}", node, log="agent")
     assert proc.returncode == -signal.SIGKILL, node.log_tail("agent")
-    restart_agent(node)
+    if then:
+        node.start_agent("--share", "gpu", propagation="shared", env={"SYSDRA_TEST_CRASH_AT": then}, wait=False)
+        crashed(node, then)
+    else:
+        restart_agent(node)
 
 
 def start_containerd(node: RealNode) -> None:
@@ -255,10 +260,11 @@ def test_churn_with_the_agent_containerd_and_the_kubelet_going_in_the_middle(nod
     sampler.start()
     ns = namespace(node)
     try:
-        # the agent killed in its first prepare (host changes and specs made, not yet completed);
-        # pods deleted while it is gone, more created
+        # the agent killed in its first prepare (host changes and specs made, not yet completed:
+        # the GPU's MPS daemon runs), then in the recovery that rolls it back, as it stops that
+        # daemon; pods deleted while it is gone, more created
         a = many(node, ns, "a", 16)
-        crashed(node, "prepare:specs-written")
+        crashed(node, "prepare:specs-written", then="mps:ended")
         delete(node, ns, a[:3])
         b = many(node, ns, "b", 4)
         saw_its_devices(node, ns, a[3:] + b)
