@@ -247,9 +247,8 @@ class RealNode:
     def namespace_processes(self) -> list[psutil.Process]:
         """Every process in the node's mount namespace (containerd, its shims, the agent's
         namespace is a child of it) and every descendant of one (the containers), and every
-        process whose command line names the node's directory: an MPS daemon the agent started
-        (a mount namespace of its own, a session of its own) is nobody's child once the agent
-        stopped."""
+        process running a program of the fixture root: an MPS daemon the agent started (a mount
+        namespace of its own, a session of its own) is nobody's child once the agent stopped."""
         if self.holder is None or self.holder.poll() is not None:
             return []
         ns = os.stat(f"/proc/{self.holder.pid}/ns/mnt").st_ino
@@ -259,12 +258,17 @@ class RealNode:
             try:
                 if p.pid in mine or p.pid == self.holder.pid:
                     continue
-                if os.stat(f"/proc/{p.pid}/ns/mnt").st_ino == ns or any(a.startswith(self.dir + "/") for a in p.cmdline()):
+                if os.stat(f"/proc/{p.pid}/ns/mnt").st_ino == ns or self._runs_a_host_program(p):
                     found[p.pid] = p
                     found.update((c.pid, c) for c in p.children(recursive=True))
             except (psutil.Error, OSError):
                 continue
         return list(found.values())
+
+    def _runs_a_host_program(self, p: psutil.Process) -> bool:
+        """The program, or the script an interpreter runs, is under the fixture root (the agent's
+        view or the runtime's): never a person's ``tail`` of a log in the node's directory."""
+        return any(a.startswith((self.host + "/", self.root + "/")) for a in p.cmdline()[:3])
 
     def stop(self) -> None:
         for name in [n for n in self.procs if n.startswith("agent")] + ["kubelet", "containerd"]:
