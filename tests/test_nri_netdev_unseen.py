@@ -100,10 +100,18 @@ def test_two_running_sandboxes_of_the_pod_get_nothing(tmp_path, nets, caplog):
     assert "2 running sandboxes" in caplog.text
 
 
-def test_a_host_network_pod_that_started_unseen_is_said_and_left(tmp_path, nets, caplog):
+def test_a_host_network_pod_that_started_unseen_has_its_containers_refused(tmp_path, nets, caplog):
+    """At Synchronize a sandbox still being created is listed without its network namespace, as a
+    host-network pod is: nothing is said of it there (its RunPodSandbox follows). A host-network
+    pod's containers are refused, as its sandbox would have been."""
     write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
-    run(mover(tmp_path, nets).synchronized([pod(nets, netns=None)]))
-    assert where(nets) == (True, False) and "uses the host network" in caplog.text
+    m = mover(tmp_path, nets)
+    with caplog.at_level(logging.WARNING):
+        run(m.synchronized([pod(nets, netns=None)]))
+    assert where(nets) == (True, False) and caplog.records == []
+    with pytest.raises(NetdevError, match="uses the host network"):
+        run(m.container_created(pod(nets, netns=None), "app"))
+    assert where(nets) == (True, False)
 
 
 def test_the_lock_still_held_at_the_look_is_said_and_tried_again(tmp_path, nets):

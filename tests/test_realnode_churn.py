@@ -250,13 +250,7 @@ def device_views(node: RealNode) -> list:
                   for s in node.slices() for d in s["spec"].get("devices", []))  # fmt: skip
 
 
-EXPLAINED = (  # ERROR lines the test's doing explains
-    # containerd restarted as a NIC's pod sandbox is being created: its Synchronize lists the sandbox
-    # without a network namespace (containerd leaves out one it has no path for), which the
-    # agent's look for sandboxes that started unseen takes for the host network; the sandbox's
-    # RunPodSandbox follows and moves the netdev in (each NIC's pod is checked to have it)
-    "-nic0 uses the host network: the netdevs of its claims", "-nic1 uses the host network: the netdevs of its claims",
-)
+EXPLAINED = ()  # ERROR lines the test's doing explains: none
 
 
 def test_churn_with_the_agent_containerd_and_the_kubelet_going_in_the_middle(node, netdevs):

@@ -363,8 +363,11 @@ class NetdevMover(Sandboxes):
         pod's containers are refused until then (``container_created``)."""
         waiting = {p for uid, _, m in claims.moves() if not m.away for p in claims.cp.claims[uid].get("pods") or ()}
         sandboxes: dict[str, list[Pod]] = {}
-        for pod in running.values():  # the runtime lists stopped sandboxes too: their namespace is gone
-            if pod.uid in waiting and (pod.netns is None or os.path.exists(pod.netns)):
+        for pod in running.values():
+            # the runtime lists stopped sandboxes too (their namespace gone), and one being created
+            # without its namespace yet (its RunPodSandbox follows), which a host-network pod's
+            # listing cannot be told from: that one's containers are refused (``container_created``)
+            if pod.uid in waiting and pod.netns is not None and os.path.exists(pod.netns):
                 sandboxes.setdefault(pod.uid, []).append(pod)
         done = {}
         for pods in sandboxes.values():
