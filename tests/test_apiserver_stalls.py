@@ -38,6 +38,14 @@ def node(apiserver, proxy, tmp_path):
     proxy.release()
 
 
+class Syncs:
+    """The publisher as the watch sees it: the syncs it is asked for, counted."""
+    syncs = 0
+
+    def request_sync(self):
+        self.syncs += 1
+
+
 def bounded(r: Running) -> Running:
     """The store's bounds made small (before its tasks make their first request)."""
     store: KubeStore = r.store.store
@@ -186,14 +194,8 @@ def test_a_bookmark_moves_the_watch_on_without_a_sync():
                 raise StoreError("dropped")
             await asyncio.Event().wait()
 
-    class Publisher:
-        syncs = 0
-
-        def request_sync(self):
-            self.syncs += 1
-
     async def scenario():
-        store, pub = Store(), Publisher()
+        store, pub = Store(), Syncs()
         task = asyncio.get_running_loop().create_task(watch_api(store, pub, Backoff(initial=0.01)))
         try:
             while len(store.versions) < 2:
@@ -281,14 +283,8 @@ def test_an_unexpected_error_in_the_watch_resumes_it(caplog):
             yield "DELETED", {"metadata": {"resourceVersion": "11"}}
             await asyncio.Event().wait()
 
-    class Publisher:
-        syncs = 0
-
-        def request_sync(self):
-            self.syncs += 1
-
     async def scenario():
-        pub = Publisher()
+        pub = Syncs()
         task = asyncio.get_running_loop().create_task(watch_api(Store(), pub, Backoff(initial=0.01)))
         try:
             while pub.syncs < 2 and not task.done():

@@ -45,14 +45,7 @@ def test_the_kubelets_prepare_again_of_an_adopted_claim_keeps_its_instance(tmp_p
     allocation: read as another one, the re-prepare destroyed the pod's MIG instance and made it
     again (on a real GPU NVML refuses while the pod uses it: the re-prepare failed). Its devices
     are the spec's: the entry is filled in, the instance kept."""
-    node = MigNode(str(tmp_path))
-    c = node.allocated("a", req("m", profile("3g.71gb")))
-    uid = c["metadata"]["uid"]
-    first = driver_for(node)
-    answer = first.prepare_claims([c])[uid]
-    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
-    d = driver_for(node)
-    assert d.recover().adopted == [uid]
+    node, c, uid, answer, d = adopted(tmp_path)
     calls = len(node.sim.calls)
     again = d.prepare_claims([c])[uid]
     assert not again.error and [x.device for x in again.devices] == [x.device for x in answer.devices]
@@ -68,17 +61,25 @@ def test_an_adopted_claim_allocated_other_devices_is_prepared_anew(tmp_path):
     """A claim allocated again meanwhile (deleted and made under the same UID cannot happen, but an
     entry must never be taken for devices it does not hold): the spec's devices differ, so its
     changes are undone and the claim's made."""
-    node = MigNode(str(tmp_path))
-    c = node.allocated("a", req("m", profile("3g.71gb")))
-    uid = c["metadata"]["uid"]
-    assert not driver_for(node).prepare_claims([c])[uid].error
-    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
-    d = driver_for(node)
-    d.recover()
+    node, c, uid, _, d = adopted(tmp_path)
     other = node.allocated("a", req("m", profile("1g.18gb")))
     other["metadata"]["uid"] = uid
     assert not d.prepare_claims([other])[uid].error
     assert [(g["profile"], g["size"]) for g in node.sim.instances().values()] == [(19, 1)]
+
+
+def adopted(tmp_path):
+    """(node, claim, its UID, the first prepare's answer, the driver after the start): a MIG claim
+    prepared, then ``kubelet_dir`` changed and the agent started again, which adopts it from its spec."""
+    node = MigNode(str(tmp_path))
+    c = node.allocated("a", req("m", profile("3g.71gb")))
+    uid = c["metadata"]["uid"]
+    answer = driver_for(node).prepare_claims([c])[uid]
+    assert not answer.error
+    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
+    d = driver_for(node)
+    assert d.recover().adopted == [uid]
+    return node, c, uid, answer, d
 
 
 def changes(node: MigNode, since: int) -> list[str]:
@@ -94,14 +95,8 @@ def test_the_answer_to_an_adopted_claims_prepare_again_is_the_first_ones(tmp_pat
     adopted claim answered its spec's IDs alone, without the device metadata's (KEP-5304), so a
     container started afterwards lost its metadata mount. The metadata files, under the plugin dir
     wiped with the checkpoint, are written again for the mount to find."""
-    node = MigNode(str(tmp_path))
-    c = node.allocated("a", req("m", profile("3g.71gb")))
-    uid = c["metadata"]["uid"]
-    answer = driver_for(node).prepare_claims([c])[uid]
-    assert any("metadata" in i for i in answer.devices[0].cdi_ids)  # noqa: the first answer has the metadata's ID
-    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
-    d = driver_for(node)
-    assert d.recover().adopted == [uid]
+    node, c, uid, answer, d = adopted(tmp_path)
+    assert any("metadata" in i for i in answer.devices[0].cdi_ids)  # the first answer has the metadata's ID
     again = d.prepare_claims([c])[uid]
     assert not again.error and [x.cdi_ids for x in again.devices] == [x.cdi_ids for x in answer.devices]
     assert untimed(again.status) == untimed(answer.status)  # status.devices as the first prepare wrote them
@@ -115,13 +110,7 @@ def test_an_adopted_claims_metadata_spec_mounts_the_file_the_agent_keeps(tmp_pat
     """``kubelet_dir`` changed: the adopted claim's metadata spec, kept from before, mounted the file
     under the plugin dir of before, which the agent no longer writes (updates, its removal at
     unprepare): the re-prepare writes the spec again for the file it keeps."""
-    node = MigNode(str(tmp_path))
-    c = node.allocated("a", req("m", profile("3g.71gb")))
-    uid = c["metadata"]["uid"]
-    assert not driver_for(node).prepare_claims([c])[uid].error
-    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
-    d = driver_for(node)
-    d.recover()
+    node, c, uid, _, d = adopted(tmp_path)
     assert not d.prepare_claims([c])[uid].error
     entry = Checkpoint.load(d.checkpoint_path).claims[uid]
     with open(layout.spec_path(d.settings.cdi_dir, d.settings.driver_name, uid, "m")) as f:
@@ -140,13 +129,7 @@ def untimed(status: list[dict]) -> list[dict]:
 def test_a_refusal_names_an_adopted_claim_by_its_uid_before_its_re_prepare(tmp_path):
     """An adopted claim's entry knows no namespace nor name until the kubelet prepares it again:
     a claim refused for its devices named it ``prepared claim / (uid)``; now by its UID, as adopted."""
-    node = MigNode(str(tmp_path))
-    c = node.allocated("a", req("m", profile("3g.71gb")))
-    uid = c["metadata"]["uid"]
-    assert not driver_for(node).prepare_claims([c])[uid].error
-    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
-    d = driver_for(node)
-    assert d.recover().adopted == [uid]
+    node, c, uid, _, d = adopted(tmp_path)
     w = node.allocated("w", req("w", whole()))
     err = d.prepare_claims([w])[w["metadata"]["uid"]].error
     assert err and f"held by prepared claim {uid} (adopted from its CDI spec" in err and "claim / " not in err
@@ -157,13 +140,7 @@ def test_sysdra_status_names_an_adopted_claim_as_such(tmp_path):
     from agent.cli.status import render_text
     from agent.service.status import StatusBoard
 
-    node = MigNode(str(tmp_path))
-    c = node.allocated("a", req("m", profile("3g.71gb")))
-    uid = c["metadata"]["uid"]
-    assert not driver_for(node).prepare_claims([c])[uid].error
-    node.settings = node.settings.replace(kubelet_dir=str(tmp_path / "kubelet-moved"))
-    d = driver_for(node)
-    assert d.recover().adopted == [uid]
+    node, c, uid, _, d = adopted(tmp_path)
     board = StatusBoard("node-a", "sysdra.io")
     board.set_prepared_claims(d.checkpoint.claims)
     text = render_text(board.snapshot())
