@@ -15,18 +15,11 @@ from agent.publish.backoff import Backoff
 from agent.publish.drift import watch_api
 from agent.publish.kubestore import KubeStore
 from agent.publish.store import StoreError
-from tests.faultproxy import FaultProxy
+from tests.test_apiserver_faults import proxy  # noqa: F401 - the module's fault proxy (fixture)
 from tests.test_apiserver_publish import Node, Running, run
 
 MIB = 1024 * 1024
 FLOOD = 64 * MIB  # a garbage answer far past every limit: only its first MiBs may be read
-
-
-@pytest.fixture(scope="module")
-def proxy(apiserver):
-    p = FaultProxy(apiserver).start()
-    yield p
-    p.stop()
 
 
 @pytest.fixture
