@@ -35,8 +35,29 @@ def pytest_configure(config):
     # base, /tmp/pytest-of-<user>/pytest-<run counter>, grows with the counter (a machine's 1000th
     # run made sockets of some tests 109 bytes long): a base of fixed length instead.
     if config.option.basetemp is None:
+        _drop_old_basetemps("/tmp")
         config.option.basetemp = tempfile.mkdtemp(prefix="sysdra-tests-", dir="/tmp")
         config.stash[_OWN_BASETEMP] = config.option.basetemp
+
+
+KEPT_FAILED_RUNS = 3  # as pytest keeps its own base dirs: a failed run's files stay for a look, not for ever
+IN_USE = 3600.0  # seconds: a base dir changed since is another session's, still running
+
+
+def _drop_old_basetemps(parent: str) -> None:
+    """Failed runs' base dirs beyond the newest KEPT_FAILED_RUNS: each holds its nodes, images
+    and logs (hundreds of MB), and a machine that ran many failed sessions ran out of disk."""
+    import time
+
+    dirs = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if name.startswith("sysdra-tests-") and os.path.isdir(path) and not os.path.islink(path):
+            dirs.append((os.stat(path).st_mtime, path))
+    dirs.sort(reverse=True)
+    for mtime, path in dirs[KEPT_FAILED_RUNS:]:
+        if time.time() - mtime > IN_USE:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
