@@ -1,5 +1,7 @@
 """Per-device metrics (docs/operations.md, "Metrics"), read at each scrape from what the status
-board last handed over, so a scrape never sees half an update:
+board last handed over, so a scrape never sees half an update; the prepared rows are built at the
+scrape from the claims and inventory handed over, not at each prepare (a node's thousands of
+devices would be indexed again for every claim):
 
 - ``sysdra_device_unhealthy{device, reason}``: 1 for each unhealthy device (a MIG device with a
   fault of its own too), with its fault's reason code (``xid-79``, ``link-down``): an alert names
@@ -19,7 +21,7 @@ class DeviceRows:
 
     def __init__(self):
         self.unhealthy: tuple[tuple[str, str], ...] = ()
-        self.prepared: tuple[tuple[str, str, str, str, str], ...] = ()
+        self.prepared_from: tuple[dict[str, dict], object] = ({}, None)  # (claims, inventory)
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily  # (the status board imports this module without metrics)
@@ -31,7 +33,7 @@ class DeviceRows:
         yield family
         family = GaugeMetricFamily("sysdra_device_prepared", "1 for each device of a prepared claim, with the "
                                    "hardware under it", labels=["device", "namespace", "claim", "pci_bus_id", "uuid"])
-        for row in self.prepared:
+        for row in prepared_rows(*self.prepared_from):
             family.add_metric(list(row), 1)
         yield family
 

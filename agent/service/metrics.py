@@ -177,8 +177,9 @@ class Metrics:
     def set_unhealthy_devices(self, rows: tuple) -> None:
         self.device_rows.unhealthy = rows
 
-    def set_prepared_devices(self, rows: tuple) -> None:
-        self.device_rows.prepared = rows
+    def set_prepared_devices(self, claims: dict[str, dict], inventory) -> None:
+        """``claims``: a copy the caller no longer changes (the status board's)."""
+        self.device_rows.prepared_from = (claims, inventory)
 
     def set_health(self, counts: dict[str, int]) -> None:
         for state in set(HEALTH_STATES) | set(counts):

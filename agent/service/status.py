@@ -95,7 +95,7 @@ class StatusBoard:
             self.metrics.set_health(self.devices_by_health)
             self.metrics.set_unhealthy_devices(devicemetrics.unhealthy_rows(faults or {}))
             if new_inventory:  # (each health round sets the same one again)
-                self.metrics.set_prepared_devices(devicemetrics.prepared_rows(self._claims, inventory))
+                self.metrics.set_prepared_devices(self._claims, inventory)
 
     def set_prepared_claims(self, claims: dict[str, dict]) -> None:
         """Checkpoint-shaped ``{uid: {"namespace", "name", "state", "devices": [{"device": ...}]}}``.
@@ -104,7 +104,7 @@ class StatusBoard:
         self._prepared = None
         self._nri_changed()
         if self.metrics is not None:
-            self.metrics.set_prepared_devices(devicemetrics.prepared_rows(self._claims, self._inventory))
+            self.metrics.set_prepared_devices(self._claims, self._inventory)
 
     def set_nri(self, report: dict) -> None:
         """The NRI plugin's state (``agent.nri.plugin.State.report``), at every change."""
