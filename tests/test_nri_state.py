@@ -241,6 +241,24 @@ def test_the_board_and_metrics_follow_the_plugin(caplog):
     assert [r.levelno for r in caplog.records if "prepared with netdev(s)" in r.getMessage()] == [logging.INFO]
 
 
+def test_a_claim_prepared_again_while_nri_is_away_is_named_again(caplog):
+    """A ResourceClaim the pods of a Job use one after another is unprepared and prepared again
+    under its UID: each prepare while NRI is away is news (and the board keeps no claim it no
+    longer has: NIC claims come and go for months on a node with NRI off)."""
+    from agent.service.status import StatusBoard
+
+    board = StatusBoard("node-a", "sysdra.io")
+    board.set_nri({"state": "failed", "reason": "no NRI socket at /s", "since": 1.0, "socket": "/s"})
+    caplog.set_level(logging.INFO, logger="sysdra.daemon")
+    entry = {"namespace": "ml", "name": "net-0", "state": "PrepareCompleted", "devices": [{"device": "nic-0"}],
+             "netdevs": [{"device": "nic-0", "request": "net1", "host": "ens1f0", "pod": "net1"}]}
+    for _ in range(2):
+        board.set_prepared_claims({"u1": entry})
+        board.set_prepared_claims({"u1": entry})  # (saved again by the same prepare: once)
+        board.set_prepared_claims({})  # unprepared
+    assert [r.levelno for r in caplog.records if "ml/net-0 prepared with netdev(s)" in r.getMessage()] == [logging.WARNING] * 2
+
+
 def test_netdevs_in_their_pods_do_not_wait_for_nri_when_it_goes(tmp_path, nets):
     """The board learns each move as it is saved (the mover's ``on_saved``), so an NRI connection
     lost later counts only the claims whose netdevs are still on the host; NRI off on purpose

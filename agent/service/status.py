@@ -102,6 +102,7 @@ class StatusBoard:
         Called after every prepare: keeps a shallow copy, the list is built when asked for."""
         self._claims = dict(claims)
         self._prepared = None
+        self._nri_told &= self._claims.keys()  # a claim prepared again (the next pod of a shared claim) is named again
         self._nri_changed()
         if self.metrics is not None:
             self.metrics.set_prepared_devices(self._claims, self._inventory)
