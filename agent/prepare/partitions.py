@@ -224,6 +224,29 @@ class Partitions:
             raise NotRestored(f"restoring {'/'.join(target)} failed too: {err}") from None
         return f"restored {'/'.join(target)}{note}"
 
+    def ensure(self, bdf: str, mode: str) -> str | None:
+        """A prepared claim's GPU in ``mode`` again where the kernel shows another (after a reboot
+        amdgpu comes up in its default compute mode) -> what was done, None when nothing was
+        needed. ClaimFailed where it cannot be (another memory mode: a driver reload's; the switch
+        failing): the claim's pods must not run on the GPU as it is."""
+        gpu = self._gpu(bdf)
+        pt, _ = self.read(gpu)
+        target = _mode(mode)
+        if pt is None or not pt.compute_mode:
+            raise ClaimFailed(f"GPU {bdf}: its partition mode cannot be read; its prepared claims need {mode}")
+        now = (pt.compute_mode, pt.memory_mode or "NPS1")
+        if now == target and len(pt.partitions) == part_count(target[0], pt.xcds):
+            return None
+        try:
+            self._apply(gpu, now, target, pt.xcds)  # ClaimFailed for another memory mode, before any write
+        except (OSError, TimeoutError) as err:
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise ClaimFailed(f"GPU {bdf} is in {'/'.join(now)}; switching it back to {mode}, which its prepared "
+                              f"claims run it in, failed: {why}") from None
+        log.warning("GPU %s was in %s (a reboot, or someone): switched back to %s for its prepared claims",
+                    bdf, "/".join(now), mode)
+        return f"{bdf}: {'/'.join(now)} -> {mode}"
+
     def devices_after(self, pt: Partitioning, results: list[Result], table: dict[str, gpuways.Way]) -> dict[str, Device]:
         """Devices of the claim's partition ways (of ``table``, the ways planned with: a rescan
         during the switch may not show them) with the nodes the kernel exposes now."""

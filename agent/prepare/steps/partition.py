@@ -6,8 +6,9 @@ Record (``partitions``): a ``PartitionUse``, the mode each GPU runs in for this 
 until the prepare completes, the switch's intent (GPU, from, to), saved durably before the
 first kernel write. ``apply`` switches and reads the new mode's partitions afresh; a failure
 writes the previous compute mode back. ``undo`` (a later failure, or an interrupted prepare at start)
-puts the previous mode back unless a prepared claim runs the GPU in the new one. A prepared
-claim needs nothing made again after a reboot: the spec is rebuilt from what the kernel shows."""
+puts the previous mode back unless a prepared claim runs the GPU in the new one. ``recover`` (at
+start, on the kubelet's re-prepare) puts a prepared claim's GPU in its mode again: amdgpu comes up
+in its default mode after a reboot, where partition 0 is the whole GPU and the others are gone."""
 
 from __future__ import annotations
 
@@ -62,7 +63,12 @@ class PartitionStep(RecordOf):
         return Undone(notes=[note] if note else [])
 
     def recover(self, record: PartitionUse) -> bool:
-        return False
+        """The claim's GPUs in its mode again (amdgpu forgets a compute mode across a reboot: partition
+        0 would be the whole GPU, the others gone); ClaimFailed where that cannot be."""
+        switched = [note for bdf, mode in sorted(record.uses.items()) if (note := self.partitions.ensure(bdf, mode))]
+        if switched:
+            self.changed()
+        return bool(switched)
 
     def devices_now(self, record: PartitionUse, devices: dict[str, Device]) -> dict[str, Device]:
         return {}
