@@ -184,3 +184,22 @@ def test_an_adopted_claims_time_slice_goes_back_at_its_unprepare(tmp_path):
     assert again.prepare_claims([claim([GPU])])[UID].error is None
     assert again.unprepare_claims([ClaimRef("ns", "ts", UID)]) == {UID: None}
     assert calls(root)[-1] == f"compute-policy -i {uuid(root, GPU)} --set-timeslice 0"
+
+
+def test_a_slice_not_set_again_after_a_reboot_fails_the_re_prepare_until_it_is(tmp_path):
+    """After a reboot the driver forgot the claim's slice, and nvidia-smi fails at the agent's start
+    (the driver not ready yet): the kubelet's re-prepare must not start the pod on the Default slice
+    the claim did not ask for while its record says Long; it says why, and the retry that can set it does."""
+    root = node(tmp_path)
+    assert driver(tmp_path, root).prepare_claims([claim([GPU])])[UID].error is None
+    _mark(root, "fail-3")
+    d = driver(tmp_path, root)
+    d.boot_id = "another-boot"
+    d.recover()  # logged: the claim stays prepared, its unprepare sets Default
+    assert d.checkpoint.claims[UID]["state"] == "PrepareCompleted"
+    err = d.prepare_claims([claim([GPU])])[UID].error  # the kubelet's, for the pod it restarts
+    assert err and f"GPU {uuid(root, GPU)}: nvidia-smi compute-policy --set-timeslice 3 failed" in err, err
+    _mark(root, "fail-3", False)
+    assert d.prepare_claims([claim([GPU])])[UID].error is None
+    assert calls(root)[-1] == f"compute-policy -i {uuid(root, GPU)} --set-timeslice 3"
+    assert UID in d.checkpoint.claims

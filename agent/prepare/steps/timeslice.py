@@ -5,7 +5,8 @@ Medium 2, Long 3), for the pods of the claim that share the GPU.
 
 Record (``timeslice``): the GPUs and intervals, saved before the first ``nvidia-smi`` call. A
 failure sets the GPUs already changed back to Default; ``undo`` sets them back when the claim
-goes; ``recover`` sets them again after a reboot (the driver forgets its policy). Never run on a
+goes; ``recover`` sets them again after a reboot (the driver forgets its policy), failing the
+kubelet's re-prepare while it cannot. Never run on a
 GPU whose settings must stay as they are: a claim has to ask for it, and one with admin access
 (beside the GPU's other claims, prepare/ownership.py) cannot."""
 
@@ -124,11 +125,17 @@ class TimeSliceStep(RecordsOf):
         return True
 
     def recover(self, record: Record) -> bool:
+        """Each GPU's slice set again (after a reboot the driver forgot it); ClaimFailed naming those
+        that failed, after trying all: the kubelet's re-prepare must not start a pod on a slice its claim
+        did not ask for while the record says it has it (at start: logged, the re-prepare tries again)."""
+        failed = []
         for ts in record:
             try:
                 self._set(ts.gpu, ts.interval)
             except ClaimFailed as err:
-                log.error("%s (set again at start)", err)
+                failed.append(str(err))
+        if failed:
+            raise ClaimFailed("; ".join(failed))
         return False
 
     def devices_now(self, record: Record, devices: dict[str, Device]) -> dict[str, Device]:
