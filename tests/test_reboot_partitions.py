@@ -47,7 +47,7 @@ def test_a_claims_mode_is_back_after_a_reboot(node):
     specs = {c["metadata"]["uid"]: spec_nodes(before, c["metadata"]["uid"]) for c in (a, b)}
     d = _rebooted(node)
     report = d.recover()
-    assert report.boot_changed and report.kernel_changed
+    assert report.boot_changed and report.kernel_changed and report.not_rebuilt == []
     _settle(node, "DPX/NPS1")  # (the simulator records a switch once its partitions are up)
     assert [s[1:] for s in node.sim.switches] == [("DPX", "NPS1"), ("SPX", "NPS1"), ("DPX", "NPS1")]
     for c in (a, b):

@@ -89,13 +89,11 @@ class Driver:
     LATER = frozenset({"netdevs"})  # steps whose apply changes nothing on the host (the NRI plugin does, later)
 
     def __init__(self, settings: Settings, inventory: Callable[[], Inventory]):
-        self.settings = settings
-        self.inventory = inventory
+        self.settings, self.inventory = settings, inventory
         self.checkpoint_path = os.path.join(settings.plugin_dir, "checkpoint.json")
         self.checkpoint: Checkpoint | None = None
         self.saved: Saved | None = None  # the files as our last save left them, for the NRI plugin's look
-        self.boot_id = read_boot_id(settings.root)
-        self.kernel = PciKernel(settings.root)
+        self.boot_id, self.kernel = read_boot_id(settings.root), PciKernel(settings.root)  # the boot ID: recovery's reboot test
         self.recovery: RecoveryReport | None = None  # of the last recover()
         self.fault: Callable[[str], None] = lambda point: None
         self.hardware_changed: Callable[[], None] = lambda: None  # the daemon rescans and republishes
@@ -120,7 +118,7 @@ class Driver:
         # what shared devices offer, as published (the policies are checked at start: exit 78)
         self.share_policies = {kind: list(merged_policies(kind, settings.share_policies).items()) for kind in settings.share}
         self.mps_watch = None  # prepare/mps_watch.MpsSupervisor once supervise_mps is called
-        self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia)
+        self.files = ClaimFiles(settings, inventory, self.steps, lambda: self.checkpoint, self.nvidia, self.all_ways)
 
     # --- helpers -------------------------------------------------------------
     def _cp(self) -> Checkpoint:
@@ -277,7 +275,9 @@ class Driver:
             cp.claims[uid] = {**entry, err.key: err.record}
             call.changed.add(uid)
             raise err.err from None
-        if self.files.ensure_spec(uid, entry, rebuild=moved) | metadata.ensure_claim(self.settings, uid, entry):
+        changed, entry = self.files.again(uid, entry, moved, self.boot_id)  # ClaimFailed: a device gone since a reboot
+        if changed | metadata.ensure_claim(self.settings, uid, entry):
+            cp.claims[uid] = entry
             call.changed.add(uid)
         return PrepareResult([planner.device_from_record(d) for d in entry["devices"]], status=entry.get("deviceStatus"))
 

@@ -27,6 +27,7 @@ from agent.prepare import cdifiles, shares
 from agent.prepare.checkpoint import COMPLETED, STARTED, Checkpoint
 from agent.prepare.checkpoint_format import last_saved
 from agent.prepare.checkpoint_view import Saved
+from agent.prepare.claimfiles import NotRebuilt
 from agent.prepare.metadata import store as metadata
 from agent.prepare.steps import NotRecovered, Undone
 from cdi.claim import cdi_device_name
@@ -39,6 +40,7 @@ log = logging.getLogger("agent.prepare.driver")
 class RecoveryReport:
     rolled_back: list[str] = field(default_factory=list)
     rebuilt: list[str] = field(default_factory=list)
+    not_rebuilt: list[str] = field(default_factory=list)  # specs of a boot before not written again (a device gone)
     orphans_removed: list[str] = field(default_factory=list)
     metadata_rebuilt: list[str] = field(default_factory=list)
     metadata_orphans_removed: list[str] = field(default_factory=list)
@@ -119,14 +121,18 @@ def _recover_claim(driver, cp: Checkpoint, uid: str, entry: dict, report: Recove
         if _roll_back(driver, cp, uid, entry, report):
             report.rolled_back.append(uid)
         return  # (not rolled back: keep the intent, the next start tries again)
-    rebooted = entry.get("bootID") != driver.boot_id
-    report.boot_changed |= rebooted
-    rebooted |= _make_again(driver, uid, entry, report)
-    if driver.files.ensure_spec(uid, entry, rebuild=rebooted):
-        report.rebuilt.append(uid)
-    if driver.files.ensure_metadata(uid, entry, rebuild=rebooted):
+    other_boot = entry.get("bootID") != driver.boot_id
+    report.boot_changed |= other_boot
+    rebuild = _make_again(driver, uid, entry, report) or other_boot
+    try:
+        if driver.files.ensure_spec(uid, entry, rebuild=rebuild, other_boot=other_boot):
+            report.rebuilt.append(uid)
+        entry["bootID"] = driver.boot_id
+    except NotRebuilt as err:  # its bootID stays that of its recorded spec: the kubelet's re-prepare tries again
+        log.error("%s", err)
+        report.not_rebuilt.append(uid)
+    if driver.files.ensure_metadata(uid, entry, rebuild=rebuild):
         report.metadata_rebuilt.append(uid)
-    entry["bootID"] = driver.boot_id
 
 
 def _make_again(driver, uid: str, entry: dict, report: RecoveryReport) -> bool:

@@ -18,6 +18,7 @@ from agent.prepare.ownership import Hold, Ownership, entry_name
 from agent.prepare.partitions import NotRestored, Partitions
 from agent.prepare.records import COMPLETED, PartitionUse
 from agent.prepare.steps import Planned, RecordOf, Undone
+from discovery import gpuways
 from discovery.models import Device
 
 
@@ -71,7 +72,15 @@ class PartitionStep(RecordOf):
         return bool(switched)
 
     def devices_now(self, record: PartitionUse, devices: dict[str, Device]) -> dict[str, Device]:
-        return {}
+        """The partitions of the claim's GPUs, with the nodes the kernel shows now (a spec rebuilt after a
+        reboot), of each GPU that runs in the claim's mode (in another, its partitions are not there)."""
+        out: dict[str, Device] = {}
+        for bdf, mode in record.uses.items():
+            ways = [w for w in self.partitions.ways().values() if w.kind == "amd" and w.parent.pci.bdf == bdf and w.mode == mode]
+            pt = self.partitions.read(ways[0].parent)[0] if ways else None
+            if pt is not None and f"{pt.compute_mode}/{pt.memory_mode or 'NPS1'}" == mode:
+                out.update((w.name, gpuways.way_device(w, now=pt)) for w in ways)
+        return out
 
 
 def gpus_in_use(entries: dict[str, dict]) -> frozenset[str]:
