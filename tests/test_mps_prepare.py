@@ -76,6 +76,29 @@ def test_a_daemon_that_died_is_started_again_by_recovery(tmp_path):
     assert new != pid
 
 
+def test_a_daemon_that_cannot_start_again_fails_the_re_prepare(tmp_path, monkeypatch):
+    """The GPU's daemon is gone (a reboot, or it died) and cannot be started when the kubelet
+    re-prepares the share for the pod it restarts: that pod would run as the client of no daemon,
+    its memory and compute limits not enforced, while the claim's record says they are. The
+    re-prepare fails saying why; the kubelet's retry that can start the daemon succeeds."""
+    slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
+    (a,) = _allocated(slices, memory_claim("a", "8Gi"))
+    uid = a["metadata"]["uid"]
+    d = _driver(tmp_path)
+    assert d.prepare_claims([a])[uid].error is None
+    ((uuid, pid),) = _running(d).items()
+    psutil.Process(pid).kill()
+    psutil.Process(pid).wait(5)
+    monkeypatch.setattr("agent.prepare.mps_process.ProcessLauncher.start_timeout", 0.3)  # starts that fail, fail fast
+    monkeypatch.setenv("FAKE_MPS_NO_PIPE", "1")  # every start fails
+    err = d.prepare_claims([a])[uid].error
+    assert err and uuid in err, err
+    assert _running(d) == {} and d.checkpoint.claims[uid]["state"] == "PrepareCompleted"
+    monkeypatch.delenv("FAKE_MPS_NO_PIPE")
+    assert d.prepare_claims([a])[uid].error is None
+    assert list(_running(d)) == [uuid]
+
+
 def test_without_mps_shares_are_accounted_only(tmp_path):
     slices, _ = one_gpu(published(PROFILE, share=share_plan(("gpu",), None)))
     (a,) = _allocated(slices, memory_claim("a", "8Gi"))

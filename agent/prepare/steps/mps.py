@@ -5,7 +5,8 @@ Record (``mps``): the GPUs (UUIDs) whose daemon this claim's shares use, saved b
 starts. ``apply`` makes the running daemons equal to what every claim's record needs (this one
 included): a daemon starts with the first share of its GPU and stops with the last. ``undo``
 does the same without this claim; ``recover`` (at start, after a reboot, on the kubelet's
-re-prepare) starts again the daemons the prepared claims need and stops orphans; ``settle`` (at
+re-prepare) starts again the daemons the prepared claims need and stops orphans (a re-prepare
+fails while its claim's daemon cannot start: its pod's shares would not be enforced); ``settle`` (at
 start) does so even when no claim has a record (the last share went while the agent was away)."""
 
 from __future__ import annotations
@@ -77,9 +78,14 @@ class MpsStep(RecordOf):
         return Undone(notes=[f"MPS: {e}" for e in errors.values()])
 
     def recover(self, record: MpsUse) -> bool:
+        """The daemons the prepared claims need started again; ClaimFailed where this claim's cannot
+        be: the kubelet's re-prepare must not start a pod whose shares no daemon enforces."""
         prepared = {u: e for u, e in self.claims().items() if e.get("state") == COMPLETED}
-        for err in self.daemons.reconcile(self._needed(prepared) | set(record.gpus)).values():
+        errors = self.daemons.reconcile(self._needed(prepared) | set(record.gpus))
+        for err in errors.values():
             log.error("MPS: %s (the shares of that GPU are not enforced until it starts)", err)
+        if failed := [errors[g] for g in record.gpus if g in errors]:
+            raise ClaimFailed("; ".join(failed))
         return False
 
     def settle(self, entries: dict[str, dict]) -> None:
