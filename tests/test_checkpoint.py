@@ -158,6 +158,25 @@ def test_reboot_rebuilds_specs_from_current_inventory(tmp_path):
     assert not os.path.exists(cdifiles.claim_spec_path(s.cdi_dir, s.driver_name, uid))
 
 
+def test_without_a_boot_id_every_start_counts_as_one_after_a_reboot(tmp_path):
+    """agent/bootid.py: with no boot ID readable (""), a reboot cannot be told from a restart, so every
+    start rebuilds the specs from the inventory as after one: the device numbers may have changed."""
+    s, state = make_env(tmp_path)
+    c = claim("c", [("a", "gpu-0000-1b-00-0")])
+    uid = c["metadata"]["uid"]
+    d = Driver(s, lambda: state["inv"])
+    d.boot_id = ""
+    assert d.prepare_claims([c])[uid].error is None
+    state["inv"] = inventory(gpu(0, root=s.root, major=227, minor=5), root=s.root)  # rebooted, unknown to the agent
+    d = Driver(s, lambda: state["inv"])
+    d.boot_id = ""
+    report = d.recover()
+    assert report.boot_changed and report.rebuilt == [uid]
+    spec = cdifiles.read_spec(cdifiles.claim_spec_path(s.cdi_dir, s.driver_name, uid))
+    assert [(n["major"], n["minor"]) for n in spec["devices"][0]["containerEdits"]["deviceNodes"]] == [(227, 5)]
+    assert d.prepare_claims([c])[uid].error is None  # the kubelet's re-prepare: as prepared
+
+
 def test_orphan_specs_and_temps_removed_others_kept(tmp_path):
     s, state = make_env(tmp_path)
     d = new_driver(s, state)

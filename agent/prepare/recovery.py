@@ -121,7 +121,7 @@ def _recover_claim(driver, cp: Checkpoint, uid: str, entry: dict, report: Recove
         if _roll_back(driver, cp, uid, entry, report):
             report.rolled_back.append(uid)
         return  # (not rolled back: keep the intent, the next start tries again)
-    other_boot = entry.get("bootID") != driver.boot_id
+    other_boot = not driver.boot_id or entry.get("bootID") != driver.boot_id  # none readable: maybe (agent/bootid.py)
     report.boot_changed |= other_boot
     rebuild = _make_again(driver, uid, entry, report) or other_boot
     try:
