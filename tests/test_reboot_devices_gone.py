@@ -79,3 +79,32 @@ def test_a_claim_whose_gpu_is_gone_after_a_reboot_is_unprepared(tmp_path):
     assert d.unprepare_claims([ref(a)]) == {ua: None}
     assert d.checkpoint.claims == {} and cdifiles.list_claim_specs(s.cdi_dir, s.driver_name) == {}
     assert_consistent(s, d)
+
+
+def test_an_admin_claim_beside_a_mig_device_follows_its_instance_made_again_after_a_reboot(tmp_path):
+    """Admin access to a MIG device has no record of its own: it uses the instance the claim beside it
+    made. After a reboot that instance is made again under another GPU instance ID, so its cap nodes
+    differ: the admin claim's spec follows it, never the cap nodes of the boot before (another
+    instance's, or none)."""
+    from tests.mig_node import GPU, MigNode
+    from tests.test_mig_prepare import _admin, driver_for, spec_of
+
+    node = MigNode(str(tmp_path))
+    d = driver_for(node)
+    dev = f"{GPU}-mig-2g-35gb-2"
+    first = claim("z", [("m", f"{GPU}-mig-1g-18gb-0")])  # takes the first GPU instance ID: a's is another
+    a, adm = claim("a", [("m", dev)]), _admin("adm", dev)
+    for c in (first, a, adm):
+        assert not d.prepare_claims([c])[c["metadata"]["uid"]].error
+    assert d.unprepare_claims([ref(first)]) == {first["metadata"]["uid"]: None}
+    caps = {c["metadata"]["uid"]: [n for n in spec_of(d, c)[dev] if n[0].startswith("/dev/nvidia-caps/")] for c in (a, adm)}
+    node.sim.reboot()
+    for p in cdifiles.list_claim_specs(d.settings.cdi_dir, d.settings.driver_name).values():
+        os.unlink(p)
+    again = driver_for(node)
+    again.boot_id = "another-boot"
+    assert again.recover().not_rebuilt == []
+    now = [n for n in spec_of(again, a)[dev] if n[0].startswith("/dev/nvidia-caps/")]
+    assert now != caps[a["metadata"]["uid"]]  # made again under another ID
+    assert [n for n in spec_of(again, adm)[dev] if n[0].startswith("/dev/nvidia-caps/")] == now
+    assert not again.prepare_claims([adm])[adm["metadata"]["uid"]].error

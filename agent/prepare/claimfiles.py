@@ -63,6 +63,9 @@ class ClaimFiles:
         for name in {d["device"] for d in entry["devices"]} - devices.keys():
             if (way := ways.get(name)) is not None and way.kind == "mig":  # static MIG: the instance as scanned now
                 devices[name] = gpuways.way_device(way)
+            elif way is not None and way.kind == "mig-placement":  # admin access beside the claim that made it
+                for placed in (p for step in self.steps if (p := getattr(step, "placed", None)) is not None):
+                    devices.update(placed(name))
         if gone := sorted({d["device"] for d in entry["devices"]} - devices.keys()):
             raise DevicesGone(uid, gone)
         recorded = [(shares.recorded(devices[d["device"]], d), d.get("shareID")) for d in entry["devices"]]

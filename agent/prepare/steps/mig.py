@@ -134,6 +134,13 @@ class MigStep(RecordsOf):
                 out.update(self._device(rec, devices.get(rec.device), now.gi, now.cis[0]))
         return out
 
+    def placed(self, name: str) -> dict[str, Device]:
+        """A placement's device as its instance is now, for a spec rebuilt after a reboot of a claim
+        with admin access beside the claim that made it (no record of its own); none where none is."""
+        if (found := _records(self.ways(), [name])) is None or (now := self.devices.find(found[0])) is None or not now.cis:
+            return {}
+        return self._device(found[0], None, now.gi, now.cis[0])
+
     def orphans(self, entries: dict[str, dict]) -> list[str]:
         """At start (after interrupted prepares are rolled back): destroy the instances of every
         dynamic-MIG GPU that no entry records."""
