@@ -3,6 +3,8 @@ plugin's lock (agent/nri/netdev.py), and the tests on a record or an entry it ma
 
 from __future__ import annotations
 
+import os
+
 from agent.nri.plugin import Pod
 from agent.prepare import netmove
 from agent.prepare.checkpoint import Checkpoint
@@ -49,6 +51,13 @@ def for_pod(entry: dict, pod: Pod) -> bool:
 
 def in_sandbox(move: NetdevMove, sandbox: str) -> bool:
     return move.state == "in-pod" and move.sandbox == sandbox and netmove.in_pod(move)
+
+
+def runs(move: NetdevMove, pods) -> bool:
+    """``move``'s sandbox still runs: the runtime lists it (``pods``, by ID) and its network namespace
+    is there. A stopped sandbox stays listed until it is removed, its namespace gone (containerd
+    removes it at the stop, even one whose StopPodSandbox failed, and lists the sandbox without it)."""
+    return move.sandbox in pods and move.netns is not None and os.path.exists(move.netns)
 
 
 def lost_for(entry: dict, pod: Pod) -> bool:

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
 from agent.nri.movelock import LOCK_TIMEOUT, MoveLock
-from agent.nri.netclaims import SEEN, Claims, away, away_in, for_pod, in_sandbox, lost_for, planned
+from agent.nri.netclaims import SEEN, Claims, away, away_in, for_pod, in_sandbox, lost_for, planned, runs
 from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
@@ -214,7 +214,7 @@ class NetdevMover(Sandboxes):
                               f"({', '.join(m.host for _, _, m in mine)}) cannot be given to it")
         for uid, i, m in mine:  # away in another sandbox: back first if that one is gone
             if m.away and m.sandbox != pod.id:
-                if m.sandbox in self.pods:
+                if runs(m, self.pods):
                     raise NetdevError(f"netdev {m.host} of claim {uid} is in pod sandbox {m.sandbox}, which still runs")
                 self._move_out(claims, uid, i, m)
         try:
@@ -346,7 +346,7 @@ class NetdevMover(Sandboxes):
             if not move.away:
                 continue
             try:
-                if move.sandbox in running and move.state != "returning":
+                if runs(move, running) and move.state != "returning":
                     self._move_in(claims, uid, i, move)
                     done[uid] = claims.cp.claims[uid]
                 else:
