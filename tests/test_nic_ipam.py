@@ -189,6 +189,36 @@ def test_a_crash_around_the_lease_is_finished_without_a_second_or_a_lost_one(tmp
     assert leases(d) == []
 
 
+def test_a_move_that_cannot_be_finished_at_synchronization_holds_the_pods_containers(tmp_path, root, ifname_nets):
+    """Killed once the record said ``moving``; at the next synchronization the pool has no address
+    left (another sandbox holds the range's one): the move into the running sandbox cannot be
+    finished. The pod's containers wait for it, as a pod's whose sandbox started unseen; before, its
+    record stayed ``moving`` and they were created at once, without the lease, for good."""
+    nets = ifname_nets
+    one = {**POOL, "ranges": [[{"subnet": "10.77.0.0/24", "rangeStart": "10.77.0.10", "rangeEnd": "10.77.0.10"}]]}
+    d = driver(tmp_path, root, nets, pools={"data": one})
+    assert d.prepare_claims([nic_claim({"ipamPool": "data"})])[CLAIM].error is None
+
+    def crash(at):
+        if at == "netdev:recorded":
+            raise Crash(at)
+
+    with pytest.raises(Crash):
+        run(NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings, fault=crash).pod_started(pod(nets)))
+    taken = Ipam.of(d.settings)
+    taken.lease("data", "someone-else", nets.pod, "eth9")
+    again = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
+    run(again.synchronized([pod(nets)]))
+    with pytest.raises(NetdevError, match="no IP addresses available"):
+        run(again.container_created(pod(nets), "app"))
+    taken.release("data", "someone-else", nets.pod, "eth9")
+    run(again.container_created(pod(nets), "app"))  # the kubelet's next try
+    assert where(nets, IFNAME) == (False, True)
+    assert record(d)["state"] == "in-pod" and record(d)["leased"] == ["10.77.0.10/24"] and leases(d) == ["10.77.0.10"]
+    assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
+    assert leases(d) == []
+
+
 def test_a_pool_is_the_admins_and_checked(tmp_path):
     for bad, said in (({"x": {"ranges": []}}, "needs a 'type'"), ({"x": {"type": "../../bin/sh"}}, "needs a 'type'"),
                       ({"Data": POOL}, "not a DNS label")):
