@@ -103,3 +103,22 @@ def test_a_stop_that_failed_is_finished_by_the_look_with_the_hosts_name(tmp_path
             run(m.pod_removed(pod(nets)))
     run(m.reconcile())
     assert back_on_the_host(tmp_path, nets)
+
+
+def test_a_container_of_the_pods_next_sandbox_waits_until_the_stopped_ones_netdev_is_in_it(tmp_path, nets, next_netns):  # noqa: F811
+    """After a reboot: the pod's next sandbox ran before the agent registered, and its Synchronize
+    could not have the lock (the kubelet's prepares), so the record still names the stopped sandbox.
+    A container of the next one waits for the netdev, as one of a pod whose record is planned does;
+    before, it was created at once without it."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    run(mover(tmp_path, nets).pod_started(pod(nets)))
+    stopped_unannounced(nets)
+    m = mover(tmp_path, nets, lock_timeout=0.2)
+    following = Pod("sb2", "app", "ns", POD_UID, next_netns)
+    with Flock(str(tmp_path / "serialize.lock"), 1.0):  # a prepare
+        run(m.synchronized([pod(nets, netns=None), following]))
+        with pytest.raises(NetdevError, match="cannot be used now"):
+            run(m.container_created(following, "app"))
+    run(m.container_created(following, "app"))  # the kubelet's next try
+    assert rtnl.has_link(next_netns, "net1") and not rtnl.has_link(nets.host, "net1")
+    assert records(tmp_path)[0]["state"] == "in-pod" and records(tmp_path)[0]["sandbox"] == "sb2"

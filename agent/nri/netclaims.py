@@ -75,12 +75,8 @@ def away_in(raw: dict, sandbox: str) -> bool:
     return isinstance(raw, dict) and raw.get("state", "planned") != "planned" and raw.get("sandbox") == sandbox
 
 
-def unfinished_in(raw: dict, sandbox: str) -> bool:
-    """A record (as saved) says its netdev's move into ``sandbox`` began and did not end: a crash, then
-    a Synchronize that could not finish it (the sandbox's containers wait for it as for a planned one)."""
-    return isinstance(raw, dict) and raw.get("state") == "moving" and raw.get("sandbox") == sandbox
-
-
-def planned(raw: dict) -> bool:
-    """A record (as saved) says its netdev is on the host, to be moved into the claim's pod."""
-    return isinstance(raw, dict) and raw.get("state", "planned") == "planned"
+def not_in(raw: dict, sandbox: str) -> bool:
+    """A record (as saved) does not say its netdev is in ``sandbox``: on the host, in another (maybe
+    stopped) sandbox, or a move into it that began and did not end (a crash, then a Synchronize that
+    could not finish it): the sandbox's containers wait for it."""
+    return not (isinstance(raw, dict) and raw.get("state") == "in-pod" and raw.get("sandbox") == sandbox)

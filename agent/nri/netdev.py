@@ -30,8 +30,7 @@ from pydantic import ValidationError
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
 from agent.nri.movelock import LOCK_TIMEOUT, MoveLock
-from agent.nri.netclaims import (SEEN, Claims, away, away_in, for_pod, in_sandbox, lost_for, planned, runs,
-                                 unfinished_in)
+from agent.nri.netclaims import SEEN, Claims, away, away_in, for_pod, in_sandbox, lost_for, not_in, runs
 from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
@@ -113,13 +112,12 @@ class NetdevMover(Sandboxes):
         await self._gone(pod)
 
     async def container_created(self, pod: Pod, container: str) -> None:
-        """A container of a pod whose sandbox started unseen (``_late``), or whose move a Synchronize
-        could not finish, is created only once its claims' netdevs are in the sandbox: moved now, or
-        the creation fails and the kubelet tries again. Any other pod's container is answered from
-        the look without the lock."""
+        """A container of a pod whose sandbox started unseen (``_late``: its claims' netdevs on the host,
+        still in a sandbox of the pod that stopped unannounced, or a move a Synchronize could not finish)
+        is created only once they are in the sandbox: moved now, or the creation fails and the kubelet
+        tries again. Any other pod's container is answered from the look without the lock."""
         await super().container_created(pod, container)
-        if await self._concerns(lambda entry: for_pod(entry, pod) and any(planned(m) or unfinished_in(m, pod.id)
-                                                                           for m in entry.get("netdevs") or ()),
+        if await self._concerns(lambda entry: for_pod(entry, pod) and any(not_in(m, pod.id) for m in entry.get("netdevs") or ()),
                                 lambda entry: isinstance(entry, dict) and for_pod(entry, pod)):
             self._report(await self._run(self._give_late, pod))
 

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 PKG = "nri.pkg.api.v1alpha1"
 # The runtime waits for the plugin's answer to each subscribed event. A container's creation is
-# answered at once unless its sandbox started while the plugin was not registered: its netdevs
-# go in first (agent/nri/netdev.py).
+# answered at once unless its pod's netdevs are not in its sandbox (one that started while the
+# plugin was not registered): they go in first (agent/nri/netdev.py).
 EVENTS = (api.RUN_POD_SANDBOX, api.STOP_POD_SANDBOX, api.REMOVE_POD_SANDBOX, api.CREATE_CONTAINER)
 RETRY_FIRST, RETRY_MAX = 0.5, 10.0
 WARN_EVERY = 600.0  # seconds between WARNING lines of one unchanged failure
