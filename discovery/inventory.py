@@ -132,7 +132,10 @@ class _Scanner:
         and reuse the previous results for the others. A record read again that reads the same
         is the previous object (:func:`_unchanged`); ``previous``: a full scan's scanner before it."""
         self.problems = []
-        self.resolver.shared_nodes.clear()
+        # what the node's drivers say is read afresh by every run, an incremental one too: the
+        # events of a module loaded or upgraded since (nvidia-uvm on first use, a new nvidia) name
+        # only the functions bound again, which must carry its version and its majors
+        self.resolver, self._nvidia = NodeResolver(self.fs), None
         present = self._present()
         todo = self._to_read(changed, present)
         results, cards = self._results, self._cards
@@ -314,8 +317,9 @@ class IncrementalScanner:
     ``full()`` reads everything, NUMA nodes included, like :func:`scan`. ``update(changed)``
     lists /sys/bus/pci/devices again (adds and removes are always seen), re-reads the
     functions in ``changed`` (PCI addresses, e.g. from a uevent's DEVPATH) with their slot
-    siblings and PFs, and reuses the previous records of all others. NUMA nodes and
-    /proc/devices are re-read only by ``full()``. Read-only, like :func:`scan`; the result
+    siblings and PFs, and reuses the previous records of all others. NUMA nodes are re-read
+    only by ``full()``; /proc/devices and the NVIDIA module's version by every run that needs
+    them (a function bound again carries the driver loaded now). Read-only, like :func:`scan`; the result
     equals a full scan whenever ``changed`` names every function whose sysfs files changed.
     """
 

@@ -158,3 +158,45 @@ def test_vfs_without_a_driver_removed_have_their_pf_read_again(tmp_path):
     _move_vfs(root, pf, vfs, stash, away=True)
     inv = scanner.update(set(vfs.values()))
     assert inv.by_name()[name].attributes["sriovNumVFs"].int_ == 0 and inv == scan(root)
+
+
+def test_a_driver_upgrade_reads_the_new_driver_version(tmp_path):
+    """The NVIDIA driver upgraded while the agent runs (rmmod, modprobe of the new one): the kernel
+    tells of it only by each GPU's unbind and bind (a module's own uevents name no PCI function),
+    so the rescan those start re-reads the GPUs alone. They carry the module loaded now: the
+    version the scanner read when it met its first GPU was published with them until the next
+    full resync (5 minutes)."""
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    scanner = IncrementalScanner(root)
+    gpus = [d for d in scanner.full().devices if d.kind == "gpu" and d.pci.driver == "nvidia"]
+    assert gpus and {d.attributes["driverVersion"].version for d in gpus} == {"580.159.4"}
+    with open(os.path.join(root, "sys/module/nvidia/version"), "w") as f:
+        f.write("590.48.01\n")
+    with open(os.path.join(root, "proc/driver/nvidia/version"), "w") as f:
+        f.write("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  590.48.01  Release Build\n")
+    inv = scanner.update({d.pci.bdf for d in gpus})
+    assert {inv.by_name()[d.name].attributes["driverVersion"].version for d in gpus} == {"590.48.1"}
+    assert inv == scan(root)
+
+
+def test_a_gpu_rebound_after_a_module_loaded_gets_its_device_nodes(tmp_path):
+    """nvidia-uvm is loaded on first use (nvidia-modprobe -u), after the agent's first scan; a GPU
+    bound to nvidia after that (from vfio-pci, say) is read again by the rescan its bind starts.
+    It gets /dev/nvidia-uvm by the major /proc/devices gives now: the one of the first scan was
+    none, and the GPU was published without those nodes until the next full resync."""
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("server-2s-gpu-nic"), root, symlinks=True)
+    devices = os.path.join(root, "proc/devices")
+    with open(devices) as f:
+        text = f.read()
+    with open(devices, "w") as f:
+        f.write(text.replace("510 nvidia-uvm\n", ""))
+    scanner = IncrementalScanner(root)
+    gpu = next(d for d in scanner.full().devices if d.kind == "gpu" and d.pci.driver == "nvidia")
+    assert "/dev/nvidia-uvm" not in {n.path for n in gpu.device_nodes}
+    with open(devices, "w") as f:
+        f.write(text)
+    inv = scanner.update({gpu.pci.bdf})
+    assert inv.by_name()[gpu.name] == scan(root).by_name()[gpu.name]
+    assert "/dev/nvidia-uvm" in {n.path for n in inv.by_name()[gpu.name].device_nodes}
