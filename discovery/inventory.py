@@ -192,10 +192,23 @@ class _Scanner:
                     del cards[card]
         for card, halves in alveo.items():
             try:
-                cards[card] = _unchanged(cards_before.get(card), self._alveo_device(halves))
+                cards[card] = _unchanged(cards_before.get(card), self._alveo_device(halves, self._card_address(card, halves)))
             except Exception as err:  # noqa: BLE001 - the card's problem, not the scan's
                 fn = (halves.get("mgmt") or halves["user"])[0]
                 results[fn.bdf] = _skipped(fn, f"unexpected error: {err!r}"[:200])
+
+    def _card_address(self, card: tuple, halves: dict) -> str:
+        """The address an Alveo card is named after: its management PF's while that function is on the
+        bus, bound or not (xclmgmt unloaded for an XRT upgrade or a flash: the card still serves through
+        its user PF, and a claim holds it by this name), else its user PF's (a VM given that alone)."""
+        if "mgmt" in halves:
+            return halves["mgmt"][0].bdf
+        user = halves["user"][0]
+        for bdf, r in self._results.items():
+            if isinstance(r, Skipped) and _slot(bdf) == card and r.vendor_id == "10ee" \
+                    and ALVEO_MGMT_TO_USER.get(r.device_id or "") == user.device_id:
+                return bdf
+        return user.bdf
 
     def _inventory(self) -> Inventory:
         """The results as an :class:`Inventory`; the device-node problems of every scan so far kept."""
@@ -278,7 +291,8 @@ class _Scanner:
             self._nvidia = NvidiaNode(self.fs, self.nvml, self.static_mig)
         return self._nvidia
 
-    def _alveo_device(self, card: dict) -> Device:
+    def _alveo_device(self, card: dict, address: str) -> Device:
+        """The card of ``card``'s halves, named after ``address`` (``_card_address``)."""
         mgmt, user = card.get("mgmt"), card.get("user")
         primary = mgmt or user
         fn, _, problems = primary
@@ -288,10 +302,10 @@ class _Scanner:
                 self.fs, self.resolver,
                 (mgmt[0], mgmt[1]) if mgmt else None, (user[0], user[1]) if user else None, problems,
             )  # fmt: skip
-            return self._finish(device_name("fpga", fn.bdf), "fpga", fn, nodes, {}, problems, fpga=info)
+            return self._finish(device_name("fpga", address), "fpga", fn, nodes, {}, problems, fpga=info)
         except Exception as err:  # noqa: BLE001
             problems.append(Problem(what="details", reason=f"unexpected error: {err!r}"[:200]))
-        return self._finish(device_name("fpga", fn.bdf), "fpga", fn, [], {}, problems, fpga=None)
+        return self._finish(device_name("fpga", address), "fpga", fn, [], {}, problems, fpga=None)
 
 
 def scan(root: str = DEFAULT_ROOT, list_attributes: bool = False, nvml=None, publish_uplink: bool = False,

@@ -200,3 +200,22 @@ def test_a_gpu_rebound_after_a_module_loaded_gets_its_device_nodes(tmp_path):
     inv = scanner.update({gpu.pci.bdf})
     assert inv.by_name()[gpu.name] == scan(root).by_name()[gpu.name]
     assert "/dev/nvidia-uvm" in {n.path for n in inv.by_name()[gpu.name].device_nodes}
+
+
+def test_an_alveo_card_keeps_its_name_while_its_management_pf_is_unbound(tmp_path):
+    """xclmgmt unloaded (an XRT upgrade, a shell being flashed): the user PF still serves and the
+    card is still offered, under the name a claim holds it by. Named after its user PF instead,
+    the card a claim held as fpga-0000-04-00-0 was offered as fpga-0000-04-00-1 to a second pod;
+    with xclmgmt back, each claim held a name of the one card."""
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("alveo"), root, symlinks=True)
+    scanner = IncrementalScanner(root)
+    assert sorted(d.name for d in scanner.full().devices if d.kind == "fpga") == ["fpga-0000-04-00-0", "fpga-0000-05-00-0"]
+    mgmt = os.path.realpath(os.path.join(root, BUS, "0000:04:00.0"))
+    os.unlink(os.path.join(mgmt, "driver"))
+    set_uevent_driver(mgmt, None)
+    inv = scanner.update({"0000:04:00.0"})
+    assert sorted(d.name for d in inv.devices if d.kind == "fpga") == ["fpga-0000-04-00-0", "fpga-0000-05-00-0"]
+    assert inv.by_name()["fpga-0000-04-00-0"].fpga.user_bdf == "0000:04:00.1" and inv == scan(root)
+    os.unlink(os.path.join(root, BUS, "0000:04:00.0"))  # the function itself gone: a user PF alone (a VM's)
+    assert "fpga-0000-04-00-1" in scanner.update({"0000:04:00.0"}).by_name()
