@@ -139,7 +139,8 @@ class _Scanner:
         present = self._present()
         todo = self._to_read(changed, present)
         results, cards = self._results, self._cards
-        for bdf in set(results) - present:
+        gone = set(results) - present
+        for bdf in gone:
             del results[bdf]
         alveo: dict[tuple, dict] = {}
         # what each function read before: a full scan's previous scanner, else these very tables
@@ -149,7 +150,7 @@ class _Scanner:
             results[bdf] = _unchanged(before.get(bdf), self._read(bdf, alveo))
         if changed is not None:  # a full scan has read every function
             self._read_pfs_named(todo, present, before, alveo)
-        self._build_cards(todo, alveo, cards_before)
+        self._build_cards(todo | gone, alveo, cards_before)
         return self._inventory()
 
     def _present(self) -> set[str]:
@@ -182,7 +183,8 @@ class _Scanner:
                     results[sibling] = _unchanged(before.get(sibling), self._read(sibling, alveo))
 
     def _build_cards(self, todo: set[str], alveo: dict[tuple, dict], cards_before: dict) -> None:
-        """Alveo cards: re-read together; a card with a re-read half is rebuilt from both halves."""
+        """Alveo cards: re-read together; a card with a half in ``todo`` (read again, or gone) is rebuilt
+        from the halves there are now, a card with none left is gone."""
         results, cards = self._results, self._cards
         if cards:  # an incremental scan's cards (a full scan starts without any)
             touched = {r[1] for bdf, r in results.items() if bdf in todo and isinstance(r, tuple)}

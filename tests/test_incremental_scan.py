@@ -219,3 +219,17 @@ def test_an_alveo_card_keeps_its_name_while_its_management_pf_is_unbound(tmp_pat
     assert inv.by_name()["fpga-0000-04-00-0"].fpga.user_bdf == "0000:04:00.1" and inv == scan(root)
     os.unlink(os.path.join(root, BUS, "0000:04:00.0"))  # the function itself gone: a user PF alone (a VM's)
     assert "fpga-0000-04-00-1" in scanner.update({"0000:04:00.0"}).by_name()
+
+
+def test_an_alveo_card_pulled_out_leaves_the_inventory(tmp_path):
+    """Both PFs of an Alveo card gone (hot-unplugged, or removed through sysfs for a shell reload):
+    the rescan their removals start has no function left in the card's slot to read, and the card
+    stayed in the inventory, offered to pods, until the next full resync."""
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("alveo"), root, symlinks=True)
+    scanner = IncrementalScanner(root)
+    assert "fpga-0000-04-00-0" in scanner.full().by_name()
+    for bdf in ("0000:04:00.0", "0000:04:00.1"):
+        os.unlink(os.path.join(root, BUS, bdf))
+    inv = scanner.update({"0000:04:00.0", "0000:04:00.1"})
+    assert [d.name for d in inv.devices if d.kind == "fpga"] == ["fpga-0000-05-00-0"] and inv == scan(root)
