@@ -206,9 +206,9 @@ class _Scanner:
         if "mgmt" in halves:
             return halves["mgmt"][0].bdf
         user = halves["user"][0]
-        for bdf, r in self._results.items():
+        for bdf, r in self._results.items():  # (one the operator excludes names nothing)
             if isinstance(r, Skipped) and _slot(bdf) == card and r.vendor_id == "10ee" \
-                    and ALVEO_MGMT_TO_USER.get(r.device_id or "") == user.device_id:
+                    and ALVEO_MGMT_TO_USER.get(r.device_id or "") == user.device_id and self.exclude.function(bdf, "fpga") is None:
                 return bdf
         return user.bdf
 

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from discovery.exclude import Exclusions
 from discovery.inventory import IncrementalScanner, bdf_of_path, scan
 from discovery.pci import BDF_RE
 from tests.conftest import profile_root, profiles
@@ -217,6 +218,9 @@ def test_an_alveo_card_keeps_its_name_while_its_management_pf_is_unbound(tmp_pat
     inv = scanner.update({"0000:04:00.0"})
     assert sorted(d.name for d in inv.devices if d.kind == "fpga") == ["fpga-0000-04-00-0", "fpga-0000-05-00-0"]
     assert inv.by_name()["fpga-0000-04-00-0"].fpga.user_bdf == "0000:04:00.1" and inv == scan(root)
+    # the operator's exclude_devices leaving the management PF out: the user PF alone names the card
+    excluded = scan(root, exclude=Exclusions.parse(["pci:0000:04:00.0"]))
+    assert "fpga-0000-04-00-1" in excluded.by_name() and "fpga-0000-04-00-0" not in excluded.by_name()
     os.unlink(os.path.join(root, BUS, "0000:04:00.0"))  # the function itself gone: a user PF alone (a VM's)
     assert "fpga-0000-04-00-1" in scanner.update({"0000:04:00.0"}).by_name()
 
