@@ -111,11 +111,13 @@ class Agent:
                 from agent.health.monitor import first_round
                 self._first_round = await asyncio.to_thread(first_round, self.settings, inventory)
             await self.host_nics.scanned(inventory)
+            if self.health is not None:
+                self.health.on_inventory(inventory)
+                if self.settings.taint_unhealthy:  # a device new to the node: published with its first verdict
+                    await loops.new_devices_checked(self.health, inventory)
         self.inventory, self._listed = inventory, settings.list_attributes  # the old one goes here
         if changed is None and self.pool is not None:  # (the first scan's is trimmed after the first publish)
             heap.trim()  # a full scan's garbage would otherwise stay in the RSS for good
-        if self.health is not None:
-            self.health.on_inventory(inventory)
         self.board.set_inventory(inventory, *self.health_states())
         return self._republish(changed_at)
 
