@@ -55,7 +55,13 @@ class Publisher:
     # --- loop --------------------------------------------------------------------------
     async def sync_once(self) -> SyncStats:
         t0 = time.monotonic()
-        stats = await self.reconciler.sync(self.pool)
+        # the change this sync publishes: one handed over while it runs waits for the next sync
+        since, self._pending_since = self._pending_since, None
+        try:
+            stats = await self.reconciler.sync(self.pool)
+        except BaseException:
+            self._pending_since = since if since is not None else self._pending_since  # (the earliest stays)
+            raise
         if self.observer is not None:
             self.observer.observe_publish(True, time.monotonic() - t0)
         self.last_stats = stats
@@ -66,11 +72,10 @@ class Publisher:
         if self.syncs == 1:  # the node's devices are in the cluster as this agent sees them
             devices = sum(len(s.get("devices") or ()) for s in self.pool.slices)
             log.info("ResourceSlices in sync: %d devices in %d slices (%d written)", devices, len(self.pool.slices), stats.writes)
-        if self._pending_since is not None:
-            self.last_change_latency = time.monotonic() - self._pending_since
+        if since is not None:
+            self.last_change_latency = time.monotonic() - since
             if self.observer is not None:
                 self.observer.observe_change_to_slice(self.last_change_latency)
-            self._pending_since = None
         async with self._synced:
             self._synced.notify_all()
         return stats
