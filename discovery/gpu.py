@@ -88,7 +88,7 @@ def read_gpu(fs: HostFS, resolver: NodeResolver, fn: PciFunction, d: Dir, proble
         if minor is not None:
             partitioning = read_mig(fs, resolver, minor, problems)
         node = nvidia_node() if nvidia_node else NvidiaNode(fs)
-        facts = node.facts(fn.bdf, fn.device_id)
+        facts = node.facts(fn.bdf, fn.device_id, uuid)
         if minor is not None and (profiles := node.mig_profiles(fn.bdf)):
             if node.static_mig:  # the operator's instances, with their profiles
                 partitioning = with_profiles(partitioning, profiles, node.mig_instances(fn.bdf), problems)

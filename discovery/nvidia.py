@@ -157,8 +157,9 @@ class NvidiaNode:
         ask = getattr(self.nvml, "mig_instances", None)
         return ask(bdf) if ask is not None else None
 
-    def facts(self, bdf: str, device_id: str) -> NvidiaFacts:
-        answer = self.nvml.device(bdf) if self.nvml is not None else None
+    def facts(self, bdf: str, device_id: str, uuid: str | None = None) -> NvidiaFacts:
+        """``uuid``: the GPU's as the driver says (another GPU put at ``bdf`` has NVML asked anew)."""
+        answer = self.nvml.device(bdf, uuid) if self.nvml is not None else None
         return facts(device_id, answer, self.driver_version, self.cuda_driver)
 
 

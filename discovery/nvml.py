@@ -53,8 +53,9 @@ class NvmlSource(Protocol):
     def system(self) -> tuple[str | None, int | None]:
         """(driver version, CUDA driver version), each None when not answered."""
 
-    def device(self, bdf: str) -> NvmlDevice | None:
-        """The GPU at PCI address ``bdf``, None when NVML does not know it."""
+    def device(self, bdf: str, uuid: str | None = None) -> NvmlDevice | None:
+        """The GPU at PCI address ``bdf`` (``uuid``: the one the driver says is there), None when
+        NVML does not know it."""
 
     def mig_profiles(self, bdf: str) -> tuple[MigProfile, ...]:
         """The GPU's MIG GPU-instance profiles (empty: no MIG, or NVML does not say)."""
@@ -267,9 +268,13 @@ class Nvml:
         cuda = self._ask("CUDA driver version", nv.nvmlSystemGetCudaDriverVersion_v2)
         return (_text(version), cuda if _is_int(cuda) else None)
 
-    def device(self, bdf: str) -> NvmlDevice | None:
-        """Static facts, so kept once answered (a new UUID at the same address is a new GPU); a
-        query that failed is asked again next time (the module docstring), its warning given once."""
+    def device(self, bdf: str, uuid: str | None = None) -> NvmlDevice | None:
+        """Static facts, so kept once answered, while ``uuid`` (the driver's, when known) is the one
+        answered: another GPU put at that address is a new GPU, asked anew. A query that failed is
+        asked again next time (the module docstring), its warning given once."""
+        kept = self._devices.get(bdf)
+        if kept is not None and uuid is not None and kept.uuid not in (None, uuid):
+            del self._devices[bdf]
         if bdf not in self._devices:
             answer = self._ask(f"GPU {bdf}", lambda: self._query(bdf), quiet=bdf in self._unanswered)
             if answer is None:

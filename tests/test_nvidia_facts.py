@@ -284,3 +284,29 @@ def test_a_memory_request_cannot_land_on_a_gpu_whose_memory_is_unknown():
     c = claim("infer", exactly("gpu", "gpu-share.sysdra.io", capacity={"requests": {"memory": "20Gi"}}))
     with pytest.raises(Unschedulable):
         allocate(slices, CLASSES, c, node=NODE)
+
+
+def test_another_gpu_put_in_the_slot_gets_its_own_nvml_facts(tmp_path):
+    """A GPU swapped for another at the same PCI address while the agent runs (a VM's GPU hot-plugged
+    out and another in; a hot-swap): the rescan its events start reads the new UUID from the driver,
+    and NVML's facts are the new GPU's. NVML's answers were kept by address, and the new GPU was
+    published with the old one's name, memory and compute capability (MIG profiles too)."""
+    import shutil
+
+    from discovery.inventory import IncrementalScanner
+
+    root = str(tmp_path / "node")
+    shutil.copytree(profile_root("h200-vm"), root, symlinks=True)
+    sim = SimNvml()
+    scanner = IncrementalScanner(root, nvml=open_sim(root, sim))
+    assert _attrs(_gpu(scanner.full()))["productName"] == "NVIDIA H200"
+    new_uuid = "GPU-0b9c8d7e-6f5a-4b3c-2d1e-0f9a8b7c6d5e"
+    sim.gpus["0000:00:06.0"] = SimGpu(name="NVIDIA H100 NVL", uuid=new_uuid, memory_total=100_485_038_080, compute_capability=(9, 0))
+    info = f"{root}/proc/driver/nvidia/gpus/0000:00:06.0/information"
+    with open(info) as f:
+        text = f.read()
+    with open(info, "w") as f:
+        f.write(text.replace("NVIDIA H200", "NVIDIA H100 NVL").replace("GPU-7e3a1c52-0d4b-4f6e-9a81-2b3c4d5e6f70", new_uuid))
+    gpu = _gpu(scanner.update({"0000:00:06.0"}))
+    assert gpu.gpu.nvidia_uuid == new_uuid
+    assert _attrs(gpu)["productName"] == "NVIDIA H100 NVL" and gpu.capacity == {"memory": "95830Mi"}
