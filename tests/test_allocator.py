@@ -169,7 +169,9 @@ def test_pf_vf_counters_keep_a_pf_and_its_vfs_apart():
               if kind(d) == "nic" and any(c["counters"]["functions"]["value"] != "1" for c in d.get("consumesCounters", [])))  # fmt: skip
     pf_set = by_name[pf]["consumesCounters"][0]["counterSet"]
     vfs = [n for n, d in by_name.items() if n != pf and any(c["counterSet"] == pf_set for c in d.get("consumesCounters", []))]
-    assert vfs
+    vfio = [n for n in vfs if by_name[n]["attributes"]["driver"]["string"] == "vfio-pci"]  # vfio.sysdra.io's, not nic's
+    vfs = [n for n in vfs if n not in vfio]
+    assert vfs and vfio
     pf_pci = by_name[pf]["attributes"]["pciAddress"]["string"]
     want_pf = claim("pf", exactly("pf", "nic.sysdra.io", selectors=[{"cel": {"expression": f'device.attributes["sysdra.io"].pciAddress == "{pf_pci}"'}}]))
     (a,) = allocate(slices, CLASSES, want_pf, node=NODE)
@@ -186,6 +188,12 @@ def test_pf_vf_counters_keep_a_pf_and_its_vfs_apart():
     assert sorted(picked(b)["vf"]) == sorted(vfs)
     with pytest.raises(Unschedulable):
         allocate(slices, CLASSES, want_pf, node=NODE, allocated=[with_allocation(all_vfs, b)])
+    vm = copy.deepcopy(one_vf)  # a VF on vfio-pci, for a VM, keeps the PF out as well
+    vm["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "vfio.sysdra.io"
+    (c,) = allocate(slices, CLASSES, vm, node=NODE)
+    assert picked(c)["vf"][0] in vfio
+    with pytest.raises(Unschedulable):
+        allocate(slices, CLASSES, want_pf, node=NODE, allocated=[with_allocation(vm, c)])
 
 
 def test_tainted_device_is_not_allocated():

@@ -32,14 +32,16 @@ def _by_kind(kind):
 
 
 def test_deviceclasses_cover_every_kind():
-    """One class per kind, whole devices only where a kind has partitions or shares (tests/test_deviceclasses.py)."""
+    """One class per kind, whole devices only where a kind has partitions or shares, functions on vfio-pci
+    in vfio.sysdra.io only (tests/test_deviceclasses.py)."""
     from discovery.models import KINDS
 
     classes = {d["metadata"]["name"]: d for d in _by_kind("DeviceClass")}
-    assert set(classes) == {f"{k}.sysdra.io" for k in KINDS} | {"gpu-partition.sysdra.io", "gpu-share.sysdra.io", "nic-share.sysdra.io"}
+    assert set(classes) == {f"{k}.sysdra.io" for k in KINDS} | {"gpu-partition.sysdra.io", "gpu-share.sysdra.io", "nic-share.sysdra.io", "vfio.sysdra.io"}
     for kind in KINDS:
         expr = classes[f"{kind}.sysdra.io"]["spec"]["selectors"][0]["cel"]["expression"]
         assert expr.startswith(f'device.driver == "sysdra.io" && device.attributes["sysdra.io"].type == "{kind}"')
+        assert '.?driver.orValue("") != "vfio-pci"' in expr  # a container gets nothing of its kind from /dev/vfio/<group>
 
 
 def test_rbac_matches_what_the_agent_calls():

@@ -15,13 +15,19 @@ import pytest
 import yaml
 
 from agent.publish.sharing import share_plan
+from agent.publish.slices import build_pool, render as render_slices
+from discovery.inventory import scan
+from tests.conftest import copy_profile
 from tests.controlplane import APIError, Unschedulable, allocate, resource_path, unique, with_allocation
 from tests.helm import render
-from tests.test_allocator import CLASSES, NODE, claim, devices, picked, published
+from tests.simkernel import SimPciKernel
+from tests.test_allocator import CLASSES, DRIVER, NODE, claim, devices, picked, published
 
 MIG_GPU, PLAIN_GPU = "gpu-0000-18-00-0", "gpu-0000-3a-00-0"  # h100-mig: one GPU with MIG instances, one without
 AMD_GPUS = ["gpu-0000-05-00-0", "gpu-0000-27-00-0"]  # mi300x-partitions: CPX/NPS1 and SPX/NPS1
 REQUEST = "container-0-request-0"
+ON_VFIO = {"gpu-0000-01-00-0"}  # nvidia-minor-order's first GPU (the allocator's first pick), bound below
+SRIOV_ON_VFIO = {"nic-0000-06-01-0", "nic-0000-06-01-2", "accelerator-0000-3b-02-6", "accelerator-0000-3b-02-7"}
 
 
 def classes(*sets: str, kube_version: str = "v1.37.2") -> list[dict]:
@@ -44,7 +50,7 @@ def test_the_extended_resource_classes_are_the_whole_device_classes():
     names = {c["metadata"]["name"]: c["spec"].get("extendedResourceName") for c in CLASSES}
     assert names == {"gpu.sysdra.io": "sysdra.io/gpu", "gpu-partition.sysdra.io": None, "gpu-share.sysdra.io": None,
                      "nic.sysdra.io": "sysdra.io/nic", "nic-share.sysdra.io": None, "fpga.sysdra.io": "sysdra.io/fpga",
-                     "accelerator.sysdra.io": "sysdra.io/accelerator"}  # fmt: skip
+                     "accelerator.sysdra.io": "sysdra.io/accelerator", "vfio.sysdra.io": None}  # fmt: skip
 
 
 def test_a_gpu_for_the_extended_resource_is_whole_beside_mig_devices():
@@ -96,6 +102,46 @@ def test_shares_of_one_gpu_never_keep_the_whole_class_from_knowing_it():
         got(slices, extended(), allocated=[with_allocation(share, a)])
 
 
+def gpu_for_vms_root(tmp_path) -> str:
+    """A copy of nvidia-minor-order with its first GPU bound to vfio-pci by the operator (KubeVirt's VMs)."""
+    root = copy_profile(tmp_path / str(len(list(tmp_path.iterdir()))), "nvidia-minor-order")
+    sim = SimPciKernel(root)
+    sim.unbind("nvidia", "0000:01:00.0")
+    sim.bind("vfio-pci", "0000:01:00.0")
+    return root
+
+
+def gpu_for_vms(tmp_path, **kw) -> list[dict]:
+    pool = build_pool(scan(gpu_for_vms_root(tmp_path)), node_name=NODE, driver_name=DRIVER, **kw)
+    return render_slices(pool, driver_name=DRIVER, node_name=NODE, generation=1, full_name=True)
+
+
+def test_a_gpu_on_vfio_pci_is_never_the_extended_resources_but_the_vfio_class_s(tmp_path):
+    """Its container would get /dev/vfio/<group>, no /dev/nvidia*: CUDA finds no GPU. A device
+    plugin keeps such GPUs under a resource name of their own; here that is vfio.sysdra.io."""
+    slices = gpu_for_vms(tmp_path)
+    gpus = {n for n, d in devices(slices).items() if d["attributes"]["type"]["string"] == "gpu"}
+    assert len(gpus) == 5 and devices(slices)[min(ON_VFIO)]["attributes"]["driver"]["string"] == "vfio-pci"
+    assert got(slices, extended()) != list(ON_VFIO)
+    assert set(got(slices, extended(mode="All"))) == gpus - ON_VFIO
+    with pytest.raises(Unschedulable):
+        got(slices, extended(count=5))
+    assert got(slices, extended("vfio.sysdra.io", mode="All")) == list(ON_VFIO)
+    shared = gpu_for_vms(tmp_path, share=share_plan(("gpu",), None))  # nor is a share of it a container's
+    assert set(got(shared, extended("gpu-share.sysdra.io", mode="All"))) == gpus - ON_VFIO
+
+
+def test_functions_on_vfio_pci_are_the_vfio_class_s_of_every_kind():
+    """sriov-nic: two mlx5 VFs and two QAT VFs on vfio-pci; nic/accelerator.sysdra.io (sysdra.io/nic:
+    a netdev expected) never give them, vfio.sysdra.io gives only them."""
+    slices = published("sriov-nic")
+    for cls in ("nic.sysdra.io", "accelerator.sysdra.io"):
+        assert not set(got(slices, extended(cls, mode="All"))) & SRIOV_ON_VFIO, cls
+    assert set(got(slices, extended("vfio.sysdra.io", mode="All"))) == SRIOV_ON_VFIO
+    with pytest.raises(Unschedulable):  # the host's GPUs have no function on vfio-pci
+        got(published("server-2s-gpu-nic"), extended("vfio.sysdra.io"))
+
+
 def test_vendor_picks_one_vendors_gpus():
     amd = classes("deviceClasses.gpu.vendor=amd", "deviceClasses.gpuPartition.vendor=amd")
     with pytest.raises(Unschedulable):
@@ -116,6 +162,7 @@ def test_consumable_capacity_follows_the_clusters_version():
     assert "!device.allowMultipleAllocations" in new["gpu.sysdra.io"] and "!device.allowMultipleAllocations" in new["nic.sysdra.io"]
     assert not any("allowMultipleAllocations" in e for e in old.values())
     assert set(new) - set(old) == {"gpu-share.sysdra.io", "nic-share.sysdra.io"}
+    assert "allowMultipleAllocations" in new["vfio.sysdra.io"] and "vfio.sysdra.io" in old
     assert exprs(classes("deviceClasses.consumableCapacity=false")) == old
     assert exprs(classes("deviceClasses.consumableCapacity=true", kube_version="v1.35.3")) == new
     assert all("!has(device.attributes[\"sysdra.io\"].partitionOf)" in e["gpu.sysdra.io"] for e in (new, old))

@@ -30,6 +30,7 @@ from discovery.models import AttributeValue
 from tests.conftest import REPO, profile_root
 from tests.controlplane import APIError, allocate, load_yaml, resource_path, unique
 from tests.kubelet_standin import gpu, inventory, registered_plugin, settings_for
+from tests.test_deviceclasses import ON_VFIO, gpu_for_vms_root
 
 DRIVER = "sysdra.io"
 ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
@@ -220,3 +221,21 @@ def test_kube_scheduler_gives_the_extended_resource_a_whole_gpu_only(apiserver, 
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     assert result["device"] == "gpu-0000-3a-00-0" and "shareID" not in result
     assert other.get("status") == "False", f"scheduled on a share: {other.get('status')}"
+
+
+@pytest.mark.slow
+def test_kube_scheduler_never_gives_the_extended_resource_a_gpu_on_vfio_pci(apiserver, tmp_path):
+    """nvidia-minor-order with its first GPU (the allocator's first pick) bound to vfio-pci for VMs:
+    ``sysdra.io/gpu: 4`` gets the four GPUs on nvidia, ``sysdra.io/gpu: 5`` is not scheduled."""
+    vms = Node(apiserver, tmp_path, "extvfio", inv=scan(gpu_for_vms_root(tmp_path)))
+    with scheduler(apiserver):
+        vms.pod("four", gpus=4)
+        got = wait_for(apiserver, "pod four scheduled", lambda: scheduled(apiserver, vms, "four"))
+        vms.pod("five", gpus=5)
+        five = wait_for(apiserver, "pod five decided", lambda: scheduled(apiserver, vms, "five") or next(
+            (c for c in apiserver.get("Pod", "five", vms.ns)["status"].get("conditions", [])
+             if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"), None))  # fmt: skip
+    claim = apiserver.get("ResourceClaim", got["status"]["extendedResourceClaimStatus"]["resourceClaimName"], vms.ns)
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert len(results) == 4 and not {r["device"] for r in results} & ON_VFIO
+    assert five.get("status") == "False", "pod five got the GPU on vfio-pci"

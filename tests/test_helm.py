@@ -90,7 +90,8 @@ def test_every_feature_reaches_the_agent(tmp_path):
     assert pod["nodeSelector"] and pod["tolerations"] and pod["affinity"]
     classes = {o["metadata"]["name"]: o["spec"].get("extendedResourceName") for o in objs if o["kind"] == "DeviceClass"}
     assert classes == {"gpu.sysdra.io": "example.com/gpu", "gpu-partition.sysdra.io": "example.com/gpu-partition",
-                       "nic.sysdra.io": None, "nic-share.sysdra.io": None, "accelerator.sysdra.io": "sysdra.io/accelerator"}
+                       "nic.sysdra.io": None, "nic-share.sysdra.io": None, "accelerator.sysdra.io": "sysdra.io/accelerator",
+                       "vfio.sysdra.io": "example.com/vfio"}
     selectors = {o["metadata"]["name"]: o["spec"]["selectors"][0]["cel"]["expression"] for o in objs if o["kind"] == "DeviceClass"}
     assert selectors["gpu-partition.sysdra.io"].endswith('.gpuVendor == "nvidia"')
     monitor = _one(objs, "ServiceMonitor")
