@@ -28,6 +28,13 @@ DEFAULT_POLICIES: dict[str, dict[str, dict]] = {
 }
 
 
+def published_shared(dev, kinds: Iterable[str]) -> bool:
+    """Whether ``dev`` is published shared where ``kinds`` are: not on vfio-pci. A function there
+    goes to one VM whole (vfio.sysdra.io): no VM takes a share, and a container's share would be
+    /dev/vfio/<group>, no device of its kind; a share allocated anyway holds it whole."""
+    return dev.kind in kinds and getattr(dev.pci, "driver", None) != "vfio-pci"
+
+
 def merged_policies(kind: str, overrides: Mapping | None) -> dict[str, object]:
     """``kind``'s capacity policies: the defaults, each replaced by the operator's
     ``share_policies`` entry of that name (``null`` drops it). Not checked here:

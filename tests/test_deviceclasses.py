@@ -131,6 +131,19 @@ def test_a_gpu_on_vfio_pci_is_never_the_extended_resources_but_the_vfio_class_s(
     assert set(got(shared, extended("gpu-share.sysdra.io", mode="All"))) == gpus - ON_VFIO
 
 
+@pytest.mark.parametrize("kind", ["gpu", "nic"])
+def test_a_function_on_vfio_pci_is_published_whole_where_its_kind_is_shared(tmp_path, kind):
+    """``share: [gpu]`` / ``[nic]``: a function on vfio-pci goes to one VM whole (no VM takes a share of
+    it, and a container's share would be /dev/vfio/<group>): published shared, no class gave it."""
+    slices = gpu_for_vms(tmp_path, share=share_plan((kind,), None)) if kind == "gpu" else \
+        published("sriov-nic", share=share_plan((kind,), None))
+    on_vfio = ON_VFIO if kind == "gpu" else {n for n in SRIOV_ON_VFIO if n.startswith("nic-")}
+    assert not any(devices(slices)[n].get("allowMultipleAllocations") for n in on_vfio)
+    assert on_vfio <= set(got(slices, extended("vfio.sysdra.io", mode="All")))
+    shares = got(slices, extended(f"{kind}-share.sysdra.io", mode="All"))
+    assert shares and all(devices(slices)[n]["allowMultipleAllocations"] for n in shares)
+
+
 def test_functions_on_vfio_pci_are_the_vfio_class_s_of_every_kind():
     """sriov-nic: two mlx5 VFs and two QAT VFs on vfio-pci; nic/accelerator.sysdra.io (sysdra.io/nic:
     a netdev expected) never give them, vfio.sysdra.io gives only them."""

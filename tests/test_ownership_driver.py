@@ -137,6 +137,18 @@ def test_a_share_of_a_device_not_published_shared_holds_it_whole(tmp_path):
     _refused(d, b, holder=a)
 
 
+def test_a_share_of_a_gpu_on_vfio_pci_holds_it_whole(tmp_path):
+    """``share: [gpu]``, the GPU bound to vfio-pci (shares allocated before the bind, or from an older
+    agent's slice): it is published whole (agent/publish/sharing.is_shared), so a share holds it whole,
+    and a second container never gets the same /dev/vfio/<group>."""
+    vm_gpu = gpu(0).replace(pci=gpu(0).pci.replace(driver="vfio-pci"))
+    d = Driver(settings_for(str(tmp_path), share=("gpu",)), lambda: inventory(vm_gpu, gpu(1)))
+    d.recover()
+    a, b = _claim("a", "share", compute="10"), _claim("b", "share", compute="10")
+    assert _prepare(d, a) == {UIDS["a"]: None}
+    _refused(d, b, holder=a)
+
+
 def test_admin_access_never_reaches_a_function_bound_to_vfio_pci(node):  # noqa: F811
     s, sim, state, driver = node
     d = driver()

@@ -66,7 +66,7 @@ from agent.prepare.steps.vfio import VfioStep
 from agent.prepare.vfio_kernel import PciKernel
 from agent.quantity import parse_quantity
 from agent.settings import Settings
-from agent.sharecaps import capacity_values, merged_policies
+from agent.sharecaps import capacity_values, merged_policies, published_shared
 from discovery.models import Device, Inventory
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Driver:
 
     def _capacities(self, dev: Device) -> dict[str, Fraction] | None:
         """The capacities ``dev``'s shares are accounted against, as published (None: not shared)."""
-        if dev.kind not in self.share_policies:
+        if not published_shared(dev, self.share_policies):
             return None
         return {name: parse_quantity(v) for name, v in capacity_values(dev, self.share_policies[dev.kind]).items()}
 

@@ -25,11 +25,12 @@ from types import MappingProxyType
 
 from agent.publish.validation import policy_problems, qualified_name_problem
 from agent.quantity import parse_quantity
-from agent.sharecaps import DEFAULT_POLICIES, SHAREABLE, capacity_values, discovered_value, merged_policies, unfit
+from agent.sharecaps import (DEFAULT_POLICIES, SHAREABLE, capacity_values, discovered_value, merged_policies,
+                              published_shared, unfit)
 from cdi.claim import capacity_keys
 
 __all__ = ["DEFAULT_POLICIES", "MAX_SHARED_CAPACITIES", "SHAREABLE", "SharePlan", "discovered_value", "share_plan",
-           "shared_capacities", "shared_entry"]
+           "is_shared", "shared_capacities", "shared_entry"]
 
 MAX_SHARED_CAPACITIES = 8
 log = logging.getLogger(__name__)
@@ -142,17 +143,22 @@ def share_plan(share: tuple[str, ...] | list[str], share_policies: dict | None) 
     return SharePlan(frozenset(kinds), MappingProxyType(policies))
 
 
+def is_shared(device, plan: SharePlan | None) -> bool:
+    """Whether ``device`` is published shared: its kind is, and it is not on vfio-pci (sharecaps)."""
+    return plan is not None and published_shared(device, plan.kinds)
+
+
 def shared_capacities(device, plan: SharePlan | None) -> dict[str, str] | None:
-    """The capacities ``device`` is published with for its shares, by name (None: its kind is
-    not shared). One with no known value is not among them: it is not accounted there."""
-    if plan is None or device.kind not in plan.kinds:
+    """The capacities ``device`` is published with for its shares, by name (None: it is not
+    shared). One with no known value is not among them: it is not accounted there."""
+    if not is_shared(device, plan):
         return None
     return capacity_values(device, plan.policies[device.kind])
 
 
 def shared_entry(entry: dict, device, plan: SharePlan | None) -> dict:
-    """The device's slice entry, multi-allocatable with policies when its kind is shared."""
-    if plan is None or device.kind not in plan.kinds:
+    """The device's slice entry, multi-allocatable with policies when it is shared."""
+    if not is_shared(device, plan):
         return entry
     kept = {name for name, _ in plan.policies[device.kind]}
     # only the kind's shared capacities: on a multi-allocatable device every capacity is consumable,
