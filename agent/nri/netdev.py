@@ -223,6 +223,11 @@ class NetdevMover(Sandboxes):
             mine = [(uid, i, NetdevMove.model_validate(claims.cp.claims[uid]["netdevs"][i]).changed(**seen)) for uid, i, _ in mine]
         except ValidationError as err:  # the runtime's words: never saved unless valid
             raise NetdevError(f"pod {pod.namespace}/{pod.name}: its sandbox is not one a record can name: {err}") from None
+        try:  # each netdev on the host found as its NIC function's, whatever its name now
+            mine = [(uid, i, netmove.identify(m, self.host_netns, self.root) if m.state == "planned" else m)
+                    for uid, i, m in mine]
+        except (rtnl.LinkError, OSError) as err:
+            raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{_rights(err)}") from None
         for uid, _, m in mine:  # the host may have taken a netdev since prepare checked (a DHCP address, a bond)
             if m.state == "planned" and (why := hostuse.refusal(lambda: self.host_netns, {m.host: m.bdf}, self.allow_host_in_use,
                                                                 m.allowHostInUse, "moved into a pod", "NicConfig")):
@@ -231,8 +236,7 @@ class NetdevMover(Sandboxes):
             for uid, i, m in mine:
                 self._move_in(claims, uid, i, m)
         except (rtnl.LinkError, OSError, IpamError) as err:
-            hint = f" (a move needs {netmove.MOVE_RIGHTS})" if getattr(err, "errno", None) in (errno.EPERM, errno.EACCES) else ""
-            failed = f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{hint}"
+            failed = f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{_rights(err)}"
             try:
                 self._take_back(claims, pod.id)
             except NetdevError as also:  # the move's failure first: it says why
@@ -241,12 +245,11 @@ class NetdevMover(Sandboxes):
         return {uid: claims.cp.claims[uid] for uid, _, _ in mine}
 
     def _move_in(self, claims: Claims, uid: str, i: int, move: NetdevMove) -> None:
+        """``move`` into its sandbox; one on the host (``planned``) comes identified (``_give``)."""
         if move.state == "in-pod" and netmove.in_pod(move):  # said: a rolling update's two instances both get the event
             log.info("netdev %s is already %s in pod sandbox %s (the event repeated, or moved by the other instance of a "
                      "rolling update)", move.host, move.pod, move.sandbox)
             return
-        if move.state == "planned":  # on the host under its name: which link it is, before it moves
-            move = netmove.identify(move, self.host_netns)
         leasing = move.ipamPool and not move.leased  # one lease per sandbox, recorded before it is used
         asked = {"ipamConfig": self._ipam().config_for(move.ipamPool)} if leasing and move.ipamConfig is None else {}
         claims.put(uid, i, move := move.changed(state="moving", **asked))
@@ -391,3 +394,7 @@ class NetdevMover(Sandboxes):
             log.warning("NRI: pod %s/%s's sandbox %s started while the agent was not registered with the runtime: its "
                         "claims' netdevs moved in now, after its start", pod.namespace, pod.name, pod.id)
         return moved
+
+
+def _rights(err: Exception) -> str:
+    return f" (a move needs {netmove.MOVE_RIGHTS})" if getattr(err, "errno", None) in (errno.EPERM, errno.EACCES) else ""

@@ -21,16 +21,43 @@ from agent.prepare.records import BDF_PATTERN, BUS_DEVICE_PATTERN, MAC_PATTERN, 
 log = logging.getLogger(__name__)
 
 
-def identify(move: NetdevMove, host_netns: str) -> NetdevMove:
-    """``move`` with its host link's identity, read before it first moves: its bus device, index,
-    MAC and MTU. LinkError when the host name is missing or is another NIC function's netdev."""
-    link = rtnl.link(host_netns, move.host)
-    if link is None:
-        raise rtnl.LinkError(errno.ENODEV, f"no link {move.host} in {host_netns}")
-    if move.bdf and link.parent and _PCI.match(link.parent) and link.parent != move.bdf:
-        raise rtnl.LinkError(errno.ENODEV, f"{move.host} is now a netdev of {link.parent}, not of the claim's {move.bdf}")
-    return move.changed(index=link.index, mac=_fits(_MAC, link.mac), parent=_fits(_BUS, link.parent),
+def identify(move: NetdevMove, host_netns: str, root: str = "/") -> NetdevMove:
+    """``move`` with its host link's identity, read before it first moves: its name now, bus
+    device, index, MAC and MTU. The link is the claim's NIC function's netdev whatever its name
+    (``_of_function``): after a reboot the same function's netdev may come up under another name
+    (ethN renumbering, a naming policy or driver change), or the operator renamed it, and the old
+    name may be another NIC's now. Without the function's netdevs known (sysfs under ``root`` does
+    not list them, the kernel says no bus device), by the recorded name. LinkError when there is
+    none, or which of the function's netdevs it is cannot be told."""
+    links = rtnl.links(host_netns)
+    own = _of_function(links, move.bdf, root) if move.bdf else []
+    if own:
+        link = next((l for l in own if l.name == move.host), None) or (own[0] if len(own) == 1 else None)
+        if link is None:
+            raise rtnl.LinkError(errno.ENODEV, f"no link {move.host} in {host_netns}, and which netdev of {move.bdf} "
+                                 f"({', '.join(l.name for l in own)}) is the claim's cannot be told")
+    else:
+        link = next((l for l in links if l.name == move.host), None)
+        if link is None:
+            raise rtnl.LinkError(errno.ENODEV, f"no link {move.host} in {host_netns}")
+        if move.bdf and link.parent and _PCI.match(link.parent) and link.parent != move.bdf:
+            raise rtnl.LinkError(errno.ENODEV, f"{move.host} is now a netdev of {link.parent}, not of the claim's {move.bdf}")
+    if link.name != move.host:
+        log.warning("netdev %s of %s is %s on the host now (renamed: a reboot, udev, the operator): moved as that, and "
+                    "given back under it", move.host, move.bdf, link.name)
+    return move.changed(host=link.name, index=link.index, mac=_fits(_MAC, link.mac), parent=_fits(_BUS, link.parent),
                         hostMtu=link.mtu if link.mtu is not None and 68 <= link.mtu <= 65535 else None)
+
+
+def _of_function(links: list[rtnl.Link], bdf: str, root: str) -> list[rtnl.Link]:
+    """The links of PCI function ``bdf``: those the kernel says are its (their bus device), and
+    those sysfs under ``root`` lists in its ``net/`` (a kernel before 5.14 says none; sysfs shows
+    the netdevs of the host's namespace) unless the kernel says they are another device's."""
+    try:
+        names = set(os.listdir(os.path.join(root, "sys/bus/pci/devices", bdf, "net")))
+    except OSError:  # no netdev of it where sysfs sees, or no such function
+        names = set()
+    return [l for l in links if l.parent == bdf or (l.name in names and l.parent in (None, bdf))]
 
 
 def find(netns: str, move: NetdevMove, name: str) -> rtnl.Link | None:
