@@ -110,3 +110,27 @@ def test_a_function_with_several_netdevs_none_under_the_recorded_name_is_never_g
     with pytest.raises(rtnl.LinkError, match=f"which netdev of {BDF} \\(eth3, eth4\\) is the claim's cannot be told"):
         netmove.identify(move, "/host-netns", "/nonexistent")
     assert netmove.identify(move.changed(host="eth4"), "/host-netns", "/nonexistent").index == 8
+
+
+# --- a netdev already on the host under another name, its recorded name another link's ----------
+def test_a_netdev_back_on_the_host_whose_recorded_name_is_taken_keeps_its_name_now(tmp_path, nets):  # noqa: F811
+    """After a reboot (its pod's namespace gone) the NIC's netdev is on the host under the boot's
+    name and its recorded name is another NIC's: nothing is left to move, so the record is finished
+    under the name it has (the look every 10 s, Synchronize) and unprepare undoes it; it stayed
+    ``returning``, and every unprepare failed, until the other link let the name go."""
+    from tests.test_nri_netdev import mover, records, write_checkpoint
+
+    mine = rtnl.link(nets.host, nets.nic)
+    gone = f"/run/netns/{nets.names['pod']}-gone"
+    write_checkpoint(tmp_path / "checkpoint.json", "old0", state="in-pod", sandbox="sb1", netns=gone, index=mine.index,
+                     mac=mine.mac)
+    ip(nets, "link", "add", "old0", "type", "veth", "peer", "name", "otherpeer")
+    run(mover(tmp_path, nets).reconcile())
+    (rec,) = records(tmp_path)
+    assert (rec.get("state", "planned"), rec["host"]) == ("planned", nets.nic)
+    assert rtnl.link(nets.host, nets.nic).index == mine.index and rtnl.has_link(nets.host, "old0")
+    settings = settings_for(str(tmp_path / "agent"))
+    step = NetdevStep(settings, lambda: nets.host)
+    undone = step.undo(tuple(step.read({"netdevs": [{**rec, "host": "old0", "state": "in-pod", "sandbox": "sb1",
+                                                       "netns": gone, "index": mine.index, "mac": mine.mac}]})), {})
+    assert undone.problems == [] and rtnl.has_link(nets.host, nets.nic)

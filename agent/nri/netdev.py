@@ -298,11 +298,11 @@ class NetdevMover(Sandboxes):
         claims.put(uid, i, returning := move.changed(state="returning"))
         claims.save()
         self.fault("netdev:returning")
-        netmove.move_out(returning, self.host_netns, self.root)
+        back = netmove.move_out(returning, self.host_netns, self.root)
         self.fault("netdev:returned")
         if move.ipamPool and move.sandbox:  # a lease the sandbox may hold, recorded or not: DEL takes either
             self._ipam().release(move.ipamPool, move.sandbox, move.netns, move.pod, move.ipamConfig, move.podRef)
-        claims.put(uid, i, move.changed(state="planned", leased=[], leasedRoutes=[], **dict.fromkeys(SEEN)))
+        claims.put(uid, i, move.changed(state="planned", host=back or move.host, leased=[], leasedRoutes=[], **dict.fromkeys(SEEN)))
         log.info("netdev %s is back on the host (from pod sandbox %s)", move.host, move.sandbox)
 
     def _ipam(self) -> Ipam:

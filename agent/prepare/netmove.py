@@ -115,14 +115,15 @@ def move_in(move: NetdevMove, host_netns: str) -> NetdevMove:
     return move.changed(index=now.index, mac=_fits(_MAC, now.mac))
 
 
-def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
+def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> str | None:
     """``move`` back on the host under its host name (its MTU as it was), wherever it is now:
     in the pod under any name, or back on the host under any name (its namespace died: the
     kernel returns a NIC's netdev as it was named, or ``dev<index>``), or already back. A
     virtual link dies with its namespace (logged). A NIC's netdev that is in neither place
     while its function is on the bus (a namespace still being torn down) is LinkError (EAGAIN):
-    the record stays, to be looked at again. LinkError (EEXIST) when its host name is another
-    link's now."""
+    the record stays, to be looked at again. LinkError (EEXIST) when it is in the pod and its host
+    name is another link's now; one already on the host then keeps the name it has (a reboot's).
+    -> its name on the host (None: nowhere)."""
     alive = move.netns is not None and os.path.exists(move.netns)
     if move.rdma and alive:
         try:
@@ -131,21 +132,27 @@ def move_out(move: NetdevMove, host_netns: str, root: str = "/") -> None:
             if err.errno != errno.ENODEV:  # not in the pod: never moved, or back
                 raise
     here, there = _locate(move, host_netns, alive)
-    if here is not None or (there is not None and there.name != move.host):
+    name = move.host
+    if there is not None and there.name != move.host:
+        if rtnl.link(host_netns, move.host) is None:
+            rtnl.rename(host_netns, there.name, move.host, index=there.index)
+        else:  # nothing left to move: a record that waited for the name would block unprepare for good
+            name = there.name
+            log.warning("netdev %s%s is on the host as %s, and another link has its name now (a reboot's names): left "
+                        "under %s", move.host, _as(move), there.name, there.name)
+    elif here is not None:
         _free(host_netns, move.host, f"netdev {move.host} cannot come back under its name: another link has it now{_as(move)}")
-    if here is not None:
         rtnl.move(move.netns, here.name, host_netns, move.host, index=here.index)
-    elif there is not None and there.name != move.host:
-        rtnl.rename(host_netns, there.name, move.host, index=there.index)
     if here is None and there is None:
         if move.parent is not None and glob.glob(os.path.join(root, "sys/bus/*/devices", move.parent)):
             raise rtnl.LinkError(errno.EAGAIN, f"netdev {move.host}{_as(move)} is neither in pod sandbox {move.sandbox} "
                                  "nor back on the host yet (a network namespace being torn down returns it)")
         log.warning("netdev %s (%s in sandbox %s) is nowhere: a virtual link dies with its namespace, a NIC function "
                     "may have left the bus", move.host, move.pod, move.sandbox)
-        return
-    if move.hostMtu is not None and (now := rtnl.link(host_netns, move.host)) is not None and now.mtu != move.hostMtu:
-        rtnl.set_mtu(host_netns, move.host, move.hostMtu)  # the config's MTU, or one the pod set
+        return None
+    if move.hostMtu is not None and (now := rtnl.link(host_netns, name)) is not None and now.mtu != move.hostMtu:
+        rtnl.set_mtu(host_netns, name, move.hostMtu)  # the config's MTU, or one the pod set
+    return name
 
 
 def _locate(move: NetdevMove, host_netns: str, alive: bool) -> tuple[rtnl.Link | None, rtnl.Link | None]:
