@@ -8,8 +8,10 @@ records). Root only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
+import threading
 
 import pytest
 
@@ -123,3 +125,33 @@ def test_the_lock_still_held_at_the_look_is_said_and_tried_again(tmp_path, nets)
             run(m.reconcile())
     run(m.reconcile())
     assert where(nets) == (False, True)
+
+
+def test_a_synchronize_during_the_looks_recovery_is_still_recovered(tmp_path, nets):
+    """The runtime restarted twice: the look runs the first Synchronize's recovery (a prepare held
+    the lock then) when the second one comes and cannot have the lock. Its recovery is still due:
+    the pod's new sandbox, started unseen, gets the netdev at the next look. It was dropped (the
+    look said recovery done when its own was), and the pod's containers ran without the netdev."""
+    write_checkpoint(tmp_path / "checkpoint.json", nets.nic)
+    run(mover(tmp_path, nets).pod_started(pod(nets)))
+    at_fault, go = threading.Event(), threading.Event()
+
+    def slow(point):
+        if point == "netdev:returning":
+            at_fault.set()
+            go.wait(10)
+
+    m = mover(tmp_path, nets, fault=slow, lock_timeout=0.2)
+
+    async def restarts():
+        with Flock(str(tmp_path / "serialize.lock"), 1.0):  # a prepare
+            await m.synchronized([])  # sb1 stopped while the runtime was away
+        look = asyncio.create_task(m.reconcile())  # its recovery: sb1's netdev back to the host
+        await asyncio.to_thread(at_fault.wait, 10)
+        await m.synchronized([pod(nets, sandbox="sb2")])  # the runtime again: sb2 started unseen
+        go.set()
+        await look
+        await m.reconcile()
+
+    run(restarts())
+    assert where(nets) == (False, True) and records(tmp_path)[0]["sandbox"] == "sb2"

@@ -20,7 +20,6 @@ moved nor saved here (a save would drop the fields this agent does not know).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import threading
@@ -74,6 +73,7 @@ class NetdevMover(Sandboxes):
         self._view_lock = asyncio.Lock()  # one look at a time (a whole read runs in a thread)
         self.repair, self.on_saved = repair, on_saved
         self._recovering = False  # a Synchronize's recovery is still to be done
+        self._syncs = 0  # Synchronizes so far: a recovery done is the last one's only if no other came meanwhile
 
     # --- events --------------------------------------------------------------
     def configured(self, request_timeout: float | None) -> None:
@@ -81,7 +81,8 @@ class NetdevMover(Sandboxes):
 
     async def synchronized(self, pods: list[Pod]) -> None:
         await super().synchronized(pods)
-        self._recovering = True  # until done: a look (``reconcile``) does it
+        self._recovering, self._syncs = True, self._syncs + 1  # until done: a look (``reconcile``) does it
+        this = self._syncs
         try:
             done = await self._run(self._recover, dict(self.pods))
         except NetdevError as err:  # answered all the same: containerd closes a plugin whose Synchronize
@@ -90,7 +91,7 @@ class NetdevMover(Sandboxes):
                         RECONCILE_INTERVAL, err)
             return
         if done is not None:  # None: the runtime gave up on the request first
-            self._recovering = False
+            self._recovering = self._syncs != this
             self._report(done)  # moves completed: their pods' view
 
     async def pod_started(self, pod: Pod) -> None:
@@ -227,7 +228,7 @@ class NetdevMover(Sandboxes):
             mine = [(uid, i, netmove.identify(m, self.host_netns, self.root) if m.state == "planned" else m)
                     for uid, i, m in mine]
         except (rtnl.LinkError, OSError) as err:
-            raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{_rights(err)}") from None
+            raise NetdevError(f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{netmove.rights_hint(err)}") from None
         for uid, _, m in mine:  # the host may have taken a netdev since prepare checked (a DHCP address, a bond)
             if m.state == "planned" and (why := hostuse.refusal(lambda: self.host_netns, {m.host: m.bdf}, self.allow_host_in_use,
                                                                 m.allowHostInUse, "moved into a pod", "NicConfig")):
@@ -236,7 +237,7 @@ class NetdevMover(Sandboxes):
             for uid, i, m in mine:
                 self._move_in(claims, uid, i, m)
         except (rtnl.LinkError, OSError, IpamError) as err:
-            failed = f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{_rights(err)}"
+            failed = f"pod {pod.namespace}/{pod.name}: moving its netdevs failed: {err}{netmove.rights_hint(err)}"
             try:
                 self._take_back(claims, pod.id)
             except NetdevError as also:  # the move's failure first: it says why
@@ -328,8 +329,9 @@ class NetdevMover(Sandboxes):
         of a Synchronize that could not have the locks. The locked look reads the whole checkpoint,
         so it is taken only while a record says a netdev is in a pod or on its way back."""
         if self._recovering:  # Synchronize's recovery, which its locks did not let it do
+            this = self._syncs  # one that comes meanwhile (its pods) is still to be recovered after
             self._report(await asyncio.to_thread(self._locked, self._recover, dict(self.pods)))
-            self._recovering = False
+            self._recovering = self._syncs != this
         if await self._concerns(lambda entry: any(away(m) for m in entry.get("netdevs") or ())):
             await asyncio.to_thread(self._locked, self._reconcile)
 
@@ -394,7 +396,3 @@ class NetdevMover(Sandboxes):
             log.warning("NRI: pod %s/%s's sandbox %s started while the agent was not registered with the runtime: its "
                         "claims' netdevs moved in now, after its start", pod.namespace, pod.name, pod.id)
         return moved
-
-
-def _rights(err: Exception) -> str:
-    return f" (a move needs {netmove.MOVE_RIGHTS})" if getattr(err, "errno", None) in (errno.EPERM, errno.EACCES) else ""

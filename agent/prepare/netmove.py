@@ -210,6 +210,11 @@ MOVE_RIGHTS = ("CAP_NET_ADMIN and CAP_SYS_ADMIN, and namespaces it may enter (sy
 _MOVE_CAPABILITIES = (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21))
 
 
+def rights_hint(err: Exception) -> str:
+    """What a move needs, said after a refusal of the kernel's (EPERM, EACCES)."""
+    return f" (a move needs {MOVE_RIGHTS})" if getattr(err, "errno", None) in (errno.EPERM, errno.EACCES) else ""
+
+
 def missing_move_capabilities(status: str = "/proc/self/status") -> list[str]:
     """The capabilities a move needs that this process's effective set lacks ([] if unknown)."""
     try:
