@@ -189,12 +189,10 @@ def test_a_crash_around_the_lease_is_finished_without_a_second_or_a_lost_one(tmp
     assert leases(d) == []
 
 
-def test_a_move_that_cannot_be_finished_at_synchronization_holds_the_pods_containers(tmp_path, root, ifname_nets):
+def unfinished(tmp_path, root, nets):  # noqa: F811
     """Killed once the record said ``moving``; at the next synchronization the pool has no address
     left (another sandbox holds the range's one): the move into the running sandbox cannot be
-    finished. The pod's containers wait for it, as a pod's whose sandbox started unseen; before, its
-    record stayed ``moving`` and they were created at once, without the lease, for good."""
-    nets = ifname_nets
+    finished. -> the driver, the pool (its one lease held elsewhere), the mover synchronized."""
     one = {**POOL, "ranges": [[{"subnet": "10.77.0.0/24", "rangeStart": "10.77.0.10", "rangeEnd": "10.77.0.10"}]]}
     d = driver(tmp_path, root, nets, pools={"data": one})
     assert d.prepare_claims([nic_claim({"ipamPool": "data"})])[CLAIM].error is None
@@ -209,6 +207,13 @@ def test_a_move_that_cannot_be_finished_at_synchronization_holds_the_pods_contai
     taken.lease("data", "someone-else", nets.pod, "eth9")
     again = NetdevMover(d.settings.plugin_dir, host_netns=nets.host, settings=d.settings)
     run(again.synchronized([pod(nets)]))
+    return d, taken, again
+
+
+def test_a_move_that_cannot_be_finished_at_synchronization_holds_the_pods_containers(tmp_path, root, ifname_nets):
+    """The pod's containers wait for it, as a pod's whose sandbox started unseen; before, its
+    record stayed ``moving`` and they were created at once, without the lease, for good."""
+    d, taken, again = unfinished(tmp_path, root, nets := ifname_nets)
     with pytest.raises(NetdevError, match="no IP addresses available"):
         run(again.container_created(pod(nets), "app"))
     taken.release("data", "someone-else", nets.pod, "eth9")
@@ -217,6 +222,17 @@ def test_a_move_that_cannot_be_finished_at_synchronization_holds_the_pods_contai
     assert record(d)["state"] == "in-pod" and record(d)["leased"] == ["10.77.0.10/24"] and leases(d) == ["10.77.0.10"]
     assert d.unprepare_claims([ClaimRef("default", "nic", CLAIM)]) == {CLAIM: None}
     assert leases(d) == []
+
+
+def test_such_a_move_is_finished_by_the_look_for_the_containers_that_run(tmp_path, root, ifname_nets):
+    """Containers created before (the agent away) wait for no event: the look every 10 s tries the
+    move again. Before, the record stayed ``moving`` and the pod without its lease for good."""
+    d, taken, again = unfinished(tmp_path, root, nets := ifname_nets)
+    run(again.reconcile())  # still no address
+    assert record(d)["state"] == "moving"
+    taken.release("data", "someone-else", nets.pod, "eth9")
+    run(again.reconcile())
+    assert record(d)["state"] == "in-pod" and record(d)["leased"] == ["10.77.0.10/24"] and leases(d) == ["10.77.0.10"]
 
 
 def test_a_pool_is_the_admins_and_checked(tmp_path):

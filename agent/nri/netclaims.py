@@ -35,6 +35,25 @@ class Claims:
         entry["netdevs"] = netdevs
         self.changed.add(uid)
 
+    def refusal(self, pod: Pod) -> str | None:
+        """Why ``pod`` cannot have its claims' netdevs from these records whatever the kernel has,
+        or None: a claim's entry that is not valid (never half-used), one whose records were lost,
+        one a newer sysdra prepared (its netdevs that one's to move)."""
+        for uid, (entry, why) in self.cp.rejected.items():
+            if isinstance(entry, dict) and isinstance(entry.get("pods"), list) and pod.uid in entry["pods"]:
+                return (f"claim {uid} of pod {pod.namespace}/{pod.name} has a checkpoint entry that is not valid "
+                        f"({why}): its netdevs are not moved")
+        for uid, entry in self.cp.claims.items():
+            if lost_for(entry, pod):
+                return (f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records ({entry['netdevsLost']}): "
+                        "where its netdevs are cannot be told, so none is moved; the pod starts once the claim is "
+                        "prepared anew (delete the pod)")
+            if uid in self.cp.foreign and for_pod(entry, pod) and not all(
+                    in_sandbox(NetdevMove.model_validate(m), pod.id) for m in entry.get("netdevs") or ()):
+                return (f"claim {uid} of pod {pod.namespace}/{pod.name} was prepared by a newer sysdra (fields this one "
+                        f"does not know: {self.cp.foreign[uid].fields}): that one moves its netdevs")
+        return None
+
     def save(self) -> None:
         if self.changed:
             self.cp.save(changed=self.changed)

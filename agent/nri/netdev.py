@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from agent.kubeletplugin.types import ClaimRef
 from agent.nri import podmeta
 from agent.nri.movelock import LOCK_TIMEOUT, MoveLock
-from agent.nri.netclaims import SEEN, Claims, away, away_in, for_pod, in_sandbox, lost_for, not_in, runs
+from agent.nri.netclaims import SEEN, Claims, away, away_in, for_pod, lost_for, not_in, runs
 from agent.nri.plugin import Pod
 from agent.nri.sandboxes import Sandboxes
 from agent.nri.ttrpc import Refusal
@@ -195,19 +195,8 @@ class NetdevMover(Sandboxes):
         return Checkpoint.load(self.checkpoint_path, move_corrupt=False)
 
     def _give(self, claims: Claims, pod: Pod) -> dict[str, dict]:
-        for uid, (entry, why) in claims.cp.rejected.items():  # input that failed its checks: never half-used
-            if isinstance(entry, dict) and isinstance(entry.get("pods"), list) and pod.uid in entry["pods"]:
-                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} has a checkpoint entry that is not "
-                                  f"valid ({why}): its netdevs are not moved")
-        for uid, entry in claims.cp.claims.items():
-            if lost_for(entry, pod):
-                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} lost its netdev records "
-                                  f"({entry['netdevsLost']}): where its netdevs are cannot be told, so none is "
-                                  "moved; the pod starts once the claim is prepared anew (delete the pod)")
-            if uid in claims.cp.foreign and for_pod(entry, pod) and not all(
-                    in_sandbox(NetdevMove.model_validate(m), pod.id) for m in entry.get("netdevs") or ()):
-                raise NetdevError(f"claim {uid} of pod {pod.namespace}/{pod.name} was prepared by a newer sysdra (fields "
-                                  f"this one does not know: {claims.cp.foreign[uid].fields}): that one moves its netdevs")
+        if (why := claims.refusal(pod)) is not None:
+            raise NetdevError(why)
         mine = [(uid, i, m) for uid, i, m in claims.moves() if pod.uid in (claims.cp.claims[uid].get("pods") or ())]
         if not mine:
             return {}
@@ -311,29 +300,38 @@ class NetdevMover(Sandboxes):
             raise IpamError("this mover has no IPAM pools (no settings)")
         return self.ipam
 
-    def _reconcile(self, claims: Claims) -> None:
+    def _reconcile(self, claims: Claims, running: dict[str, Pod]) -> dict[str, dict]:
         """Records of sandboxes whose network namespace is gone, without the runtime telling
         (containerd forgets its pods' NRI state when it restarts: their Stop/RemovePodSandbox
         never come): what the kernel gave back is renamed, the records go back to ``planned``. And
         records whose way back failed (a NIC's netdev not back from a namespace being torn down
-        yet, its host name another link's): tried again."""
+        yet, its host name another link's), or whose move into a running sandbox a Synchronize
+        could not finish (its containers may run, and wait for no event): tried again."""
+        done = {}
         for uid, i, move in claims.moves():
-            if move.state == "returning" or (move.state == "in-pod" and not netmove.in_pod(move)):
+            finish = move.state == "moving" and runs(move, running)
+            if finish or move.state == "returning" or (move.state == "in-pod" and not netmove.in_pod(move)):
                 try:
-                    self._move_out(claims, uid, i, move)
+                    if finish:
+                        self._move_in(claims, uid, i, move)
+                        done[uid] = claims.cp.claims[uid]
+                    else:
+                        self._move_out(claims, uid, i, move)
                 except (rtnl.LinkError, OSError, IpamError) as err:
-                    log.error("netdev %s of a gone pod sandbox %s: %s", move.host, move.sandbox, err)
+                    log.error("netdev %s of pod sandbox %s (%s): %s", move.host, move.sandbox,
+                              "running: its move not finished" if finish else "gone", err)
+        return done
 
     async def reconcile(self) -> None:
         """One look for records of sandboxes gone unannounced (``_reconcile``), after the recovery
         of a Synchronize that could not have the locks. The locked look reads the whole checkpoint,
-        so it is taken only while a record says a netdev is in a pod or on its way back."""
+        so it is taken only while a record says a netdev is in a pod or on its way there or back."""
         if self._recovering:  # Synchronize's recovery, which its locks did not let it do
             this = self._syncs  # one that comes meanwhile (its pods) is still to be recovered after
             self._report(await asyncio.to_thread(self._locked, self._recover, dict(self.pods)))
             self._recovering = self._syncs != this
-        if await self._concerns(lambda entry: any(away(m) for m in entry.get("netdevs") or ())):
-            await asyncio.to_thread(self._locked, self._reconcile)
+        if await self._concerns(lambda entry: any(away(m) or m.get("state") == "moving" for m in entry.get("netdevs") or ())):
+            self._report(await asyncio.to_thread(self._locked, self._reconcile, dict(self.pods)))
 
     async def watch(self, interval: float = RECONCILE_INTERVAL) -> None:
         while True:
