@@ -82,7 +82,7 @@ class MigNodeLife(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def prepare_again(self, data):
-        self._prepare(data.draw(st.sampled_from(sorted(self.live))))
+        self._prepare(data.draw(st.sampled_from(list(self.live))))
 
     def _prepare(self, uid: str) -> None:
         res, refused = self._may_fail(lambda: self.driver.prepare_claims([self.live[uid]])[uid])
@@ -98,7 +98,7 @@ class MigNodeLife(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def unprepare(self, data):
-        uid = data.draw(st.sampled_from(sorted(self.live)))
+        uid = data.draw(st.sampled_from(list(self.live)))
         errors, refused = self._may_fail(lambda: self.driver.unprepare_claims([ref(self.live[uid])]))
         if errors[uid]:
             assert refused, errors[uid]

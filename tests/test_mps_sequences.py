@@ -87,7 +87,7 @@ class MpsNodeLife(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def prepare_again(self, data):
-        self._prepare(data.draw(st.sampled_from(sorted(self.live))))
+        self._prepare(data.draw(st.sampled_from(list(self.live))))
 
     def _prepare(self, uid: str) -> None:
         before = self.refused
@@ -101,7 +101,7 @@ class MpsNodeLife(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def unprepare(self, data):
-        uid = data.draw(st.sampled_from(sorted(self.live)))
+        uid = data.draw(st.sampled_from(list(self.live)))
         m = self.live[uid]["metadata"]
         errors = self.driver.unprepare_claims([ClaimRef(namespace=m["namespace"], name=m["name"], uid=uid)])
         assert errors == {uid: None}, errors

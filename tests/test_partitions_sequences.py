@@ -64,7 +64,7 @@ class PartitionNodeLife(RuleBasedStateMachine):
     @precondition(lambda self: self.mode)
     @rule(data=st.data())
     def prepare_again(self, data):
-        uid = data.draw(st.sampled_from(sorted(self.mode)))
+        uid = data.draw(st.sampled_from(list(self.mode)))
         self._prepare(uid, self.mode[uid])
 
     def _prepare(self, uid: str, mode: str) -> None:
@@ -75,7 +75,7 @@ class PartitionNodeLife(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def unprepare(self, data):
-        uid = data.draw(st.sampled_from(sorted(self.live)))
+        uid = data.draw(st.sampled_from(list(self.live)))
         assert self.driver.unprepare_claims([ref(self.live[uid])]) == {uid: None}
         del self.live[uid]
         self.mode.pop(uid, None)
