@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from agent.health.checks import UNHEALTHY, Memory, Verdict, check, polled, truncate
+from agent import rebinds
+from agent.health.checks import UNHEALTHY, UNKNOWN, Memory, Verdict, check, polled, truncate
 from agent.health.faults import FaultStore, KeptFaults
 from agent.health.gpuevents import GpuEvents
 from agent.health.gpumemory import RowRemapReader
@@ -249,6 +250,10 @@ class HealthMonitor(GpuEvents):
         return present
 
     def _verdict(self, name: str, present: set[str], now: float, nvidia_files=None) -> Verdict:
+        dev = self._known[name]
+        if rebinds.by_agent(self.fs.path("sys/bus/pci/devices", dev.pci.bdf), dev.pci.driver if name in present else None):
+            old = self.states.get(name)  # the agent's own rebind (VFIO), not yet rescanned: no news
+            return old.verdict if old is not None else Verdict(UNKNOWN, "being moved to another driver by the agent")
         remaps = self.row_remaps.read if self.row_remaps is not None else None
         verdict = check(self.fs, self._known[name], self._memory[name], now, nvidia_files or self.nvidia_files.get, remaps)
         if name not in present and verdict.health != UNHEALTHY:

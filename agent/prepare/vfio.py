@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from agent import rebinds
 from agent.prepare import claimconfig, devusers, hostuse
 from agent.prepare.allocation import ClaimFailed
 from agent.prepare.records import VfioFunction
@@ -183,10 +184,11 @@ def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[st
             kernel.set_override(bdf, VFIO_DRIVER)
             fault("vfio:override-set")
             if kernel.driver(bdf) != VFIO_DRIVER:
-                kernel.unbind(bdf)
-                fault("vfio:unbound")
-                kernel.bind(bdf, VFIO_DRIVER)
-                fault("vfio:bound")
+                with rebinds.moving(kernel.dev(bdf)):  # the health monitor: our own rebind, no fault
+                    kernel.unbind(bdf)
+                    fault("vfio:unbound")
+                    kernel.bind(bdf, VFIO_DRIVER)
+                    fault("vfio:bound")
             kernel.wait_group_node(bdf, rec.group)
     except KernelHung as err:  # the function stays the claim's; the others go back
         records = [r.model_copy(update={"pending": True}) if r.bdf == err.bdf else r for r in records]
@@ -209,6 +211,11 @@ def _merged(records: list[VfioFunction], now: list[VfioFunction]) -> list[VfioFu
 
 def restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None] = lambda p: None) -> str:
     """Give one function back to its original driver (idempotent) -> what was done, for a note."""
+    with rebinds.moving(kernel.dev(rec.bdf)):  # the health monitor: our own rebind, no fault
+        return _restore(kernel, rec, fault)
+
+
+def _restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None]) -> str:
     bdf, original = rec.bdf, rec.driver
     kernel.settled(bdf)  # a write of ours still in the kernel: nothing until it returns
     if not kernel.present(bdf):  # hot-removed (or its PF's VFs reconfigured): no driver to give it back to,
