@@ -80,6 +80,7 @@ class HealthMonitor(GpuEvents):
         self.taint_hold = settings.taint_hold  # seconds a recovered device stays tainted (taints)
         self.taint_effect, self.taint_effects = settings.taint_effect, settings.taint_effects  # (SIGHUP sets them)
         self._tainted: dict[str, tuple[float, list[dict]]] = {}  # device -> (last seen unhealthy, its taint)
+        self._swapped: list[str] = []  # devices found replaced by another in their slot this round (_drop_swapped)
         self.clock = time.monotonic
         self._subscribers: set[Subscriber] = set()
         self._round = asyncio.Lock()
@@ -187,6 +188,7 @@ class HealthMonitor(GpuEvents):
             if full:
                 self._last_full = time.monotonic()
             states = await asyncio.to_thread(self._check_all, full)
+            self._drop_swapped()
             changed = [n for n, st in states.items() if n not in self.states or self.states[n].verdict != st.verdict]
             self.states = states
             self.rounds += 1
@@ -237,6 +239,11 @@ class HealthMonitor(GpuEvents):
         known = dict(self._known)
         for dev in (inv.devices if inv is not None else ()):
             present.add(dev.name)
+            if (was := known.get(dev.name)) is not None and was is not dev and _another(was, dev):
+                log.info("device %s: another device in its slot now: the old one's health history and taint dropped",
+                         dev.name)
+                self._memory.pop(dev.name, None)  # its AER hold, its last driver: the old device's
+                self._swapped.append(dev.name)
             known[dev.name] = dev
             mem = self._memory.get(dev.name)
             if mem is None:
@@ -343,7 +350,15 @@ class HealthMonitor(GpuEvents):
         """One full round now, in the caller's thread (no loop needed) -> ``taints()``: what the
         first published slices carry with ``--taint-unhealthy``, before the monitor runs."""
         self.states = self._check_all(full=True)
+        self._drop_swapped()
         return self.taints()
+
+    def _drop_swapped(self) -> None:
+        """Another device in a slot (the round's thread found it) holds no taint of the old one's:
+        on the loop, where ``taints`` runs."""
+        swapped, self._swapped = self._swapped, []
+        for name in swapped:
+            self._tainted.pop(name, None)
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
@@ -352,6 +367,15 @@ class HealthMonitor(GpuEvents):
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self._subscribers.discard(sub)
+
+
+def _another(was: Device, now: Device) -> bool:
+    """Whether ``now`` is another device than ``was`` in the same slot: another PCI vendor or
+    device ID, or another GPU UUID (both known)."""
+    if (was.pci.vendor_id, was.pci.device_id) != (now.pci.vendor_id, now.pci.device_id):
+        return True
+    old, new = (d.gpu.nvidia_uuid if d.gpu is not None else None for d in (was, now))
+    return None not in (old, new) and old != new
 
 
 def first_round(settings: Settings, inventory: Inventory) -> tuple[dict[str, list[dict]], dict[str, tuple[str, str, str]]]:
