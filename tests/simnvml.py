@@ -167,9 +167,17 @@ class SimEvent:
     computeInstanceId: int = 0xFFFFFFFF
 
 
+class _EventSet:
+    def __init__(self):
+        self.devices: set[str] = set()  # bus IDs registered in it
+        self.freed = False
+
+
 class SimNvmlEvents(SimNvml):
-    """With NVML's event API: ``emit(bus_id, type, data)`` delivers an event to the waiting set;
-    a wait with nothing to deliver ends in NVML_ERROR_TIMEOUT, as the real one does."""
+    """With NVML's event API: ``emit(bus_id, type, data)`` delivers an event to the waiting set
+    if the GPU is registered in a set not freed (NVML delivers a set only the events of the devices
+    registered in it; the others are counted in ``dropped``); a wait with nothing to deliver ends
+    in NVML_ERROR_TIMEOUT, as the real one does."""
 
     NVML_ERROR_TIMEOUT = 10
     nvmlEventTypeSingleBitEccError, nvmlEventTypeDoubleBitEccError, nvmlEventTypeXidCriticalError = 0x1, 0x2, 0x8
@@ -182,17 +190,22 @@ class SimNvmlEvents(SimNvml):
         self.refuse = refuse  # bus IDs whose registration NVML refuses
         self.registered: list[tuple[str, int]] = []
         self.freed: list = []  # event sets freed
+        self.sets: list[_EventSet] = []
+        self.dropped = 0  # events of GPUs no live set has registered
 
     def nvmlEventSetCreate(self):
-        return object()
+        self.sets.append(_EventSet())
+        return self.sets[-1]
 
     def nvmlEventSetFree(self, event_set):
         self.freed.append(event_set)
+        event_set.freed = True
 
     def nvmlDeviceRegisterEvents(self, h, mask: int, event_set):
         if h.bus_id in self.refuse:
             raise NVMLError()
         self.registered.append((h.bus_id, mask))
+        event_set.devices.add(h.bus_id)
 
     def nvmlEventSetWait_v2(self, event_set, timeout_ms: int):
         import queue
@@ -204,4 +217,7 @@ class SimNvmlEvents(SimNvml):
 
     def emit(self, bus_id: str, event_type: int, data: int = 0, gi: int = 0xFFFFFFFF, ci: int = 0xFFFFFFFF) -> None:
         """``gi``, ``ci``: the MIG instance NVML places the event in (none by default)."""
+        if not any(bus_id in s.devices for s in self.sets if not s.freed):
+            self.dropped += 1
+            return
         self.queue.put(SimEvent(self.gpus[bus_id], event_type, data, gi, ci))

@@ -251,3 +251,34 @@ def test_a_failed_wait_is_followed_by_registering_again(monkeypatch, caplog):
         watch.stop()
     assert "XID/ECC events not watched until NVML takes them again" in caplog.text
     assert "XID/ECC events watched again on 0000:00:06.0" in caplog.text
+
+
+def test_a_gpu_bound_to_nvidia_after_the_watch_started_is_watched(tmp_path):
+    """NVML manages only GPUs bound to nvidia: one hot-added, or given back from vfio-pci at a VM
+    claim's unprepare, after the watch registered its GPUs is in no event set, so its XIDs were
+    never seen (until a failed wait or an agent restart). The rescan that shows it on nvidia has
+    it registered (by PCI address: NVML finds a GPU at its handle lookup, nvmlInit_v2)."""
+    root = profile_root("server-2s-gpu-nic")
+    s = settings_for(str(tmp_path), root=root, nvidia_driver_root="/", taint_unhealthy=True)
+    inv = scan(root)
+    first, later = inv.by_name()["gpu-0000-18-00-0"], inv.by_name()["gpu-0000-19-00-0"]
+    before = inv.replace(devices=tuple(d for d in inv.devices if d is not later))
+    sim = SimNvmlEvents([SimGpu(bus_id=first.pci.bdf, uuid=first.gpu.nvidia_uuid)])
+    latest = {"inv": before}
+
+    async def main():
+        monitor = HealthMonitor(s, lambda: latest["inv"])
+        await monitor.start()
+        try:
+            assert await monitor.watch_gpu_events(nvml=open_sim(root, sim, driver_root="/"))
+            sim.gpus[later.pci.bdf] = SimGpu(bus_id=later.pci.bdf, uuid=later.gpu.nvidia_uuid)  # bound to nvidia
+            monitor.on_inventory(inv)  # the rescan its bind's uevent starts
+            await _until(lambda: later.pci.bdf in monitor.xid.registered, "the new GPU registered", timeout=10)
+            sim.emit(later.pci.bdf, sim.nvmlEventTypeXidCriticalError, 79)
+            await _until(lambda: monitor.states[later.name].verdict.reason == "xid-79", "the fault")
+            assert monitor.xid.uuids[later.pci.bdf] == later.gpu.nvidia_uuid
+            assert monitor.states[first.name].verdict.health == HEALTHY
+        finally:
+            await monitor.stop()
+
+    asyncio.run(main())

@@ -50,8 +50,22 @@ class GpuEvents:
         xid = XidWatch(nvml, self._on_gpu_fault, ignored=s.nvidia_ignored_xids)
         if not await asyncio.to_thread(xid.start):
             return False
+        self._on_nvidia = self._nvidia_bdfs() | set(xid.registered)
         self.xid = xid
         return True
+
+    def _nvidia_bdfs(self) -> set[str]:
+        return {self._known[n].pci.bdf for n in self._present_names if self._known[n].pci.driver == "nvidia"}
+
+    def _watch_new_gpus(self) -> None:
+        """After a round: GPUs the inventory shows newly bound to nvidia (hot-added, given back from
+        vfio-pci) registered for their XID/ECC events, in a thread, the round not waiting."""
+        if self.xid is None:
+            return
+        now = self._nvidia_bdfs()
+        new, self._on_nvidia = sorted(now - self._on_nvidia), now
+        if new:
+            self._spawn(asyncio.to_thread(self.xid.add, new), name="xid-new-gpus")
 
     def _nvidia_bound(self) -> bool:
         return any(self._known[n].pci.driver == "nvidia" for n in self._present_names)

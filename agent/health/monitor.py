@@ -98,6 +98,7 @@ class HealthMonitor(GpuEvents):
         self._last_full = float("-inf")  # time.monotonic() of the last full round
         self._daemon_faults: dict[str, tuple[str, str] | None] = {}  # GPU UUID -> its MPS daemon's fault
         self._partition_names: dict[str, tuple[Device, list[str]]] = {}  # GPU -> (its record, its partitions)
+        self._on_nvidia: set[str] = set()  # PCI addresses of the GPUs on nvidia as of the last round (gpuevents)
         self.partition_faults: dict[str, tuple[str, str]] = {}  # MIG device -> its own fault (code, message): gpuevents
 
     # --- lifecycle ----------------------------------------------------------------
@@ -178,6 +179,7 @@ class HealthMonitor(GpuEvents):
             try:
                 await self.check_now(full=full)
                 self._watch_late_nvml()
+                self._watch_new_gpus()
             except Exception:  # a bug in a rule must not stop the resends
                 log.exception("health check round failed")
 

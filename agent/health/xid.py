@@ -76,13 +76,19 @@ class XidWatch:
         self._noted: dict[str, tuple[float, int]] = {}  # what -> (when last logged, how many since)
         self._stop = threading.Event()
         self._set = None
+        self._lock = threading.Lock()  # the watched set and its lists: a new set (failed wait) or GPUs added
+        self.wanted: set[str] = set()  # bus IDs ``add`` registered: every new set registers them too
         self._delay = RETRY_FIRST  # before the next registering after a failed wait
+
+    def _mask(self) -> int:
+        nv = self.nv
+        return nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError | nv.nvmlEventTypeSingleBitEccError
 
     def _register(self):
         """A new event set with every GPU's fault events (on NVML's thread) -> (set, bus IDs, UUIDs),
-        or None when NVML did not answer."""
-        nv = self.nv
-        mask = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError | nv.nvmlEventTypeSingleBitEccError
+        or None when NVML did not answer. The GPUs NVML counts, and those ``add`` asked for (NVML
+        may count only the GPUs of its start)."""
+        nv, mask, wanted = self.nv, self._mask(), list(self.wanted)
 
         def register():
             event_set = nv.nvmlEventSetCreate()
@@ -97,9 +103,42 @@ class XidWatch:
                 done.append(bus_id(nv.nvmlDeviceGetPciInfo(h).busId))
                 with contextlib.suppress(nv.NVMLError):  # discovery's UUID (procfs) is used first anyway
                     uuids[done[-1]] = _text(nv.nvmlDeviceGetUUID(h))
-            return event_set, done, uuids
+            more, more_uuids = self._register_by_address([b for b in wanted if b not in done], event_set)
+            return event_set, done + more, {**uuids, **more_uuids}
 
         return self.nvml.call("registering for XID/ECC events", register)
+
+    def _register_by_address(self, bdfs: list[str], event_set) -> tuple[list[str], dict[str, str]]:
+        """On NVML's thread: ``bdfs``' events into ``event_set``, each GPU found by its PCI address (as
+        NVML finds a GPU at its handle lookup since nvmlInit_v2) -> (bus IDs registered, their UUIDs)."""
+        nv, done, uuids = self.nv, [], {}
+        for bdf in bdfs:
+            try:
+                h = nv.nvmlDeviceGetHandleByPciBusId(bdf)
+                nv.nvmlDeviceRegisterEvents(h, self._mask(), event_set)
+            except nv.NVMLError as err:
+                log.warning("NVML events of GPU %s not watched: %s", bdf, err)
+                continue
+            done.append(bdf)
+            with contextlib.suppress(nv.NVMLError):
+                uuids[bdf] = _text(nv.nvmlDeviceGetUUID(h))
+        return done, uuids
+
+    def add(self, bdfs: list[str]) -> list[str]:
+        """GPUs bound to nvidia since the watch registered its GPUs (hot-added; given back from
+        vfio-pci, which NVML does not manage; bound again, so an earlier registration may be the
+        function's of before): registered in the watched set -> those NVML took (logged)."""
+        self.wanted.update(bdfs)
+        with self._lock:  # not while a failed wait makes a new set (that one takes ``wanted`` too)
+            got = self.nvml.call("registering new GPUs for XID/ECC events", lambda s=self._set: self._register_by_address(bdfs, s))
+            if not got:
+                return []
+            done, uuids = got
+            self.registered = [*[b for b in self.registered if b not in done], *done]
+            self.uuids = {**self.uuids, **uuids}
+        if done:
+            log.info("NVML XID/ECC events watched on %s too", ", ".join(done))
+        return done
 
     def start(self) -> bool:
         """Register every GPU's fault events; False (logged) when NVML refuses all of them."""
@@ -144,10 +183,12 @@ class XidWatch:
         self.outages += 1
         while not self._stop.wait(self._delay):
             self._delay = min(self._delay * 2, RETRY_MOST)
-            got = self._register()
+            with self._lock:
+                got = self._register()
+                if got and got[1]:
+                    self.nvml.call("freeing the old event set", lambda old=self._set: self.nv.nvmlEventSetFree(old))
+                    self._set, self.registered, self.uuids = got
             if got and got[1]:
-                self.nvml.call("freeing the old event set", lambda old=self._set: self.nv.nvmlEventSetFree(old))
-                self._set, self.registered, self.uuids = got
                 log.warning("NVML XID/ECC events watched again on %s", ", ".join(self.registered))
                 return
             if got:  # a set without a GPU in it
