@@ -19,8 +19,12 @@ log = logging.getLogger("sysdra.publish")
 
 class Publisher:
     def __init__(self, store: SliceStore, *, node_name: str, driver_name: str, resync_interval: float = 300.0,
-                 debounce: float = 0.25, backoff: Backoff | None = None, observer=None, on_lists_refused=None):
+                 debounce: float = 0.25, backoff: Backoff | None = None, observer=None, on_lists_refused=None,
+                 placed=None):
         self.store = store
+        # placed(the stored PoolContent) -> the pool placed like it (or None): asked once, at the
+        # first sync that lists the store, so a restarted agent keeps its devices where they are
+        self._placed = placed
         # called with ListAttributesRefused: the daemon publishes without list attributes (agent/service/listfallback.py)
         self.on_lists_refused = on_lists_refused
         # agent.service.metrics.Metrics (or None): observe_publish(ok, secs, reason), observe_change_to_slice(secs)
@@ -58,7 +62,7 @@ class Publisher:
         # the change this sync publishes: one handed over while it runs waits for the next sync
         since, self._pending_since = self._pending_since, None
         try:
-            stats = await self.reconciler.sync(self.pool)
+            stats = await self.reconciler.sync(self.pool, self._place_once if self._placed is not None else None)
         except BaseException:
             self._pending_since = since if since is not None else self._pending_since  # (the earliest stays)
             raise
@@ -79,6 +83,13 @@ class Publisher:
         async with self._synced:
             self._synced.notify_all()
         return stats
+
+    def _place_once(self, stored: PoolContent | None) -> PoolContent | None:
+        placed, self._placed = self._placed, None
+        pool = placed(stored) if stored is not None else None
+        if pool is not None:
+            self.pool = pool
+        return pool
 
     async def run(self) -> None:
         while True:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from agent.publish import metrics
 from agent.publish.dropped import Dropped
 from agent.publish.listattrs import refusal
-from agent.publish.slices import PoolContent, parse_index, render_slice
+from agent.publish.slices import PoolContent, parse_index, render_slice, stored_pool
 from agent.publish.store import Invalid, NotFound, SliceStore, StoreError
 from agent.publish.validation import parse_quantity
 
@@ -216,9 +216,13 @@ class Reconciler:
                 raise
             raise refused from err
 
-    async def sync(self, pool: PoolContent) -> SyncStats:
-        """Raises StoreError (Conflict included) on failure; the caller retries with backoff."""
+    async def sync(self, pool: PoolContent, placed=None) -> SyncStats:
+        """Raises StoreError (Conflict included) on failure; the caller retries with backoff.
+        ``placed(stored)`` (the publisher's first sync): the pool to publish, placed like the slices
+        stored (``slices.stored_pool``), or None to publish ``pool``."""
         existing = sorted((s for s in await self.store.list_slices() if self._ours(s, pool)), key=lambda s: s["metadata"]["name"])
+        if placed is not None:
+            pool = placed(stored_pool(existing, pool.name)) or pool
         count = len(pool.slices)
         current = max((_generation(s) for s in existing), default=0)
         matched, obsolete = _match(existing, count, current)

@@ -282,6 +282,37 @@ def parse_index(name: str, count: int) -> int | None:
     return index if index < count else None
 
 
+def stored_pool(stored: list[dict], name: str) -> PoolContent | None:
+    """The pool as the store holds it (its slices' content by index, of the newest generation), for
+    ``build_pool(previous=)``: a restarted agent keeps each device in the slice the last one put it
+    in. A fresh split moves devices wherever that one's sticky placement differed from it, and the
+    pool is rewritten with a generation bump. A missing index stays an empty slice (indexes stay)."""
+    def generation(obj):
+        pool = obj.get("spec", {}).get("pool")
+        value = pool.get("generation") if isinstance(pool, dict) else None
+        return value if type(value) is int else -1
+
+    newest = [s for s in stored if generation(s) == max(map(generation, stored), default=-1) >= 0]
+    count = max((s["spec"]["pool"].get("resourceSliceCount") for s in newest
+                 if type(s["spec"]["pool"].get("resourceSliceCount")) is int), default=0)
+    if not 0 < count <= 4096:  # (a damaged file may say anything: no placement to keep then)
+        return None
+    content: list[dict] = [{"devices": []} for _ in range(count)]
+    for s in sorted(newest, key=lambda s: s["metadata"]["name"]):
+        index, spec = parse_index(s["metadata"]["name"], count), s["spec"]
+        devices = spec.get("devices") or []  # (the server leaves an empty list out)
+        if index is None or content[index] != {"devices": []} or not isinstance(devices, list) or \
+                not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in devices):
+            continue
+        if spec.get("sharedCounters"):  # a counter slice: no device placement, but its index is taken
+            content[index] = {"sharedCounters": spec["sharedCounters"]}
+        else:
+            ops = spec.get("skipNodeOperations")
+            ops_ok = isinstance(ops, list) and all(isinstance(o, str) for o in ops)
+            content[index] = {"devices": devices, **({"skipNodeOperations": ops} if ops and ops_ok else {})}
+    return PoolContent(name=name, slices=tuple(content))
+
+
 def generate_prefix(prefix: str) -> str:
     """``prefix`` as the server keeps it for a name: its first 58 characters. Sent whole, a long
     node's (a Node name may have 253) passes the 253 the server takes of a generateName, and every

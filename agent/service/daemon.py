@@ -51,7 +51,7 @@ class Agent:
         self.lists = ListFallback(self._rescan_soon)  # list attributes the API server refuses: published without
         self.publisher = Publisher(self.store, node_name=settings.node_name, driver_name=settings.driver_name,
                                    resync_interval=settings.resync_interval, debounce=settings.debounce,
-                                   observer=PublishObserver(self), on_lists_refused=self.lists.refused)
+                                   observer=PublishObserver(self), on_lists_refused=self.lists.refused, placed=self._placed_like)
         self.debouncer: Debouncer | None = None
         self.health = None  # agent.health.HealthMonitor once the kubelet plugin runs
         self._health_task: asyncio.Task | None = None  # its verdicts to status, metrics and taints
@@ -75,15 +75,19 @@ class Agent:
         self._first_round: tuple[dict, dict] | None = None  # --taint-unhealthy: (taints, health) until the monitor runs
 
     # --- inventory -> pool ---------------------------------------------------------------
-    def _pool_for(self, inventory) -> PoolContent:
-        s = self.settings
-        taints = None
+    def _placed_like(self, stored: PoolContent) -> PoolContent:
+        """At the first sync, each device in the slice the store holds it in: a restart writes nothing."""
+        self.pool = self._pool_for(self.inventory, previous=stored)  # (a pool to sync: scanned already)
+        return self.pool
+
+    def _pool_for(self, inventory, previous: PoolContent | None = None) -> PoolContent:
+        s, taints = self.settings, None
         if s.taint_unhealthy:  # before the monitor runs (the first publish): the first scan's round
             taints = self.health.taints() if self.health is not None else (self._first_round or ({}, {}))[0]
             taints = self.host_nics.with_taints(taints)
         # validated against what the scan made: a SIGHUP's new list_attributes waits for its rescan
         options = {**pool_options(s), "list_attributes": self._listed}
-        pool = build_pool(inventory, **options, taints=taints, previous=self.pool, cache=self._slice_cache, held=self.held_gpus)
+        pool = build_pool(inventory, **options, taints=taints, previous=previous or self.pool, cache=self._slice_cache, held=self.held_gpus)
         for rejected in pool.rejected:
             if rejected not in self._rejected_seen:  # one line per bad device, not one per rescan
                 log.error("device %s left out of the ResourceSlice: %s", *rejected)
