@@ -172,6 +172,7 @@ class Reconciler:
         self.dropped = Dropped()  # fields the server does not keep (a feature gate off): not compared
         self.clock = time.monotonic
         self._recheck_at = 0.0  # when the dropped fields are next offered again (a dry run)
+        self._asked = False  # whether a dry run or a write told what the server keeps (_first_dry_run)
 
     def _ours(self, obj: dict, pool: PoolContent) -> bool:
         spec = obj.get("spec", {})
@@ -228,6 +229,7 @@ class Reconciler:
         matched, obsolete = _match(existing, count, current)
         missing = [i for i in range(count) if i not in matched]
         await self._resolve_owner(again=bool(missing))
+        await self._first_dry_run(pool, matched, current)
         await self._recheck_dropped(pool, matched, current)
         generation, to_update = self._next_generation(pool, matched, missing, current)
         stats = SyncStats(generation=generation)
@@ -236,6 +238,7 @@ class Reconciler:
         await self._update(pool, {i: matched[i] for i in to_update}, generation, times, stats)
         await self._create(pool, missing, generation, times, stats)
         self.generation_floor = generation
+        self._asked = self._asked or stats.created + stats.updated > 0  # (each write is learned from)
         metrics.POOL_GENERATION.set(generation)
         if stats.writes:
             log.info(
@@ -243,6 +246,32 @@ class Reconciler:
                 pool.name, generation, stats.created, stats.updated, stats.deleted,
             )
         return stats
+
+    async def _first_dry_run(self, pool: PoolContent, matched: dict[int, dict], current: int) -> None:
+        """Before this process wrote a slice, the first stored one that differs from ours is sent in
+        a dry run: what the server drops (a gate off) is learned before the pool is compared. Learned
+        from the writes only, a restarted agent found every slice carrying such a field changed and
+        rewrote the whole pool with a generation bump, at every restart (a rolling update)."""
+        dry_run = getattr(self.store, "dry_run_update", None)
+        if self._asked or dry_run is None:
+            return
+        for i, existing in matched.items():
+            obj = self._desired(pool, i, current)
+            if same_slice(existing, self.dropped.strip(obj)):
+                continue
+            self._asked = True
+            await self._dry_run(dry_run, obj, existing)
+            return
+
+    async def _dry_run(self, dry_run, obj: dict, existing: dict) -> None:
+        """``obj`` sent in place of ``existing`` with nothing written; what the server keeps learned."""
+        old = existing["metadata"]
+        obj["metadata"].pop("generateName", None)
+        obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
+        try:
+            self.dropped.learn(obj, await dry_run(obj))
+        except StoreError as err:  # (learned from the writes then)
+            log.debug("dry run of ResourceSlice %s: %s", old["name"], err)
 
     async def _recheck_dropped(self, pool: PoolContent, matched: dict[int, dict], current: int) -> None:
         """Now and then, a slice carrying a field the server dropped is sent again in a dry run: a gate
@@ -254,16 +283,9 @@ class Reconciler:
         self._recheck_at = self.clock() + RECHECK_DROPPED
         for i, existing in matched.items():
             obj = self._desired(pool, i, current)
-            if not self.dropped.carried(obj):
-                continue
-            old = existing["metadata"]
-            obj["metadata"].pop("generateName", None)
-            obj["metadata"].update(name=old["name"], uid=old.get("uid"), resourceVersion=old.get("resourceVersion"))
-            try:
-                self.dropped.learn(obj, await dry_run(obj))
-            except StoreError as err:  # offered again at the next recheck
-                log.debug("dry run of ResourceSlice %s: %s", old["name"], err)
-            return
+            if self.dropped.carried(obj):
+                await self._dry_run(dry_run, obj, existing)  # (failed: offered again at the next recheck)
+                return
 
     def _next_generation(self, pool: PoolContent, matched: dict[int, dict], missing: list[int],
                          current: int) -> tuple[int, list[int]]:
