@@ -29,7 +29,7 @@ pytestmark = pytest.mark.root
 
 @pytest.fixture
 def host(tmp_path):
-    """(fixture root, ip in the host's namespace): br0 holds the default route, with no port yet."""
+    """(fixture root, ip in the host's namespace, its name): br0 holds the default route, with no port yet."""
     require_root()
     require_tool("ip")
     name = f"sdt-up-{os.getpid()}"
@@ -46,7 +46,7 @@ def host(tmp_path):
                     ["addr", "add", "192.0.2.1/24", "dev", "br0"], ["route", "add", "default", "via", "192.0.2.254"],
                     ["link", "add", "cni0", "type", "bridge"], ["link", "add", "up0", "type", "veth", "peer", "name", "pod0"]):
             ip(*cmd)
-        yield root, ip
+        yield root, ip, name
     finally:
         init.kill()
         init.wait()
@@ -60,7 +60,7 @@ async def until(predicate, what: str) -> None:
 
 
 def test_a_nic_added_to_the_uplink_bridge_leaves_the_inventory(host):
-    root, ip = host
+    root, ip, _ = host
     scanner = IncrementalScanner(root)
     assert PF1 in {d.pci.bdf for d in scanner.full().devices}  # br0 has no port yet
     rescans: list[set[str]] = []
@@ -85,3 +85,26 @@ def test_a_nic_added_to_the_uplink_bridge_leaves_the_inventory(host):
 
     asyncio.run(main())
     assert len(rescans) == 1 and PF1 not in rescans[0] and PF0 in rescans[0]
+
+
+
+def test_a_link_that_keeps_changing_does_not_hold_the_read_off(host):
+    """Link messages without a pause (a port flapping, pods starting one after another) do not put
+    the read off for as long as they come: it follows SETTLE after the first of them."""
+    root, ip, name = host
+    rescans: list[int] = []
+
+    async def main():
+        watch = await follow_default_routes(SimpleNamespace(root=root, publish_uplink=False), True, lambda: rescans.append(1))
+        flap = subprocess.Popen(["ip", "netns", "exec", name, "sh", "-c",
+                                 "while :; do ip link set pod0 up; ip link set pod0 down; done"])
+        try:
+            os.symlink("../../../../class/net/enp6s0f1/brport", os.path.join(root, "sys/devices/virtual/net/br0/brif/enp6s0f1"))
+            ip("link", "set", "up0", "master", "br0")
+            await until(lambda: rescans, "a full rescan while another link keeps changing")
+        finally:
+            flap.kill()
+            flap.wait()
+            watch.stop()
+
+    asyncio.run(main())

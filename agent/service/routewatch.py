@@ -7,7 +7,7 @@ is ignored. Lost messages (socket overrun) count as a change.
 
 The chain below the default routes' interfaces changes without a route message: a NIC enslaved
 to the uplink bond, added as a port of its bridge, or released. So link messages are heard too
-and, once a burst of them settles, the uplink's PCI functions are read again (a few procfs and
+and, SETTLE after the first of a burst, the uplink's PCI functions are read again (a few procfs and
 sysfs reads, in a worker thread); a full rescan follows only when they differ from the last read
 (a pod's veth joining another bridge costs that read, not a rescan). Without this such a NIC stayed
 offered until the next full resync (incremental scans keep the uplink of the last full scan).
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 RTMGRP_LINK, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_ROUTE = 0x1, 0x40, 0x400
 RTM_NEWLINK, RTM_DELLINK, RTM_NEWROUTE, RTM_DELROUTE = 16, 17, 24, 25
-SETTLE = 0.5  # seconds of quiet after a link message before the uplink is read again (a pod start is a burst)
+SETTLE = 0.5  # seconds from a link message to the read of the uplink (a pod start is a burst: one read)
 _RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags
 
 
@@ -80,12 +80,13 @@ class RouteWatch:
             self._settled(announce=True)
 
     def _settled(self, announce: bool) -> None:
-        """The uplink read again once the messages settle; ``announce``: a difference calls on_change."""
+        """The uplink read again SETTLE after the first message of a burst (not after the last: a link
+        that keeps changing would put it off for good); ``announce``: a difference calls on_change."""
         if self.root is None:
             return
-        if self._timer is not None:
-            announce = announce or self._timer_announce
-            self._timer.cancel()
+        if self._timer is not None:  # a read is due: it covers this message too
+            self._timer_announce = self._timer_announce or announce
+            return
         self._timer_announce = announce
         self._timer = asyncio.get_running_loop().call_later(SETTLE, self._read_soon)
 
