@@ -102,6 +102,33 @@ def test_the_taint_follows_the_hosts_address_and_link_events(host):
     asyncio.run(main())
 
 
+def test_a_link_that_keeps_changing_does_not_hold_the_taint_off(host):
+    """Address and link messages without a pause (another port flapping, pods starting back to
+    back) do not put the read of the host off for as long as they come: a NIC the host starts
+    using meanwhile is tainted SETTLE after the first of them. The read waited for a quiet
+    SETTLE, and the NIC stayed offered untainted (a claim given it fails prepare) until it came."""
+    s, nets = host
+    inv = scan(s.root)
+
+    async def main():
+        changes: list[dict] = []
+        nics = HostNics(lambda: s, lambda: changes.append(dict(nics.used)))
+        await nics.scanned(inv)
+        assert await nics.follow(kernel=True)
+        ip(nets, "link", "add", "sdtfl0", "type", "veth", "peer", "name", "sdtfl1")
+        flap = subprocess.Popen(["ip", "netns", "exec", nets.names["host"], "sh", "-c",
+                                 "while :; do ip link set sdtfl0 up; ip link set sdtfl0 down; done"])
+        try:
+            ip(nets, "addr", "add", "10.9.8.7/24", "dev", IFNAME)  # DHCP gave it an address
+            await until(lambda: changes == [{NIC: IFNAME}], timeout=10)
+        finally:
+            flap.kill()
+            flap.wait()
+            nics.stop()
+
+    asyncio.run(main())
+
+
 def test_a_taint_unhealthy_turned_on_by_sighup_follows_the_hosts_address_events(host):
     s, nets = host
     agent = Agent(s.replace(taint_unhealthy=False))

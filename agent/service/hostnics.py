@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 TAINT_KEY = "sysdra.io/host-in-use"
 RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR = 0x1, 0x10, 0x100
-SETTLE = 0.5  # seconds of quiet after an event before the host is read again (a pod start is a burst)
+SETTLE = 0.5  # seconds from an event to the read of the host (a pod start is a burst: one read)
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
 
 
@@ -130,11 +130,13 @@ class HostNics:
             self._listener.stop()
 
     def _batch(self, _datagrams) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(SETTLE, self._reread)
+        """The host read again SETTLE after the first message of a burst, not after its last: messages
+        without a pause (a flapping port, pods starting back to back) put the read off for as long."""
+        if self._timer is None:  # (else the read due covers this message too)
+            self._timer = asyncio.get_running_loop().call_later(SETTLE, self._reread)
 
     def _reread(self) -> None:
+        self._timer = None
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._again(), name="host-nics")
         else:  # a read is under way: one more after it
