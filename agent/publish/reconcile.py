@@ -259,7 +259,7 @@ class Reconciler:
             obj = self._desired(pool, i, current)
             if same_slice(existing, self.dropped.strip(obj)):
                 continue
-            self._asked = True
+            self._asked, self._recheck_at = True, self.clock() + RECHECK_DROPPED  # (the recheck's dry run: later)
             await self._dry_run(dry_run, obj, existing)
             return
 
