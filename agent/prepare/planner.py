@@ -192,19 +192,33 @@ def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuway
                  capacities: Capacities = lambda dev: None) -> list[Hold]:
     """What an entry's devices hold: whole devices, shares (with what they consume),
     partitions and MIG instances (by their GPU), with admin access or not. A share of a device
-    not published shared here holds it whole. Devices no longer on the node hold nothing.
-    The entry passed its typed check (records.py): its quantities parse."""
-    out = []
+    not published shared here holds it whole; one on vfio-pci holds the rest of its IOMMU group
+    too (``_group_holds``). Devices no longer on the node hold nothing. The entry passed its typed check (records.py): its quantities parse."""
+    out, members = [], []
     for d in entry.get("devices") or ():
         name, admin = d.get("device"), d.get("adminAccess") is True
         way = ways.get(name)
         if way is not None and way.kind != "whole":
             out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode, admin=admin))
         elif (dev := by_name.get(name)) is not None and dev.pci is not None:
+            if dev.pci.driver == "vfio-pci":  # its container gets the IOMMU group: the rest of it held too
+                members.extend(_group_holds(dev, by_name))
             caps = capacities(dev) if d.get("shareID") else None
             if caps is None:
                 out.append(Hold(dev.pci.bdf, "exclusive", unit=name, admin=admin))
                 continue
             consumed = tuple((k, parse_quantity(q)) for k, q in sorted((d.get("consumedCapacity") or {}).items()))
             out.append(Hold(dev.pci.bdf, "shared", unit=name, admin=admin, consumed=consumed, capacity=tuple(sorted(caps.items()))))
-    return out
+    return out + members  # the devices' own first: a refusal names the device the claim asked for
+
+
+def _group_holds(dev: Device, by_name: dict[str, Device]) -> list[Hold]:
+    """The other functions of the IOMMU group of ``dev``, a function on vfio-pci given as it is (no
+    ``VfioConfig``: docs/vfio.md, "Which class"): its spec gives ``/dev/vfio/<group>``, the whole
+    group, as a VM claim's does, so the claim holds them as the VFIO step's holds do: a second
+    claim of a member would hand its container the same group (it opens once: that VM fails, or
+    both share it)."""
+    group = dev.pci.iommu_group
+    return [] if group is None else [
+        Hold(o.pci.bdf, "vfio", unit=f"{dev.pci.bdf}'s IOMMU group {group}") for o in by_name.values()
+        if o.pci is not None and o.pci.iommu_group == group and o.pci.bdf != dev.pci.bdf]

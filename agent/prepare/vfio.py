@@ -120,7 +120,8 @@ def check(root: str, kernel: PciKernel, bdf: str, mine: set[str], in_use_elsewhe
         raise VfioError(f"{bdf}: the IOMMU is off or the function has no IOMMU group "
                         "(boot with intel_iommu=on or amd_iommu=on)")
     if bdf in in_use_elsewhere:
-        raise VfioError(f"{bdf} is in use by another prepared claim (a shared device cannot go to a VM)")
+        raise VfioError(f"{bdf} is in use by another prepared claim (whole, a share of it, or a function of its IOMMU "
+                        "group given with /dev/vfio/<group>): a VM cannot have it")
     if (why := host_own(root, kernel, bdf)) is not None:
         raise VfioError(f"{bdf} is the host's own: {why}")
     if (why := host_uses(bdf)) is not None:

@@ -1,0 +1,40 @@
+"""A function already on vfio-pci claimed without a ``VfioConfig`` (vfio.sysdra.io, docs/vfio.md
+"Which class"): its container gets ``/dev/vfio/<group>``, the whole IOMMU group. Another function
+of that group must not reach a second claim (a group opens once: the second VM fails, or both share
+it), whichever order they come in and after a restart. Simulated PCI kernel (tests/simkernel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from discovery.inventory import scan
+from tests.kubelet_standin import claim
+from tests.test_ownership_driver import HOST_VFIO, HOST_VFIO_BDF, _into_group, _prepare, _spec
+from tests.test_vfio import UID, UID2, VF2, node, spec_nodes  # noqa: F401 - node is a fixture
+
+VF2_BDF = "0000:06:00.3"
+
+
+def _vf2_on_vfio_in_group_48(s, sim) -> None:
+    """VF2 on vfio-pci by the host's choice, in IOMMU group 48 beside HOST_VFIO (no ACS split)."""
+    sim.stop()
+    _into_group(s.root, VF2_BDF, 48)
+    sim.unbind("mlx5_core", VF2_BDF)
+    sim.bind("vfio-pci", VF2_BDF)
+    sim.start()
+
+
+@pytest.mark.parametrize("first", [HOST_VFIO, VF2])
+def test_plain_claims_of_two_functions_of_one_vfio_group_do_not_both_get_it(node, first):
+    s, sim, state, driver = node
+    _vf2_on_vfio_in_group_48(s, sim)
+    state["inv"] = scan(s.root)
+    d = driver()
+    second = VF2 if first == HOST_VFIO else HOST_VFIO
+    a, b = claim("a", [("vm", first)], uid=UID), claim("b", [("vm", second)], uid=UID2)
+    assert _prepare(d, a) == {UID: None}
+    assert spec_nodes(s, UID) == ["/dev/vfio/48", "/dev/vfio/vfio"]
+    err = _prepare(d, b)[UID2]
+    assert err and "IOMMU group 48" in err and f"default/a ({UID})" in err, err
+    assert UID2 not in d.checkpoint.claims and not _spec(d, UID2)
+    assert _prepare(driver(), b)[UID2] == err  # after a restart too: the table is rebuilt from the checkpoint
