@@ -12,6 +12,7 @@ from fractions import Fraction
 from typing import Iterable, Mapping
 
 from agent.quantity import plain
+from discovery.vfio import is_vfio_driver
 
 SHAREABLE = ("gpu", "nic")
 
@@ -32,7 +33,7 @@ def published_shared(dev, kinds: Iterable[str]) -> bool:
     """Whether ``dev`` is published shared where ``kinds`` are: not on vfio-pci. A function there
     goes to one VM whole (vfio.sysdra.io): no VM takes a share, and a container's share would be
     /dev/vfio/<group>, no device of its kind; a share allocated anyway holds it whole."""
-    return dev.kind in kinds and getattr(dev.pci, "driver", None) != "vfio-pci"
+    return dev.kind in kinds and not is_vfio_driver(getattr(dev.pci, "driver", None))
 
 
 def merged_policies(kind: str, overrides: Mapping | None) -> dict[str, object]:

@@ -25,7 +25,7 @@ from discovery.nvidia import NvidiaNode
 from discovery.pci import BDF_RE, PciError, list_bdfs, read_function
 from discovery.routes import uplink
 from discovery.sysfs import DEFAULT_ROOT, AttrError, Dir, HostFS
-from discovery.vfio import vfio_nodes
+from discovery.vfio import is_vfio_driver, vfio_nodes
 
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class _Scanner:
         capacity: dict = {}
         info: dict = {}
         try:
-            if fn.driver == "vfio-pci":
+            if is_vfio_driver(fn.driver):
                 nodes = vfio_nodes(fs, res, fn, d, problems)
             elif kind == "gpu":
                 info["gpu"], nodes, capacity = read_gpu(fs, res, fn, d, problems, self._nvidia_node)

@@ -1,4 +1,4 @@
-"""Functions bound to vfio-pci: the IOMMU group node and the container node."""
+"""Functions bound to vfio-pci or a variant driver of it: the IOMMU group node and the container node."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ from discovery.models import DeviceNode, PciFunction, Problem
 from discovery.sysfs import AttrError, Dir, HostFS
 
 VFIO_CONTAINER = ("/dev/vfio/vfio", 10, 196)  # misc device
+# vfio-pci and its variant drivers (drivers/vfio/pci/*: mlx5_vfio_pci, nvgrace-gpu-vfio-pci for Grace
+# Hopper, hisi_acc_vfio_pci, pds_vfio_pci, virtio_vfio_pci, qat_vfio_pci, xe-vfio-pci): the kernel binds
+# a function meant for a VM to its variant driver where there is one, a VFIO device like vfio-pci's.
+# The chart's classes match the same names (deploy/helm/sysdra/templates/deviceclasses.yaml).
+VFIO_DRIVER_ENDINGS = ("vfio-pci", "vfio_pci")
 _CDEV = re.compile(r"^vfio(\d+)$")
+
+
+def is_vfio_driver(driver: str | None) -> bool:
+    """Whether a function on ``driver`` is a VFIO device (vfio-pci or a variant driver of it)."""
+    return driver is not None and driver.endswith(VFIO_DRIVER_ENDINGS)
 
 
 def _container(fs: HostFS, resolver: NodeResolver, problems: list[Problem]) -> DeviceNode | None:

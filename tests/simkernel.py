@@ -45,6 +45,11 @@ def set_uevent_driver(dev_dir: str, driver: str | None) -> None:
     with open(path, "w") as f:
         f.write("\n".join(([f"DRIVER={driver}"] if driver else []) + lines) + "\n")
 
+# vfio-pci and variant drivers of it (drivers/vfio/pci/*): each makes the function a VFIO device,
+# its group node /dev/vfio/<group>, as vfio-pci does
+VFIO_DRIVERS = frozenset({"vfio-pci", "mlx5_vfio_pci", "nvgrace-gpu-vfio-pci", "hisi_acc_vfio_pci", "pds_vfio_pci",
+                          "virtio_vfio_pci", "qat_vfio_pci", "xe-vfio-pci"})
+
 _ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
@@ -167,7 +172,7 @@ class SimPciKernel:
             os.unlink(link)
         real = os.path.realpath(self.dev(bdf))
         stash = os.path.join(self.state, "stash", bdf)
-        if driver == "vfio-pci":
+        if driver in VFIO_DRIVERS:
             g = self.group(bdf)
             for path in (self.p("dev/vfio", g), self.p("sys/class/vfio", g)):
                 if os.path.lexists(path):
@@ -190,13 +195,13 @@ class SimPciKernel:
         if os.path.exists(os.path.join(self.state, f"fail-bind-{driver}")):
             self.log.append(f"bind {bdf} {driver} FAILED")
             return
-        if driver == "vfio-pci" and self.group(bdf) is None:
+        if driver in VFIO_DRIVERS and self.group(bdf) is None:
             return  # vfio-pci refuses a function without an IOMMU group
         drvdir = self.p(SYS_PCI, "drivers", driver)
         real = os.path.realpath(self.dev(bdf))
         set_uevent_driver(real, driver)
         os.symlink(os.path.relpath(real, drvdir), os.path.join(drvdir, bdf))
-        if driver == "vfio-pci":
+        if driver in VFIO_DRIVERS:
             self._vfio_nodes(self.group(bdf))
         else:
             stash = os.path.join(self.state, "stash", bdf)
