@@ -26,6 +26,7 @@ from cdi.claim import GroupOf, build_claim_spec, cdi_id
 from cdi.nodegroup import group_reader
 from discovery import gpuways
 from discovery.models import Device, Inventory
+from discovery.vfio import is_vfio_driver
 
 log = logging.getLogger("agent.prepare.driver")
 
@@ -201,7 +202,7 @@ def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuway
         if way is not None and way.kind != "whole":
             out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode, admin=admin))
         elif (dev := by_name.get(name)) is not None and dev.pci is not None:
-            if dev.pci.driver == "vfio-pci":  # its container gets the IOMMU group: the rest of it held too
+            if is_vfio_driver(dev.pci.driver):  # its container gets the IOMMU group: the rest of it held too
                 members.extend(_group_holds(dev, by_name))
             caps = capacities(dev) if d.get("shareID") else None
             if caps is None:

@@ -35,7 +35,7 @@ from discovery.nic import netdev_names
 from discovery.pci import PciError, read_function
 from discovery.routes import default_route_functions
 from discovery.sysfs import AttrError, HostFS
-from discovery.vfio import vfio_nodes
+from discovery.vfio import is_vfio_driver, vfio_nodes
 
 log = logging.getLogger(__name__)
 
@@ -135,22 +135,31 @@ def check(root: str, kernel: PciKernel, bdf: str, mine: set[str], in_use_elsewhe
     if drv is not None and override not in (None, drv, *ours):
         raise VfioError(f"{bdf}: its driver_override names {override} while it is bound to {drv} (a move to "
                         f"{override} under way?); clear it (echo > driver_override) or finish that move")
-    if drv not in (None, VFIO_DRIVER) and (why := kernel.in_use(bdf)) is not None:
+    if drv is not None and not is_vfio_driver(drv) and (why := kernel.in_use(bdf)) is not None:
         raise VfioError(why)
     for other in kernel.group_members(group):
         if other in mine or kernel.class_code(other) >> 8 == _BRIDGE:
             continue
         drv = kernel.driver(other)
-        if other in in_use_elsewhere or (drv is not None and drv != VFIO_DRIVER):
+        if other in in_use_elsewhere or (drv is not None and not is_vfio_driver(drv)):
             raise VfioError(f"{bdf}: IOMMU group {group} also holds {other} (driver {drv or 'none'}), "
                             "which this claim is not allocated; a VM would get both")
     return group
 
 
-def _vfio_loaded(kernel: PciKernel) -> None:
+def target(driver: str | None) -> str:
+    """The driver a VM has a function on, the function found on ``driver``: a VFIO driver (vfio-pci or a
+    variant of it: ``nvgrace-gpu-vfio-pci``, ``mlx5_vfio_pci``, ...) stays, anything else goes to vfio-pci.
+    Moving a function off its variant driver would take from the VM what only the variant gives (Grace
+    Hopper's GPU memory, mlx5's live migration)."""
+    return driver if driver is not None and is_vfio_driver(driver) else VFIO_DRIVER
+
+
+def _vfio_loaded(kernel: PciKernel, drivers: list[str | None]) -> None:
     """Checked before anything is written: without vfio-pci the function would be unbound from
-    its driver (a NIC's link down, a GPU's users cut off) for a bind that cannot be done."""
-    if not kernel.driver_loaded(VFIO_DRIVER):
+    its driver (a NIC's link down, a GPU's users cut off) for a bind that cannot be done. A function
+    on a variant driver of it stays there: vfio-pci itself is not needed for it."""
+    if any(target(d) == VFIO_DRIVER for d in drivers) and not kernel.driver_loaded(VFIO_DRIVER):
         raise VfioError(f"{VFIO_DRIVER} is not loaded (modprobe {VFIO_DRIVER}); nothing written")
 
 
@@ -158,7 +167,7 @@ def plan(root: str, kernel: PciKernel, functions: list[str], in_use_elsewhere: s
          host_uses: Callable[[str], str | None] = lambda bdf: None) -> list[VfioFunction]:
     """The records for ``functions`` (this claim's), after every refusal check (``host_uses``:
     why the host uses a function's netdev, ``host_used`` with the node's and claim's say)."""
-    _vfio_loaded(kernel)
+    _vfio_loaded(kernel, [kernel.driver(bdf) for bdf in functions])
     mine = set(functions)
     records = []
     for bdf in functions:
@@ -181,14 +190,15 @@ def bind_all(kernel: PciKernel, records: list[VfioFunction], fault: Callable[[st
     """Move every function to vfio-pci; on any failure give all of them back and raise."""
     try:
         for rec in records:
-            bdf = rec.bdf
-            kernel.set_override(bdf, VFIO_DRIVER)
-            fault("vfio:override-set")
-            if kernel.driver(bdf) != VFIO_DRIVER:
+            bdf, to = rec.bdf, target(rec.driver)
+            if to == VFIO_DRIVER or kernel.driver(bdf) != to:  # one on its variant driver is left as the host set it
+                kernel.set_override(bdf, to)
+                fault("vfio:override-set")
+            if kernel.driver(bdf) != to:
                 with rebinds.moving(kernel.dev(bdf)):  # the health monitor: our own rebind, no fault
                     kernel.unbind(bdf)
                     fault("vfio:unbound")
-                    kernel.bind(bdf, VFIO_DRIVER)
+                    kernel.bind(bdf, to)
                     fault("vfio:bound")
             kernel.wait_group_node(bdf, rec.group)
     except KernelHung as err:  # the function stays the claim's; the others go back
@@ -224,12 +234,12 @@ def _restore(kernel: PciKernel, rec: VfioFunction, fault: Callable[[str], None])
         log.warning("VFIO: %s has left the node (its sysfs directory is gone): nothing to give back to %s",
                     bdf, original or "no driver")
         return f"{bdf} has left the node (removed): nothing to give back"
-    if rec.pending and (writers := kernel.writers(bdf, [original, VFIO_DRIVER])):  # another instance's
+    if rec.pending and (writers := kernel.writers(bdf, [original, target(original)])):  # another instance's
         raise KernelError(f"{bdf}: a write for it is still in the kernel: {devusers.describe(writers)}")
     if rec.probe:
         return _probed(kernel, rec, fault)
     done = f"{bdf} given back to {original or 'no driver'}"
-    if original == VFIO_DRIVER:  # it came to us on vfio-pci and stays: only the override bind_all set goes
+    if is_vfio_driver(original):  # it came to us on vfio-pci (or a variant) and stays: only the override bind_all set goes
         if kernel.override(bdf) != rec.override:
             kernel.set_override(bdf, rec.override)
             fault("vfio:override-restored")
@@ -287,10 +297,10 @@ def ensure_bound(root: str, kernel: PciKernel, records: list[VfioFunction], faul
     """A prepared claim's functions on vfio-pci again (after a reboot); True if any was moved.
     Those to move are checked as ``plan`` checks them, before anything is written: the host may
     have changed meanwhile (a PF whose VFs were enabled at boot: unbinding it destroys them)."""
-    moved = [r for r in records if kernel.driver(r.bdf) != VFIO_DRIVER]
+    moved = [r for r in records if kernel.driver(r.bdf) != target(r.driver)]
     if not moved:
         return False
-    _vfio_loaded(kernel)
+    _vfio_loaded(kernel, [r.driver for r in moved])
     mine = {r.bdf for r in records}
     for rec in moved:
         if (why := kernel.in_flight(rec.bdf)) is not None:  # our own earlier write: said as it is, nothing written
@@ -299,7 +309,7 @@ def ensure_bound(root: str, kernel: PciKernel, records: list[VfioFunction], faul
             raise VfioError(f"{rec.bdf} is not on this node any more (removed, or its PF's VFs reconfigured): "
                             "it cannot be bound to vfio-pci again; unprepare the claim")
         # other claims' holds were checked at prepare; an override of vfio-pci is our own bind's
-        check(root, kernel, rec.bdf, mine, set(), host_uses, ours=(VFIO_DRIVER, rec.override))
+        check(root, kernel, rec.bdf, mine, set(), host_uses, ours=(target(rec.driver), rec.override))
     try:
         bind_all(kernel, moved, fault)
     except VfioError as err:  # the claim's records as they are now, not only the moved ones'

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from agent.prepare import devusers
 from discovery.devnodes import parse_dev
 from discovery.sysfs import AttrError, HostFS
+from discovery.vfio import is_vfio_driver
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class PciKernel:
         """Why unbinding the function from its driver would wait (who holds its device files
         open), or None. On vfio-pci its VFIO group node counts: a VM has it open."""
         rdevs = devusers.function_nodes(self.fs, self.dev(bdf), bdf)
-        if self.driver(bdf) == VFIO_DRIVER and (group := self.group(bdf)) is not None:
+        if is_vfio_driver(self.driver(bdf)) and (group := self.group(bdf)) is not None:
             try:
                 rdevs.add(os.makedev(*parse_dev(self.fs.read_attr(self.fs.path(f"sys/class/vfio/{group}/dev")))))
             except (AttrError, ValueError, OverflowError):

@@ -34,6 +34,7 @@ from discovery.models import Device
 from discovery.nic import hides_netdevs
 from discovery.pci import PciError, read_function
 from discovery.sysfs import HostFS
+from discovery.vfio import is_vfio_driver
 
 log = logging.getLogger(__name__)
 Record = tuple[NetdevMove, ...]
@@ -133,7 +134,7 @@ class NetdevStep(RecordsOf):
         for r in planned.results:
             dev = planned.names.get(r.device)
             if r.share_id or dev is None or dev.nic is None or dev.nic.interfaces or dev.pci is None \
-                    or dev.pci.driver in (None, "vfio-pci"):
+                    or dev.pci.driver is None or is_vfio_driver(dev.pci.driver):
                 continue
             if not isinstance(config_for(planned.configs, r.request, dev.kind, dev.name), VfioConfig) \
                     and self._netdev_dir_empty(dev.pci.bdf):
