@@ -38,3 +38,19 @@ def test_plain_claims_of_two_functions_of_one_vfio_group_do_not_both_get_it(node
     assert err and "IOMMU group 48" in err and f"default/a ({UID})" in err, err
     assert UID2 not in d.checkpoint.claims and not _spec(d, UID2)
     assert _prepare(driver(), b)[UID2] == err  # after a restart too: the table is rebuilt from the checkpoint
+
+
+@pytest.mark.parametrize("admin_first", [True, False])
+def test_admin_access_never_reaches_a_function_on_vfio_pci_held_by_a_plain_claim(node, admin_first):
+    """docs/vfio.md: admin access never reaches a function bound to vfio-pci (the group is one VM's): a
+    container with admin access would get the same /dev/vfio/48 as the claim's."""
+    s, sim, state, driver = node
+    d = driver()
+    plain = claim("plain", [("vm", HOST_VFIO)], uid=UID)
+    admin = claim("admin", [("r", HOST_VFIO)], uid=UID2)
+    admin["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    first, second = (admin, plain) if admin_first else (plain, admin)
+    assert _prepare(d, first) == {first["metadata"]["uid"]: None}
+    err = _prepare(d, second)[second["metadata"]["uid"]]
+    assert err and f"{HOST_VFIO} ({HOST_VFIO_BDF}) is held by prepared claim default/{first['metadata']['name']}" in err, err
+    assert second["metadata"]["uid"] not in d.checkpoint.claims

@@ -202,8 +202,9 @@ def device_holds(entry: dict, by_name: dict[str, Device], ways: dict[str, gpuway
         if way is not None and way.kind != "whole":
             out.append(Hold(way.parent.pci.bdf, "partition", unit=name, mode=way.mode, admin=admin))
         elif (dev := by_name.get(name)) is not None and dev.pci is not None:
-            if is_vfio_driver(dev.pci.driver):  # its container gets the IOMMU group: the rest of it held too
+            if is_vfio_driver(dev.pci.driver):  # its container gets the IOMMU group: the rest of it held too,
                 members.extend(_group_holds(dev, by_name))
+                admin = False  # and admin access holds it whole: the group opens once (docs/vfio.md)
             caps = capacities(dev) if d.get("shareID") else None
             if caps is None:
                 out.append(Hold(dev.pci.bdf, "exclusive", unit=name, admin=admin))
