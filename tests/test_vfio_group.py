@@ -54,3 +54,29 @@ def test_admin_access_never_reaches_a_function_on_vfio_pci_held_by_a_plain_claim
     err = _prepare(d, second)[second["metadata"]["uid"]]
     assert err and f"{HOST_VFIO} ({HOST_VFIO_BDF}) is held by prepared claim default/{first['metadata']['name']}" in err, err
     assert second["metadata"]["uid"] not in d.checkpoint.claims
+
+
+def test_the_scheduler_hands_two_functions_of_one_group_to_two_claims_and_prepare_refuses_the_second(node):
+    """The scheduler's own allocator (tests/controlplane_allocator.py) with the chart's classes knows no IOMMU
+    groups: two claims for vfio.sysdra.io get the two functions of group 48. The node is what keeps the second
+    container from the group."""
+    from agent.publish.slices import build_pool, render
+    from tests.controlplane_allocator import allocate, with_allocation
+    from tests.kubelet_standin import DRIVER, NODE
+    from tests.test_allocator import CLASSES, claim as api_claim, exactly
+
+    s, sim, state, driver = node
+    _vf2_on_vfio_in_group_48(s, sim)
+    state["inv"] = scan(s.root)
+    slices = render(build_pool(state["inv"], node_name=NODE, driver_name=DRIVER), driver_name=DRIVER,
+                    node_name=NODE, generation=1, full_name=True)
+    in_48 = [{"cel": {"expression": f'device.attributes["{DRIVER}"].iommuGroup == 48'}}]
+    claims = [api_claim(n, exactly("vm", "vfio.sysdra.io", selectors=in_48)) for n in ("a", "b")]
+    allocations = allocate(slices, CLASSES, claims, node=NODE)
+    assert sorted(r["device"] for a in allocations for r in a["devices"]["results"]) == sorted([HOST_VFIO, VF2])
+    a, b = (with_allocation(c, al) for c, al in zip(claims, allocations))
+    a["metadata"]["uid"], b["metadata"]["uid"] = UID, UID2
+    d = driver()
+    assert _prepare(d, a) == {UID: None}
+    err = _prepare(d, b)[UID2]
+    assert err and "IOMMU group 48" in err and f"default/a ({UID})" in err, err
