@@ -135,7 +135,9 @@ def check(root: str, kernel: PciKernel, bdf: str, mine: set[str], in_use_elsewhe
     if drv is not None and override not in (None, drv, *ours):
         raise VfioError(f"{bdf}: its driver_override names {override} while it is bound to {drv} (a move to "
                         f"{override} under way?); clear it (echo > driver_override) or finish that move")
-    if drv is not None and not is_vfio_driver(drv) and (why := kernel.in_use(bdf)) is not None:
+    # on vfio-pci (or a variant) already: its group node open by a host process (a VM outside Kubernetes)
+    # would make the pod's VM fail to open it
+    if drv is not None and (why := kernel.in_use(bdf, to_open=is_vfio_driver(drv))) is not None:
         raise VfioError(why)
     for other in kernel.group_members(group):
         if other in mine or kernel.class_code(other) >> 8 == _BRIDGE:

@@ -150,9 +150,10 @@ class PciKernel:
         return os.path.isdir(self.fs.path("sys/bus/pci/drivers", driver))
 
     # --- users and writes still in the kernel ---------------------------------------------
-    def in_use(self, bdf: str) -> str | None:
+    def in_use(self, bdf: str, to_open: bool = False) -> str | None:
         """Why unbinding the function from its driver would wait (who holds its device files
-        open), or None. On vfio-pci its VFIO group node counts: a VM has it open."""
+        open), or None. On vfio-pci its VFIO group node counts: a VM has it open. ``to_open``: the
+        function stays on vfio-pci for a VM, which could not open the group while they have it."""
         rdevs = devusers.function_nodes(self.fs, self.dev(bdf), bdf)
         if is_vfio_driver(self.driver(bdf)) and (group := self.group(bdf)) is not None:
             try:
@@ -165,6 +166,9 @@ class PciKernel:
                         "(no CAP_SYS_PTRACE?)%s", bdf, scan.unreadable, f"; {scan.incomplete}" if scan.incomplete else "")
         if not scan.holders:
             return None
+        if to_open:
+            return (f"{bdf} is in use on the host: {devusers.describe(scan.holders)}; a VM given it could not open its "
+                    "IOMMU group until they close it (it opens once)")
         return (f"{bdf} is in use on the host: {devusers.describe(scan.holders)}; its driver would not let go of it "
                 f"until they close it{devusers.advice(scan.holders)}")
 
