@@ -9,7 +9,9 @@ default route, or it is the boot VGA device); a NIC whose netdev the host uses (
 bond or bridge port: prepare/hostuse.py) unless the node and the claim allow it; a PF with
 SR-IOV VFs enabled (unbinding it destroys them); a function whose ``driver_override`` names a
 driver other than its own (someone else is moving it); a function whose device files a process
-holds open (its driver would not let go of it: the unbind would wait for them). The re-bind of a
+holds open (its driver would not let go of it: the unbind would wait for them; on vfio-pci already,
+its group node: the VM could not open the group). A function on a variant driver of vfio-pci
+(``mlx5_vfio_pci``, ...) is a VFIO function already, left there (``target``). The re-bind of a
 prepared claim after a reboot runs the same checks (``ensure_bound``): the host may have changed.
 
 An unbind that still does not return in time (opened after the check) fails the claim and
