@@ -40,6 +40,12 @@ def node_root(tmp_path, profile: str) -> str:
 def node(tmp_path):
     root = node_root(tmp_path, "sriov-nic")
     sim = SimPciKernel(root).start()
+    yield from served(tmp_path, root, sim)
+
+
+def served(tmp_path, root: str, sim):
+    """(settings, the running simulated kernel, the inventory a driver sees, a driver maker) for
+    ``root``; the simulator stopped after the test."""
     s = settings_for(str(tmp_path), root=root)
     state = {"inv": scan(root)}
 

@@ -12,12 +12,11 @@ import os
 import pytest
 
 from agent.kubeletplugin.types import ClaimRef
-from agent.prepare.driver import Driver
 from discovery.inventory import scan
-from tests.kubelet_standin import claim, settings_for
+from tests.kubelet_standin import claim
 from tests.simkernel import SimPciKernel
 from tests.test_ownership_driver import _into_group, _prepare
-from tests.test_vfio import UID, UID2, VF, VF2, VF_BDF, node_root, rebooted, spec_nodes, vfio_claim
+from tests.test_vfio import UID, UID2, VF, VF2, VF_BDF, node_root, rebooted, served, spec_nodes, vfio_claim
 
 VARIANT = "mlx5_vfio_pci"
 VF2_BDF = "0000:06:00.3"
@@ -31,17 +30,7 @@ def variant_node(tmp_path):
     sim = SimPciKernel(root)
     sim.unbind("mlx5_core", VF_BDF)
     sim.bind(VARIANT, VF_BDF)
-    sim.start()
-    s = settings_for(str(tmp_path), root=root)
-    state = {"inv": scan(root)}
-
-    def driver() -> Driver:
-        d = Driver(s, lambda: state["inv"])
-        d.kernel.wait = 3.0
-        return d
-
-    yield s, sim, state, driver
-    sim.stop()
+    yield from served(tmp_path, root, sim.start())
 
 
 def test_a_vm_claim_of_a_function_on_a_variant_driver_leaves_it_there(variant_node):
