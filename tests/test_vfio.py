@@ -44,8 +44,7 @@ def node(tmp_path):
 
 
 def served(tmp_path, root: str, sim):
-    """(settings, the running simulated kernel, the inventory a driver sees, a driver maker) for
-    ``root``; the simulator stopped after the test."""
+    """(settings, the running simulated kernel, the inventory a driver sees, a driver maker) for ``root``."""
     s = settings_for(str(tmp_path), root=root)
     state = {"inv": scan(root)}
 
