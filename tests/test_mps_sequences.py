@@ -24,9 +24,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from agent.kubeletplugin.types import ClaimRef
 from agent.prepare.checkpoint_format import COMPLETED
 from agent.prepare.driver import Driver
+from agent.prepare.mps_records import mounts_below
 from agent.publish.sharing import share_plan
 from discovery.inventory import scan
-from tests.conftest import profile_root
+from tests.conftest import _unmount_mps_shm, profile_root
 from tests.controlplane_allocator import Unschedulable, allocate, with_allocation
 from tests.kubelet_standin import settings_for
 from tests.test_allocator import CLASSES, NODE, published
@@ -150,10 +151,12 @@ class MpsNodeLife(RuleBasedStateMachine):
             pids = [r.pid for r in self.driver.nvidia.mps.state.daemons.values()]
             assert self._running() == {} and self.driver.checkpoint.claims == {}
             assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            assert mounts_below(self.tmp) == []  # no daemon's shm tmpfs left
         finally:
             for r in self.driver.nvidia.mps.state.daemons.values():
                 if psutil.pid_exists(r.pid):
                     psutil.Process(r.pid).kill()
+            _unmount_mps_shm(self.tmp)  # (a failure must not leave mounts on the machine)
             shutil.rmtree(self.tmp, ignore_errors=True)
             assert os.path.isdir(profile_root(PROFILE))
 
