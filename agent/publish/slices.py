@@ -292,7 +292,8 @@ def stored_pool(stored: list[dict], name: str) -> PoolContent | None:
         value = pool.get("generation") if isinstance(pool, dict) else None
         return value if type(value) is int else -1
 
-    newest = [s for s in stored if generation(s) == max(map(generation, stored), default=-1) >= 0]
+    last = max(map(generation, stored), default=-1)
+    newest = [s for s in stored if last >= 0 and generation(s) == last]
     count = max((s["spec"]["pool"].get("resourceSliceCount") for s in newest
                  if type(s["spec"]["pool"].get("resourceSliceCount")) is int), default=0)
     if not 0 < count <= 4096:  # (a damaged file may say anything: no placement to keep then)
