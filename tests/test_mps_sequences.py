@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from agent.kubeletplugin.types import ClaimRef
 from agent.prepare.checkpoint_format import COMPLETED
 from agent.prepare.driver import Driver
+from agent.prepare.mps_process import LaunchError
 from agent.prepare.mps_records import mounts_below
 from agent.publish.sharing import share_plan
 from discovery.inventory import scan
@@ -130,7 +131,7 @@ class MpsNodeLife(RuleBasedStateMachine):
         def refuse(*args, **kwargs):
             del launcher.__dict__["launch"]  # once
             self.refused += 1
-            raise OSError("nvidia-cuda-mps-control: refused (test)")
+            raise LaunchError("starting nvidia-cuda-mps-control: refused (test)")  # (the launchers' own error)
 
         launcher.launch = refuse
 
