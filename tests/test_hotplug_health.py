@@ -10,13 +10,13 @@ import asyncio
 import glob
 import os
 import shutil
-import time
 
 from agent.publish.dirstore import DirStore
 from agent.service import startup
 from agent.service.daemon import Agent
 from agent.settings import Settings
 from tests.conftest import profile_root
+from tests.test_agent_loops import _until
 
 NIC, BDF = "nic-0000-1a-00-0", "0000:1a:00.0"
 
@@ -45,13 +45,6 @@ class Recorded:
 
     async def delete(self, name, uid, rv):
         return await self.store.delete(name, uid, rv)
-
-
-async def _until(predicate, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"still {what}"
-        await asyncio.sleep(0.02)
 
 
 def test_a_nic_plugged_in_with_its_link_down_is_published_tainted(tmp_path):
